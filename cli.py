@@ -1,0 +1,44 @@
+"""The `splitserve` command: one entry point, a subcommand per job."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+# Each subcommand lives in its own module, imported only when used, so that `splitserve
+# operator` never imports torch and `splitserve serve` never imports kopf.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("splitserve.engine.entrypoint", "run an engine: --role unified|prefill|decode|encode|drafter"),
+    "router": ("splitserve.engine.router", "OpenAI-compatible router in front of prefill/decode engines"),
+    "up": ("splitserve.engine.launcher", "a whole local deployment as processes on this machine"),
+    "bench": ("splitserve.engine.bench", "drive a server (or the bare engine) and print figures"),
+    "operator": ("splitserve.operator.main", "the Kubernetes operator (kopf)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: splitserve <command> [flags]", "", "commands:"]
+    lines += [f"  {name:<9} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", "`splitserve <command> --help` lists a command's flags."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"splitserve: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

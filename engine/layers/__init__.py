@@ -1,0 +1,1 @@
+"""Layers, one file per kind."""

@@ -1,0 +1,1 @@
+"""Model architectures, one file each."""

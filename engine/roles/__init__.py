@@ -1,0 +1,1 @@
+"""The disaggregated roles: what each adds to the engine loop."""

@@ -1,0 +1,1 @@
+"""Protocol buffers and their generated gRPC modules."""

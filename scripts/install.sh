@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs splitserve and everything it needs on a fresh Debian machine with Python >= 3.10.
+#   scripts/install.sh          the serving stack (engine, transfer, operator)
+#   scripts/install.sh --test   plus what the test suite needs
+# PYTHON picks the interpreter (default python3); installs go into that interpreter's env.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extras="transfer-cpu"
+[[ "${1:-}" == "--test" ]] && extras="transfer-cpu,test"
+
+log() { printf '[install] %s\n' "$*" >&2; }
+
+# Mooncake's transfer engine links against libibverbs even when no RDMA device is present.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+    log "installing libibverbs1 (Mooncake needs it even without RDMA hardware)"
+    if [[ $(id -u) -eq 0 ]]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+    else
+        sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+    fi
+fi
+
+# torch first and pinned: this machine carries the 2.13.0 CPU build on disk; an unpinned
+# torch (asked for by any other package) would pull a multi-GB CUDA build.
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+    log "installing torch==2.13.0 (CPU build)"
+    "$PY" -m pip install -q torch==2.13.0
+fi
+log "installing splitserve[$extras]"
+"$PY" -m pip install -q -e ".[$extras]"
+log "done: $("$PY" -c 'import splitserve, torch; print("splitserve", splitserve.__version__, "torch", torch.__version__)')"

@@ -1,0 +1,1 @@
+"""KV and embedding transfer: bootstrap server, poll states, Mooncake senders and receivers."""
