@@ -1,0 +1,67 @@
+"""The engine's configuration: one dataclass, every field a flag (`--page-size`) and an env var
+(`SPLITSERVE_PAGE_SIZE`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ROLES = ("unified", "prefill", "decode", "encode", "drafter")
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """How to run one engine process."""
+
+    role: str = field(default="unified", metadata={"help": "what this engine does", "choices": ROLES})
+    model: str = field(default="tiny", metadata={"help": "checkpoint folder, or 'tiny' for the built-in model"})
+    served_model_name: str | None = field(default=None, metadata={"help": "name clients use (default: model)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
+    port: int = field(default=8000, metadata={"help": "HTTP port"})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)", "choices": tuple(DTYPES)})
+    seed: int = field(default=0, metadata={"help": "seed of the built-in tiny model's weights"})
+    page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
+    max_running_requests: int = field(default=64, metadata={"help": "requests decoding at once"})
+    max_total_tokens: int | None = field(default=None, metadata={
+        "help": "KV cache size in tokens (default: from --mem-fraction)"})
+    mem_fraction: float = field(default=0.85, metadata={
+        "help": "fraction of device memory for weights + KV (GPU); of a 512 MiB KV budget on CPU"})
+    chunked_prefill_size: int = field(default=2048, metadata={"help": "prefill tokens per step; <=0 disables"})
+    context_length: int | None = field(default=None, metadata={"help": "max tokens per request (default: model's)"})
+    disable_prefix_cache: bool = field(default=False, metadata={"help": "turn off the radix prefix cache"})
+    tp_size: int = field(default=1, metadata={"help": "tensor-parallel size"})
+    log_level: str = field(default="info", metadata={"help": "logging level"})
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device} asked for, but this machine has no CUDA device")
+        return device
+
+    def torch_dtype(self) -> torch.dtype:
+        chosen = DTYPES[self.dtype]
+        if chosen is None:
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return chosen
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

@@ -1,0 +1,69 @@
+"""Incremental detokenization with stop strings: text deltas that never split a character.
+
+Decoding token by token breaks multi-byte characters and merges; like vLLM we decode a short
+window of recent tokens and emit only what a longer window confirms. Text that might be the
+start of a stop string is held back until it is known not to be one.
+"""
+
+from __future__ import annotations
+
+from splitserve.engine.tokenizer import TextTokenizer
+
+# Tokens of context decoded before the new ones, so merges at the seam come out right.
+CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text deltas and finds its stop strings."""
+
+    def __init__(self, tokenizer: TextTokenizer, stop: list[str], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""  # all text decoded so far (cut at a stop string once one is found)
+        self.emitted = 0  # characters of `text` already handed out
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.stopped_on: str | None = None
+
+    def add(self, token_ids: list[int]) -> None:
+        """Appends tokens; updates `text` and checks for stop strings."""
+        for tid in token_ids:
+            if self.stopped_on is not None:
+                return
+            self.ids.append(tid)
+            before = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
+            after = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special)
+            if after.endswith("\ufffd") or len(after) <= len(before):
+                continue  # an incomplete character: wait for the next token
+            search_from = max(0, len(self.text) - self.hold)
+            self.text += after[len(before):]
+            self.prefix_offset = max(0, len(self.ids) - CONTEXT_TOKENS)
+            # Re-anchor so that `before` next time decodes exactly the confirmed tail.
+            self.read_offset = len(self.ids)
+            self._check_stop(search_from)
+
+    def _check_stop(self, search_from: int) -> None:
+        best = None
+        for s in self.stop:
+            at = self.text.find(s, search_from)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is not None:
+            self.text = self.text[: best[0]]
+            self.stopped_on = best[1]
+
+    def take_delta(self, final: bool) -> str:
+        """New text since the last call; holds back a possible stop-string prefix unless final."""
+        if final and self.stopped_on is None and self.read_offset < len(self.ids):
+            # The output ends inside a character: hand out what it decodes to, replacement and all.
+            before = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
+            after = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special)
+            self.text += after[len(before):]
+            self.read_offset = len(self.ids)
+        end = len(self.text) if final or self.stopped_on is not None else max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,265 @@
+"""The engine loop: take requests in, schedule, run, sample, stop, emit. One thread owns it all.
+
+Callers (the HTTP server, on its asyncio loop) hand requests and aborts over a thread-safe
+inbox and receive `TokenOutput`s through each request's callback, so the model, the KV
+cache and the scheduler are only ever touched by the loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.kv_cache import KVCache, KVUsage
+from splitserve.engine.metrics import EngineMetrics
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model_runner import ModelRunner, StepOutput
+from splitserve.engine.parallel_state import SINGLE, TensorParallel
+from splitserve.engine.request import FinishReason, Request, RequestStatus, TokenOutput
+from splitserve.engine.role import Role, UnifiedRole
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.tiny_model import TINY_NAME, tiny_model_folder
+from splitserve.engine.tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05
+
+
+def resolve_model_folder(cfg: EngineConfig) -> Path:
+    if cfg.model == TINY_NAME:
+        return tiny_model_folder(cfg.seed)
+    folder = Path(cfg.model)
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"--model {cfg.model!r} is not a folder (give a Hugging Face checkpoint folder or 'tiny'); "
+            "splitserve never downloads weights"
+        )
+    return folder
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """A consistent snapshot for /internal/state, metrics and leak checks in tests."""
+
+    running: int
+    waiting: int
+    parked: int
+    kv: KVUsage
+
+
+class Engine:
+    """Owns the runner, the KV cache and the scheduler, and runs the loop on its own thread."""
+
+    def __init__(self, cfg: EngineConfig, tp: TensorParallel = SINGLE, role: Role | None = None,
+                 metrics: EngineMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.model_folder = resolve_model_folder(cfg)
+        self.model_cfg = ModelConfig.from_folder(self.model_folder)
+        self.tokenizer = TextTokenizer(self.model_folder)
+        self.runner = ModelRunner(cfg, self.model_folder, self.model_cfg, tp)
+        self.context_length = self.runner.context_length
+        self.kv = KVCache(self.runner.kv_shape.num_pages, cfg.page_size, cfg.max_running_requests,
+                          self.context_length, self.runner.device, prefix_caching=not cfg.disable_prefix_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_running_requests, cfg.chunked_prefill_size, self.context_length), self.kv
+        )
+        self.metrics = metrics or EngineMetrics(cfg.model_name)
+        self.role: Role = role or UnifiedRole()
+        self.requests: dict[str, Request] = {}
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._state = self._snapshot()
+        self.steps = 0
+        eos = set(self.model_cfg.eos_token_ids)
+        tok_eos = self.tokenizer.token_id(self.tokenizer.eos_token)
+        if tok_eos is not None:
+            eos.add(tok_eos)
+        self.eos_token_ids = frozenset(eos)
+
+    # ---- called from any thread -------------------------------------------------------------
+
+    def start(self) -> None:
+        self.role.attach(self)
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.role.close()
+
+    def submit(self, req: Request) -> None:
+        self._inbox.put(("add", req))
+        self._wake.set()
+
+    def abort(self, request_id: str, reason: str = "aborted by the client") -> None:
+        self._inbox.put(("abort", (request_id, reason)))
+        self._wake.set()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Runs `fn` on the loop thread before the next step (for roles' control messages)."""
+        self._inbox.put(("call", fn))
+        self._wake.set()
+
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the loop thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        logger.info("engine loop started (role %s)", self.role.name)
+        while not self._stop.is_set():
+            self._drain_inbox()
+            self.role.poll()
+            plan = self.scheduler.schedule()
+            if plan:
+                self._run_step(plan.chunks)
+            self._state = self._snapshot()
+            self._publish_gauges()
+            if not plan:
+                # Idle: sleep until a request arrives, but keep polling the role's transfers.
+                self._wake.wait(timeout=self.role.idle_poll_interval() or IDLE_WAIT_S)
+                self._wake.clear()
+        for req in list(self.requests.values()):
+            self.finish(req, FinishReason.ABORT, "server shutting down")
+        logger.info("engine loop stopped")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._admit(item)  # type: ignore[arg-type]
+            elif kind == "abort":
+                rid, reason = item  # type: ignore[misc]
+                req = self.requests.get(rid)
+                if req is not None:
+                    self.finish(req, FinishReason.ABORT, reason)
+            elif kind == "call":
+                item()  # type: ignore[operator]
+
+    def _admit(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR,
+                                        error=f"duplicate request id {req.request_id!r}"))
+            return
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        self.requests[req.request_id] = req
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        if not self.role.on_arrival(req):
+            self.scheduler.add(req)
+
+    def _run_step(self, chunks) -> None:
+        try:
+            out = self.runner.run(chunks, self.kv.page_table)
+        except Exception as exc:  # a bug or an OOM: fail this step's requests, keep serving others
+            logger.exception("step failed for %d requests", len(chunks))
+            for c in chunks:
+                self.finish(c.request, FinishReason.ERROR, f"engine step failed: {exc}")
+            return
+        self.steps += 1
+        for c in chunks:
+            c.request.kv_len += c.length
+        self._process_samples(out)
+
+    def _process_samples(self, out: StepOutput) -> None:
+        self.runner.commit(out.sampled_chunks, out.tokens)
+        now = time.monotonic()
+        for i, (chunk, token) in enumerate(zip(out.sampled_chunks, out.tokens, strict=True)):
+            req = chunk.request
+            if req.finished:
+                continue
+            lp = [out.logprobs[i]] if out.logprobs is not None and req.params.logprobs is not None else None
+            top = out.top_logprobs[i] if out.top_logprobs is not None and lp is not None else None
+            self.append_token(req, token, now, lp, top)
+
+    def append_token(self, req: Request, token: int, now: float, logprobs: list[float] | None = None,
+                     top: list[list[tuple[int, float]]] | None = None) -> None:
+        """Adds one output token, checks the stop conditions and emits the delta."""
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.arrival_time)
+        else:
+            self.metrics.itl.observe(now - (req.last_token_time or now))
+        req.last_token_time = now
+        req.output_ids.append(token)
+        self.metrics.generation_tokens.inc()
+        params = req.params
+        finish = None
+        hit_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        if hit_stop_token:
+            finish = FinishReason.STOP
+        else:
+            req.detokenizer.add([token])
+            if req.detokenizer.stopped_on is not None:
+                finish = FinishReason.STOP
+        if finish is None and (len(req.output_ids) >= params.max_new_tokens
+                               or req.total_len >= self.context_length):
+            finish = FinishReason.LENGTH
+        if finish is None and self.role.on_token(req):
+            return  # the role took the request over (e.g. prefill hands it to decode)
+        text = req.detokenizer.take_delta(final=finish is not None)
+        self._emit(req, TokenOutput(req.request_id, [token], text, logprobs=logprobs, top_logprobs=top,
+                                    finish_reason=finish, prompt_tokens=len(req.prompt_ids),
+                                    completion_tokens=len(req.output_ids), cached_tokens=req.cached_len))
+        if finish is not None:
+            self._retire(req, finish)
+
+    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        """Ends a request early (abort, error): frees what it holds and tells the caller."""
+        if req.finished:
+            return
+        text = req.detokenizer.take_delta(final=True) if req.detokenizer is not None else ""
+        self._emit(req, TokenOutput(req.request_id, [], text, finish_reason=reason, error=error,
+                                    prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                                    cached_tokens=req.cached_len))
+        self._retire(req, reason, cache_prefix=reason is not FinishReason.ERROR)
+
+    def _retire(self, req: Request, reason: FinishReason, cache_prefix: bool = True) -> None:
+        self.scheduler.remove(req)
+        self.role.on_finish(req)
+        self.kv.release(req, cache_prefix=cache_prefix)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
+        self.metrics.e2e.observe(time.monotonic() - req.arrival_time)
+        self.metrics.finished(reason.value)
+
+    def _emit(self, req: Request, output: TokenOutput) -> None:
+        try:
+            req.on_output(output)
+        except Exception:  # a broken consumer must not take the loop down
+            logger.exception("output callback of request %s failed", req.request_id)
+
+    def _snapshot(self) -> EngineState:
+        parked = sum(1 for r in self.requests.values() if r.status is RequestStatus.PARKED)
+        return EngineState(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                           parked=parked, kv=self.kv.usage())
+
+    def _publish_gauges(self) -> None:
+        s = self._state
+        self.metrics.running.set(s.running)
+        self.metrics.waiting.set(s.waiting)
+        self.metrics.kv_used.set(s.kv.used_by_requests)
+        self.metrics.kv_free.set(s.kv.available)
+        pc = self.kv.prefix_cache
+        if pc.queried_tokens:
+            self.metrics.prefix_hit_rate.set(pc.hit_tokens / pc.queried_tokens)

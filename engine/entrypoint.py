@@ -1,0 +1,54 @@
+"""`splitserve serve`: build an engine for the chosen role and serve its HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.server import ApiServer
+
+logger = logging.getLogger(__name__)
+ENV_PREFIX = "SPLITSERVE"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve serve", description="Run one engine and its HTTP API.")
+    add_config_flags(parser, EngineConfig, ENV_PREFIX)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(EngineConfig, args, ENV_PREFIX)
+    except (ConfigError, ValueError) as exc:
+        parser.error(str(exc))
+    logging.getLogger().setLevel(cfg.log_level.upper())
+    if cfg.role not in ("unified",):
+        from splitserve.engine.roles import build_role  # prefill/decode need the transfer layer
+        role = build_role(cfg, argv)
+    else:
+        role = None
+    try:
+        engine = Engine(cfg, role=role)
+    except (FileNotFoundError, ValueError, MemoryError) as exc:
+        logger.error("cannot start the engine: %s", exc)
+        return 1
+    engine.start()
+    server = ApiServer(engine)
+    logger.info("serving %s (role %s) on http://%s:%d", cfg.model_name, cfg.role, cfg.host, cfg.port)
+    try:
+        uvicorn.run(server.app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

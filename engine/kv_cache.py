@@ -1,0 +1,136 @@
+"""A request's hold on the KV cache: its slot, its pages, its locked prefix.
+
+Ties the page allocator, the prefix cache and the request-to-page table together so that
+the scheduler and the roles take and give back KV resources in one place. Every page a
+request holds is either shared from the prefix cache (locked) or its own; `release` returns
+its own full pages to the cache and frees the rest, so after every request the pages are
+back: free + cached == capacity, locked == 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from splitserve.engine.page_allocator import OutOfPagesError, PageAllocator
+from splitserve.engine.prefix_cache import PrefixCache
+from splitserve.engine.request import Request
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """A snapshot of where the pages are, for metrics and leak checks."""
+
+    capacity: int
+    free: int
+    cached: int
+    locked: int
+    slots_in_use: int
+
+    @property
+    def used_by_requests(self) -> int:
+        return self.capacity - self.free - (self.cached - self.locked)
+
+    @property
+    def available(self) -> int:
+        """Pages an allocation can get right now (free, or cached and evictable)."""
+        return self.free + self.cached - self.locked
+
+
+class KVCache:
+    """Slots, pages and prefix sharing for the requests of one engine."""
+
+    def __init__(self, num_pages: int, page_size: int, max_slots: int, max_context: int,
+                 device: torch.device, prefix_caching: bool = True) -> None:
+        self.page_size = page_size
+        self.max_slots = max_slots
+        self.max_pages_per_request = -(-max_context // page_size)
+        self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = PrefixCache(page_size, self.allocator, enabled=prefix_caching)
+        # The request-to-page table: row `slot` lists the request's pages in order. The runner
+        # gathers token locations from it on the device, without rebuilding lists every step.
+        self.page_table = torch.zeros(max_slots, self.max_pages_per_request, dtype=torch.int32, device=device)
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+
+    def usage(self) -> KVUsage:
+        return KVUsage(
+            capacity=self.allocator.capacity,
+            free=self.allocator.free_count,
+            cached=self.prefix_cache.cached_pages,
+            locked=self.prefix_cache.locked_pages,
+            slots_in_use=self.max_slots - len(self._free_slots),
+        )
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def available_pages(self) -> int:
+        return self.usage().available
+
+    def admit(self, req: Request, max_prefix_tokens: int) -> None:
+        """Gives `req` a slot and the pages of its longest cached prefix (at most the given tokens)."""
+        if not self._free_slots:
+            raise OutOfPagesError("no free request slot")
+        match = self.prefix_cache.match(req.all_ids, max_prefix_tokens)
+        self.prefix_cache.lock(match.node)
+        req.slot = self._free_slots.pop()
+        req.prefix_node = match.node
+        req.pages = list(match.pages)
+        req.kv_len = req.cached_len = match.num_pages * self.page_size
+        if match.pages:
+            self.page_table[req.slot, : match.num_pages] = torch.tensor(match.pages, dtype=torch.int32)
+
+    def grow(self, req: Request, num_tokens: int) -> bool:
+        """Makes room for `req`'s KV to reach `num_tokens` tokens; False if pages ran out."""
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if need + len(req.pages) > self.max_pages_per_request:
+            raise ValueError(
+                f"request {req.request_id}: {num_tokens} tokens exceed the context of "
+                f"{self.max_pages_per_request * self.page_size}"
+            )
+        pages = self.take_pages(need)
+        if pages is None:
+            return False
+        start = len(req.pages)
+        req.pages.extend(pages)
+        self.page_table[req.slot, start:start + need] = torch.tensor(pages, dtype=torch.int32)
+        return True
+
+    def take_pages(self, n: int) -> list[int] | None:
+        """n free pages, evicting unlocked cached pages if needed; None if there aren't enough."""
+        short = n - self.allocator.free_count
+        if short > 0:
+            self.prefix_cache.evict(short)
+        if self.allocator.free_count < n:
+            return None
+        return self.allocator.alloc(n)
+
+    def release(self, req: Request, cache_prefix: bool = True) -> None:
+        """Gives back everything `req` holds; its computed full pages go to the prefix cache."""
+        if req.slot < 0:
+            return
+        own_tokens = req.all_ids[: req.kv_len] if cache_prefix else []
+        if cache_prefix:
+            leftover, _ = self.prefix_cache.insert(own_tokens, req.pages)
+        else:
+            # Pages shared from the cache stay there; the request's own pages are freed.
+            shared = len(self._shared_pages(req))
+            leftover = req.pages[shared:]
+        self.allocator.free(leftover)
+        if req.prefix_node is not None:
+            self.prefix_cache.unlock(req.prefix_node)
+        self._free_slots.append(req.slot)
+        req.slot, req.pages, req.kv_len, req.prefix_node = -1, [], 0, None
+
+    def _shared_pages(self, req: Request) -> list[int]:
+        node, shared = req.prefix_node, []
+        while node is not None and node.parent is not None:
+            shared.append(node.page)
+            node = node.parent
+        return shared[::-1]

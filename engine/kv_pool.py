@@ -1,0 +1,67 @@
+"""The token-to-KV pool: every layer's keys and values in one paged, contiguous tensor.
+
+Layout [layers, 2 (k, v), pages, page_size, kv_heads, head_dim]: one page of one layer's keys
+is one contiguous run of bytes, which is what the transfer layer moves and registers.
+Page 0 is scratch: the allocator never hands it out, so padded rows (CUDA-graph buckets,
+batched gathers) can read and write it without touching a request's KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCRATCH_PAGE = 0
+
+
+@dataclass(frozen=True)
+class KVPoolShape:
+    """How big the pool is and how a page is laid out."""
+
+    num_layers: int
+    num_pages: int  # including the scratch page
+    page_size: int
+    num_kv_heads: int  # this rank's heads
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer's keys (or values)."""
+        return self.page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return self.page_bytes * 2 * self.num_layers * self.num_pages
+
+    @staticmethod
+    def bytes_per_page_all_layers(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                                  dtype: torch.dtype) -> int:
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+class KVPool:
+    """Owns the KV tensor; hands each attention layer flat [tokens, heads, dim] views."""
+
+    def __init__(self, shape: KVPoolShape, device: torch.device) -> None:
+        self.shape = shape
+        self.buffer = torch.zeros(
+            shape.num_layers, 2, shape.num_pages, shape.page_size, shape.num_kv_heads, shape.head_dim,
+            dtype=shape.dtype, device=device,
+        )
+        tokens = shape.num_pages * shape.page_size
+        self._k = [self.buffer[i, 0].view(tokens, shape.num_kv_heads, shape.head_dim)
+                   for i in range(shape.num_layers)]
+        self._v = [self.buffer[i, 1].view(tokens, shape.num_kv_heads, shape.head_dim)
+                   for i in range(shape.num_layers)]
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        return self._k[layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self._v[layer]
+
+    def page_view(self, layer: int, kv: int) -> torch.Tensor:
+        """[pages, page_size, heads, dim] view of one layer's keys (kv=0) or values (kv=1)."""
+        return self.buffer[layer, kv]

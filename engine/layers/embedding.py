@@ -1,0 +1,48 @@
+"""Token embedding and LM head with the vocabulary split across tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+from splitserve.engine.layers.linear import WeightShapeError
+from splitserve.engine.parallel_state import SINGLE, TensorParallel
+from torch import nn
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary; out-of-slice ids contribute zero."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        # Pad the vocabulary up to a multiple of the TP size; padded rows are never selected.
+        self.local_vocab = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.local_vocab
+        self.weight = nn.Parameter(torch.zeros(self.local_vocab, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+
+    def load(self, name: str, loaded: torch.Tensor, shard_index: int = 0) -> None:
+        expected = (self.vocab_size, self.weight.shape[1])
+        if tuple(loaded.shape) != expected:
+            raise WeightShapeError(f"{name}: expected shape {expected}, checkpoint has {tuple(loaded.shape)}")
+        end = min(self.vocab_start + self.local_vocab, self.vocab_size)
+        self.weight.data[: end - self.vocab_start].copy_(loaded[self.vocab_start:end])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.local_vocab)
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden -> logits over the full vocabulary (each rank computes its slice, then gathers)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = nn.functional.linear(hidden, self.weight)
+        logits = self.tp.all_gather_last_dim(logits)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,44 @@
+"""Prometheus metrics of one engine: latencies, queue depths, KV pages, prefix-cache hits."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineMetrics:
+    """Owns a registry (one per engine, so several engines can live in one process)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ["model"]
+        r = self.registry
+        self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("splitserve_inter_token_latency_seconds", "Time between output tokens",
+                             labels, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("splitserve_request_latency_seconds", "Arrival to finish",
+                             labels, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.running = Gauge("splitserve_requests_running", "Requests in the batch", labels,
+                             registry=r).labels(model_name)
+        self.waiting = Gauge("splitserve_requests_waiting", "Requests queued for admission", labels,
+                             registry=r).labels(model_name)
+        self.kv_used = Gauge("splitserve_kv_pages_used", "KV pages held by requests", labels,
+                             registry=r).labels(model_name)
+        self.kv_free = Gauge("splitserve_kv_pages_free", "KV pages free or evictable", labels,
+                             registry=r).labels(model_name)
+        self.prefix_hit_rate = Gauge("splitserve_prefix_cache_hit_rate",
+                                     "Prompt tokens served from the prefix cache / prompt tokens queried",
+                                     labels, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens admitted", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", labels,
+                                         registry=r).labels(model_name)
+        self._finished = Counter("splitserve_requests_finished", "Requests finished, by reason",
+                                 [*labels, "reason"], registry=r)
+        self.model_name = model_name
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self.model_name, reason).inc()

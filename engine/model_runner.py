@@ -1,0 +1,156 @@
+"""Turns a step plan into tensors, runs the model and samples: the only code that touches the GPU."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.kv_pool import KVPool, KVPoolShape
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.models.llama import LlamaForCausalLM
+from splitserve.engine.parallel_state import SINGLE, TensorParallel
+from splitserve.engine.sampling.base import SampleOutput, SamplingBatch, TopLogprobs
+from splitserve.engine.sampling.full import FullSampler
+from splitserve.engine.sampling.greedy import GreedySampler
+from splitserve.engine.scheduler import ScheduledChunk
+from splitserve.engine.weight_loader import load_weights
+
+logger = logging.getLogger(__name__)
+
+# On CPU the KV cache is sized from a fixed budget: several engines often share one machine.
+CPU_KV_BUDGET_BYTES = 512 << 20
+
+
+@dataclass
+class StepOutput:
+    """What one forward pass produced for the chunks that asked to sample."""
+
+    sampled_chunks: list[ScheduledChunk]
+    tokens: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[TopLogprobs | None] | None
+
+
+def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, page_size: int,
+                        device: torch.device) -> ForwardBatch:
+    """Flattens the chunks' tokens and derives every KV location from the page table."""
+    ids: list[int] = []
+    positions: list[int] = []
+    for c in chunks:
+        ids.extend(c.request.all_ids[c.start:c.start + c.length])
+        positions.extend(range(c.start, c.start + c.length))
+    as_long = {"dtype": torch.int64, "device": device}
+    slots = torch.tensor([c.request.slot for c in chunks], **as_long)
+    extend_lens = torch.tensor([c.length for c in chunks], **as_long)
+    seq_lens = torch.tensor([c.start + c.length for c in chunks], **as_long)
+    pos = torch.tensor(positions, **as_long)
+    token_batch_index = torch.repeat_interleave(torch.arange(len(chunks), device=device), extend_lens)
+    token_query_index = pos - (seq_lens - extend_lens)[token_batch_index]
+    table = page_table.long()
+    out_cache_loc = table[slots[token_batch_index], pos // page_size] * page_size + pos % page_size
+    max_kv = max(c.start + c.length for c in chunks)
+    kv_pos = torch.arange(max_kv, device=device)
+    kv_indices = table[slots][:, kv_pos // page_size] * page_size + kv_pos % page_size
+    kv_indices = torch.where(kv_pos.unsqueeze(0) < seq_lens.unsqueeze(1), kv_indices, 0)
+    ends = torch.cumsum(extend_lens, 0) - 1
+    want = torch.tensor([c.sample for c in chunks], dtype=torch.bool, device=device)
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, **as_long), positions=pos, out_cache_loc=out_cache_loc,
+        seq_lens=seq_lens, extend_lens=extend_lens, kv_indices=kv_indices,
+        token_batch_index=token_batch_index, token_query_index=token_query_index,
+        logits_index=ends[want], max_extend=max(c.length for c in chunks), max_kv=max_kv,
+    )
+
+
+def kv_pages_for_budget(cfg: EngineConfig, shape_args: dict, device: torch.device, weight_bytes: int) -> int:
+    """How many KV pages fit: --max-total-tokens if given, else --mem-fraction of memory."""
+    if cfg.max_total_tokens is not None:
+        return -(-cfg.max_total_tokens // cfg.page_size) + 1  # + the scratch page
+    per_page = KVPoolShape.bytes_per_page_all_layers(page_size=cfg.page_size, **shape_args)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * cfg.mem_fraction) - (total - free)
+    else:
+        budget = int(CPU_KV_BUDGET_BYTES * cfg.mem_fraction)
+    pages = budget // per_page
+    if pages < 2:
+        raise MemoryError(f"no room for the KV cache: {budget / 2**30:.2f} GiB left after weights "
+                          f"({weight_bytes / 2**30:.2f} GiB); lower the model size or raise --mem-fraction")
+    return int(pages)
+
+
+class ModelRunner:
+    """Holds the model, the KV pool and the samplers; runs one step at a time."""
+
+    def __init__(self, cfg: EngineConfig, model_folder: Path, model_cfg: ModelConfig,
+                 tp: TensorParallel = SINGLE) -> None:
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.device = cfg.torch_device()
+        self.dtype = cfg.torch_dtype()
+        self.tp = tp
+        self.context_length = cfg.context_length or model_cfg.max_position_embeddings
+        started = time.monotonic()
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(model_cfg, tp, self.dtype, max_positions=self.context_length)
+        load_weights(self.model, model_folder, tied_lm_head=model_cfg.tie_word_embeddings)
+        self.model.eval()
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("model %s loaded: %.1f M parameters, %.2f GiB in %s on %s, %.1f s",
+                    model_cfg.architecture, weight_bytes / self.dtype.itemsize / 1e6, weight_bytes / 2**30,
+                    self.dtype, self.device, time.monotonic() - started)
+        attn = self.model.layers[0].self_attn
+        shape_args = {"num_layers": model_cfg.num_layers, "num_kv_heads": attn.num_kv_heads,
+                      "head_dim": attn.head_dim, "dtype": self.dtype}
+        num_pages = kv_pages_for_budget(cfg, shape_args, self.device, weight_bytes)
+        self.kv_shape = KVPoolShape(num_pages=num_pages, page_size=cfg.page_size, **shape_args)
+        self.kv_pool = KVPool(self.kv_shape, self.device)
+        logger.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages - 1, cfg.page_size,
+                    self.kv_shape.total_bytes / 2**30)
+        max_slots = cfg.max_running_requests
+        self.greedy = GreedySampler()
+        self.full = FullSampler(max_slots, model_cfg.vocab_size, self.device)
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk], page_table: torch.Tensor) -> StepOutput:
+        batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device)
+        sampled = [c for c in chunks if c.sample]
+        if not sampled:
+            self.model.hidden_states(batch, self.kv_pool)
+            return StepOutput([], [], None, None)
+        logits = self.model(batch, self.kv_pool)
+        out = self.sample(logits, sampled)
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        return StepOutput(sampled, out.tokens.tolist(), logprobs, out.top_logprobs)
+
+    def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleOutput:
+        params = [c.request.params for c in chunks]
+        slots = torch.tensor([c.request.slot for c in chunks], dtype=torch.int64, device=self.device)
+        batch = SamplingBatch(slots=slots, params=params)
+        if all(p.is_greedy and p.logprobs is None for p in params):
+            return self.greedy.sample(logits, batch)
+        for c in chunks:
+            self.prepare_sampler_slot(c)
+        return self.full.sample(logits, batch)
+
+    def prepare_sampler_slot(self, chunk: ScheduledChunk) -> None:
+        """Resets the full sampler's per-slot state when a request (re)takes its slot."""
+        req = chunk.request
+        if req.sampler_slot != req.slot:
+            self.full.reset_slot(req.slot, req.params, req.prompt_ids)
+            if req.output_ids:
+                self.full.commit(torch.tensor([req.slot], device=self.device), [list(req.output_ids)])
+            req.sampler_slot = req.slot
+
+    def commit(self, chunks: list[ScheduledChunk], tokens: list[int]) -> None:
+        """Records sampled tokens in the per-slot penalty state of requests that use it."""
+        rows = [(c.request.slot, t) for c, t in zip(chunks, tokens, strict=True)
+                if c.request.sampler_slot == c.request.slot]
+        if rows:
+            slots = torch.tensor([s for s, _ in rows], device=self.device)
+            self.full.commit(slots, [[t] for _, t in rows])

@@ -1,0 +1,151 @@
+"""The Llama family (Llama 2/3, Qwen2/2.5/3, Mistral) as plain torch modules over paged KV."""
+
+from __future__ import annotations
+
+import torch
+from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.layers.activation import silu_and_mul
+from splitserve.engine.layers.attention import PagedAttention, causal_padded_mask
+from splitserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from splitserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from splitserve.engine.layers.rmsnorm import RMSNorm
+from splitserve.engine.layers.rotary import RotaryEmbedding
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.parallel_state import SINGLE, TensorParallel
+from torch import nn
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, RoPE, paged attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        _, self.num_heads = tp.shard(cfg.num_heads, "attention heads")
+        _, self.num_kv_heads = tp.shard(cfg.num_kv_heads, "KV heads")
+        self.head_dim = cfg.head_dim
+        self.layer_index = layer_index
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
+                                             bias=cfg.attention_bias, tp=tp, dtype=dtype)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=False, tp=tp, dtype=dtype)
+        self.rotary = rotary
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_index)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        out = self.attn(q, k, v, batch, kv.k_cache(self.layer_index), kv.v_cache(self.layer_index), mask)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate/up projection."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], bias=False, tp=tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=False, tp=tp, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residuals carried between norms."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_index, rotary, tp, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, tp, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                kv: KVPool, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, batch, kv, mask)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; returns logits of selected tokens."""
+
+    # Checkpoint name fragment -> (our module name fragment, shard index in a fused projection)
+    FUSED = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, self.rotary, tp, dtype) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def hidden_states(self, batch: ForwardBatch, kv: KVPool,
+                      input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
+        mask = causal_padded_mask(batch)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch, kv, mask)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        """Logits (float32) of the tokens at `batch.logits_index`."""
+        hidden = self.hidden_states(batch, kv)[batch.logits_index]
+        return self.lm_head.compute_logits(hidden).float()
+
+    def weight_targets(self) -> dict[str, tuple[nn.Module, int]]:
+        """Maps every checkpoint tensor name this model needs to (module, shard index)."""
+        modules = dict(self.named_modules())
+        targets: dict[str, tuple[nn.Module, int]] = {
+            "model.embed_tokens.weight": (self.embed_tokens, 0),
+            "model.norm.weight": (self.norm, 0),
+        }
+        if not self.cfg.tie_word_embeddings:
+            targets["lm_head.weight"] = (self.lm_head, 0)
+        for i in range(self.cfg.num_layers):
+            prefix = f"model.layers.{i}"
+            names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                     "input_layernorm", "post_attention_layernorm"]
+            if self.cfg.qk_norm:
+                names += ["self_attn.q_norm", "self_attn.k_norm"]
+            for name in names:
+                leaf = name.rsplit(".", 1)[-1]
+                ours, shard = self.FUSED.get(leaf, (leaf, 0))
+                parent = name.rsplit(".", 1)[0] + "." if "." in name else ""
+                module = modules[f"layers.{i}.{parent}{ours}"]
+                targets[f"{prefix}.{name}.weight"] = (module, shard)
+                if self.cfg.attention_bias and leaf in ("q_proj", "k_proj", "v_proj"):
+                    targets[f"{prefix}.{name}.bias"] = (module, shard)
+        return targets

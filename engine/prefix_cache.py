@@ -1,0 +1,152 @@
+"""Radix tree of full KV pages keyed by their tokens: requests with a common prefix share pages.
+
+Each node holds one page and the `page_size` tokens whose KV it stores; a path from the root
+spells a prefix. The tree owns its pages. A request that matches a prefix locks the path (a
+reference count per node), so those pages are not evicted while it runs; when it finishes, its
+full pages are inserted and the lock is released. Unlocked leaves are evicted least recently
+used first when the allocator runs dry.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from splitserve.engine.page_allocator import PageAllocator
+
+
+@dataclass(eq=False)
+class TreeNode:
+    """One cached page: its tokens, its page index and who holds it."""
+
+    key: tuple[int, ...]
+    page: int
+    parent: TreeNode | None
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+
+@dataclass
+class PrefixMatch:
+    """A matched prefix: its pages (in order) and the deepest node, to lock and unlock."""
+
+    pages: list[int]
+    node: TreeNode
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+
+class PrefixCache:
+    """Page-granular radix tree with reference counts and LRU eviction."""
+
+    def __init__(self, page_size: int, allocator: PageAllocator, enabled: bool = True) -> None:
+        self.page_size = page_size
+        self.allocator = allocator
+        self.enabled = enabled
+        self.root = TreeNode(key=(), page=-1, parent=None)
+        self._clock = itertools.count(1)
+        self.cached_pages = 0
+        self.locked_pages = 0
+        # Hit-rate counters, in tokens, for /metrics.
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.cached_pages - self.locked_pages
+
+    def _chunks(self, tokens: Sequence[int], max_pages: int) -> list[tuple[int, ...]]:
+        n = min(len(tokens) // self.page_size, max_pages)
+        return [tuple(tokens[i * self.page_size:(i + 1) * self.page_size]) for i in range(n)]
+
+    def match(self, tokens: Sequence[int], max_tokens: int | None = None) -> PrefixMatch:
+        """Longest cached prefix of `tokens` (at most `max_tokens` of them), in whole pages."""
+        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        node, pages = self.root, []
+        if self.enabled:
+            now = next(self._clock)
+            for chunk in self._chunks(tokens, limit // self.page_size):
+                child = node.children.get(chunk)
+                if child is None:
+                    break
+                child.last_access = now
+                pages.append(child.page)
+                node = child
+        self.queried_tokens += limit
+        self.hit_tokens += len(pages) * self.page_size
+        return PrefixMatch(pages=pages, node=node)
+
+    def lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.locked_pages += 1
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref < 0:
+                raise RuntimeError(f"prefix-cache page {node.page} unlocked more often than locked")
+            if node.lock_ref == 0:
+                self.locked_pages -= 1
+            node = node.parent  # type: ignore[assignment]
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[list[int], TreeNode]:
+        """Adds the full pages of `tokens` (KV in `pages`) to the tree.
+
+        Returns the pages the caller still owns and must free (pages whose tokens were already
+        cached by someone else, and the partial last page) and the deepest node inserted.
+        """
+        if not self.enabled:
+            return list(pages), self.root
+        chunks = self._chunks(tokens, len(pages))
+        node, now, leftover = self.root, next(self._clock), []
+        for i, chunk in enumerate(chunks):
+            child = node.children.get(chunk)
+            if child is None:
+                child = TreeNode(key=chunk, page=pages[i], parent=node)
+                node.children[chunk] = child
+                self.cached_pages += 1
+            elif child.page != pages[i]:
+                leftover.append(pages[i])
+            child.last_access = now
+            node = child
+        leftover.extend(pages[len(chunks):])
+        return leftover, node
+
+    def evict(self, num_pages: int) -> int:
+        """Frees up to `num_pages` unlocked pages, least recently used leaves first."""
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_pages:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key]
+            freed.append(node.page)
+            self.cached_pages -= 1
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self.allocator.free(freed)
+        return len(freed)
+
+    def flush(self) -> int:
+        """Evicts every unlocked page; returns how many were freed."""
+        return self.evict(self.cached_pages)
+
+    def _leaves(self) -> list[TreeNode]:
+        leaves, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                leaves.append(node)
+        return leaves

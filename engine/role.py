@@ -1,0 +1,46 @@
+"""What a role adds to the engine loop. The unified engine adds nothing; prefill and decode
+(in engine/roles/) override the hooks, so the loop itself has no `if role == ...` branches."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from splitserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from splitserve.engine.engine import Engine
+
+
+class Role:
+    """Hooks the engine loop calls; every default is the unified engine's behaviour."""
+
+    name = "unified"
+
+    def attach(self, engine: Engine) -> None:
+        """Called once, on the loop's thread start, before any request."""
+        self.engine = engine
+
+    def on_arrival(self, req: Request) -> bool:
+        """A request arrived; return True if the role queues it itself (not the scheduler)."""
+        return False
+
+    def poll(self) -> None:
+        """Called every loop iteration: advance transfers, move parked requests on."""
+
+    def on_token(self, req: Request) -> bool:
+        """A token was appended and the request goes on; return True to take it over."""
+        return False
+
+    def on_finish(self, req: Request) -> None:
+        """The request is retiring (finished, aborted or failed): drop per-request role state."""
+
+    def idle_poll_interval(self) -> float | None:
+        """How long the idle loop may sleep (None: the engine's default)."""
+        return None
+
+    def close(self) -> None:
+        """The engine is stopping."""
+
+
+class UnifiedRole(Role):
+    """Prefill and decode in one engine: the reference every split deployment must match."""

@@ -1,0 +1,147 @@
+"""Which requests run this step and how many of their tokens: returns a plan, runs nothing.
+
+Continuous batching with chunked prefill, in the order that keeps latency steady:
+1. every running request that is decoding gets its one token (preempting the newest running
+   request when pages run out);
+2. requests part-way through their prompt continue, within the prefill token budget;
+3. waiting requests are admitted in arrival order while a slot, the budget and the pages for
+   their whole prompt are there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledChunk:
+    """Run `length` tokens of `request` starting at its `kv_len`; sample after if `sample`."""
+
+    request: Request
+    start: int
+    length: int
+    sample: bool
+
+
+@dataclass
+class StepPlan:
+    """One forward pass worth of work."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits the scheduler works within."""
+
+    max_running_requests: int
+    chunked_prefill_size: int  # prefill tokens per step; <= 0 means whole prompts
+    context_length: int
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set; plans steps over the shared KV cache."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCache) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """Puts a request that already holds a slot and pages (e.g. its KV arrived) into the batch."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
+
+        # 1. Decodes first: each needs room for one more token.
+        decoding = [r for r in self.running if not r.in_prefill]
+        for req in list(decoding):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted below while making room for an older request
+            while not self.kv.grow(req, req.kv_len + 1):
+                victim = self._newest_running(exclude=req)
+                if victim is None:
+                    raise RuntimeError(
+                        f"request {req.request_id} cannot get one KV page even alone; "
+                        f"the pool is too small for its {req.kv_len + 1} tokens"
+                    )
+                self._preempt(victim, plan)
+            plan.chunks.append(ScheduledChunk(req, req.kv_len, 1, sample=True))
+
+        # 2. Prompts in progress continue.
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.in_prefill and req.status is RequestStatus.RUNNING:
+                budget -= self._schedule_prefill(req, budget, plan)
+
+        # 3. Admit waiting requests.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            if not self.kv.free_slots:
+                break
+            # Keep at least one token to run, so the step yields logits to sample from.
+            self.kv.admit(req, max_prefix_tokens=req.total_len - 1)
+            need = self.kv.pages_for(req.total_len) - len(req.pages)
+            if need > self.kv.available_pages():
+                self.kv.release(req)
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            budget -= self._schedule_prefill(req, budget, plan)
+        return plan
+
+    def _schedule_prefill(self, req: Request, budget: int, plan: StepPlan) -> int:
+        length = min(req.pending_len, budget)
+        if not self.kv.grow(req, req.kv_len + length):
+            return 0
+        sample = length == req.pending_len
+        plan.chunks.append(ScheduledChunk(req, req.kv_len, length, sample=sample))
+        return length
+
+    def _newest_running(self, exclude: Request) -> Request | None:
+        candidates = [r for r in self.running if r is not exclude]
+        return max(candidates, key=lambda r: r.arrival_time, default=None)
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        """Gives back a running request's pages (its KV goes to the prefix cache) and requeues it."""
+        logger.info("preempting request %s (%d tokens) to free KV pages", req.request_id, req.total_len)
+        self.running.remove(req)
+        plan.chunks = [c for c in plan.chunks if c.request is not req]
+        self.kv.release(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        plan.preempted.append(req)

@@ -1,0 +1,310 @@
+"""The OpenAI-compatible HTTP API of one engine (Starlette on uvicorn).
+
+Handlers are thin: parse and validate (openai_protocol), tokenize, run every choice through
+the engine client concurrently, and shape the answer. A client that goes away aborts its
+requests, streaming or not, so their KV pages come back at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from splitserve.engine.engine import Engine
+from splitserve.engine.engine_client import EngineClient
+from splitserve.engine.openai_protocol import (
+    ApiError,
+    GenerationRequest,
+    chat_logprobs,
+    completion_logprobs,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+from splitserve.engine.request import FinishReason, TokenOutput
+from splitserve.engine.tokenizer import ChatTemplateError
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 << 20
+
+
+class ChoiceResult:
+    """Everything one choice produced, accumulated from its outputs."""
+
+    def __init__(self, index: int, prompt_ids: list[int]) -> None:
+        self.index = index
+        self.prompt_ids = prompt_ids
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.cached_tokens = 0
+
+    def add(self, out: TokenOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        if out.logprobs:
+            self.logprobs += out.logprobs
+        if out.top_logprobs:
+            self.top += out.top_logprobs
+        self.cached_tokens = out.cached_tokens
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason.value
+            self.error = out.error
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def read_json(request: HttpRequest) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ApiError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
+    raw = await request.body()
+    if not raw:
+        raise ApiError("request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(f"request body is not valid JSON: {exc}") from None
+
+
+async def wait_for_disconnect(request: HttpRequest) -> None:
+    """Returns when the client closes the connection (the body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ApiServer:
+    """Builds the Starlette app around one engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.client = EngineClient(engine)
+        self.model_name = engine.cfg.model_name
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.model_cfg.vocab_size
+        self.context_length = engine.context_length
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/internal/state", self.internal_state, methods=["GET"]),
+            Route("/internal/flush_cache", self.flush_cache, methods=["POST"]),
+        ], exception_handlers={ApiError: lambda _r, e: error_response(e)})
+
+    # ---- endpoints ---------------------------------------------------------------------------
+
+    async def completions(self, request: HttpRequest) -> Response:
+        body = await read_json(request)
+        gen = parse_completion(body, self.model_name, self.vocab_size)
+        prompts = [self._tokenize(p, add_special=True) for p in gen.prompts]
+        return await self._respond(request, gen, prompts)
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        body = await read_json(request)
+        gen, messages = parse_chat(body, self.model_name, self.vocab_size, default_max_tokens=256)
+        try:
+            text = self.tokenizer.apply_chat_template(messages)
+        except ChatTemplateError as exc:
+            raise ApiError(str(exc), "messages") from None
+        # The template already spells the special tokens (BOS, role markers) out.
+        return await self._respond(request, gen, [self._tokenize(text, add_special=False)])
+
+    async def models(self, _request: HttpRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "splitserve",
+            "max_model_len": self.context_length}]})
+
+    async def health(self, _request: HttpRequest) -> Response:
+        if not self.engine.alive:
+            return JSONResponse({"status": "engine loop not running"}, status_code=503)
+        return JSONResponse({"status": "ok", "role": self.engine.role.name})
+
+    async def metrics(self, _request: HttpRequest) -> Response:
+        return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def internal_state(self, _request: HttpRequest) -> Response:
+        s = self.engine.state()
+        kv = s.kv
+        return JSONResponse({
+            "running": s.running, "waiting": s.waiting, "parked": s.parked, "requests": len(self.engine.requests),
+            "kv_capacity": kv.capacity, "kv_free": kv.free, "kv_cached": kv.cached, "kv_locked": kv.locked,
+            "kv_available": kv.available, "kv_used_by_requests": kv.used_by_requests,
+            "slots_in_use": kv.slots_in_use, "steps": self.engine.steps,
+        })
+
+    async def flush_cache(self, _request: HttpRequest) -> Response:
+        done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.engine.call_soon(lambda: loop.call_soon_threadsafe(
+            done.set_result, self.engine.kv.prefix_cache.flush()))
+        return JSONResponse({"freed_pages": await done})
+
+    # ---- shared machinery --------------------------------------------------------------------
+
+    def _tokenize(self, prompt: str | list[int], add_special: bool) -> list[int]:
+        ids = self.tokenizer.encode(prompt, add_special) if isinstance(prompt, str) else prompt
+        if not ids:
+            raise ApiError("the prompt encodes to no tokens", "prompt")
+        if len(ids) >= self.context_length:
+            raise ApiError(f"the prompt has {len(ids)} tokens; this model's context is {self.context_length} "
+                           "(prompt and at least one output token must fit)", "prompt",
+                           code="context_length_exceeded")
+        return ids
+
+    def _choice_streams(self, gen: GenerationRequest, prompts: list[list[int]]
+                        ) -> list[tuple[ChoiceResult, AsyncIterator[TokenOutput]]]:
+        streams = []
+        bootstrap = (f"{gen.bootstrap_host}:{gen.bootstrap_port}"
+                     if gen.bootstrap_host is not None and gen.bootstrap_port is not None else None)
+        for p, ids in enumerate(prompts):
+            for j in range(gen.n):
+                index = p * gen.n + j
+                rid = gen.request_id if len(prompts) * gen.n == 1 else f"{gen.request_id}-{index}"
+                stream = self.client.generate(rid, ids, gen.params, bootstrap, gen.bootstrap_room)
+                streams.append((ChoiceResult(index, ids), stream))
+        return streams
+
+    async def _respond(self, request: HttpRequest, gen: GenerationRequest, prompts: list[list[int]]) -> Response:
+        streams = self._choice_streams(gen, prompts)
+        if gen.stream:
+            return StreamingResponse(self._sse(gen, streams), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+        work = asyncio.ensure_future(self._collect(streams))
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()  # the generators' finally blocks abort the requests
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            return Response(status_code=499)
+        gone.cancel()
+        choices = work.result()
+        failed = [c for c in choices if c.finish_reason == FinishReason.ERROR.value]
+        if failed:
+            return JSONResponse({"error": {"message": failed[0].error or "generation failed", "type": "server_error",
+                                           "param": None, "code": "generation_failed"}}, status_code=503)
+        return JSONResponse(self._final_body(gen, choices))
+
+    async def _collect(self, streams) -> list[ChoiceResult]:
+        async def drain(choice: ChoiceResult, stream: AsyncIterator[TokenOutput]) -> ChoiceResult:
+            async for out in stream:
+                choice.add(out)
+            return choice
+        return list(await asyncio.gather(*(drain(c, s) for c, s in streams)))
+
+    def _token_text(self, tid: int) -> str:
+        return self.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def _logprobs_block(self, gen: GenerationRequest, token_ids: list[int], lps: list[float],
+                        top: list[list[tuple[int, float]]]) -> dict[str, Any] | None:
+        if gen.params.logprobs is None:
+            return None
+        tokens = [self._token_text(t) for t in token_ids]
+        top_text = [[(self._token_text(t), v) for t, v in row] for row in top] if top else None
+        shape = chat_logprobs if gen.kind == "chat" else completion_logprobs
+        return shape(tokens, lps, top_text)
+
+    def _final_body(self, gen: GenerationRequest, choices: list[ChoiceResult]) -> dict[str, Any]:
+        out_choices = []
+        for c in choices:
+            entry: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason,
+                                     "logprobs": self._logprobs_block(gen, c.token_ids, c.logprobs, c.top)}
+            if gen.kind == "chat":
+                entry["message"] = {"role": "assistant", "content": c.text}
+            else:
+                prefix = self.tokenizer.decode(c.prompt_ids) if gen.echo else ""
+                entry["text"] = prefix + c.text
+            if gen.return_token_ids:
+                entry["prompt_token_ids"] = c.prompt_ids
+                entry["token_ids"] = c.token_ids
+            out_choices.append(entry)
+        prompt_tokens = sum(len(c.prompt_ids) for c in choices[:: gen.n])
+        return {
+            "id": ("chatcmpl-" if gen.kind == "chat" else "cmpl-") + gen.request_id,
+            "object": "chat.completion" if gen.kind == "chat" else "text_completion",
+            "created": gen.created, "model": gen.model, "choices": out_choices,
+            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices),
+                           sum(c.cached_tokens for c in choices[:: gen.n])),
+        }
+
+    async def _sse(self, gen: GenerationRequest, streams) -> AsyncIterator[bytes]:
+        merged: asyncio.Queue[tuple[ChoiceResult, TokenOutput | None]] = asyncio.Queue()
+
+        async def pump(choice: ChoiceResult, stream: AsyncIterator[TokenOutput]) -> None:
+            try:
+                async for out in stream:
+                    await merged.put((choice, out))
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+                await merged.put((choice, None))
+
+        tasks = [asyncio.ensure_future(pump(c, s)) for c, s in streams]
+        kind = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
+        rid = ("chatcmpl-" if gen.kind == "chat" else "cmpl-") + gen.request_id
+        try:
+            if gen.kind == "chat":
+                for c, _ in streams:
+                    yield _sse_event({"id": rid, "object": kind, "created": gen.created, "model": gen.model,
+                                      "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]})
+            open_streams = len(streams)
+            while open_streams:
+                choice, out = await merged.get()
+                if out is None:
+                    open_streams -= 1
+                    continue
+                choice.add(out)
+                if out.finish_reason == FinishReason.ERROR:
+                    yield _sse_event({"error": {"message": out.error or "generation failed",
+                                                "type": "server_error", "code": "generation_failed"}})
+                    continue
+                if not out.text and not out.token_ids and out.finish_reason is None:
+                    continue
+                yield _sse_event(self._chunk(gen, rid, kind, choice, out))
+            if gen.include_usage:
+                choices = [c for c, _ in streams]
+                yield _sse_event({"id": rid, "object": kind, "created": gen.created, "model": gen.model,
+                                  "choices": [], "usage": usage(sum(len(c.prompt_ids) for c in choices[:: gen.n]),
+                                                                sum(len(c.token_ids) for c in choices))})
+            yield b"data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _chunk(self, gen: GenerationRequest, rid: str, kind: str, choice: ChoiceResult,
+               out: TokenOutput) -> dict[str, Any]:
+        finish = out.finish_reason.value if out.finish_reason is not None else None
+        logprobs = self._logprobs_block(gen, out.token_ids, out.logprobs or [], out.top_logprobs or [])
+        entry: dict[str, Any] = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish}
+        if gen.kind == "chat":
+            entry["delta"] = {"content": out.text} if out.text else {}
+        else:
+            entry["text"] = out.text
+        if gen.return_token_ids:
+            entry["token_ids"] = out.token_ids
+            if len(choice.token_ids) == len(out.token_ids):
+                entry["prompt_token_ids"] = choice.prompt_ids
+        return {"id": rid, "object": kind, "created": gen.created, "model": gen.model, "choices": [entry]}
+
+
+def _sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,73 @@
+"""A checkpoint's tokenizer (`tokenizer.json`) and chat template (`tokenizer_config.json`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or the messages do not render with it."""
+
+
+class TextTokenizer:
+    """Encodes prompts, decodes outputs and renders chat messages for one checkpoint."""
+
+    def __init__(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in model folder {folder}")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        cfg_path = folder / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.chat_template: str | None = cfg.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take the default one
+            named = {t["name"]: t["template"] for t in self.chat_template}
+            self.chat_template = named.get("default", next(iter(named.values()), None))
+        self._template: jinja2.Template | None = None
+        self.special_ids = {self.tokenizer.token_to_id(t.content)
+                            for t in self.tokenizer.get_added_tokens_decoder().values() if t.special}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def token_id(self, text: str | None) -> int | None:
+        return None if text is None else self.tokenizer.token_to_id(text)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):  # AddedToken serialised as a dict
+        return token.get("content")
+    return token
+
+
+def _raise_template_error(message: str) -> None:
+    raise ChatTemplateError(message)

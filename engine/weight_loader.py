@@ -1,0 +1,66 @@
+"""Loads a Hugging Face safetensors checkpoint into a model, shard by shard, with progress."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from splitserve.engine.layers.linear import WeightShapeError
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# Tensors some checkpoints carry that the model recomputes or does not need.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is missing tensors, has unexpected ones, or has none at all."""
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def _copy_into(module: nn.Module, name: str, tensor: torch.Tensor, shard: int) -> None:
+    loader = getattr(module, "load", None)
+    if loader is not None:
+        loader(name, tensor, shard)
+        return
+    param = module.weight
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise WeightShapeError(f"{name}: expected shape {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}")
+    param.data.copy_(tensor)
+
+
+def load_weights(model: nn.Module, folder: str | Path, tied_lm_head: bool) -> None:
+    """Copies every tensor the model needs from `folder`; raises naming what is missing or extra."""
+    targets: dict[str, tuple[nn.Module, int]] = model.weight_targets()  # type: ignore[operator]
+    remaining = set(targets)
+    files = safetensors_files(folder)
+    total_bytes = sum(f.stat().st_size for f in files)
+    done_bytes, started = 0, time.monotonic()
+    for index, path in enumerate(files, 1):
+        with safe_open(str(path), framework="pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name.endswith(IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
+                    continue
+                if name not in targets:
+                    raise CheckpointError(f"{path.name}: unexpected tensor {name!r} (wrong architecture?)")
+                module, shard = targets[name]
+                _copy_into(module, name, reader.get_tensor(name), shard)
+                remaining.discard(name)
+        done_bytes += path.stat().st_size
+        elapsed = time.monotonic() - started
+        logger.info("loaded weights %d/%d files, %.0f%% (%.1f GB/s)", index, len(files),
+                    100 * done_bytes / max(total_bytes, 1), done_bytes / max(elapsed, 1e-9) / 1e9)
+    if remaining:
+        missing = sorted(remaining)
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint {folder} lacks {len(missing)} tensor(s): {shown}")

@@ -1,0 +1,86 @@
+"""Helpers for tests that run real servers: free ports, splitserve processes, leak checks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout: float, log: Path | None = None) -> None:
+    """Polls `url` until it answers 200; fails at once if the process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-4000:] if log is not None and log.exists() else ""
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}:\n{tail}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s")
+
+
+def splitserve_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
+    env.update({"PYTHONUNBUFFERED": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1", "OMP_NUM_THREADS": "1"})
+    env.update(extra or {})
+    return env
+
+
+class ServerProcess:
+    """A `splitserve ...` subprocess with its log; stopped (and reaped) by the fixture."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log = log
+        self._log_file = log.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", *args], stdout=self._log_file,
+                                     stderr=subprocess.STDOUT, env=splitserve_env(env), cwd=REPO.parent)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def engine_state(base_url: str) -> dict:
+    return httpx.get(f"{base_url}/internal/state", timeout=5).json()
+
+
+def assert_kv_back_to_start(base_url: str, timeout: float = 10.0) -> dict:
+    """Waits until no request holds anything: no running/waiting/parked, every page free or cached."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = engine_state(base_url)
+        idle = (s["running"] == 0 and s["waiting"] == 0 and s["parked"] == 0 and s["requests"] == 0
+                and s["kv_locked"] == 0 and s["kv_used_by_requests"] == 0 and s["slots_in_use"] == 0)
+        if idle and s["kv_free"] + s["kv_cached"] == s["kv_capacity"]:
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV resources not back to start at {base_url}: {s}")
+        time.sleep(0.05)
