@@ -150,7 +150,7 @@ def sampling_params_from(body: dict[str, Any], vocab_size: int, default_max_toke
         max_new_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
-        top_k=_int(body, "top_k", -1) or -1,
+        top_k=_int(body, "top_k", -1) or -1,  # 0 means off, as in vLLM
         min_p=_number(body, "min_p", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),

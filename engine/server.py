@@ -212,7 +212,7 @@ class ApiServer:
         return list(await asyncio.gather(*(drain(c, s) for c, s in streams)))
 
     def _token_text(self, tid: int) -> str:
-        return self.tokenizer.decode([tid], skip_special_tokens=False)
+        return self.tokenizer.token_str(tid)
 
     def _logprobs_block(self, gen: GenerationRequest, token_ids: list[int], lps: list[float],
                         top: list[list[tuple[int, float]]]) -> dict[str, Any] | None:

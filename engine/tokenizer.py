@@ -43,6 +43,10 @@ class TextTokenizer:
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self.tokenizer.token_to_id(text)
 
+    def token_str(self, token_id: int) -> str:
+        """The vocabulary entry of a token (unique, unlike its decoded text), as logprobs show it."""
+        return self.tokenizer.id_to_token(token_id) or f"<id:{token_id}>"
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
