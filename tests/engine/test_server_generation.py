@@ -72,7 +72,7 @@ def test_concurrent_greedy_generation_matches_transformers_token_for_token(serve
     prompts += [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (2, 9, 40)]
     max_new = 24
     # Warm the prefix cache with the shared prefix so the batch below hits it.
-    complete(server, prompt=shared + [1], max_tokens=1, temperature=0)
+    complete(server, prompt=[*shared, 1], max_tokens=1, temperature=0)
 
     async def run_all() -> list[dict]:
         async with httpx.AsyncClient(timeout=120) as client:

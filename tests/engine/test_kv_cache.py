@@ -1,0 +1,179 @@
+"""Pages, prefix sharing, eviction and admission: the counts always come back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.page_allocator import DoubleFreeError, OutOfPagesError, PageAllocator
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+
+
+def make_request(rid: str, prompt: list[int], max_new: int = 8) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_new_tokens=max_new), on_output=lambda _o: None)
+
+
+def kv_cache(pages: int = 17, page_size: int = 4, slots: int = 4) -> KVCache:
+    return KVCache(pages, page_size, slots, max_context=256, device=torch.device("cpu"))
+
+
+def assert_all_back(kv: KVCache) -> None:
+    u = kv.usage()
+    assert u.locked == 0 and u.slots_in_use == 0
+    assert u.free + u.cached == u.capacity
+
+
+def test_allocator_never_hands_out_the_scratch_page_and_refuses_double_free() -> None:
+    alloc = PageAllocator(5)
+    pages = alloc.alloc(4)
+    assert sorted(pages) == [1, 2, 3, 4]
+    with pytest.raises(OutOfPagesError):
+        alloc.alloc(1)
+    alloc.free(pages[:1])
+    with pytest.raises(DoubleFreeError):
+        alloc.free(pages[:1])
+    with pytest.raises(DoubleFreeError):
+        alloc.free([0])
+    assert alloc.free_count == 1
+
+
+def test_finished_request_pages_are_shared_by_the_next_with_the_same_prefix() -> None:
+    kv = kv_cache()
+    a = make_request("a", list(range(10)))
+    kv.admit(a, max_prefix_tokens=9)
+    assert a.kv_len == 0
+    assert kv.grow(a, 10)
+    a.kv_len = 10
+    a_pages = list(a.pages)
+    kv.release(a)
+    # Two full pages (8 tokens) are cached; the partial third page was freed.
+    assert kv.usage().cached == 2
+    b = make_request("b", [*list(range(8)), 99, 98, 97])
+    kv.admit(b, max_prefix_tokens=10)
+    assert b.pages == a_pages[:2] and b.kv_len == 8 and b.cached_len == 8
+    assert kv.usage().locked == 2
+    assert torch.equal(kv.page_table[b.slot, :2], torch.tensor(a_pages[:2], dtype=torch.int32))
+    kv.release(b)
+    assert_all_back(kv)
+
+
+def test_prefix_match_keeps_at_least_one_token_to_compute() -> None:
+    kv = kv_cache()
+    a = make_request("a", list(range(8)))
+    kv.admit(a, 7)
+    kv.grow(a, 8)
+    a.kv_len = 8
+    kv.release(a)
+    again = make_request("again", list(range(8)))
+    kv.admit(again, max_prefix_tokens=7)  # the same 8-token prompt: only the first page may match
+    assert again.kv_len == 4
+    kv.release(again)
+    assert_all_back(kv)
+
+
+def test_eviction_frees_least_recently_used_unlocked_pages_first() -> None:
+    kv = kv_cache(pages=9, page_size=2)  # 8 usable pages
+    for rid, base in (("old", 100), ("new", 200)):
+        r = make_request(rid, [base + i for i in range(8)])
+        kv.admit(r, 0)
+        kv.grow(r, 8)
+        r.kv_len = 8
+        kv.release(r)
+    assert kv.usage().cached == 8 and kv.usage().free == 0
+    big = make_request("big", list(range(8)))
+    kv.admit(big, 0)
+    assert kv.grow(big, 8)  # needs 4 pages: the 4 of "old" are evicted
+    assert kv.prefix_cache.match([200 + i for i in range(8)]).num_pages == 4
+    assert kv.prefix_cache.match([100 + i for i in range(8)]).num_pages == 0
+    kv.release(big, cache_prefix=False)
+    assert_all_back(kv)
+
+
+def test_locked_pages_are_never_evicted() -> None:
+    kv = kv_cache(pages=5, page_size=2)  # 4 usable pages
+    a = make_request("a", [1, 2, 3, 4, 5])
+    kv.admit(a, 0)
+    kv.grow(a, 4)
+    a.kv_len = 4
+    kv.release(a)
+    b = make_request("b", [1, 2, 3, 4, 9])
+    kv.admit(b, 4)  # locks the 2 cached pages
+    c = make_request("c", [7, 7, 7, 7, 7, 7])
+    kv.admit(c, 0)
+    assert not kv.grow(c, 6)  # needs 3, only 2 free: the locked ones stay
+    assert b.pages == kv.prefix_cache.match([1, 2, 3, 4]).pages
+    kv.release(c)
+    kv.release(b)
+    assert_all_back(kv)
+
+
+def scheduler(pages: int, page_size: int = 4, slots: int = 4, chunk: int = 8) -> Scheduler:
+    kv = kv_cache(pages, page_size, slots)
+    return Scheduler(SchedulerConfig(max_running_requests=slots, chunked_prefill_size=chunk, context_length=256), kv)
+
+
+def run_plan(plan) -> None:
+    """Pretends to run the step: KV is now computed; sampled chunks get a new token."""
+    for c in plan.chunks:
+        c.request.kv_len += c.length
+        if c.sample:
+            c.request.output_ids.append(1)
+
+
+def test_chunked_prefill_splits_a_long_prompt_within_the_budget() -> None:
+    s = scheduler(pages=40, chunk=8)
+    req = make_request("long", list(range(20)))
+    s.add(req)
+    lengths = []
+    for _ in range(3):
+        plan = s.schedule()
+        lengths.append([(c.start, c.length, c.sample) for c in plan.chunks])
+        run_plan(plan)
+    assert lengths == [[(0, 8, False)], [(8, 8, False)], [(16, 4, True)]]
+    plan = s.schedule()
+    assert [(c.start, c.length, c.sample) for c in plan.chunks] == [(20, 1, True)]
+
+
+def test_decodes_run_beside_a_new_prompt_chunk() -> None:
+    s = scheduler(pages=40, chunk=8)
+    first = make_request("first", [1, 2, 3])
+    s.add(first)
+    run_plan(s.schedule())
+    second = make_request("second", list(range(30, 42)))
+    s.add(second)
+    plan = s.schedule()
+    assert [(c.request.request_id, c.length) for c in plan.chunks] == [("first", 1), ("second", 8)]
+
+
+def test_waiting_request_is_not_admitted_without_pages_for_its_prompt() -> None:
+    s = scheduler(pages=5, page_size=4, chunk=64)  # 4 usable pages = 16 tokens
+    a = make_request("a", list(range(12)))
+    b = make_request("b", list(range(100, 108)))
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [c.request.request_id for c in plan.chunks] == ["a"]
+    assert b.status is RequestStatus.WAITING and b.slot == -1 and list(s.waiting) == [b]
+
+
+def test_preemption_requeues_the_newest_request_and_frees_its_pages() -> None:
+    s = scheduler(pages=5, page_size=2, chunk=64)  # 4 usable pages = 8 tokens
+    old = make_request("old", [1, 2, 3])
+    new = make_request("new", [4, 5, 6])
+    s.add(old)
+    s.add(new)
+    new.arrival_time = old.arrival_time + 1
+    run_plan(s.schedule())  # both prefilled: 2 pages each, all 4 used
+    for _ in range(2):  # old grows to 5 tokens: needs a 3rd page, only by preempting new
+        plan = s.schedule()
+        run_plan(plan)
+    assert new.status is RequestStatus.WAITING and new.slot == -1 and new.pages == []
+    assert s.waiting[0] is new
+    assert old.status is RequestStatus.RUNNING
+    # new's computed prompt went to the prefix cache: re-admission reuses it.
+    s.kv.release(old)
+    s.running.remove(old)
+    plan = s.schedule()
+    assert plan.chunks[0].request is new and new.cached_len == 2

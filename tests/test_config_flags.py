@@ -1,0 +1,34 @@
+"""Config dataclasses become flags and env vars that match; bad values fail clearly."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
+from splitserve.engine.config import EngineConfig
+
+
+def parse(argv: list[str], env: dict[str, str]) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, EngineConfig, "SPLITSERVE")
+    return config_from_args(EngineConfig, parser.parse_args(argv), "SPLITSERVE", environ=env)
+
+
+def test_flag_beats_env_beats_default() -> None:
+    assert parse([], {}).page_size == 16
+    assert parse([], {"SPLITSERVE_PAGE_SIZE": "32"}).page_size == 32
+    assert parse(["--page-size", "8"], {"SPLITSERVE_PAGE_SIZE": "32"}).page_size == 8
+
+
+def test_booleans_and_optionals_from_env() -> None:
+    cfg = parse([], {"SPLITSERVE_DISABLE_PREFIX_CACHE": "true", "SPLITSERVE_MAX_TOTAL_TOKENS": "1024"})
+    assert cfg.disable_prefix_cache is True and cfg.max_total_tokens == 1024
+    assert parse(["--no-disable-prefix-cache"], {"SPLITSERVE_DISABLE_PREFIX_CACHE": "1"}).disable_prefix_cache is False
+
+
+def test_bad_env_value_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match="SPLITSERVE_PAGE_SIZE: expected int, got 'big'"):
+        parse([], {"SPLITSERVE_PAGE_SIZE": "big"})
+    with pytest.raises(ConfigError, match="SPLITSERVE_ROLE: 'chef' is not one of"):
+        parse([], {"SPLITSERVE_ROLE": "chef"})
