@@ -1,0 +1,35 @@
+"""The operator's configuration: one dataclass, built from flags and SPLITSERVE_* env vars."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OperatorConfig:
+    """How the operator runs: which namespaces it watches, its defaults and its endpoints."""
+
+    namespaces: list[str] = field(default_factory=list, metadata={
+        "help": "namespaces to watch (several, or comma-separated in the env var)"})
+    cluster_wide: bool = field(default=False, metadata={
+        "help": "watch every namespace (needs the ClusterRole); otherwise --namespaces is required"})
+    default_image: str = field(default="ghcr.io/splitserve/splitserve:0.1.0", metadata={
+        "help": "engine and router image for groups and roles that name none"})
+    liveness_port: int = field(default=8080, metadata={
+        "help": "port of the /healthz liveness endpoint (0 disables it)"})
+    liveness_host: str = field(default="0.0.0.0", metadata={"help": "address of the liveness endpoint"})
+    resync_seconds: float = field(default=60.0, metadata={
+        "help": "period of the level-based resync of every group and role"})
+    kubeconfig: str = field(default="", metadata={
+        "help": "kubeconfig file (default: in-cluster config, then $KUBECONFIG / ~/.kube/config)"})
+    verbose: bool = field(default=False, metadata={"help": "debug logging"})
+
+    def __post_init__(self) -> None:
+        if not self.cluster_wide and not self.namespaces:
+            raise ValueError("give --namespaces NS... or --cluster-wide")
+        if self.cluster_wide and self.namespaces:
+            raise ValueError("--namespaces and --cluster-wide exclude each other")
+        if self.resync_seconds <= 0:
+            raise ValueError(f"--resync-seconds must be > 0, got {self.resync_seconds}")
+        if not 0 <= self.liveness_port <= 65535:
+            raise ValueError(f"--liveness-port must be within 0..65535, got {self.liveness_port}")

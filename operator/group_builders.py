@@ -1,0 +1,288 @@
+"""Pure builders from a ServingGroup to its children.
+
+A group owns one ServingRole per role in ``spec.roles`` (each becomes a StatefulSet and a
+headless Service through ``role_builders``), the router Deployment and Service, a ConfigMap
+with the peer-discovery information, and a Secret with a random shared key.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from splitserve.operator.names import (
+    ANNOTATION_GROUP_REPLICAS,
+    CONTROL_KEY,
+    DEFAULT_HTTP_PORT,
+    GROUP_API_VERSION,
+    PEERS_FILE,
+    PEERS_MOUNT,
+    ROLE_KIND,
+    ROLE_NAMES,
+    ROUTER_ROLE,
+    control_secret_name,
+    peers_configmap_name,
+    role_object_name,
+    router_name,
+)
+from splitserve.operator.role_builders import (
+    bootstrap_port,
+    common_labels,
+    container_resources,
+    env_var,
+    mesh_port,
+    selector_labels,
+)
+
+Body = Mapping[str, Any]
+# Fields of spec.roles.<role> copied into the ServingRole's spec as they are.
+ROLE_TEMPLATE_FIELDS = ("tensorParallelSize", "resources", "nodeSelector", "tolerations", "dtype",
+                        "pageSize", "engineArgs", "env")
+
+
+def group_roles(spec: Mapping[str, Any]) -> list[str]:
+    """The roles a group has, in reconcile order."""
+    roles = spec.get("roles") or {}
+    return [role for role in ROLE_NAMES if roles.get(role) is not None]
+
+
+def role_replicas(group_spec: Mapping[str, Any], role: str, existing_role: Body | None) -> int:
+    """Replicas of a group's ServingRole.
+
+    The group's value wins when the role is new or when the group's value changed since the
+    group last pushed it; otherwise the role keeps what it has, so that ``kubectl scale`` or
+    an autoscaler on the ServingRole is not undone on the next reconcile.
+    """
+    wanted = int(group_spec["roles"][role].get("replicas", 1))
+    if existing_role is None:
+        return wanted
+    pushed = (existing_role.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_GROUP_REPLICAS)
+    if pushed != str(wanted):
+        return wanted
+    return int(existing_role.get("spec", {}).get("replicas", wanted))
+
+
+def build_serving_role(group_body: Body, role: str, revision: str, partition: int,
+                       existing_role: Body | None) -> dict[str, Any]:
+    """The ServingRole for one role of a group."""
+    meta, spec = group_body["metadata"], group_body["spec"]
+    group = meta["name"]
+    template = spec["roles"][role]
+    draft_model = (spec.get("speculative") or {}).get("draftModel")
+    role_spec: dict[str, Any] = {
+        "group": group,
+        "role": role,
+        "replicas": role_replicas(spec, role, existing_role),
+        "model": copy.deepcopy(dict(draft_model if role == "drafter" and draft_model else spec["model"])),
+        "transfer": copy.deepcopy(dict(spec.get("transfer") or {})),
+        "revision": revision,
+        "updatePartition": int(partition),
+        "peersConfigMap": peers_configmap_name(group),
+        "controlSecret": control_secret_name(group),
+    }
+    for key in ROLE_TEMPLATE_FIELDS:
+        if template.get(key) is not None:
+            role_spec[key] = copy.deepcopy(template[key])
+    image = template.get("image") or spec.get("image")
+    if image:
+        role_spec["image"] = image
+    pull = template.get("imagePullPolicy") or spec.get("imagePullPolicy")
+    if pull:
+        role_spec["imagePullPolicy"] = pull
+    if spec.get("speculative") is not None and role in ("decode", "drafter"):
+        role_spec["speculative"] = {k: copy.deepcopy(v) for k, v in spec["speculative"].items()
+                                    if k != "draftModel"}
+    wanted = int(template.get("replicas", 1))
+    obj = {
+        "apiVersion": GROUP_API_VERSION,
+        "kind": ROLE_KIND,
+        "metadata": {
+            "name": role_object_name(group, role),
+            "namespace": meta.get("namespace", "default"),
+            "labels": common_labels(group, role),
+            "annotations": {ANNOTATION_GROUP_REPLICAS: str(wanted)},
+        },
+        "spec": role_spec,
+    }
+    kopf.adopt(obj, owner=dict(group_body))
+    return obj
+
+
+def pod_url(group: str, role: str, index: int, namespace: str, port: int = DEFAULT_HTTP_PORT) -> str:
+    """HTTP URL of one engine pod through its role's headless Service."""
+    name = role_object_name(group, role)
+    return f"http://{name}-{index}.{name}.{namespace}.svc:{port}"
+
+
+def router_command(group: str, namespace: str, replicas: Mapping[str, int], port: int) -> list[str]:
+    """``splitserve router --prefill URL... --decode URL... --port P``."""
+    command = ["splitserve", "router"]
+    for role in ("prefill", "decode"):
+        urls = [pod_url(group, role, i, namespace) for i in range(replicas.get(role, 0))]
+        if urls:
+            command += [f"--{role}", *urls]
+    return [*command, "--port", str(port)]
+
+
+def router_port(spec: Mapping[str, Any]) -> int:
+    """The router's container and Service port."""
+    return int((spec.get("router") or {}).get("port", DEFAULT_HTTP_PORT))
+
+
+def build_router_deployment(group_body: Body, replicas: Mapping[str, int],
+                            default_image: str) -> dict[str, Any]:
+    """The router Deployment; ``replicas`` are the roles' current replica counts."""
+    meta, spec = group_body["metadata"], group_body["spec"]
+    group, namespace = meta["name"], meta.get("namespace", "default")
+    router = spec.get("router") or {}
+    port = router_port(spec)
+    labels = common_labels(group, ROUTER_ROLE)
+    container: dict[str, Any] = {
+        "name": "router",
+        "image": router.get("image") or spec.get("image") or default_image,
+        "command": router_command(group, namespace, replicas, port),
+        "env": [
+            {"name": env_var("GROUP"), "value": group},
+            {"name": env_var("ROLE"), "value": ROUTER_ROLE},
+            {"name": env_var("SERVED_MODEL_NAME"), "value": str(spec["model"].get("name", ""))},
+            {"name": env_var("PEERS_FILE"), "value": f"{PEERS_MOUNT}/{PEERS_FILE}"},
+            {"name": env_var("CONTROL_KEY"), "valueFrom": {"secretKeyRef": {
+                "name": control_secret_name(group), "key": CONTROL_KEY}}},
+        ],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "resources": container_resources(router.get("resources") or {}),
+        "volumeMounts": [{"name": "peers", "mountPath": PEERS_MOUNT, "readOnly": True}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 20},
+    }
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    pod: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [{"name": "peers", "configMap": {"name": peers_configmap_name(group), "optional": True}}],
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+    }
+    if router.get("nodeSelector"):
+        pod["nodeSelector"] = dict(router["nodeSelector"])
+    if router.get("tolerations"):
+        pod["tolerations"] = copy.deepcopy(list(router["tolerations"]))
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": router_name(group), "namespace": namespace, "labels": labels},
+        "spec": {
+            "replicas": int(router.get("replicas", 1)),
+            "selector": {"matchLabels": selector_labels(group, ROUTER_ROLE)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "revisionHistoryLimit": 5,
+            "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
+    }
+    kopf.adopt(deployment, owner=dict(group_body))
+    return deployment
+
+
+def build_router_service(group_body: Body) -> dict[str, Any]:
+    """The router's Service: the group's OpenAI-compatible endpoint."""
+    meta, spec = group_body["metadata"], group_body["spec"]
+    group = meta["name"]
+    port = router_port(spec)
+    svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": router_name(group), "namespace": meta.get("namespace", "default"),
+                     "labels": common_labels(group, ROUTER_ROLE)},
+        "spec": {
+            "type": (spec.get("router") or {}).get("serviceType", "ClusterIP"),
+            "selector": selector_labels(group, ROUTER_ROLE),
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+    kopf.adopt(svc, owner=dict(group_body))
+    return svc
+
+
+def router_endpoint(group_body: Body) -> str:
+    """URL of the router's Service inside the cluster."""
+    meta = group_body["metadata"]
+    return (f"http://{router_name(meta['name'])}.{meta.get('namespace', 'default')}.svc:"
+            f"{router_port(group_body['spec'])}")
+
+
+def peers_document(group_body: Body, replicas: Mapping[str, int]) -> dict[str, Any]:
+    """What each pod needs to find its peers: per role, its Service and each pod's endpoints."""
+    meta, spec = group_body["metadata"], group_body["spec"]
+    group, namespace = meta["name"], meta.get("namespace", "default")
+    roles: dict[str, Any] = {}
+    for role in group_roles(spec):
+        name = role_object_name(group, role)
+        endpoints = []
+        for i in range(replicas.get(role, 0)):
+            endpoint: dict[str, Any] = {"host": f"{name}-{i}.{name}.{namespace}.svc",
+                                        "port": DEFAULT_HTTP_PORT, "index": i}
+            if role == "prefill":
+                endpoint["bootstrapPort"] = bootstrap_port(spec)
+            if role == "drafter":
+                endpoint["meshPort"] = mesh_port(spec)
+            endpoints.append(endpoint)
+        roles[role] = {"service": f"{name}.{namespace}.svc", "replicas": replicas.get(role, 0),
+                       "tensorParallelSize": int(spec["roles"][role].get("tensorParallelSize", 1)),
+                       "endpoints": endpoints}
+    document: dict[str, Any] = {
+        "group": group,
+        "namespace": namespace,
+        "model": str(spec["model"].get("name", "")),
+        "router": router_endpoint(group_body),
+        "transfer": {"protocol": (spec.get("transfer") or {}).get("protocol", "tcp"),
+                     "devices": list((spec.get("transfer") or {}).get("devices") or []),
+                     "bootstrapPort": bootstrap_port(spec)},
+        "roles": roles,
+    }
+    if spec.get("speculative") is not None:
+        document["speculative"] = {"numDraftTokens": int(spec["speculative"].get("numDraftTokens", 4)),
+                                   "meshPort": mesh_port(spec)}
+    return document
+
+
+def build_peers_configmap(group_body: Body, replicas: Mapping[str, int]) -> dict[str, Any]:
+    """The ConfigMap holding :func:`peers_document`, mounted into every pod.
+
+    It is a mounted file and not environment variables so that scaling one role updates the
+    peers of the others in place instead of rolling their pods.
+    """
+    meta = group_body["metadata"]
+    group = meta["name"]
+    cm = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": peers_configmap_name(group), "namespace": meta.get("namespace", "default"),
+                     "labels": common_labels(group, "peers")},
+        "data": {PEERS_FILE: json.dumps(peers_document(group_body, replicas), indent=2, sort_keys=True)},
+    }
+    kopf.adopt(cm, owner=dict(group_body))
+    return cm
+
+
+def build_control_secret(group_body: Body, key: bytes) -> dict[str, Any]:
+    """The Secret with the group's shared control-plane key.
+
+    Mooncake's transfer ports listen on all interfaces without authentication; the control
+    messages between the group's pods (bootstrap, draft mesh, router) carry this key.
+    """
+    meta = group_body["metadata"]
+    group = meta["name"]
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": control_secret_name(group), "namespace": meta.get("namespace", "default"),
+                     "labels": common_labels(group, "control")},
+        "data": {CONTROL_KEY: base64.b64encode(key).decode()},
+    }
+    kopf.adopt(secret, owner=dict(group_body))
+    return secret

@@ -1,0 +1,273 @@
+"""The kopf handlers: thin, level-based reconcilers over the pure builders.
+
+Every handler ends in one of two functions, :meth:`Reconciler.reconcile_group` and
+:meth:`Reconciler.reconcile_role`, which read the object afresh, build the whole desired
+state from its spec, apply it and write the status. They are idempotent, so they run on
+create, update and resume, on every event of a child, and on a periodic resync; a restarted
+operator converges to the same objects. Deleting a group or a role deletes its children
+through owner references (Kubernetes' garbage collector); no finalizer is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from splitserve.operator.config import OperatorConfig
+from splitserve.operator.group_builders import (
+    build_control_secret,
+    build_peers_configmap,
+    build_router_deployment,
+    build_router_service,
+    build_serving_role,
+    group_roles,
+    role_replicas,
+    router_endpoint,
+)
+from splitserve.operator.kube import Kube, KubeError, controller_of, owned_by
+from splitserve.operator.names import (
+    API_GROUP,
+    API_VERSION,
+    GROUP_API_VERSION,
+    GROUP_KIND,
+    GROUP_PLURAL,
+    LABEL_GROUP,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+    ROLE_KIND,
+    ROLE_NAMES,
+    ROLE_PLURAL,
+    role_object_name,
+    router_name,
+)
+from splitserve.operator.role_builders import build_role_children, selector_labels
+from splitserve.operator.rollout import RoleProgress, group_revision, rollout_partitions
+from splitserve.operator.status import group_status, now_rfc3339, role_status
+from splitserve.operator.validation import InvalidSpec, group_spec_problems, role_spec_problems
+
+log = logging.getLogger(__name__)
+
+# A failed API call is retried after this many seconds (kopf.TemporaryError).
+RETRY_DELAY = 5.0
+CONTROL_KEY_BYTES = 32
+# kopf resource selectors of every kind of child the operator creates.
+CHILD_KINDS = (("v1", "services"), ("v1", "configmaps"), ("v1", "secrets"),
+               ("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"))
+
+
+def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether writing ``new`` would change the stored status (ignoring untouched keys)."""
+    old = old or {}
+    return any(old.get(key) != value for key, value in new.items())
+
+
+class Reconciler:
+    """Reconciles ServingGroups and ServingRoles through a :class:`Kube` client."""
+
+    def __init__(self, kube: Kube, config: OperatorConfig) -> None:
+        self.kube = kube
+        self.config = config
+        self._locks: dict[tuple[str, str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
+        """One lock per object: concurrent triggers of the same object run one after another."""
+        with self._locks_guard:
+            return self._locks.setdefault((kind, namespace, name), threading.Lock())
+
+    # ServingGroup ----------------------------------------------------------------------------
+
+    def reconcile_group(self, namespace: str, name: str) -> None:
+        """Brings a ServingGroup's children and status to what its spec says."""
+        with self._lock(GROUP_KIND, namespace, name):
+            group = self.kube.get(GROUP_API_VERSION, GROUP_KIND, namespace, name)
+            if group is None or group["metadata"].get("deletionTimestamp"):
+                return
+            self._reconcile_group(group)
+
+    def _reconcile_group(self, group: dict[str, Any]) -> None:
+        meta, spec = group["metadata"], group["spec"]
+        namespace, name = meta["namespace"], meta["name"]
+        revision = group_revision(spec)
+        existing = {role: self.kube.get(GROUP_API_VERSION, ROLE_KIND, namespace, role_object_name(name, role))
+                    for role in ROLE_NAMES}
+        problems = group_spec_problems(name, spec)
+        if problems:
+            self._write_group_status(group, revision, existing, problems=problems)
+            raise InvalidSpec(GROUP_KIND, f"{namespace}/{name}", problems)
+
+        roles = group_roles(spec)
+        replicas = {role: role_replicas(spec, role, existing[role]) for role in roles}
+        progress = {}
+        for role in roles:
+            status = (existing[role] or {}).get("status") or {}
+            fresh = status.get("revision") == revision
+            progress[role] = RoleProgress(replicas[role], int(status.get("updatedReadyReplicas", 0)) if fresh else 0)
+        max_skew = int((spec.get("rollout") or {}).get("maxSkewPercent", 25))
+        partitions = rollout_partitions(progress, max_skew)
+
+        desired = [
+            build_control_secret(group, secrets.token_bytes(CONTROL_KEY_BYTES)),
+            build_peers_configmap(group, replicas),
+            *(build_serving_role(group, role, revision, partitions[role], existing[role]) for role in roles),
+            build_router_service(group),
+            build_router_deployment(group, replicas, self.config.default_image),
+        ]
+        try:
+            applied = {}
+            for obj in desired:
+                result, current = self.kube.apply(obj)
+                applied[(obj["kind"], obj["metadata"]["name"])] = current
+                if result != "unchanged":
+                    log.info("%s %s %s/%s", result, obj["kind"], namespace, obj["metadata"]["name"])
+            for role in ROLE_NAMES:
+                stale = existing[role]
+                if role not in roles and stale is not None and owned_by(stale, meta["uid"]):
+                    log.info("deleting ServingRole %s/%s: role %s left the group", namespace,
+                             stale["metadata"]["name"], role)
+                    self.kube.delete(GROUP_API_VERSION, ROLE_KIND, namespace, stale["metadata"]["name"])
+        except KubeError as exc:
+            self._write_group_status(group, revision, existing, error=str(exc))
+            raise kopf.TemporaryError(f"applying the children of {namespace}/{name}: {exc}",
+                                      delay=RETRY_DELAY) from exc
+
+        current_roles = {role: applied[(ROLE_KIND, role_object_name(name, role))] for role in roles}
+        self._write_group_status(group, revision, current_roles,
+                                 router=applied[("Deployment", router_name(name))])
+
+    def _write_group_status(self, group: dict[str, Any], revision: str,
+                            roles: Mapping[str, dict[str, Any] | None], *, problems: list[str] | None = None,
+                            error: str | None = None, router: dict[str, Any] | None = None) -> None:
+        meta, spec = group["metadata"], group["spec"]
+        shown = {role: roles.get(role) for role in group_roles(spec)}
+        if router is None:
+            router = self.kube.get("apps/v1", "Deployment", meta["namespace"], router_name(meta["name"]))
+        status = group_status(
+            group, revision, shown, router, int((spec.get("router") or {}).get("replicas", 1)),
+            router_endpoint(group), problems or [], error, now_rfc3339())
+        if status_changed(group.get("status"), status):
+            self.kube.patch_status(GROUP_API_VERSION, GROUP_KIND, meta["namespace"], meta["name"], status)
+
+    # ServingRole -----------------------------------------------------------------------------
+
+    def reconcile_role(self, namespace: str, name: str) -> None:
+        """Brings a ServingRole's StatefulSet, Service and status to what its spec says."""
+        with self._lock(ROLE_KIND, namespace, name):
+            role = self.kube.get(GROUP_API_VERSION, ROLE_KIND, namespace, name)
+            if role is None or role["metadata"].get("deletionTimestamp"):
+                return
+            self._reconcile_role(role)
+
+    def _reconcile_role(self, role: dict[str, Any]) -> None:
+        meta, spec = role["metadata"], role["spec"]
+        namespace, name = meta["namespace"], meta["name"]
+        problems = role_spec_problems(name, spec)
+        now = now_rfc3339()
+        if problems:
+            status = role_status(role, None, [], now)
+            status["conditions"] = [{**status["conditions"][0], "reason": "InvalidSpec",
+                                     "message": "; ".join(problems)}]
+            if status_changed(role.get("status"), status):
+                self.kube.patch_status(GROUP_API_VERSION, ROLE_KIND, namespace, name, status)
+            raise InvalidSpec(ROLE_KIND, f"{namespace}/{name}", problems)
+        statefulset = None
+        try:
+            for obj in build_role_children(role, self.config.default_image):
+                result, current = self.kube.apply(obj)
+                if result != "unchanged":
+                    log.info("%s %s %s/%s", result, obj["kind"], namespace, name)
+                if obj["kind"] == "StatefulSet":
+                    statefulset = current
+            pods = self.kube.list("v1", "Pod", namespace, selector_labels(spec["group"], spec["role"]))
+        except KubeError as exc:
+            raise kopf.TemporaryError(f"applying the children of {namespace}/{name}: {exc}",
+                                      delay=RETRY_DELAY) from exc
+        status = role_status(role, statefulset, pods, now)
+        if status_changed(role.get("status"), status):
+            self.kube.patch_status(GROUP_API_VERSION, ROLE_KIND, namespace, name, status)
+
+    # Triggers ---------------------------------------------------------------------------------
+
+    def on_child_event(self, body: Mapping[str, Any], **_: Any) -> None:
+        """A child changed or went away: reconcile the group or role that controls it."""
+        owner = controller_of(body, (GROUP_KIND, ROLE_KIND))
+        if owner is None:
+            return
+        self._reconcile_owner(body["metadata"]["namespace"], owner)
+
+    def on_role_event(self, body: Mapping[str, Any], **_: Any) -> None:
+        """A ServingRole changed (its status, most often): its group recomputes status and rollout."""
+        owner = controller_of(body, (GROUP_KIND,))
+        if owner is not None:
+            self._reconcile_owner(body["metadata"]["namespace"], owner)
+
+    def _reconcile_owner(self, namespace: str, owner: Mapping[str, Any]) -> None:
+        try:
+            if owner["kind"] == GROUP_KIND:
+                self.reconcile_group(namespace, owner["name"])
+            else:
+                self.reconcile_role(namespace, owner["name"])
+        except (InvalidSpec, kopf.TemporaryError) as exc:
+            # The owner's own handlers report and retry these; an event only nudges.
+            log.debug("reconciling %s %s/%s on a child's event: %s", owner["kind"], namespace,
+                      owner["name"], exc)
+
+    def on_group(self, name: str, namespace: str, **_: Any) -> None:
+        """create/update/resume/resync of a ServingGroup."""
+        try:
+            self.reconcile_group(namespace, name)
+        except InvalidSpec as exc:
+            raise kopf.PermanentError(str(exc)) from exc
+
+    def on_role(self, name: str, namespace: str, **_: Any) -> None:
+        """create/update/resume/resync of a ServingRole."""
+        try:
+            self.reconcile_role(namespace, name)
+        except InvalidSpec as exc:
+            raise kopf.PermanentError(str(exc)) from exc
+
+    def on_group_timer(self, name: str, namespace: str, **_: Any) -> None:
+        """Periodic level-based resync of a group (repairs drift no event reported)."""
+        try:
+            self.reconcile_group(namespace, name)
+        except (InvalidSpec, kopf.TemporaryError) as exc:
+            log.debug("resync of ServingGroup %s/%s: %s", namespace, name, exc)
+
+    def on_role_timer(self, name: str, namespace: str, **_: Any) -> None:
+        """Periodic level-based resync of a role."""
+        try:
+            self.reconcile_role(namespace, name)
+        except (InvalidSpec, kopf.TemporaryError) as exc:
+            log.debug("resync of ServingRole %s/%s: %s", namespace, name, exc)
+
+
+def register_handlers(registry: kopf.OperatorRegistry, reconciler: Reconciler, config: OperatorConfig) -> None:
+    """Registers the reconciler's handlers in ``registry``."""
+    group = (API_GROUP, API_VERSION, GROUP_PLURAL)
+    role = (API_GROUP, API_VERSION, ROLE_PLURAL)
+    for resource, handler, timer, kind in ((group, reconciler.on_group, reconciler.on_group_timer, "group"),
+                                           (role, reconciler.on_role, reconciler.on_role_timer, "role")):
+        kopf.on.create(*resource, id=f"{kind}-create", registry=registry)(handler)
+        kopf.on.update(*resource, id=f"{kind}-update", registry=registry)(handler)
+        kopf.on.resume(*resource, id=f"{kind}-resume", registry=registry)(handler)
+        kopf.timer(*resource, id=f"{kind}-resync", interval=config.resync_seconds,
+                   initial_delay=config.resync_seconds, registry=registry)(timer)
+    kopf.on.event(*role, id="role-event", registry=registry)(reconciler.on_role_event)
+    for selector in CHILD_KINDS:
+        kopf.on.event(*selector, id=f"child-{selector[-1]}", registry=registry,
+                      labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_GROUP: kopf.PRESENT})(
+            reconciler.on_child_event)
+
+
+def operator_settings() -> kopf.OperatorSettings:
+    """kopf settings: progress in annotations only, so the status schema can stay strict."""
+    settings = kopf.OperatorSettings()
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage()
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage()
+    settings.posting.level = logging.WARNING
+    settings.peering.standalone = True
+    return settings

@@ -1,0 +1,209 @@
+"""A small typed layer over the Kubernetes REST API for the kinds the operator writes.
+
+The generated ``kubernetes`` client does the TLS and authentication; this module maps a kind
+to its URL and applies desired objects: create when absent, replace when what the operator
+last wrote (a hash kept in an annotation) or any field it sets has changed, else nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes.client import ApiClient
+from splitserve.operator.names import ANNOTATION_APPLIED_HASH, GROUP_API_VERSION, GROUP_PLURAL, ROLE_PLURAL
+from splitserve.operator.rollout import stable_hash
+
+log = logging.getLogger(__name__)
+
+# (apiVersion, kind) -> plural, for every kind the operator reads or writes.
+PLURALS: dict[tuple[str, str], str] = {
+    ("v1", "Service"): "services",
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Secret"): "secrets",
+    ("v1", "Pod"): "pods",
+    ("apps/v1", "StatefulSet"): "statefulsets",
+    ("apps/v1", "Deployment"): "deployments",
+    (GROUP_API_VERSION, "ServingGroup"): GROUP_PLURAL,
+    (GROUP_API_VERSION, "ServingRole"): ROLE_PLURAL,
+}
+# Top-level fields of a kind that the operator writes once and never replaces: the Secret's
+# random key must survive every reconcile.
+WRITE_ONCE: dict[str, tuple[str, ...]] = {"Secret": ("data",)}
+
+
+class KubeError(RuntimeError):
+    """An API call failed; carries the HTTP status and the server's message."""
+
+    def __init__(self, method: str, path: str, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(f"{method} {path}: HTTP {status}: {message}")
+
+
+def collection_path(api_version: str, kind: str, namespace: str) -> str:
+    """URL path of a kind's collection in a namespace."""
+    plural = PLURALS[(api_version, kind)]
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{plural}"
+
+
+@dataclass
+class Kube:
+    """Blocking calls to the API server through a configured ``kubernetes.client.ApiClient``."""
+
+    api: ApiClient
+    field_manager: str = "splitserve-operator"
+
+    def request(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
+                content_type: str = "application/json") -> dict[str, Any]:
+        """One API call; returns the decoded JSON body, raises :class:`KubeError` on >= 400."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        method_, url, headers_, body_, post = self.api.param_serialize(
+            method=method, resource_path=path, query_params=query or [], header_params=headers,
+            body=body, auth_settings=["BearerToken"])
+        response = self.api.call_api(method_, url, header_params=headers_, body=body_, post_params=post,
+                                     _request_timeout=30)
+        data = response.read()
+        if response.status >= 400:
+            try:
+                message = json.loads(data).get("message", "")
+            except (ValueError, AttributeError):
+                message = data.decode(errors="replace")[:500]
+            raise KubeError(method, path, response.status, message)
+        return json.loads(data) if data else {}
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        try:
+            return self.request("GET", f"{collection_path(api_version, kind, namespace)}/{name}")
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, api_version: str, kind: str, namespace: str,
+             labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+        """Objects of a kind in a namespace, optionally filtered by labels."""
+        query = []
+        if labels:
+            query.append(("labelSelector", ",".join(f"{k}={v}" for k, v in labels.items())))
+        return self.request("GET", collection_path(api_version, kind, namespace), query=query).get("items", [])
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        """Deletes an object (background propagation: the garbage collector takes its children)."""
+        try:
+            self.request("DELETE", f"{collection_path(api_version, kind, namespace)}/{name}",
+                         body={"propagationPolicy": "Background"})
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+
+    def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
+                     status: Mapping[str, Any]) -> dict[str, Any]:
+        """Merge-patches the status subresource."""
+        return self.request("PATCH", f"{collection_path(api_version, kind, namespace)}/{name}/status",
+                            body={"status": dict(status)}, content_type="application/merge-patch+json")
+
+    def apply(self, desired: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Creates or updates ``desired``; returns ("created" | "updated" | "unchanged", object).
+
+        Level-based and idempotent: an object equal to what was last applied, and whose
+        fields still hold the desired values, is left alone.
+        """
+        desired = with_applied_hash(desired)
+        meta = desired["metadata"]
+        api_version, kind = desired["apiVersion"], desired["kind"]
+        path = collection_path(api_version, kind, meta["namespace"])
+        existing = self.get(api_version, kind, meta["namespace"], meta["name"])
+        query = [("fieldManager", self.field_manager)]
+        if existing is None:
+            try:
+                return "created", self.request("POST", path, body=desired, query=query)
+            except KubeError as exc:
+                if exc.status != 409:
+                    raise
+                # Created meanwhile (another reconcile of the same owner): update it instead.
+                existing = self.get(api_version, kind, meta["namespace"], meta["name"])
+                if existing is None:
+                    raise
+        if not needs_update(existing, desired):
+            return "unchanged", existing
+        merged = merge_for_update(existing, desired)
+        log.info("updating %s %s/%s", kind, meta["namespace"], meta["name"])
+        return "updated", self.request("PUT", f"{path}/{meta['name']}", body=merged, query=query)
+
+
+def with_applied_hash(desired: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``desired`` annotated with the hash of its own content."""
+    obj = copy.deepcopy(dict(desired))
+    annotations = obj["metadata"].setdefault("annotations", {})
+    annotations.pop(ANNOTATION_APPLIED_HASH, None)
+    # Write-once fields (a Secret's random key) are left out: they never trigger an update.
+    hashed = {k: v for k, v in obj.items() if k not in WRITE_ONCE.get(obj["kind"], ())}
+    annotations[ANNOTATION_APPLIED_HASH] = stable_hash(hashed, length=16)
+    return obj
+
+
+def is_subset(want: Any, have: Any) -> bool:
+    """Whether every field of ``want`` holds the same value in ``have`` (server defaults ignored)."""
+    if isinstance(want, Mapping):
+        return isinstance(have, Mapping) and all(k in have and is_subset(v, have[k]) for k, v in want.items())
+    if isinstance(want, list):
+        return (isinstance(have, list) and len(want) == len(have)
+                and all(is_subset(w, h) for w, h in zip(want, have, strict=True)))
+    return want == have
+
+
+def needs_update(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """Whether ``existing`` lacks something ``desired`` sets, or was applied from another desire."""
+    skip = set(WRITE_ONCE.get(desired["kind"], ())) | {"metadata", "status"}
+    for key, value in desired.items():
+        if key not in skip and not is_subset(value, existing.get(key)):
+            return True
+    meta, have = desired["metadata"], existing.get("metadata", {})
+    return not (
+        is_subset(meta.get("labels") or {}, have.get("labels") or {})
+        and is_subset(meta.get("annotations") or {}, have.get("annotations") or {})
+        and is_subset(meta.get("ownerReferences") or [], have.get("ownerReferences") or [])
+    )
+
+
+def merge_for_update(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The body of a PUT: desired content over the existing object's identity and metadata.
+
+    Labels and annotations others added (controllers, kubectl) are kept; owner references
+    and every top-level field the operator sets are replaced; write-once fields are kept.
+    """
+    merged = copy.deepcopy(dict(existing))
+    keep = WRITE_ONCE.get(desired["kind"], ())
+    for key, value in desired.items():
+        if key in ("metadata", "status") or (key in keep and key in existing):
+            continue
+        merged[key] = copy.deepcopy(value)
+    meta = merged.setdefault("metadata", {})
+    for field in ("labels", "annotations"):
+        meta[field] = {**(meta.get(field) or {}), **(desired["metadata"].get(field) or {})}
+    if desired["metadata"].get("ownerReferences"):
+        meta["ownerReferences"] = copy.deepcopy(desired["metadata"]["ownerReferences"])
+    merged.pop("status", None)
+    return merged
+
+
+def owned_by(obj: Mapping[str, Any], owner_uid: str) -> bool:
+    """Whether ``obj`` lists an owner reference to ``owner_uid``."""
+    return any(ref.get("uid") == owner_uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
+def controller_of(obj: Mapping[str, Any], kinds: Iterable[str]) -> dict[str, Any] | None:
+    """The controlling owner reference of ``obj`` when its kind is one of ``kinds``."""
+    for ref in obj.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("kind") in set(kinds):
+            return dict(ref)
+    return None
+

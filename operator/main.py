@@ -1,0 +1,46 @@
+"""`splitserve operator`: runs the kopf operator for ServingGroups and ServingRoles."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import kopf
+import kubernetes
+from splitserve.config_flags import parse_config
+from splitserve.operator.config import OperatorConfig
+from splitserve.operator.handlers import Reconciler, operator_settings, register_handlers
+from splitserve.operator.kube import Kube
+
+log = logging.getLogger(__name__)
+
+
+def api_client(config: OperatorConfig) -> kubernetes.client.ApiClient:
+    """A client for the API server: the given kubeconfig, in-cluster, or the default kubeconfig."""
+    if config.kubeconfig:
+        # kopf's own login reads $KUBECONFIG too, so both talk to the same server.
+        os.environ["KUBECONFIG"] = config.kubeconfig
+        return kubernetes.config.new_client_from_config(config_file=config.kubeconfig)
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        kubernetes.config.load_incluster_config()
+        return kubernetes.client.ApiClient()
+    return kubernetes.config.new_client_from_config()
+
+
+def main(argv: list[str]) -> int:
+    """Parses the operator's flags and runs it until SIGTERM/SIGINT."""
+    config = parse_config(OperatorConfig, argv, prefix="SPLITSERVE", prog="splitserve operator",
+                          description="Reconciles ServingGroups and ServingRoles (splitserve.io/v1alpha1).")
+    if config.verbose:
+        logging.getLogger().setLevel(logging.DEBUG)
+    registry = kopf.OperatorRegistry()
+    reconciler = Reconciler(Kube(api_client(config)), config)
+    register_handlers(registry, reconciler, config)
+    liveness = (f"http://{config.liveness_host}:{config.liveness_port}/healthz"
+                if config.liveness_port else None)
+    log.info("splitserve operator: %s, resync every %.0fs, default image %s",
+             "cluster-wide" if config.cluster_wide else f"namespaces {', '.join(config.namespaces)}",
+             config.resync_seconds, config.default_image)
+    kopf.run(registry=registry, settings=operator_settings(), standalone=True,
+             clusterwide=config.cluster_wide, namespaces=config.namespaces, liveness_endpoint=liveness)
+    return 0

@@ -1,0 +1,301 @@
+"""Pure builders from a ServingRole to its children: a StatefulSet and a headless Service.
+
+Nothing here calls the API server; the handlers apply what these functions return.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from splitserve.operator.names import (
+    CONTROL_KEY,
+    DEFAULT_BOOTSTRAP_PORT,
+    DEFAULT_DRAFT_MESH_PORT,
+    DEFAULT_HTTP_PORT,
+    ENV_PREFIX,
+    LABEL_COMPONENT,
+    LABEL_GROUP,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_REVISION,
+    LABEL_ROLE,
+    MANAGED_BY,
+    PEERS_FILE,
+    PEERS_MOUNT,
+)
+from splitserve.operator.rollout import role_revision
+
+Body = Mapping[str, Any]
+MODEL_VOLUME = "model"
+SHM_VOLUME = "dshm"
+PEERS_VOLUME = "peers"
+GPU_RESOURCE = "nvidia.com/gpu"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+# Engine flags the operator sets itself; engineArgs may not repeat them.
+MANAGED_ENGINE_FLAGS = ("--role", "--model", "--host", "--port", "--tp-size", "--device",
+                        "--bootstrap-port", "--dtype", "--page-size")
+
+
+def env_var(name: str) -> str:
+    """The engine's environment variable for a name: SPLITSERVE_<NAME>."""
+    return f"{ENV_PREFIX}_{name}"
+
+
+# Environment variables the operator sets on every engine pod; spec.env may not repeat them.
+MANAGED_ENV = tuple(env_var(n) for n in (
+    "GROUP", "ROLE", "NAMESPACE", "POD_NAME", "POD_IP", "REPLICA_INDEX", "SERVICE", "REVISION",
+    "SERVED_MODEL_NAME", "BOOTSTRAP_PORT", "TRANSFER_PROTOCOL", "TRANSFER_DEVICES", "PEERS_FILE",
+    "CONTROL_KEY", "NUM_DRAFT_TOKENS", "DRAFT_MESH_PORT",
+))
+
+
+def common_labels(group: str, component: str) -> dict[str, str]:
+    """Labels every child of a group carries."""
+    return {
+        LABEL_NAME: "splitserve",
+        LABEL_INSTANCE: group,
+        LABEL_COMPONENT: component,
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_GROUP: group,
+        LABEL_ROLE: component,
+    }
+
+
+def selector_labels(group: str, role: str) -> dict[str, str]:
+    """The (immutable) pod selector of a role's StatefulSet and Service."""
+    return {LABEL_GROUP: group, LABEL_ROLE: role}
+
+
+def selector_string(group: str, role: str) -> str:
+    """The selector as a string, for the scale subresource's status.selector."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(group, role).items())
+
+
+def model_path(model: Mapping[str, Any]) -> str:
+    """Path of the checkpoint folder inside an engine pod."""
+    if model.get("imagePath"):
+        return str(model["imagePath"])
+    return str(model.get("mountPath") or "/models")
+
+
+def model_volume(model: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The pod volume holding the weights, or None when they are in the image."""
+    if model.get("pvc"):
+        return {"name": MODEL_VOLUME, "persistentVolumeClaim": {
+            "claimName": model["pvc"]["claimName"], "readOnly": True}}
+    if model.get("hostPath"):
+        return {"name": MODEL_VOLUME, "hostPath": {"path": model["hostPath"]["path"], "type": "Directory"}}
+    return None
+
+
+def model_mount(model: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The container's mount of :func:`model_volume`."""
+    if model_volume(model) is None:
+        return None
+    mount = {"name": MODEL_VOLUME, "mountPath": model_path(model), "readOnly": True}
+    if model.get("pvc", {}).get("subPath"):
+        mount["subPath"] = model["pvc"]["subPath"]
+    return mount
+
+
+def engine_command(role: str, spec: Mapping[str, Any]) -> list[str]:
+    """The engine container's command: ``splitserve serve --role <role> ...``."""
+    tp = int(spec.get("tensorParallelSize", 1))
+    gpus = int((spec.get("resources") or {}).get("gpus", 0))
+    command = [
+        "splitserve", "serve", "--role", role,
+        "--model", model_path(spec["model"]),
+        "--host", "0.0.0.0",
+        "--port", str(DEFAULT_HTTP_PORT),
+        "--tp-size", str(tp),
+        "--device", "cuda" if gpus > 0 else "cpu",
+    ]
+    if role == "prefill":
+        command += ["--bootstrap-port", str(bootstrap_port(spec))]
+    if spec.get("dtype"):
+        command += ["--dtype", str(spec["dtype"])]
+    if spec.get("pageSize"):
+        command += ["--page-size", str(spec["pageSize"])]
+    return command + [str(arg) for arg in spec.get("engineArgs") or []]
+
+
+def bootstrap_port(spec: Mapping[str, Any]) -> int:
+    """The prefill pods' bootstrap port."""
+    return int((spec.get("transfer") or {}).get("bootstrapPort", DEFAULT_BOOTSTRAP_PORT))
+
+
+def mesh_port(spec: Mapping[str, Any]) -> int:
+    """The drafter pods' DraftMesh gRPC port."""
+    return int((spec.get("speculative") or {}).get("meshPort", DEFAULT_DRAFT_MESH_PORT))
+
+
+def engine_env(name: str, spec: Mapping[str, Any], revision: str, namespace: str) -> list[dict[str, Any]]:
+    """Environment of an engine container: who it is, where its peers and secrets are."""
+    role, group = spec["role"], spec["group"]
+    transfer = spec.get("transfer") or {}
+
+    def field(path: str) -> dict[str, Any]:
+        return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    env: list[dict[str, Any]] = [
+        {"name": env_var("GROUP"), "value": group},
+        {"name": env_var("ROLE"), "value": role},
+        {"name": env_var("NAMESPACE"), **field("metadata.namespace")},
+        {"name": env_var("POD_NAME"), **field("metadata.name")},
+        {"name": env_var("POD_IP"), **field("status.podIP")},
+        # The StatefulSet ordinal is the replica's index in its role. Kubernetes >= 1.28 labels
+        # the pod with it; on older servers this is empty and the "-<ordinal>" suffix of
+        # SPLITSERVE_POD_NAME says the same.
+        {"name": env_var("REPLICA_INDEX"), **field(f"metadata.labels['{POD_INDEX_LABEL}']")},
+        {"name": env_var("SERVICE"), "value": f"{name}.{namespace}.svc"},
+        {"name": env_var("REVISION"), "value": revision},
+        {"name": env_var("SERVED_MODEL_NAME"), "value": str(spec["model"].get("name", ""))},
+        {"name": env_var("BOOTSTRAP_PORT"), "value": str(bootstrap_port(spec))},
+        {"name": env_var("TRANSFER_PROTOCOL"), "value": str(transfer.get("protocol", "tcp"))},
+        {"name": env_var("TRANSFER_DEVICES"), "value": ",".join(transfer.get("devices") or [])},
+    ]
+    if spec.get("peersConfigMap"):
+        env.append({"name": env_var("PEERS_FILE"), "value": f"{PEERS_MOUNT}/{PEERS_FILE}"})
+    if spec.get("controlSecret"):
+        env.append({"name": env_var("CONTROL_KEY"), "valueFrom": {"secretKeyRef": {
+            "name": spec["controlSecret"], "key": CONTROL_KEY}}})
+    if spec.get("speculative") and role in ("decode", "drafter"):
+        env.append({"name": env_var("NUM_DRAFT_TOKENS"),
+                    "value": str(spec["speculative"].get("numDraftTokens", 4))})
+        env.append({"name": env_var("DRAFT_MESH_PORT"), "value": str(mesh_port(spec))})
+    env += [{"name": e["name"], "value": str(e.get("value", ""))} for e in spec.get("env") or []]
+    return env
+
+
+def container_ports(role: str, spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Named ports of an engine container."""
+    ports = [{"name": "http", "containerPort": DEFAULT_HTTP_PORT, "protocol": "TCP"}]
+    if role == "prefill":
+        ports.append({"name": "bootstrap", "containerPort": bootstrap_port(spec), "protocol": "TCP"})
+    if role == "drafter":
+        ports.append({"name": "draft-mesh", "containerPort": mesh_port(spec), "protocol": "TCP"})
+    return ports
+
+
+def container_resources(resources: Mapping[str, Any]) -> dict[str, Any]:
+    """A container's ResourceRequirements: requests, limits, and the GPUs as nvidia.com/gpu."""
+    out: dict[str, Any] = {}
+    for kind in ("requests", "limits"):
+        if resources.get(kind):
+            out[kind] = {k: str(v) for k, v in resources[kind].items()}
+    gpus = int(resources.get("gpus", 0) or 0)
+    if gpus:
+        out.setdefault("limits", {})[GPU_RESOURCE] = str(gpus)
+        out.setdefault("requests", {})[GPU_RESOURCE] = str(gpus)
+    return out
+
+
+def engine_pod_spec(name: str, spec: Mapping[str, Any], revision: str, namespace: str,
+                    default_image: str) -> dict[str, Any]:
+    """The PodSpec of one engine replica."""
+    role = spec["role"]
+    model = spec["model"]
+    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    volumes: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+    if model_volume(model) is not None:
+        volumes.append(model_volume(model))
+        mounts.append(model_mount(model))
+    if spec.get("peersConfigMap"):
+        volumes.append({"name": PEERS_VOLUME, "configMap": {"name": spec["peersConfigMap"], "optional": True}})
+        mounts.append({"name": PEERS_VOLUME, "mountPath": PEERS_MOUNT, "readOnly": True})
+    health = {"httpGet": {"path": "/health", "port": "http"}}
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.get("image") or default_image,
+        "command": engine_command(role, spec),
+        "env": engine_env(name, spec, revision, namespace),
+        "ports": container_ports(role, spec),
+        "resources": container_resources(spec.get("resources") or {}),
+        "volumeMounts": mounts,
+        # Loading a large checkpoint takes minutes: the startup probe allows an hour.
+        "startupProbe": {**health, "periodSeconds": 10, "failureThreshold": 360},
+        "readinessProbe": {**health, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**health, "periodSeconds": 20, "failureThreshold": 3},
+    }
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    if (spec.get("transfer") or {}).get("protocol") == "rdma":
+        # RDMA memory registration pins pages.
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    pod: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        # Engines never talk to the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+    }
+    if spec.get("nodeSelector"):
+        pod["nodeSelector"] = dict(spec["nodeSelector"])
+    if spec.get("tolerations"):
+        pod["tolerations"] = copy.deepcopy(list(spec["tolerations"]))
+    return pod
+
+
+def build_statefulset(role_body: Body, default_image: str) -> dict[str, Any]:
+    """The StatefulSet of a ServingRole: stable names and ordinals for the engine pods."""
+    meta, spec = role_body["metadata"], role_body["spec"]
+    name, namespace = meta["name"], meta.get("namespace", "default")
+    group, role = spec["group"], spec["role"]
+    revision = role_revision(spec)
+    labels = common_labels(group, role)
+    pod_labels = {**labels, LABEL_REVISION: revision}
+    replicas = int(spec.get("replicas", 1))
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "serviceName": name,
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(group, role)},
+            # Pods start together; ranks come from the stable ordinals, not start order.
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate",
+                               "rollingUpdate": {"partition": int(spec.get("updatePartition", 0))}},
+            "revisionHistoryLimit": 5,
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": engine_pod_spec(name, spec, revision, namespace, default_image),
+            },
+        },
+    }
+    kopf.adopt(sts, owner=dict(role_body))
+    return sts
+
+
+def build_headless_service(role_body: Body) -> dict[str, Any]:
+    """The headless Service giving each engine pod a stable DNS name (<pod>.<role>.<ns>.svc)."""
+    meta, spec = role_body["metadata"], role_body["spec"]
+    group, role = spec["group"], spec["role"]
+    ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+             for p in container_ports(role, spec)]
+    svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": meta["name"], "namespace": meta.get("namespace", "default"),
+                     "labels": common_labels(group, role)},
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(group, role),
+            "ports": ports,
+            # Peers must find each other (bootstrap, draft mesh) before they report ready.
+            "publishNotReadyAddresses": True,
+        },
+    }
+    kopf.adopt(svc, owner=dict(role_body))
+    return svc
+
+
+def build_role_children(role_body: Body, default_image: str) -> list[dict[str, Any]]:
+    """Every child of a ServingRole, in the order to apply them."""
+    return [build_headless_service(role_body), build_statefulset(role_body, default_image)]

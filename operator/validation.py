@@ -1,0 +1,76 @@
+"""Checks of a spec that the CRD's OpenAPI schema cannot express on every supported server.
+
+The schema refuses bad values field by field; these functions catch what spans fields (GPUs
+against tensor-parallel size, a drafter without speculative decoding, ...). A spec with
+problems is never reconciled: the operator reports them in the ``Degraded`` condition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from splitserve.operator.names import MAX_GROUP_NAME, ROLE_NAMES
+from splitserve.operator.role_builders import MANAGED_ENGINE_FLAGS, MANAGED_ENV
+
+
+class InvalidSpec(ValueError):
+    """A spec that can never be reconciled; the message lists every problem."""
+
+    def __init__(self, kind: str, name: str, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__(f"{kind} {name}: " + "; ".join(problems))
+
+
+def role_template_problems(where: str, role: Mapping[str, Any]) -> list[str]:
+    """Problems of one role's fields (``spec.roles.<role>`` or a ServingRole's spec)."""
+    problems = []
+    tp = int(role.get("tensorParallelSize", 1))
+    gpus = int((role.get("resources") or {}).get("gpus", 0) or 0)
+    if gpus and gpus != tp:
+        problems.append(f"{where}.resources.gpus is {gpus} but tensorParallelSize is {tp}: "
+                        f"each pod needs one GPU per tensor-parallel rank (or 0 GPUs to run on CPU)")
+    for i, arg in enumerate(role.get("engineArgs") or []):
+        flag = str(arg).split("=", 1)[0]
+        if flag in MANAGED_ENGINE_FLAGS:
+            problems.append(f"{where}.engineArgs[{i}] sets {flag}, which the operator sets from the spec")
+    for i, var in enumerate(role.get("env") or []):
+        if var.get("name") in MANAGED_ENV:
+            problems.append(f"{where}.env[{i}] sets {var['name']}, which the operator sets itself")
+    names = [var.get("name") for var in role.get("env") or []]
+    for dup in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"{where}.env sets {dup} more than once")
+    return problems
+
+
+def group_spec_problems(name: str, spec: Mapping[str, Any]) -> list[str]:
+    """Every problem of a ServingGroup's name and spec; empty when it can be reconciled."""
+    problems = []
+    if len(name) > MAX_GROUP_NAME:
+        problems.append(f"metadata.name {name!r} is {len(name)} characters; at most {MAX_GROUP_NAME} "
+                        f"leave room for the pods' names (<group>-<role>-<ordinal>)")
+    roles = spec.get("roles") or {}
+    for role in ROLE_NAMES:
+        if roles.get(role) is not None:
+            problems += role_template_problems(f"spec.roles.{role}", roles[role])
+    has_drafter = roles.get("drafter") is not None and int(roles["drafter"].get("replicas", 1)) > 0
+    if has_drafter and spec.get("speculative") is None:
+        problems.append("spec.roles.drafter is set but spec.speculative is not: "
+                        "drafters serve only decoupled speculative decoding")
+    if spec.get("speculative") is not None and roles.get("drafter") is None:
+        problems.append("spec.speculative is set but spec.roles.drafter is not: "
+                        "speculative decoding needs drafter pods")
+    if roles.get("encode") is not None and int(roles.get("prefill", {}).get("replicas", 1)) == 0:
+        problems.append("spec.roles.encode is set but prefill has 0 replicas: encoders feed prefill pods")
+    return problems
+
+
+def role_spec_problems(name: str, spec: Mapping[str, Any]) -> list[str]:
+    """Every problem of a ServingRole's name and spec; empty when it can be reconciled."""
+    problems = role_template_problems("spec", spec)
+    if len(name) > MAX_GROUP_NAME + len("-prefill"):
+        problems.append(f"metadata.name {name!r} is {len(name)} characters; at most "
+                        f"{MAX_GROUP_NAME + len('-prefill')} leave room for the pods' names")
+    if spec.get("role") == "drafter" and spec.get("speculative") is None:
+        problems.append("spec.role is drafter but spec.speculative is not set")
+    return problems
