@@ -1,0 +1,72 @@
+"""``TransferConfig``: the transfer layer's settings, as one dataclass the engine embeds as flags.
+
+The engine adds these to its parser with
+``add_config_flags(parser, TransferConfig, "SPLITSERVE")`` and builds the config with
+``config_from_args(TransferConfig, args, "SPLITSERVE")``: ``transfer_protocol`` becomes
+``--transfer-protocol`` and ``SPLITSERVE_TRANSFER_PROTOCOL``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Settings of one KV manager and its bootstrap server."""
+
+    transfer_protocol: str = field(default="tcp", metadata={
+        "help": "Mooncake transport: rdma (production; fails loudly without an RDMA device) or tcp",
+        "choices": ("rdma", "tcp"),
+    })
+    transfer_devices: str = field(default="", metadata={
+        "help": "RDMA devices for Mooncake, comma-separated (empty: all found); rdma only"})
+    transfer_host: str = field(default="127.0.0.1", metadata={
+        "help": "address this engine's transfer endpoints bind to and advertise to peers "
+                "(the pod IP in Kubernetes)"})
+    transfer_control_port: int = field(default=0, metadata={
+        "help": "ZeroMQ port for transfer control messages (0: any free port)"})
+    bootstrap_port: int = field(default=8998, metadata={
+        "help": "port of the prefill's bootstrap server (prefill rank 0 serves it)"})
+    transfer_bootstrap_timeout_s: float = field(default=60.0, metadata={
+        "help": "seconds a room may stay Bootstrapping (layout lookup / waiting for the decode's "
+                "metadata)"})
+    transfer_waiting_timeout_s: float = field(default=300.0, metadata={
+        "help": "seconds a room may stay WaitingForInput (prefill queued / computing the prompt)"})
+    transfer_timeout_s: float = field(default=60.0, metadata={
+        "help": "seconds a Transferring room may go without progress (a chunk landing)"})
+    transfer_heartbeat_interval_s: float = field(default=1.0, metadata={
+        "help": "seconds between heartbeats to each peer with open rooms"})
+    transfer_heartbeat_misses: int = field(default=5, metadata={
+        "help": "a peer silent for this many heartbeat intervals is dead and its rooms fail"})
+    transfer_threads: int = field(default=2, metadata={
+        "help": "transfer worker threads per manager (each drives Mooncake writes to its peers)"})
+    transfer_max_batch_segments: int = field(default=1024, metadata={
+        "help": "segments per Mooncake batch (its TCP lane rejects batches of a few thousand)"})
+    transfer_control_key: str = field(default="", metadata={
+        "help": "shared secret: control messages are HMAC-signed and the bootstrap server "
+                "requires it (empty: no authentication)"})
+
+    def __post_init__(self) -> None:
+        if self.transfer_protocol not in ("rdma", "tcp"):
+            raise ValueError(f"transfer_protocol must be rdma or tcp, got {self.transfer_protocol!r}")
+        for name in ("transfer_bootstrap_timeout_s", "transfer_waiting_timeout_s", "transfer_timeout_s",
+                     "transfer_heartbeat_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.transfer_heartbeat_misses < 1:
+            raise ValueError(f"transfer_heartbeat_misses must be >= 1, got {self.transfer_heartbeat_misses}")
+        if self.transfer_threads < 1:
+            raise ValueError(f"transfer_threads must be >= 1, got {self.transfer_threads}")
+        if self.transfer_max_batch_segments < 1:
+            raise ValueError("transfer_max_batch_segments must be >= 1")
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        """How long a peer may be silent before it is declared dead."""
+        return self.transfer_heartbeat_interval_s * self.transfer_heartbeat_misses
+
+    def replace(self, **changes: object) -> TransferConfig:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,176 @@
+"""The ZeroMQ thread that carries control messages for one manager.
+
+One PULL socket bound on ``transfer_control_port`` receives; one PUSH socket per peer
+endpoint sends. ZeroMQ sockets are not thread-safe, so only this thread touches them: other
+threads call ``send``, which queues the frames and wakes the thread through a socketpair.
+The thread also calls ``on_tick`` every ``tick_s`` (heartbeats, timeouts).
+
+A malformed or unauthenticated message is logged, counted in ``dropped`` and dropped; an
+exception from a handler is logged; neither ends the thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from .control_messages import ControlMessage, decode_message, encode_message
+from .errors import ControlMessageError
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 1000
+
+
+class ControlChannel:
+    """Receives and sends control messages on a dedicated thread."""
+
+    def __init__(self, host: str, port: int, key: bytes,
+                 on_message: Callable[[ControlMessage], None], on_tick: Callable[[float], None],
+                 tick_s: float, name: str = "transfer-control") -> None:
+        self._key = key
+        self._on_message = on_message
+        self._on_tick = on_tick
+        self._tick_s = tick_s
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        if port:
+            self._pull.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._push: dict[str, zmq.Socket] = {}
+        self._outbox: collections.deque[tuple[str, list[bytes] | None]] = collections.deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._stopping = False
+        self.dropped = 0
+        self.received = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, endpoint: str, msg: ControlMessage) -> None:
+        """Queues ``msg`` for ``endpoint`` (thread-safe, never blocks). Lost if the peer is gone."""
+        self._outbox.append((endpoint, encode_message(msg, self._key)))
+        self._wake()
+
+    def send_raw(self, endpoint: str, frames: list[bytes]) -> None:
+        """Queues raw frames (tests use it to send garbage)."""
+        self._outbox.append((endpoint, frames))
+        self._wake()
+
+    def forget(self, endpoint: str) -> None:
+        """Closes the socket to ``endpoint`` (queued behind earlier sends)."""
+        self._outbox.append((endpoint, None))
+        self._wake()
+
+    @property
+    def peer_sockets(self) -> int:
+        return len(self._push)
+
+    def close(self) -> None:
+        """Stops the thread and closes every socket."""
+        self._stopping = True
+        self._wake()
+        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            log.error("control thread did not stop within 10s")
+            return
+        for sock in self._push.values():
+            sock.close(linger=0)
+        self._push.clear()
+        self._pull.close(linger=0)
+        self._ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):  # already awake (buffer full) or closing
+            self._wake_w.send(b"x")
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        next_tick = time.monotonic()
+        while not self._stopping:
+            timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
+            try:
+                events = dict(poller.poll(timeout_ms))
+            except zmq.ZMQError as exc:
+                log.error("control poll failed: %s", exc)
+                time.sleep(0.01)
+                continue
+            if self._wake_r.fileno() in events:
+                with contextlib.suppress(BlockingIOError, OSError):
+                    while self._wake_r.recv(4096):
+                        pass
+            if self._pull in events:
+                self._receive_batch()
+            self._flush_outbox()
+            now = time.monotonic()
+            if now >= next_tick:
+                try:
+                    self._on_tick(now)
+                except Exception:
+                    log.exception("transfer control tick failed")
+                next_tick = now + self._tick_s
+                self._flush_outbox()
+
+    def _receive_batch(self) -> None:
+        for _ in range(MAX_BATCH):
+            try:
+                frames = self._pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                log.warning("control recv failed: %s", exc)
+                return
+            self.received += 1
+            try:
+                msg = decode_message(frames, self._key)
+            except ControlMessageError as exc:
+                self.dropped += 1
+                log.warning("dropped control message: %s", exc)
+                continue
+            try:
+                self._on_message(msg)
+            except Exception:
+                log.exception("handling %s failed", type(msg).__name__)
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            endpoint, frames = self._outbox.popleft()
+            if frames is None:
+                sock = self._push.pop(endpoint, None)
+                if sock is not None:
+                    sock.close(linger=0)
+                continue
+            sock = self._push.get(endpoint)
+            if sock is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 10000)
+                try:
+                    sock.connect(endpoint)
+                except zmq.ZMQError as exc:
+                    log.warning("cannot connect to control endpoint %r: %s", endpoint, exc)
+                    sock.close(linger=0)
+                    continue
+                self._push[endpoint] = sock
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("control queue to %s full; message dropped", endpoint)
+            except zmq.ZMQError as exc:
+                log.warning("control send to %s failed: %s", endpoint, exc)

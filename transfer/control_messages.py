@@ -1,0 +1,161 @@
+"""Control messages between the two sides of a transfer, and their wire format.
+
+Every message travels as three ZeroMQ frames: ``b"ss1"``, a MAC, and a JSON body whose
+``kind`` names the message. With a shared key (``transfer_control_key``) the MAC is
+HMAC-SHA256 of the body and a message without the right MAC is dropped; without a key the MAC
+frame is empty. ``decode_message`` validates every field's type, so garbage raises
+``ControlMessageError`` (the channel logs and drops it) instead of reaching the rooms.
+
+Direction and meaning:
+- ``KVMetadata`` decode rank -> prefill rank: where this room's pages go.
+- ``TransferStatus`` prefill rank -> decode rank: progress (Transferring), Success, Failed.
+- ``AbortRoom`` either way: the room is dead on the sending side.
+- ``Ping`` / ``Pong`` either way: heartbeats; ``instance`` reveals a restarted peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from .errors import ControlMessageError
+
+WIRE_VERSION = b"ss1"
+
+
+@dataclass(frozen=True)
+class KVMetadata:
+    """Decode rank -> prefill rank: write this room's KV into these pages.
+
+    ``dst_pages`` covers the whole prompt (including the ``decode_prefix_len`` tokens decode
+    already holds, which are not sent). The prefill rank writes heads
+    ``[head_start, head_start + head_count)``, and the aux slot when ``write_aux``.
+    ``expected_dsts`` is how many decode ranks send metadata to this prefill rank for the room.
+    """
+
+    kind: ClassVar[str] = "kv_metadata"
+    room: int
+    bootstrap_addr: str
+    reply_to: str
+    instance: str
+    decode_rank: int
+    expected_dsts: int
+    dst_layout: dict
+    dst_pages: list[int]
+    dst_aux_index: int
+    decode_prefix_len: int
+    head_start: int
+    head_count: int
+    write_aux: bool
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """Prefill rank -> decode rank: the room's state on the sender (3, 4 or 0)."""
+
+    kind: ClassVar[str] = "transfer_status"
+    room: int
+    bootstrap_addr: str
+    reply_to: str
+    instance: str
+    prefill_rank: int
+    state: int
+    pages_done: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class AbortRoom:
+    """Either side: this room failed or was aborted here; fail it on your side too."""
+
+    kind: ClassVar[str] = "abort_room"
+    room: int
+    bootstrap_addr: str
+    reply_to: str
+    instance: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Heartbeat request; answered by a ``Pong`` to ``reply_to``."""
+
+    kind: ClassVar[str] = "ping"
+    reply_to: str
+    instance: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class Pong:
+    """Heartbeat answer; ``instance`` changes when the peer restarted."""
+
+    kind: ClassVar[str] = "pong"
+    reply_to: str
+    instance: str
+    seq: int
+
+
+ControlMessage = KVMetadata | TransferStatus | AbortRoom | Ping | Pong
+MESSAGE_TYPES: dict[str, type] = {cls.kind: cls for cls in (KVMetadata, TransferStatus, AbortRoom, Ping, Pong)}
+
+
+def encode_message(msg: ControlMessage, key: bytes = b"") -> list[bytes]:
+    """The frames of ``msg``; signed when ``key`` is set."""
+    body = dataclasses.asdict(msg)
+    body["kind"] = msg.kind
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    mac = hmac.new(key, raw, hashlib.sha256).digest() if key else b""
+    return [WIRE_VERSION, mac, raw]
+
+
+def decode_message(frames: list[bytes], key: bytes = b"") -> ControlMessage:
+    """Parses and validates frames; raises ``ControlMessageError`` on anything unexpected."""
+    if len(frames) != 3 or frames[0] != WIRE_VERSION:
+        raise ControlMessageError(f"expected 3 frames starting {WIRE_VERSION!r}, got {len(frames)} "
+                                  f"frames starting {frames[0][:16]!r}" if frames else "empty message")
+    _, mac, raw = frames
+    if key:
+        expected = hmac.new(key, raw, hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, expected):
+            raise ControlMessageError("bad MAC: sender does not hold the control key")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ControlMessageError(f"body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ControlMessageError(f"body must be an object, got {type(body).__name__}")
+    cls = MESSAGE_TYPES.get(body.get("kind"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ControlMessageError(f"unknown message kind {body.get('kind')!r}")
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in body:
+            raise ControlMessageError(f"{cls.kind}: missing field {field.name!r}")
+        value = body[field.name]
+        if not _has_type(value, hints[field.name]):
+            raise ControlMessageError(f"{cls.kind}.{field.name}: expected {hints[field.name]}, "
+                                      f"got {type(value).__name__}")
+        values[field.name] = value
+    return cls(**values)
+
+
+def _has_type(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        return isinstance(value, list) and all(_has_type(v, item) for v in value)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, a) for a in typing.get_args(annotation))
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, annotation)

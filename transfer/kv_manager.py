@@ -1,0 +1,389 @@
+"""``MooncakeKVManager``: one per engine rank; owns Mooncake, the control channel and the threads.
+
+Threads (all daemon, all stopped by ``close``):
+- ``transfer-control``: the ZeroMQ control channel; handles every incoming message, sends
+  heartbeats, fails rooms whose deadline passed or whose peer went silent;
+- ``transfer-worker-N`` (``transfer_threads``): Mooncake writes, one queue each; one room's
+  jobs to one peer always go to the same worker, so its chunks land in order;
+- ``transfer-lookup``: HTTP lookups of prefill layouts at bootstrap servers (cached per
+  bootstrap address, retried until the room's bootstrap deadline).
+
+Every room state change happens under ``self.lock``, which is never held across network
+I/O; the scheduler's ``poll()`` takes it only to read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+
+from .bootstrap_client import fetch_layouts, publish_layout
+from .config import TransferConfig
+from .control_channel import ControlChannel
+from .control_messages import AbortRoom, ControlMessage, KVMetadata, Ping, Pong, TransferStatus
+from .errors import BootstrapError, KVAbortedError, KVPeerLostError, RoomInUseError
+from .kv_contract import BaseKVManager
+from .kv_layout import KVLayout
+from .mooncake_engine import MooncakeEngine
+from .peer_liveness import PeerLiveness
+from .poll_state import KVPoll
+from .transfer_metrics import TransferMetrics, transfer_metrics
+
+if TYPE_CHECKING:
+    from .kv_receiver import MooncakeKVReceiver
+    from .kv_sender import MooncakeKVSender
+
+    Room = MooncakeKVSender | MooncakeKVReceiver
+
+log = logging.getLogger(__name__)
+
+LOOKUP_RETRY_S = 0.2
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """Writes of one chunk of one room to one peer; ``run`` does the I/O, off the lock."""
+
+    peer: str
+    room: int
+    run: Callable[[], None]
+
+
+class MooncakeKVManager(BaseKVManager):
+    """The transfer side of one engine rank (prefill or decode).
+
+    ``layout`` describes this rank's KV and aux buffers (``layout_for_pool`` builds it);
+    the manager registers them with Mooncake once and fills in the session, control
+    endpoint and instance id (see ``self.layout``). A prefill rank then calls
+    ``publish_layout(bootstrap_addr)`` once at start-up.
+    """
+
+    def __init__(self, config: TransferConfig, layout: KVLayout, *,
+                 metrics_registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.instance_id = secrets.token_hex(8)
+        self.metrics: TransferMetrics = transfer_metrics(metrics_registry)
+        self.lock = threading.RLock()
+        self._closed = False
+        self.engine = MooncakeEngine(config.transfer_host, config.transfer_protocol, config.transfer_devices)
+        try:
+            for buf in layout.buffers:
+                self.engine.register(buf.ptr, buf.nbytes)
+            self.engine.register(layout.aux.ptr, layout.aux.nbytes)
+        except Exception:
+            self.engine.close()
+            raise
+        self.sender_timeouts = {
+            KVPoll.Bootstrapping: config.transfer_bootstrap_timeout_s,
+            KVPoll.WaitingForInput: config.transfer_waiting_timeout_s,
+            KVPoll.Transferring: config.transfer_timeout_s,
+        }
+        self.receiver_timeouts = dict(self.sender_timeouts)
+        self._liveness = PeerLiveness(config.transfer_heartbeat_interval_s, config.transfer_heartbeat_misses)
+        self._ping_seq = 0
+        self._senders: dict[int, MooncakeKVSender] = {}
+        self._receivers: dict[tuple[str, int], MooncakeKVReceiver] = {}
+        self._early_metadata: dict[int, list[tuple[float, KVMetadata]]] = {}
+        self._tombstones: dict[int, tuple[float, str]] = {}
+        self._peer_rooms: dict[str, set[Room]] = {}
+        self._peer_idle_since: dict[str, float] = {}
+        self._layouts: dict[str, list[KVLayout]] = {}
+        self._lookups: set[str] = set()
+        self._lookup_cv = threading.Condition(self.lock)
+        self._queues: list[queue.SimpleQueue[TransferJob | None]] = [
+            queue.SimpleQueue() for _ in range(config.transfer_threads)]
+        key = config.transfer_control_key.encode()
+        tick_s = min(0.05, config.transfer_heartbeat_interval_s / 4)
+        try:
+            self.channel = ControlChannel(config.transfer_host, config.transfer_control_port, key,
+                                          self._on_message, self._on_tick, tick_s)
+        except Exception:
+            self.engine.close()
+            raise
+        self.layout = dataclasses.replace(layout, session=self.engine.session_id,
+                                          control_endpoint=self.channel.endpoint,
+                                          instance_id=self.instance_id)
+        self._threads = [threading.Thread(target=self._worker, args=(q,), name=f"transfer-worker-{i}",
+                                          daemon=True) for i, q in enumerate(self._queues)]
+        self._threads.append(threading.Thread(target=self._lookup_loop, name="transfer-lookup", daemon=True))
+        for thread in self._threads:
+            thread.start()
+        log.info("transfer manager %s: session %s, control %s, %d buffers", self.instance_id,
+                 self.engine.session_id, self.channel.endpoint, len(layout.buffers))
+
+    # ----------------------------------------------------------------- public
+
+    @property
+    def endpoint(self) -> str:
+        """This manager's ZeroMQ control endpoint."""
+        return self.channel.endpoint
+
+    def publish_layout(self, bootstrap_addr: str, timeout_s: float | None = None) -> None:
+        """Registers this rank's layout at the bootstrap server (blocking; call at start-up)."""
+        publish_layout(bootstrap_addr, self.layout, self.config.transfer_control_key,
+                       self.config.transfer_bootstrap_timeout_s if timeout_s is None else timeout_s)
+
+    def stats(self) -> dict[str, int]:
+        """Counts that must return to zero when no room is open (tests use them)."""
+        with self.lock:
+            return {
+                "rooms": len(self._senders) + len(self._receivers),
+                "senders": len(self._senders),
+                "receivers": len(self._receivers),
+                "early_metadata": len(self._early_metadata),
+                "watched_peers": len(self._liveness),
+                "peer_rooms": sum(len(r) for r in self._peer_rooms.values()),
+                "peer_sockets": self.channel.peer_sockets,
+                "dropped_messages": self.channel.dropped,
+            }
+
+    def close(self) -> None:
+        """Fails open rooms, stops every thread, unregisters memory. Idempotent."""
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            for room in [*self._senders.values(), *self._receivers.values()]:
+                room.fail_locked(KVPeerLostError(room.room, "local", "transfer manager closed"), notify=True)
+            self._lookup_cv.notify_all()
+        for q in self._queues:
+            q.put(None)
+        for thread in self._threads:
+            thread.join(timeout=2)
+            if thread.is_alive():
+                log.warning("%s still running at close (blocked in Mooncake?)", thread.name)
+        self.channel.close()
+        self.engine.close()
+        with self.lock:
+            self._senders.clear()
+            self._receivers.clear()
+            self._peer_rooms.clear()
+
+    # ------------------------------------------------ rooms (called by rooms)
+
+    def add_sender(self, sender: MooncakeKVSender) -> None:
+        with self.lock:
+            if self._closed:
+                raise RuntimeError("transfer manager is closed")
+            if sender.room in self._senders:
+                raise RoomInUseError(sender.room, sender.bootstrap_addr)
+            self._senders[sender.room] = sender
+            now = time.monotonic()
+            tomb = self._tombstones.pop(sender.room, None)
+            for _, msg in self._early_metadata.pop(sender.room, []):
+                sender.on_metadata_locked(msg, now)
+            if tomb is not None:
+                sender.fail_locked(KVAbortedError(sender.room, "peer", tomb[1]), notify=True)
+
+    def add_receiver(self, receiver: MooncakeKVReceiver) -> None:
+        with self.lock:
+            if self._closed:
+                raise RuntimeError("transfer manager is closed")
+            key = (receiver.bootstrap_addr, receiver.room)
+            if key in self._receivers:
+                raise RoomInUseError(receiver.room, receiver.bootstrap_addr)
+            self._receivers[key] = receiver
+
+    def remove_room(self, room: Room) -> None:
+        """Forgets ``room`` and its peer links (its state stays readable on the object)."""
+        with self.lock:
+            if self._senders.get(room.room) is room:
+                del self._senders[room.room]
+            key = (room.bootstrap_addr, room.room)
+            if self._receivers.get(key) is room:
+                del self._receivers[key]
+            now = time.monotonic()
+            for endpoint, rooms in self._peer_rooms.items():
+                if room in rooms:
+                    rooms.discard(room)
+                    if not rooms:
+                        self._peer_idle_since[endpoint] = now
+
+    def attach_peer(self, room: Room, endpoint: str, instance: str) -> None:
+        """Watches ``endpoint`` with heartbeats while ``room`` is open."""
+        with self.lock:
+            self._peer_rooms.setdefault(endpoint, set()).add(room)
+            self._peer_idle_since.pop(endpoint, None)
+            self._liveness.watch(endpoint, instance, time.monotonic())
+
+    def tombstone(self, room: int, reason: str) -> None:
+        """Remembers a dead sender room so late metadata from decode is answered with an abort."""
+        with self.lock:
+            self._tombstones[room] = (time.monotonic() + self.config.transfer_bootstrap_timeout_s, reason)
+
+    def send(self, endpoint: str, msg: ControlMessage) -> None:
+        self.channel.send(endpoint, msg)
+
+    def submit(self, job: TransferJob) -> None:
+        """Queues a write job; one room's jobs to one peer always share a worker (in order)."""
+        self._queues[hash((job.peer, job.room)) % len(self._queues)].put(job)
+
+    def request_layouts(self, receiver: MooncakeKVReceiver) -> None:
+        """Hands ``receiver`` the prefill's layouts now (cached) or when the lookup succeeds."""
+        with self.lock:
+            layouts = self._layouts.get(receiver.bootstrap_addr)
+            if layouts is not None:
+                receiver.on_layouts_locked(layouts, time.monotonic())
+                return
+            self._lookups.add(receiver.bootstrap_addr)
+            self._lookup_cv.notify_all()
+
+    def forget_layouts(self, bootstrap_addr: str) -> None:
+        """Drops the cached layout (the prefill restarted or died): the next room looks it up."""
+        with self.lock:
+            self._layouts.pop(bootstrap_addr, None)
+
+    # ---------------------------------------------------------- control thread
+
+    def _on_message(self, msg: ControlMessage) -> None:
+        now = time.monotonic()
+        with self.lock:
+            old_instance = self._liveness.heard(msg.reply_to, msg.instance, now)
+            if old_instance is not None:
+                self._peer_restarted(msg.reply_to, old_instance, msg.instance)
+            if isinstance(msg, Ping):
+                self.channel.send(msg.reply_to, Pong(self.endpoint, self.instance_id, msg.seq))
+            elif isinstance(msg, Pong):
+                pass
+            elif isinstance(msg, KVMetadata):
+                self._on_metadata(msg, now)
+            elif isinstance(msg, TransferStatus):
+                receiver = self._receivers.get((msg.bootstrap_addr, msg.room))
+                if receiver is None:
+                    log.debug("status for unknown room %d from %s", msg.room, msg.reply_to)
+                else:
+                    receiver.on_status_locked(msg, now)
+            elif isinstance(msg, AbortRoom):
+                self._on_abort(msg)
+
+    def _on_metadata(self, msg: KVMetadata, now: float) -> None:
+        tomb = self._tombstones.get(msg.room)
+        sender = self._senders.get(msg.room)
+        if sender is not None:
+            sender.on_metadata_locked(msg, now)
+        elif tomb is not None:
+            self.channel.send(msg.reply_to, AbortRoom(msg.room, msg.bootstrap_addr, self.endpoint,
+                                                      self.instance_id, tomb[1]))
+        else:
+            self._early_metadata.setdefault(msg.room, []).append((now, msg))
+
+    def _on_abort(self, msg: AbortRoom) -> None:
+        error = KVAbortedError(msg.room, f"peer {msg.reply_to}", msg.reason)
+        sender = self._senders.get(msg.room)
+        if sender is not None and sender.has_peer(msg.reply_to):
+            sender.fail_locked(error, notify=True)
+            return
+        receiver = self._receivers.get((msg.bootstrap_addr, msg.room))
+        if receiver is not None:
+            receiver.fail_locked(error, notify=False)
+            return
+        if sender is not None:
+            sender.fail_locked(error, notify=True)
+            return
+        # Abort before the sender exists (decode gave up first): remember it.
+        self._early_metadata.pop(msg.room, None)
+        self._tombstones[msg.room] = (time.monotonic() + self.config.transfer_bootstrap_timeout_s,
+                                      f"aborted by peer {msg.reply_to}: {msg.reason}")
+
+    def _peer_restarted(self, endpoint: str, old: str, new: str) -> None:
+        log.warning("transfer peer %s restarted (instance %s -> %s)", endpoint, old, new)
+        for room in list(self._peer_rooms.get(endpoint, ())):
+            if room.peer_instance(endpoint) != new:
+                room.fail_locked(KVPeerLostError(room.room, endpoint, f"peer restarted (instance {old})"),
+                                 notify=True)
+        for addr, layouts in list(self._layouts.items()):
+            if any(lay.control_endpoint == endpoint for lay in layouts):
+                del self._layouts[addr]
+
+    def _on_tick(self, now: float) -> None:
+        with self.lock:
+            for endpoint in self._liveness.pings_due(now):
+                self._ping_seq += 1
+                self.channel.send(endpoint, Ping(self.endpoint, self.instance_id, self._ping_seq))
+            for endpoint in self._liveness.expire(now):
+                self._peer_dead(endpoint)
+            for room in [*self._senders.values(), *self._receivers.values()]:
+                error = room.status.expired(now)
+                if error is not None:
+                    room.fail_locked(error, notify=True)
+            horizon = now - self.config.transfer_bootstrap_timeout_s
+            for room_id, entries in list(self._early_metadata.items()):
+                if entries[-1][0] < horizon:
+                    del self._early_metadata[room_id]
+            for room_id, (expiry, _) in list(self._tombstones.items()):
+                if expiry < now:
+                    del self._tombstones[room_id]
+            for endpoint, since in list(self._peer_idle_since.items()):
+                if now - since > self._liveness.timeout_s:
+                    del self._peer_idle_since[endpoint]
+                    if not self._peer_rooms.get(endpoint):
+                        self._peer_rooms.pop(endpoint, None)
+                        self._liveness.unwatch(endpoint)
+                        self.channel.forget(endpoint)
+
+    def _peer_dead(self, endpoint: str) -> None:
+        timeout = self._liveness.timeout_s
+        rooms = self._peer_rooms.pop(endpoint, set())
+        log.warning("transfer peer %s silent for %.1fs: failing %d rooms", endpoint, timeout, len(rooms))
+        for room in rooms:
+            room.fail_locked(KVPeerLostError(room.room, endpoint, f"no heartbeat for {timeout:g}s"),
+                             notify=True)
+        self._peer_idle_since.pop(endpoint, None)
+        self.channel.forget(endpoint)
+        for addr, layouts in list(self._layouts.items()):
+            if any(lay.control_endpoint == endpoint for lay in layouts):
+                del self._layouts[addr]
+
+    # ------------------------------------------------------------- workers
+
+    def _worker(self, jobs: queue.SimpleQueue[TransferJob | None]) -> None:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            try:
+                job.run()
+            except Exception:
+                log.exception("transfer job to %s failed", job.peer)
+
+    def _lookup_loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self._lookups and not self._closed:
+                    self._lookup_cv.wait()
+                if self._closed:
+                    return
+                addrs = list(self._lookups)
+            for addr in addrs:
+                try:
+                    layouts = fetch_layouts(addr, self.config.transfer_control_key,
+                                            timeout_s=min(5.0, self.config.transfer_bootstrap_timeout_s))
+                    problem = "" if layouts is not None else "not every prefill rank registered (503)"
+                except BootstrapError as exc:
+                    layouts, problem = None, str(exc)
+                with self.lock:
+                    waiting = [r for (a, _), r in self._receivers.items()
+                               if a == addr and r.waiting_for_layouts]
+                    if layouts is not None:
+                        self._layouts[addr] = layouts
+                        self._lookups.discard(addr)
+                        now = time.monotonic()
+                        for receiver in waiting:
+                            receiver.on_layouts_locked(layouts, now)
+                    elif not waiting:
+                        self._lookups.discard(addr)
+                    else:
+                        log.debug("layout lookup at %s: %s", addr, problem)
+            with self.lock:
+                if self._lookups and not self._closed:
+                    self._lookup_cv.wait(LOOKUP_RETRY_S)
+

@@ -1,0 +1,207 @@
+"""``MooncakeKVReceiver``: the decode side of one room.
+
+Lifecycle: Bootstrapping (looking the prefill's layout up, then waiting for
+``send_metadata``) -> WaitingForInput (metadata sent to every prefill rank it pulls heads
+from) -> Transferring (a prefill rank reported progress) -> Success (every such prefill rank
+reported Success, so every page and the aux slot landed) or Failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from .control_messages import AbortRoom, KVMetadata, TransferStatus
+from .errors import (
+    KVAbortedError,
+    KVMetadataError,
+    KVPeerFailedError,
+    KVTransferError,
+    LayoutMismatchError,
+    TransferUsageError,
+)
+from .kv_contract import BaseKVReceiver
+from .kv_layout import HeadSource, KVLayout, decode_ranks_per_prefill_rank, head_sources
+from .kv_manager import MooncakeKVManager
+from .poll_state import KVPoll
+from .room_status import RoomStatus
+
+log = logging.getLogger(__name__)
+
+
+class MooncakeKVReceiver(BaseKVReceiver):
+    """Decode side of room ``room`` of the prefill replica at ``bootstrap_addr`` (``host:port``)."""
+
+    def __init__(self, mgr: MooncakeKVManager, bootstrap_addr: str, room: int) -> None:
+        self.mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.room = room
+        now = time.monotonic()
+        self.status = RoomStatus(room, mgr.receiver_timeouts, now)
+        self._created = now
+        self._started = False
+        self._prefill: list[KVLayout] | None = None
+        self._sources: list[HeadSource] = []
+        self._expected: list[int] = []
+        self._metadata: tuple[list[int], int, int] | None = None
+        self._metadata_sent_at: float | None = None
+        self._succeeded_ranks: set[int] = set()
+        self._recorded = False
+        mgr.add_receiver(self)
+
+    # ----------------------------------------------------------- engine API
+
+    def init(self) -> None:
+        with self.mgr.lock:
+            if self._started:
+                raise TransferUsageError(f"room {self.room}: init called twice")
+            self._started = True
+            self.status.touch(time.monotonic())
+        self.mgr.request_layouts(self)
+
+    def send_metadata(self, kv_page_indices: Sequence[int], aux_index: int, decode_prefix_len: int = 0) -> None:
+        local = self.mgr.layout
+        pages = [int(p) for p in kv_page_indices]
+        if any(p < 0 or p >= local.num_pages for p in pages):
+            raise TransferUsageError(f"room {self.room}: page index outside 0..{local.num_pages - 1}")
+        if not 0 <= aux_index < local.aux.num_slots:
+            raise TransferUsageError(f"room {self.room}: aux_index {aux_index} outside 0..{local.aux.num_slots - 1}")
+        if not 0 <= decode_prefix_len <= len(pages) * local.page_size:
+            raise TransferUsageError(f"room {self.room}: decode_prefix_len {decode_prefix_len} outside "
+                                     f"0..{len(pages) * local.page_size}")
+        with self.mgr.lock:
+            if not self._started:
+                raise TransferUsageError(f"room {self.room}: send_metadata before init")
+            if self._metadata is not None:
+                raise TransferUsageError(f"room {self.room}: send_metadata called twice")
+            self._metadata = (pages, aux_index, decode_prefix_len)
+            if self._prefill is not None and not self.status.final:
+                self._send_metadata_locked(time.monotonic())
+
+    def poll(self) -> KVPoll:
+        with self.mgr.lock:
+            error = self.status.expired(time.monotonic())
+            if error is not None:
+                self.fail_locked(error, notify=True)
+            return self.status.state
+
+    def failure_exception(self) -> KVTransferError | None:
+        return self.status.error
+
+    def abort(self, reason: str = "") -> None:
+        with self.mgr.lock:
+            self.fail_locked(KVAbortedError(self.room, "local", reason), notify=True)
+
+    def clear(self) -> None:
+        with self.mgr.lock:
+            if not self.status.final:
+                self.fail_locked(KVAbortedError(self.room, "local", "cleared before it finished"), notify=True)
+        self.mgr.remove_room(self)
+
+    @property
+    def state_history(self) -> tuple[KVPoll, ...]:
+        """Every state the room went through, in order (for tests and debugging)."""
+        return tuple(self.status.history)
+
+    # ------------------------------------------------------ manager callbacks
+
+    @property
+    def waiting_for_layouts(self) -> bool:
+        return self._started and self._prefill is None and not self.status.final
+
+    def peer_instance(self, endpoint: str) -> str:
+        if self._prefill is None:
+            return ""
+        return next((lay.instance_id for lay in self._prefill if lay.control_endpoint == endpoint), "")
+
+    def on_layouts_locked(self, layouts: list[KVLayout], now: float) -> None:
+        """The prefill's layouts are known (manager lock held)."""
+        if self._prefill is not None:
+            return
+        self._prefill = layouts
+        local = self.mgr.layout
+        try:
+            for lay in layouts:
+                local.check_compatible(lay, f"decode rank {local.tp_rank} vs prefill rank {lay.tp_rank}")
+            self._sources = head_sources(len(layouts), local.num_kv_heads, local.head_start, local.head_count)
+            self._expected = decode_ranks_per_prefill_rank(len(layouts), local.tp_size, local.num_kv_heads)
+        except (LayoutMismatchError, ValueError) as exc:
+            self.fail_locked(KVMetadataError(self.room, str(exc)), notify=False)
+            return
+        if self.status.final:
+            # Aborted before the layout was known: tell the prefill ranks now.
+            if self.status.state == KVPoll.Failed:
+                self._notify_sources(str(self.status.error))
+            return
+        for src in self._sources:
+            lay = layouts[src.prefill_rank]
+            self.mgr.attach_peer(self, lay.control_endpoint, lay.instance_id)
+        if self._metadata is not None:
+            self._send_metadata_locked(now)
+
+    def on_status_locked(self, msg: TransferStatus, now: float) -> None:
+        """A prefill rank reported on this room (manager lock held)."""
+        if self.status.final:
+            return
+        if msg.state == KVPoll.Failed:
+            self.fail_locked(KVPeerFailedError(self.room, msg.reply_to, msg.reason), notify=False)
+        elif msg.state == KVPoll.Transferring:
+            self.status.move(KVPoll.Transferring, now)
+            self.status.touch(now)
+        elif msg.state == KVPoll.Success:
+            self._succeeded_ranks.add(msg.prefill_rank)
+            self.status.move(KVPoll.Transferring, now)
+            self.status.touch(now)
+            if {s.prefill_rank for s in self._sources} <= self._succeeded_ranks:
+                self.status.move(KVPoll.Success, now)
+                self._record(True)
+
+    def fail_locked(self, error: KVTransferError, notify: bool) -> None:
+        """Fails the room (manager lock held) and, if ``notify``, tells the prefill ranks."""
+        if not self.status.fail(error):
+            return
+        log.info("receiver room %d (%s) failed: %s", self.room, self.bootstrap_addr, error)
+        if notify:
+            self._notify_sources(str(error))
+        self._record(False)
+
+    # --------------------------------------------------------------- internals
+
+    def _notify_sources(self, reason: str) -> None:
+        if self._prefill is None:
+            return
+        for src in self._sources:
+            self.mgr.send(self._prefill[src.prefill_rank].control_endpoint,
+                          AbortRoom(self.room, self.bootstrap_addr, self.mgr.endpoint, self.mgr.instance_id, reason))
+
+    def _send_metadata_locked(self, now: float) -> None:
+        assert self._prefill is not None and self._metadata is not None
+        pages, aux_index, prefix_len = self._metadata
+        local = self.mgr.layout
+        layout_dict = local.to_dict()
+        for i, src in enumerate(self._sources):
+            lay = self._prefill[src.prefill_rank]
+            self.mgr.send(lay.control_endpoint, KVMetadata(
+                room=self.room, bootstrap_addr=self.bootstrap_addr, reply_to=self.mgr.endpoint,
+                instance=self.mgr.instance_id, decode_rank=local.tp_rank,
+                expected_dsts=self._expected[src.prefill_rank], dst_layout=layout_dict, dst_pages=pages,
+                dst_aux_index=aux_index, decode_prefix_len=prefix_len, head_start=src.head_start,
+                head_count=src.head_count, write_aux=i == 0,
+            ))
+        self._metadata_sent_at = now
+        self.status.move(KVPoll.WaitingForInput, now)
+
+    def _record(self, success: bool) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        now = time.monotonic()
+        latency = now - self._metadata_sent_at if self._metadata_sent_at is not None else None
+        wait = self._metadata_sent_at - self._created if self._metadata_sent_at is not None else None
+        nbytes = 0
+        if success and self._metadata is not None:
+            pages, _, prefix_len = self._metadata
+            local = self.mgr.layout
+            nbytes = (len(pages) * local.page_size - prefix_len) * local.token_bytes * len(local.buffers)
+        self.mgr.metrics.room_done("receiver", success, nbytes, latency, wait)

@@ -1,0 +1,316 @@
+"""``MooncakeKVSender``: the prefill side of one room.
+
+Lifecycle: Bootstrapping (waiting for every decode rank's ``KVMetadata``) -> WaitingForInput
+(metadata in hand, ``init`` called) -> Transferring (a chunk was queued) -> Success (every
+chunk and the aux slot written to every decode rank; Mooncake's synchronous write returns once
+the peer acknowledged the bytes) or Failed.
+
+Chunks sent before the metadata arrives wait in the room and go out when it does. Each
+chunk becomes one job per decode rank on that rank's worker thread; the worker writes it
+with Mooncake (off the manager's lock), then tells the decode rank: ``Transferring`` with the
+pages done, or ``Success`` after the last chunk and the aux slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .control_messages import AbortRoom, KVMetadata, TransferStatus
+from .errors import (
+    KVAbortedError,
+    KVLengthMismatchError,
+    KVMetadataError,
+    KVTransferError,
+    KVWriteError,
+    LayoutMismatchError,
+    TransferUsageError,
+)
+from .kv_contract import BaseKVSender
+from .kv_layout import KVLayout
+from .kv_manager import MooncakeKVManager, TransferJob
+from .poll_state import KVPoll
+from .room_status import RoomStatus
+from .transfer_plan import Segments, aux_segment, concat, page_segments
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Pages ``[start, start + len(pages))`` of the prompt, held in local ``pages``."""
+
+    index: int
+    start: int
+    pages: np.ndarray
+    last: bool
+
+
+@dataclass
+class Destination:
+    """One decode rank this room writes to."""
+
+    meta: KVMetadata
+    layout: KVLayout
+    dst_pages: np.ndarray
+    chunks_done: int = 0
+    bytes_done: int = 0
+    done: bool = False
+    announced: bool = field(default=False)
+
+
+class MooncakeKVSender(BaseKVSender):
+    """Prefill side of room ``room``; ``bootstrap_addr`` is this prefill's bootstrap server."""
+
+    def __init__(self, mgr: MooncakeKVManager, bootstrap_addr: str, room: int) -> None:
+        self.mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.room = room
+        now = time.monotonic()
+        self.status = RoomStatus(room, mgr.sender_timeouts, now)
+        self._created = now
+        self._ready_at: float | None = None
+        self._first_send_at: float | None = None
+        self._num_pages: int | None = None
+        self._aux_index = 0
+        self._chunks: list[Chunk] = []
+        self._pages_queued = 0
+        self._dsts: dict[tuple[str, int], Destination] = {}
+        self._expected_dsts: int | None = None
+        self._recorded = False
+        mgr.add_sender(self)
+
+    # ----------------------------------------------------------- engine API
+
+    def init(self, num_kv_pages: int, aux_index: int) -> None:
+        local = self.mgr.layout
+        if num_kv_pages < 0 or num_kv_pages > local.num_pages:
+            raise TransferUsageError(f"room {self.room}: num_kv_pages {num_kv_pages} outside 0..{local.num_pages}")
+        if not 0 <= aux_index < local.aux.num_slots:
+            raise TransferUsageError(f"room {self.room}: aux_index {aux_index} outside 0..{local.aux.num_slots - 1}")
+        with self.mgr.lock:
+            if self._num_pages is not None:
+                raise TransferUsageError(f"room {self.room}: init called twice")
+            self._num_pages = num_kv_pages
+            self._aux_index = aux_index
+            self._maybe_ready(time.monotonic())
+
+    def send(self, kv_page_indices: Sequence[int], last_chunk: bool) -> None:
+        pages = np.asarray(list(kv_page_indices), dtype=np.int64)
+        local_pages = self.mgr.layout.num_pages
+        if len(pages) and (pages.min() < 0 or pages.max() >= local_pages):
+            raise TransferUsageError(f"room {self.room}: page index outside 0..{local_pages - 1}")
+        with self.mgr.lock:
+            if self._num_pages is None:
+                raise TransferUsageError(f"room {self.room}: send before init")
+            if self._chunks and self._chunks[-1].last:
+                raise TransferUsageError(f"room {self.room}: send after the last chunk")
+            if self.status.final:
+                return
+            total = self._pages_queued + len(pages)
+            if total > self._num_pages or (last_chunk and total != self._num_pages):
+                self.fail_locked(KVLengthMismatchError(self.room, "prefill pages sent", self._num_pages, total),
+                                 notify=True)
+                return
+            chunk = Chunk(len(self._chunks), self._pages_queued, pages, last_chunk)
+            self._chunks.append(chunk)
+            self._pages_queued = total
+            if self.status.state >= KVPoll.WaitingForInput:
+                self._dispatch(chunk, time.monotonic())
+
+    def poll(self) -> KVPoll:
+        with self.mgr.lock:
+            error = self.status.expired(time.monotonic())
+            if error is not None:
+                self.fail_locked(error, notify=True)
+            return self.status.state
+
+    def failure_exception(self) -> KVTransferError | None:
+        return self.status.error
+
+    def abort(self, reason: str = "") -> None:
+        with self.mgr.lock:
+            self.fail_locked(KVAbortedError(self.room, "local", reason), notify=True)
+
+    def clear(self) -> None:
+        with self.mgr.lock:
+            if not self.status.final:
+                self.fail_locked(KVAbortedError(self.room, "local", "cleared before it finished"), notify=True)
+        self.mgr.remove_room(self)
+
+    @property
+    def state_history(self) -> tuple[KVPoll, ...]:
+        """Every state the room went through, in order (for tests and debugging)."""
+        return tuple(self.status.history)
+
+    # ------------------------------------------------------ manager callbacks
+
+    def has_peer(self, endpoint: str) -> bool:
+        return any(ep == endpoint for ep, _ in self._dsts)
+
+    def peer_instance(self, endpoint: str) -> str:
+        return next((d.meta.instance for (ep, _), d in self._dsts.items() if ep == endpoint), "")
+
+    def on_metadata_locked(self, msg: KVMetadata, now: float) -> None:
+        """A decode rank's metadata arrived (manager lock held)."""
+        if self.status.final:
+            if self.status.state == KVPoll.Failed:
+                reason = str(self.status.error)
+                self.mgr.send(msg.reply_to, AbortRoom(self.room, msg.bootstrap_addr, self.mgr.endpoint,
+                                                      self.mgr.instance_id, reason))
+            return
+        key = (msg.reply_to, msg.decode_rank)
+        self.mgr.attach_peer(self, msg.reply_to, msg.instance)
+        if key in self._dsts:
+            self.fail_locked(KVMetadataError(self.room, f"second metadata from decode rank {msg.decode_rank}"),
+                             notify=True)
+            return
+        try:
+            dst_layout = KVLayout.from_dict(msg.dst_layout)
+            self.mgr.layout.check_compatible(dst_layout, f"prefill rank {self.mgr.layout.tp_rank} vs decode "
+                                                         f"rank {dst_layout.tp_rank}")
+        except (ValueError, LayoutMismatchError) as exc:
+            self._dsts[key] = Destination(msg, self.mgr.layout, np.zeros(0, np.int64))
+            self.fail_locked(KVMetadataError(self.room, str(exc)), notify=True)
+            return
+        self._dsts[key] = Destination(msg, dst_layout, np.asarray(msg.dst_pages, dtype=np.int64))
+        problem = self._check_metadata(msg, dst_layout)
+        if problem:
+            self.fail_locked(KVMetadataError(self.room, problem), notify=True)
+            return
+        if self._expected_dsts is not None and self._expected_dsts != msg.expected_dsts:
+            self.fail_locked(KVMetadataError(self.room, f"decode ranks disagree on how many send metadata: "
+                                                        f"{self._expected_dsts} vs {msg.expected_dsts}"),
+                             notify=True)
+            return
+        self._expected_dsts = msg.expected_dsts
+        self._maybe_ready(now)
+
+    def _check_metadata(self, msg: KVMetadata, dst: KVLayout) -> str:
+        local = self.mgr.layout
+        end = msg.head_start + msg.head_count
+        if not (local.head_start <= msg.head_start and end <= local.head_start + local.head_count):
+            return f"asked for heads {msg.head_start}..{end} but this rank holds " \
+                   f"{local.head_start}..{local.head_start + local.head_count}"
+        if not (dst.head_start <= msg.head_start and end <= dst.head_start + dst.head_count):
+            return f"heads {msg.head_start}..{end} are not in the decode rank's range"
+        if any(p < 0 or p >= dst.num_pages for p in msg.dst_pages):
+            return f"decode page index outside 0..{dst.num_pages - 1}"
+        if not 0 <= msg.dst_aux_index < dst.aux.num_slots:
+            return f"decode aux index {msg.dst_aux_index} outside 0..{dst.aux.num_slots - 1}"
+        if not 0 <= msg.decode_prefix_len <= len(msg.dst_pages) * dst.page_size:
+            return f"decode_prefix_len {msg.decode_prefix_len} outside 0..{len(msg.dst_pages) * dst.page_size}"
+        if msg.expected_dsts < 1:
+            return f"expected_dsts {msg.expected_dsts} < 1"
+        return ""
+
+    def fail_locked(self, error: KVTransferError, notify: bool) -> None:
+        """Fails the room (manager lock held) and, if ``notify``, tells every decode rank."""
+        if not self.status.fail(error):
+            return
+        log.info("sender room %d failed: %s", self.room, error)
+        if notify:
+            for (endpoint, _), dst in self._dsts.items():
+                if isinstance(error, KVAbortedError) and error.by == "local":
+                    msg: AbortRoom | TransferStatus = AbortRoom(
+                        self.room, dst.meta.bootstrap_addr, self.mgr.endpoint, self.mgr.instance_id, str(error))
+                else:
+                    msg = TransferStatus(self.room, dst.meta.bootstrap_addr, self.mgr.endpoint,
+                                         self.mgr.instance_id, self.mgr.layout.tp_rank, int(KVPoll.Failed),
+                                         dst.chunks_done, str(error))
+                self.mgr.send(endpoint, msg)
+        self.mgr.tombstone(self.room, str(error))
+        self._record(False)
+
+    # --------------------------------------------------------------- internals
+
+    def _maybe_ready(self, now: float) -> None:
+        if self.status.state != KVPoll.Bootstrapping or self._num_pages is None:
+            return
+        if self._expected_dsts is None or len(self._dsts) < self._expected_dsts:
+            return
+        for dst in self._dsts.values():
+            if len(dst.dst_pages) != self._num_pages:
+                self.fail_locked(KVLengthMismatchError(self.room, "decode pages for the prompt", self._num_pages,
+                                                       len(dst.dst_pages)), notify=True)
+                return
+        self._ready_at = now
+        self.status.move(KVPoll.WaitingForInput, now)
+        for chunk in self._chunks:
+            self._dispatch(chunk, now)
+
+    def _dispatch(self, chunk: Chunk, now: float) -> None:
+        if self._first_send_at is None:
+            self._first_send_at = now
+        self.status.move(KVPoll.Transferring, now)
+        self.status.touch(now)
+        aux_index = self._aux_index
+        for key, dst in self._dsts.items():
+            if not dst.announced:
+                dst.announced = True
+                self.mgr.send(key[0], self._status_msg(dst, KVPoll.Transferring, ""))
+            self.mgr.submit(TransferJob(key[0], self.room, lambda d=dst, c=chunk: self._write(d, c, aux_index)))
+
+    def _write(self, dst: Destination, chunk: Chunk, aux_index: int) -> None:
+        """Worker thread: writes one chunk to one decode rank, then reports (off the lock)."""
+        if self.status.final:
+            return
+        segments = self._segments(dst, chunk, aux_index)
+        for srcs, dsts, lens in segments.batches(self.mgr.config.transfer_max_batch_segments):
+            if self.status.final:
+                return
+            code = self.mgr.engine.write(dst.layout.session, srcs, dsts, lens)
+            if code != 0:
+                with self.mgr.lock:
+                    self.fail_locked(KVWriteError(self.room, dst.layout.session, code, sum(lens)), notify=True)
+                return
+        with self.mgr.lock:
+            self._chunk_written(dst, chunk, segments.nbytes, time.monotonic())
+
+    def _segments(self, dst: Destination, chunk: Chunk, aux_index: int) -> Segments:
+        page_size = self.mgr.layout.page_size
+        skip_pages, first_token = divmod(dst.meta.decode_prefix_len, page_size)
+        prompt_idx = chunk.start + np.arange(len(chunk.pages))
+        keep = prompt_idx >= skip_pages
+        parts: list[Segments] = []
+        if keep.any():
+            first = first_token if prompt_idx[keep][0] == skip_pages else 0
+            parts.append(page_segments(self.mgr.layout, dst.layout, chunk.pages[keep], dst.dst_pages[prompt_idx[keep]],
+                                       first, dst.meta.head_start, dst.meta.head_count))
+        if chunk.last and dst.meta.write_aux:
+            parts.append(aux_segment(self.mgr.layout, aux_index, dst.layout, dst.meta.dst_aux_index))
+        return concat(parts)
+
+    def _chunk_written(self, dst: Destination, chunk: Chunk, nbytes: int, now: float) -> None:
+        if self.status.final:
+            return
+        dst.chunks_done += 1
+        dst.bytes_done += nbytes
+        self.status.touch(now)
+        if chunk.last and dst.chunks_done == len(self._chunks):
+            dst.done = True
+            self.mgr.send(dst.meta.reply_to, self._status_msg(dst, KVPoll.Success, ""))
+            if all(d.done for d in self._dsts.values()):
+                self.status.move(KVPoll.Success, now)
+                self._record(True)
+        else:
+            self.mgr.send(dst.meta.reply_to, self._status_msg(dst, KVPoll.Transferring, ""))
+
+    def _status_msg(self, dst: Destination, state: KVPoll, reason: str) -> TransferStatus:
+        pages = sum(len(c.pages) for c in self._chunks[:dst.chunks_done])
+        return TransferStatus(self.room, dst.meta.bootstrap_addr, self.mgr.endpoint, self.mgr.instance_id,
+                              self.mgr.layout.tp_rank, int(state), pages, reason)
+
+    def _record(self, success: bool) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        now = time.monotonic()
+        latency = now - self._first_send_at if self._first_send_at is not None else None
+        wait = self._ready_at - self._created if self._ready_at is not None else None
+        nbytes = sum(d.bytes_done for d in self._dsts.values())
+        self.mgr.metrics.room_done("sender", success, nbytes, latency, wait)

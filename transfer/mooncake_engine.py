@@ -1,0 +1,86 @@
+"""The one place that calls Mooncake's ``TransferEngine``.
+
+Mooncake calls return an int status and never raise; each is checked here and turned into
+``MooncakeCallError``. Mooncake calls may block (up to 60 s on a peer that accepts but never
+answers, 30 s on a frozen one), so only the manager's worker threads call ``write``; the
+engine's scheduler never does.
+
+Mooncake's ports (RPC handshake and TCP data) listen on all interfaces with no
+authentication unless ``MC_TCP_BIND_ADDRESS`` narrows the data port: anyone who can reach
+them can write into registered memory. Run it on a private network (Kubernetes network
+policy) only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+from .errors import MooncakeCallError, RdmaUnavailableError, TransferEngineUnavailableError
+
+log = logging.getLogger(__name__)
+
+RDMA_SYSFS = Path("/sys/class/infiniband")
+
+
+def rdma_devices() -> list[str]:
+    """Names of the RDMA devices of this machine (empty without any)."""
+    try:
+        return sorted(p.name for p in RDMA_SYSFS.iterdir())
+    except OSError:
+        return []
+
+
+class MooncakeEngine:
+    """A Mooncake ``TransferEngine`` with peer-to-peer handshake (no metadata server)."""
+
+    def __init__(self, host: str, protocol: str, devices: str = "") -> None:
+        if protocol == "rdma":
+            found = rdma_devices()
+            wanted = [d for d in devices.split(",") if d]
+            if not found or any(d not in found for d in wanted):
+                raise RdmaUnavailableError(devices, found)
+        elif protocol != "tcp":
+            raise ValueError(f"unknown transfer protocol {protocol!r} (rdma or tcp)")
+        if host in ("127.0.0.1", "localhost"):
+            # Keep the TCP data port on loopback when we only advertise loopback.
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise TransferEngineUnavailableError(
+                f"cannot import mooncake ({exc}); install the transfer-cpu extra "
+                "(mooncake-transfer-engine-non-cuda) and Debian's libibverbs1"
+            ) from exc
+        self.host = host
+        self.protocol = protocol
+        self._engine = TransferEngine()
+        code = self._engine.initialize(host, "P2PHANDSHAKE", protocol, devices)
+        if code != 0:
+            raise MooncakeCallError("initialize", code, f"host {host}, protocol {protocol}")
+        self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+        self._registered: list[int] = []
+        self._lock = threading.Lock()
+
+    def register(self, ptr: int, length: int) -> None:
+        """Registers ``[ptr, ptr + length)`` so peers may write into it."""
+        code = self._engine.register_memory(ptr, length)
+        if code != 0:
+            raise MooncakeCallError("register_memory", code, f"ptr {ptr:#x}, {length} bytes")
+        with self._lock:
+            self._registered.append(ptr)
+
+    def write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
+        """Synchronous batch write to the peer ``session``; returns Mooncake's status (0 = ok)."""
+        return int(self._engine.batch_transfer_sync_write(session, srcs, dsts, lens))
+
+    def close(self) -> None:
+        """Unregisters every region (the engine's own threads live as long as the process)."""
+        with self._lock:
+            ptrs, self._registered = self._registered, []
+        for ptr in ptrs:
+            code = self._engine.unregister_memory(ptr)
+            if code != 0:
+                log.warning("mooncake unregister_memory(%#x) returned %d", ptr, code)

@@ -1,0 +1,55 @@
+"""One room's state, its failure and its deadline: the part both sides share.
+
+Not thread-safe by itself: the manager's lock guards it.
+"""
+
+from __future__ import annotations
+
+from .errors import KVTimeoutError, KVTransferError
+from .poll_state import KVPoll, advance, is_final
+
+
+class RoomStatus:
+    """State machine of one room: forward-only moves, a deadline per non-final state."""
+
+    def __init__(self, room: int, timeouts: dict[KVPoll, float], now: float) -> None:
+        self.room = room
+        self._timeouts = timeouts
+        self.state = KVPoll.Bootstrapping
+        self.error: KVTransferError | None = None
+        self.history: list[KVPoll] = [KVPoll.Bootstrapping]
+        self.deadline = now + timeouts[KVPoll.Bootstrapping]
+
+    @property
+    def final(self) -> bool:
+        return is_final(self.state)
+
+    def move(self, target: KVPoll, now: float) -> bool:
+        """Moves forward to ``target`` (never to Failed: use ``fail``); True if it changed."""
+        new = advance(self.state, target)
+        if new == self.state or new == KVPoll.Failed:
+            return False
+        self.state = new
+        self.history.append(new)
+        self.touch(now)
+        return True
+
+    def touch(self, now: float) -> None:
+        """Restarts the current state's deadline (progress was made)."""
+        if not self.final:
+            self.deadline = now + self._timeouts[self.state]
+
+    def fail(self, error: KVTransferError) -> bool:
+        """Fails the room with ``error`` unless it is already final; True if it failed now."""
+        if self.final:
+            return False
+        self.state = KVPoll.Failed
+        self.error = error
+        self.history.append(KVPoll.Failed)
+        return True
+
+    def expired(self, now: float) -> KVTimeoutError | None:
+        """The timeout error if the current state's deadline has passed."""
+        if self.final or now <= self.deadline:
+            return None
+        return KVTimeoutError(self.room, self.state.name, self._timeouts[self.state])

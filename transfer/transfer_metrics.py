@@ -1,0 +1,66 @@
+"""Prometheus metrics of the transfer layer, per transfer.
+
+Collectors are created once per registry (default: prometheus_client's global one) and
+shared by every manager that uses it, so several managers in one process never trip
+"Duplicated timeseries" errors.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(frozen=True)
+class TransferMetrics:
+    """The collectors; labels: ``side`` (sender|receiver), ``outcome`` (success|failed)."""
+
+    bytes_total: Counter
+    rooms_total: Counter
+    latency_seconds: Histogram
+    wait_seconds: Histogram
+
+    def room_done(self, side: str, success: bool, nbytes: int, latency_s: float | None,
+                  wait_s: float | None) -> None:
+        """Records one finished room."""
+        self.rooms_total.labels(side=side, outcome="success" if success else "failed").inc()
+        if nbytes:
+            self.bytes_total.labels(side=side).inc(nbytes)
+        if success and latency_s is not None:
+            self.latency_seconds.labels(side=side).observe(latency_s)
+        if wait_s is not None:
+            self.wait_seconds.labels(side=side).observe(wait_s)
+
+
+_BY_REGISTRY: dict[int, tuple[CollectorRegistry, TransferMetrics]] = {}
+_LOCK = threading.Lock()
+
+
+def transfer_metrics(registry: CollectorRegistry | None = None) -> TransferMetrics:
+    """The transfer metrics registered in ``registry`` (created on first use)."""
+    registry = REGISTRY if registry is None else registry
+    with _LOCK:
+        entry = _BY_REGISTRY.get(id(registry))
+        if entry is not None and entry[0] is registry:
+            return entry[1]
+        metrics = TransferMetrics(
+            bytes_total=Counter("splitserve_transfer_bytes", "KV and aux bytes written or received",
+                                ["side"], registry=registry),
+            rooms_total=Counter("splitserve_transfer_rooms", "Transfers finished, by outcome",
+                                ["side", "outcome"], registry=registry),
+            latency_seconds=Histogram(
+                "splitserve_transfer_latency_seconds",
+                "Sender: first chunk queued to success; receiver: metadata sent to success",
+                ["side"], buckets=_LATENCY_BUCKETS, registry=registry),
+            wait_seconds=Histogram(
+                "splitserve_transfer_wait_seconds",
+                "Sender: creation to the decode's metadata in hand (decode page allocation wait); "
+                "receiver: creation to metadata sent",
+                ["side"], buckets=_LATENCY_BUCKETS, registry=registry),
+        )
+        _BY_REGISTRY[id(registry)] = (registry, metrics)
+        return metrics

@@ -1,0 +1,133 @@
+"""Which bytes go where: the (source, destination, length) segments of one chunk of one room.
+
+Pure arithmetic on two ``KVLayout``s, vectorised with numpy:
+- same heads on both sides: whole pages, with runs of pages that are consecutive on both
+  sides merged into one segment per buffer;
+- different TP sizes: the page ``[page_size, heads, head_dim]`` holds a head range as one
+  strided row per token, so a head slice is one segment per token per buffer.
+
+The first page of a chunk may start at a token offset (the decode side already holds the
+prompt's first ``decode_prefix_len`` tokens, which may end mid-page).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kv_layout import KVLayout
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Parallel arrays of absolute source addresses, destination addresses and lengths."""
+
+    srcs: np.ndarray
+    dsts: np.ndarray
+    lens: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lens.sum())
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def batches(self, max_segments: int) -> list[tuple[list[int], list[int], list[int]]]:
+        """Lists ready for Mooncake, at most ``max_segments`` each."""
+        out = []
+        for start in range(0, len(self.lens), max_segments):
+            end = start + max_segments
+            out.append((self.srcs[start:end].tolist(), self.dsts[start:end].tolist(),
+                        self.lens[start:end].tolist()))
+        return out
+
+
+EMPTY = Segments(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+
+
+def page_segments(src: KVLayout, dst: KVLayout, src_pages: np.ndarray, dst_pages: np.ndarray,
+                  first_token: int, head_start: int, head_count: int) -> Segments:
+    """Segments copying heads ``[head_start, +head_count)`` of ``src_pages`` into ``dst_pages``.
+
+    Both page arrays have one entry per page; the first page is copied from token
+    ``first_token`` on, the others whole. Both layouts must hold the head range.
+    """
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    if len(src_pages) == 0:
+        return EMPTY
+    if not 0 <= first_token < src.page_size:
+        raise ValueError(f"first_token {first_token} outside a page of {src.page_size} tokens")
+    sp = np.asarray(src_pages, dtype=np.int64)
+    dp = np.asarray(dst_pages, dtype=np.int64)
+    src_bases = np.array([b.ptr for b in src.buffers], dtype=np.int64)
+    dst_bases = np.array([b.ptr for b in dst.buffers], dtype=np.int64)
+    whole = (head_start == src.head_start == dst.head_start
+             and head_count == src.head_count == dst.head_count)
+    if whole:
+        offs, doffs, lens = _page_runs(sp, dp, src.buffers[0].page_bytes, dst.buffers[0].page_bytes,
+                                       first_token * src.token_bytes)
+    else:
+        offs, doffs, lens = _token_rows(src, dst, sp, dp, first_token, head_start, head_count)
+    srcs = (src_bases[:, None] + offs[None, :]).reshape(-1)
+    dsts = (dst_bases[:, None] + doffs[None, :]).reshape(-1)
+    lens = np.broadcast_to(lens, (len(src_bases), len(lens))).reshape(-1)
+    return Segments(srcs.astype(np.uint64), dsts.astype(np.uint64), lens.astype(np.uint64))
+
+
+def _page_runs(sp: np.ndarray, dp: np.ndarray, src_page_bytes: int, dst_page_bytes: int,
+               first_offset: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Offsets within a buffer and lengths of maximal runs of pages consecutive on both sides."""
+    if src_page_bytes != dst_page_bytes:
+        raise ValueError(f"page bytes differ: {src_page_bytes} vs {dst_page_bytes}")
+    breaks = np.flatnonzero((np.diff(sp) != 1) | (np.diff(dp) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(sp)]))
+    offs = sp[starts] * src_page_bytes
+    doffs = dp[starts] * dst_page_bytes
+    lens = (ends - starts) * src_page_bytes
+    offs[0] += first_offset
+    doffs[0] += first_offset
+    lens[0] -= first_offset
+    return offs, doffs, lens
+
+
+def _token_rows(src: KVLayout, dst: KVLayout, sp: np.ndarray, dp: np.ndarray, first_token: int,
+                head_start: int, head_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One segment per token: the head slice of that token's row."""
+    if not (src.head_start <= head_start and head_start + head_count <= src.head_start + src.head_count):
+        raise ValueError(f"source rank holds heads {src.head_start}+{src.head_count}, "
+                         f"asked for {head_start}+{head_count}")
+    if not (dst.head_start <= head_start and head_start + head_count <= dst.head_start + dst.head_count):
+        raise ValueError(f"destination rank holds heads {dst.head_start}+{dst.head_count}, "
+                         f"asked for {head_start}+{head_count}")
+    tokens = np.arange(src.page_size, dtype=np.int64)
+    src_rows = (sp[:, None] * src.buffers[0].page_bytes + tokens[None, :] * src.token_bytes
+                + (head_start - src.head_start) * src.head_bytes)
+    dst_rows = (dp[:, None] * dst.buffers[0].page_bytes + tokens[None, :] * dst.token_bytes
+                + (head_start - dst.head_start) * dst.head_bytes)
+    keep = np.ones_like(src_rows, dtype=bool)
+    keep[0, :first_token] = False
+    offs = src_rows[keep]
+    doffs = dst_rows[keep]
+    lens = np.full(len(offs), head_count * src.head_bytes, dtype=np.int64)
+    return offs, doffs, lens
+
+
+def aux_segment(src: KVLayout, src_slot: int, dst: KVLayout, dst_slot: int) -> Segments:
+    """The one segment copying aux slot ``src_slot`` into the peer's ``dst_slot``."""
+    nbytes = min(src.aux.slot_bytes, dst.aux.slot_bytes)
+    return Segments(np.array([src.aux.ptr + src_slot * src.aux.slot_bytes], dtype=np.uint64),
+                    np.array([dst.aux.ptr + dst_slot * dst.aux.slot_bytes], dtype=np.uint64),
+                    np.array([nbytes], dtype=np.uint64))
+
+
+def concat(parts: list[Segments]) -> Segments:
+    """One ``Segments`` of several, in order."""
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return EMPTY
+    return Segments(np.concatenate([p.srcs for p in parts]), np.concatenate([p.dsts for p in parts]),
+                    np.concatenate([p.lens for p in parts]))
