@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    # httpx logs every request at INFO: too loud for the router and the launcher's health polls.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)
 

@@ -178,6 +178,7 @@ class Engine:
         self.steps += 1
         for c in chunks:
             c.request.kv_len += c.length
+            self.role.on_chunk_done(c.request)
         self._process_samples(out)
 
     def _process_samples(self, out: StepOutput) -> None:
@@ -196,6 +197,7 @@ class Engine:
         """Adds one output token, checks the stop conditions and emits the delta."""
         if req.first_token_time is None:
             req.first_token_time = now
+            req.first_token_logprob = logprobs[0] if logprobs else 0.0
             self.metrics.ttft.observe(now - req.arrival_time)
         else:
             self.metrics.itl.observe(now - (req.last_token_time or now))
@@ -214,7 +216,7 @@ class Engine:
         if finish is None and (len(req.output_ids) >= params.max_new_tokens
                                or req.total_len >= self.context_length):
             finish = FinishReason.LENGTH
-        if finish is None and self.role.on_token(req):
+        if self.role.on_token(req, finish):
             return  # the role took the request over (e.g. prefill hands it to decode)
         text = req.detokenizer.take_delta(final=finish is not None)
         self._emit(req, TokenOutput(req.request_id, [token], text, logprobs=logprobs, top_logprobs=top,
@@ -222,6 +224,19 @@ class Engine:
                                     completion_tokens=len(req.output_ids), cached_tokens=req.cached_len))
         if finish is not None:
             self._retire(req, finish)
+
+    def park(self, req: Request) -> None:
+        """Takes a request out of the batch while a role waits on something for it (a transfer)."""
+        self.scheduler.remove(req)
+        req.status = RequestStatus.PARKED
+
+    def complete(self, req: Request, reason: FinishReason) -> None:
+        """Ends a parked request normally (e.g. its KV reached decode): emits what is left."""
+        text = req.detokenizer.take_delta(final=True)
+        self._emit(req, TokenOutput(req.request_id, [], text, finish_reason=reason,
+                                    prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                                    cached_tokens=req.cached_len))
+        self._retire(req, reason)
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         """Ends a request early (abort, error): frees what it holds and tells the caller."""

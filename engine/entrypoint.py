@@ -11,6 +11,7 @@ from splitserve.config_flags import ConfigError, add_config_flags, config_from_a
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.server import ApiServer
+from splitserve.transfer.config import TransferConfig
 
 logger = logging.getLogger(__name__)
 ENV_PREFIX = "SPLITSERVE"
@@ -19,6 +20,8 @@ ENV_PREFIX = "SPLITSERVE"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve serve", description="Run one engine and its HTTP API.")
     add_config_flags(parser, EngineConfig, ENV_PREFIX)
+    # The transfer layer's flags (used by --role prefill/decode) live in its own dataclass.
+    add_config_flags(parser.add_argument_group("KV transfer (prefill/decode)"), TransferConfig, ENV_PREFIX)
     return parser
 
 
@@ -27,20 +30,23 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(EngineConfig, args, ENV_PREFIX)
+        transfer = config_from_args(TransferConfig, args, ENV_PREFIX)
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
     logging.getLogger().setLevel(cfg.log_level.upper())
-    if cfg.role not in ("unified",):
+    role = None
+    if cfg.role != "unified":
         from splitserve.engine.roles import build_role  # prefill/decode need the transfer layer
-        role = build_role(cfg, argv)
-    else:
-        role = None
+        try:
+            role = build_role(cfg, transfer)
+        except ValueError as exc:
+            parser.error(str(exc))
     try:
         engine = Engine(cfg, role=role)
-    except (FileNotFoundError, ValueError, MemoryError) as exc:
+        engine.start()
+    except (FileNotFoundError, ValueError, MemoryError, OSError) as exc:
         logger.error("cannot start the engine: %s", exc)
         return 1
-    engine.start()
     server = ApiServer(engine)
     logger.info("serving %s (role %s) on http://%s:%d", cfg.model_name, cfg.role, cfg.host, cfg.port)
     try:

@@ -61,6 +61,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     first_token_time: float | None = None
+    first_token_logprob: float = 0.0  # travels to decode in the aux data (when logprobs are asked for)
     last_token_time: float | None = None
     detokenizer: Any = None
     sampler_slot: int = -1  # the slot whose full-sampler state was last reset for this request

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from splitserve.engine.request import Request
+from splitserve.engine.request import FinishReason, Request
 
 if TYPE_CHECKING:
     from splitserve.engine.engine import Engine
@@ -27,9 +27,16 @@ class Role:
     def poll(self) -> None:
         """Called every loop iteration: advance transfers, move parked requests on."""
 
-    def on_token(self, req: Request) -> bool:
-        """A token was appended and the request goes on; return True to take it over."""
+    def on_chunk_done(self, req: Request) -> None:
+        """A chunk of the request's tokens ran: its KV up to `req.kv_len` is in its pages."""
+
+    def on_token(self, req: Request, finish: FinishReason | None) -> bool:
+        """A token was appended (`finish` says if it ends the request); True takes the request over."""
         return False
+
+    def health_info(self) -> dict[str, Any]:
+        """Extra fields for /health (e.g. the prefill's bootstrap port)."""
+        return {}
 
     def on_finish(self, req: Request) -> None:
         """The request is retiring (finished, aborted or failed): drop per-request role state."""

@@ -136,7 +136,7 @@ class ApiServer:
     async def health(self, _request: HttpRequest) -> Response:
         if not self.engine.alive:
             return JSONResponse({"status": "engine loop not running"}, status_code=503)
-        return JSONResponse({"status": "ok", "role": self.engine.role.name})
+        return JSONResponse({"status": "ok", "role": self.engine.role.name, **self.engine.role.health_info()})
 
     async def metrics(self, _request: HttpRequest) -> Response:
         return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)

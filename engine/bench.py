@@ -1,0 +1,296 @@
+"""`splitserve bench`: load a server over HTTP, or time the bare engine, and print ratios.
+
+  splitserve bench                        # starts a tiny-model server, loads it, and times the
+                                          # bare engine on the same work as the peer
+  splitserve bench --url http://host:port # loads a running server (router or engine)
+  splitserve bench --profile engine       # the bare engine only: prefill rate, decode step vs roofline
+
+Figures are printed as ratios: HTTP throughput against the bare engine measured in the same
+run, and decode step time against the memory-bandwidth roofline measured on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+from splitserve.config_flags import add_config_flags, config_from_args
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchConfig:
+    """What load to generate and against what."""
+
+    url: str | None = field(default=None, metadata={"help": "server to load (default: start one)"})
+    profile: str = field(default="http", metadata={"help": "http: load a server; engine: bare engine only",
+                                                   "choices": ("http", "engine")})
+    model: str = field(default="tiny", metadata={"help": "model for the server/engine this command starts"})
+    device: str = field(default="auto", metadata={"help": "device for the engine this command starts"})
+    num_requests: int = field(default=64, metadata={"help": "requests to send"})
+    concurrency: int = field(default=16, metadata={"help": "requests in flight at once"})
+    input_len: int = field(default=128, metadata={"help": "prompt tokens per request"})
+    output_len: int = field(default=64, metadata={"help": "output tokens per request"})
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32],
+                                   metadata={"help": "engine profile: decode batch sizes"})
+    max_running_requests: int = field(default=64, metadata={"help": "engine batch limit"})
+    seed: int = field(default=0, metadata={"help": "seed of the random prompts"})
+    output: str | None = field(default=None, metadata={"help": "write the figures as JSON here"})
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(ordered)}
+
+
+def random_prompts(n: int, length: int, seed: int, vocab: int = 250) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (n, length), generator=gen).tolist()
+
+
+# ---- HTTP load ------------------------------------------------------------------------------
+
+@dataclass
+class RequestTiming:
+    ttft: float
+    itls: list[float]
+    latency: float
+    output_tokens: int
+    ok: bool
+    error: str = ""
+
+
+async def _one_streamed(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+                        output_len: int) -> RequestTiming:
+    start = time.perf_counter()
+    first = last = None
+    itls: list[float] = []
+    tokens = 0
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return RequestTiming(0, [], 0, 0, False, (await r.aread()).decode()[:200])
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return RequestTiming(0, [], 0, tokens, False, chunk["error"]["message"])
+                n = len(chunk["choices"][0].get("token_ids", []))
+                if not n:
+                    continue
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    itls.append((now - last) / n)
+                last = now
+                tokens += n
+    except httpx.HTTPError as exc:
+        return RequestTiming(0, [], 0, tokens, False, repr(exc))
+    end = time.perf_counter()
+    return RequestTiming((first or end) - start, itls, end - start, tokens, tokens == output_len)
+
+
+async def http_load(url: str, cfg: BenchConfig) -> dict:
+    async with httpx.AsyncClient(timeout=600) as client:
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        prompts = random_prompts(cfg.num_requests, cfg.input_len, cfg.seed)
+        gate = asyncio.Semaphore(cfg.concurrency)
+        done = 0
+
+        async def run(p: list[int]) -> RequestTiming:
+            nonlocal done
+            async with gate:
+                t = await _one_streamed(client, url, model, p, cfg.output_len)
+            done += 1
+            if done % max(1, cfg.num_requests // 10) == 0:
+                logger.info("bench: %d/%d requests done", done, cfg.num_requests)
+            return t
+
+        start = time.perf_counter()
+        timings = await asyncio.gather(*(run(p) for p in prompts))
+        wall = time.perf_counter() - start
+    ok = [t for t in timings if t.ok]
+    out_tokens = sum(t.output_tokens for t in ok)
+    return {
+        "requests": len(timings), "ok": len(ok), "failed": len(timings) - len(ok),
+        "errors": sorted({t.error for t in timings if not t.ok})[:3],
+        "wall_s": wall, "output_tokens_per_s": out_tokens / wall,
+        "total_tokens_per_s": (out_tokens + len(ok) * cfg.input_len) / wall,
+        "request_per_s": len(ok) / wall,
+        "ttft_s": percentiles([t.ttft for t in ok]),
+        "itl_s": percentiles([x for t in ok for x in t.itls]),
+        "latency_s": percentiles([t.latency for t in ok]),
+    }
+
+
+# ---- the bare engine ------------------------------------------------------------------------
+
+def measured_memory_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
+    """Bytes/s of a large device copy (read + write counted), the decode roofline's limit."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def run_engine_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
+    """Submits `prompts` at once and times prefill (to the last first token) and decode steps."""
+    from splitserve.engine.request import Request
+    from splitserve.engine.sampling_params import SamplingParams
+
+    done = threading.Event()
+    first_times: list[float] = []
+    finished = [0]
+
+    def on_output(out) -> None:
+        if out.token_ids and len(first_times) < len(prompts) and out.completion_tokens == 1:
+            first_times.append(time.perf_counter())
+        if out.finish_reason is not None:
+            finished[0] += 1
+            if finished[0] == len(prompts):
+                done.set()
+
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    steps_before = engine.steps
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.submit(Request(f"bench-{start}-{i}", list(p), params, on_output))
+    if not done.wait(timeout=3600):
+        raise TimeoutError("engine benchmark did not finish")
+    end = time.perf_counter()
+    prefill_end = max(first_times)
+    decode_steps = max(1, output_len - 1)
+    return {"batch": len(prompts), "prefill_s": prefill_end - start, "decode_s": end - prefill_end,
+            "decode_step_s": (end - prefill_end) / decode_steps, "steps": engine.steps - steps_before,
+            "output_tokens_per_s": len(prompts) * output_len / (end - start)}
+
+
+def engine_profile(cfg: BenchConfig) -> dict:
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine
+
+    max_batch = max(cfg.batch_sizes)
+    ecfg = EngineConfig(model=cfg.model, device=cfg.device, max_running_requests=max(max_batch, cfg.concurrency),
+                        max_total_tokens=(cfg.input_len + cfg.output_len + 16) * max(max_batch, cfg.concurrency) * 2,
+                        disable_prefix_cache=True, chunked_prefill_size=-1)
+    engine = Engine(ecfg)
+    engine.start()
+    try:
+        device = engine.runner.device
+        bandwidth = measured_memory_bandwidth(device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+        kv_token_bytes = engine.runner.kv_shape.page_bytes * 2 * engine.runner.kv_shape.num_layers // \
+            engine.runner.kv_shape.page_size
+        run_engine_batch(engine, random_prompts(2, 16, 99), 4)  # warm-up
+        rows = []
+        for b in cfg.batch_sizes:
+            r = run_engine_batch(engine, random_prompts(b, cfg.input_len, cfg.seed + b), cfg.output_len)
+            ctx = cfg.input_len + cfg.output_len / 2
+            roofline = (weight_bytes + b * ctx * kv_token_bytes) / bandwidth
+            r["roofline_step_s"] = roofline
+            r["step_over_roofline"] = r["decode_step_s"] / roofline
+            r["prefill_tokens_per_s"] = b * cfg.input_len / r["prefill_s"]
+            rows.append(r)
+            logger.info("engine batch %d: decode step %.2f ms (%.1fx roofline), prefill %.0f tok/s", b,
+                        r["decode_step_s"] * 1e3, r["step_over_roofline"], r["prefill_tokens_per_s"])
+        # The same work as the HTTP load, for the HTTP-vs-engine ratio.
+        same = run_engine_batch(engine, random_prompts(cfg.concurrency, cfg.input_len, cfg.seed), cfg.output_len)
+    finally:
+        engine.stop()
+    return {"device": str(device), "memory_bandwidth_GBps": bandwidth / 1e9, "weight_bytes": weight_bytes,
+            "decode": rows, "engine_at_http_concurrency": same}
+
+
+def start_local_server(cfg: BenchConfig) -> tuple[subprocess.Popen, str]:
+    from splitserve.engine.launcher import free_port, wait_healthy
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "serve", "--model", cfg.model,
+                             "--device", cfg.device, "--port", str(port), "--max-running-requests",
+                             str(cfg.max_running_requests), "--disable-prefix-cache"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy([(url, proc)], timeout=180)
+    return proc, url
+
+
+def print_report(report: dict) -> None:
+    lines = []
+    if "engine" in report:
+        e = report["engine"]
+        lines.append(f"device {e['device']}, measured copy bandwidth {e['memory_bandwidth_GBps']:.1f} GB/s")
+        lines.append("decode batch | step ms | roofline ms | step/roofline | prefill tok/s")
+        for r in e["decode"]:
+            lines.append(f"{r['batch']:>12} | {r['decode_step_s'] * 1e3:7.2f} | {r['roofline_step_s'] * 1e3:11.3f} "
+                         f"| {r['step_over_roofline']:13.1f} | {r['prefill_tokens_per_s']:13.0f}")
+    if "http" in report:
+        h = report["http"]
+        lines.append(f"HTTP: {h['ok']}/{h['requests']} ok, {h['output_tokens_per_s']:.1f} output tok/s, "
+                     f"{h['request_per_s']:.2f} req/s")
+        for key in ("ttft_s", "itl_s", "latency_s"):
+            p = h[key]
+            lines.append(f"  {key[:-2]:>8}: p50 {p['p50'] * 1e3:8.1f} ms  p90 {p['p90'] * 1e3:8.1f} ms  "
+                         f"p99 {p['p99'] * 1e3:8.1f} ms")
+    if "http_over_engine" in report:
+        lines.append(f"HTTP throughput / bare engine on the same work: {report['http_over_engine']:.2f}")
+    for line in lines:
+        print(line)  # the report is the command's output
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="splitserve bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser, BenchConfig, "SPLITSERVE_BENCH")
+    cfg = config_from_args(BenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH")
+    report: dict = {"config": asdict(cfg)}
+    if cfg.profile == "engine" or cfg.url is None:
+        report["engine"] = engine_profile(cfg)
+    if cfg.profile == "http":
+        proc = None
+        url = cfg.url
+        if url is None:
+            proc, url = start_local_server(cfg)
+        try:
+            report["http"] = asyncio.run(http_load(url, cfg))
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        if "engine" in report:
+            report["http_over_engine"] = (report["http"]["output_tokens_per_s"]
+                                          / report["engine"]["engine_at_http_concurrency"]["output_tokens_per_s"])
+    print_report(report)
+    if cfg.output:
+        Path(cfg.output).write_text(json.dumps(report, indent=2))
+    return 0 if report.get("http", {}).get("failed", 0) == 0 else 1

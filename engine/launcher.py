@@ -1,0 +1,169 @@
+"""`splitserve up`: a whole deployment as local processes: engines and the router in front.
+
+Starts the engines (prefill and decode, or unified replicas), waits until each is healthy
+(printing progress), starts the router, prints the endpoint, and on Ctrl-C or SIGTERM stops
+everything it started. If any process dies, the rest are stopped and the exit code says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class UpConfig:
+    """The shape of the local deployment."""
+
+    model: str = field(default="tiny", metadata={"help": "checkpoint folder, or 'tiny'"})
+    prefill: int = field(default=1, metadata={"help": "prefill engines (0 with --decode 0: unified)"})
+    decode: int = field(default=1, metadata={"help": "decode engines"})
+    unified: int = field(default=0, metadata={"help": "unified engine replicas instead of prefill/decode"})
+    host: str = field(default="127.0.0.1", metadata={"help": "router bind address"})
+    port: int = field(default=8000, metadata={"help": "router port (the endpoint clients use)"})
+    device: str = field(default="auto", metadata={"help": "device of every engine (cuda:N per engine on GPUs)"})
+    startup_timeout_s: float = field(default=300.0, metadata={"help": "seconds to wait for each process"})
+    engine_args: str = field(default="", metadata={"help": "extra flags for every engine, one string"})
+
+    def __post_init__(self) -> None:
+        if self.unified and (self.prefill or self.decode) and (self.prefill, self.decode) != (1, 1):
+            raise ValueError("--unified replaces --prefill/--decode; give one or the other")
+        if not self.unified and (self.prefill < 1 or self.decode < 1):
+            raise ValueError(f"need at least one prefill and one decode engine, got {self.prefill}P{self.decode}D")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(procs: list[tuple[str, subprocess.Popen]], timeout: float) -> None:
+    """Waits until every URL's /health answers 200; raises if a process exits first."""
+    deadline = time.monotonic() + timeout
+    pending = dict(procs)
+    last_report = 0.0
+    while pending:
+        for url, proc in list(pending.items()):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{url} exited with code {proc.returncode} while starting")
+            try:
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    del pending[url]
+                    logger.info("ready: %s (%d/%d)", url, len(procs) - len(pending), len(procs))
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not healthy after {timeout:.0f} s: {', '.join(pending)}")
+        if pending and time.monotonic() - last_report > 5:
+            logger.info("waiting for %d process(es): %s", len(pending), ", ".join(pending))
+            last_report = time.monotonic()
+        time.sleep(0.2)
+
+
+class Deployment:
+    """The processes of one `splitserve up`, started and stopped together."""
+
+    def __init__(self, cfg: UpConfig) -> None:
+        self.cfg = cfg
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        cmd = [sys.executable, "-P", "-m", "splitserve", *args]
+        logger.info("starting %s: %s", name, " ".join(args))
+        # A new session: Ctrl-C in the terminal reaches `up` alone, which stops the children in order.
+        return subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def _engine(self, role: str, index: int) -> str:
+        port = free_port()
+        args = ["serve", "--role", role, "--model", self.cfg.model, "--port", str(port), "--device", self.cfg.device]
+        if role == "prefill":
+            args += ["--bootstrap-port", str(free_port())]
+        args += self.cfg.engine_args.split()
+        url = f"http://127.0.0.1:{port}"
+        self.procs.append((url, self._spawn(f"{role}-{index}", args)))
+        return url
+
+    def start(self) -> str:
+        cfg = self.cfg
+        if cfg.unified:
+            unified = [self._engine("unified", i) for i in range(cfg.unified)]
+            router_args = ["--unified", *unified]
+        else:
+            prefill = [self._engine("prefill", i) for i in range(cfg.prefill)]
+            decode = [self._engine("decode", i) for i in range(cfg.decode)]
+            router_args = ["--prefill", *prefill, "--decode", *decode]
+        wait_healthy(self.procs, cfg.startup_timeout_s)
+        router_url = f"http://{cfg.host}:{cfg.port}"
+        router = self._spawn("router", ["router", "--host", cfg.host, "--port", str(cfg.port), *router_args])
+        self.procs.append((router_url, router))
+        wait_healthy([(router_url, router)], cfg.startup_timeout_s)
+        return router_url
+
+    def watch(self, stop: list[bool]) -> int:
+        """Blocks until a stop is asked for (0) or a process dies (1)."""
+        while not stop[0]:
+            for url, proc in self.procs:
+                if proc.poll() is not None:
+                    logger.error("%s exited with code %s; stopping the deployment", url, proc.returncode)
+                    return 1
+            time.sleep(0.5)
+        return 0
+
+    def stop(self) -> None:
+        # The router first, so no new work reaches engines that are going away.
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 20
+        for url, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in time; killing it", url)
+                proc.kill()
+                proc.wait()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="splitserve up", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser, UpConfig, "SPLITSERVE_UP")
+    try:
+        cfg = config_from_args(UpConfig, parser.parse_args(argv), "SPLITSERVE_UP")
+    except (ConfigError, ValueError) as exc:
+        parser.error(str(exc))
+    stop = [False]
+
+    def on_signal(signum, _frame) -> None:
+        logger.info("received %s; stopping", signal.Signals(signum).name)
+        stop[0] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    deployment = Deployment(cfg)
+    code = 0
+    try:
+        url = deployment.start()
+        shape = f"{cfg.unified} unified" if cfg.unified else f"{cfg.prefill} prefill + {cfg.decode} decode"
+        logger.info("splitserve is up (%s, model %s): %s/v1", shape, cfg.model, url)
+        print(f"endpoint: {url}/v1", flush=True)  # the one line a user or a script needs
+        code = deployment.watch(stop)
+    except (RuntimeError, TimeoutError) as exc:
+        logger.error("%s", exc)
+        code = 1
+    finally:
+        deployment.stop()
+    return code

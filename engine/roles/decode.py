@@ -1,0 +1,100 @@
+"""The decode role: reserve pages, receive the prompt's KV from prefill, then decode as usual.
+
+A request arrives with the prefill's bootstrap address and the room. Decode gives it a slot
+and pages for the whole prompt (reusing its own prefix cache: those tokens are not sent
+again), starts a receiver, and parks the request. When the room reaches Success the first
+token is read from the aux slot and the request joins the running batch; if it fails, its
+pages are freed and the client gets the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from splitserve.engine.engine import Engine
+from splitserve.engine.request import FinishReason, Request
+from splitserve.engine.role import Role
+from splitserve.engine.roles.kv_transfer_endpoint import KVTransferEndpoint
+from splitserve.transfer import KVPoll, KVReceiver, TransferConfig, unpack_aux
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeRole(Role):
+    """Decode: the engine loop, fed by KV receivers instead of prefill."""
+
+    name = "decode"
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+        self.pending: deque[Request] = deque()  # waiting for a slot and pages
+        self.receiving: dict[str, Request] = {}
+
+    def attach(self, engine: Engine) -> None:
+        super().attach(engine)
+        self.endpoint = KVTransferEndpoint(engine, self.config)
+
+    def on_arrival(self, req: Request) -> bool:
+        if req.bootstrap_addr is None or req.bootstrap_room is None:
+            self.engine.finish(req, FinishReason.ERROR, "a decode engine needs 'bootstrap_host', 'bootstrap_port' "
+                                                        "and 'bootstrap_room' (send requests through the router)")
+            return True
+        self.engine.park(req)
+        self.pending.append(req)
+        self._admit_pending()
+        return True
+
+    def _admit_pending(self) -> None:
+        kv = self.engine.kv
+        while self.pending and kv.free_slots:
+            req = self.pending[0]
+            prompt_len = len(req.prompt_ids)
+            kv.admit(req, max_prefix_tokens=prompt_len - 1)
+            decode_prefix_len = req.kv_len
+            if not kv.grow(req, prompt_len):
+                kv.release(req)
+                return  # wait for pages to come back
+            self.pending.popleft()
+            receiver = KVReceiver(self.endpoint.manager, req.bootstrap_addr, req.bootstrap_room)
+            receiver.init()
+            receiver.send_metadata(req.pages[: kv.pages_for(prompt_len)], req.slot, decode_prefix_len)
+            req.role_state = receiver
+            self.receiving[req.request_id] = req
+
+    def poll(self) -> None:
+        self._admit_pending()
+        for rid, req in list(self.receiving.items()):
+            receiver: KVReceiver = req.role_state
+            status = receiver.poll()
+            if status == KVPoll.Success:
+                self.receiving.pop(rid)
+                aux = unpack_aux(self.endpoint.aux, req.slot)
+                receiver.clear()
+                req.kv_len = len(req.prompt_ids)
+                req.cached_len = aux.cached_tokens
+                self.engine.scheduler.add_running(req)
+                self.engine.append_token(req, aux.first_token_id, time.monotonic(),
+                                         [aux.first_token_logprob] if req.params.logprobs is not None else None)
+            elif status == KVPoll.Failed:
+                self.receiving.pop(rid)
+                exc = receiver.failure_exception()
+                self.engine.finish(req, FinishReason.ERROR, f"KV transfer from prefill failed: {exc}")
+
+    def idle_poll_interval(self) -> float | None:
+        return 0.002 if self.receiving or self.pending else None
+
+    def on_finish(self, req: Request) -> None:
+        self.receiving.pop(req.request_id, None)
+        if req in self.pending:
+            self.pending.remove(req)
+        receiver = req.role_state
+        if isinstance(receiver, KVReceiver):
+            if receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
+                receiver.abort("decode request ended before its KV arrived")
+            receiver.clear()
+            req.role_state = None
+
+    def close(self) -> None:
+        self.endpoint.close()
