@@ -1,0 +1,220 @@
+"""Prefill/decode over Mooncake TCP on loopback, behind the router: identical to the unified engine.
+
+Real processes: a unified engine (the reference), prefill and decode engines and the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from engine_checkpoints import write
+from servers import ServerProcess, assert_kv_back_to_start, free_port, wait_http_ok
+
+ENGINE_ARGS = ["--page-size", "4", "--max-total-tokens", "8192", "--max-running-requests", "16", "--device", "cpu"]
+# Fast failure detection for the tests; the defaults are for production.
+TRANSFER_ARGS = ["--transfer-heartbeat-interval-s", "0.2", "--transfer-heartbeat-misses", "5",
+                 "--transfer-bootstrap-timeout-s", "5"]
+
+pytestmark = pytest.mark.slow
+
+
+class Deployment:
+    """Engines and a router as processes; `urls` of every engine for leak checks."""
+
+    def __init__(self, tmp: Path, checkpoint: Path) -> None:
+        self.tmp = tmp
+        self.checkpoint = checkpoint
+        self.procs: list[ServerProcess] = []
+        self.engines: dict[str, ServerProcess] = {}
+
+    def engine(self, role: str, *extra: str) -> str:
+        port = free_port()
+        args = ["serve", "--role", role, "--model", str(self.checkpoint), "--served-model-name", "m",
+                "--port", str(port), *ENGINE_ARGS, *extra]
+        if role in ("prefill", "decode"):
+            args += TRANSFER_ARGS
+        if role == "prefill":
+            args += ["--bootstrap-port", str(free_port()), "--chunked-prefill-size", "8"]
+        proc = ServerProcess(args, self.tmp / f"{role}-{port}.log")
+        self.procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        self.engines[url] = proc
+        return url
+
+    def router(self, prefill: list[str], decode: list[str]) -> str:
+        port = free_port()
+        proc = ServerProcess(["router", "--port", str(port), "--prefill", *prefill, "--decode", *decode],
+                             self.tmp / f"router-{port}.log")
+        self.procs.append(proc)
+        return f"http://127.0.0.1:{port}"
+
+    def wait(self, urls: list[str]) -> None:
+        by_url = {**self.engines}
+        for url in urls:
+            proc = by_url.get(url)
+            wait_http_ok(f"{url}/health", proc.proc if proc else None, 120, proc.log if proc else None)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write("llama-gqa-llama3rope", tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint: Path, tmp_path_factory):
+    """A unified reference and a 2P2D deployment (1P1D is a router over one of each)."""
+    d = Deployment(tmp_path_factory.mktemp("pd"), checkpoint)
+    try:
+        unified = d.engine("unified")
+        prefill = [d.engine("prefill"), d.engine("prefill")]
+        decode = [d.engine("decode"), d.engine("decode")]
+        d.wait([unified, *prefill, *decode])
+        r11 = d.router(prefill[:1], decode[:1])
+        r22 = d.router(prefill, decode)
+        for r in (r11, r22):
+            wait_http_ok(f"{r}/health", None, 60)
+        yield {"deployment": d, "unified": unified, "prefill": prefill, "decode": decode, "1p1d": r11, "2p2d": r22}
+    finally:
+        d.stop()
+
+
+@pytest.fixture(autouse=True)
+def pages_back_everywhere(cluster):
+    yield
+    for url in [cluster["unified"], *cluster["prefill"], *cluster["decode"]]:
+        if cluster["deployment"].engines[url].proc.poll() is None:
+            assert_kv_back_to_start(url)
+
+
+def prompts_of_mixed_lengths(seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 256, (18,), generator=gen).tolist()
+    out = [shared + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 6, 15)]
+    out += [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 3, 8, 33, 70)]
+    return out
+
+
+async def generate_all(url: str, prompts: list[list[int]], max_tokens: int, stream: bool = False) -> list[list[int]]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def one(p: list[int]) -> list[int]:
+            body = {"model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+            if not stream:
+                r = await client.post(f"{url}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+            tokens: list[int] = []
+            async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        import json
+                        tokens += json.loads(line[6:])["choices"][0].get("token_ids", [])
+            return tokens
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+@pytest.mark.parametrize("shape", ["1p1d", "2p2d"])
+def test_greedy_output_equals_unified_for_concurrent_mixed_lengths(cluster, shape: str) -> None:
+    prompts = prompts_of_mixed_lengths(3)
+    want = asyncio.run(generate_all(cluster["unified"], prompts, 20))
+    got = asyncio.run(generate_all(cluster[shape], prompts, 20))
+    assert got == want
+
+
+def test_streamed_through_the_router_equals_unified(cluster) -> None:
+    prompts = prompts_of_mixed_lengths(4)[:4]
+    want = asyncio.run(generate_all(cluster["unified"], prompts, 12))
+    assert asyncio.run(generate_all(cluster["1p1d"], prompts, 12, stream=True)) == want
+
+
+def test_decode_side_prefix_reuse_sends_only_the_rest_and_matches(cluster) -> None:
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 256, (24,), generator=gen).tolist()
+    first = [*prefix, 1, 2, 3]
+    second = [*prefix, 9, 8, 7, 6, 5]
+    want = asyncio.run(generate_all(cluster["unified"], [first, second], 10))
+    assert asyncio.run(generate_all(cluster["1p1d"], [first], 10)) == want[:1]
+    decode_metrics_before = httpx.get(f"{cluster['decode'][0]}/metrics").text
+    assert asyncio.run(generate_all(cluster["1p1d"], [second], 10)) == want[1:]
+    hit = _metric(httpx.get(f"{cluster['decode'][0]}/metrics").text, "splitserve_prefix_cache_hit_rate")
+    assert hit > _metric(decode_metrics_before, "splitserve_prefix_cache_hit_rate") or hit > 0
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in metrics")
+
+
+def test_direct_request_to_prefill_or_decode_without_room_is_refused(cluster) -> None:
+    for url in (cluster["prefill"][0], cluster["decode"][0]):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503
+        assert "bootstrap" in r.json()["error"]["message"]
+
+
+def test_router_refuses_n_above_one_clearly(cluster) -> None:
+    r = httpx.post(f"{cluster['1p1d']}/v1/completions", json={"model": "m", "prompt": "a", "n": 2}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "n"
+
+
+def test_unreachable_bootstrap_fails_the_decode_request_and_frees_its_pages(cluster) -> None:
+    """A decode told to meet a prefill that is not there fails within the bootstrap timeout."""
+    body = {"model": "m", "prompt": list(range(30)), "max_tokens": 4, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": free_port(), "bootstrap_room": 12345}
+    started = time.monotonic()
+    r = httpx.post(f"{cluster['decode'][1]}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 503
+    assert "KV transfer from prefill failed" in r.json()["error"]["message"]
+    assert time.monotonic() - started < 15
+
+
+def test_prefill_killed_mid_request_is_retried_on_another_or_fails_fast(checkpoint: Path, tmp_path: Path) -> None:
+    d = Deployment(tmp_path, checkpoint)
+    try:
+        doomed, spare = d.engine("prefill"), d.engine("prefill")
+        decode = d.engine("decode")
+        d.wait([doomed, spare, decode])
+        router = d.router([doomed, spare], [decode])
+        wait_http_ok(f"{router}/health", None, 60)
+        prompt = torch.randint(0, 256, (900,), generator=torch.Generator().manual_seed(9)).tolist()
+        body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                calls = [asyncio.ensure_future(client.post(f"{router}/v1/completions", json=body)) for _ in range(4)]
+                await asyncio.sleep(0.3)  # the prompts are being prefilled (900 tokens in chunks of 8)
+                d.engines[doomed].kill()
+                return list(await asyncio.gather(*calls))
+
+        started = time.monotonic()
+        responses = asyncio.run(run())
+        elapsed = time.monotonic() - started
+        assert elapsed < 30, f"requests hung for {elapsed:.0f} s after the prefill died"
+        for r in responses:
+            # Retried on the spare prefill, or (if the decode side failed first) a clear error.
+            assert r.status_code in (200, 503), r.text
+            if r.status_code == 503:
+                assert r.json()["error"]["message"]
+        assert any(r.status_code == 200 for r in responses)
+        ok = [r.json()["choices"][0]["token_ids"] for r in responses if r.status_code == 200]
+        assert all(t == ok[0] for t in ok)
+        retries = _metric(httpx.get(f"{router}/metrics").text, "splitserve_router_prefill_retries_total")
+        assert retries >= 1
+        assert_kv_back_to_start(decode, timeout=20)
+        assert_kv_back_to_start(spare)
+    finally:
+        d.stop()
