@@ -119,14 +119,17 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], page_table: torch.Tensor) -> StepOutput:
         batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device)
+        logits = self.forward(batch)
         sampled = [c for c in chunks if c.sample]
         if not sampled:
-            self.model.hidden_states(batch, self.kv_pool)
             return StepOutput([], [], None, None)
-        logits = self.model(batch, self.kv_pool)
         out = self.sample(logits, sampled)
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         return StepOutput(sampled, out.tokens.tolist(), logprobs, out.top_logprobs)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of the batch's `logits_index` tokens (every TP rank runs this for every step)."""
+        return self.model(batch, self.kv_pool)
 
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleOutput:
         params = [c.request.params for c in chunks]
