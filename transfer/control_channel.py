@@ -3,7 +3,8 @@
 One PULL socket bound on ``transfer_control_port`` receives; one PUSH socket per peer
 endpoint sends. ZeroMQ sockets are not thread-safe, so only this thread touches them: other
 threads call ``send``, which queues the frames and wakes the thread through a socketpair.
-The thread also calls ``on_tick`` every ``tick_s`` (heartbeats, timeouts).
+The thread also calls ``on_tick`` every ``tick_s`` (heartbeats, timeouts), and closes the
+socket to a peer nothing was sent to for ``idle_socket_s``.
 
 A malformed or unauthenticated message is logged, counted in ``dropped`` and dropped; an
 exception from a handler is logged; neither ends the thread.
@@ -34,7 +35,7 @@ class ControlChannel:
 
     def __init__(self, host: str, port: int, key: bytes,
                  on_message: Callable[[ControlMessage], None], on_tick: Callable[[float], None],
-                 tick_s: float, name: str = "transfer-control") -> None:
+                 tick_s: float, idle_socket_s: float = 60.0, name: str = "transfer-control") -> None:
         self._key = key
         self._on_message = on_message
         self._on_tick = on_tick
@@ -49,6 +50,8 @@ class ControlChannel:
             port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self._push: dict[str, zmq.Socket] = {}
+        self._last_used: dict[str, float] = {}
+        self._idle_socket_s = idle_socket_s
         self._outbox: collections.deque[tuple[str, list[bytes] | None]] = collections.deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -126,6 +129,15 @@ class ControlChannel:
                     log.exception("transfer control tick failed")
                 next_tick = now + self._tick_s
                 self._flush_outbox()
+                for endpoint, used in list(self._last_used.items()):
+                    if now - used > self._idle_socket_s:
+                        self._close_socket(endpoint)
+
+    def _close_socket(self, endpoint: str) -> None:
+        self._last_used.pop(endpoint, None)
+        sock = self._push.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
 
     def _receive_batch(self) -> None:
         for _ in range(MAX_BATCH):
@@ -152,9 +164,7 @@ class ControlChannel:
         while self._outbox:
             endpoint, frames = self._outbox.popleft()
             if frames is None:
-                sock = self._push.pop(endpoint, None)
-                if sock is not None:
-                    sock.close(linger=0)
+                self._close_socket(endpoint)
                 continue
             sock = self._push.get(endpoint)
             if sock is None:
@@ -168,6 +178,7 @@ class ControlChannel:
                     sock.close(linger=0)
                     continue
                 self._push[endpoint] = sock
+            self._last_used[endpoint] = time.monotonic()
             try:
                 sock.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:

@@ -105,7 +105,8 @@ class MooncakeKVManager(BaseKVManager):
         tick_s = min(0.05, config.transfer_heartbeat_interval_s / 4)
         try:
             self.channel = ControlChannel(config.transfer_host, config.transfer_control_port, key,
-                                          self._on_message, self._on_tick, tick_s)
+                                          self._on_message, self._on_tick, tick_s,
+                                          idle_socket_s=2 * config.heartbeat_timeout_s)
         except Exception:
             self.engine.close()
             raise
@@ -237,11 +238,6 @@ class MooncakeKVManager(BaseKVManager):
             self._lookups.add(receiver.bootstrap_addr)
             self._lookup_cv.notify_all()
 
-    def forget_layouts(self, bootstrap_addr: str) -> None:
-        """Drops the cached layout (the prefill restarted or died): the next room looks it up."""
-        with self.lock:
-            self._layouts.pop(bootstrap_addr, None)
-
     # ---------------------------------------------------------- control thread
 
     def _on_message(self, msg: ControlMessage) -> None:
@@ -328,7 +324,6 @@ class MooncakeKVManager(BaseKVManager):
                     if not self._peer_rooms.get(endpoint):
                         self._peer_rooms.pop(endpoint, None)
                         self._liveness.unwatch(endpoint)
-                        self.channel.forget(endpoint)
 
     def _peer_dead(self, endpoint: str) -> None:
         timeout = self._liveness.timeout_s

@@ -13,14 +13,29 @@ policy) only.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 from .errors import MooncakeCallError, RdmaUnavailableError, TransferEngineUnavailableError
 
 log = logging.getLogger(__name__)
+
+
+
+def _retire(engine: object) -> None:
+    """Never destroys ``engine``: the OS reclaims it at exit.
+
+    Destroying a Mooncake TransferEngine holds the GIL for about a second (it joins its own
+    threads), freezing every Python thread of the process (heartbeats stop, peers declare us
+    dead), and at interpreter exit it costs a second per engine. A closed engine has no
+    registered memory left, so keeping it is harmless; its reference count is raised so that
+    neither the garbage collector nor interpreter shutdown runs its destructor.
+    """
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(engine))
 
 RDMA_SYSFS = Path("/sys/class/infiniband")
 
@@ -56,17 +71,19 @@ class MooncakeEngine:
             ) from exc
         self.host = host
         self.protocol = protocol
-        self._engine = TransferEngine()
-        code = self._engine.initialize(host, "P2PHANDSHAKE", protocol, devices)
+        engine = TransferEngine()
+        code = engine.initialize(host, "P2PHANDSHAKE", protocol, devices)
         if code != 0:
+            _retire(engine)
             raise MooncakeCallError("initialize", code, f"host {host}, protocol {protocol}")
-        self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+        self._engine: Any = engine
+        self.session_id = f"{host}:{engine.get_rpc_port()}"
         self._registered: list[int] = []
         self._lock = threading.Lock()
 
     def register(self, ptr: int, length: int) -> None:
         """Registers ``[ptr, ptr + length)`` so peers may write into it."""
-        code = self._engine.register_memory(ptr, length)
+        code = self._engine.register_memory(ptr, length) if self._engine is not None else -1
         if code != 0:
             raise MooncakeCallError("register_memory", code, f"ptr {ptr:#x}, {length} bytes")
         with self._lock:
@@ -74,13 +91,20 @@ class MooncakeEngine:
 
     def write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
         """Synchronous batch write to the peer ``session``; returns Mooncake's status (0 = ok)."""
-        return int(self._engine.batch_transfer_sync_write(session, srcs, dsts, lens))
+        engine = self._engine
+        if engine is None:
+            return -1
+        return int(engine.batch_transfer_sync_write(session, srcs, dsts, lens))
 
     def close(self) -> None:
-        """Unregisters every region (the engine's own threads live as long as the process)."""
+        """Unregisters every region; the engine itself is never destroyed (see ``_retire``)."""
         with self._lock:
             ptrs, self._registered = self._registered, []
+            engine, self._engine = self._engine, None
+        if engine is None:
+            return
         for ptr in ptrs:
-            code = self._engine.unregister_memory(ptr)
+            code = engine.unregister_memory(ptr)
             if code != 0:
                 log.warning("mooncake unregister_memory(%#x) returned %d", ptr, code)
+        _retire(engine)

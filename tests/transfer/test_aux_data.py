@@ -1,0 +1,18 @@
+"""The aux slot's packed struct."""
+
+from __future__ import annotations
+
+import pytest
+from splitserve.transfer import AUX_BYTES, AuxData, make_aux_tensor, pack_aux, unpack_aux
+
+
+def test_aux_round_trips_in_its_slot_only():
+    aux = make_aux_tensor(4, slot_bytes=16)
+    pack_aux(aux, 2, AuxData(151643, -0.015625, 17))
+    assert unpack_aux(aux, 2) == AuxData(151643, -0.015625, 17)
+    assert AUX_BYTES == 12 and aux[[0, 1, 3]].sum() == 0 and aux[2, 12:].sum() == 0
+
+
+def test_slots_smaller_than_the_struct_are_refused():
+    with pytest.raises(ValueError):
+        make_aux_tensor(4, slot_bytes=8)

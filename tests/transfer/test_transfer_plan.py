@@ -1,0 +1,57 @@
+"""Segments of a chunk, checked by applying them with memmove on local tensors."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from splitserve.transfer import layout_for_pool, make_aux_tensor
+from splitserve.transfer.transfer_plan import page_segments
+
+
+def apply(segments) -> None:
+    for src, dst, n in zip(segments.srcs.tolist(), segments.dsts.tolist(), segments.lens.tolist(), strict=True):
+        ctypes.memmove(dst, src, n)
+
+
+def pools(src_heads: int, dst_heads: int, total: int, src_rank: int = 0, dst_rank: int = 0):
+    src = torch.randn((2, 2, 8, 4, src_heads, 3))
+    dst = torch.full((2, 2, 8, 4, dst_heads, 3), -1.0)
+    src_layout = layout_for_pool(src, make_aux_tensor(1), tp_size=total // src_heads, tp_rank=src_rank,
+                                 num_kv_heads=total)
+    dst_layout = layout_for_pool(dst, make_aux_tensor(1), tp_size=total // dst_heads, tp_rank=dst_rank,
+                                 num_kv_heads=total)
+    return src, dst, src_layout, dst_layout
+
+
+def test_whole_pages_merge_runs_consecutive_on_both_sides():
+    src, dst, sl, dl = pools(2, 2, 2)
+    segs = page_segments(sl, dl, torch.tensor([1, 2, 3, 6]).numpy(), torch.tensor([4, 5, 6, 0]).numpy(), 0, 0, 2)
+    assert len(segs) == 2 * len(sl.buffers)  # runs [1,2,3]->[4,5,6] and [6]->[0]
+    apply(segs)
+    assert torch.equal(dst[:, :, [4, 5, 6, 0]], src[:, :, [1, 2, 3, 6]])
+    assert (dst[:, :, [1, 2, 3, 7]] == -1).all()
+
+
+def test_first_page_starts_at_the_token_offset():
+    src, dst, sl, dl = pools(2, 2, 2)
+    apply(page_segments(sl, dl, torch.tensor([0, 1]).numpy(), torch.tensor([2, 3]).numpy(), 3, 0, 2))
+    assert torch.equal(dst[:, :, 2, 3:], src[:, :, 0, 3:])
+    assert (dst[:, :, 2, :3] == -1).all()
+    assert torch.equal(dst[:, :, 3], src[:, :, 1])
+
+
+def test_head_slice_lands_in_the_destination_head_range():
+    # source holds heads 2..3 of 4 (rank 1 of tp 2); destination holds all 4 heads
+    src, dst, sl, dl = pools(2, 4, 4, src_rank=1)
+    apply(page_segments(sl, dl, torch.tensor([5, 1]).numpy(), torch.tensor([0, 7]).numpy(), 1, 2, 2))
+    assert torch.equal(dst[:, :, 0, 1:, 2:4], src[:, :, 5, 1:])
+    assert torch.equal(dst[:, :, 7, :, 2:4], src[:, :, 1])
+    assert (dst[:, :, :, :, 0:2] == -1).all() and (dst[:, :, 0, 0] == -1).all()
+
+
+def test_head_slice_from_a_wider_source():
+    # source holds all 4 heads; destination is rank 1 of tp 4 (head 1)
+    src, dst, sl, dl = pools(4, 1, 4, dst_rank=1)
+    apply(page_segments(sl, dl, torch.tensor([2]).numpy(), torch.tensor([6]).numpy(), 0, 1, 1))
+    assert torch.equal(dst[:, :, 6, :, 0], src[:, :, 2, :, 1])
