@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,6 +55,12 @@ log = logging.getLogger(__name__)
 # A failed API call is retried after this many seconds (kopf.TemporaryError).
 RETRY_DELAY = 5.0
 CONTROL_KEY_BYTES = 32
+# How many times a reconcile recomputes after a write conflict before retrying later.
+CONFLICT_ATTEMPTS = 5
+
+
+class Conflict(Exception):
+    """An object changed between the read a desired state was computed from and the write."""
 # kopf resource selectors of every kind of child the operator creates.
 CHILD_KINDS = (("v1", "services"), ("v1", "configmaps"), ("v1", "secrets"),
                ("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"))
@@ -84,10 +91,19 @@ class Reconciler:
     def reconcile_group(self, namespace: str, name: str) -> None:
         """Brings a ServingGroup's children and status to what its spec says."""
         with self._lock(GROUP_KIND, namespace, name):
-            group = self.kube.get(GROUP_API_VERSION, GROUP_KIND, namespace, name)
-            if group is None or group["metadata"].get("deletionTimestamp"):
-                return
-            self._reconcile_group(group)
+            for attempt in range(CONFLICT_ATTEMPTS):
+                group = self.kube.get(GROUP_API_VERSION, GROUP_KIND, namespace, name)
+                if group is None or group["metadata"].get("deletionTimestamp"):
+                    return
+                try:
+                    self._reconcile_group(group)
+                    return
+                except Conflict:
+                    # A role changed (kubectl scale) between our read and our write: recompute.
+                    log.info("ServingGroup %s/%s: conflict on attempt %d, recomputing", namespace, name,
+                             attempt + 1)
+                    time.sleep(0.05 * (attempt + 1))
+            raise kopf.TemporaryError(f"ServingGroup {namespace}/{name}: conflicting writes", delay=RETRY_DELAY)
 
     def _reconcile_group(self, group: dict[str, Any]) -> None:
         meta, spec = group["metadata"], group["spec"]
@@ -104,9 +120,22 @@ class Reconciler:
         replicas = {role: role_replicas(spec, role, existing[role]) for role in roles}
         progress = {}
         for role in roles:
-            status = (existing[role] or {}).get("status") or {}
-            fresh = status.get("revision") == revision
-            progress[role] = RoleProgress(replicas[role], int(status.get("updatedReadyReplicas", 0)) if fresh else 0)
+            if existing[role] is None:
+                # A new role has no pods on an older revision: nothing of it to roll.
+                progress[role] = RoleProgress(replicas[role], replicas[role])
+                continue
+            status, role_spec = existing[role].get("status") or {}, existing[role].get("spec") or {}
+            if status.get("revision") == revision:
+                # Pods on the new revision, ready or not: the StatefulSet controller itself waits
+                # for each updated pod to be ready before it updates the next.
+                updated = int(status.get("updatedReplicas", 0))
+            elif role_spec.get("revision") == revision:
+                # The role has the new revision but has not reported on it yet: assume its
+                # StatefulSet did what its partition says, so the partitions hold still.
+                updated = replicas[role] - int(role_spec.get("updatePartition", 0))
+            else:
+                updated = 0  # the rollout of a new revision starts now
+            progress[role] = RoleProgress(replicas[role], max(0, updated))
         max_skew = int((spec.get("rollout") or {}).get("maxSkewPercent", 25))
         partitions = rollout_partitions(progress, max_skew)
 
@@ -119,8 +148,9 @@ class Reconciler:
         ]
         try:
             applied = {}
+            observed = {(ROLE_KIND, role_object_name(name, r)): obj for r, obj in existing.items() if obj}
             for obj in desired:
-                result, current = self.kube.apply(obj)
+                result, current = self.kube.apply(obj, observed.get((obj["kind"], obj["metadata"]["name"])))
                 applied[(obj["kind"], obj["metadata"]["name"])] = current
                 if result != "unchanged":
                     log.info("%s %s %s/%s", result, obj["kind"], namespace, obj["metadata"]["name"])
@@ -131,6 +161,8 @@ class Reconciler:
                              stale["metadata"]["name"], role)
                     self.kube.delete(GROUP_API_VERSION, ROLE_KIND, namespace, stale["metadata"]["name"])
         except KubeError as exc:
+            if exc.status == 409:
+                raise Conflict(str(exc)) from exc
             self._write_group_status(group, revision, existing, error=str(exc))
             raise kopf.TemporaryError(f"applying the children of {namespace}/{name}: {exc}",
                                       delay=RETRY_DELAY) from exc
@@ -245,8 +277,14 @@ class Reconciler:
             log.debug("resync of ServingRole %s/%s: %s", namespace, name, exc)
 
 
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """kopf's credentials: the pod's service account in a cluster, else $KUBECONFIG."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 def register_handlers(registry: kopf.OperatorRegistry, reconciler: Reconciler, config: OperatorConfig) -> None:
-    """Registers the reconciler's handlers in ``registry``."""
+    """Registers the reconciler's handlers (and kopf's login) in ``registry``."""
+    kopf.on.login(id="login", registry=registry)(login)
     group = (API_GROUP, API_VERSION, GROUP_PLURAL)
     role = (API_GROUP, API_VERSION, ROLE_PLURAL)
     for resource, handler, timer, kind in ((group, reconciler.on_group, reconciler.on_group_timer, "group"),

@@ -110,17 +110,21 @@ class Kube:
         return self.request("PATCH", f"{collection_path(api_version, kind, namespace)}/{name}/status",
                             body={"status": dict(status)}, content_type="application/merge-patch+json")
 
-    def apply(self, desired: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    def apply(self, desired: Mapping[str, Any], observed: Mapping[str, Any] | None = None,
+              ) -> tuple[str, dict[str, Any]]:
         """Creates or updates ``desired``; returns ("created" | "updated" | "unchanged", object).
 
         Level-based and idempotent: an object equal to what was last applied, and whose
-        fields still hold the desired values, is left alone.
+        fields still hold the desired values, is left alone. ``observed``: the object as read
+        when ``desired`` was computed from it; the update then fails with HTTP 409 if it
+        changed since (optimistic concurrency) instead of overwriting the change.
         """
         desired = with_applied_hash(desired)
         meta = desired["metadata"]
         api_version, kind = desired["apiVersion"], desired["kind"]
         path = collection_path(api_version, kind, meta["namespace"])
-        existing = self.get(api_version, kind, meta["namespace"], meta["name"])
+        existing = (dict(observed) if observed is not None
+                    else self.get(api_version, kind, meta["namespace"], meta["name"]))
         query = [("fieldManager", self.field_manager)]
         if existing is None:
             try:
@@ -132,10 +136,11 @@ class Kube:
                 existing = self.get(api_version, kind, meta["namespace"], meta["name"])
                 if existing is None:
                     raise
-        if not needs_update(existing, desired):
+        reason = update_reason(existing, desired)
+        if reason is None:
             return "unchanged", existing
         merged = merge_for_update(existing, desired)
-        log.info("updating %s %s/%s", kind, meta["namespace"], meta["name"])
+        log.info("updating %s %s/%s: %s differs", kind, meta["namespace"], meta["name"], reason)
         return "updated", self.request("PUT", f"{path}/{meta['name']}", body=merged, query=query)
 
 
@@ -150,28 +155,49 @@ def with_applied_hash(desired: Mapping[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def is_subset(want: Any, have: Any) -> bool:
-    """Whether every field of ``want`` holds the same value in ``have`` (server defaults ignored)."""
+def first_difference(want: Any, have: Any, path: str = "") -> str | None:
+    """The path of the first field of ``want`` that ``have`` lacks or holds differently."""
     if isinstance(want, Mapping):
-        return isinstance(have, Mapping) and all(k in have and is_subset(v, have[k]) for k, v in want.items())
+        if not isinstance(have, Mapping):
+            return path or "."
+        for key, value in want.items():
+            if key not in have:
+                return f"{path}.{key}"
+            found = first_difference(value, have[key], f"{path}.{key}")
+            if found:
+                return found
+        return None
     if isinstance(want, list):
-        return (isinstance(have, list) and len(want) == len(have)
-                and all(is_subset(w, h) for w, h in zip(want, have, strict=True)))
-    return want == have
+        if not isinstance(have, list) or len(want) != len(have):
+            return path
+        for i, (w, h) in enumerate(zip(want, have, strict=True)):
+            found = first_difference(w, h, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    return None if want == have else path
+
+
+def update_reason(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> str | None:
+    """Why ``existing`` must be updated to ``desired`` (the first differing field), or None."""
+    skip = set(WRITE_ONCE.get(desired["kind"], ())) | {"metadata", "status"}
+    for key, value in desired.items():
+        if key not in skip:
+            found = first_difference(value, existing.get(key), key)
+            if found:
+                return found
+    meta, have = desired["metadata"], existing.get("metadata", {})
+    for field in ("labels", "annotations", "ownerReferences"):
+        empty: Any = [] if field == "ownerReferences" else {}
+        found = first_difference(meta.get(field) or empty, have.get(field) or empty, f"metadata.{field}")
+        if found:
+            return found
+    return None
 
 
 def needs_update(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     """Whether ``existing`` lacks something ``desired`` sets, or was applied from another desire."""
-    skip = set(WRITE_ONCE.get(desired["kind"], ())) | {"metadata", "status"}
-    for key, value in desired.items():
-        if key not in skip and not is_subset(value, existing.get(key)):
-            return True
-    meta, have = desired["metadata"], existing.get("metadata", {})
-    return not (
-        is_subset(meta.get("labels") or {}, have.get("labels") or {})
-        and is_subset(meta.get("annotations") or {}, have.get("annotations") or {})
-        and is_subset(meta.get("ownerReferences") or [], have.get("ownerReferences") or [])
-    )
+    return update_reason(existing, desired) is not None
 
 
 def merge_for_update(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
@@ -191,8 +217,26 @@ def merge_for_update(existing: Mapping[str, Any], desired: Mapping[str, Any]) ->
         meta[field] = {**(meta.get(field) or {}), **(desired["metadata"].get(field) or {})}
     if desired["metadata"].get("ownerReferences"):
         meta["ownerReferences"] = copy.deepcopy(desired["metadata"]["ownerReferences"])
+    if desired["kind"] == "Service":
+        keep_service_allocations(existing, merged)
     merged.pop("status", None)
     return merged
+
+
+# Service fields the API server allocates and will not let an update clear.
+SERVICE_ALLOCATED = ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy", "healthCheckNodePort")
+
+
+def keep_service_allocations(existing: Mapping[str, Any], merged: dict[str, Any]) -> None:
+    """Carries the allocated cluster IPs and node ports of ``existing`` into ``merged``."""
+    have, spec = existing.get("spec") or {}, merged.setdefault("spec", {})
+    for key in SERVICE_ALLOCATED:
+        if key in have and key not in spec:
+            spec[key] = copy.deepcopy(have[key])
+    node_ports = {p.get("name"): p["nodePort"] for p in have.get("ports") or [] if p.get("nodePort")}
+    for port in spec.get("ports") or []:
+        if port.get("name") in node_ports and "nodePort" not in port:
+            port["nodePort"] = node_ports[port["name"]]
 
 
 def owned_by(obj: Mapping[str, Any], owner_uid: str) -> bool:

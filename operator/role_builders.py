@@ -168,7 +168,9 @@ def engine_env(name: str, spec: Mapping[str, Any], revision: str, namespace: str
                     "value": str(spec["speculative"].get("numDraftTokens", 4))})
         env.append({"name": env_var("DRAFT_MESH_PORT"), "value": str(mesh_port(spec))})
     env += [{"name": e["name"], "value": str(e.get("value", ""))} for e in spec.get("env") or []]
-    return env
+    # The API server stores an empty value as no value; write it the same way so that the
+    # object read back equals the object built.
+    return [{k: v for k, v in e.items() if not (k == "value" and v == "")} for e in env]
 
 
 def container_ports(role: str, spec: Mapping[str, Any]) -> list[dict[str, Any]]:

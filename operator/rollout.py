@@ -52,14 +52,14 @@ class RoleProgress:
     """How far one role is through a rolling update."""
 
     replicas: int
-    updated_ready: int
+    updated: int
 
     @property
     def fraction(self) -> float:
-        """Fraction of the role's pods on the new revision and ready (1.0 when it has none)."""
+        """Fraction of the role's pods on the new revision (1.0 when it has none)."""
         if self.replicas <= 0:
             return 1.0
-        return min(self.updated_ready, self.replicas) / self.replicas
+        return min(self.updated, self.replicas) / self.replicas
 
 
 def rollout_partitions(progress: Mapping[str, RoleProgress], max_skew_percent: int) -> dict[str, int]:
@@ -79,7 +79,7 @@ def rollout_partitions(progress: Mapping[str, RoleProgress], max_skew_percent: i
     for name, p in bound.items():
         target = math.floor(allowed * p.replicas + 1e-9)
         if p.fraction <= floor:
-            target = max(target, p.updated_ready + 1)
-        target = max(min(target, p.replicas), min(p.updated_ready, p.replicas))
+            target = max(target, p.updated + 1)
+        target = max(min(target, p.replicas), min(p.updated, p.replicas))
         partitions[name] = p.replicas - target
     return partitions
