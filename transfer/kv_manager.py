@@ -65,6 +65,10 @@ class MooncakeKVManager(BaseKVManager):
     the manager registers them with Mooncake once and fills in the session, control
     endpoint and instance id (see ``self.layout``). A prefill rank then calls
     ``publish_layout(bootstrap_addr)`` once at start-up.
+
+    The layout holds only addresses: the caller must keep the KV pool and the aux tensor
+    alive until ``close()`` returns (peers write into them; a freed aux tensor corrupts the
+    heap).
     """
 
     def __init__(self, config: TransferConfig, layout: KVLayout, *,
