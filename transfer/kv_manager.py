@@ -102,6 +102,7 @@ class MooncakeKVManager(BaseKVManager):
         self._peer_idle_since: dict[str, float] = {}
         self._layouts: dict[str, list[KVLayout]] = {}
         self._lookups: set[str] = set()
+        self._pending_aborts: dict[str, list[tuple[float, int, str]]] = {}
         self._lookup_cv = threading.Condition(self.lock)
         self._queues: list[queue.SimpleQueue[TransferJob | None]] = [
             queue.SimpleQueue() for _ in range(config.transfer_threads)]
@@ -137,6 +138,47 @@ class MooncakeKVManager(BaseKVManager):
         publish_layout(bootstrap_addr, self.layout, self.config.transfer_control_key,
                        self.config.transfer_bootstrap_timeout_s if timeout_s is None else timeout_s)
 
+    def abort_room(self, room: int, reason: str, bootstrap_addr: str | None = None) -> None:
+        """Fails a room that may have no sender/receiver here (yet), and tells the other side.
+
+        Prefill side (``bootstrap_addr`` None): for a request refused before its sender
+        exists; decode ranks whose metadata is waiting, or arrives later, get an abort.
+        Decode side (the prefill's ``bootstrap_addr``): for a request dropped before its
+        receiver exists; every prefill rank of that replica is told, so its sender fails at
+        once instead of waiting out the bootstrap timeout with the prompt's pages held.
+        An existing sender/receiver for the room is simply aborted. Never blocks.
+        """
+        now = time.monotonic()
+        with self.lock:
+            if bootstrap_addr is None:
+                sender = self._senders.get(room)
+                if sender is not None:
+                    sender.fail_locked(KVAbortedError(room, "local", reason), notify=True)
+                    return
+                self._tombstones[room] = (now + self.config.transfer_bootstrap_timeout_s, reason)
+                for _, msg in self._early_metadata.pop(room, []):
+                    self.channel.send(msg.reply_to, AbortRoom(room, msg.bootstrap_addr, self.endpoint,
+                                                              self.instance_id, reason))
+                return
+            receiver = self._receivers.get((bootstrap_addr, room))
+            if receiver is not None:
+                receiver.fail_locked(KVAbortedError(room, "local", reason), notify=True)
+                return
+            layouts = self._layouts.get(bootstrap_addr)
+            if layouts is not None:
+                self._send_aborts(bootstrap_addr, layouts, [(now, room, reason)])
+                return
+            self._pending_aborts.setdefault(bootstrap_addr, []).append((now, room, reason))
+            self._lookups.add(bootstrap_addr)
+            self._lookup_cv.notify_all()
+
+    def _send_aborts(self, bootstrap_addr: str, layouts: list[KVLayout],
+                     aborts: list[tuple[float, int, str]]) -> None:
+        for _, room, reason in aborts:
+            for lay in layouts:
+                self.channel.send(lay.control_endpoint, AbortRoom(room, bootstrap_addr, self.endpoint,
+                                                                  self.instance_id, reason))
+
     def stats(self) -> dict[str, int]:
         """Counts that must return to zero when no room is open (tests use them)."""
         with self.lock:
@@ -145,6 +187,7 @@ class MooncakeKVManager(BaseKVManager):
                 "senders": len(self._senders),
                 "receivers": len(self._receivers),
                 "early_metadata": len(self._early_metadata),
+                "pending_aborts": sum(len(a) for a in self._pending_aborts.values()),
                 "watched_peers": len(self._liveness),
                 "peer_rooms": sum(len(r) for r in self._peer_rooms.values()),
                 "peer_sockets": self.channel.peer_sockets,
@@ -319,6 +362,12 @@ class MooncakeKVManager(BaseKVManager):
             for room_id, entries in list(self._early_metadata.items()):
                 if entries[-1][0] < horizon:
                     del self._early_metadata[room_id]
+            for addr, aborts in list(self._pending_aborts.items()):
+                kept = [a for a in aborts if a[0] >= horizon]
+                if kept:
+                    self._pending_aborts[addr] = kept
+                else:
+                    del self._pending_aborts[addr]
             for room_id, (expiry, _) in list(self._tombstones.items()):
                 if expiry < now:
                     del self._tombstones[room_id]
@@ -372,13 +421,15 @@ class MooncakeKVManager(BaseKVManager):
                 with self.lock:
                     waiting = [r for (a, _), r in self._receivers.items()
                                if a == addr and r.waiting_for_layouts]
+                    aborts = self._pending_aborts.get(addr, [])
                     if layouts is not None:
                         self._layouts[addr] = layouts
                         self._lookups.discard(addr)
                         now = time.monotonic()
                         for receiver in waiting:
                             receiver.on_layouts_locked(layouts, now)
-                    elif not waiting:
+                        self._send_aborts(addr, layouts, self._pending_aborts.pop(addr, []))
+                    elif not waiting and not aborts:
                         self._lookups.discard(addr)
                     else:
                         log.debug("layout lookup at %s: %s", addr, problem)

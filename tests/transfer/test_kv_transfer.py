@@ -361,3 +361,38 @@ def test_peer_sockets_and_heartbeats_stop_after_the_rooms_clear(bootstrap, make_
     for rank in (prefill, decode):
         assert wait_until(lambda r=rank: r.mgr.stats()["watched_peers"] == 0 and
                           r.mgr.stats()["peer_sockets"] == 0, 5), rank.mgr.stats()
+
+
+def test_prefill_abort_room_before_its_sender_exists_fails_the_receiver_at_once(bootstrap, make_rank):
+    prefill, decode = make_rank(seed=11), make_rank()
+    prefill.mgr.publish_layout(bootstrap.address)
+    receiver = KVReceiver(decode.mgr, bootstrap.address, 20)
+    receiver.init()
+    receiver.send_metadata([1], 0)
+    assert wait_until(lambda: prefill.mgr.stats()["early_metadata"] == 1, 5)
+    prefill.mgr.abort_room(20, "prompt too long")
+    assert wait_until(lambda: receiver.poll() == KVPoll.Failed, 2)
+    assert "prompt too long" in str(receiver.failure_exception())
+    late = KVReceiver(decode.mgr, bootstrap.address, 21)  # metadata after the abort: refused too
+    prefill.mgr.abort_room(21, "queue full")
+    late.init()
+    late.send_metadata([2], 0)
+    assert wait_until(lambda: late.poll() == KVPoll.Failed, 2)
+    receiver.clear()
+    late.clear()
+
+
+def test_decode_abort_room_without_a_receiver_fails_the_sender_at_once(bootstrap, make_rank):
+    prefill, decode = make_rank(seed=12), make_rank()
+    prefill.mgr.publish_layout(bootstrap.address)
+    sender = KVSender(prefill.mgr, bootstrap.address, 22)
+    sender.init(1, 0)
+    decode.mgr.abort_room(22, "client disconnected while queued", bootstrap_addr=bootstrap.address)
+    assert wait_until(lambda: sender.poll() == KVPoll.Failed, 3)
+    assert "client disconnected while queued" in str(sender.failure_exception())
+    assert decode.mgr.stats()["pending_aborts"] == 0
+    decode.mgr.abort_room(23, "again", bootstrap_addr=bootstrap.address)  # layout now cached
+    later = KVSender(prefill.mgr, bootstrap.address, 23)
+    assert wait_until(lambda: later.poll() == KVPoll.Failed, 2)
+    sender.clear()
+    later.clear()
