@@ -3,10 +3,13 @@
   splitserve bench                        # starts a tiny-model server, loads it, and times the
                                           # bare engine on the same work as the peer
   splitserve bench --url http://host:port # loads a running server (router or engine)
-  splitserve bench --profile engine       # the bare engine only: prefill rate, decode step vs roofline
+  splitserve bench --profile engine --shape llama-3.1-8b
+                                          # a real model shape with random weights: prefill MFU and
+                                          # decode step vs roofline, and transformers as the peer
 
 Figures are printed as ratios: HTTP throughput against the bare engine measured in the same
-run, and decode step time against the memory-bandwidth roofline measured on this machine.
+run; prefill against the measured matmul peak; decode step time against the memory-bandwidth
+roofline measured on this machine; both against transformers on the same shape.
 """
 
 from __future__ import annotations
@@ -43,8 +46,16 @@ class BenchConfig:
     concurrency: int = field(default=16, metadata={"help": "requests in flight at once"})
     input_len: int = field(default=128, metadata={"help": "prompt tokens per request"})
     output_len: int = field(default=64, metadata={"help": "output tokens per request"})
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32],
+    shape: str = field(default="llama-3.1-8b", metadata={"help": "engine profile: model shape (random weights)"})
+    prefill_lens: list[int] = field(default_factory=lambda: [512, 2048, 8192],
+                                    metadata={"help": "engine profile: prompt lengths for prefill"})
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 64, 256],
                                    metadata={"help": "engine profile: decode batch sizes"})
+    decode_context: int = field(default=1024, metadata={"help": "engine profile: tokens per sequence when decoding"})
+    hf_peer: bool = field(default=True, metadata={"help": "engine profile: measure transformers on the same shape"})
+    gen_batches: list[int] = field(default_factory=lambda: [1, 8, 64],
+                                   metadata={"help": "engine profile: batch sizes of transformers generate"})
+    plot: str | None = field(default=None, metadata={"help": "engine profile: write a PNG plot here"})
     max_running_requests: int = field(default=64, metadata={"help": "engine batch limit"})
     seed: int = field(default=0, metadata={"help": "seed of the random prompts"})
     output: str | None = field(default=None, metadata={"help": "write the figures as JSON here"})
@@ -146,24 +157,6 @@ async def http_load(url: str, cfg: BenchConfig) -> dict:
 
 # ---- the bare engine ------------------------------------------------------------------------
 
-def measured_memory_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
-    """Bytes/s of a large device copy (read + write counted), the decode roofline's limit."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(2):
-        dst.copy_(src)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
-
-
 def run_engine_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
     """Submits `prompts` at once and times prefill (to the last first token) and decode steps."""
     from splitserve.engine.request import Request
@@ -196,40 +189,19 @@ def run_engine_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
             "output_tokens_per_s": len(prompts) * output_len / (end - start)}
 
 
-def engine_profile(cfg: BenchConfig) -> dict:
+def bare_engine_peer(cfg: BenchConfig) -> dict:
+    """The bare engine (no HTTP) on the same prompts and concurrency as the HTTP load."""
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine
 
-    max_batch = max(cfg.batch_sizes)
-    ecfg = EngineConfig(model=cfg.model, device=cfg.device, max_running_requests=max(max_batch, cfg.concurrency),
-                        max_total_tokens=(cfg.input_len + cfg.output_len + 16) * max(max_batch, cfg.concurrency) * 2,
-                        disable_prefix_cache=True, chunked_prefill_size=-1)
-    engine = Engine(ecfg)
+    engine = Engine(EngineConfig(model=cfg.model, device=cfg.device, max_running_requests=cfg.max_running_requests,
+                                 disable_prefix_cache=True))
     engine.start()
     try:
-        device = engine.runner.device
-        bandwidth = measured_memory_bandwidth(device)
-        weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-        kv_token_bytes = engine.runner.kv_shape.page_bytes * 2 * engine.runner.kv_shape.num_layers // \
-            engine.runner.kv_shape.page_size
         run_engine_batch(engine, random_prompts(2, 16, 99), 4)  # warm-up
-        rows = []
-        for b in cfg.batch_sizes:
-            r = run_engine_batch(engine, random_prompts(b, cfg.input_len, cfg.seed + b), cfg.output_len)
-            ctx = cfg.input_len + cfg.output_len / 2
-            roofline = (weight_bytes + b * ctx * kv_token_bytes) / bandwidth
-            r["roofline_step_s"] = roofline
-            r["step_over_roofline"] = r["decode_step_s"] / roofline
-            r["prefill_tokens_per_s"] = b * cfg.input_len / r["prefill_s"]
-            rows.append(r)
-            logger.info("engine batch %d: decode step %.2f ms (%.1fx roofline), prefill %.0f tok/s", b,
-                        r["decode_step_s"] * 1e3, r["step_over_roofline"], r["prefill_tokens_per_s"])
-        # The same work as the HTTP load, for the HTTP-vs-engine ratio.
-        same = run_engine_batch(engine, random_prompts(cfg.concurrency, cfg.input_len, cfg.seed), cfg.output_len)
+        return run_engine_batch(engine, random_prompts(cfg.concurrency, cfg.input_len, cfg.seed), cfg.output_len)
     finally:
         engine.stop()
-    return {"device": str(device), "memory_bandwidth_GBps": bandwidth / 1e9, "weight_bytes": weight_bytes,
-            "decode": rows, "engine_at_http_concurrency": same}
 
 
 def start_local_server(cfg: BenchConfig) -> tuple[subprocess.Popen, str]:
@@ -247,13 +219,6 @@ def start_local_server(cfg: BenchConfig) -> tuple[subprocess.Popen, str]:
 
 def print_report(report: dict) -> None:
     lines = []
-    if "engine" in report:
-        e = report["engine"]
-        lines.append(f"device {e['device']}, measured copy bandwidth {e['memory_bandwidth_GBps']:.1f} GB/s")
-        lines.append("decode batch | step ms | roofline ms | step/roofline | prefill tok/s")
-        for r in e["decode"]:
-            lines.append(f"{r['batch']:>12} | {r['decode_step_s'] * 1e3:7.2f} | {r['roofline_step_s'] * 1e3:11.3f} "
-                         f"| {r['step_over_roofline']:13.1f} | {r['prefill_tokens_per_s']:13.0f}")
     if "http" in report:
         h = report["http"]
         lines.append(f"HTTP: {h['ok']}/{h['requests']} ok, {h['output_tokens_per_s']:.1f} output tok/s, "
@@ -262,7 +227,10 @@ def print_report(report: dict) -> None:
             p = h[key]
             lines.append(f"  {key[:-2]:>8}: p50 {p['p50'] * 1e3:8.1f} ms  p90 {p['p90'] * 1e3:8.1f} ms  "
                          f"p99 {p['p99'] * 1e3:8.1f} ms")
-    if "http_over_engine" in report:
+    if "bare_engine" in report:
+        e = report["bare_engine"]
+        lines.append(f"bare engine, same prompts at concurrency {e['batch']}: {e['output_tokens_per_s']:.1f} output "
+                     f"tok/s, decode step {e['decode_step_s'] * 1e3:.2f} ms")
         lines.append(f"HTTP throughput / bare engine on the same work: {report['http_over_engine']:.2f}")
     for line in lines:
         print(line)  # the report is the command's output
@@ -274,9 +242,15 @@ def main(argv: list[str]) -> int:
     add_config_flags(parser, BenchConfig, "SPLITSERVE_BENCH")
     cfg = config_from_args(BenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH")
     report: dict = {"config": asdict(cfg)}
-    if cfg.profile == "engine" or cfg.url is None:
-        report["engine"] = engine_profile(cfg)
-    if cfg.profile == "http":
+    if cfg.profile == "engine":
+        from splitserve.engine.bench_engine import plot_engine_report, print_engine_report, run_engine_benchmark
+        report["engine"] = run_engine_benchmark(
+            cfg.shape, cfg.device, cfg.prefill_lens, cfg.batch_sizes, cfg.decode_context, cfg.hf_peer,
+            cfg.gen_batches, gen_prompt=cfg.input_len, gen_new=cfg.output_len)
+        print_engine_report(report["engine"])
+        if cfg.plot:
+            plot_engine_report(report["engine"], Path(cfg.plot))
+    else:
         proc = None
         url = cfg.url
         if url is None:
@@ -287,10 +261,11 @@ def main(argv: list[str]) -> int:
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=30)
-        if "engine" in report:
-            report["http_over_engine"] = (report["http"]["output_tokens_per_s"]
-                                          / report["engine"]["engine_at_http_concurrency"]["output_tokens_per_s"])
-    print_report(report)
+        if cfg.url is None:  # the peer: the same engine without HTTP, on the same prompts
+            report["bare_engine"] = bare_engine_peer(cfg)
+            report["http_over_engine"] = report["http"]["output_tokens_per_s"] / report["bare_engine"][
+                "output_tokens_per_s"]
+        print_report(report)
     if cfg.output:
-        Path(cfg.output).write_text(json.dumps(report, indent=2))
+        Path(cfg.output).write_text(json.dumps(report, indent=2, default=str))
     return 0 if report.get("http", {}).get("failed", 0) == 0 else 1

@@ -1,4 +1,10 @@
-"""The tensors one forward pass needs: flattened tokens plus where each sequence's KV lives."""
+"""The tensors one forward pass needs: flattened tokens plus where each sequence's KV lives.
+
+Two shapes of batch: an *extend* batch (any mix of prompt chunks and decodes; every KV
+location is precomputed) and a *decode* batch (one new token per sequence; KV locations are
+derived on the device from the page table, so the same tensors can be replayed by a CUDA
+graph with nothing but the token ids, positions and slots changing).
+"""
 
 from __future__ import annotations
 
@@ -11,21 +17,26 @@ import torch
 class ForwardBatch:
     """A batch of sequences, each running `extend_lens[b]` new tokens on top of its cached KV.
 
-    Tokens of all sequences are flattened into one dimension of length T. A decode step is
-    the case where every extend length is 1.
+    Tokens of all sequences are flattened into one dimension of length T.
     """
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, position of each token in its sequence
     out_cache_loc: torch.Tensor  # [T] int64, KV pool token slot each new token's KV goes to
     seq_lens: torch.Tensor  # [B] int64, KV length after this step
-    extend_lens: torch.Tensor  # [B] int64, new tokens this step
-    kv_indices: torch.Tensor  # [B, max_kv] int64, pool token slot of each position (padded)
-    token_batch_index: torch.Tensor  # [T] int64, which sequence each token belongs to
-    token_query_index: torch.Tensor  # [T] int64, index of each token among its sequence's new ones
     logits_index: torch.Tensor  # [S] int64, flat index of the tokens whose logits are wanted
-    max_extend: int
-    max_kv: int
+    # Extend batches: where every sequence's KV is, and how queries map to sequences.
+    extend_lens: torch.Tensor | None = None  # [B] int64, new tokens this step
+    kv_indices: torch.Tensor | None = None  # [B, max_kv] int64, pool token slot of each position (padded)
+    token_batch_index: torch.Tensor | None = None  # [T] int64, which sequence each token belongs to
+    token_query_index: torch.Tensor | None = None  # [T] int64, index of each token among its sequence's new ones
+    max_extend: int = 1
+    max_kv: int = 0
+    no_prefix: bool = False  # no sequence has cached KV before this step (a plain causal prefill)
+    # Decode batches: the page table and each sequence's row in it.
+    slots: torch.Tensor | None = None  # [B] int64
+    page_table: torch.Tensor | None = None  # [max_slots, max_pages] int32
+    page_size: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -33,4 +44,15 @@ class ForwardBatch:
 
     @property
     def is_decode(self) -> bool:
-        return self.max_extend == 1
+        return self.slots is not None
+
+
+def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
+                 page_size: int) -> ForwardBatch:
+    """A decode batch whose KV locations are computed on the device (CUDA-graph friendly)."""
+    pages = page_table[slots, positions // page_size].long()
+    return ForwardBatch(
+        input_ids=input_ids, positions=positions, out_cache_loc=pages * page_size + positions % page_size,
+        seq_lens=positions + 1, logits_index=torch.arange(input_ids.shape[0], device=input_ids.device),
+        slots=slots, page_table=page_table, page_size=page_size,
+    )

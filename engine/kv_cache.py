@@ -49,7 +49,10 @@ class KVCache:
         self.prefix_cache = PrefixCache(page_size, self.allocator, enabled=prefix_caching)
         # The request-to-page table: row `slot` lists the request's pages in order. The runner
         # gathers token locations from it on the device, without rebuilding lists every step.
-        self.page_table = torch.zeros(max_slots, self.max_pages_per_request, dtype=torch.int32, device=device)
+        # One extra row, never handed out, points at the scratch page: padded rows (CUDA-graph
+        # buckets) use it so that they read and write nothing a request owns.
+        self.padding_slot = max_slots
+        self.page_table = torch.zeros(max_slots + 1, self.max_pages_per_request, dtype=torch.int32, device=device)
         self._free_slots = list(range(max_slots - 1, -1, -1))
 
     def usage(self) -> KVUsage:

@@ -1,8 +1,12 @@
-"""Paged attention over the KV pool, written in plain torch (the reference path).
+"""Paged attention over the KV pool.
 
-New keys and values are written into the pool at each token's slot; every sequence then
-attends over its whole KV (cached prefix + new tokens), gathered from its pages, with a
-causal mask that is offset by the cached length. One padded SDPA call covers the batch.
+New keys and values are written into the pool at each token's slot, then:
+- extend batches (prompt chunks, mixed with decodes) attend over each sequence's whole KV,
+  gathered from its pages, with a causal mask offset by the cached length: one padded SDPA
+  call; a plain causal prefill (no cached prefix, one sequence) goes straight to SDPA's
+  causal kernel (FlashAttention on GPUs);
+- decode batches use the Triton flash-decoding kernel on CUDA, and a gather + SDPA reference
+  everywhere else (the same maths, used to test the kernel).
 """
 
 from __future__ import annotations
@@ -20,12 +24,30 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
 
 def causal_padded_mask(batch: ForwardBatch) -> torch.Tensor:
     """[B, 1, max_extend, max_kv] bool: query i of seq b sees key j iff j <= prefix_b + i < len_b."""
+    assert batch.extend_lens is not None
     device = batch.seq_lens.device
     prefix = (batch.seq_lens - batch.extend_lens).view(-1, 1, 1)
     q_pos = prefix + torch.arange(batch.max_extend, device=device).view(1, -1, 1)
     k_pos = torch.arange(batch.max_kv, device=device).view(1, 1, -1)
     mask = (k_pos <= q_pos) & (k_pos < batch.seq_lens.view(-1, 1, 1))
     return mask.unsqueeze(1)
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               page_table: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+                               page_size: int, scale: float) -> torch.Tensor:
+    """q: [B, H, D] -> [B, H, D]; gathers each sequence's KV through the page table."""
+    max_kv = int(seq_lens.max())
+    pos = torch.arange(max_kv, device=q.device)
+    loc = page_table[slots][:, pos // page_size].long() * page_size + pos % page_size  # [B, max_kv]
+    visible = pos.unsqueeze(0) < seq_lens.unsqueeze(1)
+    loc = torch.where(visible, loc, 0)
+    keys, values = k_cache[loc].to(q.dtype), v_cache[loc].to(q.dtype)  # [B, max_kv, Hkv, D]
+    out = nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible[:, None, None, :],
+        scale=scale, enable_gqa=q.shape[1] != k_cache.shape[1],
+    )
+    return out.squeeze(2)
 
 
 class PagedAttention(nn.Module):
@@ -38,19 +60,42 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
         self.layer_index = layer_index
+        self.gqa = num_heads != num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; returns [T, H*D]."""
         store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
-        bsz, tokens = batch.batch_size, q.shape[0]
+        if batch.is_decode:
+            out = self._decode(q, batch, k_cache, v_cache)
+        elif batch.no_prefix and batch.batch_size == 1:
+            out = nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                v.transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True, scale=self.scale, enable_gqa=self.gqa,
+            ).squeeze(0).transpose(0, 1)
+        else:
+            out = self._extend(q, batch, k_cache, v_cache, mask)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _decode(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+                ) -> torch.Tensor:
+        assert batch.page_table is not None and batch.slots is not None
+        args = (q, k_cache, v_cache, batch.page_table, batch.slots, batch.seq_lens, batch.page_size, self.scale)
+        if q.is_cuda:
+            from splitserve.engine.layers.paged_decode_triton import paged_decode_attention
+            return paged_decode_attention(*args)
+        return decode_attention_reference(*args)
+
+    def _extend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        assert batch.kv_indices is not None and mask is not None
+        bsz = batch.batch_size
         keys = k_cache[batch.kv_indices].to(q.dtype)  # [B, max_kv, Hkv, D]
         values = v_cache[batch.kv_indices].to(q.dtype)
         queries = q.new_zeros(bsz, batch.max_extend, self.num_heads, self.head_dim)
         queries[batch.token_batch_index, batch.token_query_index] = q
         out = nn.functional.scaled_dot_product_attention(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            attn_mask=mask, scale=self.scale, enable_gqa=self.gqa,
         )  # [B, H, max_extend, D]
-        out = out.transpose(1, 2)[batch.token_batch_index, batch.token_query_index]
-        return out.reshape(tokens, self.num_heads * self.head_dim)
+        return out.transpose(1, 2)[batch.token_batch_index, batch.token_query_index]

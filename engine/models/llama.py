@@ -35,7 +35,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_index)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor | None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
@@ -74,7 +74,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                kv: KVPool, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: KVPool, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -112,7 +112,9 @@ class LlamaForCausalLM(nn.Module):
     def hidden_states(self, batch: ForwardBatch, kv: KVPool,
                       input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
-        mask = causal_padded_mask(batch)
+        # Only the padded extend path needs a mask; decodes and plain causal prefills do not.
+        needs_mask = not batch.is_decode and not (batch.no_prefix and batch.batch_size == 1)
+        mask = causal_padded_mask(batch) if needs_mask else None
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch, kv, mask)

@@ -1,0 +1,278 @@
+"""The engine benchmark on a real model shape with random weights, against the device's limits
+and against Hugging Face transformers measured in the same run.
+
+Prints and writes (JSON, and a PNG plot when matplotlib is there):
+- the measured limits: device copy bandwidth and dense matmul throughput;
+- prefill tokens/s at several prompt lengths and the MFU against the measured matmul peak;
+- decode step time at several batch sizes against that step's memory roofline
+  ((weights + KV read) / measured bandwidth);
+- transformers on the same shape: prefill time and `generate` tokens/s, and ours beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model_runner import ModelRunner, build_forward_batch
+from splitserve.engine.model_shapes import SHAPES, matmul_params, write_shape_folder
+from splitserve.engine.request import Request
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
+    """Median seconds of `fn()` over `reps` runs after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def device_limits(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and dense matmul FLOP/s, measured here."""
+    nbytes = (2 << 30) if device.type == "cuda" else (256 << 20)
+    buffers = [torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    copy_s = timed(lambda: buffers[1].copy_(buffers[0]), device, reps=10)
+    buffers.clear()
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    mm_s = timed(lambda: a @ b, device, reps=10)
+    return {"copy_bandwidth_Bps": 2 * nbytes / copy_s, "matmul_flops": 2 * n**3 / mm_s}
+
+
+class EngineUnderTest:
+    """A model runner and KV cache of one shape with random weights, driven directly."""
+
+    def __init__(self, shape: str, device: str, max_batch: int, max_tokens: int) -> None:
+        self.folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
+        self.cfg = EngineConfig(model=str(self.folder), device=device, load_format="dummy",
+                                max_running_requests=max_batch, max_total_tokens=max_tokens,
+                                context_length=16384, page_size=16, cuda_graph_max_batch=max_batch)
+        self.model_cfg = ModelConfig.from_folder(self.folder)
+        self.runner = ModelRunner(self.cfg, self.folder, self.model_cfg)
+        self.device = self.runner.device
+        self.kv = KVCache(self.runner.kv_shape.num_pages, self.cfg.page_size, max_batch, 16384, self.device)
+        self.runner.capture_decode_graphs(self.kv.page_table, self.kv.padding_slot)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        s = self.runner.kv_shape
+        return s.page_bytes * 2 * s.num_layers // s.page_size
+
+    def _requests(self, n: int, length: int, extra: int) -> list[Request]:
+        reqs = []
+        for i in range(n):
+            req = Request(f"bench-{i}", [1] * length, SamplingParams(max_new_tokens=extra, temperature=0.0),
+                          on_output=lambda _o: None)
+            self.kv.admit(req, max_prefix_tokens=0)
+            if not self.kv.grow(req, length + extra):
+                raise MemoryError(f"KV cache too small for {n} x {length + extra} tokens")
+            reqs.append(req)
+        return reqs
+
+    def _release(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            self.kv.release(r, cache_prefix=False)
+
+    @torch.inference_mode()
+    def prefill_seconds(self, tokens: int, reps: int = 5) -> float:
+        (req,) = self._requests(1, tokens, 1)
+        batch = build_forward_batch([ScheduledChunk(req, 0, tokens, True)], self.kv.page_table, self.cfg.page_size,
+                                    self.device)
+        seconds = timed(lambda: self.runner.forward(batch), self.device, reps)
+        self._release([req])
+        return seconds
+
+    @torch.inference_mode()
+    def decode_step_seconds(self, batch: int, context: int, steps: int = 20) -> float:
+        """Seconds per decode step at `batch` sequences of `context` tokens, host work included."""
+        reqs = self._requests(batch, context, steps + 4)
+        for r in reqs:
+            r.kv_len = context
+            r.output_ids = [1]
+
+        def step() -> None:
+            chunks = [ScheduledChunk(r, r.kv_len, 1, True) for r in reqs]
+            out = self.runner.run(chunks, self.kv.page_table)  # samples: one host sync per step, as serving
+            for r, tok in zip(reqs, out.tokens, strict=True):
+                r.output_ids.append(tok)
+                r.kv_len += 1
+
+        for _ in range(2):
+            step()
+        sync(self.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(self.device)
+        seconds = (time.perf_counter() - start) / steps
+        self._release(reqs)
+        return seconds
+
+
+def attention_flops(cfg: dict[str, Any], tokens: int) -> float:
+    """Causal attention FLOPs of one prompt: QK^T and PV over the lower triangle."""
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * 2 * heads * head_dim * (tokens * (tokens + 1) / 2) * cfg["num_hidden_layers"]
+
+
+@torch.inference_mode()
+def hf_peer(shape: str, device: torch.device, dtype: torch.dtype, prefill_lens: list[int], gen_batches: list[int],
+            prompt_len: int, new_tokens: int) -> dict[str, Any]:
+    """transformers on the same shape with random weights: prefill seconds and generate tokens/s."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in SHAPES[shape].items() if k != "architectures"})
+    with torch.device(device):
+        models = [transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()]
+    model = models[0]
+    vocab = min(1000, config.vocab_size)
+    out: dict[str, Any] = {"transformers_version": transformers.__version__, "prefill_s": {}, "generate": {}}
+    for n in prefill_lens:
+        ids = torch.randint(0, vocab, (1, n), device=device)
+        out["prefill_s"][n] = timed(lambda ids=ids: model(ids, logits_to_keep=1), device, reps=3, warmup=1)
+    gen_cfg = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                            eos_token_id=None, pad_token_id=0)
+    for b in gen_batches:
+        ids = torch.randint(1, vocab, (b, prompt_len), device=device)
+        mask = torch.ones_like(ids)
+        model.generate(ids, attention_mask=mask, generation_config=gen_cfg.__class__(
+            **{**gen_cfg.to_dict(), "max_new_tokens": 2, "min_new_tokens": 2}))
+        sync(device)
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=mask, generation_config=gen_cfg)
+        sync(device)
+        seconds = time.perf_counter() - t
+        out["generate"][b] = {"seconds": seconds, "tokens_per_s": b * new_tokens / seconds}
+        logger.info("transformers generate batch %d: %.1f tokens/s", b, b * new_tokens / seconds)
+    models.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_engine_benchmark(shape: str, device: str, prefill_lens: list[int], decode_batches: list[int],
+                         decode_context: int, hf: bool, gen_batches: list[int], gen_prompt: int,
+                         gen_new: int) -> dict[str, Any]:
+    cfg = SHAPES[shape]
+    max_batch = max(decode_batches)
+    kv_tokens = max(max_batch * (decode_context + 64), max(prefill_lens) + 64,
+                    max(gen_batches) * (gen_prompt + gen_new + 64))
+    eut = EngineUnderTest(shape, device, max_batch, kv_tokens)
+    dev, dtype = eut.device, eut.runner.dtype
+    limits = device_limits(dev, dtype)
+    bw, peak = limits["copy_bandwidth_Bps"], limits["matmul_flops"]
+    logger.info("limits: copy %.0f GB/s, matmul %.0f TFLOP/s", bw / 1e9, peak / 1e12)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    report: dict[str, Any] = {"shape": shape, "device": name,
+                              "dtype": str(dtype), "limits": limits, "weight_bytes": eut.weight_bytes,
+                              "kv_bytes_per_token": eut.kv_bytes_per_token, "prefill": [], "decode": []}
+    for n in prefill_lens:
+        seconds = eut.prefill_seconds(n)
+        flops = 2 * n * matmul_params(cfg) + attention_flops(cfg, n)
+        row = {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds, "tflops": flops / seconds / 1e12,
+               "mfu_vs_measured_matmul": flops / seconds / peak}
+        report["prefill"].append(row)
+        logger.info("prefill %d tokens: %.0f tok/s, %.2f of the matmul peak", n, row["tokens_per_s"],
+                    row["mfu_vs_measured_matmul"])
+    for b in decode_batches:
+        seconds = eut.decode_step_seconds(b, decode_context)
+        roofline = (eut.weight_bytes + b * (decode_context + 10) * eut.kv_bytes_per_token) / bw
+        row = {"batch": b, "context": decode_context, "step_s": seconds, "roofline_s": roofline,
+               "step_over_roofline": seconds / roofline, "tokens_per_s": b / seconds}
+        report["decode"].append(row)
+        logger.info("decode batch %d: %.2f ms/step, %.2fx the roofline", b, seconds * 1e3, seconds / roofline)
+    # Ours at HF's generate batches and lengths (decode steps at the mid-generation context).
+    report["ours_generate_equivalent"] = {
+        b: {"step_s": (s := eut.decode_step_seconds(b, gen_prompt + gen_new // 2)), "tokens_per_s": b / s}
+        for b in gen_batches}
+    del eut
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    if hf:
+        peer = hf_peer(shape, dev, dtype, prefill_lens, gen_batches, gen_prompt, gen_new)
+        report["transformers"] = peer
+        for row in report["prefill"]:
+            row["speedup_vs_transformers"] = peer["prefill_s"][row["tokens"]] / row["seconds"]
+        for b, ours in report["ours_generate_equivalent"].items():
+            ours["decode_speedup_vs_transformers_generate"] = (ours["tokens_per_s"]
+                                                               / peer["generate"][b]["tokens_per_s"])
+    return report
+
+
+def print_engine_report(report: dict[str, Any]) -> None:
+    lim = report["limits"]
+    lines = [f"{report['shape']} on {report['device']} ({report['dtype']}): copy {lim['copy_bandwidth_Bps'] / 1e9:.0f} "
+             f"GB/s, matmul {lim['matmul_flops'] / 1e12:.0f} TFLOP/s (measured)",
+             "prefill tokens | tok/s      | TFLOP/s | of matmul peak | vs transformers"]
+    for r in report["prefill"]:
+        lines.append(f"{r['tokens']:>14} | {r['tokens_per_s']:10.0f} | {r['tflops']:7.1f} | "
+                     f"{r['mfu_vs_measured_matmul']:14.2f} | {r.get('speedup_vs_transformers', float('nan')):.2f}x")
+    lines.append("decode batch | ctx  | step ms | roofline ms | step/roofline | tok/s")
+    for r in report["decode"]:
+        lines.append(f"{r['batch']:>12} | {r['context']:4d} | {r['step_s'] * 1e3:7.2f} | "
+                     f"{r['roofline_s'] * 1e3:11.2f} | "
+                     f"{r['step_over_roofline']:13.2f} | {r['tokens_per_s']:.0f}")
+    for b, r in report["ours_generate_equivalent"].items():
+        extra = r.get("decode_speedup_vs_transformers_generate")
+        lines.append(f"batch {b}: ours {r['tokens_per_s']:.0f} tok/s" +
+                     (f", {extra:.1f}x transformers generate" if extra is not None else ""))
+    for line in lines:
+        print(line)  # the report is the command's output
+
+
+def plot_engine_report(report: dict[str, Any], path: Path) -> bool:
+    """Step time vs batch: ours, the roofline, transformers. False if matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib not installed: no plot (the JSON has the figures)")
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    dec = report["decode"]
+    ax.plot([r["batch"] for r in dec], [r["step_s"] * 1e3 for r in dec], "o-", label="splitserve decode step")
+    ax.plot([r["batch"] for r in dec], [r["roofline_s"] * 1e3 for r in dec], "k--", label="HBM roofline")
+    if "transformers" in report:
+        gen = report["transformers"]["generate"]
+        bs = sorted(int(b) for b in gen)
+        ax.plot(bs, [int(b) / gen[b if b in gen else str(b)]["tokens_per_s"] * 1e3 for b in bs], "s-",
+                label="transformers generate (per step)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"{report['shape']} on {report['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
