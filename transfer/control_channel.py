@@ -28,6 +28,7 @@ from .errors import ControlMessageError
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 1000
+CLOSE_LINGER_MS = 200
 
 
 class ControlChannel:
@@ -90,7 +91,7 @@ class ControlChannel:
             log.error("control thread did not stop within 10s")
             return
         for sock in self._push.values():
-            sock.close(linger=0)
+            sock.close(linger=CLOSE_LINGER_MS)  # the last messages (aborts) still go out
         self._push.clear()
         self._pull.close(linger=0)
         self._ctx.term()
@@ -122,7 +123,7 @@ class ControlChannel:
                 self._receive_batch()
             self._flush_outbox()
             now = time.monotonic()
-            if now >= next_tick:
+            if now >= next_tick and not self._stopping:
                 try:
                     self._on_tick(now)
                 except Exception:
@@ -132,6 +133,7 @@ class ControlChannel:
                 for endpoint, used in list(self._last_used.items()):
                     if now - used > self._idle_socket_s:
                         self._close_socket(endpoint)
+        self._flush_outbox()
 
     def _close_socket(self, endpoint: str) -> None:
         self._last_used.pop(endpoint, None)

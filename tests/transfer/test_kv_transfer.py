@@ -396,3 +396,20 @@ def test_decode_abort_room_without_a_receiver_fails_the_sender_at_once(bootstrap
     assert wait_until(lambda: later.poll() == KVPoll.Failed, 2)
     sender.clear()
     later.clear()
+
+
+def test_closing_a_manager_fails_the_peer_rooms_by_message_not_by_heartbeat(bootstrap, make_rank):
+    prefill, decode = make_rank(seed=13), make_rank()
+    prefill.mgr.publish_layout(bootstrap.address)
+    receiver = KVReceiver(decode.mgr, bootstrap.address, 24)
+    receiver.init()
+    receiver.send_metadata([1], 0)
+    sender = KVSender(prefill.mgr, bootstrap.address, 24)
+    sender.init(1, 0)
+    assert wait_until(lambda: sender.poll() == KVPoll.WaitingForInput, 5)
+    prefill.mgr.close()  # an engine shutting down tells its peers
+    assert sender.poll() == KVPoll.Failed
+    assert wait_until(lambda: receiver.poll() == KVPoll.Failed, 2)
+    error = receiver.failure_exception()
+    assert isinstance(error, KVPeerFailedError) and "transfer manager closed" in str(error)
+    receiver.clear()

@@ -83,6 +83,7 @@ def test_kill9_sender_mid_transfer_fails_receivers_within_heartbeat_bound_then_r
     assert elapsed < DEAD_PEER_BOUND_S, f"receivers failed {elapsed:.2f}s after the kill"
     for receiver in receivers:
         assert isinstance(receiver.failure_exception(), KVPeerLostError), receiver.failure_exception()
+        assert list(receiver.state_history) == [1, 2, 3, 0]
         receiver.clear()
 
     restarted = spawn_peer({"role": "prefill", "seed": 8, "bootstrap_port": port})
@@ -121,6 +122,7 @@ def test_kill9_receiver_mid_transfer_fails_senders_within_heartbeat_bound(bootst
     assert elapsed < DEAD_PEER_BOUND_S, f"senders failed {elapsed:.2f}s after the kill"
     for sender in senders:
         assert isinstance(sender.failure_exception(), KVPeerLostError), sender.failure_exception()
+        assert list(sender.state_history) == [1, 2, 3, 0]
         sender.clear()
 
 
