@@ -33,7 +33,14 @@ class EngineConfig:
     chunked_prefill_size: int = field(default=2048, metadata={"help": "prefill tokens per step; <=0 disables"})
     context_length: int | None = field(default=None, metadata={"help": "max tokens per request (default: model's)"})
     disable_prefix_cache: bool = field(default=False, metadata={"help": "turn off the radix prefix cache"})
-    tp_size: int = field(default=1, metadata={"help": "tensor-parallel size"})
+    tp_size: int = field(default=1, metadata={
+        "help": "tensor-parallel size: this process is rank 0 and starts the other ranks as processes"})
+    dist_init_addr: str | None = field(default=None, metadata={
+        "help": "host:port where the tensor-parallel ranks meet (default: a free loopback port)"})
+    tp_timeout: float = field(default=300.0, metadata={
+        "help": "seconds a tensor-parallel collective may wait on a hung rank before it fails"})
+    tp_startup_timeout: float = field(default=600.0, metadata={
+        "help": "seconds the tensor-parallel ranks may take to start and load their weights"})
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
@@ -47,6 +54,12 @@ class EngineConfig:
             raise ValueError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.tp_timeout <= 0 or self.tp_startup_timeout <= 0:
+            raise ValueError(f"--tp-timeout and --tp-startup-timeout must be > 0, got {self.tp_timeout} "
+                             f"and {self.tp_startup_timeout}")
+        if self.tp_size > 1 and self.role != "unified":
+            raise ValueError(f"--tp-size {self.tp_size} with --role {self.role}: tensor parallelism runs "
+                             "with --role unified only so far (prefill/decode roles drive rank 0 alone)")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

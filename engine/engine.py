@@ -21,12 +21,13 @@ from splitserve.engine.kv_cache import KVCache, KVUsage
 from splitserve.engine.metrics import EngineMetrics
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner, StepOutput
-from splitserve.engine.parallel_state import SINGLE, TensorParallel
+from splitserve.engine.parallel_state import SINGLE, TensorParallel, check_tp_size
 from splitserve.engine.request import FinishReason, Request, RequestStatus, TokenOutput
 from splitserve.engine.role import Role, UnifiedRole
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 from splitserve.engine.tiny_model import TINY_NAME, tiny_model_folder
 from splitserve.engine.tokenizer import TextTokenizer
+from splitserve.engine.tp_supervisor import TensorParallelSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,18 @@ def resolve_model_folder(cfg: EngineConfig) -> Path:
             "splitserve never downloads weights"
         )
     return folder
+
+
+def start_tp_workers(cfg: EngineConfig, model_folder: Path, model_cfg: ModelConfig) -> TensorParallelSupervisor:
+    """Checks the model splits over --tp-size, then starts the worker ranks and joins them."""
+    check_tp_size(model_cfg, cfg.tp_size)
+    supervisor = TensorParallelSupervisor(cfg, model_folder)
+    try:
+        supervisor.start()
+    except BaseException:
+        supervisor.stop(graceful=False)
+        raise
+    return supervisor
 
 
 @dataclass(frozen=True)
@@ -64,10 +77,16 @@ class Engine:
         self.model_folder = resolve_model_folder(cfg)
         self.model_cfg = ModelConfig.from_folder(self.model_folder)
         self.tokenizer = TextTokenizer(self.model_folder)
+        # --tp-size N: this process is rank 0 and starts ranks 1..N-1 as worker processes.
+        self.tp_supervisor = start_tp_workers(cfg, self.model_folder, self.model_cfg) if cfg.tp_size > 1 else None
+        if self.tp_supervisor is not None:
+            tp = self.tp_supervisor.tp
         self.runner = ModelRunner(cfg, self.model_folder, self.model_cfg, tp)
         self.context_length = self.runner.context_length
         self.kv = KVCache(self.runner.kv_shape.num_pages, cfg.page_size, cfg.max_running_requests,
                           self.context_length, self.runner.device, prefix_caching=not cfg.disable_prefix_cache)
+        if self.tp_supervisor is not None:
+            self.tp_supervisor.attach(self.runner, self.kv.page_table, self.kv.padding_slot)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_running_requests, cfg.chunked_prefill_size, self.context_length), self.kv
         )
@@ -80,6 +99,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._state = self._snapshot()
         self.steps = 0
+        self.failure: str | None = None  # set when the engine cannot run steps any more
         eos = set(self.model_cfg.eos_token_ids)
         tok_eos = self.tokenizer.token_id(self.tokenizer.eos_token)
         if tok_eos is not None:
@@ -99,6 +119,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.role.close()
+        if self.tp_supervisor is not None:
+            # A loop thread still stuck in a collective must not race a stop message.
+            self.tp_supervisor.stop(graceful=self._thread is None or not self._thread.is_alive())
 
     def submit(self, req: Request) -> None:
         self._inbox.put(("add", req))
@@ -118,13 +141,17 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
 
     # ---- the loop thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
         logger.info("engine loop started (role %s)", self.role.name)
         while not self._stop.is_set():
+            if self.tp_supervisor is not None and self.failure is None:
+                lost = self.tp_supervisor.check()
+                if lost is not None:
+                    self._fail_engine(lost)
             self._drain_inbox()
             self.role.poll()
             plan = self.scheduler.schedule()
@@ -157,6 +184,9 @@ class Engine:
                 item()  # type: ignore[operator]
 
     def _admit(self, req: Request) -> None:
+        if self.failure is not None:
+            self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR, error=self.failure))
+            return
         if req.request_id in self.requests:
             self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR,
                                         error=f"duplicate request id {req.request_id!r}"))
@@ -172,8 +202,15 @@ class Engine:
             out = self.runner.run(chunks, self.kv.page_table)
         except Exception as exc:  # a bug or an OOM: fail this step's requests, keep serving others
             logger.exception("step failed for %d requests", len(chunks))
+            error = f"engine step failed: {exc}"
+            if self.tp_supervisor is not None:
+                # Some ranks may be inside the step's collectives and others not: the group is
+                # out of step for good. Name the dead worker if that is what broke it.
+                error = (self.tp_supervisor.lost_worker(wait_s=1.0)
+                         or f"a step failed on tensor-parallel rank 0 ({exc}); the ranks are out of step")
+                self._fail_engine(error)
             for c in chunks:
-                self.finish(c.request, FinishReason.ERROR, f"engine step failed: {exc}")
+                self.finish(c.request, FinishReason.ERROR, error)
             return
         self.steps += 1
         for c in chunks:
@@ -224,6 +261,14 @@ class Engine:
                                     completion_tokens=len(req.output_ids), cached_tokens=req.cached_len))
         if finish is not None:
             self._retire(req, finish)
+
+    def _fail_engine(self, reason: str) -> None:
+        """The engine cannot run steps any more (a tensor-parallel rank is gone): every request,
+        running or arriving later, ends with `reason`, and /health reports it."""
+        logger.error("engine failed: %s", reason)
+        self.failure = reason
+        for req in list(self.requests.values()):
+            self.finish(req, FinishReason.ERROR, reason)
 
     def park(self, req: Request) -> None:
         """Takes a request out of the batch while a role waits on something for it (a transfer)."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+from types import FrameType
 
 import uvicorn
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
@@ -23,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     # The transfer layer's flags (used by --role prefill/decode) live in its own dataclass.
     add_config_flags(parser.add_argument_group("KV transfer (prefill/decode)"), TransferConfig, ENV_PREFIX)
     return parser
+
+
+def _exit_on_sigterm(_sig: int, _frame: FrameType | None) -> None:
+    raise SystemExit(0)
 
 
 def main(argv: list[str]) -> int:
@@ -48,6 +54,9 @@ def main(argv: list[str]) -> int:
         logger.error("cannot start the engine: %s", exc)
         return 1
     server = ApiServer(engine)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal; as SystemExit it lets
+    # the `finally` below stop the engine (and its tensor-parallel workers) before the process ends.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logger.info("serving %s (role %s) on http://%s:%d", cfg.model_name, cfg.role, cfg.host, cfg.port)
     try:
         uvicorn.run(server.app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)

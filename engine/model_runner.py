@@ -18,6 +18,7 @@ from splitserve.engine.sampling.base import SampleOutput, SamplingBatch, TopLogp
 from splitserve.engine.sampling.full import FullSampler
 from splitserve.engine.sampling.greedy import GreedySampler
 from splitserve.engine.scheduler import ScheduledChunk
+from splitserve.engine.step_broadcast import StepBroadcaster
 from splitserve.engine.weight_loader import load_weights
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ class ModelRunner:
         logger.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages - 1, cfg.page_size,
                     self.kv_shape.total_bytes / 2**30)
         max_slots = cfg.max_running_requests
+        # Tensor-parallel rank 0 announces every forward pass to the other ranks (engine/tp_supervisor.py).
+        self.step_broadcaster: StepBroadcaster | None = None
         self.greedy = GreedySampler()
         self.full = FullSampler(max_slots, model_cfg.vocab_size, self.device)
 
@@ -129,6 +132,8 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's `logits_index` tokens (every TP rank runs this for every step)."""
+        if self.step_broadcaster is not None:
+            self.step_broadcaster.broadcast(batch)
         return self.model(batch, self.kv_pool)
 
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleOutput:

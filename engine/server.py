@@ -135,7 +135,7 @@ class ApiServer:
 
     async def health(self, _request: HttpRequest) -> Response:
         if not self.engine.alive:
-            return JSONResponse({"status": "engine loop not running"}, status_code=503)
+            return JSONResponse({"status": self.engine.failure or "engine loop not running"}, status_code=503)
         return JSONResponse({"status": "ok", "role": self.engine.role.name, **self.engine.role.health_info()})
 
     async def metrics(self, _request: HttpRequest) -> Response:
@@ -148,7 +148,8 @@ class ApiServer:
             "running": s.running, "waiting": s.waiting, "parked": s.parked, "requests": len(self.engine.requests),
             "kv_capacity": kv.capacity, "kv_free": kv.free, "kv_cached": kv.cached, "kv_locked": kv.locked,
             "kv_available": kv.available, "kv_used_by_requests": kv.used_by_requests,
-            "slots_in_use": kv.slots_in_use, "steps": self.engine.steps,
+            "slots_in_use": kv.slots_in_use, "steps": self.engine.steps, "failure": self.engine.failure,
+            "tp_worker_pids": self.engine.tp_supervisor.pids() if self.engine.tp_supervisor is not None else {},
         })
 
     async def flush_cache(self, _request: HttpRequest) -> Response:

@@ -1,0 +1,112 @@
+"""Rank 0 tells the other tensor-parallel ranks what to run: one message per engine step.
+
+A message is a kind ("step", "ping" or "stop") and, for a step, the `ForwardBatch`. The batch is
+split in two: its device tensors (on a GPU) travel on the model's process group (NCCL), so rank 0
+never copies them back to the host; everything else (ints, and every tensor on a CPU run) travels
+pickled in a small header on the gloo control group. Workers rebuild the same `ForwardBatch` on
+their own device and run the same forward pass, so their collectives pair up with rank 0's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from splitserve.engine.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+STEP, PING, STOP = "step", "ping", "stop"
+
+
+@dataclass(frozen=True)
+class DeviceTensorSpec:
+    """Where one device tensor of the batch sits in the flat buffer of its dtype."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+
+@dataclass
+class StepMessage:
+    """What a worker received: its kind and, for a step, the batch rebuilt on the worker's device."""
+
+    kind: str
+    batch: ForwardBatch | None = None
+
+
+def _batch_fields(batch: ForwardBatch) -> dict[str, Any]:
+    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.init}
+
+
+class StepBroadcaster:
+    """Rank 0's sending side; the ModelRunner calls `broadcast(batch)` before every forward pass."""
+
+    def __init__(self, control: dist.ProcessGroup) -> None:
+        self.control = control
+        self.last_sent = time.monotonic()
+
+    def broadcast(self, batch: ForwardBatch) -> None:
+        header: dict[str, Any] = {}
+        specs: list[DeviceTensorSpec] = []
+        flat: dict[torch.dtype, list[torch.Tensor]] = {}
+        sizes: dict[torch.dtype, int] = {}
+        for name, value in _batch_fields(batch).items():
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                offset = sizes.get(value.dtype, 0)
+                specs.append(DeviceTensorSpec(name, value.dtype, tuple(value.shape), offset))
+                flat.setdefault(value.dtype, []).append(value.reshape(-1))
+                sizes[value.dtype] = offset + value.numel()
+            else:
+                header[name] = value
+        self._send(STEP, (header, specs, sizes))
+        for dtype in sizes:  # dicts keep insertion order: workers see the same dtype order
+            dist.broadcast(torch.cat(flat[dtype]), src=0)
+
+    def ping(self) -> None:
+        """Keeps idle workers' receive from timing out (every collective has a timeout)."""
+        self._send(PING, None)
+
+    def stop(self) -> None:
+        self._send(STOP, None)
+
+    def _send(self, kind: str, payload: Any) -> None:
+        dist.broadcast_object_list([(kind, payload)], src=0, group=self.control)
+        self.last_sent = time.monotonic()
+
+
+def receive_step(control: dist.ProcessGroup, device: torch.device,
+                 persistent: dict[str, torch.Tensor] | None = None) -> StepMessage:
+    """A worker's receiving side: blocks until rank 0 sends the next message.
+
+    A field named in `persistent` is copied into that tensor, which the batch then carries: a
+    worker's CUDA graphs were captured over its own page table, so the table must be updated in
+    place rather than replaced.
+    """
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    kind, payload = box[0]
+    if kind != STEP:
+        return StepMessage(kind)
+    header, specs, sizes = payload
+    buffers = {}
+    for dtype, numel in sizes.items():
+        buffers[dtype] = torch.empty(numel, dtype=dtype, device=device)
+        dist.broadcast(buffers[dtype], src=0)
+    fields = dict(header)
+    for spec in specs:
+        numel = 1
+        for d in spec.shape:
+            numel *= d
+        fields[spec.name] = buffers[spec.dtype][spec.offset:spec.offset + numel].view(spec.shape)
+    for name, target in (persistent or {}).items():
+        if fields.get(name) is not None:
+            fields[name] = target.copy_(fields[name])
+    return StepMessage(STEP, ForwardBatch(**fields))
