@@ -2,7 +2,7 @@
 
 For each message size (4 KiB .. 256 MiB) and for real KV page layouts, one run measures:
 
-- ``memcpy``: one contiguous ``torch`` copy of the same number of bytes (the memory ceiling);
+- ``memcpy``: one contiguous ``memcpy`` (ctypes.memmove) of the same number of bytes;
 - ``socket``: a plain loopback TCP socket (``sendall`` / ``recv_into``) of the same bytes;
 - ``mooncake``: raw ``batch_transfer_sync_write`` of the same segments between two engines;
 - ``layer``: a full room through ``splitserve.transfer`` (sender ``send`` to receiver
@@ -16,6 +16,7 @@ one process, TCP on 127.0.0.1 (``MC_TCP_BIND_ADDRESS``); run ``main(["--help"])`
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -177,11 +178,9 @@ def run(sizes: Sequence[int], kv_tokens: int, min_time_s: float, head_slice_toke
         batches = segs.batches(config.transfer_max_batch_segments)
 
         flat_src, flat_dst = _byte_view(src_pool)[:nbytes], _byte_view(dst_pool)[:nbytes]
-        copy_src = src_pool.view(-1).view(torch.uint8)[:nbytes]
-        copy_dst = dst_pool.view(-1).view(torch.uint8)[:nbytes]
 
         def memcpy() -> None:
-            copy_dst.copy_(copy_src)
+            ctypes.memmove(dst_pool.data_ptr(), src_pool.data_ptr(), nbytes)
 
         def sock_send() -> None:
             sock.send(flat_src, flat_dst)
@@ -268,11 +267,10 @@ def _head_slice_row(tokens: int, config, registry, room_once, min_time_s: float)
             if not torch.equal(dst[..., 4 * r:4 * r + 4, :], s):
                 raise RuntimeError("head-sliced bytes differ")
 
-        flat = dst.view(-1).view(torch.uint8)
-        flat_src = torch.empty_like(flat)
+        scratch = torch.empty_like(dst)
 
         def memcpy() -> None:
-            flat.copy_(flat_src)
+            ctypes.memmove(dst.data_ptr(), scratch.data_ptr(), nbytes)
 
         segments = 2 * 32 * 2 * tokens
         return Row(f"KV {tokens} tok TP2->TP1", nbytes, segments, memcpy=_timed(memcpy, nbytes, min_time_s, 20),
