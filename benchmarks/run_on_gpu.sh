@@ -18,7 +18,7 @@ export PYTHONPATH=/tmp/splitserve-path PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
 if [[ $what == tests || $what == all ]]; then
     python3 -P -m pytest -p no:cacheprovider -q tests/engine/test_gpu_path.py tests/engine/test_sampling.py \
-        tests/engine/test_model_parity.py 2>&1 | tail -15 | tee "$out/gpu_tests.txt"
+        tests/engine/test_model_parity.py --tb=short 2>&1 | tail -60 | tee "$out/gpu_tests.txt"
 fi
 if [[ $what == bench || $what == all ]]; then
     python3 -P -m splitserve bench --profile engine --shape llama-3.1-8b --device cuda \

@@ -164,12 +164,15 @@ def run_engine_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
 
     done = threading.Event()
     first_times: list[float] = []
+    errors: list[str] = []
     finished = [0]
 
     def on_output(out) -> None:
         if out.token_ids and len(first_times) < len(prompts) and out.completion_tokens == 1:
             first_times.append(time.perf_counter())
         if out.finish_reason is not None:
+            if out.error:
+                errors.append(out.error)
             finished[0] += 1
             if finished[0] == len(prompts):
                 done.set()
@@ -182,6 +185,8 @@ def run_engine_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
     if not done.wait(timeout=3600):
         raise TimeoutError("engine benchmark did not finish")
     end = time.perf_counter()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(prompts)} benchmark requests failed: {errors[0]}")
     prefill_end = max(first_times)
     decode_steps = max(1, output_len - 1)
     return {"batch": len(prompts), "prefill_s": prefill_end - start, "decode_s": end - prefill_end,

@@ -29,13 +29,14 @@ class DecodeGraphs:
     """Captured decode graphs over shared static buffers; `run` replays the smallest that fits."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], page_table: torch.Tensor, page_size: int,
-                 padding_slot: int, max_batch: int, device: torch.device) -> None:
+                 padding_slot: int, max_batch: int, device: torch.device, relay: torch.Tensor | None = None) -> None:
         self.forward = forward
         self.page_table = page_table
         self.page_size = page_size
         self.padding_slot = padding_slot
         self.buckets = buckets_up_to(max_batch)
         self.device = device
+        self.relay = relay
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -65,7 +66,7 @@ class DecodeGraphs:
 
     def _static_batch(self, bsz: int) -> ForwardBatch:
         return decode_batch(self.input_ids[:bsz], self.positions[:bsz], self.slots[:bsz], self.page_table,
-                            self.page_size)
+                            self.page_size, self.relay)
 
     def can_run(self, bsz: int) -> bool:
         return bool(self.graphs) and bsz <= self.buckets[-1]
@@ -74,7 +75,7 @@ class DecodeGraphs:
         """Logits [B, V] of a decode batch, by replaying the bucket's graph."""
         bsz = batch.batch_size
         bucket = next(b for b in self.buckets if b >= bsz)
-        self.input_ids[:bsz].copy_(batch.input_ids, non_blocking=True)
+        self.input_ids[:bsz].copy_(batch.input_ids, non_blocking=True)  # already merged with the relay
         self.positions[:bsz].copy_(batch.positions, non_blocking=True)
         self.slots[:bsz].copy_(batch.slots, non_blocking=True)
         if bucket > bsz:  # padded rows: position 0 of the padding slot, whose page is the scratch page

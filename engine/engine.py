@@ -20,11 +20,11 @@ from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache import KVCache, KVUsage
 from splitserve.engine.metrics import EngineMetrics
 from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_runner import ModelRunner, StepOutput
+from splitserve.engine.model_runner import ModelRunner, PendingStep, StepOutput
 from splitserve.engine.parallel_state import SINGLE, TensorParallel, check_tp_size
 from splitserve.engine.request import FinishReason, Request, RequestStatus, TokenOutput
 from splitserve.engine.role import Role, UnifiedRole
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from splitserve.engine.tiny_model import TINY_NAME, tiny_model_folder
 from splitserve.engine.tokenizer import TextTokenizer
 from splitserve.engine.tp_supervisor import TensorParallelSupervisor
@@ -58,6 +58,15 @@ def start_tp_workers(cfg: EngineConfig, model_folder: Path, model_cfg: ModelConf
     return supervisor
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its chunks, each request's slot at launch, its pending tokens."""
+
+    chunks: list[ScheduledChunk]
+    slots: list[int]
+    pending: PendingStep
+
+
 @dataclass(frozen=True)
 class EngineState:
     """A consistent snapshot for /internal/state, metrics and leak checks in tests."""
@@ -87,6 +96,7 @@ class Engine:
                           self.context_length, self.runner.device, prefix_caching=not cfg.disable_prefix_cache)
         if self.tp_supervisor is not None:
             self.tp_supervisor.attach(self.runner, self.kv.page_table, self.kv.padding_slot)
+        self.runner.capture_decode_graphs(self.kv.page_table, self.kv.padding_slot)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_running_requests, cfg.chunked_prefill_size, self.context_length), self.kv
         )
@@ -99,6 +109,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._state = self._snapshot()
         self.steps = 0
+        self._inflight: LaunchedStep | None = None
+        # The overlap scheduler: on CUDA, step N+1 is queued before step N's tokens are read back.
+        self.overlap = self.runner.device.type == "cuda" and cfg.tp_size == 1 and not cfg.disable_overlap
         self.failure: str | None = None  # set when the engine cannot run steps any more
         eos = set(self.model_cfg.eos_token_ids)
         tok_eos = self.tokenizer.token_id(self.tokenizer.eos_token)
@@ -155,14 +168,26 @@ class Engine:
             self._drain_inbox()
             self.role.poll()
             plan = self.scheduler.schedule()
-            if plan:
-                self._run_step(plan.chunks)
+            launched = self._launch(plan.chunks) if plan else None
+            # Overlap: the step just launched runs on the GPU while the previous one's tokens are
+            # processed here (stops, detokenization, outputs).
+            if self._inflight is not None:
+                self._complete(self._inflight)
+                self._inflight = None
+            if launched is not None:
+                if self._may_overlap(launched):
+                    self._inflight = launched
+                else:
+                    self._complete(launched)
             self._state = self._snapshot()
             self._publish_gauges()
             if not plan:
                 # Idle: sleep until a request arrives, but keep polling the role's transfers.
                 self._wake.wait(timeout=self.role.idle_poll_interval() or IDLE_WAIT_S)
                 self._wake.clear()
+        if self._inflight is not None:
+            self._complete(self._inflight)
+            self._inflight = None
         for req in list(self.requests.values()):
             self.finish(req, FinishReason.ABORT, "server shutting down")
         logger.info("engine loop stopped")
@@ -197,34 +222,55 @@ class Engine:
         if not self.role.on_arrival(req):
             self.scheduler.add(req)
 
-    def _run_step(self, chunks) -> None:
+    def _may_overlap(self, step: LaunchedStep) -> bool:
+        """Overlap only where it is exact: CUDA, one rank, and greedy requests (a penalty or a seed
+        needs the previous token committed on the host before the next step samples)."""
+        return (self.overlap and bool(step.chunks)
+                and all(c.request.params.is_greedy and c.request.params.logprobs is None for c in step.chunks))
+
+    def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
         try:
-            out = self.runner.run(chunks, self.kv.page_table)
+            pending = self.runner.launch(chunks, self.kv.page_table)
         except Exception as exc:  # a bug or an OOM: fail this step's requests, keep serving others
-            logger.exception("step failed for %d requests", len(chunks))
-            error = f"engine step failed: {exc}"
-            if self.tp_supervisor is not None:
-                # Some ranks may be inside the step's collectives and others not: the group is
-                # out of step for good. Name the dead worker if that is what broke it.
-                error = (self.tp_supervisor.lost_worker(wait_s=1.0)
-                         or f"a step failed on tensor-parallel rank 0 ({exc}); the ranks are out of step")
-                self._fail_engine(error)
-            for c in chunks:
-                self.finish(c.request, FinishReason.ERROR, error)
-            return
+            self._step_failed(chunks, exc)
+            return None
         self.steps += 1
         for c in chunks:
             c.request.kv_len += c.length
             self.role.on_chunk_done(c.request)
-        self._process_samples(out)
+        # A request's slot is its identity in the step: one preempted meanwhile gets its token discarded.
+        return LaunchedStep(chunks, [c.request.slot for c in chunks], pending)
 
-    def _process_samples(self, out: StepOutput) -> None:
-        self.runner.commit(out.sampled_chunks, out.tokens)
+    def _complete(self, step: LaunchedStep) -> None:
+        try:
+            out = step.pending.result()
+        except Exception as exc:
+            self._step_failed(step.chunks, exc)
+            return
+        live = {id(c.request) for c, slot in zip(step.chunks, step.slots, strict=True)
+                if c.request.slot == slot and c.request.status is RequestStatus.RUNNING}
+        self._process_samples(out, live)
+
+    def _step_failed(self, chunks, exc: Exception) -> None:
+        logger.exception("step failed for %d requests", len(chunks))
+        error = f"engine step failed: {exc}"
+        if self.tp_supervisor is not None:
+            # Some ranks may be inside the step's collectives and others not: the group is
+            # out of step for good. Name the dead worker if that is what broke it.
+            error = (self.tp_supervisor.lost_worker(wait_s=1.0)
+                     or f"a step failed on tensor-parallel rank 0 ({exc}); the ranks are out of step")
+            self._fail_engine(error)
+        for c in chunks:
+            self.finish(c.request, FinishReason.ERROR, error)
+
+    def _process_samples(self, out: StepOutput, live: set[int]) -> None:
+        rows = [(c, t) for c, t in zip(out.sampled_chunks, out.tokens, strict=True) if id(c.request) in live]
+        self.runner.commit([c for c, _ in rows], [t for _, t in rows])
         now = time.monotonic()
         for i, (chunk, token) in enumerate(zip(out.sampled_chunks, out.tokens, strict=True)):
             req = chunk.request
-            if req.finished:
-                continue
+            if req.finished or id(req) not in live:
+                continue  # finished (or preempted) while this step ran: its token is not wanted
             lp = [out.logprobs[i]] if out.logprobs is not None and req.params.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None and lp is not None else None
             self.append_token(req, token, now, lp, top)

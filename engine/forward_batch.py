@@ -48,8 +48,13 @@ class ForwardBatch:
 
 
 def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
-                 page_size: int) -> ForwardBatch:
-    """A decode batch whose KV locations are computed on the device (CUDA-graph friendly)."""
+                 page_size: int, relay: torch.Tensor | None = None) -> ForwardBatch:
+    """A decode batch whose KV locations are computed on the device (CUDA-graph friendly).
+
+    Token ids of -1 are taken from `relay[slot]`, the device buffer of each slot's latest token.
+    """
+    if relay is not None:
+        input_ids = torch.where(input_ids >= 0, input_ids, relay[slots])
     pages = page_table[slots, positions // page_size].long()
     return ForwardBatch(
         input_ids=input_ids, positions=positions, out_cache_loc=pages * page_size + positions % page_size,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from splitserve.engine.host_to_device import to_device
 from splitserve.engine.page_allocator import OutOfPagesError, PageAllocator
 from splitserve.engine.prefix_cache import PrefixCache
 from splitserve.engine.request import Request
@@ -85,7 +86,7 @@ class KVCache:
         req.pages = list(match.pages)
         req.kv_len = req.cached_len = match.num_pages * self.page_size
         if match.pages:
-            self.page_table[req.slot, : match.num_pages] = torch.tensor(match.pages, dtype=torch.int32)
+            self.page_table[req.slot, : match.num_pages] = to_device(match.pages, torch.int32, self.page_table.device)
 
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Makes room for `req`'s KV to reach `num_tokens` tokens; False if pages ran out."""
@@ -102,7 +103,7 @@ class KVCache:
             return False
         start = len(req.pages)
         req.pages.extend(pages)
-        self.page_table[req.slot, start:start + need] = torch.tensor(pages, dtype=torch.int32)
+        self.page_table[req.slot, start:start + need] = to_device(pages, torch.int32, self.page_table.device)
         return True
 
     def take_pages(self, n: int) -> list[int] | None:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.cuda_graph_runner import DecodeGraphs
+from splitserve.engine.forward_batch import ForwardBatch, decode_batch
+from splitserve.engine.host_to_device import to_device
 from splitserve.engine.kv_pool import KVPool, KVPoolShape
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
@@ -28,6 +30,25 @@ CPU_KV_BUDGET_BYTES = 512 << 20
 
 
 @dataclass
+class PendingStep:
+    """A step queued on the device; `result()` waits for its tokens (host copies in flight)."""
+
+    sampled_chunks: list[ScheduledChunk]
+    tokens: torch.Tensor | None
+    logprobs: torch.Tensor | None
+    top_logprobs: list[TopLogprobs | None] | None
+    done: torch.cuda.Event | None = None
+
+    def result(self) -> StepOutput:
+        if self.done is not None:
+            self.done.synchronize()
+        if self.tokens is None:
+            return StepOutput([], [], None, None)
+        logprobs = self.logprobs.tolist() if self.logprobs is not None else None
+        return StepOutput(self.sampled_chunks, self.tokens.tolist(), logprobs, self.top_logprobs)
+
+
+@dataclass
 class StepOutput:
     """What one forward pass produced for the chunks that asked to sample."""
 
@@ -38,18 +59,19 @@ class StepOutput:
 
 
 def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, page_size: int,
-                        device: torch.device) -> ForwardBatch:
+                        device: torch.device, relay: torch.Tensor | None = None) -> ForwardBatch:
     """Flattens the chunks' tokens and derives every KV location from the page table."""
     ids: list[int] = []
     positions: list[int] = []
     for c in chunks:
-        ids.extend(c.request.all_ids[c.start:c.start + c.length])
+        known = c.request.all_ids[c.start:c.start + c.length]
+        # A decode whose input token is still being sampled on the device (overlap): -1, from the relay.
+        ids.extend(known + [-1] * (c.length - len(known)))
         positions.extend(range(c.start, c.start + c.length))
-    as_long = {"dtype": torch.int64, "device": device}
-    slots = torch.tensor([c.request.slot for c in chunks], **as_long)
-    extend_lens = torch.tensor([c.length for c in chunks], **as_long)
-    seq_lens = torch.tensor([c.start + c.length for c in chunks], **as_long)
-    pos = torch.tensor(positions, **as_long)
+    slots = to_device([c.request.slot for c in chunks], torch.int64, device)
+    extend_lens = to_device([c.length for c in chunks], torch.int64, device)
+    seq_lens = to_device([c.start + c.length for c in chunks], torch.int64, device)
+    pos = to_device(positions, torch.int64, device)
     token_batch_index = torch.repeat_interleave(torch.arange(len(chunks), device=device), extend_lens)
     token_query_index = pos - (seq_lens - extend_lens)[token_batch_index]
     table = page_table.long()
@@ -59,13 +81,29 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
     kv_indices = table[slots][:, kv_pos // page_size] * page_size + kv_pos % page_size
     kv_indices = torch.where(kv_pos.unsqueeze(0) < seq_lens.unsqueeze(1), kv_indices, 0)
     ends = torch.cumsum(extend_lens, 0) - 1
-    want = torch.tensor([c.sample for c in chunks], dtype=torch.bool, device=device)
+    want = to_device([c.sample for c in chunks], torch.bool, device)
+    input_ids = to_device(ids, torch.int64, device)
+    if relay is not None:
+        input_ids = torch.where(input_ids >= 0, input_ids, relay[slots[token_batch_index]])
     return ForwardBatch(
-        input_ids=torch.tensor(ids, **as_long), positions=pos, out_cache_loc=out_cache_loc,
+        input_ids=input_ids, positions=pos, out_cache_loc=out_cache_loc,
         seq_lens=seq_lens, extend_lens=extend_lens, kv_indices=kv_indices,
         token_batch_index=token_batch_index, token_query_index=token_query_index,
         logits_index=ends[want], max_extend=max(c.length for c in chunks), max_kv=max_kv,
+        no_prefix=all(c.start == 0 for c in chunks),
     )
+
+
+def build_decode_inputs(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], list[int]]:
+    """Token ids, positions and slots of a decode step (each chunk is one token).
+
+    A token the host does not know yet (sampled by the step still running on the GPU, under
+    the overlap scheduler) is -1: the device takes it from the relay buffer instead.
+    """
+    ids = [c.request.all_ids[c.start] if c.start < c.request.total_len else -1 for c in chunks]
+    positions = [c.start for c in chunks]
+    slots = [c.request.slot for c in chunks]
+    return ids, positions, slots
 
 
 def kv_pages_for_budget(cfg: EngineConfig, shape_args: dict, device: torch.device, weight_bytes: int) -> int:
@@ -85,6 +123,17 @@ def kv_pages_for_budget(cfg: EngineConfig, shape_args: dict, device: torch.devic
     return int(pages)
 
 
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights in place (norms at 1), for benchmarks of a shape without its checkpoint."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+
+
 class ModelRunner:
     """Holds the model, the KV pool and the samplers; runs one step at a time."""
 
@@ -99,7 +148,10 @@ class ModelRunner:
         started = time.monotonic()
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, tp, self.dtype, max_positions=self.context_length)
-        load_weights(self.model, model_folder, tied_lm_head=model_cfg.tie_word_embeddings)
+        if cfg.load_format == "dummy":
+            init_dummy_weights(self.model, cfg.seed)
+        else:
+            load_weights(self.model, model_folder, tied_lm_head=model_cfg.tie_word_embeddings)
         self.model.eval()
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("model %s loaded: %.1f M parameters, %.2f GiB in %s on %s, %.1f s",
@@ -114,6 +166,9 @@ class ModelRunner:
         logger.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages - 1, cfg.page_size,
                     self.kv_shape.total_bytes / 2**30)
         max_slots = cfg.max_running_requests
+        self.decode_graphs: DecodeGraphs | None = None
+        # The relay: each slot's latest sampled token, on the device, read by the next decode step.
+        self.next_tokens = torch.zeros(max_slots + 1, dtype=torch.int64, device=self.device)
         # Tensor-parallel rank 0 announces every forward pass to the other ranks (engine/tp_supervisor.py).
         self.step_broadcaster: StepBroadcaster | None = None
         self.greedy = GreedySampler()
@@ -121,24 +176,63 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], page_table: torch.Tensor) -> StepOutput:
-        batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device)
+        """Runs one step and waits for its tokens."""
+        return self.launch(chunks, page_table).result()
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[ScheduledChunk], page_table: torch.Tensor) -> PendingStep:
+        """Queues one step on the device and returns without waiting for it (the overlap scheduler
+        prepares the next step meanwhile). Sampled tokens also go to the relay buffer, by slot."""
+        if all(c.length == 1 for c in chunks):
+            ids, positions, slots = (self._to_device(x) for x in build_decode_inputs(chunks))
+            batch = decode_batch(ids, positions, slots, page_table, self.cfg.page_size, self.next_tokens)
+        else:
+            batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device, self.next_tokens)
         logits = self.forward(batch)
         sampled = [c for c in chunks if c.sample]
         if not sampled:
-            return StepOutput([], [], None, None)
+            return PendingStep([], None, None, None)
         out = self.sample(logits, sampled)
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        return StepOutput(sampled, out.tokens.tolist(), logprobs, out.top_logprobs)
+        self.next_tokens[self._to_device([c.request.slot for c in sampled])] = out.tokens
+        tokens = self._to_host(out.tokens)
+        logprobs = self._to_host(out.logprobs) if out.logprobs is not None else None
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        return PendingStep(sampled, tokens, logprobs, out.top_logprobs, done)
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        return to_device(values, torch.int64, self.device)
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Starts a device-to-host copy; valid once the step's event has completed."""
+        if self.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's `logits_index` tokens (every TP rank runs this for every step)."""
         if self.step_broadcaster is not None:
             self.step_broadcaster.broadcast(batch)
+        if batch.is_decode and self.decode_graphs is not None and self.decode_graphs.can_run(batch.batch_size):
+            return self.decode_graphs.run(batch)
         return self.model(batch, self.kv_pool)
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, page_table: torch.Tensor, padding_slot: int) -> None:
+        """Captures decode CUDA graphs (GPU only, unless --disable-cuda-graph)."""
+        if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
+            return
+        graphs = DecodeGraphs(lambda b: self.model(b, self.kv_pool), page_table, self.cfg.page_size, padding_slot,
+                              min(self.cfg.max_running_requests, self.cfg.cuda_graph_max_batch), self.device,
+                              self.next_tokens)
+        graphs.capture()
+        self.decode_graphs = graphs
 
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleOutput:
         params = [c.request.params for c in chunks]
-        slots = torch.tensor([c.request.slot for c in chunks], dtype=torch.int64, device=self.device)
+        slots = self._to_device([c.request.slot for c in chunks])
         batch = SamplingBatch(slots=slots, params=params)
         if all(p.is_greedy and p.logprobs is None for p in params):
             return self.greedy.sample(logits, batch)
@@ -152,7 +246,7 @@ class ModelRunner:
         if req.sampler_slot != req.slot:
             self.full.reset_slot(req.slot, req.params, req.prompt_ids)
             if req.output_ids:
-                self.full.commit(torch.tensor([req.slot], device=self.device), [list(req.output_ids)])
+                self.full.commit(self._to_device([req.slot]), [list(req.output_ids)])
             req.sampler_slot = req.slot
 
     def commit(self, chunks: list[ScheduledChunk], tokens: list[int]) -> None:
@@ -160,5 +254,5 @@ class ModelRunner:
         rows = [(c.request.slot, t) for c, t in zip(chunks, tokens, strict=True)
                 if c.request.sampler_slot == c.request.slot]
         if rows:
-            slots = torch.tensor([s for s, _ in rows], device=self.device)
+            slots = self._to_device([s for s, _ in rows])
             self.full.commit(slots, [[t] for _, t in rows])

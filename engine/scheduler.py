@@ -90,6 +90,8 @@ class Scheduler:
         for req in list(decoding):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted below while making room for an older request
+            if req.kv_len >= self.config.context_length:
+                continue  # at the context limit: the step in flight (overlap) ends it
             while not self.kv.grow(req, req.kv_len + 1):
                 victim = self._newest_running(exclude=req)
                 if victim is None:

@@ -63,9 +63,11 @@ class PagedAttention(nn.Module):
         self.gqa = num_heads != num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D]; returns [T, H*D]."""
-        store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+                k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor | None,
+                kv_stored: bool = False) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]; returns [T, H*D]. `kv_stored`: a fused kernel already wrote k, v."""
+        if not kv_stored:
+            store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         if batch.is_decode:
             out = self._decode(q, batch, k_cache, v_cache)
         elif batch.no_prefix and batch.batch_size == 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from splitserve.engine.layers.fused_triton import merge_splits
 
 
 @triton.jit
@@ -88,5 +89,4 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4, num_stages=2,
     )
-    weights = torch.softmax(lse, dim=-1).unsqueeze(-1)  # splits with no tokens weigh 0
-    return (acc * weights).sum(dim=2).to(q.dtype)
+    return merge_splits(acc, lse, q.dtype)  # splits with no tokens weigh 0

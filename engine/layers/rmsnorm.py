@@ -21,6 +21,10 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda:
+            from splitserve.engine.layers.fused_triton import add_rmsnorm
+            out, new_residual = add_rmsnorm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, new_residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

@@ -38,14 +38,21 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor | None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        k_cache, v_cache = kv.k_cache(self.layer_index), kv.v_cache(self.layer_index)
+        fused = qkv.is_cuda and self.q_norm is None
+        if fused:  # RoPE in place and the KV scatter, in one kernel
+            from splitserve.engine.layers.fused_triton import rope_and_store_kv
+            rope_and_store_kv(qkv, batch.positions, self.rotary.cos, self.rotary.sin, self.num_heads,
+                              self.num_kv_heads, self.head_dim, k_cache, v_cache, batch.out_cache_loc)
         q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
-        out = self.attn(q, k, v, batch, kv.k_cache(self.layer_index), kv.v_cache(self.layer_index), mask)
+        if not fused:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(batch.positions, q, k)
+        out = self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=fused)
         return self.o_proj(out)
 
 

@@ -6,6 +6,7 @@ Runs only where CUDA is (the lent H200s); CI has no GPU and skips it.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,13 +33,64 @@ def test_triton_paged_decode_matches_reference(heads: int, kv_heads: int, head_d
     v_cache = torch.randn_like(k_cache)
     page_table = torch.randint(1, num_pages, (bsz + 1, max_pages), device=dev, dtype=torch.int32)
     slots = torch.tensor([3, 0, 4, 1, 2], device=dev)
-    seq_lens = torch.tensor([1, 7, 100, 1000, min(2500, max_pages * page_size)], device=dev)
+    cap = max_pages * page_size
+    seq_lens = torch.tensor([1, 7, min(100, cap), min(1000, cap), min(2500, cap)], device=dev)
     q = torch.randn(bsz, heads, head_dim, device=dev, dtype=torch.bfloat16)
     scale = head_dim ** -0.5
     got = paged_decode_attention(q, k_cache, v_cache, page_table, slots, seq_lens, page_size, scale)
     want = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), page_table, slots, seq_lens,
                                       page_size, scale)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_fused_add_rmsnorm_matches_torch() -> None:
+    from splitserve.engine.layers.fused_triton import add_rmsnorm
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    out, res = add_rmsnorm(x, w, 1e-5, r)
+    want_res = x + r
+    xf = want_res.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    assert torch.equal(res, want_res)
+    torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)
+    assert (out != want).float().mean() < 0.01  # rounds where torch rounds: almost every element identical
+
+
+def test_fused_silu_and_mul_matches_torch() -> None:
+    from splitserve.engine.layers.fused_triton import silu_and_mul
+
+    gu = torch.randn(19, 2 * 3000, device="cuda", dtype=torch.bfloat16)
+    gate, up = gu.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = silu_and_mul(gu)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    assert (got != want).float().mean() < 0.01
+
+
+def test_fused_rope_and_kv_store_match_torch() -> None:
+    from splitserve.engine.layers.attention import store_kv
+    from splitserve.engine.layers.fused_triton import rope_and_store_kv
+    from splitserve.engine.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, tokens = 32, 8, 128, 23
+    rope = RotaryEmbedding(dim, 4096, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 8192}).cuda()
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16)
+    positions = torch.randint(0, 4000, (tokens,), device="cuda")
+    loc = torch.randperm(200, device="cuda")[:tokens]
+    caches = [torch.zeros(200, kv_heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    q, k, v = qkv.clone().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q_ref, k_ref = rope(positions, q.reshape(tokens, heads, dim), k.reshape(tokens, kv_heads, dim))
+    store_kv(caches[0], caches[1], loc, k_ref, v.reshape(tokens, kv_heads, dim))
+    rope_and_store_kv(qkv, positions, rope.cos, rope.sin, heads, kv_heads, dim, caches[2], caches[3], loc)
+    torch.testing.assert_close(qkv[:, : heads * dim].reshape(tokens, heads, dim), q_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(caches[2], caches[0], atol=2e-2, rtol=2e-2)
+    assert torch.equal(caches[3], caches[1])
 
 
 def greedy_tokens(folder: Path, prompts: list[list[int]], **cfg) -> list[list[int]]:
@@ -60,16 +112,20 @@ def greedy_tokens(folder: Path, prompts: list[list[int]], **cfg) -> list[list[in
         for i, p in enumerate(prompts):
             engine.submit(Request(str(i), list(p), SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
                                   collect))
+            if i % 2:  # later arrivals join while others decode: mixed steps with tokens still in flight
+                time.sleep(0.03)
         assert done.wait(120)
     finally:
         engine.stop()
     return [outs[str(i)] for i in range(len(prompts))]
 
 
-def test_cuda_graph_greedy_output_equals_eager(tmp_path: Path) -> None:
+def test_cuda_graphs_and_overlap_change_no_greedy_token(tmp_path: Path) -> None:
     folder = write("llama-gqa-llama3rope", tmp_path)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 3, 64, 9)]
-    eager = greedy_tokens(folder, prompts, disable_cuda_graph=True)
-    graphed = greedy_tokens(folder, prompts)
+    eager = greedy_tokens(folder, prompts, disable_cuda_graph=True, disable_overlap=True)
+    graphed = greedy_tokens(folder, prompts, disable_overlap=True)
+    overlapped = greedy_tokens(folder, prompts)  # graphs + the overlap scheduler, the GPU default
     assert graphed == eager
+    assert overlapped == eager
