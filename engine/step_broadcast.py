@@ -1,6 +1,9 @@
 """Rank 0 tells the other tensor-parallel ranks what to run: one message per engine step.
 
-A message is a kind ("step", "ping" or "stop") and, for a step, the `ForwardBatch`. The batch is
+A message is a kind ("step", "poll", "ops", "ping" or "stop"), its payload, and the role
+operations queued since the last message (a prefill/decode role's transfer calls, which every
+rank repeats on its own KV; see engine/roles/replicated_transfers.py). Workers apply the
+operations before acting on the message. For a step the payload is the `ForwardBatch`. The batch is
 split in two: its device tensors (on a GPU) travel on the model's process group (NCCL), so rank 0
 never copies them back to the host; everything else (ints, and every tensor on a CPU run) travels
 pickled in a small header on the gloo control group. Workers rebuild the same `ForwardBatch` on
@@ -21,7 +24,7 @@ from splitserve.engine.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
-STEP, PING, STOP = "step", "ping", "stop"
+STEP, POLL, OPS, PING, STOP = "step", "poll", "ops", "ping", "stop"
 
 
 @dataclass(frozen=True)
@@ -36,10 +39,13 @@ class DeviceTensorSpec:
 
 @dataclass
 class StepMessage:
-    """What a worker received: its kind and, for a step, the batch rebuilt on the worker's device."""
+    """What a worker received: its kind, the role operations to apply first, and the payload
+    (for a step, the batch rebuilt on the worker's device)."""
 
     kind: str
+    ops: list[Any]
     batch: ForwardBatch | None = None
+    payload: Any = None
 
 
 def _batch_fields(batch: ForwardBatch) -> dict[str, Any]:
@@ -52,6 +58,20 @@ class StepBroadcaster:
     def __init__(self, control: dist.ProcessGroup) -> None:
         self.control = control
         self.last_sent = time.monotonic()
+        self.pending_ops: list[Any] = []
+
+    def queue_op(self, op: Any) -> None:
+        """Queues a role operation; it travels with the next message of any kind."""
+        self.pending_ops.append(op)
+
+    def send_ops(self) -> None:
+        """Sends the queued operations now, if any (the engine loop calls this every iteration)."""
+        if self.pending_ops:
+            self._send(OPS, None)
+
+    def poll(self, payload: Any) -> None:
+        """Asks the workers to poll their transfers for `payload` (then all ranks agree on a MIN)."""
+        self._send(POLL, payload)
 
     def broadcast(self, batch: ForwardBatch) -> None:
         header: dict[str, Any] = {}
@@ -78,7 +98,8 @@ class StepBroadcaster:
         self._send(STOP, None)
 
     def _send(self, kind: str, payload: Any) -> None:
-        dist.broadcast_object_list([(kind, payload)], src=0, group=self.control)
+        ops, self.pending_ops = self.pending_ops, []
+        dist.broadcast_object_list([(kind, payload, ops)], src=0, group=self.control)
         self.last_sent = time.monotonic()
 
 
@@ -92,9 +113,9 @@ def receive_step(control: dist.ProcessGroup, device: torch.device,
     """
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0, group=control)
-    kind, payload = box[0]
+    kind, payload, ops = box[0]
     if kind != STEP:
-        return StepMessage(kind)
+        return StepMessage(kind, ops, payload=payload)
     header, specs, sizes = payload
     buffers = {}
     for dtype, numel in sizes.items():
@@ -109,4 +130,4 @@ def receive_step(control: dist.ProcessGroup, device: torch.device,
     for name, target in (persistent or {}).items():
         if fields.get(name) is not None:
             fields[name] = target.copy_(fields[name])
-    return StepMessage(STEP, ForwardBatch(**fields))
+    return StepMessage(STEP, ops, ForwardBatch(**fields))

@@ -146,15 +146,26 @@ class TensorParallelSupervisor:
             time.sleep(POLL_S)
 
     def check(self) -> str | None:
-        """Called every loop iteration: returns the failure, if any; pings idle workers."""
+        """Called every loop iteration: returns the failure, if any; sends queued role
+        operations, or pings idle workers."""
         if self.failure is None:
             self.failure = self.lost_worker()
-        idle_s = time.monotonic() - self.broadcaster.last_sent if self.broadcaster is not None else 0.0
-        if self.failure is None and idle_s > self.ping_interval_s:
-            try:
+        if self.failure is not None or self.broadcaster is None:
+            return self.failure
+        try:
+            if self.broadcaster.pending_ops:  # a role's transfer calls, for the other ranks to repeat
+                self.broadcaster.send_ops()
+            elif time.monotonic() - self.broadcaster.last_sent > self.ping_interval_s:
                 self.broadcaster.ping()
-            except RuntimeError as exc:
-                self.failure = f"tensor-parallel ranks stopped answering: {exc}"
+        except RuntimeError as exc:
+            self.collective_failed(exc)
+        return self.failure
+
+    def collective_failed(self, exc: Exception) -> str:
+        """Records that a collective outside a step broke (e.g. a transfer poll agreement); the
+        engine loop fails the engine on its next `check()`. Returns the reason."""
+        if self.failure is None:
+            self.failure = self.lost_worker(wait_s=1.0) or f"tensor-parallel ranks stopped answering: {exc}"
         return self.failure
 
     def pids(self) -> dict[int, int | None]:

@@ -25,8 +25,8 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.parallel_state import join_tensor_parallel
-from splitserve.engine.step_broadcast import PING, STEP, STOP, receive_step
+from splitserve.engine.parallel_state import TensorParallel, join_tensor_parallel
+from splitserve.engine.step_broadcast import OPS, PING, POLL, STEP, STOP, receive_step
 
 logger = logging.getLogger(__name__)
 
@@ -94,21 +94,41 @@ def resize_kv_pool(runner: ModelRunner, num_pages: int) -> None:
     runner.kv_pool = KVPool(runner.kv_shape, runner.device)
 
 
-def run_steps(runner: ModelRunner, control: dist.ProcessGroup, page_table: torch.Tensor) -> None:
-    """Runs rank 0's steps until it says stop."""
+def run_steps(runner: ModelRunner, tp: TensorParallel, control: dist.ProcessGroup,
+              page_table: torch.Tensor) -> None:
+    """Runs rank 0's steps (and, on prefill/decode, repeats its transfer calls) until it says stop."""
     steps = 0
     persistent = {"page_table": page_table}
-    with torch.inference_mode():
-        while True:
-            msg = receive_step(control, runner.device, persistent)
-            if msg.kind == STEP:
-                runner.forward(msg.batch)
-                steps += 1
-            elif msg.kind == STOP:
-                logger.info("stop from rank 0 after %d steps", steps)
-                return
-            elif msg.kind != PING:
-                raise ValueError(f"unknown step message kind {msg.kind!r} from rank 0")
+    transfers = None
+    try:
+        with torch.inference_mode():
+            while True:
+                msg = receive_step(control, runner.device, persistent)
+                role_ops = []
+                for op in msg.ops:
+                    if op[0] == "setup":
+                        from splitserve.engine.roles.rank_transfers import RankTransfers  # imports Mooncake
+                        _, role, transfer_config, bootstrap_addr = op
+                        transfers = RankTransfers(runner, tp, role, transfer_config, bootstrap_addr)
+                    else:
+                        role_ops.append(op)
+                if role_ops or msg.kind == POLL:
+                    if transfers is None:
+                        raise ValueError(f"rank 0 sent transfer work ({msg.kind}) before setting transfers up")
+                    transfers.apply(role_ops)
+                if msg.kind == STEP:
+                    runner.forward(msg.batch)
+                    steps += 1
+                elif msg.kind == POLL:
+                    transfers.agree(msg.payload, control)
+                elif msg.kind == STOP:
+                    logger.info("stop from rank 0 after %d steps", steps)
+                    return
+                elif msg.kind not in (PING, OPS):
+                    raise ValueError(f"unknown step message kind {msg.kind!r} from rank 0")
+    finally:
+        if transfers is not None:
+            transfers.close()
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -137,7 +157,7 @@ def worker_main(spec: WorkerSpec) -> None:
             raise
         store.set(ready_key(spec.rank), READY_OK)
         logger.info("tensor-parallel rank %d/%d ready on %s", spec.rank, spec.size, runner.device)
-        run_steps(runner, control, page_table)
+        run_steps(runner, tp, control, page_table)
         dist.destroy_process_group()
     except Exception:
         logger.exception("tensor-parallel rank %d stops on an error", spec.rank)

@@ -35,6 +35,7 @@ class DecodeRole(Role):
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
         self.endpoint = KVTransferEndpoint(engine, self.config)
+        self.endpoint.start_worker_ranks(None)
 
     def on_arrival(self, req: Request) -> bool:
         if req.bootstrap_addr is None or req.bootstrap_room is None:
@@ -57,7 +58,7 @@ class DecodeRole(Role):
                 kv.release(req)
                 return  # wait for pages to come back
             self.pending.popleft()
-            receiver = KVReceiver(self.endpoint.manager, req.bootstrap_addr, req.bootstrap_room)
+            receiver = self.endpoint.new_receiver(req.request_id, req.bootstrap_addr, req.bootstrap_room)
             receiver.init()
             receiver.send_metadata(req.pages[: kv.pages_for(prompt_len)], req.slot, decode_prefix_len)
             req.role_state = receiver
@@ -65,9 +66,11 @@ class DecodeRole(Role):
 
     def poll(self) -> None:
         self._admit_pending()
-        for rid, req in list(self.receiving.items()):
+        rids = list(self.receiving)
+        states = self.endpoint.agree(rids, [self.receiving[rid].role_state for rid in rids])
+        for rid, status in zip(rids, states, strict=True):
+            req = self.receiving[rid]
             receiver: KVReceiver = req.role_state
-            status = receiver.poll()
             if status == KVPoll.Success:
                 self.receiving.pop(rid)
                 aux = unpack_aux(self.endpoint.aux, req.slot)
@@ -89,8 +92,8 @@ class DecodeRole(Role):
         self.receiving.pop(req.request_id, None)
         if req in self.pending:
             self.pending.remove(req)
-        receiver = req.role_state
-        if isinstance(receiver, KVReceiver):
+        receiver = req.role_state  # a KVReceiver, or its ReplicatedRoom on a tensor-parallel engine
+        if receiver is not None:
             if receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
                 receiver.abort("decode request ended before its KV arrived")
             receiver.clear()

@@ -1,17 +1,34 @@
-"""What prefill and decode both need to move KV: the aux slots, the layout and the manager."""
+"""What prefill and decode both need to move KV: the aux slots, the layout, the manager, and
+(with tensor parallelism) the replication of every transfer call to the other ranks."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from splitserve.engine.engine import Engine
-from splitserve.transfer import KVManager, TransferConfig, layout_for_pool, make_aux_tensor
+from splitserve.engine.roles.replicated_transfers import ReplicatedRoom, agree_over_ranks, new_room_op
+from splitserve.transfer import (
+    AuxData,
+    KVManager,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    TransferConfig,
+    layout_for_pool,
+    make_aux_tensor,
+    pack_aux,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class KVTransferEndpoint:
-    """Registers an engine's KV pool and one aux slot per request slot with the transfer layer."""
+    """Registers an engine's KV pool and one aux slot per request slot with the transfer layer.
+
+    Rooms are made here (`new_sender`, `new_receiver`) so that, on a tensor-parallel engine,
+    the other ranks make theirs too; `agree` is the replica's poll state of a list of rooms.
+    """
 
     def __init__(self, engine: Engine, config: TransferConfig) -> None:
         pool = engine.runner.kv_pool.buffer
@@ -23,6 +40,47 @@ class KVTransferEndpoint:
         layout = layout_for_pool(pool, self.aux, tp_size=engine.runner.tp.size, tp_rank=engine.runner.tp.rank,
                                  num_kv_heads=engine.model_cfg.num_kv_heads)
         self.manager = KVManager(config, layout, metrics_registry=engine.metrics.registry)
+        self.config = config
+        self.role_name = engine.cfg.role
+        self.supervisor = engine.tp_supervisor
+        self.broadcaster = self.supervisor.broadcaster if self.supervisor is not None else None
+
+    def start_worker_ranks(self, bootstrap_addr: str | None) -> None:
+        """Has every other tensor-parallel rank register its own KV (and, on prefill, publish
+        its layout to this replica's bootstrap server). A no-op at TP 1."""
+        if self.broadcaster is not None:
+            self.broadcaster.queue_op(("setup", self.role_name, self.config, bootstrap_addr))
+
+    def new_sender(self, rid: str, bootstrap_addr: str, room: int) -> Any:
+        return self._replicated(KVSender(self.manager, bootstrap_addr, room), rid, "sender", bootstrap_addr, room)
+
+    def new_receiver(self, rid: str, bootstrap_addr: str, room: int) -> Any:
+        return self._replicated(KVReceiver(self.manager, bootstrap_addr, room), rid, "receiver",
+                                bootstrap_addr, room)
+
+    def pack_aux(self, slot: int, data: AuxData) -> None:
+        """Writes a request's aux data on every rank (any prefill rank may be the one that sends it)."""
+        pack_aux(self.aux, slot, data)
+        if self.broadcaster is not None:
+            self.broadcaster.queue_op(("aux", slot, data))
+
+    def agree(self, rids: list[str], rooms: list[Any]) -> list[KVPoll]:
+        """The replica's poll state of each room; all Failed once the ranks cannot agree any more."""
+        if self.supervisor is not None and self.supervisor.failure is not None:
+            return [KVPoll.Failed] * len(rooms)
+        try:
+            return agree_over_ranks(rids, rooms, self.broadcaster)
+        except RuntimeError as exc:  # a rank died or hung mid-collective: the group is broken for good
+            if self.supervisor is None:
+                raise
+            logger.error("transfer poll agreement failed: %s", self.supervisor.collective_failed(exc))
+            return [KVPoll.Failed] * len(rooms)
+
+    def _replicated(self, local: Any, rid: str, kind: str, bootstrap_addr: str, room: int) -> Any:
+        if self.broadcaster is None:
+            return local
+        self.broadcaster.queue_op(new_room_op(rid, kind, bootstrap_addr, room))
+        return ReplicatedRoom(local, rid, self.broadcaster)
 
     def close(self) -> None:
         self.manager.close()

@@ -17,7 +17,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.role import Role
 from splitserve.engine.roles.kv_transfer_endpoint import KVTransferEndpoint
-from splitserve.transfer import AuxData, BootstrapServer, KVPoll, KVSender, TransferConfig, pack_aux
+from splitserve.transfer import AuxData, BootstrapServer, KVPoll, KVSender, TransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 class PrefillState:
     """One request's sender and how many of its prompt pages have gone out."""
 
-    sender: KVSender
+    sender: KVSender  # or its ReplicatedRoom on a tensor-parallel engine
     pages_sent: int = 0
     initialised: bool = False
     finish: FinishReason | None = None
@@ -48,6 +48,7 @@ class PrefillRole(Role):
                                          key=self.config.transfer_control_key).start()
         self.bootstrap_addr = self.bootstrap.address
         self.endpoint.manager.publish_layout(self.bootstrap_addr)
+        self.endpoint.start_worker_ranks(self.bootstrap_addr)  # tensor parallel: every rank publishes
         logger.info("prefill bootstrap server on %s", self.bootstrap_addr)
 
     def health_info(self) -> dict[str, Any]:
@@ -58,7 +59,8 @@ class PrefillRole(Role):
             self.engine.finish(req, FinishReason.ERROR, "a prefill engine needs 'bootstrap_room' (send requests "
                                                         "through the router)")
             return True
-        req.role_state = PrefillState(KVSender(self.endpoint.manager, self.bootstrap_addr, req.bootstrap_room))
+        req.role_state = PrefillState(self.endpoint.new_sender(req.request_id, self.bootstrap_addr,
+                                                               req.bootstrap_room))
         return False
 
     def _ensure_init(self, req: Request, state: PrefillState) -> None:
@@ -78,7 +80,7 @@ class PrefillRole(Role):
     def on_token(self, req: Request, finish: FinishReason | None) -> bool:
         state: PrefillState = req.role_state
         self._ensure_init(req, state)
-        pack_aux(self.endpoint.aux, req.slot, AuxData(req.output_ids[0], req.first_token_logprob, req.cached_len))
+        self.endpoint.pack_aux(req.slot, AuxData(req.output_ids[0], req.first_token_logprob, req.cached_len))
         prompt_pages = self.engine.kv.pages_for(len(req.prompt_ids))
         state.sender.send(req.pages[state.pages_sent:prompt_pages], last_chunk=True)
         state.pages_sent = prompt_pages
@@ -88,9 +90,11 @@ class PrefillRole(Role):
         return True
 
     def poll(self) -> None:
-        for rid, req in list(self.parked.items()):
+        rids = list(self.parked)
+        states = self.endpoint.agree(rids, [self.parked[rid].role_state.sender for rid in rids])
+        for rid, status in zip(rids, states, strict=True):
+            req = self.parked[rid]
             state: PrefillState = req.role_state
-            status = state.sender.poll()
             if status == KVPoll.Success:
                 self.parked.pop(rid)
                 self.engine.complete(req, state.finish or FinishReason.LENGTH)

@@ -43,11 +43,6 @@ def test_tp_size_that_does_not_split_the_kv_heads_is_refused_before_starting(che
         check_tp_size(model_cfg, 4)
 
 
-def test_tp_with_a_disaggregated_role_is_refused() -> None:
-    with pytest.raises(ValueError, match="--tp-size 2 with --role prefill"):
-        EngineConfig(role="prefill", tp_size=2)
-
-
 # ---- logits: rank 0 in this process, rank 1 a worker process ------------------------------------
 
 

@@ -1,0 +1,137 @@
+"""Prefill and decode of different tensor-parallel sizes (2 CPU processes over gloo, Mooncake TCP
+on loopback): each decode rank receives exactly its KV heads, and the greedy output equals the
+unified engine's token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from engine_checkpoints import write
+from servers import ServerProcess, assert_kv_back_to_start, engine_state, free_port, wait_http_ok
+
+ENGINE_ARGS = ["--page-size", "4", "--max-total-tokens", "4096", "--max-running-requests", "8", "--device", "cpu"]
+TRANSFER_ARGS = ["--transfer-heartbeat-interval-s", "0.2", "--transfer-heartbeat-misses", "5",
+                 "--transfer-bootstrap-timeout-s", "10"]
+
+pytestmark = pytest.mark.slow
+
+
+class Deployment:
+    """Engines and routers as processes, stopped together."""
+
+    def __init__(self, tmp: Path, checkpoint: Path) -> None:
+        self.tmp = tmp
+        self.checkpoint = checkpoint
+        self.procs: dict[str, ServerProcess] = {}
+
+    def engine(self, role: str, tp_size: int) -> str:
+        port = free_port()
+        args = ["serve", "--role", role, "--model", str(self.checkpoint), "--served-model-name", "m",
+                "--port", str(port), "--tp-size", str(tp_size), *ENGINE_ARGS]
+        if role in ("prefill", "decode"):
+            args += TRANSFER_ARGS
+        if role == "prefill":
+            args += ["--bootstrap-port", str(free_port()), "--chunked-prefill-size", "8"]
+        url = f"http://127.0.0.1:{port}"
+        self.procs[url] = ServerProcess(args, self.tmp / f"{role}-tp{tp_size}-{port}.log")
+        return url
+
+    def router(self, prefill: str, decode: str) -> str:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        self.procs[url] = ServerProcess(["router", "--port", str(port), "--prefill", prefill, "--decode", decode],
+                                        self.tmp / f"router-{port}.log")
+        return url
+
+    def wait(self, urls: list[str]) -> None:
+        for url in urls:
+            wait_http_ok(f"{url}/health", self.procs[url].proc, 180, self.procs[url].log)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    checkpoint = write("llama-gqa-llama3rope", tmp_path_factory.mktemp("ckpt"))  # 2 KV heads
+    d = Deployment(tmp_path_factory.mktemp("pd-tp"), checkpoint)
+    try:
+        engines = {"unified": d.engine("unified", 1),
+                   "prefill-tp2": d.engine("prefill", 2), "decode-tp1": d.engine("decode", 1),
+                   "prefill-tp1": d.engine("prefill", 1), "decode-tp2": d.engine("decode", 2)}
+        d.wait(list(engines.values()))
+        routers = {"p2d1": d.router(engines["prefill-tp2"], engines["decode-tp1"]),
+                   "p1d2": d.router(engines["prefill-tp1"], engines["decode-tp2"])}
+        for url in routers.values():
+            wait_http_ok(f"{url}/health", d.procs[url].proc, 60, d.procs[url].log)
+        yield {**engines, **routers}
+    finally:
+        d.stop()
+
+
+def prompts(seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 256, (14,), generator=gen).tolist()
+    out = [shared + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 9)]
+    out += [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (2, 7, 30)]
+    return out
+
+
+async def greedy_all(url: str, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        calls = [client.post(f"{url}/v1/completions", json={
+            "model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}) for p in batch]
+        responses = await asyncio.gather(*calls)
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    return [r.json()["choices"][0]["token_ids"] for r in responses]
+
+
+@pytest.mark.parametrize("shape", ["p2d1", "p1d2"])
+def test_greedy_output_with_different_prefill_and_decode_tp_equals_unified(cluster, shape: str) -> None:
+    batch = prompts(21)
+    want = asyncio.run(greedy_all(cluster["unified"], batch, 12))
+    assert asyncio.run(greedy_all(cluster[shape], batch, 12)) == want
+    for name in ("prefill-tp2", "decode-tp1", "prefill-tp1", "decode-tp2"):
+        assert_kv_back_to_start(cluster[name])
+    tp2 = cluster["prefill-tp2"] if shape == "p2d1" else cluster["decode-tp2"]
+    assert len(engine_state(tp2)["tp_worker_pids"]) == 1
+
+
+def test_prefill_worker_killed_mid_prefill_fails_fast_and_frees_pages_on_both_sides(tmp_path: Path) -> None:
+    checkpoint = write("llama-gqa-llama3rope", tmp_path / "ckpt")
+    d = Deployment(tmp_path, checkpoint)
+    try:
+        prefill, decode = d.engine("prefill", 2), d.engine("decode", 1)
+        d.wait([prefill, decode])
+        router = d.router(prefill, decode)
+        wait_http_ok(f"{router}/health", d.procs[router].proc, 60, d.procs[router].log)
+        worker = int(engine_state(prefill)["tp_worker_pids"]["1"])
+        prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(9)).tolist()
+        body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                calls = [asyncio.ensure_future(client.post(f"{router}/v1/completions", json=body)) for _ in range(3)]
+                await asyncio.sleep(1.0)  # the prompts are being prefilled (600 tokens in chunks of 8)
+                os.kill(worker, signal.SIGKILL)
+                return list(await asyncio.gather(*calls))
+
+        started = time.monotonic()
+        responses = asyncio.run(run())
+        assert time.monotonic() - started < 30, "requests hung after the prefill's worker died"
+        assert all(r.status_code == 503 for r in responses), [r.text for r in responses]
+        health = httpx.get(f"{prefill}/health", timeout=5)
+        assert health.status_code == 503 and "tensor-parallel rank 1" in health.json()["status"]
+        assert_kv_back_to_start(prefill)
+        assert_kv_back_to_start(decode, timeout=30)
+    finally:
+        d.stop()
