@@ -6,7 +6,8 @@ Startup, in step with rank 0 (engine/tp_supervisor.py), over rank 0's TCP store:
 2. build its own ModelRunner (sharded weights), in parallel with the other ranks;
 3. read rank 0's KV layout (page count, page-table shape), so that page numbers mean the same
    pages on every rank;
-4. set `ready/<rank>` ("ok", or the error that stopped it), then loop on step messages.
+4. set `ready/<rank>` ("ok", or the error that stopped it), capture decode CUDA graphs in step
+   with rank 0 (GPU only), then loop on step messages.
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ def worker_main(spec: WorkerSpec) -> None:
             raise
         store.set(ready_key(spec.rank), READY_OK)
         logger.info("tensor-parallel rank %d/%d ready on %s", spec.rank, spec.size, runner.device)
+        runner.capture_decode_graphs(page_table, layout.padding_slot)  # rank 0 captures at the same time
         run_steps(runner, tp, control, page_table)
         dist.destroy_process_group()
     except Exception:
