@@ -38,8 +38,10 @@ class BenchConfig:
     """What load to generate and against what."""
 
     url: str | None = field(default=None, metadata={"help": "server to load (default: start one)"})
-    profile: str = field(default="http", metadata={"help": "http: load a server; engine: bare engine only",
-                                                   "choices": ("http", "engine")})
+    profile: str = field(default="http", metadata={
+        "help": "http: load a server; engine: the model on a real shape; pd: TTFT of 1P1D vs unified; "
+                "transfer: the KV transfer layer vs raw Mooncake, memcpy and a socket",
+        "choices": ("http", "engine", "pd", "transfer")})
     model: str = field(default="tiny", metadata={"help": "model for the server/engine this command starts"})
     device: str = field(default="auto", metadata={"help": "device for the engine this command starts"})
     num_requests: int = field(default=64, metadata={"help": "requests to send"})
@@ -56,6 +58,10 @@ class BenchConfig:
     gen_batches: list[int] = field(default_factory=lambda: [1, 8, 64],
                                    metadata={"help": "engine profile: batch sizes of transformers generate"})
     plot: str | None = field(default=None, metadata={"help": "engine profile: write a PNG plot here"})
+    concurrency_levels: list[int] = field(default_factory=lambda: [1, 4],
+                                          metadata={"help": "pd profile: concurrency levels to load at"})
+    unified_replicas: int = field(default=1, metadata={"help": "pd profile: unified replicas (data parallel)"})
+    engine_args: str = field(default="", metadata={"help": "pd profile: extra flags for every engine"})
     max_running_requests: int = field(default=64, metadata={"help": "engine batch limit"})
     seed: int = field(default=0, metadata={"help": "seed of the random prompts"})
     output: str | None = field(default=None, metadata={"help": "write the figures as JSON here"})
@@ -241,13 +247,81 @@ def print_report(report: dict) -> None:
         print(line)  # the report is the command's output
 
 
+def pd_ttft(cfg: BenchConfig) -> dict:
+    """A 1P1D deployment and data-parallel unified replicas on the same devices (one engine per
+    GPU where there are GPUs), the same prompts at each concurrency level, in one run."""
+    import dataclasses
+
+    from splitserve.engine.launcher import Deployment, UpConfig, free_port
+
+    results: dict = {"levels": cfg.concurrency_levels, "unified": {}, "1p1d": {}}
+    shapes = (("unified", {"unified": cfg.unified_replicas}), ("1p1d", {"prefill": 1, "decode": 1}))
+    for name, shape in shapes:
+        deployment = Deployment(UpConfig(model=cfg.model, device=cfg.device, port=free_port(),
+                                         engine_args=f"--disable-prefix-cache {cfg.engine_args}".strip(), **shape))
+        try:
+            url = deployment.start()
+            for level in cfg.concurrency_levels:
+                run_cfg = dataclasses.replace(cfg, concurrency=level, num_requests=max(cfg.num_requests, level))
+                results[name][level] = asyncio.run(http_load(url, run_cfg))
+                if name == "1p1d":
+                    results.setdefault("transfer_metrics", {})[level] = scrape_transfer_metrics(deployment)
+        finally:
+            deployment.stop()
+    results["ratios"] = {}
+    for level in cfg.concurrency_levels:
+        pd, uni = results["1p1d"][level], results["unified"][level]
+        results["ratios"][level] = {
+            "ttft_p50_1p1d_over_unified": pd["ttft_s"]["p50"] / uni["ttft_s"]["p50"],
+            "itl_p50_1p1d_over_unified": pd["itl_s"]["p50"] / uni["itl_s"]["p50"],
+            "throughput_1p1d_over_unified": pd["output_tokens_per_s"] / uni["output_tokens_per_s"],
+        }
+    return results
+
+
+def scrape_transfer_metrics(deployment) -> dict[str, float]:
+    """Sums of the transfer layer's Prometheus counters over the deployment's engines."""
+    totals: dict[str, float] = {}
+    for url, _ in deployment.procs:
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("splitserve_transfer_") and not line.startswith("#") and "_bucket" not in line:
+                name, value = line.rsplit(" ", 1)
+                key = name.split("{", 1)[0]
+                totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+def print_pd_report(r: dict) -> None:
+    for level in r["levels"]:
+        for name in ("unified", "1p1d"):
+            h = r[name][level]
+            print(f"concurrency {level:>3} {name:>8}: TTFT p50 {h['ttft_s']['p50'] * 1e3:8.1f} ms "
+                  f"p90 {h['ttft_s']['p90'] * 1e3:8.1f} ms | ITL p50 {h['itl_s']['p50'] * 1e3:6.2f} ms "
+                  f"p90 {h['itl_s']['p90'] * 1e3:6.2f} ms | {h['output_tokens_per_s']:.1f} output tok/s "
+                  f"({h['ok']}/{h['requests']} ok)")
+        ratio = r["ratios"][level]
+        print(f"concurrency {level:>3} 1P1D / unified: TTFT p50 {ratio['ttft_p50_1p1d_over_unified']:.2f}, "
+              f"ITL p50 {ratio['itl_p50_1p1d_over_unified']:.2f}, "
+              f"throughput {ratio['throughput_1p1d_over_unified']:.2f}")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="splitserve bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    if argv[:2] == ["--profile", "transfer"] or argv[:1] == ["--profile=transfer"]:
+        from splitserve.transfer.bench import main as transfer_main  # its own flags
+        return transfer_main(argv[2:] if argv[:1] == ["--profile"] else argv[1:])
     add_config_flags(parser, BenchConfig, "SPLITSERVE_BENCH")
     cfg = config_from_args(BenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH")
     report: dict = {"config": asdict(cfg)}
-    if cfg.profile == "engine":
+    if cfg.profile == "pd":
+        report["pd"] = pd_ttft(cfg)
+        print_pd_report(report["pd"])
+    elif cfg.profile == "engine":
         from splitserve.engine.bench_engine import plot_engine_report, print_engine_report, run_engine_benchmark
         report["engine"] = run_engine_benchmark(
             cfg.shape, cfg.device, cfg.prefill_lens, cfg.batch_sizes, cfg.decode_context, cfg.hf_peer,

@@ -33,7 +33,8 @@ class UpConfig:
     unified: int = field(default=0, metadata={"help": "unified engine replicas instead of prefill/decode"})
     host: str = field(default="127.0.0.1", metadata={"help": "router bind address"})
     port: int = field(default=8000, metadata={"help": "router port (the endpoint clients use)"})
-    device: str = field(default="auto", metadata={"help": "device of every engine (cuda:N per engine on GPUs)"})
+    device: str = field(default="auto", metadata={
+        "help": "cpu, cuda (engine i gets cuda:i mod the GPU count), cuda:N (all on one GPU) or auto"})
     startup_timeout_s: float = field(default=300.0, metadata={"help": "seconds to wait for each process"})
     engine_args: str = field(default="", metadata={"help": "extra flags for every engine, one string"})
 
@@ -73,12 +74,25 @@ def wait_healthy(procs: list[tuple[str, subprocess.Popen]], timeout: float) -> N
         time.sleep(0.2)
 
 
+def engine_device(device: str, index: int) -> str:
+    """Spreads engines over the GPUs: `cuda` (or `auto` with GPUs) puts engine i on cuda:i mod count."""
+    if device not in ("cuda", "auto"):
+        return device
+    import torch  # only here: `up` itself needs no torch otherwise
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        return "cpu" if device == "auto" else device
+    return f"cuda:{index % count}"
+
+
 class Deployment:
     """The processes of one `splitserve up`, started and stopped together."""
 
     def __init__(self, cfg: UpConfig) -> None:
         self.cfg = cfg
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self._engines_started = 0
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-P", "-m", "splitserve", *args]
@@ -88,7 +102,9 @@ class Deployment:
 
     def _engine(self, role: str, index: int) -> str:
         port = free_port()
-        args = ["serve", "--role", role, "--model", self.cfg.model, "--port", str(port), "--device", self.cfg.device]
+        args = ["serve", "--role", role, "--model", self.cfg.model, "--port", str(port),
+                "--device", engine_device(self.cfg.device, self._engines_started)]
+        self._engines_started += 1
         if role == "prefill":
             args += ["--bootstrap-port", str(free_port())]
         args += self.cfg.engine_args.split()

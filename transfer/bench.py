@@ -304,7 +304,7 @@ def format_rows(rows: Sequence[Row]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark and prints the table; ``--json PATH`` also writes the rows."""
-    parser = argparse.ArgumentParser(prog="splitserve bench --transfer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="splitserve bench --profile transfer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SIZES,
                         help="message sizes in bytes, comma-separated (default 4 KiB .. 256 MiB)")
     parser.add_argument("--max-size", type=int, default=None, help="drop sizes above this many bytes")
