@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 import torch
+
 from splitserve.config_flags import add_config_flags, config_from_args
 
 logger = logging.getLogger(__name__)

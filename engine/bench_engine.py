@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model_config import ModelConfig

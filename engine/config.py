@@ -24,6 +24,9 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={
         "help": "weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)", "choices": tuple(DTYPES)})
     seed: int = field(default=0, metadata={"help": "seed of the built-in tiny model's weights"})
+    load_format: str = field(default="safetensors", metadata={
+        "help": "safetensors: the checkpoint's weights; dummy: random weights of its shape (benchmarks)",
+        "choices": ("safetensors", "dummy")})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     max_running_requests: int = field(default=64, metadata={"help": "requests decoding at once"})
     max_total_tokens: int | None = field(default=None, metadata={
@@ -41,6 +44,10 @@ class EngineConfig:
         "help": "seconds a tensor-parallel collective may wait on a hung rank before it fails"})
     tp_startup_timeout: float = field(default=600.0, metadata={
         "help": "seconds the tensor-parallel ranks may take to start and load their weights"})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "run decode steps eagerly on GPUs"})
+    disable_overlap: bool = field(default=False, metadata={
+        "help": "wait for each step's tokens before scheduling the next (GPUs overlap them by default)"})
+    cuda_graph_max_batch: int = field(default=256, metadata={"help": "largest decode batch captured in a graph"})
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from splitserve.engine.forward_batch import ForwardBatch, decode_batch
 
 logger = logging.getLogger(__name__)

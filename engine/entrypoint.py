@@ -9,6 +9,7 @@ import sys
 from types import FrameType
 
 import uvicorn
+
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine

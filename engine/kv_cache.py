@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from splitserve.engine.host_to_device import to_device
 from splitserve.engine.page_allocator import OutOfPagesError, PageAllocator
 from splitserve.engine.prefix_cache import PrefixCache

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
 
 logger = logging.getLogger(__name__)

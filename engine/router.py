@@ -26,13 +26,14 @@ from typing import Any
 import httpx
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
-from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
-from splitserve.engine.openai_protocol import ApiError
-from splitserve.engine.server import error_response, read_json
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
+from splitserve.engine.openai_protocol import ApiError
+from splitserve.engine.server import error_response, read_json
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
 from splitserve.engine.engine import Engine
 from splitserve.engine.engine_client import EngineClient
 from splitserve.engine.openai_protocol import (
@@ -28,10 +33,6 @@ from splitserve.engine.openai_protocol import (
 )
 from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.tokenizer import ChatTemplateError
-from starlette.applications import Starlette
-from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from splitserve.engine.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel_state import SINGLE, TensorParallel, join_tensor_parallel

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.model_config import ModelConfig

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from splitserve.engine.layers.linear import WeightShapeError
 from torch import nn
+
+from splitserve.engine.layers.linear import WeightShapeError
 
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 import yaml
+
 from splitserve.operator.names import (
     API_GROUP,
     API_VERSION,

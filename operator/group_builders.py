@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+
 from splitserve.operator.names import (
     ANNOTATION_GROUP_REPLICAS,
     CONTROL_KEY,

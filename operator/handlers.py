@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+
 from splitserve.operator.config import OperatorConfig
 from splitserve.operator.group_builders import (
     build_control_secret,

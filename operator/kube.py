@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.client import ApiClient
+
 from splitserve.operator.names import ANNOTATION_APPLIED_HASH, GROUP_API_VERSION, GROUP_PLURAL, ROLE_PLURAL
 from splitserve.operator.rollout import stable_hash
 

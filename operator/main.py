@@ -7,6 +7,7 @@ import os
 
 import kopf
 import kubernetes
+
 from splitserve.config_flags import parse_config
 from splitserve.operator.config import OperatorConfig
 from splitserve.operator.handlers import Reconciler, operator_settings, register_handlers

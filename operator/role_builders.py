@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+
 from splitserve.operator.names import (
     CONTROL_KEY,
     DEFAULT_BOOTSTRAP_PORT,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
 from splitserve.engine.config import EngineConfig
 

@@ -113,6 +113,7 @@ def _byte_view(tensor) -> memoryview:
 def run(sizes: Sequence[int], kv_tokens: int, min_time_s: float, head_slice_tokens: int) -> list[Row]:
     import torch
     from prometheus_client import CollectorRegistry
+
     from splitserve.transfer import (
         BootstrapServer,
         KVManager,
@@ -243,6 +244,7 @@ def run(sizes: Sequence[int], kv_tokens: int, min_time_s: float, head_slice_toke
 def _head_slice_row(tokens: int, config, registry, room_once, min_time_s: float) -> Row:
     """Prefill TP 2 -> decode TP 1: per-token segments, layer only (no raw peer to compare)."""
     import torch
+
     from splitserve.transfer import BootstrapServer, KVManager, layout_for_pool, make_aux_tensor
 
     pages = tokens // 16

@@ -12,8 +12,9 @@ New keys and values are written into the pool at each token's slot, then:
 from __future__ import annotations
 
 import torch
-from splitserve.engine.forward_batch import ForwardBatch
 from torch import nn
+
+from splitserve.engine.forward_batch import ForwardBatch
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from splitserve.engine.layers.linear import WeightShapeError
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
-from torch import nn
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -8,8 +8,9 @@ column-parallel layer whose loader places each checkpoint tensor at its offset.
 from __future__ import annotations
 
 import torch
-from splitserve.engine.parallel_state import SINGLE, TensorParallel
 from torch import nn
+
+from splitserve.engine.parallel_state import SINGLE, TensorParallel
 
 
 class WeightShapeError(ValueError):

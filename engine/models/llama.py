@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.layers.activation import silu_and_mul
@@ -13,7 +15,6 @@ from splitserve.engine.layers.rmsnorm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
-from torch import nn
 
 
 class LlamaAttention(nn.Module):

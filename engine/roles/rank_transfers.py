@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel_state import TensorParallel
 from splitserve.engine.roles.replicated_transfers import REPLAYED_METHODS

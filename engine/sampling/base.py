@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from splitserve.engine.sampling_params import SamplingParams
 
 # Per output token of one row: the top n (token id, logprob) pairs, most likely first.

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+
 from splitserve.engine.sampling.base import (
     PAD_TOKEN,
     SampleOutput,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from splitserve.engine.sampling.base import (
     SampleOutput,
     SamplerBackend,

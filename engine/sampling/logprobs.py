@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
+
 from splitserve.engine.sampling.base import SampleOutput, TopLogprobs
 from splitserve.engine.sampling_params import SamplingParams
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from engine_checkpoints import write
 from safetensors.torch import load_file, save_file
+
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.layers.linear import WeightShapeError
 from splitserve.engine.model_config import ModelConfig, UnsupportedModelError

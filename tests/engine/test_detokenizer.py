@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.tiny_model import tiny_model_folder
 from splitserve.engine.tokenizer import TextTokenizer

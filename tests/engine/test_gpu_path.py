@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_checkpoints import write
+
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.layers.attention import decode_attention_reference

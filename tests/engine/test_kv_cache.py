@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.page_allocator import DoubleFreeError, OutOfPagesError, PageAllocator
 from splitserve.engine.request import Request, RequestStatus

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model_config import ModelConfig

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from splitserve.engine.sampling import (
     FullSampler,
     GreedySampler,

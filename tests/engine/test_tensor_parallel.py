@@ -14,6 +14,7 @@ import pytest
 import torch
 from engine_checkpoints import write
 from servers import ServerProcess, assert_kv_back_to_start, engine_state, free_port, wait_http_ok
+
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.forward_batch import decode_batch
 from splitserve.engine.model_config import ModelConfig

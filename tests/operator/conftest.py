@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import kubernetes
 import pytest
+
 from splitserve.operator.envtest import ControlPlane, find_assets, free_port, missing_binaries
 from splitserve.operator.kube import Kube, KubeError, collection_path
 from splitserve.operator.names import GROUP_API_VERSION, LABEL_GROUP

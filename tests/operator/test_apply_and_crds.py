@@ -6,6 +6,7 @@ import pathlib
 from typing import Any
 
 import yaml
+
 from splitserve.operator.crds import crd_documents, crd_folders, serving_group_schema
 from splitserve.operator.kube import merge_for_update, needs_update, with_applied_hash
 from splitserve.operator.names import ANNOTATION_APPLIED_HASH

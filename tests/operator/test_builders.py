@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+
 from splitserve.operator.group_builders import (
     build_control_secret,
     build_peers_configmap,

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from splitserve.operator.envtest import kubeconfig_document
 from splitserve.operator.manifests import plain_manifests
 

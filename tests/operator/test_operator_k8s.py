@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from splitserve.operator.names import GROUP_API_VERSION, LABEL_REVISION, LABEL_ROLE
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]

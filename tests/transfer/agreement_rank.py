@@ -9,6 +9,7 @@ import json
 import sys
 
 import torch.distributed as dist
+
 from splitserve.transfer import KVPoll, agree_poll_states, poll_and_agree
 
 

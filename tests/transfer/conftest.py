@@ -20,6 +20,7 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+
 from splitserve.transfer import (
     BootstrapServer,
     KVManager,

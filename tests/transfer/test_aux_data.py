@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from splitserve.transfer import AUX_BYTES, AuxData, make_aux_tensor, pack_aux, unpack_aux
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+
 from splitserve.transfer import BootstrapError, BootstrapServer, KVLayout, layout_for_pool, make_aux_tensor
 from splitserve.transfer.bootstrap_client import fetch_layouts, publish_layout
 

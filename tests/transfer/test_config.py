@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from splitserve.config_flags import add_config_flags, config_from_args
 from splitserve.transfer import RdmaUnavailableError, TransferConfig
 from splitserve.transfer.mooncake_engine import MooncakeEngine, rdma_devices

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from splitserve.transfer.control_messages import AbortRoom, Ping, TransferStatus, decode_message, encode_message
 from splitserve.transfer.errors import ControlMessageError
 

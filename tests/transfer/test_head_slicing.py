@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+
 from splitserve.transfer import AuxData, KVPoll, KVReceiver, KVSender, pack_aux, unpack_aux
 
 from .conftest import poll_until_final

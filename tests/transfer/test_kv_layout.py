@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from splitserve.transfer import KVLayout, LayoutMismatchError, head_range, layout_for_pool, make_aux_tensor
 from splitserve.transfer.kv_layout import HeadSource, decode_ranks_per_prefill_rank, head_sources
 

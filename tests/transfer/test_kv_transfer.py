@@ -9,6 +9,7 @@ import pytest
 import torch
 import zmq
 from prometheus_client import CollectorRegistry
+
 from splitserve.transfer import (
     AuxData,
     KVAbortedError,

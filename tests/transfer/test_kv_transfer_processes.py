@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+
 from splitserve.transfer import AuxData, KVPeerLostError, KVPoll, KVReceiver, KVSender, unpack_aux
 
 from .conftest import HEARTBEAT_MISSES, HEARTBEAT_S, SHAPE, fill_pool, poll_until_final, wait_until

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
 from splitserve.transfer import layout_for_pool, make_aux_tensor
 from splitserve.transfer.transfer_plan import page_segments
 

@@ -18,6 +18,7 @@ import time
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 import torch
+
 from splitserve.transfer import (
     AuxData,
     BootstrapServer,
