@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
 from splitserve.engine.openai_protocol import ApiError
-from splitserve.engine.server import error_response, read_json
+from splitserve.engine.server import error_response, read_json, wait_for_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -155,18 +155,36 @@ class Router:
     # ---- routing -----------------------------------------------------------------------------
 
     async def _route(self, request: HttpRequest, path: str) -> Response:
+        """Routes one request; a client that leaves before the answer cancels the upstream calls
+        (closing their connections, so the engines abort the request and free its pages)."""
         body = await read_json(request)
+        self.in_flight.inc()  # until the answer starts (a stream's tokens then flow on their own)
+        work = asyncio.ensure_future(self._route_body(request, path, body))
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            self.requests.labels("client_gone").inc()
+            return Response(status_code=499)
+        finally:
+            gone.cancel()
+            self.in_flight.dec()
+
+    async def _route_body(self, request: HttpRequest, path: str, body: Any) -> Response:
         if not isinstance(body, dict):
             raise ApiError("request body must be a JSON object")
         stream = body.get("stream") is True
-        self.in_flight.inc()
         if self.unified:
             backend = least_loaded(self.unified)
-            return await self._forward(request, backend, path, body, stream, on_close=self.in_flight.dec)
+            return await self._forward(request, backend, path, body, stream)
         return await self._disaggregated(request, path, body, stream)
 
     async def _forward(self, request: HttpRequest, backend: Backend, path: str, body: dict, stream: bool,
-                       on_close=None, upstream: httpx.Response | None = None) -> Response:
+                       upstream: httpx.Response | None = None) -> Response:
         """Relays one engine's answer (already opened as `upstream`, or opened here)."""
         backend.outstanding += 1
         try:
@@ -174,8 +192,6 @@ class Router:
                 upstream = await self._open(backend, path, body)
         except UpstreamError as exc:
             backend.outstanding -= 1
-            if on_close:
-                on_close()
             self.requests.labels("error").inc()
             return JSONResponse(ApiError(str(exc), status=503, kind="server_error").body(), status_code=503)
 
@@ -186,8 +202,6 @@ class Router:
             finally:
                 await upstream.aclose()  # closing the upstream makes the engine abort the request
                 backend.outstanding -= 1
-                if on_close:
-                    on_close()
         headers = {"content-type": upstream.headers.get("content-type", "application/json")}
         self.requests.labels("ok" if upstream.status_code == 200 else "error").inc()
         if stream and upstream.status_code == 200:
@@ -197,8 +211,6 @@ class Router:
         finally:
             await upstream.aclose()
             backend.outstanding -= 1
-            if on_close:
-                on_close()
         return Response(content, status_code=upstream.status_code, headers=headers)
 
     async def _open(self, backend: Backend, path: str, body: dict) -> httpx.Response:
@@ -209,11 +221,7 @@ class Router:
             raise UpstreamError(backend.url, 0, repr(exc)) from exc
 
     async def _disaggregated(self, request: HttpRequest, path: str, body: dict, stream: bool) -> Response:
-        try:
-            check_single_sequence(body)
-        except ApiError:
-            self.in_flight.dec()
-            raise
+        check_single_sequence(body)
         tried: set[str] = set()
         last_error: UpstreamError | None = None
         for attempt in range(1 + max(0, self.cfg.prefill_retries)):
@@ -231,12 +239,10 @@ class Router:
                 logger.warning("retrying request on prefill %s after: %s", prefill.url, last_error)
             outcome = await self._try_pair(prefill, decode, path, pair_body, stream)
             if isinstance(outcome, httpx.Response):
-                return await self._forward(request, decode, path, pair_body, stream, on_close=self.in_flight.dec,
-                                           upstream=outcome)
+                return await self._forward(request, decode, path, pair_body, stream, upstream=outcome)
             last_error = outcome
             if outcome.status and 400 <= outcome.status < 500:
                 break  # the client's fault: another prefill would say the same
-        self.in_flight.dec()
         self.requests.labels("error").inc()
         assert last_error is not None
         if last_error.status and 400 <= last_error.status < 500:
@@ -264,6 +270,9 @@ class Router:
                                                                                  _json_or_text(r))
             except httpx.HTTPError as exc:
                 prefill_error = UpstreamError(prefill.url, 0, repr(exc))
+        except asyncio.CancelledError:  # the client left: drop decode's side too
+            await _abandon(decode_task)
+            raise
         finally:
             prefill.outstanding -= 1
         if prefill_error is None:
@@ -271,12 +280,16 @@ class Router:
                 return await decode_task
             except UpstreamError as exc:
                 return exc
-        # Abandon decode's side of the pair: its receiver is aborted when the stream closes.
-        decode_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, UpstreamError):
-            resp = await decode_task
-            await resp.aclose()
+        await _abandon(decode_task)  # decode's receiver is aborted when its connection closes
         return prefill_error
+
+
+async def _abandon(task: asyncio.Future) -> None:
+    """Cancels an upstream call, closing its response if it had already opened."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, UpstreamError):
+        resp = await task
+        await resp.aclose()
 
 
 def check_single_sequence(body: dict) -> None:

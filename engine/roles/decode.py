@@ -92,6 +92,10 @@ class DecodeRole(Role):
         self.receiving.pop(req.request_id, None)
         if req in self.pending:
             self.pending.remove(req)
+            # No receiver yet: tell the prefill side directly, or its sender would hold the
+            # prompt's pages until its bootstrap timeout.
+            self.endpoint.manager.abort_room(req.bootstrap_room, "decode request ended before it got KV pages",
+                                             bootstrap_addr=req.bootstrap_addr)
         receiver = req.role_state  # a KVReceiver, or its ReplicatedRoom on a tensor-parallel engine
         if receiver is not None:
             if receiver.poll() not in (KVPoll.Success, KVPoll.Failed):

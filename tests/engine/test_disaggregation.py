@@ -218,3 +218,64 @@ def test_prefill_killed_mid_request_is_retried_on_another_or_fails_fast(checkpoi
         assert_kv_back_to_start(spare)
     finally:
         d.stop()
+
+
+def test_request_dropped_while_waiting_for_decode_pages_releases_the_prefill_at_once(checkpoint: Path,
+                                                                                     tmp_path: Path) -> None:
+    """Decode has one slot, held by a request whose KV never comes; a second request waits for the
+    slot and its client gives up. Decode tells the prefill (abort_room), so the prefill's pages come
+    back at once rather than after its 60 s timeouts. (No router here: it would cancel the prefill
+    request itself and hide what decode does.)"""
+    import threading
+
+    d = Deployment(tmp_path, checkpoint)
+    slow = ["--transfer-bootstrap-timeout-s", "60", "--transfer-waiting-timeout-s", "60"]
+    try:
+        prefill = d.engine("prefill", *slow)
+        decode = d.engine("decode", "--max-running-requests", "1", *slow)
+        d.wait([prefill, decode])
+        info = httpx.get(f"{prefill}/health", timeout=5).json()
+        meet = {"bootstrap_host": info["bootstrap_host"], "bootstrap_port": info["bootstrap_port"]}
+
+        def post_in_background(url: str, room: int, prompt: list[int], max_tokens: int = 4) -> None:
+            body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "bootstrap_room": room,
+                    "ignore_eos": True, **meet}
+            threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=120),
+                             daemon=True).start()
+
+        # A long request holds decode's only slot while it decodes 900 tokens.
+        post_in_background(prefill, 777, list(range(30)), max_tokens=900)
+        post_in_background(decode, 777, list(range(30)), max_tokens=900)
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{decode}/internal/state", timeout=5).json()["running"] < 1:
+            assert time.monotonic() < deadline, "the slot holder never started decoding"
+            time.sleep(0.02)
+        post_in_background(prefill, 4242, list(range(50, 90)))  # prefill runs it, then waits for decode
+        while httpx.get(f"{prefill}/internal/state", timeout=5).json()["parked"] < 1:
+            assert time.monotonic() < deadline, "the prefill never parked its request"
+            time.sleep(0.02)
+        with pytest.raises(httpx.ReadTimeout):  # decode keeps it pending (no slot); the client gives up
+            httpx.post(f"{decode}/v1/completions", timeout=1.0, json={
+                "model": "m", "prompt": list(range(50, 90)), "max_tokens": 4, "bootstrap_room": 4242, **meet})
+        assert httpx.get(f"{decode}/internal/state", timeout=5).json()["running"] == 1, "the holder ended too soon"
+        assert_kv_back_to_start(prefill, timeout=1.5)  # not the 60 s timeout: decode told it
+    finally:
+        d.stop()
+
+
+def test_client_gone_from_a_non_streamed_router_request_aborts_it_on_the_engines(cluster) -> None:
+    decode = cluster["decode"][0]
+
+    def aborted() -> float:
+        text = httpx.get(f"{decode}/metrics", timeout=5).text
+        rows = [ln for ln in text.splitlines()
+                if ln.startswith("splitserve_requests_finished_total") and 'reason="abort"' in ln]
+        return float(rows[0].rsplit(" ", 1)[1]) if rows else 0.0
+
+    before = aborted()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{cluster['1p1d']}/v1/completions", timeout=0.5, json={
+            "model": "m", "prompt": list(range(100)), "max_tokens": 900, "temperature": 0, "ignore_eos": True})
+    assert_kv_back_to_start(cluster["prefill"][0], timeout=10)
+    assert_kv_back_to_start(decode, timeout=10)
+    assert aborted() == before + 1, "decode finished the request instead of aborting it"
