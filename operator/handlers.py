@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 # A failed API call is retried after this many seconds (kopf.TemporaryError).
 RETRY_DELAY = 5.0
-CONTROL_KEY_BYTES = 32
+CONTROL_KEY_BYTES = 32  # random bytes, written as hex: the key travels in an env var
 # How many times a reconcile recomputes after a write conflict before retrying later.
 CONFLICT_ATTEMPTS = 5
 
@@ -141,7 +141,7 @@ class Reconciler:
         partitions = rollout_partitions(progress, max_skew)
 
         desired = [
-            build_control_secret(group, secrets.token_bytes(CONTROL_KEY_BYTES)),
+            build_control_secret(group, secrets.token_hex(CONTROL_KEY_BYTES).encode()),
             build_peers_configmap(group, replicas),
             *(build_serving_role(group, role, revision, partitions[role], existing[role]) for role in roles),
             build_router_service(group),

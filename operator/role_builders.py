@@ -49,8 +49,8 @@ def env_var(name: str) -> str:
 # Environment variables the operator sets on every engine pod; spec.env may not repeat them.
 MANAGED_ENV = tuple(env_var(n) for n in (
     "GROUP", "ROLE", "NAMESPACE", "POD_NAME", "POD_IP", "REPLICA_INDEX", "SERVICE", "REVISION",
-    "SERVED_MODEL_NAME", "BOOTSTRAP_PORT", "TRANSFER_PROTOCOL", "TRANSFER_DEVICES", "PEERS_FILE",
-    "CONTROL_KEY", "NUM_DRAFT_TOKENS", "DRAFT_MESH_PORT",
+    "SERVED_MODEL_NAME", "BOOTSTRAP_PORT", "TRANSFER_PROTOCOL", "TRANSFER_DEVICES", "TRANSFER_HOST", "PEERS_FILE",
+    "TRANSFER_CONTROL_KEY", "NUM_DRAFT_TOKENS", "DRAFT_MESH_PORT",
 ))
 
 
@@ -158,11 +158,14 @@ def engine_env(name: str, spec: Mapping[str, Any], revision: str, namespace: str
         {"name": env_var("BOOTSTRAP_PORT"), "value": str(bootstrap_port(spec))},
         {"name": env_var("TRANSFER_PROTOCOL"), "value": str(transfer.get("protocol", "tcp"))},
         {"name": env_var("TRANSFER_DEVICES"), "value": ",".join(transfer.get("devices") or [])},
+        # Mooncake and the bootstrap server bind to and advertise this address: the pod's own.
+        {"name": env_var("TRANSFER_HOST"), **field("status.podIP")},
     ]
     if spec.get("peersConfigMap"):
         env.append({"name": env_var("PEERS_FILE"), "value": f"{PEERS_MOUNT}/{PEERS_FILE}"})
     if spec.get("controlSecret"):
-        env.append({"name": env_var("CONTROL_KEY"), "valueFrom": {"secretKeyRef": {
+        # The engine's --transfer-control-key: HMAC on transfer control messages, bootstrap auth.
+        env.append({"name": env_var("TRANSFER_CONTROL_KEY"), "valueFrom": {"secretKeyRef": {
             "name": spec["controlSecret"], "key": CONTROL_KEY}}})
     if spec.get("speculative") and role in ("decode", "drafter"):
         env.append({"name": env_var("NUM_DRAFT_TOKENS"),

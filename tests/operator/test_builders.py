@@ -102,7 +102,7 @@ def test_decode_pods_get_no_bootstrap_flag_but_know_the_bootstrap_port() -> None
     assert env["SPLITSERVE_TRANSFER_PROTOCOL"] == "rdma"
     assert env["SPLITSERVE_TRANSFER_DEVICES"] == "mlx5_0"
     assert env["SPLITSERVE_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-    assert env["SPLITSERVE_CONTROL_KEY"] == {"secretKeyRef": {"name": "g-control", "key": "key"}}
+    assert env["SPLITSERVE_TRANSFER_CONTROL_KEY"] == {"secretKeyRef": {"name": "g-control", "key": "key"}}
     assert env["SPLITSERVE_PEERS_FILE"] == "/etc/splitserve/peers/peers.json"
 
 
@@ -325,3 +325,27 @@ def test_group_status_is_ready_only_when_every_role_and_the_router_are() -> None
     invalid = group_status(g, rev, roles, router, 1, "", ["bad thing"], None, "now")
     degraded = next(c for c in invalid["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"], degraded["message"]) == ("True", "InvalidSpec", "bad thing")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engine_pods_speak_the_engines_own_flags_and_env_vars(role: str) -> None:
+    """The contract between operator and engine: the pod's command parses with `splitserve serve`'s
+    parser, and every engine setting the operator passes by env var is a real config field."""
+    import dataclasses
+
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.entrypoint import build_parser
+    from splitserve.transfer.config import TransferConfig
+
+    sts = build_statefulset(role_body(group(), role), IMAGE)
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:2] == ["splitserve", "serve"]
+    args = build_parser().parse_args(container["command"][2:])
+    assert args.role == role and args.host == "0.0.0.0"
+    fields = {f"SPLITSERVE_{f.name.upper()}" for cls in (EngineConfig, TransferConfig) for f in dataclasses.fields(cls)}
+    engine_settings = {"SPLITSERVE_SERVED_MODEL_NAME", "SPLITSERVE_BOOTSTRAP_PORT", "SPLITSERVE_TRANSFER_PROTOCOL",
+                       "SPLITSERVE_TRANSFER_DEVICES", "SPLITSERVE_TRANSFER_HOST", "SPLITSERVE_TRANSFER_CONTROL_KEY"}
+    env = env_of(container)
+    assert engine_settings <= set(env) | {"SPLITSERVE_SERVED_MODEL_NAME", "SPLITSERVE_TRANSFER_DEVICES"}
+    assert engine_settings <= fields
+    assert env["SPLITSERVE_TRANSFER_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}

@@ -98,7 +98,9 @@ def test_example_applies_and_every_child_is_owned_and_configured(cluster: Any, o
         assert env["SPLITSERVE_GROUP"] == group_name
         assert env["SPLITSERVE_ROLE"] == role
         assert env["SPLITSERVE_BOOTSTRAP_PORT"] == "8998"
-        assert env["SPLITSERVE_CONTROL_KEY"] == {"secretKeyRef": {"name": f"{group_name}-control", "key": "key"}}
+        assert env["SPLITSERVE_TRANSFER_CONTROL_KEY"] == {
+            "secretKeyRef": {"name": f"{group_name}-control", "key": "key"}}
+        assert env["SPLITSERVE_TRANSFER_HOST"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["SPLITSERVE_REPLICA_INDEX"]["fieldRef"]["fieldPath"] == \
             "metadata.labels['apps.kubernetes.io/pod-index']"
         assert sts["spec"]["template"]["metadata"]["labels"][LABEL_REVISION] == group["status"]["revision"]
