@@ -149,7 +149,8 @@ class ApiServer:
             "running": s.running, "waiting": s.waiting, "parked": s.parked, "requests": len(self.engine.requests),
             "kv_capacity": kv.capacity, "kv_free": kv.free, "kv_cached": kv.cached, "kv_locked": kv.locked,
             "kv_available": kv.available, "kv_used_by_requests": kv.used_by_requests,
-            "slots_in_use": kv.slots_in_use, "steps": self.engine.steps, "failure": self.engine.failure,
+            "slots_in_use": kv.slots_in_use, "steps": self.engine.steps,
+            "prefix_hit_tokens": self.engine.kv.prefix_cache.hit_tokens, "failure": self.engine.failure,
             "tp_worker_pids": self.engine.tp_supervisor.pids() if self.engine.tp_supervisor is not None else {},
         })
 

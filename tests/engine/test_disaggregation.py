@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 from engine_checkpoints import write
-from servers import ServerProcess, assert_kv_back_to_start, free_port, wait_http_ok
+from servers import ServerProcess, assert_kv_back_to_start, engine_state, free_port, wait_http_ok
 
 ENGINE_ARGS = ["--page-size", "4", "--max-total-tokens", "8192", "--max-running-requests", "16", "--device", "cpu"]
 # Fast failure detection for the tests; the defaults are for production.
@@ -144,10 +144,19 @@ def test_decode_side_prefix_reuse_sends_only_the_rest_and_matches(cluster) -> No
     second = [*prefix, 9, 8, 7, 6, 5]
     want = asyncio.run(generate_all(cluster["unified"], [first, second], 10))
     assert asyncio.run(generate_all(cluster["1p1d"], [first], 10)) == want[:1]
-    decode_metrics_before = httpx.get(f"{cluster['decode'][0]}/metrics").text
+    decode, prefill = cluster["decode"][0], cluster["prefill"][0]
+
+    def sent_bytes() -> float:
+        return _metric(httpx.get(f"{prefill}/metrics", timeout=5).text, "splitserve_transfer_bytes_total")
+
+    hits_before, bytes_before = engine_state(decode)["prefix_hit_tokens"], sent_bytes()
     assert asyncio.run(generate_all(cluster["1p1d"], [second], 10)) == want[1:]
-    hit = _metric(httpx.get(f"{cluster['decode'][0]}/metrics").text, "splitserve_prefix_cache_hit_rate")
-    assert hit > _metric(decode_metrics_before, "splitserve_prefix_cache_hit_rate") or hit > 0
+    # Decode held the 24-token prefix (6 pages of 4) from the first request ...
+    assert engine_state(decode)["prefix_hit_tokens"] - hits_before == 24
+    # ... so only the last 5 tokens' KV travelled: 2 pages of the 8 the prompt spans (+ the aux).
+    layers, kv_heads, head_dim, page = 3, 2, 16, 4
+    page_bytes = 2 * layers * page * kv_heads * head_dim * 4  # k and v, float32
+    assert sent_bytes() - bytes_before < 3 * page_bytes
 
 
 def _metric(text: str, name: str) -> float:
