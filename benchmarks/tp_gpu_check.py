@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 
 import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.engine.request import Request
+from splitserve.engine.offline import generate_tokens
 from splitserve.engine.sampling_params import SamplingParams
 
 
@@ -21,26 +20,10 @@ def greedy(tp: int, prompts: list[list[int]]) -> list[list[int]]:
     engine = Engine(EngineConfig(model="tiny", device="cuda:0", dtype="float32", tp_size=tp, page_size=4,
                                  max_total_tokens=8192, max_running_requests=8))
     engine.start()
-    outs: dict[str, list[int]] = {}
-    finished: set[str] = set()
-    done = threading.Event()
-
-    def collect(out) -> None:
-        outs.setdefault(out.request_id, []).extend(out.token_ids)
-        if out.finish_reason is not None:
-            finished.add(out.request_id)
-            if len(finished) == len(prompts):
-                done.set()
-
     try:
-        for i, p in enumerate(prompts):
-            engine.submit(Request(str(i), p, SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True),
-                                  collect))
-        if not done.wait(300):
-            raise TimeoutError("TP engine did not finish")
+        return generate_tokens(engine, prompts, SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True))
     finally:
         engine.stop()
-    return [outs[str(i)] for i in range(len(prompts))]
 
 
 def main() -> int:

@@ -119,6 +119,11 @@ class Engine:
             eos.add(tok_eos)
         self.eos_token_ids = frozenset(eos)
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt this engine can run: one output token must fit in the context and the KV cache."""
+        return min(self.context_length, self.kv.allocator.capacity * self.kv.page_size) - 1
+
     # ---- called from any thread -------------------------------------------------------------
 
     def start(self) -> None:
@@ -168,6 +173,8 @@ class Engine:
             self._drain_inbox()
             self.role.poll()
             plan = self.scheduler.schedule()
+            for req in plan.cache_full:
+                self.finish(req, FinishReason.LENGTH)
             launched = self._launch(plan.chunks) if plan else None
             # Overlap: the step just launched runs on the GPU while the previous one's tokens are
             # processed here (stops, detokenization, outputs).
@@ -212,9 +219,16 @@ class Engine:
         if self.failure is not None:
             self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR, error=self.failure))
             return
+        error = None
         if req.request_id in self.requests:
-            self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR,
-                                        error=f"duplicate request id {req.request_id!r}"))
+            error = f"duplicate request id {req.request_id!r}"
+        elif not req.prompt_ids or len(req.prompt_ids) > self.max_prompt_tokens:
+            # Never queue what can never run: it would wait for pages forever.
+            error = (f"request {req.request_id}: a prompt of {len(req.prompt_ids)} tokens does not fit; this engine "
+                     f"takes 1 to {self.max_prompt_tokens} (context {self.context_length}, KV cache "
+                     f"{self.kv.allocator.capacity * self.kv.page_size} tokens)")
+        if error is not None:
+            self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR, error=error))
             return
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         self.requests[req.request_id] = req

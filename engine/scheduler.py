@@ -36,6 +36,7 @@ class StepPlan:
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    cache_full: list[Request] = field(default_factory=list)  # cannot grow even alone: to be ended
 
     @property
     def num_tokens(self) -> int:
@@ -95,12 +96,15 @@ class Scheduler:
             while not self.kv.grow(req, req.kv_len + 1):
                 victim = self._newest_running(exclude=req)
                 if victim is None:
-                    raise RuntimeError(
-                        f"request {req.request_id} cannot get one KV page even alone; "
-                        f"the pool is too small for its {req.kv_len + 1} tokens"
-                    )
+                    break
                 self._preempt(victim, plan)
-            plan.chunks.append(ScheduledChunk(req, req.kv_len, 1, sample=True))
+            else:
+                plan.chunks.append(ScheduledChunk(req, req.kv_len, 1, sample=True))
+                continue
+            # Alone and still no page: the whole cache is this request's. It ends here (length).
+            logger.warning("request %s fills the KV cache (%d tokens); ending it", req.request_id, req.kv_len)
+            self.running.remove(req)
+            plan.cache_full.append(req)
 
         # 2. Prompts in progress continue.
         for req in self.running:

@@ -167,9 +167,10 @@ class ApiServer:
         ids = self.tokenizer.encode(prompt, add_special) if isinstance(prompt, str) else prompt
         if not ids:
             raise ApiError("the prompt encodes to no tokens", "prompt")
-        if len(ids) >= self.context_length:
-            raise ApiError(f"the prompt has {len(ids)} tokens; this model's context is {self.context_length} "
-                           "(prompt and at least one output token must fit)", "prompt",
+        if len(ids) > self.engine.max_prompt_tokens:
+            raise ApiError(f"the prompt has {len(ids)} tokens; this engine takes at most "
+                           f"{self.engine.max_prompt_tokens} (context {self.context_length}; the prompt and one "
+                           "output token must fit in the context and in the KV cache)", "prompt",
                            code="context_length_exceeded")
         return ids
 

@@ -5,8 +5,6 @@ Runs only where CUDA is (the lent H200s); CI has no GPU and skips it.
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from engine_checkpoints import write
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.layers.attention import decode_attention_reference
-from splitserve.engine.request import Request
+from splitserve.engine.offline import generate_tokens
 from splitserve.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -98,27 +96,12 @@ def greedy_tokens(folder: Path, prompts: list[list[int]], **cfg) -> list[list[in
     engine = Engine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=4,
                                  max_total_tokens=8192, max_running_requests=16, **cfg))
     engine.start()
-    outs: dict[str, list[int]] = {}
-    finished: set[str] = set()
-    done = threading.Event()
-
-    def collect(out) -> None:
-        outs.setdefault(out.request_id, []).extend(out.token_ids)
-        if out.finish_reason is not None:
-            finished.add(out.request_id)
-            if len(finished) == len(prompts):
-                done.set()
-
     try:
-        for i, p in enumerate(prompts):
-            engine.submit(Request(str(i), list(p), SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
-                                  collect))
-            if i % 2:  # later arrivals join while others decode: mixed steps with tokens still in flight
-                time.sleep(0.03)
-        assert done.wait(120)
+        # Later arrivals join while others decode: mixed steps with tokens still in flight.
+        return generate_tokens(engine, prompts, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
+                               timeout=120, stagger_s=0.015)
     finally:
         engine.stop()
-    return [outs[str(i)] for i in range(len(prompts))]
 
 
 def test_cuda_graphs_and_overlap_change_no_greedy_token(tmp_path: Path) -> None:

@@ -1,0 +1,41 @@
+"""Run prompts through an engine from plain Python, without HTTP (tests, checks, scripts)."""
+
+from __future__ import annotations
+
+import threading
+
+from splitserve.engine.engine import Engine
+from splitserve.engine.request import Request, TokenOutput
+from splitserve.engine.sampling_params import SamplingParams
+
+
+class GenerationFailed(RuntimeError):
+    """A request ended with an error instead of its tokens."""
+
+
+def generate_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams, timeout: float = 300.0,
+                    stagger_s: float = 0.0) -> list[list[int]]:
+    """Output token ids of every prompt, submitted together (or `stagger_s` apart) to a started engine."""
+    outs: dict[str, list[int]] = {}
+    errors: list[str] = []
+    finished: set[str] = set()
+    done = threading.Event()
+
+    def collect(out: TokenOutput) -> None:
+        outs.setdefault(out.request_id, []).extend(out.token_ids)
+        if out.finish_reason is not None:
+            if out.error:
+                errors.append(f"{out.request_id}: {out.error}")
+            finished.add(out.request_id)
+            if len(finished) == len(prompts):
+                done.set()
+
+    for i, prompt in enumerate(prompts):
+        engine.submit(Request(f"offline-{id(outs)}-{i}", list(prompt), params, collect))
+        if stagger_s:
+            done.wait(stagger_s)
+    if not done.wait(timeout):
+        raise TimeoutError(f"{len(prompts) - len(finished)} of {len(prompts)} requests unfinished after {timeout} s")
+    if errors:
+        raise GenerationFailed("; ".join(errors[:3]))
+    return [outs[f"offline-{id(outs)}-{i}"] for i in range(len(prompts))]

@@ -1,0 +1,63 @@
+"""Prompts through the engine without HTTP: batching and arrival order change no greedy token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.offline import GenerationFailed, generate_tokens
+from splitserve.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=4096,
+                                 max_running_requests=8, chunked_prefill_size=16))
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def test_staggered_arrivals_give_the_same_tokens_as_one_prompt_at_a_time(engine: Engine) -> None:
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (2, 9, 33, 5, 70)]
+    alone = [generate_tokens(engine, [p], GREEDY)[0] for p in prompts]
+    together = generate_tokens(engine, prompts, GREEDY, stagger_s=0.01)
+    assert together == alone
+    assert all(len(t) == 12 for t in together)
+
+
+def test_a_failed_request_raises_with_its_reason(engine: Engine) -> None:
+    bad = SamplingParams(max_new_tokens=4, temperature=0.0)
+    # 5000 tokens: over the context (4096) and over this engine's KV cache (4096 tokens).
+    with pytest.raises(GenerationFailed, match="a prompt of 5000 tokens does not fit; this engine takes 1 to 4095"):
+        generate_tokens(engine, [[1] * 5000], bad, timeout=30)
+    assert generate_tokens(engine, [[1] * 20], bad)  # and the engine keeps serving
+
+
+def test_a_prompt_larger_than_the_kv_cache_is_refused_not_queued_forever() -> None:
+    small = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=64, max_running_requests=2))
+    small.start()
+    try:
+        with pytest.raises(GenerationFailed, match="KV cache 64 tokens"):
+            generate_tokens(small, [[1] * 100], SamplingParams(max_new_tokens=2), timeout=30)
+        assert small.state().waiting == 0
+    finally:
+        small.stop()
+
+
+def test_a_request_that_fills_the_whole_kv_cache_ends_with_length_and_frees_it() -> None:
+    small = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=64, max_running_requests=2))
+    small.start()
+    try:
+        (tokens,) = generate_tokens(small, [[1] * 50], SamplingParams(max_new_tokens=100, temperature=0.0,
+                                                                       ignore_eos=True), timeout=30)
+        assert 10 <= len(tokens) < 100  # stopped when the 64-token cache was full, not at max_tokens
+        usage = small.state().kv
+        assert usage.free + usage.cached == usage.capacity and usage.locked == 0
+    finally:
+        small.stop()
