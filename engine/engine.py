@@ -7,6 +7,7 @@ cache and the scheduler are only ever touched by the loop thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -104,6 +105,8 @@ class Engine:
         self.role: Role = role or UnifiedRole()
         self.requests: dict[str, Request] = {}
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._closing = threading.Lock()
+        self._inbox_closed = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -142,8 +145,13 @@ class Engine:
             self.tp_supervisor.stop(graceful=self._thread is None or not self._thread.is_alive())
 
     def submit(self, req: Request) -> None:
-        self._inbox.put(("add", req))
-        self._wake.set()
+        with self._closing:  # the loop closes the inbox under this lock when it dies: no request is lost
+            if not self._inbox_closed:
+                self._inbox.put(("add", req))
+                self._wake.set()
+                return
+        self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR,
+                                    error=self.failure or "the engine is not running"))
 
     def abort(self, request_id: str, reason: str = "aborted by the client") -> None:
         self._inbox.put(("abort", (request_id, reason)))
@@ -165,6 +173,34 @@ class Engine:
 
     def _loop(self) -> None:
         logger.info("engine loop started (role %s)", self.role.name)
+        try:
+            self._run_loop()
+        except Exception as exc:  # a bug in the loop itself: no request may hang on it
+            logger.exception("engine loop crashed")
+            self._inflight = None
+            self.failure = f"engine loop crashed: {exc!r}"
+            self._close_inbox()
+            with contextlib.suppress(Exception):
+                self._fail_engine(self.failure)
+            return  # logged above; /health now reports the failure
+        self._close_inbox()
+        logger.info("engine loop stopped")
+
+    def _close_inbox(self) -> None:
+        """No more requests will be taken: those still in the inbox are answered with an error."""
+        with self._closing:
+            self._inbox_closed = True
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                req: Request = item  # type: ignore[assignment]
+                self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR,
+                                            error=self.failure or "the engine stopped"))
+
+    def _run_loop(self) -> None:
         while not self._stop.is_set():
             if self.tp_supervisor is not None and self.failure is None:
                 lost = self.tp_supervisor.check()
@@ -197,7 +233,6 @@ class Engine:
             self._inflight = None
         for req in list(self.requests.values()):
             self.finish(req, FinishReason.ABORT, "server shutting down")
-        logger.info("engine loop stopped")
 
     def _drain_inbox(self) -> None:
         while True:

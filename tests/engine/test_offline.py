@@ -61,3 +61,20 @@ def test_a_request_that_fills_the_whole_kv_cache_ends_with_length_and_frees_it()
         assert usage.free + usage.cached == usage.capacity and usage.locked == 0
     finally:
         small.stop()
+
+
+def test_a_crash_in_the_loop_fails_every_request_and_refuses_new_ones() -> None:
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=256, max_running_requests=2))
+    engine.start()
+    try:
+        def broken_schedule():
+            raise RuntimeError("scheduler bug")
+
+        engine.call_soon(lambda: setattr(engine.scheduler, "schedule", broken_schedule))
+        with pytest.raises(GenerationFailed, match="engine loop crashed: RuntimeError\\('scheduler bug'\\)"):
+            generate_tokens(engine, [[1, 2, 3]], GREEDY, timeout=10)
+        assert not engine.alive and engine.failure
+        with pytest.raises(GenerationFailed, match="engine loop crashed"):
+            generate_tokens(engine, [[4, 5]], GREEDY, timeout=10)
+    finally:
+        engine.stop()
