@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,11 +190,7 @@ class Engine:
         """No more requests will be taken: those still in the inbox are answered with an error."""
         with self._closing:
             self._inbox_closed = True
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for kind, item in self._take_inbox():
             if kind == "add":
                 req: Request = item  # type: ignore[assignment]
                 self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR,
@@ -234,12 +230,16 @@ class Engine:
         for req in list(self.requests.values()):
             self.finish(req, FinishReason.ABORT, "server shutting down")
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self) -> Iterator[tuple[str, object]]:
+        """What callers handed over since the last look, without waiting."""
         while True:
             try:
-                kind, item = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for kind, item in self._take_inbox():
             if kind == "add":
                 self._admit(item)  # type: ignore[arg-type]
             elif kind == "abort":
