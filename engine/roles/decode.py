@@ -30,6 +30,7 @@ class DecodeRole(Role):
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
         self.pending: deque[Request] = deque()  # waiting for a slot and pages
+        self.quarantine: deque[tuple[float, list[int]]] = deque()  # (free after, pages) of aborted transfers
         self.receiving: dict[str, Request] = {}
 
     def attach(self, engine: Engine) -> None:
@@ -65,6 +66,7 @@ class DecodeRole(Role):
             self.receiving[req.request_id] = req
 
     def poll(self) -> None:
+        self._release_quarantine()
         self._admit_pending()
         rids = list(self.receiving)
         states = self.endpoint.agree(rids, [self.receiving[rid].role_state for rid in rids])
@@ -86,7 +88,9 @@ class DecodeRole(Role):
                 self.engine.finish(req, FinishReason.ERROR, f"KV transfer from prefill failed: {exc}")
 
     def idle_poll_interval(self) -> float | None:
-        return 0.002 if self.receiving or self.pending else None
+        if self.receiving or self.pending:
+            return 0.002
+        return 0.05 if self.quarantine else None
 
     def on_finish(self, req: Request) -> None:
         self.receiving.pop(req.request_id, None)
@@ -98,10 +102,27 @@ class DecodeRole(Role):
                                              bootstrap_addr=req.bootstrap_addr)
         receiver = req.role_state  # a KVReceiver, or its ReplicatedRoom on a tensor-parallel engine
         if receiver is not None:
-            if receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
+            state = receiver.poll()
+            if state not in (KVPoll.Success, KVPoll.Failed):
                 receiver.abort("decode request ended before its KV arrived")
+            if state in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                self._quarantine_own_pages(req)
             receiver.clear()
             req.role_state = None
+
+    def _quarantine_own_pages(self, req: Request) -> None:
+        """The prefill may still be writing into this request's pages (a chunk already in flight
+        when the abort reached it): keep them out of the allocator for a while rather than hand
+        them to another request whose KV that late write would corrupt."""
+        shared = req.kv_len // self.engine.kv.page_size  # the decode's own prefix-cache pages: never written
+        own, req.pages = req.pages[shared:], req.pages[:shared]
+        if own:
+            self.quarantine.append((time.monotonic() + self.config.heartbeat_timeout_s, own))
+
+    def _release_quarantine(self) -> None:
+        now = time.monotonic()
+        while self.quarantine and self.quarantine[0][0] <= now:
+            self.engine.kv.allocator.free(self.quarantine.popleft()[1])
 
     def close(self) -> None:
         self.endpoint.close()

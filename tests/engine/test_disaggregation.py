@@ -288,3 +288,23 @@ def test_client_gone_from_a_non_streamed_router_request_aborts_it_on_the_engines
     assert_kv_back_to_start(cluster["prefill"][0], timeout=10)
     assert_kv_back_to_start(decode, timeout=10)
     assert aborted() == before + 1, "decode finished the request instead of aborting it"
+
+
+def test_pages_of_a_transfer_aborted_mid_way_are_held_back_briefly_then_freed(cluster) -> None:
+    """After metadata went out, the prefill may still write into those pages: decode keeps them
+    out of the allocator for the heartbeat timeout (1 s here) instead of reusing them at once."""
+    decode, prefill = cluster["decode"][1], cluster["prefill"][1]
+    info = httpx.get(f"{prefill}/health", timeout=5).json()
+    body = {"model": "m", "prompt": list(range(60)), "max_tokens": 4, "bootstrap_room": 99991,
+            "bootstrap_host": info["bootstrap_host"], "bootstrap_port": info["bootstrap_port"]}
+    with pytest.raises(httpx.ReadTimeout):  # no prefill request for this room: decode waits for KV
+        httpx.post(f"{decode}/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 5
+    while engine_state(decode)["requests"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    held = engine_state(decode)["kv_used_by_requests"]
+    assert held >= 15  # the 60-token prompt's own pages (page size 4), quarantined
+    started = time.monotonic()
+    assert_kv_back_to_start(decode, timeout=5)
+    assert time.monotonic() - started < 3
