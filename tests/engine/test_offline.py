@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -11,6 +13,17 @@ from splitserve.engine.offline import GenerationFailed, generate_tokens
 from splitserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def assert_all_pages_back(engine: Engine, timeout: float = 5.0) -> None:
+    """The engine's snapshot is taken once per loop turn, after the outputs: wait for the next one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        usage = engine.state().kv
+        if usage.free + usage.cached == usage.capacity and usage.locked == 0 and usage.slots_in_use == 0:
+            return
+        assert time.monotonic() < deadline, f"pages not back: {usage}"
+        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +70,7 @@ def test_a_request_that_fills_the_whole_kv_cache_ends_with_length_and_frees_it()
         (tokens,) = generate_tokens(small, [[1] * 50], SamplingParams(max_new_tokens=100, temperature=0.0,
                                                                        ignore_eos=True), timeout=30)
         assert 10 <= len(tokens) < 100  # stopped when the 64-token cache was full, not at max_tokens
-        usage = small.state().kv
-        assert usage.free + usage.cached == usage.capacity and usage.locked == 0
+        assert_all_pages_back(small)
     finally:
         small.stop()
 
