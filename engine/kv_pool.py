@@ -61,7 +61,3 @@ class KVPool:
 
     def v_cache(self, layer: int) -> torch.Tensor:
         return self._v[layer]
-
-    def page_view(self, layer: int, kv: int) -> torch.Tensor:
-        """[pages, page_size, heads, dim] view of one layer's keys (kv=0) or values (kv=1)."""
-        return self.buffer[layer, kv]

@@ -44,16 +44,6 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:
-    """Joins the process group (NCCL for CUDA, gloo otherwise) and returns this rank's view."""
-    if size == 1:
-        return SINGLE
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size)
-    return TensorParallel(rank=rank, size=size)
-
-
 class TensorParallelSizeError(ValueError):
     """The model cannot be split over the asked-for number of tensor-parallel ranks."""
 

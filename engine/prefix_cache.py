@@ -56,10 +56,6 @@ class PrefixCache:
         self.queried_tokens = 0
         self.hit_tokens = 0
 
-    @property
-    def evictable_pages(self) -> int:
-        return self.cached_pages - self.locked_pages
-
     def _chunks(self, tokens: Sequence[int], max_pages: int) -> list[tuple[int, ...]]:
         n = min(len(tokens) // self.page_size, max_pages)
         return [tuple(tokens[i * self.page_size:(i + 1) * self.page_size]) for i in range(n)]

@@ -17,7 +17,7 @@ class Role:
     name = "unified"
 
     def attach(self, engine: Engine) -> None:
-        """Called once, on the loop's thread start, before any request."""
+        """Called once by Engine.start, before the loop thread runs and before any request."""
         self.engine = engine
 
     def on_arrival(self, req: Request) -> bool:

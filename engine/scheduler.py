@@ -78,10 +78,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62

@@ -33,8 +33,6 @@ class TextTokenizer:
             named = {t["name"]: t["template"] for t in self.chat_template}
             self.chat_template = named.get("default", next(iter(named.values()), None))
         self._template: jinja2.Template | None = None
-        self.special_ids = {self.tokenizer.token_to_id(t.content)
-                            for t in self.tokenizer.get_added_tokens_decoder().values() if t.special}
 
     @property
     def vocab_size(self) -> int:
