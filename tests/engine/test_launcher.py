@@ -1,0 +1,72 @@
+"""`splitserve up`: the README's main command starts a whole deployment and stops it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from servers import REPO, free_port, splitserve_env
+
+pytestmark = pytest.mark.slow
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of a process, from /proc (the engines and the router `up` started)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+@pytest.mark.parametrize("shape", [["--prefill", "1", "--decode", "1"], ["--unified", "2"]])
+def test_up_serves_then_stops_every_process_on_sigterm(shape: list[str], tmp_path) -> None:
+    port = free_port()
+    log = (tmp_path / "up.log").open("w+")
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", "cpu",
+                             *shape], stdout=subprocess.PIPE, stderr=log, text=True, env=splitserve_env(),
+                            cwd=REPO.parent)
+    try:
+        line = proc.stdout.readline()  # the one line `up` prints once everything is ready
+        assert line.strip() == f"endpoint: http://127.0.0.1:{port}/v1", (line, log.seek(0) or log.read()[-3000:])
+        children = children_of(proc.pid)
+        assert len(children) == 3  # two engines and the router
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{c}") and not _is_zombie(c) for c in children):
+            assert time.monotonic() < deadline, "a child of `up` outlived it"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_up_refuses_a_shape_with_no_decode() -> None:
+    r = subprocess.run([sys.executable, "-P", "-m", "splitserve", "up", "--prefill", "1", "--decode", "0"],
+                       capture_output=True, text=True, env=splitserve_env(), cwd=REPO.parent, timeout=60)
+    assert r.returncode == 2
+    assert "need at least one prefill and one decode engine, got 1P0D" in r.stderr
