@@ -286,7 +286,6 @@ class Engine:
         self.steps += 1
         for c in chunks:
             c.request.kv_len += c.length
-            self.role.on_chunk_done(c.request)
         # A request's slot is its identity in the step: one preempted meanwhile gets its token discarded.
         return LaunchedStep(chunks, [c.request.slot for c in chunks], pending)
 
@@ -298,6 +297,10 @@ class Engine:
             return
         live = {id(c.request) for c, slot in zip(step.chunks, step.slots, strict=True)
                 if c.request.slot == slot and c.request.status is RequestStatus.RUNNING}
+        # Only now is the step's KV written on the device (a transfer may read it).
+        for c in step.chunks:
+            if id(c.request) in live:
+                self.role.on_chunk_done(c.request, c.start + c.length)
         self._process_samples(out, live)
 
     def _step_failed(self, chunks, exc: Exception) -> None:

@@ -192,15 +192,20 @@ class ModelRunner:
         logits = self.forward(batch)
         sampled = [c for c in chunks if c.sample]
         if not sampled:
-            return PendingStep([], None, None, None)
+            return PendingStep([], None, None, None, self._record_done())
         out = self.sample(logits, sampled)
         self.next_tokens[self._to_device([c.request.slot for c in sampled])] = out.tokens
         tokens = self._to_host(out.tokens)
         logprobs = self._to_host(out.logprobs) if out.logprobs is not None else None
-        done = torch.cuda.Event() if self.device.type == "cuda" else None
-        if done is not None:
-            done.record()
-        return PendingStep(sampled, tokens, logprobs, out.top_logprobs, done)
+        return PendingStep(sampled, tokens, logprobs, out.top_logprobs, self._record_done())
+
+    def _record_done(self) -> torch.cuda.Event | None:
+        """An event that completes with the work queued so far (None on CPU, where work is done)."""
+        if self.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         return to_device(values, torch.int64, self.device)

@@ -27,8 +27,9 @@ class Role:
     def poll(self) -> None:
         """Called every loop iteration: advance transfers, move parked requests on."""
 
-    def on_chunk_done(self, req: Request) -> None:
-        """A chunk of the request's tokens ran: its KV up to `req.kv_len` is in its pages."""
+    def on_chunk_done(self, req: Request, computed_len: int) -> None:
+        """A chunk of the request's tokens ran and its KV for positions < `computed_len` is in its
+        pages, on the device too (a later step may already be queued: `req.kv_len` can be ahead)."""
 
     def on_token(self, req: Request, finish: FinishReason | None) -> bool:
         """A token was appended (`finish` says if it ends the request); True takes the request over."""

@@ -68,12 +68,12 @@ class PrefillRole(Role):
             state.sender.init(self.engine.kv.pages_for(len(req.prompt_ids)), req.slot)
             state.initialised = True
 
-    def on_chunk_done(self, req: Request) -> None:
+    def on_chunk_done(self, req: Request, computed_len: int) -> None:
         state: PrefillState = req.role_state
         self._ensure_init(req, state)
         # Only whole pages may go before the last chunk; the partial tail goes with the aux data.
-        full = min(req.kv_len, len(req.prompt_ids)) // self.engine.kv.page_size
-        if full > state.pages_sent and req.kv_len < len(req.prompt_ids):
+        full = min(computed_len, len(req.prompt_ids)) // self.engine.kv.page_size
+        if full > state.pages_sent and computed_len < len(req.prompt_ids):
             state.sender.send(req.pages[state.pages_sent:full], last_chunk=False)
             state.pages_sent = full
 
