@@ -40,8 +40,11 @@ torch.cuda.synchronize(); print(f"gpu0->gpu1 copy: {10 * (1 << 30) / (time.perf_
 PY
 folder=/tmp/llama-3.1-8b-shape
 python3 -P -c "from pathlib import Path; from splitserve.engine.model_shapes import write_shape_folder; write_shape_folder('llama-3.1-8b', Path('$folder'))"
-python3 -P -m splitserve bench --profile pd --model "$folder" --device cuda --unified-replicas 2 \
+# Each phase has its own deadline and writes its whole log under $out: a call cut short by the
+# device's time limit still brings back how far it got (an earlier run lost everything to `| tail`).
+timeout 420 python3 -P -m splitserve bench --profile pd --model "$folder" --device cuda --unified-replicas 2 \
     --engine-args "--load-format dummy --max-total-tokens 300000 --max-running-requests 64 --cuda-graph-max-batch 64" \
     --input-len 4096 --output-len 256 --num-requests 32 --concurrency-levels 4 16 \
-    --output "$out/pd_vs_unified_llama-3.1-8b_h200x2.json" 2>&1 | grep -v "^[IWE]1[0-9][0-9][0-9] \|INFO" | tail -30
-python3 -P benchmarks/tp_gpu_check.py 2>&1 | tail -3 | tee "$out/tp_gpu_check.txt"
+    --output "$out/pd_vs_unified_llama-3.1-8b_h200x2.json" > "$out/pd_run.log" 2>&1
+grep -v "^[IWE]1[0-9][0-9][0-9] " "$out/pd_run.log" | tail -30
+timeout 240 python3 -P benchmarks/tp_gpu_check.py > "$out/tp_gpu_check.txt" 2>&1; tail -3 "$out/tp_gpu_check.txt"
