@@ -120,13 +120,14 @@ def pod_url(group: str, role: str, index: int, namespace: str, port: int = DEFAU
 
 
 def router_command(group: str, namespace: str, replicas: Mapping[str, int], port: int) -> list[str]:
-    """``splitserve router --prefill URL... --decode URL... --port P``."""
+    """``splitserve router --prefill URL... --decode URL... --host 0.0.0.0 --port P``."""
     command = ["splitserve", "router"]
     for role in ("prefill", "decode"):
         urls = [pod_url(group, role, i, namespace) for i in range(replicas.get(role, 0))]
         if urls:
             command += [f"--{role}", *urls]
-    return [*command, "--port", str(port)]
+    # All interfaces: the router is reached through its Service, not from inside its own pod.
+    return [*command, "--host", "0.0.0.0", "--port", str(port)]
 
 
 def router_port(spec: Mapping[str, Any]) -> int:

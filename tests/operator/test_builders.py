@@ -189,10 +189,24 @@ def test_router_gets_one_url_per_prefill_and_decode_pod() -> None:
     cmd = router_command("g", "ns", {"prefill": 2, "decode": 1}, 8000)
     assert cmd == ["splitserve", "router",
                    "--prefill", "http://g-prefill-0.g-prefill.ns.svc:8000", "http://g-prefill-1.g-prefill.ns.svc:8000",
-                   "--decode", "http://g-decode-0.g-decode.ns.svc:8000", "--port", "8000"]
+                   "--decode", "http://g-decode-0.g-decode.ns.svc:8000", "--host", "0.0.0.0", "--port", "8000"]
     deployment = build_router_deployment(group(), {"prefill": 2, "decode": 1}, IMAGE)
     assert deployment["metadata"]["name"] == "g-router"
     assert deployment["spec"]["template"]["spec"]["containers"][0]["command"] == cmd
+
+
+def test_router_command_parses_with_the_routers_own_flags() -> None:
+    import argparse
+
+    from splitserve.config_flags import add_config_flags, config_from_args
+    from splitserve.engine.router import RouterConfig
+
+    cmd = router_command("g", "ns", {"prefill": 2, "decode": 3}, 8100)
+    assert cmd[:2] == ["splitserve", "router"]
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, RouterConfig, "SPLITSERVE_ROUTER")
+    cfg = config_from_args(RouterConfig, parser.parse_args(cmd[2:]), "SPLITSERVE_ROUTER", environ={})
+    assert (cfg.host, cfg.port, len(cfg.prefill), len(cfg.decode)) == ("0.0.0.0", 8100, 2, 3)
 
 
 def test_peers_configmap_lists_every_pod_with_its_bootstrap_port() -> None:
