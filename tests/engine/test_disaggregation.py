@@ -308,3 +308,13 @@ def test_pages_of_a_transfer_aborted_mid_way_are_held_back_briefly_then_freed(cl
     started = time.monotonic()
     assert_kv_back_to_start(decode, timeout=5)
     assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_requests_that_end_at_their_first_tokens_match_unified(cluster, max_tokens: int) -> None:
+    """The first token is sampled on prefill and travels in the aux data: a request that ends with
+    it (or right after) still completes on decode, with pages back on both sides."""
+    prompts = prompts_of_mixed_lengths(11)[:4]
+    want = asyncio.run(generate_all(cluster["unified"], prompts, max_tokens))
+    got = asyncio.run(generate_all(cluster["1p1d"], prompts, max_tokens))
+    assert got == want and all(len(t) == max_tokens for t in got)
