@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 from .control_messages import AbortRoom, KVMetadata, TransferStatus
 from .errors import (
-    KVAbortedError,
     KVMetadataError,
     KVPeerFailedError,
     KVTransferError,
@@ -24,13 +23,14 @@ from .errors import (
 from .kv_contract import BaseKVReceiver
 from .kv_layout import HeadSource, KVLayout, decode_ranks_per_prefill_rank, head_sources
 from .kv_manager import MooncakeKVManager
+from .mooncake_room import MooncakeRoom
 from .poll_state import KVPoll
 from .room_status import RoomStatus
 
 log = logging.getLogger(__name__)
 
 
-class MooncakeKVReceiver(BaseKVReceiver):
+class MooncakeKVReceiver(MooncakeRoom, BaseKVReceiver):
     """Decode side of room ``room`` of the prefill replica at ``bootstrap_addr`` (``host:port``)."""
 
     def __init__(self, mgr: MooncakeKVManager, bootstrap_addr: str, room: int) -> None:
@@ -78,31 +78,6 @@ class MooncakeKVReceiver(BaseKVReceiver):
             self._metadata = (pages, aux_index, decode_prefix_len)
             if self._prefill is not None and not self.status.final:
                 self._send_metadata_locked(time.monotonic())
-
-    def poll(self) -> KVPoll:
-        with self.mgr.lock:
-            error = self.status.expired(time.monotonic())
-            if error is not None:
-                self.fail_locked(error, notify=True)
-            return self.status.state
-
-    def failure_exception(self) -> KVTransferError | None:
-        return self.status.error
-
-    def abort(self, reason: str = "") -> None:
-        with self.mgr.lock:
-            self.fail_locked(KVAbortedError(self.room, "local", reason), notify=True)
-
-    def clear(self) -> None:
-        with self.mgr.lock:
-            if not self.status.final:
-                self.fail_locked(KVAbortedError(self.room, "local", "cleared before it finished"), notify=True)
-        self.mgr.remove_room(self)
-
-    @property
-    def state_history(self) -> tuple[KVPoll, ...]:
-        """Every state the room went through, in order (for tests and debugging)."""
-        return tuple(self.status.history)
 
     # ------------------------------------------------------ manager callbacks
 

@@ -33,6 +33,7 @@ from .errors import (
 from .kv_contract import BaseKVSender
 from .kv_layout import KVLayout
 from .kv_manager import MooncakeKVManager, TransferJob
+from .mooncake_room import MooncakeRoom
 from .poll_state import KVPoll
 from .room_status import RoomStatus
 from .transfer_plan import Segments, aux_segment, concat, page_segments
@@ -63,7 +64,7 @@ class Destination:
     announced: bool = field(default=False)
 
 
-class MooncakeKVSender(BaseKVSender):
+class MooncakeKVSender(MooncakeRoom, BaseKVSender):
     """Prefill side of room ``room``; ``bootstrap_addr`` is this prefill's bootstrap server."""
 
     def __init__(self, mgr: MooncakeKVManager, bootstrap_addr: str, room: int) -> None:
@@ -121,31 +122,6 @@ class MooncakeKVSender(BaseKVSender):
             self._pages_queued = total
             if self.status.state >= KVPoll.WaitingForInput:
                 self._dispatch(chunk, time.monotonic())
-
-    def poll(self) -> KVPoll:
-        with self.mgr.lock:
-            error = self.status.expired(time.monotonic())
-            if error is not None:
-                self.fail_locked(error, notify=True)
-            return self.status.state
-
-    def failure_exception(self) -> KVTransferError | None:
-        return self.status.error
-
-    def abort(self, reason: str = "") -> None:
-        with self.mgr.lock:
-            self.fail_locked(KVAbortedError(self.room, "local", reason), notify=True)
-
-    def clear(self) -> None:
-        with self.mgr.lock:
-            if not self.status.final:
-                self.fail_locked(KVAbortedError(self.room, "local", "cleared before it finished"), notify=True)
-        self.mgr.remove_room(self)
-
-    @property
-    def state_history(self) -> tuple[KVPoll, ...]:
-        """Every state the room went through, in order (for tests and debugging)."""
-        return tuple(self.status.history)
 
     # ------------------------------------------------------ manager callbacks
 

@@ -1,0 +1,49 @@
+"""What a sender and a receiver share: reading, failing and forgetting one room under the manager's lock."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from .errors import KVAbortedError, KVTransferError
+from .poll_state import KVPoll
+
+if TYPE_CHECKING:
+    from .kv_manager import MooncakeKVManager
+    from .room_status import RoomStatus
+
+
+class MooncakeRoom:
+    """One side of one room on the Mooncake backend; subclasses say how a failure is announced."""
+
+    mgr: MooncakeKVManager
+    room: int
+    status: RoomStatus
+
+    def fail_locked(self, error: KVTransferError, notify: bool) -> None:
+        raise NotImplementedError
+
+    def poll(self) -> KVPoll:
+        with self.mgr.lock:
+            error = self.status.expired(time.monotonic())
+            if error is not None:
+                self.fail_locked(error, notify=True)
+            return self.status.state
+
+    def failure_exception(self) -> KVTransferError | None:
+        return self.status.error
+
+    def abort(self, reason: str = "") -> None:
+        with self.mgr.lock:
+            self.fail_locked(KVAbortedError(self.room, "local", reason), notify=True)
+
+    def clear(self) -> None:
+        with self.mgr.lock:
+            if not self.status.final:
+                self.fail_locked(KVAbortedError(self.room, "local", "cleared before it finished"), notify=True)
+        self.mgr.remove_room(self)  # type: ignore[arg-type]
+
+    @property
+    def state_history(self) -> tuple[KVPoll, ...]:
+        """Every state the room went through, in order (for tests and debugging)."""
+        return tuple(self.status.history)
