@@ -84,3 +84,45 @@ def assert_kv_back_to_start(base_url: str, timeout: float = 10.0) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"KV resources not back to start at {base_url}: {s}")
         time.sleep(0.05)
+
+
+class LocalDeployment:
+    """Engines and routers of one test as `splitserve` processes, by URL, stopped together."""
+
+    def __init__(self, tmp: Path, checkpoint: Path, engine_args: list[str], transfer_args: list[str]) -> None:
+        self.tmp = tmp
+        self.checkpoint = checkpoint
+        self.engine_args = engine_args
+        self.transfer_args = transfer_args
+        self.procs: dict[str, ServerProcess] = {}
+
+    def engine(self, role: str, *extra: str) -> str:
+        """Starts `splitserve serve --role <role>` (later flags win over earlier ones); returns its URL."""
+        port = free_port()
+        args = ["serve", "--role", role, "--model", str(self.checkpoint), "--served-model-name", "m",
+                "--port", str(port), *self.engine_args]
+        if role in ("prefill", "decode"):
+            args += self.transfer_args
+        if role == "prefill":
+            args += ["--bootstrap-port", str(free_port()), "--chunked-prefill-size", "8"]
+        url = f"http://127.0.0.1:{port}"
+        self.procs[url] = ServerProcess([*args, *extra], self.tmp / f"{role}-{port}.log")
+        return url
+
+    def router(self, prefill: list[str], decode: list[str]) -> str:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        self.procs[url] = ServerProcess(["router", "--port", str(port), "--prefill", *prefill, "--decode", *decode],
+                                        self.tmp / f"router-{port}.log")
+        return url
+
+    def wait(self, urls: list[str], timeout: float = 180.0) -> None:
+        for url in urls:
+            wait_http_ok(f"{url}/health", self.procs[url].proc, timeout, self.procs[url].log)
+
+    def alive(self, url: str) -> bool:
+        return self.procs[url].proc.poll() is None
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.stop()

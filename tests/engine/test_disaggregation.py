@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 from engine_checkpoints import write
-from servers import ServerProcess, assert_kv_back_to_start, engine_state, free_port, wait_http_ok
+from servers import LocalDeployment, assert_kv_back_to_start, engine_state, free_port
 
 ENGINE_ARGS = ["--page-size", "4", "--max-total-tokens", "8192", "--max-running-requests", "16", "--device", "cpu"]
 # Fast failure detection for the tests; the defaults are for production.
@@ -23,45 +23,8 @@ TRANSFER_ARGS = ["--transfer-heartbeat-interval-s", "0.2", "--transfer-heartbeat
 pytestmark = pytest.mark.slow
 
 
-class Deployment:
-    """Engines and a router as processes; `urls` of every engine for leak checks."""
-
-    def __init__(self, tmp: Path, checkpoint: Path) -> None:
-        self.tmp = tmp
-        self.checkpoint = checkpoint
-        self.procs: list[ServerProcess] = []
-        self.engines: dict[str, ServerProcess] = {}
-
-    def engine(self, role: str, *extra: str) -> str:
-        port = free_port()
-        args = ["serve", "--role", role, "--model", str(self.checkpoint), "--served-model-name", "m",
-                "--port", str(port), *ENGINE_ARGS, *extra]
-        if role in ("prefill", "decode"):
-            args += TRANSFER_ARGS
-        if role == "prefill":
-            args += ["--bootstrap-port", str(free_port()), "--chunked-prefill-size", "8"]
-        proc = ServerProcess(args, self.tmp / f"{role}-{port}.log")
-        self.procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        self.engines[url] = proc
-        return url
-
-    def router(self, prefill: list[str], decode: list[str]) -> str:
-        port = free_port()
-        proc = ServerProcess(["router", "--port", str(port), "--prefill", *prefill, "--decode", *decode],
-                             self.tmp / f"router-{port}.log")
-        self.procs.append(proc)
-        return f"http://127.0.0.1:{port}"
-
-    def wait(self, urls: list[str]) -> None:
-        by_url = {**self.engines}
-        for url in urls:
-            proc = by_url.get(url)
-            wait_http_ok(f"{url}/health", proc.proc if proc else None, 120, proc.log if proc else None)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            p.stop()
+def new_deployment(tmp: Path, checkpoint: Path) -> LocalDeployment:
+    return LocalDeployment(tmp, checkpoint, ENGINE_ARGS, TRANSFER_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +35,7 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def cluster(checkpoint: Path, tmp_path_factory):
     """A unified reference and a 2P2D deployment (1P1D is a router over one of each)."""
-    d = Deployment(tmp_path_factory.mktemp("pd"), checkpoint)
+    d = new_deployment(tmp_path_factory.mktemp("pd"), checkpoint)
     try:
         unified = d.engine("unified")
         prefill = [d.engine("prefill"), d.engine("prefill")]
@@ -80,8 +43,7 @@ def cluster(checkpoint: Path, tmp_path_factory):
         d.wait([unified, *prefill, *decode])
         r11 = d.router(prefill[:1], decode[:1])
         r22 = d.router(prefill, decode)
-        for r in (r11, r22):
-            wait_http_ok(f"{r}/health", None, 60)
+        d.wait([r11, r22], timeout=60)
         yield {"deployment": d, "unified": unified, "prefill": prefill, "decode": decode, "1p1d": r11, "2p2d": r22}
     finally:
         d.stop()
@@ -91,7 +53,7 @@ def cluster(checkpoint: Path, tmp_path_factory):
 def pages_back_everywhere(cluster):
     yield
     for url in [cluster["unified"], *cluster["prefill"], *cluster["decode"]]:
-        if cluster["deployment"].engines[url].proc.poll() is None:
+        if cluster["deployment"].alive(url):
             assert_kv_back_to_start(url)
 
 
@@ -191,13 +153,13 @@ def test_unreachable_bootstrap_fails_the_decode_request_and_frees_its_pages(clus
 
 
 def test_prefill_killed_mid_request_is_retried_on_another_or_fails_fast(checkpoint: Path, tmp_path: Path) -> None:
-    d = Deployment(tmp_path, checkpoint)
+    d = new_deployment(tmp_path, checkpoint)
     try:
         doomed, spare = d.engine("prefill"), d.engine("prefill")
         decode = d.engine("decode")
         d.wait([doomed, spare, decode])
         router = d.router([doomed, spare], [decode])
-        wait_http_ok(f"{router}/health", None, 60)
+        d.wait([router], timeout=60)
         prompt = torch.randint(0, 256, (900,), generator=torch.Generator().manual_seed(9)).tolist()
         body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True}
@@ -206,7 +168,7 @@ def test_prefill_killed_mid_request_is_retried_on_another_or_fails_fast(checkpoi
             async with httpx.AsyncClient(timeout=120) as client:
                 calls = [asyncio.ensure_future(client.post(f"{router}/v1/completions", json=body)) for _ in range(4)]
                 await asyncio.sleep(0.3)  # the prompts are being prefilled (900 tokens in chunks of 8)
-                d.engines[doomed].kill()
+                d.procs[doomed].kill()
                 return list(await asyncio.gather(*calls))
 
         started = time.monotonic()
@@ -237,7 +199,7 @@ def test_request_dropped_while_waiting_for_decode_pages_releases_the_prefill_at_
     request itself and hide what decode does.)"""
     import threading
 
-    d = Deployment(tmp_path, checkpoint)
+    d = new_deployment(tmp_path, checkpoint)
     slow = ["--transfer-bootstrap-timeout-s", "60", "--transfer-waiting-timeout-s", "60"]
     try:
         prefill = d.engine("prefill", *slow)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 from engine_checkpoints import write
-from servers import ServerProcess, assert_kv_back_to_start, engine_state, free_port, wait_http_ok
+from servers import LocalDeployment, assert_kv_back_to_start, engine_state, wait_http_ok
 
 ENGINE_ARGS = ["--page-size", "4", "--max-total-tokens", "4096", "--max-running-requests", "8", "--device", "cpu"]
 TRANSFER_ARGS = ["--transfer-heartbeat-interval-s", "0.2", "--transfer-heartbeat-misses", "5",
@@ -23,40 +23,17 @@ TRANSFER_ARGS = ["--transfer-heartbeat-interval-s", "0.2", "--transfer-heartbeat
 pytestmark = pytest.mark.slow
 
 
-class Deployment:
-    """Engines and routers as processes, stopped together."""
+class Deployment(LocalDeployment):
+    """Engines of given tensor-parallel sizes and one-to-one routers."""
 
     def __init__(self, tmp: Path, checkpoint: Path) -> None:
-        self.tmp = tmp
-        self.checkpoint = checkpoint
-        self.procs: dict[str, ServerProcess] = {}
+        super().__init__(tmp, checkpoint, ENGINE_ARGS, TRANSFER_ARGS)
 
-    def engine(self, role: str, tp_size: int) -> str:
-        port = free_port()
-        args = ["serve", "--role", role, "--model", str(self.checkpoint), "--served-model-name", "m",
-                "--port", str(port), "--tp-size", str(tp_size), *ENGINE_ARGS]
-        if role in ("prefill", "decode"):
-            args += TRANSFER_ARGS
-        if role == "prefill":
-            args += ["--bootstrap-port", str(free_port()), "--chunked-prefill-size", "8"]
-        url = f"http://127.0.0.1:{port}"
-        self.procs[url] = ServerProcess(args, self.tmp / f"{role}-tp{tp_size}-{port}.log")
-        return url
+    def engine(self, role: str, tp_size: int) -> str:  # type: ignore[override]
+        return super().engine(role, "--tp-size", str(tp_size))
 
-    def router(self, prefill: str, decode: str) -> str:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        self.procs[url] = ServerProcess(["router", "--port", str(port), "--prefill", prefill, "--decode", decode],
-                                        self.tmp / f"router-{port}.log")
-        return url
-
-    def wait(self, urls: list[str]) -> None:
-        for url in urls:
-            wait_http_ok(f"{url}/health", self.procs[url].proc, 180, self.procs[url].log)
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            p.stop()
+    def router(self, prefill: str, decode: str) -> str:  # type: ignore[override]
+        return super().router([prefill], [decode])
 
 
 @pytest.fixture(scope="module")
