@@ -21,7 +21,6 @@ import logging
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -166,34 +165,20 @@ async def http_load(url: str, cfg: BenchConfig) -> dict:
 
 def run_engine_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
     """Submits `prompts` at once and times prefill (to the last first token) and decode steps."""
-    from splitserve.engine.request import Request
+    from splitserve.engine.offline import generate_tokens
     from splitserve.engine.sampling_params import SamplingParams
 
-    done = threading.Event()
     first_times: list[float] = []
-    errors: list[str] = []
-    finished = [0]
 
-    def on_output(out) -> None:
-        if out.token_ids and len(first_times) < len(prompts) and out.completion_tokens == 1:
+    def note_first_token(out) -> None:
+        if out.token_ids and out.completion_tokens == 1:
             first_times.append(time.perf_counter())
-        if out.finish_reason is not None:
-            if out.error:
-                errors.append(out.error)
-            finished[0] += 1
-            if finished[0] == len(prompts):
-                done.set()
 
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     steps_before = engine.steps
     start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.submit(Request(f"bench-{start}-{i}", list(p), params, on_output))
-    if not done.wait(timeout=3600):
-        raise TimeoutError("engine benchmark did not finish")
+    generate_tokens(engine, prompts, params, timeout=3600, observe=note_first_token)
     end = time.perf_counter()
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {len(prompts)} benchmark requests failed: {errors[0]}")
     prefill_end = max(first_times)
     decode_steps = max(1, output_len - 1)
     return {"batch": len(prompts), "prefill_s": prefill_end - start, "decode_s": end - prefill_end,

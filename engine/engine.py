@@ -373,16 +373,9 @@ class Engine:
         self.scheduler.remove(req)
         req.status = RequestStatus.PARKED
 
-    def complete(self, req: Request, reason: FinishReason) -> None:
-        """Ends a parked request normally (e.g. its KV reached decode): emits what is left."""
-        text = req.detokenizer.take_delta(final=True)
-        self._emit(req, TokenOutput(req.request_id, [], text, finish_reason=reason,
-                                    prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
-                                    cached_tokens=req.cached_len))
-        self._retire(req, reason)
-
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
-        """Ends a request early (abort, error): frees what it holds and tells the caller."""
+        """Ends a request with no new token (abort, error, or a role done with it): emits the text
+        still held back, frees what it holds (its KV to the prefix cache unless it failed)."""
         if req.finished:
             return
         text = req.detokenizer.take_delta(final=True) if req.detokenizer is not None else ""

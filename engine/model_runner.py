@@ -185,7 +185,7 @@ class ModelRunner:
         """Queues one step on the device and returns without waiting for it (the overlap scheduler
         prepares the next step meanwhile). Sampled tokens also go to the relay buffer, by slot."""
         if all(c.length == 1 for c in chunks):
-            ids, positions, slots = (self._to_device(x) for x in build_decode_inputs(chunks))
+            ids, positions, slots = (to_device(x, torch.int64, self.device) for x in build_decode_inputs(chunks))
             batch = decode_batch(ids, positions, slots, page_table, self.cfg.page_size, self.next_tokens)
         else:
             batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device, self.next_tokens)
@@ -194,7 +194,7 @@ class ModelRunner:
         if not sampled:
             return PendingStep([], None, None, None, self._record_done())
         out = self.sample(logits, sampled)
-        self.next_tokens[self._to_device([c.request.slot for c in sampled])] = out.tokens
+        self.next_tokens[to_device([c.request.slot for c in sampled], torch.int64, self.device)] = out.tokens
         tokens = self._to_host(out.tokens)
         logprobs = self._to_host(out.logprobs) if out.logprobs is not None else None
         return PendingStep(sampled, tokens, logprobs, out.top_logprobs, self._record_done())
@@ -206,9 +206,6 @@ class ModelRunner:
         done = torch.cuda.Event()
         done.record()
         return done
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        return to_device(values, torch.int64, self.device)
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Starts a device-to-host copy; valid once the step's event has completed."""
@@ -238,7 +235,7 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleOutput:
         params = [c.request.params for c in chunks]
-        slots = self._to_device([c.request.slot for c in chunks])
+        slots = to_device([c.request.slot for c in chunks], torch.int64, self.device)
         batch = SamplingBatch(slots=slots, params=params)
         if all(p.is_greedy and p.logprobs is None for p in params):
             return self.greedy.sample(logits, batch)
@@ -252,7 +249,7 @@ class ModelRunner:
         if req.sampler_slot != req.slot:
             self.full.reset_slot(req.slot, req.params, req.prompt_ids)
             if req.output_ids:
-                self.full.commit(self._to_device([req.slot]), [list(req.output_ids)])
+                self.full.commit(to_device([req.slot], torch.int64, self.device), [list(req.output_ids)])
             req.sampler_slot = req.slot
 
     def commit(self, chunks: list[ScheduledChunk], tokens: list[int]) -> None:
@@ -260,5 +257,5 @@ class ModelRunner:
         rows = [(c.request.slot, t) for c, t in zip(chunks, tokens, strict=True)
                 if c.request.sampler_slot == c.request.slot]
         if rows:
-            slots = self._to_device([s for s, _ in rows])
+            slots = to_device([s for s, _ in rows], torch.int64, self.device)
             self.full.commit(slots, [[t] for _, t in rows])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from splitserve.engine.engine import Engine
 from splitserve.engine.request import Request, TokenOutput
@@ -14,14 +15,19 @@ class GenerationFailed(RuntimeError):
 
 
 def generate_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams, timeout: float = 300.0,
-                    stagger_s: float = 0.0) -> list[list[int]]:
-    """Output token ids of every prompt, submitted together (or `stagger_s` apart) to a started engine."""
+                    stagger_s: float = 0.0, observe: Callable[[TokenOutput], None] | None = None) -> list[list[int]]:
+    """Output token ids of every prompt, submitted together (or `stagger_s` apart) to a started engine.
+
+    `observe`, if given, sees every output as it arrives, on the engine's thread (for timings).
+    """
     outs: dict[str, list[int]] = {}
     errors: list[str] = []
     finished: set[str] = set()
     done = threading.Event()
 
     def collect(out: TokenOutput) -> None:
+        if observe is not None:
+            observe(out)
         outs.setdefault(out.request_id, []).extend(out.token_ids)
         if out.finish_reason is not None:
             if out.error:

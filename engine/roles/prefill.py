@@ -97,7 +97,7 @@ class PrefillRole(Role):
             state: PrefillState = req.role_state
             if status == KVPoll.Success:
                 self.parked.pop(rid)
-                self.engine.complete(req, state.finish or FinishReason.LENGTH)
+                self.engine.finish(req, state.finish or FinishReason.LENGTH)
             elif status == KVPoll.Failed:
                 self.parked.pop(rid)
                 exc = state.sender.failure_exception()
