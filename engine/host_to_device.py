@@ -16,3 +16,10 @@ def to_device(values: Sequence[int] | Sequence[bool], dtype: torch.dtype, device
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def copy_to_device(values: Sequence[int], out: torch.Tensor) -> torch.Tensor:
+    """Fills a contiguous device tensor from host values with one queued copy (through pinned memory)."""
+    if out.device.type != "cuda":
+        return out.copy_(torch.tensor(values, dtype=out.dtype))
+    return out.copy_(torch.tensor(values, dtype=out.dtype, pin_memory=True), non_blocking=True)

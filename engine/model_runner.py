@@ -184,20 +184,39 @@ class ModelRunner:
     def launch(self, chunks: list[ScheduledChunk], page_table: torch.Tensor) -> PendingStep:
         """Queues one step on the device and returns without waiting for it (the overlap scheduler
         prepares the next step meanwhile). Sampled tokens also go to the relay buffer, by slot."""
-        if all(c.length == 1 for c in chunks):
-            ids, positions, slots = (to_device(x, torch.int64, self.device) for x in build_decode_inputs(chunks))
-            batch = decode_batch(ids, positions, slots, page_table, self.cfg.page_size, self.next_tokens)
-        else:
-            batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device, self.next_tokens)
-        logits = self.forward(batch)
         sampled = [c for c in chunks if c.sample]
+        argmax = None
+        if all(c.length == 1 for c in chunks):
+            logits, argmax = self._decode(chunks, page_table)
+            if len(sampled) < len(chunks):  # a one-token prompt chunk rides along: it samples nothing
+                rows = to_device([i for i, c in enumerate(chunks) if c.sample], torch.int64, self.device)
+                logits, argmax = logits[rows], (argmax[rows] if argmax is not None else None)
+        else:
+            logits = self.forward(build_forward_batch(chunks, page_table, self.cfg.page_size, self.device,
+                                                      self.next_tokens))
         if not sampled:
             return PendingStep([], None, None, None, self._record_done())
+        if argmax is not None and all(c.request.params.is_greedy and c.request.params.logprobs is None
+                                      for c in sampled):
+            # The graph took the argmax and wrote it to the relay already.
+            return PendingStep(sampled, self._to_host(argmax), None, None, self._record_done())
         out = self.sample(logits, sampled)
         self.next_tokens[to_device([c.request.slot for c in sampled], torch.int64, self.device)] = out.tokens
         tokens = self._to_host(out.tokens)
         logprobs = self._to_host(out.logprobs) if out.logprobs is not None else None
         return PendingStep(sampled, tokens, logprobs, out.top_logprobs, self._record_done())
+
+    def _decode(self, chunks: list[ScheduledChunk], page_table: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of a step of one-token chunks, and their argmax when a CUDA graph ran it."""
+        ids, positions, slots = build_decode_inputs(chunks)
+        graphs = self.decode_graphs
+        # Tensor-parallel rank 0 broadcasts the batch it built (its workers replay from that).
+        if graphs is not None and self.step_broadcaster is None and graphs.can_run(len(chunks)):
+            return graphs.replay(ids, positions, slots)
+        ids_t, positions_t, slots_t = (to_device(x, torch.int64, self.device) for x in (ids, positions, slots))
+        return self.forward(decode_batch(ids_t, positions_t, slots_t, page_table, self.cfg.page_size,
+                                         self.next_tokens)), None
 
     def _record_done(self) -> torch.cuda.Event | None:
         """An event that completes with the work queued so far (None on CPU, where work is done)."""

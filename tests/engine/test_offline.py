@@ -90,3 +90,20 @@ def test_a_crash_in_the_loop_fails_every_request_and_refuses_new_ones() -> None:
             generate_tokens(engine, [[4, 5]], GREEDY, timeout=10)
     finally:
         engine.stop()
+
+
+def test_a_step_of_one_token_chunks_where_a_prompt_chunk_samples_nothing() -> None:
+    # Chunks of 2: a 1-token prompt tail and a 1-token middle chunk of another prompt share a step
+    # with decodes, so the step takes the decode path while one row samples nothing.
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=1024,
+                                 max_running_requests=4, chunked_prefill_size=2))
+    engine.start()
+    try:
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 7, 5)]
+        params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        alone = [generate_tokens(engine, [p], params)[0] for p in prompts]
+        assert generate_tokens(engine, prompts, params) == alone
+        assert_all_pages_back(engine)
+    finally:
+        engine.stop()
