@@ -20,6 +20,7 @@ import torch
 
 from splitserve.engine.forward_batch import ForwardBatch, decode_batch
 from splitserve.engine.host_to_device import copy_to_device
+from splitserve.engine.sampling.greedy import argmax_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class DecodeGraphs:
         """What each graph runs: the whole decode step of a bucket, from its input rows."""
         ids, positions, slots = self.inputs[bucket]
         logits = self.forward(decode_batch(ids, positions, slots, self.page_table, self.page_size, self.relay))
-        argmax = logits.argmax(dim=-1)
+        argmax = argmax_tokens(logits)
         # Greedy rows' next input, for the overlap scheduler; a sampling step overwrites its rows after.
         self.relay[slots] = argmax
         return logits, argmax

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.layers.rotary import RotaryEmbedding
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
@@ -78,6 +79,17 @@ class PagedAttention(nn.Module):
             ).squeeze(0).transpose(0, 1)
         else:
             out = self._extend(q, batch, k_cache, v_cache, mask)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def decode_new_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        """Decode on CUDA from the unrotated projection: the kernel applies RoPE, stores k and v, attends."""
+        from splitserve.engine.layers.paged_decode_triton import NewTokenKV, paged_decode_attention
+
+        assert batch.page_table is not None and batch.slots is not None
+        new = NewTokenKV(k, v, rotary.cos, rotary.sin, batch.out_cache_loc)
+        out = paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.slots, batch.seq_lens,
+                                     batch.page_size, self.scale, new)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _decode(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor

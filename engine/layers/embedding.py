@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from splitserve.engine.layers import skinny
 from splitserve.engine.layers.linear import WeightShapeError
+from splitserve.engine.layers.rmsnorm import RMSNorm
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
 
 
@@ -44,6 +46,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary (each rank computes its slice, then gathers)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = nn.functional.linear(hidden, self.weight)
+        return self._gather(skinny.skinny_linear(hidden, self.weight)[0] if skinny.fits(hidden)
+                            else nn.functional.linear(hidden, self.weight))
+
+    def compute_logits_normed(self, h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """Logits of norm(h + residual), the final norm fused in on decode-sized CUDA batches."""
+        if skinny.fits(h):
+            return self._gather(skinny.skinny_linear(h, self.weight, prologue=skinny.RMSNORM, residual=residual,
+                                                     norm_weight=norm.weight, eps=norm.eps)[0])
+        return self.compute_logits(norm(h, residual)[0])
+
+    def _gather(self, logits: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

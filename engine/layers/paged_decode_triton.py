@@ -4,9 +4,17 @@ One program per (sequence, KV head, split of the sequence): it loads its query h
 group, padded to 16 rows for the tensor cores), walks its share of the sequence's tokens
 through the page table, and keeps an online softmax. The splits are merged by their
 log-sum-exp afterwards. Every shape is fixed by the batch size, so it replays in CUDA graphs.
+
+With `new_kv`, the step's own token arrives unrotated, straight from the QKV projection: each
+program applies RoPE to its query heads, the cached tokens are the sequence's earlier ones,
+and one extra split attends to the new key and value from registers and writes them (rotated)
+to the cache. That saves a decode step one kernel per layer (and its gap) at batch 1, where
+launches are a tenth of the step.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -15,29 +23,65 @@ import triton.language as tl
 from splitserve.engine.layers.fused_triton import merge_splits
 
 
+@dataclass(frozen=True)
+class NewTokenKV:
+    """The step's new key and value heads ([B, Hkv, D] views of the QKV output, not yet rotated),
+    the RoPE tables and the cache location each is written to."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    out_cache_loc: torch.Tensor
+
+
+@triton.jit
+def _load_rotated(Ptr, Cos, Sin, pos, stride_cos, rows_mask, HEAD_DIM: tl.constexpr):
+    """Rows [R, D] at Ptr (a [R, 1] pointer block) with RoPE applied at `pos`, in float32:
+    x1 cos - x2 sin for the first half of each head, x2 cos + x1 sin for the second."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    x = tl.load(Ptr + d[None, :], mask=rows_mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(Ptr + partner[None, :], mask=rows_mask, other=0.0).to(tl.float32)
+    cos = tl.load(Cos + pos * stride_cos + d % HALF)[None, :]
+    sin = tl.load(Sin + pos * stride_cos + d % HALF)[None, :]
+    return x * cos + sign[None, :] * x_partner * sin
+
+
 @triton.jit
 def _paged_decode_split(
     Q, K, V, PageTable, Slots, SeqLens, OutAcc, OutLse,
+    KNew, VNew, Cos, Sin, Loc,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos,
     sm_scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_NEW: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     slot = tl.load(Slots + b)
     seq_len = tl.load(SeqLens + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    # With FUSE_NEW the cache holds the earlier tokens only; the new one is in registers, and
+    # an extra last split (index NUM_SPLITS) takes it alone, in parallel with the others.
+    cached = seq_len - 1 if FUSE_NEW else seq_len
+    per_split = tl.cdiv(tl.cdiv(cached, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = tl.minimum(split * per_split, cached)
+    end = tl.minimum(start + per_split, cached)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g
     in_group = g < GROUP
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=in_group[:, None], other=0.0)
+    if FUSE_NEW:  # rounded as the stored rotated q of the unfused path would be
+        q = _load_rotated(Q + b * stride_qb + heads[:, None] * stride_qh, Cos, Sin, seq_len - 1, stride_cos,
+                          in_group[:, None], HEAD_DIM).to(Q.dtype.element_ty)
+    else:
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=in_group[:, None], other=0.0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -59,6 +103,24 @@ def _paged_decode_split(
         m_i = m_new
 
     has_tokens = start < end
+    if FUSE_NEW:
+        has_tokens = has_tokens | (split == NUM_SPLITS)
+        if split == NUM_SPLITS:  # the new token: stored once, attended from registers
+            one = tl.full([1], 1, dtype=tl.int1)
+            k_new = _load_rotated(KNew + b * stride_knb + kv_head * stride_knh + tl.zeros([1, 1], dtype=tl.int32),
+                                  Cos, Sin, seq_len - 1, stride_cos, one[:, None], HEAD_DIM).to(K.dtype.element_ty)
+            v_new = tl.load(VNew + b * stride_vnb + kv_head * stride_vnh + d[None, :]).to(V.dtype.element_ty)
+            new_loc = tl.load(Loc + b).to(tl.int64)
+            tl.store(K + new_loc * stride_kt + kv_head * stride_kh + d[None, :], k_new)
+            tl.store(V + new_loc * stride_vt + kv_head * stride_vh + d[None, :], v_new)
+            qk_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * sm_scale  # [GROUP_PAD]
+            m_new = tl.maximum(m_i, qk_new)
+            p_new = tl.exp(qk_new - m_new)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
+            m_i = m_new
+
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
     lse = tl.where(has_tokens, m_i + tl.log(safe_l), float("-inf"))
@@ -74,20 +136,31 @@ def num_splits_for(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                           slots: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
-    """q: [B, H, D]; caches: [tokens, Hkv, D]; returns [B, H, D] in q's dtype."""
+                           slots: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
+                           new_kv: NewTokenKV | None = None) -> torch.Tensor:
+    """q: [B, H, D]; caches: [tokens, Hkv, D]; returns [B, H, D] in q's dtype.
+
+    Without `new_kv`, q is rotated and the new token's KV is already in the cache. With it, q
+    is not rotated yet and the kernel rotates it, and writes and attends the new key and value.
+    """
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     splits = num_splits_for(bsz, num_kv_heads)
-    acc = torch.empty(bsz, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(bsz, num_heads, splits, dtype=torch.float32, device=q.device)
+    grid_splits = splits + (new_kv is not None)
+    acc = torch.empty(bsz, num_heads, grid_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(bsz, num_heads, grid_splits, dtype=torch.float32, device=q.device)
     block_n = 64 if head_dim <= 128 else 32
-    _paged_decode_split[(bsz, num_kv_heads, splits)](
+    new = new_kv
+    k_new, v_new = (new.k, new.v) if new is not None else (k_cache, v_cache)  # unused without new_kv
+    cos, sin = (new.cos, new.sin) if new is not None else (q, q)
+    _paged_decode_split[(bsz, num_kv_heads, grid_splits)](
         q, k_cache, v_cache, page_table, slots, seq_lens, acc, lse,
+        k_new, v_new, cos, sin, new.out_cache_loc if new is not None else slots,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
         scale, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4, num_stages=2,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=splits, FUSE_NEW=new is not None, num_warps=4, num_stages=2,
     )
     return merge_splits(acc, lse, q.dtype)  # splits with no tokens weigh 0

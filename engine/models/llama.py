@@ -7,7 +7,6 @@ from torch import nn
 
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool
-from splitserve.engine.layers.activation import silu_and_mul
 from splitserve.engine.layers.attention import PagedAttention, causal_padded_mask
 from splitserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from splitserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -18,7 +17,11 @@ from splitserve.engine.parallel_state import SINGLE, TensorParallel
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, RoPE, paged attention, output projection."""
+    """Fused QKV projection, RoPE, paged attention, output projection.
+
+    The decoder layer runs `qkv_proj` itself (with the input norm fused in), so `forward` takes
+    the projection's output.
+    """
 
     def __init__(self, cfg: ModelConfig, layer_index: int, rotary: RotaryEmbedding,
                  tp: TensorParallel, dtype: torch.dtype) -> None:
@@ -36,29 +39,29 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_index)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor | None) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+    def forward(self, qkv: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor | None) -> torch.Tensor:
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         k_cache, v_cache = kv.k_cache(self.layer_index), kv.v_cache(self.layer_index)
-        fused = qkv.is_cuda and self.q_norm is None
-        if fused:  # RoPE in place and the KV scatter, in one kernel
-            from splitserve.engine.layers.fused_triton import rope_and_store_kv
-            rope_and_store_kv(qkv, batch.positions, self.rotary.cos, self.rotary.sin, self.num_heads,
-                              self.num_kv_heads, self.head_dim, k_cache, v_cache, batch.out_cache_loc)
         q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if not fused:
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(batch.positions, q, k)
-        out = self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=fused)
-        return self.o_proj(out)
+        if qkv.is_cuda and self.q_norm is None:
+            if batch.is_decode:  # RoPE, the KV store and attention: one kernel
+                return self.o_proj(self.attn.decode_new_token(q, k, v, batch, k_cache, v_cache, self.rotary))
+            from splitserve.engine.layers.fused_triton import rope_and_store_kv
+            rope_and_store_kv(qkv, batch.positions, self.rotary.cos, self.rotary.sin, self.num_heads,
+                              self.num_kv_heads, self.head_dim, k_cache, v_cache, batch.out_cache_loc)
+            return self.o_proj(self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=True))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch, k_cache, v_cache, mask))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with a fused gate/up projection."""
+    """SwiGLU feed-forward with a fused gate/up projection (run by the decoder layer, with the norm
+    fused in); `forward` takes its output."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
@@ -66,8 +69,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], bias=False, tp=tp, dtype=dtype)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=False, tp=tp, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.forward_silu(gate_up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -83,13 +86,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv: KVPool, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, batch, kv, mask)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        # Each norm runs inside the projection after it where that pays (decode-sized CUDA batches).
+        qkv, residual = self.self_attn.qkv_proj.forward_normed(x, residual, self.input_layernorm)
+        x = self.self_attn(qkv, batch, kv, mask)
+        gate_up, residual = self.mlp.gate_up_proj.forward_normed(x, residual, self.post_attention_layernorm)
+        return self.mlp(gate_up), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -118,7 +119,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def hidden_states(self, batch: ForwardBatch, kv: KVPool,
-                      input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                      input_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's output and residual, before the final norm."""
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         # Only the padded extend path needs a mask; decodes and plain causal prefills do not.
         needs_mask = not batch.is_decode and not (batch.no_prefix and batch.batch_size == 1)
@@ -126,13 +128,15 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch, kv, mask)
-        x, _ = self.norm(x, residual)
-        return x
+        assert residual is not None
+        return x, residual
 
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         """Logits (float32) of the tokens at `batch.logits_index`."""
-        hidden = self.hidden_states(batch, kv)[batch.logits_index]
-        return self.lm_head.compute_logits(hidden).float()
+        x, residual = self.hidden_states(batch, kv)
+        if not batch.is_decode:  # a decode batch wants every row's logits: no gather
+            x, residual = x[batch.logits_index], residual[batch.logits_index]
+        return self.lm_head.compute_logits_normed(x, residual, self.norm).float()
 
     def weight_targets(self) -> dict[str, tuple[nn.Module, int]]:
         """Maps every checkpoint tensor name this model needs to (module, shard index)."""

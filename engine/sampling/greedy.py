@@ -19,6 +19,16 @@ from splitserve.engine.sampling.logprobs import attach_logprobs
 from splitserve.engine.sampling_params import SamplingParams
 
 
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dim (the first index on ties); a parallel Triton reduction on CUDA."""
+    if not logits.is_cuda:
+        return logits.argmax(dim=-1)
+    from splitserve.engine.sampling.argmax_triton import argmax_rows
+
+    flat = logits.reshape(-1, logits.shape[-1]).contiguous()
+    return argmax_rows(flat).view(logits.shape[:-1])
+
+
 class GreedySampler(SamplerBackend):
     """Takes the argmax of the raw logits; stateless, so reset_slot and commit do nothing.
 
@@ -36,7 +46,7 @@ class GreedySampler(SamplerBackend):
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         check_sample_inputs(logits, batch)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_tokens(logits)
         output = SampleOutput(tokens=tokens, accept_lengths=torch.ones_like(tokens))
         return attach_logprobs(output, logits, batch.params)
 
@@ -48,7 +58,7 @@ class GreedySampler(SamplerBackend):
         draft_probs: torch.Tensor | None = None,
     ) -> SampleOutput:
         check_verify_inputs(logits, candidates, batch, draft_probs)
-        target = logits.argmax(dim=-1)  # [B, K+1]
+        target = argmax_tokens(logits)  # [B, K+1]
         accept_lengths = accepted_prefix_length(candidates == target[:, :-1]) + 1
         # The accepted candidates equal the argmax, so the output is the argmax row, cut short.
         output = SampleOutput(tokens=pad_after(target, accept_lengths), accept_lengths=accept_lengths)

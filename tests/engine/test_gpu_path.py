@@ -138,3 +138,84 @@ def test_graphs_with_seeded_sampling_and_one_token_prompt_chunks_match_eager(tmp
             engine.stop()
 
     assert run() == run(disable_cuda_graph=True, disable_overlap=True)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(32, 8, 128, 16), (6, 2, 16, 4), (8, 8, 64, 1)])
+def test_decode_kernel_with_the_new_token_matches_rope_store_then_reference(heads: int, kv_heads: int, head_dim: int,
+                                                                            page_size: int) -> None:
+    from splitserve.engine.layers.attention import store_kv
+    from splitserve.engine.layers.paged_decode_triton import NewTokenKV, paged_decode_attention
+    from splitserve.engine.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    bsz, max_pages = 5, 160
+    num_pages = (bsz + 1) * max_pages + 1
+    k_cache = torch.randn(num_pages * page_size, kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    # Pages owned by one sequence each: the new token's KV lands where nobody else reads.
+    page_table = (torch.randperm(num_pages - 1, device=dev)[: (bsz + 1) * max_pages] + 1).view(bsz + 1, -1).int()
+    slots = torch.tensor([3, 0, 4, 1, 2], device=dev)
+    cap = max_pages * page_size
+    seq_lens = torch.tensor([1, 7, min(100, cap), min(1000, cap), min(2500, cap)], device=dev)
+    positions = seq_lens - 1
+    loc = page_table[slots, positions // page_size].long() * page_size + positions % page_size
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None).to(dev)
+    qkv = torch.randn(bsz, (heads + 2 * kv_heads) * head_dim, device=dev, dtype=torch.bfloat16)
+    q, k, v = (t.view(bsz, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                               kv_heads * head_dim], dim=-1))
+    q_ref, k_ref = (t.to(torch.bfloat16) for t in rope(positions, q, k))
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    store_kv(k_want, v_want, loc, k_ref, v)
+    scale = head_dim ** -0.5
+    want = decode_attention_reference(q_ref.float(), k_want.float(), v_want.float(), page_table, slots, seq_lens,
+                                      page_size, scale)
+    got = paged_decode_attention(q, k_cache, v_cache, page_table, slots, seq_lens, page_size, scale,
+                                 NewTokenKV(k, v, rope.cos, rope.sin, loc))
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(k_cache, k_want, atol=2e-2, rtol=2e-2)
+    assert torch.equal(v_cache, v_want)
+
+
+def test_triton_argmax_matches_torch_with_ties_to_the_first_index() -> None:
+    from splitserve.engine.sampling.argmax_triton import argmax_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 128256, device="cuda")
+    logits[0, 70000] = logits[0, 90000] = 100.0  # a tie across chunks
+    logits[1, 5] = logits[1, 9] = 100.0  # a tie within a chunk
+    logits[2, -1] = 100.0  # the last, partial chunk
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert argmax_rows(logits).tolist()[:3] == [70000, 5, 128255]
+    assert argmax_rows(logits[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("n,k", [(96, 64), (6144, 4096), (4096, 14336)])
+def test_skinny_gemm_and_its_prologues_match_torch(rows: int, n: int, k: int) -> None:
+    from splitserve.engine.layers import skinny
+    from splitserve.engine.layers.fused_triton import add_rmsnorm, silu_and_mul
+
+    torch.manual_seed(0)
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    weight = torch.randn(n, k, **bf16) / k**0.5
+    bias = torch.randn(n, **bf16)
+    x = torch.randn(rows, k, **bf16)
+    y, none = skinny.skinny_linear(x, weight, bias)
+    assert none is None
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, weight, bias), atol=3e-2, rtol=2e-2)
+
+    gate_up = torch.randn(rows, 2 * k, **bf16)
+    y, _ = skinny.skinny_linear(gate_up, weight, prologue=skinny.SILU_MUL)
+    torch.testing.assert_close(y, torch.nn.functional.linear(silu_and_mul(gate_up), weight), atol=3e-2, rtol=2e-2)
+
+    residual, norm_weight = torch.randn(rows, k, **bf16), torch.rand(k, **bf16) + 0.5
+    y, new_residual = skinny.skinny_linear(x, weight, prologue=skinny.RMSNORM, residual=residual,
+                                           norm_weight=norm_weight, eps=1e-5)
+    normed, want_residual = add_rmsnorm(x, norm_weight, 1e-5, residual)
+    assert torch.equal(new_residual, want_residual)
+    torch.testing.assert_close(y, torch.nn.functional.linear(normed, weight), atol=3e-2, rtol=2e-2)
+    y, none = skinny.skinny_linear(x, weight, prologue=skinny.RMSNORM, norm_weight=norm_weight, eps=1e-5)
+    assert none is None
+    torch.testing.assert_close(y, torch.nn.functional.linear(add_rmsnorm(x, norm_weight, 1e-5)[0], weight),
+                               atol=3e-2, rtol=2e-2)
