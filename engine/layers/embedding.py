@@ -51,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits_normed(self, h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """Logits of norm(h + residual), the final norm fused in on decode-sized CUDA batches."""
-        if skinny.fits(h):
+        if skinny.fits_fused(h):
             return self._gather(skinny.skinny_linear(h, self.weight, prologue=skinny.RMSNORM, residual=residual,
                                                      norm_weight=norm.weight, eps=norm.eps)[0])
         return self.compute_logits(norm(h, residual)[0])

@@ -61,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(h [+ residual])), the new residual); on decode-sized CUDA batches the norm
         runs inside this projection's kernel."""
-        if skinny.fits(h):
+        if skinny.fits_fused(h):
             y, res_out = skinny.skinny_linear(h, self.weight, self.bias, prologue=skinny.RMSNORM, residual=residual,
                                               norm_weight=norm.weight, eps=norm.eps)
             return y, (res_out if res_out is not None else h)
@@ -100,7 +100,7 @@ class RowParallelLinear(nn.Module):
 
     def forward_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) of a [..., 2K] gate/up output; fused into this kernel on decode-sized batches."""
-        if skinny.fits(gate_up):
+        if skinny.fits_fused(gate_up):
             return self._reduce(skinny.skinny_linear(gate_up, self.weight, prologue=skinny.SILU_MUL)[0])
         return self.forward(silu_and_mul(gate_up))
 

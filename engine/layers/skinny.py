@@ -16,6 +16,11 @@ def fits(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
 
 
+def fits_fused(x: torch.Tensor) -> bool:
+    """Whether the projection can also build its input (norm, SwiGLU) in its kernel: one row."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   prologue: int = PLAIN, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                   eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
