@@ -94,42 +94,24 @@ def sweep_shape(name: str, n: int, k: int, m: int, configs: list[tuple[int, int,
 
 
 def engine_kernels(m: int) -> None:
-    """The engine's skinny kernel with each prologue vs what it replaces (cuBLAS and the separate kernel)."""
+    """The engine's skinny kernel vs cuBLAS (F.linear, with its split-K reduction where it picks one)."""
     from splitserve.engine.layers import skinny
-    from splitserve.engine.layers.fused_triton import add_rmsnorm, silu_and_mul
 
     dev, bf16 = torch.device("cuda"), torch.bfloat16
-    uses = {"qkv": skinny.RMSNORM, "o_proj": skinny.PLAIN, "gate_up": skinny.RMSNORM, "down": skinny.SILU_MUL,
-            "lm_head": skinny.RMSNORM}
     for name, n, k in SHAPES:
-        prologue = uses[name]
         copies = max(2, -(-(512 << 20) // (n * k * 2)))
         weights = [torch.randn(n, k, device=dev, dtype=bf16) for _ in range(copies)]
-        x = torch.randn(m, 2 * k if prologue == skinny.SILU_MUL else k, device=dev, dtype=bf16)
-        residual, norm_w = torch.randn(m, k, device=dev, dtype=bf16), torch.ones(k, device=dev, dtype=bf16)
-        kwargs = {"residual": residual, "norm_weight": norm_w, "eps": 1e-5} if prologue == skinny.RMSNORM else {}
-
-        def ours(i: int, prologue=prologue, x=x, weights=weights, kwargs=kwargs) -> None:
-            skinny.skinny_linear(x, weights[i], prologue=prologue, **kwargs)
-
-        def theirs(i: int, prologue=prologue, x=x, weights=weights, residual=residual, norm_w=norm_w) -> None:
-            if prologue == skinny.SILU_MUL:
-                inp = silu_and_mul(x)
-            elif prologue == skinny.RMSNORM:
-                inp = add_rmsnorm(x, norm_w, 1e-5, residual)[0]
-            else:
-                inp = x
-            torch.nn.functional.linear(inp, weights[i])
-
-        t_ours, t_theirs = graph_time_us(ours, copies), graph_time_us(theirs, copies)
-        logger.info("engine %-8s m=%d prologue %d: skinny %7.2f us (%5.0f GB/s) | separate kernels + cuBLAS %7.2f us "
-                    "| ratio %.3f", name, m, prologue, t_ours, n * k * 2 / t_ours / 1e3, t_theirs, t_ours / t_theirs)
+        x = torch.randn(m, k, device=dev, dtype=bf16)
+        ours = graph_time_us(lambda i, x=x, weights=weights: skinny.skinny_linear(x, weights[i]), copies)
+        theirs = graph_time_us(lambda i, x=x, weights=weights: torch.nn.functional.linear(x, weights[i]), copies)
+        logger.info("engine %-8s m=%-2d skinny %7.2f us (%5.0f GB/s) | cuBLAS %7.2f us (%5.0f GB/s) | ratio %.3f",
+                    name, m, ours, n * k * 2 / ours / 1e3, theirs, n * k * 2 / theirs / 1e3, ours / theirs)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    engine_kernels(1)
-    engine_kernels(8)
+    for m in (1, 8, 16):
+        engine_kernels(m)
     if "--sweep" in sys.argv:
         configs = list(itertools.product((16, 32, 64), (256, 512), (4, 8), (3, 4)))
         for (name, n, k), m in itertools.product(SHAPES, (1, 8)):

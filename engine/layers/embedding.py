@@ -7,7 +7,6 @@ from torch import nn
 
 from splitserve.engine.layers import skinny
 from splitserve.engine.layers.linear import WeightShapeError
-from splitserve.engine.layers.rmsnorm import RMSNorm
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
 
 
@@ -46,16 +45,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary (each rank computes its slice, then gathers)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._gather(skinny.skinny_linear(hidden, self.weight)[0] if skinny.fits(hidden)
-                            else nn.functional.linear(hidden, self.weight))
-
-    def compute_logits_normed(self, h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """Logits of norm(h + residual), the final norm fused in on decode-sized CUDA batches."""
-        if skinny.fits_fused(h):
-            return self._gather(skinny.skinny_linear(h, self.weight, prologue=skinny.RMSNORM, residual=residual,
-                                                     norm_weight=norm.weight, eps=norm.eps)[0])
-        return self.compute_logits(norm(h, residual)[0])
-
-    def _gather(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = (skinny.skinny_linear(hidden, self.weight) if skinny.fits(hidden)
+                  else nn.functional.linear(hidden, self.weight))
         logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

@@ -11,8 +11,6 @@ import torch
 from torch import nn
 
 from splitserve.engine.layers import skinny
-from splitserve.engine.layers.activation import silu_and_mul
-from splitserve.engine.layers.rmsnorm import RMSNorm
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
 
 
@@ -54,21 +52,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if skinny.fits(x):
-            return skinny.skinny_linear(x, self.weight, self.bias)[0]
+            return skinny.skinny_linear(x, self.weight, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
-
-    def forward_normed(self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(h [+ residual])), the new residual); on decode-sized CUDA batches the norm
-        runs inside this projection's kernel."""
-        if skinny.fits_fused(h):
-            y, res_out = skinny.skinny_linear(h, self.weight, self.bias, prologue=skinny.RMSNORM, residual=residual,
-                                              norm_weight=norm.weight, eps=norm.eps)
-            return y, (res_out if res_out is not None else h)
-        if residual is None:
-            return self.forward(norm(h)), h
-        normed, residual = norm(h, residual)
-        return self.forward(normed), residual
 
 
 class RowParallelLinear(nn.Module):
@@ -95,16 +80,7 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(loaded.narrow(1, self.tp.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(skinny.skinny_linear(x, self.weight)[0] if skinny.fits(x)
-                            else nn.functional.linear(x, self.weight))
-
-    def forward_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) of a [..., 2K] gate/up output; fused into this kernel on decode-sized batches."""
-        if skinny.fits_fused(gate_up):
-            return self._reduce(skinny.skinny_linear(gate_up, self.weight, prologue=skinny.SILU_MUL)[0])
-        return self.forward(silu_and_mul(gate_up))
-
-    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        y = skinny.skinny_linear(x, self.weight) if skinny.fits(x) else nn.functional.linear(x, self.weight)
         y = self.tp.all_reduce(y)
         # The bias is added once, after the reduction, not once per rank.
         return y if self.bias is None else y + self.bias

@@ -7,6 +7,7 @@ from torch import nn
 
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.layers.activation import silu_and_mul
 from splitserve.engine.layers.attention import PagedAttention, causal_padded_mask
 from splitserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from splitserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -17,11 +18,7 @@ from splitserve.engine.parallel_state import SINGLE, TensorParallel
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, RoPE, paged attention, output projection.
-
-    The decoder layer runs `qkv_proj` itself (with the input norm fused in), so `forward` takes
-    the projection's output.
-    """
+    """Fused QKV projection, RoPE, paged attention, output projection."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int, rotary: RotaryEmbedding,
                  tp: TensorParallel, dtype: torch.dtype) -> None:
@@ -39,7 +36,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_index)
 
-    def forward(self, qkv: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor | None) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         k_cache, v_cache = kv.k_cache(self.layer_index), kv.v_cache(self.layer_index)
         q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
@@ -60,8 +58,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with a fused gate/up projection (run by the decoder layer, with the norm
-    fused in); `forward` takes its output."""
+    """SwiGLU feed-forward with a fused gate/up projection."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
@@ -69,8 +66,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], bias=False, tp=tp, dtype=dtype)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=False, tp=tp, dtype=dtype)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_silu(gate_up)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -86,11 +83,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv: KVPool, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each norm runs inside the projection after it where that pays (decode-sized CUDA batches).
-        qkv, residual = self.self_attn.qkv_proj.forward_normed(x, residual, self.input_layernorm)
-        x = self.self_attn(qkv, batch, kv, mask)
-        gate_up, residual = self.mlp.gate_up_proj.forward_normed(x, residual, self.post_attention_layernorm)
-        return self.mlp(gate_up), residual
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, batch, kv, mask)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -119,8 +118,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def hidden_states(self, batch: ForwardBatch, kv: KVPool,
-                      input_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last layer's output and residual, before the final norm."""
+                      input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         # Only the padded extend path needs a mask; decodes and plain causal prefills do not.
         needs_mask = not batch.is_decode and not (batch.no_prefix and batch.batch_size == 1)
@@ -128,15 +126,15 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch, kv, mask)
-        assert residual is not None
-        return x, residual
+        x, _ = self.norm(x, residual)
+        return x
 
     def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         """Logits (float32) of the tokens at `batch.logits_index`."""
-        x, residual = self.hidden_states(batch, kv)
+        hidden = self.hidden_states(batch, kv)
         if not batch.is_decode:  # a decode batch wants every row's logits: no gather
-            x, residual = x[batch.logits_index], residual[batch.logits_index]
-        return self.lm_head.compute_logits_normed(x, residual, self.norm).float()
+            hidden = hidden[batch.logits_index]
+        return self.lm_head.compute_logits(hidden).float()
 
     def weight_targets(self) -> dict[str, tuple[nn.Module, int]]:
         """Maps every checkpoint tensor name this model needs to (module, shard index)."""

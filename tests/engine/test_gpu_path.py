@@ -192,33 +192,15 @@ def test_triton_argmax_matches_torch_with_ties_to_the_first_index() -> None:
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("n,k", [(96, 64), (6144, 4096), (4096, 14336)])
-def test_skinny_gemm_and_its_prologues_match_torch(rows: int, n: int, k: int) -> None:
+def test_skinny_gemm_matches_torch_and_a_row_does_not_depend_on_the_others(rows: int, n: int, k: int) -> None:
     from splitserve.engine.layers import skinny
-    from splitserve.engine.layers.fused_triton import add_rmsnorm, silu_and_mul
 
     torch.manual_seed(0)
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
     weight = torch.randn(n, k, **bf16) / k**0.5
     bias = torch.randn(n, **bf16)
     x = torch.randn(rows, k, **bf16)
-    y, none = skinny.skinny_linear(x, weight, bias)
-    assert none is None
+    y = skinny.skinny_linear(x, weight, bias)
     torch.testing.assert_close(y, torch.nn.functional.linear(x, weight, bias), atol=3e-2, rtol=2e-2)
-    if rows > 1:  # the fused prologues are for one row (batch-1 decode)
-        assert not skinny.fits_fused(x)
-        return
-
-    gate_up = torch.randn(rows, 2 * k, **bf16)
-    y, _ = skinny.skinny_linear(gate_up, weight, prologue=skinny.SILU_MUL)
-    torch.testing.assert_close(y, torch.nn.functional.linear(silu_and_mul(gate_up), weight), atol=3e-2, rtol=2e-2)
-
-    residual, norm_weight = torch.randn(rows, k, **bf16), torch.rand(k, **bf16) + 0.5
-    y, new_residual = skinny.skinny_linear(x, weight, prologue=skinny.RMSNORM, residual=residual,
-                                           norm_weight=norm_weight, eps=1e-5)
-    normed, want_residual = add_rmsnorm(x, norm_weight, 1e-5, residual)
-    assert torch.equal(new_residual, want_residual)
-    torch.testing.assert_close(y, torch.nn.functional.linear(normed, weight), atol=3e-2, rtol=2e-2)
-    y, none = skinny.skinny_linear(x, weight, prologue=skinny.RMSNORM, norm_weight=norm_weight, eps=1e-5)
-    assert none is None
-    torch.testing.assert_close(y, torch.nn.functional.linear(add_rmsnorm(x, norm_weight, 1e-5)[0], weight),
-                               atol=3e-2, rtol=2e-2)
+    # Batch invariance: row 0 alone gives the same bits as row 0 among the others.
+    assert torch.equal(skinny.skinny_linear(x[:1], weight, bias), y[:1])
