@@ -51,8 +51,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset:offset + local].copy_(loaded.narrow(0, self.tp.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if skinny.fits(x):
-            return skinny.skinny_linear(x, self.weight, self.bias)
+        # cuBLAS does not split K for these (K is the hidden size): the skinny kernel gains nothing here.
         return nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -80,6 +79,7 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(loaded.narrow(1, self.tp.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Long K (o_proj, down_proj): at decode sizes cuBLAS splits it and adds a reduction kernel.
         y = skinny.skinny_linear(x, self.weight) if skinny.fits(x) else nn.functional.linear(x, self.weight)
         y = self.tp.all_reduce(y)
         # The bias is added once, after the reduction, not once per rank.

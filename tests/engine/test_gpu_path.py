@@ -98,17 +98,21 @@ def greedy_tokens(folder: Path, prompts: list[list[int]], **cfg) -> list[list[in
                                  max_total_tokens=8192, max_running_requests=16, **cfg))
     engine.start()
     try:
-        # Later arrivals join while others decode: mixed steps with tokens still in flight.
+        # All at once: every mode then runs the same steps (one prefill step, then decodes of every
+        # request), so any difference is the graphs' or the relay's. Arrival times would change
+        # who shares a step, and bf16 kernels are not batch-invariant across every path (cuBLAS
+        # picks kernels by row count), so staggered arrivals may differ in late tokens legitimately.
         return generate_tokens(engine, prompts, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
-                               timeout=120, stagger_s=0.015)
+                               timeout=120)
     finally:
         engine.stop()
 
 
-def test_cuda_graphs_and_overlap_change_no_greedy_token(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lengths", [(1, 5, 17, 40, 3, 64, 9), (33,)])
+def test_cuda_graphs_and_overlap_change_no_greedy_token(tmp_path: Path, lengths: tuple[int, ...]) -> None:
     folder = write("llama-gqa-llama3rope", tmp_path)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 3, 64, 9)]
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
     eager = greedy_tokens(folder, prompts, disable_cuda_graph=True, disable_overlap=True)
     graphed = greedy_tokens(folder, prompts, disable_overlap=True)
     overlapped = greedy_tokens(folder, prompts)  # graphs + the overlap scheduler, the GPU default
