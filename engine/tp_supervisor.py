@@ -180,6 +180,9 @@ class TensorParallelSupervisor:
         if graceful and self.broadcaster is not None and self.failure is None and self.lost_worker() is None:
             try:
                 self.broadcaster.stop()
+                # Together with the workers, which do the same on "stop": NCCL's teardown waits for
+                # every rank, so rank 0 tearing down only after they exit deadlocked on GPUs.
+                dist.destroy_process_group()
             except RuntimeError as exc:
                 logger.warning("could not tell the tensor-parallel workers to stop: %s", exc)
         for rank, proc in self.workers.items():
