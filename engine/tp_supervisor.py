@@ -180,9 +180,6 @@ class TensorParallelSupervisor:
         if graceful and self.broadcaster is not None and self.failure is None and self.lost_worker() is None:
             try:
                 self.broadcaster.stop()
-                # Together with the workers, which do the same on "stop": NCCL's teardown waits for
-                # every rank, so rank 0 tearing down only after they exit deadlocked on GPUs.
-                dist.destroy_process_group()
             except RuntimeError as exc:
                 logger.warning("could not tell the tensor-parallel workers to stop: %s", exc)
         for rank, proc in self.workers.items():
@@ -194,8 +191,10 @@ class TensorParallelSupervisor:
             if proc.exitcode is None:
                 proc.kill()
                 proc.join()
-        if dist.is_initialized():
+        if dist.is_initialized() and dist.get_backend() != "nccl":
             with contextlib.suppress(RuntimeError):
                 dist.destroy_process_group()
+        # NCCL groups are left to the process's exit: on 2 H200s, destroying one whose all-reduces
+        # were captured in CUDA graphs hung on every rank (workers do not destroy theirs either).
         self.broadcaster = None
         self._store = None

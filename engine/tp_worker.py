@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -161,6 +162,11 @@ def worker_main(spec: WorkerSpec) -> None:
         logger.info("tensor-parallel rank %d/%d ready on %s", spec.rank, spec.size, runner.device)
         runner.capture_decode_graphs(page_table, layout.padding_slot)  # rank 0 captures at the same time
         run_steps(runner, tp, control, page_table)
+        if runner.device.type == "cuda":
+            # Destroying NCCL groups whose all-reduces were captured in CUDA graphs hung on 2 H200s:
+            # the process exits with them instead (nothing is pending: rank 0 said stop).
+            logging.shutdown()
+            os._exit(0)
         dist.destroy_process_group()
     except Exception:
         logger.exception("tensor-parallel rank %d stops on an error", spec.rank)
