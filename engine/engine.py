@@ -275,7 +275,7 @@ class Engine:
         """Overlap only where it is exact: CUDA, one rank, and greedy requests (a penalty or a seed
         needs the previous token committed on the host before the next step samples)."""
         return (self.overlap and bool(step.chunks)
-                and all(c.request.params.is_greedy and c.request.params.logprobs is None for c in step.chunks))
+                and all(c.request.params.wants_argmax_only for c in step.chunks))
 
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
         try:

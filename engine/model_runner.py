@@ -196,8 +196,7 @@ class ModelRunner:
                                                       self.next_tokens))
         if not sampled:
             return PendingStep([], None, None, None, self._record_done())
-        if argmax is not None and all(c.request.params.is_greedy and c.request.params.logprobs is None
-                                      for c in sampled):
+        if argmax is not None and all(c.request.params.wants_argmax_only for c in sampled):
             # The graph took the argmax and wrote it to the relay already.
             return PendingStep(sampled, self._to_host(argmax), None, None, self._record_done())
         out = self.sample(logits, sampled)
@@ -256,7 +255,7 @@ class ModelRunner:
         params = [c.request.params for c in chunks]
         slots = to_device([c.request.slot for c in chunks], torch.int64, self.device)
         batch = SamplingBatch(slots=slots, params=params)
-        if all(p.is_greedy and p.logprobs is None for p in params):
+        if all(p.wants_argmax_only for p in params):
             return self.greedy.sample(logits, batch)
         for c in chunks:
             self.prepare_sampler_slot(c)

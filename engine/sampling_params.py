@@ -38,6 +38,12 @@ class SamplingParams:
         return (self.temperature == 0.0 or self.top_k == 1) and not self.needs_logit_processing
 
     @property
+    def wants_argmax_only(self) -> bool:
+        """Greedy with no logprobs: the token is the argmax and nothing else is read from the logits
+        (a CUDA graph's argmax serves it, and the overlap scheduler may run ahead of it)."""
+        return self.is_greedy and self.logprobs is None
+
+    @property
     def needs_logit_processing(self) -> bool:
         return (
             self.repetition_penalty != 1.0

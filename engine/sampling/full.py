@@ -35,6 +35,7 @@ from splitserve.engine.sampling.base import (
     check_verify_inputs,
     pad_after,
 )
+from splitserve.engine.sampling.greedy import argmax_tokens
 from splitserve.engine.sampling.logprobs import attach_logprobs
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -162,7 +163,7 @@ class FullSampler(SamplerBackend):
             logits = self._filtered(logits, slots)
         probs = logits.softmax(dim=-1)
         if any(p.temperature == 0.0 for p in params):
-            one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), self.vocab_size).float()
+            one_hot = torch.nn.functional.one_hot(argmax_tokens(logits), self.vocab_size).float()
             probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
         return probs
 
@@ -207,7 +208,7 @@ class FullSampler(SamplerBackend):
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         check_sample_inputs(logits, batch, self.vocab_size)
         if all(p.temperature == 0.0 for p in batch.params):
-            tokens = self.penalized_logits(logits, batch.slots, batch.params).argmax(dim=-1)
+            tokens = argmax_tokens(self.penalized_logits(logits, batch.slots, batch.params))
         else:
             tokens = self._draw(self.target_probs(logits, batch.slots, batch.params), batch)
         output = SampleOutput(tokens=tokens, accept_lengths=torch.ones_like(tokens))
