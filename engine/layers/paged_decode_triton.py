@@ -151,16 +151,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     acc = torch.empty(bsz, num_heads, grid_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, num_heads, grid_splits, dtype=torch.float32, device=q.device)
     block_n = 64 if head_dim <= 128 else 32
-    new = new_kv
-    k_new, v_new = (new.k, new.v) if new is not None else (k_cache, v_cache)  # unused without new_kv
-    cos, sin = (new.cos, new.sin) if new is not None else (q, q)
+    # Without new_kv the kernel reads none of these; any tensors of the right rank fill the slots.
+    new = new_kv or NewTokenKV(k=k_cache, v=v_cache, cos=q, sin=q, out_cache_loc=slots)
     _paged_decode_split[(bsz, num_kv_heads, grid_splits)](
         q, k_cache, v_cache, page_table, slots, seq_lens, acc, lse,
-        k_new, v_new, cos, sin, new.out_cache_loc if new is not None else slots,
+        new.k, new.v, new.cos, new.sin, new.out_cache_loc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
+        new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos.stride(0),
         scale, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=splits, FUSE_NEW=new is not None, num_warps=4, num_stages=2,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=splits, FUSE_NEW=new_kv is not None, num_warps=4,
+        num_stages=2,
     )
     return merge_splits(acc, lse, q.dtype)  # splits with no tokens weigh 0
