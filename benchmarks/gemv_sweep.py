@@ -3,7 +3,8 @@
   python3 -P benchmarks/gemv_sweep.py [--sweep]
 Each candidate is timed inside a CUDA graph over enough weight copies to defeat the L2 cache,
 so the figures are HBM-bound kernel times, not launch or cache effects. Prints, per shape and
-row count, cuBLAS (F.linear) and the best Triton configuration, in µs and GB/s.
+row count, the engine's skinny kernel against cuBLAS (F.linear); with --sweep, also the best of
+its launch configurations (block shapes, warps, pipeline stages), in µs and GB/s.
 """
 
 from __future__ import annotations
@@ -13,40 +14,14 @@ import logging
 import sys
 
 import torch
-import triton
-import triton.language as tl
+
+from splitserve.engine.layers.skinny_gemm_triton import skinny_gemm
 
 logger = logging.getLogger("gemv_sweep")
 
 # (name, out_features N, in_features K) of a Llama-3.1-8B layer and its LM head
 SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
           ("lm_head", 128256, 4096)]
-
-
-@triton.jit
-def _skinny_gemm(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + m[:, None] * stride_xm + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w = tl.load(W + n[:, None] * stride_wn + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty),
-             mask=(m[:, None] < M) & (n[None, :] < N))
-
-
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, warps: int,
-                stages: int) -> torch.Tensor:
-    m, k = x.shape
-    n = w.shape[0]
-    _skinny_gemm[(triton.cdiv(n, block_n),)](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-                                             BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                                             num_stages=stages)
-    return out
 
 
 def graph_time_us(fn_per_copy, copies: int, reps: int = 10) -> float:
@@ -74,15 +49,14 @@ def sweep_shape(name: str, n: int, k: int, m: int, configs: list[tuple[int, int,
     copies = max(2, -(-(512 << 20) // nbytes))
     weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
     ref = torch.nn.functional.linear(x, weights[0])
     cublas = graph_time_us(lambda i: torch.nn.functional.linear(x, weights[i]), copies)
     best = None
     for cfg in configs:
         try:
-            got = skinny_gemm(x, weights[0], out, *cfg)
+            got = skinny_gemm(x, weights[0], launch=cfg)
             torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=2e-2)
-            us = graph_time_us(lambda i, cfg=cfg: skinny_gemm(x, weights[i], out, *cfg), copies)
+            us = graph_time_us(lambda i, cfg=cfg: skinny_gemm(x, weights[i], launch=cfg), copies)
         except Exception as exc:  # a configuration that does not compile or fit: skip it, say so
             logger.info("  %s m=%d %s: %s", name, m, cfg, str(exc).splitlines()[0][:100])
             continue

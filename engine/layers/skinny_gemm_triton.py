@@ -52,15 +52,20 @@ def _blocks(n: int) -> tuple[int, int]:
     return 32, 512 if n <= 4096 else 256
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias); x: [M, K] with M <= MAX_ROWS, weight: [N, K], both with contiguous rows."""
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                launch: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); x: [M, K] with M <= MAX_ROWS, weight: [N, K], both with contiguous rows.
+
+    `launch` (BLOCK_N, BLOCK_K, warps, stages) overrides the measured choice (the sweep tries them).
+    """
     m = x.shape[0]
     n, k = weight.shape
     assert m <= MAX_ROWS and x.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k = _blocks(n)
+    block_n, block_k, warps, stages = launch or (*_blocks(n), 4, 4)
     _skinny_gemm[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
+        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages,
     )
     return y
