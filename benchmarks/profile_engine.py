@@ -20,8 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from splitserve.engine.bench import random_prompts, run_engine_batch
-from splitserve.engine.bench_engine import EngineUnderTest
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.bench_engine import EngineUnderTest, loop_bench_config
 from splitserve.engine.engine import Engine
 from splitserve.engine.model_runner import build_forward_batch
 from splitserve.engine.model_shapes import write_shape_folder
@@ -119,11 +118,7 @@ def idle_report(gpu: list[dict], runtime: list[dict], start: float, end: float) 
 def loop_profile(shape: str, batch_size: int, context: int, tokens: int, trace_path: Path | None) -> None:
     """The engine loop at one batch size: step time, then a trace of where the GPU idles."""
     folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
-    slots = max(8, batch_size)
-    engine = Engine(EngineConfig(model=str(folder), device="cuda", load_format="dummy", page_size=16,
-                                 max_running_requests=slots, cuda_graph_max_batch=slots,
-                                 max_total_tokens=slots * (context + tokens + 32), context_length=16384,
-                                 chunked_prefill_size=16384, disable_prefix_cache=True))
+    engine = Engine(loop_bench_config(folder, "cuda", max(8, batch_size), context + tokens))
     engine.start()
     try:
         run_engine_batch(engine, random_prompts(2, 32, 1), 8)

@@ -138,17 +138,22 @@ class EngineUnderTest:
         return seconds
 
 
+def loop_bench_config(folder: Path, device: str, max_batch: int, tokens_per_request: int) -> EngineConfig:
+    """An engine over random weights sized for `max_batch` requests of `tokens_per_request` tokens:
+    whole prompts in one step, graphs up to the batch, no prefix cache (every prompt is computed)."""
+    return EngineConfig(model=str(folder), device=device, load_format="dummy", page_size=16,
+                        max_running_requests=max_batch, cuda_graph_max_batch=max_batch,
+                        max_total_tokens=max_batch * (tokens_per_request + 32), context_length=16384,
+                        chunked_prefill_size=16384, disable_prefix_cache=True)
+
+
 def engine_loop_decode(folder: Path, device: str, batches: list[int], context: int, bandwidth: float,
                        weight_bytes: int, kv_bytes_per_token: int, output_len: int = 64) -> list[dict[str, Any]]:
     """Decode step time through the Engine itself: the figure a served request sees."""
     from splitserve.engine.bench import random_prompts, run_engine_batch
     from splitserve.engine.engine import Engine
 
-    max_batch = max(batches)
-    engine = Engine(EngineConfig(model=str(folder), device=device, load_format="dummy", page_size=16,
-                                 max_running_requests=max_batch, cuda_graph_max_batch=max_batch,
-                                 max_total_tokens=max_batch * (context + output_len + 32), context_length=16384,
-                                 chunked_prefill_size=16384, disable_prefix_cache=True))
+    engine = Engine(loop_bench_config(folder, device, max(batches), context + output_len))
     engine.start()
     rows = []
     try:
