@@ -162,7 +162,7 @@ def worker_main(spec: WorkerSpec) -> None:
         logger.info("tensor-parallel rank %d/%d ready on %s", spec.rank, spec.size, runner.device)
         runner.capture_decode_graphs(page_table, layout.padding_slot)  # rank 0 captures at the same time
         run_steps(runner, tp, control, page_table)
-        if runner.device.type == "cuda":
+        if dist.get_backend() == "nccl":
             # Destroying NCCL groups whose all-reduces were captured in CUDA graphs hung on 2 H200s:
             # the process exits with them instead (nothing is pending: rank 0 said stop).
             logging.shutdown()
