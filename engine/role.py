@@ -1,5 +1,18 @@
 """What a role adds to the engine loop. The unified engine adds nothing; prefill and decode
-(in engine/roles/) override the hooks, so the loop itself has no `if role == ...` branches."""
+(in engine/roles/) override the hooks, so the loop itself has no `if role == ...` branches.
+
+Roles compose. A role is a list of *behaviours*, each a `Role` subclass in its own module that adds
+one thing to the loop: prefill = KV sender (+ embedding receiver when the model takes images);
+decode = KV receiver (+ verifier when a drafter is attached); encode = vision tower + embedding
+sender; drafter = draft model + draft-mesh server; unified may take a verifier too.
+`ComposedRole` runs the behaviours' hooks in order (see its docstring for how their answers
+combine), and `engine/roles/build_role` picks the list for `--role`.
+
+Behaviours change what a step computes (image embeddings in a prompt, draft tokens to verify)
+through fields of the `Request` that the scheduler and the runner read, never by reaching into
+the runner; and they take requests in and out of the batch through the engine (`park`, `finish`,
+`scheduler.add`), never by editing the scheduler's lists.
+"""
 
 from __future__ import annotations
 
@@ -52,3 +65,67 @@ class Role:
 
 class UnifiedRole(Role):
     """Prefill and decode in one engine: the reference every split deployment must match."""
+
+
+class ComposedRole(Role):
+    """Several behaviours acting as one role, their hooks called in list order.
+
+    - `on_arrival`: each behaviour sees the request until one of them finishes it (a refusal);
+      the request is held out of the scheduler if any behaviour holds it. At most one behaviour
+      may hold a request at a time, and the holder hands it to the scheduler when it is done.
+    - `on_token`: each behaviour sees the token; the request is taken over if any takes it.
+    - `poll`, `on_chunk_done`, `on_finish`: every behaviour (`on_finish` also for requests a behaviour
+      never saw, when an earlier one refused them); `close`: every one, in reverse.
+    - `health_info`: the behaviours' fields merged; `idle_poll_interval`: the shortest asked for.
+    """
+
+    def __init__(self, name: str, behaviours: list[Role]) -> None:
+        if not behaviours:
+            raise ValueError(f"role {name!r} needs at least one behaviour")
+        self.name = name
+        self.behaviours = behaviours
+
+    def attach(self, engine: Engine) -> None:
+        super().attach(engine)
+        for b in self.behaviours:
+            b.attach(engine)
+
+    def on_arrival(self, req: Request) -> bool:
+        held = False
+        for b in self.behaviours:
+            if req.finished:
+                return True  # refused by an earlier behaviour: it is no one's to hold any more
+            held = b.on_arrival(req) or held
+        return held or req.finished
+
+    def poll(self) -> None:
+        for b in self.behaviours:
+            b.poll()
+
+    def on_chunk_done(self, req: Request, computed_len: int) -> None:
+        for b in self.behaviours:
+            b.on_chunk_done(req, computed_len)
+
+    def on_token(self, req: Request, finish: FinishReason | None) -> bool:
+        taken = False
+        for b in self.behaviours:
+            taken = b.on_token(req, finish) or taken
+        return taken
+
+    def health_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        for b in self.behaviours:
+            info.update(b.health_info())
+        return info
+
+    def on_finish(self, req: Request) -> None:
+        for b in self.behaviours:
+            b.on_finish(req)
+
+    def idle_poll_interval(self) -> float | None:
+        asked = [t for t in (b.idle_poll_interval() for b in self.behaviours) if t is not None]
+        return min(asked) if asked else None
+
+    def close(self) -> None:
+        for b in reversed(self.behaviours):
+            b.close()

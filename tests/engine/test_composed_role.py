@@ -1,0 +1,87 @@
+"""Roles compose: a role made of several behaviours calls each one's hooks, in order, on a real engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.offline import GenerationFailed, generate_tokens
+from splitserve.engine.request import FinishReason, Request
+from splitserve.engine.role import ComposedRole, Role
+from splitserve.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+class Recorder(Role):
+    """Logs the hooks it sees, under its own name, into a log shared with its siblings."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]], poll_interval: float | None = None) -> None:
+        self.label, self.log, self.poll_interval = name, log, poll_interval
+
+    def on_arrival(self, req: Request) -> bool:
+        self.log.append((self.label, "arrival"))
+        return False
+
+    def on_token(self, req: Request, finish: FinishReason | None) -> bool:
+        self.log.append((self.label, "token"))
+        return False
+
+    def on_finish(self, req: Request) -> None:
+        self.log.append((self.label, "finish"))
+
+    def health_info(self) -> dict[str, str]:
+        return {self.label: "ok"}
+
+    def idle_poll_interval(self) -> float | None:
+        return self.poll_interval
+
+
+class Refuser(Role):
+    """Refuses every request at arrival, as a role does with bad bootstrap fields."""
+
+    def on_arrival(self, req: Request) -> bool:
+        self.engine.finish(req, FinishReason.ERROR, "refused by the test behaviour")
+        return True
+
+
+def run_engine(role: ComposedRole, prompts: list[list[int]]) -> list[list[int]]:
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=1024,
+                                 max_running_requests=4), role=role)
+    engine.start()
+    try:
+        return generate_tokens(engine, prompts, GREEDY)
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_tokens() -> list[list[int]]:
+    return run_engine(ComposedRole("unified", [Role()]), [[1, 2, 3, 4, 5]])
+
+
+def test_every_behaviour_sees_every_hook_in_list_order(plain_tokens: list[list[int]]) -> None:
+    log: list[tuple[str, str]] = []
+    role = ComposedRole("unified", [Recorder("a", log, 0.5), Recorder("b", log, 0.2)])
+    assert run_engine(role, [[1, 2, 3, 4, 5]]) == plain_tokens  # behaviours that take nothing change nothing
+    assert log[:2] == [("a", "arrival"), ("b", "arrival")]
+    tokens = [entry for entry in log if entry[1] == "token"]
+    assert tokens == [("a", "token"), ("b", "token")] * 6
+    assert log[-2:] == [("a", "finish"), ("b", "finish")]
+    assert role.health_info() == {"a": "ok", "b": "ok"}
+    assert role.idle_poll_interval() == 0.2
+
+
+def test_a_refusal_stops_the_later_behaviours_from_seeing_the_request() -> None:
+    log: list[tuple[str, str]] = []
+    role = ComposedRole("unified", [Refuser(), Recorder("after", log)])
+    with pytest.raises(GenerationFailed, match="refused by the test behaviour"):
+        run_engine(role, [[1, 2, 3]])
+    assert ("after", "arrival") not in log
+    assert role.idle_poll_interval() is None
+
+
+def test_a_role_needs_a_behaviour() -> None:
+    with pytest.raises(ValueError, match="at least one behaviour"):
+        ComposedRole("prefill", [])
