@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -38,6 +39,8 @@ class UpConfig:
         "help": "cpu, cuda (engine i gets cuda:i mod the GPU count), cuda:N (all on one GPU) or auto"})
     startup_timeout_s: float = field(default=300.0, metadata={"help": "seconds to wait for each process"})
     engine_args: str = field(default="", metadata={"help": "extra flags for every engine, one string"})
+    transfer_control_key: str = field(default="", metadata={
+        "help": "the group's key, handed to every engine and the router (empty: a random one per run)"})
 
     def __post_init__(self) -> None:
         if self.unified and (self.prefill or self.decode) and (self.prefill, self.decode) != (1, 1):
@@ -94,12 +97,16 @@ class Deployment:
         self.cfg = cfg
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._engines_started = 0
+        self.key = cfg.transfer_control_key or secrets.token_hex(32)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-P", "-m", "splitserve", *args]
         logger.info("starting %s: %s", name, " ".join(args))
+        # The key goes in the environment, not argv (which every local user can read).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITSERVE_TRANSFER_CONTROL_KEY": self.key,
+               "SPLITSERVE_ROUTER_TRANSFER_CONTROL_KEY": self.key}
         # A new session: Ctrl-C in the terminal reaches `up` alone, which stops the children in order.
-        return subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return subprocess.Popen(cmd, start_new_session=True, env=env)
 
     def _engine(self, role: str, index: int) -> str:
         port = free_port()

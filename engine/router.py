@@ -34,6 +34,7 @@ from starlette.routing import Route
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
 from splitserve.engine.openai_protocol import ApiError
 from splitserve.engine.server import error_response, read_json, wait_for_disconnect
+from splitserve.transfer.bootstrap_grant import SIGNATURE_FIELD, sign_bootstrap
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class RouterConfig:
     unified: list[str] = field(default_factory=list, metadata={"help": "unified engine URLs (data parallel)"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "upstream request timeout"})
     prefill_retries: int = field(default=1, metadata={"help": "retries on another prefill before the first token"})
+    transfer_control_key: str = field(default="", metadata={
+        "help": "the group's key (the engines' --transfer-control-key): signs each pair's bootstrap fields "
+                "(bootstrap_signature); empty: unsigned, for engines without a key"})
 
     def __post_init__(self) -> None:
         if self.unified and (self.prefill or self.decode):
@@ -231,9 +235,8 @@ class Router:
             if prefill.bootstrap_port is None and not await self._health_of(prefill):
                 last_error = UpstreamError(prefill.url, 0, "prefill not healthy (no bootstrap port)")
                 continue
-            room = secrets.randbits(63)
-            pair_body = {**body, "bootstrap_host": prefill.bootstrap_host, "bootstrap_port": prefill.bootstrap_port,
-                         "bootstrap_room": room}
+            pair_body = pair_request(body, prefill.bootstrap_host, prefill.bootstrap_port, secrets.randbits(63),
+                                     self.cfg.transfer_control_key)
             if attempt:
                 self.retries.inc()
                 logger.warning("retrying request on prefill %s after: %s", prefill.url, last_error)
@@ -290,6 +293,16 @@ async def _abandon(task: asyncio.Future) -> None:
     with contextlib.suppress(asyncio.CancelledError, UpstreamError):
         resp = await task
         await resp.aclose()
+
+
+def pair_request(body: dict, host: str, port: int, room: int, key: str) -> dict:
+    """The body both engines of a pair get: the request plus where they meet (the prefill's
+    bootstrap server and a room), signed with the group's key so the engines know the router
+    chose it."""
+    fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+    if key:
+        fields[SIGNATURE_FIELD] = sign_bootstrap(key, host, port, room)
+    return {**body, **fields}
 
 
 def check_single_sequence(body: dict) -> None:

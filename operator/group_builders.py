@@ -152,7 +152,8 @@ def build_router_deployment(group_body: Body, replicas: Mapping[str, int],
             {"name": env_var("ROLE"), "value": ROUTER_ROLE},
             {"name": env_var("SERVED_MODEL_NAME"), "value": str(spec["model"].get("name", ""))},
             {"name": env_var("PEERS_FILE"), "value": f"{PEERS_MOUNT}/{PEERS_FILE}"},
-            {"name": env_var("CONTROL_KEY"), "valueFrom": {"secretKeyRef": {
+            # The router's --transfer-control-key: it signs each pair's bootstrap fields with it.
+            {"name": env_var("ROUTER_TRANSFER_CONTROL_KEY"), "valueFrom": {"secretKeyRef": {
                 "name": control_secret_name(group), "key": CONTROL_KEY}}},
         ],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],

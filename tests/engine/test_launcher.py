@@ -42,6 +42,10 @@ def test_up_serves_then_stops_every_process_on_sigterm(shape: list[str], tmp_pat
         assert line.strip() == f"endpoint: http://127.0.0.1:{port}/v1", (line, log.seek(0) or log.read()[-3000:])
         children = children_of(proc.pid)
         assert len(children) == 3  # two engines and the router
+        keys = [environ_of(c) for c in children]  # one group key for all, engines and router alike
+        assert len({k["SPLITSERVE_TRANSFER_CONTROL_KEY"] for k in keys}) == 1
+        assert len(keys[0]["SPLITSERVE_TRANSFER_CONTROL_KEY"]) == 64
+        assert all(k["SPLITSERVE_ROUTER_TRANSFER_CONTROL_KEY"] == k["SPLITSERVE_TRANSFER_CONTROL_KEY"] for k in keys)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
@@ -55,6 +59,11 @@ def test_up_serves_then_stops_every_process_on_sigterm(shape: list[str], tmp_pat
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(e.decode().split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
 
 
 def _is_zombie(pid: int) -> bool:

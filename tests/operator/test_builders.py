@@ -209,6 +209,27 @@ def test_router_command_parses_with_the_routers_own_flags() -> None:
     assert (cfg.host, cfg.port, len(cfg.prefill), len(cfg.decode)) == ("0.0.0.0", 8100, 2, 3)
 
 
+def test_router_gets_the_groups_key_from_its_secret_under_the_routers_own_variable() -> None:
+    """The router signs bootstrap grants with the key the engines check them with."""
+    import argparse
+
+    from splitserve.config_flags import add_config_flags, config_from_args, env_name
+    from splitserve.engine.router import RouterConfig
+
+    deployment = build_router_deployment(group(), {"prefill": 1, "decode": 1}, IMAGE)
+    env = env_of(deployment["spec"]["template"]["spec"]["containers"][0])
+    variable = env_name("SPLITSERVE_ROUTER", "transfer_control_key")
+    assert env[variable] == {"secretKeyRef": {"name": "g-control", "key": "key"}}
+    engine_env = env_of(build_statefulset(role_body(group(), "decode"), IMAGE)["spec"]["template"]["spec"][
+        "containers"][0])
+    assert engine_env["SPLITSERVE_TRANSFER_CONTROL_KEY"] == env[variable]  # the same Secret key
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, RouterConfig, "SPLITSERVE_ROUTER")
+    cmd = router_command("g", "ns", {"prefill": 1, "decode": 1}, 8000)
+    cfg = config_from_args(RouterConfig, parser.parse_args(cmd[2:]), "SPLITSERVE_ROUTER", environ={variable: "k1"})
+    assert cfg.transfer_control_key == "k1"
+
+
 def test_peers_configmap_lists_every_pod_with_its_bootstrap_port() -> None:
     cm = build_peers_configmap(group(), {"prefill": 2, "decode": 4})
     peers = json.loads(cm["data"]["peers.json"])
