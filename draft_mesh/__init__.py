@@ -1,0 +1,6 @@
+"""The draft mesh: drafters negotiate with verifiers over gRPC (proto/draft_mesh.proto) and stream
+drafted tokens to them over ZeroMQ; see DESIGN.md, "Decoupled speculative decoding"."""
+
+from splitserve.draft_mesh.config import SpecConfig
+
+__all__ = ["SpecConfig"]

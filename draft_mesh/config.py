@@ -1,0 +1,51 @@
+"""``SpecConfig``: the draft mesh's settings (drafter and verifier sides), as flags and env vars.
+
+The engine adds them with ``add_config_flags(parser, SpecConfig, "SPLITSERVE")``: ``drafter``
+becomes ``--drafter`` and ``SPLITSERVE_DRAFTER``. The group's key is the transfer layer's
+``transfer_control_key``; it signs the mesh's gRPC calls and ZeroMQ messages too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Settings of one verifier's or one drafter's end of the draft mesh."""
+
+    # ---- verifier (decode, or unified with --drafter) -----------------------------------------
+    drafter: list[str] = field(default_factory=list, metadata={
+        "help": "draft mesh gRPC endpoints (host:port) of drafters to join; empty: no speculation"})
+    speculative_tokens: int = field(default=4, metadata={
+        "help": "draft tokens verified per request and step (K); the forward covers K+1 positions"})
+    verifier_rank: int = field(default=0, metadata={
+        "help": "this verifier's rank in the group (a request is draft:<rank>:<id> on a drafter)"})
+    draft_heartbeat_interval_s: float = field(default=0.25, metadata={
+        "help": "seconds between heartbeats to each joined drafter"})
+    draft_rpc_timeout_s: float = field(default=0.5, metadata={
+        "help": "seconds a Join/Heartbeat call may take before the drafter counts as silent"})
+    # ---- drafter (--role drafter) --------------------------------------------------------------
+    draft_mesh_port: int = field(default=50061, metadata={"help": "gRPC port of this drafter's DraftMesh service"})
+    draft_data_port: int = field(default=0, metadata={
+        "help": "ZeroMQ port this drafter receives DraftControl batches on (0: any free port)"})
+    max_draft_ahead: int = field(default=8, metadata={
+        "help": "tokens a drafter drafts past a request's last commit before it waits for the next"})
+    max_verifiers: int = field(default=64, metadata={"help": "leases a drafter grants at once (then: full)"})
+    draft_lease_ttl_s: float = field(default=1.5, metadata={
+        "help": "seconds a lease lives after its last heartbeat (then its requests are closed)"})
+
+    def __post_init__(self) -> None:
+        if self.speculative_tokens < 1:
+            raise ValueError(f"--speculative-tokens must be >= 1, got {self.speculative_tokens}")
+        if self.max_draft_ahead < 1:
+            raise ValueError(f"--max-draft-ahead must be >= 1, got {self.max_draft_ahead}")
+        if self.verifier_rank < 0:
+            raise ValueError(f"--verifier-rank must be >= 0, got {self.verifier_rank}")
+        for name in ("draft_heartbeat_interval_s", "draft_rpc_timeout_s", "draft_lease_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        for endpoint in self.drafter:
+            host, _, port = endpoint.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--drafter {endpoint!r} is not host:port")

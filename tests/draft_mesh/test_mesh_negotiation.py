@@ -1,0 +1,126 @@
+"""DraftMesh over real gRPC on loopback: Join checks and leases, heartbeats, Leave, authentication."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import grpc
+import pytest
+
+from splitserve.draft_mesh.auth import call_refusal, signed_metadata
+from splitserve.draft_mesh.client import DrafterLink, LinkEvent, MeshCaller
+from splitserve.draft_mesh.leases import LeaseTable
+from splitserve.draft_mesh.server import DrafterIdentity, DraftMeshService, start_mesh_server
+from splitserve.proto import draft_mesh_pb2 as pb
+
+KEY = "ab" * 16
+IDENTITY = DrafterIdentity(rank=3, instance="drafter-a", tokenizer_fingerprint="tok-1", vocab_size=320,
+                           control_endpoint="tcp://127.0.0.1:5999", max_draft_ahead=6)
+
+
+def join_request(**changes) -> pb.JoinRequest:
+    fields = {"verifier_rank": 0, "verifier_instance": "v0", "model_fingerprint": "m", "tokenizer_fingerprint": "tok-1",
+              "vocab_size": 320, "draft_tokens": 4, "tail_endpoint": "tcp://127.0.0.1:6000"}
+    fields.update(changes)
+    return pb.JoinRequest(**fields)
+
+
+@pytest.fixture
+def mesh():
+    leases = LeaseTable(ttl_s=0.6, max_leases=2)
+    service = DraftMeshService(IDENTITY, leases, KEY)
+    server, port = start_mesh_server(service, "127.0.0.1", 0)
+    caller = MeshCaller(f"127.0.0.1:{port}", KEY, timeout_s=2.0)
+    yield service, leases, caller, port
+    caller.close()
+    server.stop(0)
+
+
+def test_join_grants_a_lease_with_the_drafters_rank_and_endpoints(mesh) -> None:
+    _, leases, caller, _ = mesh
+    reply = caller.call("Join", join_request())
+    assert reply.accepted and reply.drafter_rank == 3 and reply.control_endpoint == IDENTITY.control_endpoint
+    assert reply.max_draft_ahead == 6 and reply.lease_ttl_s == pytest.approx(0.6)
+    assert leases.get(reply.lease_id).tail_endpoint == "tcp://127.0.0.1:6000"
+    assert caller.call("Heartbeat", pb.HeartbeatRequest(lease_id=reply.lease_id)).known
+    assert caller.call("Leave", pb.LeaveRequest(lease_id=reply.lease_id)).known
+    assert not caller.call("Heartbeat", pb.HeartbeatRequest(lease_id=reply.lease_id)).known
+    assert [lease.lease_id for lease in leases.take_ended()] == [reply.lease_id]
+
+
+@pytest.mark.parametrize(("changes", "refusal", "words"), [
+    ({"tokenizer_fingerprint": "tok-2"}, pb.REFUSAL_TOKENIZER_MISMATCH, "tokenizer mismatch"),
+    ({"vocab_size": 321}, pb.REFUSAL_VOCAB_MISMATCH, "321"),
+    ({"draft_tokens": 0}, pb.REFUSAL_BAD_REQUEST, "draft_tokens"),
+])
+def test_join_is_refused_with_the_reason(mesh, changes, refusal, words) -> None:
+    _, leases, caller, _ = mesh
+    reply = caller.call("Join", join_request(**changes))
+    assert not reply.accepted and reply.refusal == refusal and words in reply.reason
+    assert len(leases) == 0
+
+
+def test_join_is_refused_when_full_or_draining(mesh) -> None:
+    service, _, caller, _ = mesh
+    assert caller.call("Join", join_request(verifier_rank=0)).accepted
+    assert caller.call("Join", join_request(verifier_rank=1)).accepted
+    full = caller.call("Join", join_request(verifier_rank=2))
+    assert not full.accepted and full.refusal == pb.REFUSAL_FULL
+    service.draining = True
+    assert caller.call("Join", join_request(verifier_rank=5)).refusal == pb.REFUSAL_DRAINING
+
+
+def test_a_rejoining_rank_replaces_its_old_lease(mesh) -> None:
+    _, leases, caller, _ = mesh
+    first = caller.call("Join", join_request(verifier_instance="old"))
+    second = caller.call("Join", join_request(verifier_instance="new"))
+    assert first.lease_id != second.lease_id and len(leases) == 1
+    assert [lease.verifier_instance for lease in leases.take_ended()] == ["old"]
+
+
+def test_a_lease_without_heartbeats_expires(mesh) -> None:
+    _, leases, caller, _ = mesh
+    reply = caller.call("Join", join_request())
+    time.sleep(0.8)
+    assert not caller.call("Heartbeat", pb.HeartbeatRequest(lease_id=reply.lease_id)).known
+    assert [lease.lease_id for lease in leases.take_ended()] == [reply.lease_id]
+
+
+def test_calls_without_the_groups_key_are_refused(mesh) -> None:
+    _, leases, _, port = mesh
+    for key in ("", "cd" * 16):
+        wrong = MeshCaller(f"127.0.0.1:{port}", key, timeout_s=2.0)
+        with pytest.raises(grpc.RpcError) as err:
+            wrong.call("Join", join_request())
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        wrong.close()
+    assert len(leases) == 0
+
+
+def test_a_signed_call_cannot_be_replayed_for_another_body_or_later() -> None:
+    meta = signed_metadata(KEY, "/s/Join", b"body", now=1000.0)
+    assert call_refusal(KEY, "/s/Join", b"body", meta, now=1000.5) is None
+    assert "bad MAC" in call_refusal(KEY, "/s/Join", b"other", meta, now=1000.5)
+    assert "bad MAC" in call_refusal(KEY, "/s/Leave", b"body", meta, now=1000.5)
+    assert "off this drafter's clock" in call_refusal(KEY, "/s/Join", b"body", meta, now=2000.0)
+
+
+def test_a_link_joins_heartbeats_and_reports_a_lost_lease(mesh) -> None:
+    _, leases, _, port = mesh
+    events: queue.Queue[LinkEvent] = queue.Queue()
+    link = DrafterLink(f"127.0.0.1:{port}", join_request(), KEY, heartbeat_interval_s=0.1, timeout_s=1.0,
+                       events=events).start()
+    try:
+        joined = events.get(timeout=5)
+        assert joined.kind == "joined" and joined.reply.drafter_rank == 3
+        time.sleep(1.0)  # longer than the ttl: heartbeats keep it
+        assert leases.get(joined.reply.lease_id) is not None
+        leases.leave(joined.reply.lease_id)
+        lost = events.get(timeout=5)
+        assert lost.kind == "lost" and "no longer knows" in lost.reason
+        rejoined = events.get(timeout=5)
+        assert rejoined.kind == "joined" and rejoined.reply.lease_id != joined.reply.lease_id
+    finally:
+        link.stop()
+    assert len(leases) == 0  # stop() left
