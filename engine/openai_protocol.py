@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.engine.api_fields import UnknownField, check_fields
 from splitserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 
 MAX_N = 16
@@ -187,6 +188,9 @@ def _common(body: dict[str, Any], served_model: str) -> tuple[str, int, bool, bo
     opts = _get(body, "stream_options", (dict,), {})
     if opts and not stream:
         raise ApiError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    for key in opts:
+        if key not in ("include_usage", "include_obfuscation"):  # obfuscation pads chunks: no output change
+            raise ApiError(f"'stream_options.{key}' is not supported", "stream_options")
     include_usage = bool(opts.get("include_usage", False))
     return model, n, stream, include_usage
 
@@ -201,11 +205,19 @@ def _bootstrap(body: dict[str, Any], req: GenerationRequest) -> GenerationReques
     return req
 
 
+def _check_fields(body: Any, kind: str) -> None:
+    if not isinstance(body, dict):
+        raise ApiError("request body must be a JSON object")
+    try:
+        check_fields(body, kind)
+    except UnknownField as exc:
+        raise ApiError(str(exc), exc.field) from None
+
+
 def parse_completion(body: Any, served_model: str, vocab_size: int, default_max_tokens: int = 16
                      ) -> GenerationRequest:
     """Validates a /v1/completions body."""
-    if not isinstance(body, dict):
-        raise ApiError("request body must be a JSON object")
+    _check_fields(body, "completion")
     if "prompt" not in body:
         raise ApiError("'prompt' is required", "prompt")
     model, n, stream, include_usage = _common(body, served_model)
@@ -225,8 +237,7 @@ def parse_completion(body: Any, served_model: str, vocab_size: int, default_max_
 def parse_chat(body: Any, served_model: str, vocab_size: int, default_max_tokens: int) -> tuple[
         GenerationRequest, list[dict[str, Any]]]:
     """Validates a /v1/chat/completions body; returns the request and its messages."""
-    if not isinstance(body, dict):
-        raise ApiError("request body must be a JSON object")
+    _check_fields(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty array", "messages")
