@@ -16,7 +16,7 @@ class EngineConfig:
     """How to run one engine process."""
 
     role: str = field(default="unified", metadata={"help": "what this engine does", "choices": ROLES})
-    model: str = field(default="tiny", metadata={"help": "checkpoint folder, or 'tiny' for the built-in model"})
+    model: str = field(default="tiny", metadata={"help": "checkpoint folder, or 'tiny' / 'tiny-llava' (built in)"})
     served_model_name: str | None = field(default=None, metadata={"help": "name clients use (default: model)"})
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
     port: int = field(default=8000, metadata={"help": "HTTP port"})

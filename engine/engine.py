@@ -26,6 +26,7 @@ from splitserve.engine.parallel_state import SINGLE, TensorParallel, check_tp_si
 from splitserve.engine.request import FinishReason, Request, RequestStatus, TokenOutput
 from splitserve.engine.role import Role, UnifiedRole
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from splitserve.engine.tiny_llava import TINY_LLAVA_NAME, tiny_llava_folder
 from splitserve.engine.tiny_model import TINY_NAME, tiny_model_folder
 from splitserve.engine.tokenizer import TextTokenizer
 from splitserve.engine.tp_supervisor import TensorParallelSupervisor
@@ -38,6 +39,8 @@ IDLE_WAIT_S = 0.05
 def resolve_model_folder(cfg: EngineConfig) -> Path:
     if cfg.model == TINY_NAME:
         return tiny_model_folder(cfg.seed)
+    if cfg.model == TINY_LLAVA_NAME:
+        return tiny_llava_folder(cfg.seed)
     folder = Path(cfg.model)
     if not folder.is_dir():
         raise FileNotFoundError(
@@ -87,6 +90,9 @@ class Engine:
         self.model_folder = resolve_model_folder(cfg)
         self.model_cfg = ModelConfig.from_folder(self.model_folder)
         self.tokenizer = TextTokenizer(self.model_folder)
+        if self.model_cfg.takes_images and cfg.tp_size > 1:
+            raise ValueError("--tp-size > 1 is not supported for multimodal models yet (the image rows are not "
+                             "broadcast to the worker ranks)")
         # --tp-size N: this process is rank 0 and starts ranks 1..N-1 as worker processes.
         self.tp_supervisor = start_tp_workers(cfg, self.model_folder, self.model_cfg) if cfg.tp_size > 1 else None
         if self.tp_supervisor is not None:

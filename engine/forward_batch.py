@@ -37,6 +37,8 @@ class ForwardBatch:
     slots: torch.Tensor | None = None  # [B] int64
     page_table: torch.Tensor | None = None  # [max_slots, max_pages] int32
     page_size: int = 0
+    # A multimodal prompt's embeddings with the image rows in place (None: embed `input_ids`).
+    input_embeds: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -80,7 +80,7 @@ class KVCache:
         """Gives `req` a slot and the pages of its longest cached prefix (at most the given tokens)."""
         if not self._free_slots:
             raise OutOfPagesError("no free request slot")
-        match = self.prefix_cache.match(req.all_ids, max_prefix_tokens)
+        match = self.prefix_cache.match(req.cache_ids, max_prefix_tokens)
         self.prefix_cache.lock(match.node)
         req.slot = self._free_slots.pop()
         req.prefix_node = match.node
@@ -120,7 +120,7 @@ class KVCache:
         """Gives back everything `req` holds; its computed full pages go to the prefix cache."""
         if req.slot < 0:
             return
-        own_tokens = req.all_ids[: req.kv_len] if cache_prefix else []
+        own_tokens = req.cache_ids[: req.kv_len] if cache_prefix else []
         if cache_prefix:
             leftover, _ = self.prefix_cache.insert(own_tokens, req.pages)
         else:

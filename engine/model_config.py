@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from splitserve.engine.vision_config import MULTIMODAL_ARCHITECTURES, VisionConfig
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+
+# A multimodal checkpoint's `text_config.model_type` -> the text architecture it is.
+TEXT_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
 
 
 class UnsupportedModelError(ValueError):
@@ -36,15 +43,23 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     hidden_act: str = "silu"
+    vision: VisionConfig | None = None  # a multimodal checkpoint's image side (None: text only)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
+        if any(a in MULTIMODAL_ARCHITECTURES for a in archs):
+            return cls._multimodal(cfg)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
-                f"architectures {archs} not supported; this engine runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architectures {archs} not supported; this engine runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES + MULTIMODAL_ARCHITECTURES)}"
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} not supported (only silu)")
@@ -81,6 +96,22 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             raw=cfg,
         )
+
+    @classmethod
+    def _multimodal(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """A LLaVA checkpoint: the text model from `text_config`, the image side beside it."""
+        text = dict(cfg.get("text_config") or {})
+        model_type = text.get("model_type", "llama")
+        if model_type not in TEXT_MODEL_TYPES:
+            raise UnsupportedModelError(f"LLaVA text model {model_type!r} not supported "
+                                        f"({', '.join(TEXT_MODEL_TYPES)})")
+        text.setdefault("architectures", [TEXT_MODEL_TYPES[model_type]])
+        text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        base = cls.from_dict(text)
+        vision = VisionConfig.from_llava(cfg, base.hidden_size)
+        if not 0 <= vision.image_token_id < base.vocab_size:
+            raise UnsupportedModelError(f"image_token_index {vision.image_token_id} is outside the vocabulary")
+        return dataclasses.replace(base, vision=vision, raw=cfg)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:

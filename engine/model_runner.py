@@ -15,8 +15,9 @@ from splitserve.engine.forward_batch import ForwardBatch, decode_batch
 from splitserve.engine.host_to_device import to_device
 from splitserve.engine.kv_pool import KVPool, KVPoolShape
 from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.models.llama import LlamaForCausalLM
+from splitserve.engine.models import build_model
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
+from splitserve.engine.prompt_embeds import missing_embeddings, scatter_image_rows, touches_images
 from splitserve.engine.sampling.base import SampleOutput, SamplingBatch, TopLogprobs
 from splitserve.engine.sampling.full import FullSampler
 from splitserve.engine.sampling.greedy import GreedySampler
@@ -148,7 +149,7 @@ class ModelRunner:
         self.context_length = cfg.context_length or model_cfg.max_position_embeddings
         started = time.monotonic()
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(model_cfg, tp, self.dtype, max_positions=self.context_length)
+            self.model = build_model(model_cfg, tp, self.dtype, max_positions=self.context_length)
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed)
         else:
@@ -186,14 +187,16 @@ class ModelRunner:
         prepares the next step meanwhile). Sampled tokens also go to the relay buffer, by slot."""
         sampled = [c for c in chunks if c.sample]
         argmax = None
-        if all(c.length == 1 for c in chunks):
+        if all(c.length == 1 for c in chunks) and not touches_images(chunks):
             logits, argmax = self._decode(chunks, page_table)
             if len(sampled) < len(chunks):  # a one-token prompt chunk rides along: it samples nothing
                 rows = to_device([i for i, c in enumerate(chunks) if c.sample], torch.int64, self.device)
                 logits, argmax = logits[rows], (argmax[rows] if argmax is not None else None)
         else:
-            logits = self.forward(build_forward_batch(chunks, page_table, self.cfg.page_size, self.device,
-                                                      self.next_tokens))
+            batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device, self.next_tokens)
+            if touches_images(chunks):
+                batch.input_embeds = self.prompt_embeds(chunks, batch)
+            logits = self.forward(batch)
         if not sampled:
             return PendingStep([], None, None, None, self._record_done())
         if argmax is not None and all(c.request.params.wants_argmax_only for c in sampled):
@@ -204,6 +207,19 @@ class ModelRunner:
         tokens = self._to_host(out.tokens)
         logprobs = self._to_host(out.logprobs) if out.logprobs is not None else None
         return PendingStep(sampled, tokens, logprobs, out.top_logprobs, self._record_done())
+
+    def encode_images(self, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each image's embedding rows [tokens_per_image, hidden] (vision tower + projector)."""
+        rows = self.model.encode_images(torch.stack(pixels).to(self.device))  # type: ignore[operator]
+        return list(rows.unbind(0))
+
+    def prompt_embeds(self, chunks: list[ScheduledChunk], batch: ForwardBatch) -> torch.Tensor:
+        """Token embeddings with the chunks' image rows in place; images not yet encoded are, now."""
+        missing = missing_embeddings(chunks)
+        if missing:
+            for item, rows in zip(missing, self.encode_images([m.pixels for m in missing]), strict=True):
+                item.embedding, item.pixels = rows, None
+        return scatter_image_rows(self.model.embed_tokens(batch.input_ids), chunks)
 
     def _decode(self, chunks: list[ScheduledChunk], page_table: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.engine.image_items import ImageItem, cache_ids
 from splitserve.engine.prefix_cache import TreeNode
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -68,12 +69,19 @@ class Request:
     # Disaggregation: the prefill's bootstrap server ("host:port") and the transfer room.
     bootstrap_addr: str | None = None
     bootstrap_room: int | None = None
+    # A multimodal prompt's images: the runner puts their embedding rows at their positions.
+    images: list[ImageItem] = field(default_factory=list)
     # Role hooks may hang their per-request state here (e.g. a KV sender or receiver).
     role_state: Any = None
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The prefix cache's key for `all_ids`: image positions keyed by their image's hash."""
+        return cache_ids(self.all_ids, self.images)
 
     @property
     def total_len(self) -> int:

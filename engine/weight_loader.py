@@ -15,7 +15,7 @@ from splitserve.engine.layers.linear import WeightShapeError
 logger = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the model recomputes or does not need.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
 
 
 class CheckpointError(ValueError):
@@ -27,6 +27,19 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"no *.safetensors files in {folder}")
     return files
+
+
+class ParamTarget:
+    """A load target for one plain parameter (a bias, a class embedding) of a module without `load`."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        self.param = param
+
+    def load(self, name: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        if tuple(self.param.shape) != tuple(tensor.shape):
+            raise WeightShapeError(f"{name}: expected shape {tuple(self.param.shape)}, "
+                                   f"checkpoint has {tuple(tensor.shape)}")
+        self.param.data.copy_(tensor)
 
 
 def _copy_into(module: nn.Module, name: str, tensor: torch.Tensor, shard: int) -> None:
@@ -43,19 +56,22 @@ def _copy_into(module: nn.Module, name: str, tensor: torch.Tensor, shard: int) -
 def load_weights(model: nn.Module, folder: str | Path, tied_lm_head: bool) -> None:
     """Copies every tensor the model needs from `folder`; raises naming what is missing or extra."""
     targets: dict[str, tuple[nn.Module, int]] = model.weight_targets()  # type: ignore[operator]
+    # Multimodal checkpoints come in several layouts: the model maps each name to the one it targets.
+    canonical = getattr(model, "checkpoint_name", lambda n: n)
     remaining = set(targets)
     files = safetensors_files(folder)
     total_bytes = sum(f.stat().st_size for f in files)
     done_bytes, started = 0, time.monotonic()
     for index, path in enumerate(files, 1):
         with safe_open(str(path), framework="pt") as reader:
-            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for stored in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                name = canonical(stored)
                 if name.endswith(IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
                     continue
                 if name not in targets:
                     raise CheckpointError(f"{path.name}: unexpected tensor {name!r} (wrong architecture?)")
                 module, shard = targets[name]
-                _copy_into(module, name, reader.get_tensor(name), shard)
+                _copy_into(module, name, reader.get_tensor(stored), shard)
                 remaining.discard(name)
         done_bytes += path.stat().st_size
         elapsed = time.monotonic() - started

@@ -1,1 +1,19 @@
-"""Model architectures, one file each."""
+"""Model families, one module each; `build_model` picks the one a checkpoint's config names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.parallel_state import SINGLE, TensorParallel
+
+
+def build_model(cfg: ModelConfig, tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32,
+                max_positions: int | None = None) -> nn.Module:
+    """The text model, or the multimodal model around it when the checkpoint takes images."""
+    if cfg.vision is not None:
+        from splitserve.engine.models.llava import LlavaForConditionalGeneration
+        return LlavaForConditionalGeneration(cfg, tp, dtype, max_positions)
+    from splitserve.engine.models.llama import LlamaForCausalLM
+    return LlamaForCausalLM(cfg, tp, dtype, max_positions)

@@ -119,6 +119,8 @@ class LlamaForCausalLM(nn.Module):
 
     def hidden_states(self, batch: ForwardBatch, kv: KVPool,
                       input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if input_embeds is None:
+            input_embeds = batch.input_embeds
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         # Only the padded extend path needs a mask; decodes and plain causal prefills do not.
         needs_mask = not batch.is_decode and not (batch.no_prefix and batch.batch_size == 1)
@@ -129,9 +131,10 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def forward(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
-        """Logits (float32) of the tokens at `batch.logits_index`."""
-        hidden = self.hidden_states(batch, kv)
+    def forward(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (float32) of the tokens at `batch.logits_index`; `input_embeds` replaces the token
+        embeddings (a multimodal prompt's image rows are in it)."""
+        hidden = self.hidden_states(batch, kv, input_embeds)
         if not batch.is_decode:  # a decode batch wants every row's logits: no gather
             hidden = hidden[batch.logits_index]
         return self.lm_head.compute_logits(hidden).float()

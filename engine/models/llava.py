@@ -1,0 +1,93 @@
+"""LLaVA: a CLIP vision tower, a two-layer MLP projector and a Llama-family text model.
+
+`encode_images` turns preprocessed pixels into embedding rows of the text model's width (what an
+encode engine computes and ships); `forward` runs the text model over a batch whose image
+placeholder positions already carry those rows (`input_embeds`, built by the runner from the
+requests' image items). The text model is the engine's ordinary Llama, so paged KV, chunked
+prefill, prefix caching and CUDA-graph decodes work unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.models.clip_vision import ClipVisionTower, activation
+from splitserve.engine.models.llama import LlamaForCausalLM
+from splitserve.engine.parallel_state import SINGLE, TensorParallel
+from splitserve.engine.weight_loader import ParamTarget
+
+# Checkpoint layouts -> the names this model targets. The hub's llava-hf folders nest the tower in
+# `vision_model` and the text model in `language_model.model`; transformers 4.5x's save_pretrained
+# writes `model.language_model` / `model.vision_tower`; 5.x writes `vision_tower.` without `vision_model`.
+LAYOUT_RENAMES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.vision_model.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+class LlavaProjector(nn.Module):
+    """Vision features -> text embeddings: linear, GELU, linear."""
+
+    def __init__(self, in_features: int, out_features: int, act: str, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.act = act
+        self.linear_1 = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+        self.linear_2 = nn.Linear(out_features, out_features, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(activation(self.act, self.linear_1(x)))
+
+
+class LlavaForConditionalGeneration(nn.Module):
+    """The text model plus the image side; `layers`, `embed_tokens` and `forward` are the text model's."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        assert cfg.vision is not None
+        self.cfg = cfg
+        self.vision_cfg = cfg.vision
+        self.language_model = LlamaForCausalLM(cfg, tp, dtype, max_positions)
+        self.vision_tower = ClipVisionTower(cfg.vision, dtype)
+        feature_width = cfg.vision.hidden_size * len(cfg.vision.feature_layers)
+        self.multi_modal_projector = LlavaProjector(feature_width, cfg.hidden_size, cfg.vision.projector_act,
+                                                    cfg.vision.projector_bias, dtype)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.language_model.layers
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.language_model.embed_tokens
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] preprocessed pixels -> [N, tokens_per_image, text hidden] embedding rows."""
+        return self.multi_modal_projector(self.vision_tower(pixels.to(self.multi_modal_projector.linear_1.weight)))
+
+    def forward(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model(batch, kv, input_embeds)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        for old, new in LAYOUT_RENAMES:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    def weight_targets(self) -> dict[str, tuple[nn.Module, int]]:
+        targets = self.language_model.weight_targets()
+        for prefix, module in (("vision_tower", self.vision_tower), ("multi_modal_projector",
+                                                                     self.multi_modal_projector)):
+            for name, param in module.named_parameters():
+                targets[f"{prefix}.{name}"] = (ParamTarget(param), 0)  # type: ignore[assignment]
+        return targets
