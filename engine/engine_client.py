@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from splitserve.engine.engine import Engine
+from splitserve.engine.image_items import ImageItem
 from splitserve.engine.request import Request, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -17,8 +18,8 @@ class EngineClient:
         self.engine = engine
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       bootstrap_addr: str | None = None, bootstrap_room: int | None = None
-                       ) -> AsyncIterator[TokenOutput]:
+                       bootstrap_addr: str | None = None, bootstrap_room: int | None = None,
+                       images: list[ImageItem] | None = None) -> AsyncIterator[TokenOutput]:
         """Yields the request's outputs until one has a finish reason.
 
         If the consumer stops early (client gone, task cancelled), the request is aborted and
@@ -31,7 +32,7 @@ class EngineClient:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         req = Request(request_id=request_id, prompt_ids=prompt_ids, params=params, on_output=deliver,
-                      bootstrap_addr=bootstrap_addr, bootstrap_room=bootstrap_room)
+                      bootstrap_addr=bootstrap_addr, bootstrap_room=bootstrap_room, images=images or [])
         self.engine.submit(req)
         finished = False
         try:

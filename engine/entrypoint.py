@@ -13,6 +13,7 @@ import uvicorn
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.image_inputs import ImageInputConfig
 from splitserve.engine.server import ApiServer
 from splitserve.transfer.config import TransferConfig
 
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(parser, EngineConfig, ENV_PREFIX)
     # The transfer layer's flags (used by --role prefill/decode) live in its own dataclass.
     add_config_flags(parser.add_argument_group("KV transfer (prefill/decode)"), TransferConfig, ENV_PREFIX)
+    add_config_flags(parser.add_argument_group("Images (multimodal models)"), ImageInputConfig, ENV_PREFIX)
     return parser
 
 
@@ -38,6 +40,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = config_from_args(EngineConfig, args, ENV_PREFIX)
         transfer = config_from_args(TransferConfig, args, ENV_PREFIX)
+        images = config_from_args(ImageInputConfig, args, ENV_PREFIX)
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
     logging.getLogger().setLevel(cfg.log_level.upper())
@@ -54,7 +57,7 @@ def main(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError, MemoryError, OSError) as exc:
         logger.error("cannot start the engine: %s", exc)
         return 1
-    server = ApiServer(engine)
+    server = ApiServer(engine, images)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal; as SystemExit it lets
     # the `finally` below stop the engine (and its tensor-parallel workers) before the process ends.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

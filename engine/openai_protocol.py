@@ -31,6 +31,18 @@ class ApiError(Exception):
 
 
 @dataclass
+class ImagePart:
+    """One image content part: a URL to load, or (from the router, under encoder disaggregation) a
+    reference to rows an encode engine ships: the image's hash, the encoder and the room."""
+
+    where: str  # "messages[i].content[j]", for error messages
+    url: str | None = None
+    digest: str | None = None
+    encoder_addr: str | None = None
+    room: int | None = None
+
+
+@dataclass
 class GenerationRequest:
     """One parsed API call: its prompts (text or ids) and how to sample them."""
 
@@ -49,6 +61,7 @@ class GenerationRequest:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    images: list[ImagePart] = field(default_factory=list)  # chat: the image parts, in prompt order
 
 
 # ---- field readers: each names the field it reads in its error -------------------------------
@@ -234,13 +247,16 @@ def parse_completion(body: Any, served_model: str, vocab_size: int, default_max_
     return _bootstrap(body, req)
 
 
-def parse_chat(body: Any, served_model: str, vocab_size: int, default_max_tokens: int) -> tuple[
-        GenerationRequest, list[dict[str, Any]]]:
-    """Validates a /v1/chat/completions body; returns the request and its messages."""
+def parse_chat(body: Any, served_model: str, vocab_size: int, default_max_tokens: int,
+               takes_images: bool = False) -> tuple[GenerationRequest, list[dict[str, Any]]]:
+    """Validates a /v1/chat/completions body; returns the request and its messages (content parts
+    kept as a list of text and `{"type": "image"}` parts when the model takes images)."""
     _check_fields(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty array", "messages")
+    messages = list(messages)
+    images: list[ImagePart] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ApiError(f"'messages[{i}]' must be an object", "messages")
@@ -248,16 +264,17 @@ def parse_chat(body: Any, served_model: str, vocab_size: int, default_max_tokens
             raise ApiError(f"'messages[{i}].role' must be system, user, assistant, tool or developer, "
                            f"got {m.get('role')!r}", "messages")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: only text parts are understood here
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(f"'messages[{i}].content' parts must be text parts", "messages")
-                texts.append(part["text"])
-            m = {**m, "content": "".join(texts)}
-            messages[i] = m
+        if isinstance(content, list):
+            parts = [_content_part(part, f"messages[{i}].content[{j}]", images) for j, part in enumerate(content)]
+            if takes_images:  # the template renders the parts (an image part becomes its placeholder)
+                messages[i] = {**m, "content": parts}
+            else:
+                messages[i] = {**m, "content": "".join(p.get("text", "") for p in parts)}
         elif not isinstance(content, str):
-            raise ApiError(f"'messages[{i}].content' must be a string or an array of text parts", "messages")
+            raise ApiError(f"'messages[{i}].content' must be a string or an array of content parts", "messages")
+    if images and not takes_images:
+        raise ApiError(f"{images[0].where}: this model takes no images (it is a text-only model)", images[0].where,
+                       code="images_not_supported")
     model, n, stream, include_usage = _common(body, served_model)
     logprobs = None
     if _get(body, "logprobs", (bool,), False):
@@ -265,9 +282,37 @@ def parse_chat(body: Any, served_model: str, vocab_size: int, default_max_tokens
     params = sampling_params_from(body, vocab_size, default_max_tokens, logprobs)
     req = GenerationRequest(
         kind="chat", model=model, prompts=[], params=params, n=n, stream=stream, include_usage=include_usage,
-        return_token_ids=bool(_get(body, "return_token_ids", (bool,), False)),
+        return_token_ids=bool(_get(body, "return_token_ids", (bool,), False)), images=images,
     )
     return _bootstrap(body, req), messages
+
+
+def _content_part(part: Any, where: str, images: list[ImagePart]) -> dict[str, Any]:
+    """A text part as is; an image part recorded in `images` and rendered as `{"type": "image"}`."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise ApiError(f"{where}: a text part needs a string 'text'", where)
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        spec = part.get("image_url")
+        url = spec.get("url") if isinstance(spec, dict) else spec
+        if not isinstance(url, str) or not url:
+            raise ApiError(f"{where}: an image_url part needs 'image_url': {{'url': ...}}", where, code="invalid_image")
+        images.append(ImagePart(where, url=url))
+        return {"type": "image"}
+    if kind == "image_ref":  # written by the router when an encode engine computes the rows
+        ref = part.get("image_ref")
+        if not isinstance(ref, dict) or not isinstance(ref.get("digest"), str) or len(ref["digest"]) != 64:
+            raise ApiError(f"{where}: an image_ref part needs a 64-hex 'digest'", where)
+        room, addr = ref.get("room"), ref.get("encoder_addr")
+        if (room is None) != (addr is None) or (room is not None and not (
+                isinstance(room, int) and not isinstance(room, bool) and 0 <= room < 2**63 and isinstance(addr, str))):
+            raise ApiError(f"{where}: an image_ref names both 'encoder_addr' and a 'room' in [0, 2^63), or neither",
+                           where)
+        images.append(ImagePart(where, digest=ref["digest"], encoder_addr=addr, room=room))
+        return {"type": "image"}
+    raise ApiError(f"{where}: content parts must be text or image_url parts, got {kind!r}", where)
 
 
 # ---- response shapes ------------------------------------------------------------------------

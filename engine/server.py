@@ -22,6 +22,10 @@ from starlette.routing import Route
 
 from splitserve.engine.engine import Engine
 from splitserve.engine.engine_client import EngineClient
+from splitserve.engine.image_inputs import ImageInputConfig
+from splitserve.engine.image_items import ImageItem
+from splitserve.engine.image_processor import ClipImageProcessor
+from splitserve.engine.multimodal_prompt import copies_for_choice, image_items, place_images
 from splitserve.engine.openai_protocol import (
     ApiError,
     GenerationRequest,
@@ -94,8 +98,12 @@ async def wait_for_disconnect(request: HttpRequest) -> None:
 class ApiServer:
     """Builds the Starlette app around one engine."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, images: ImageInputConfig | None = None) -> None:
         self.engine = engine
+        self.image_cfg = images or ImageInputConfig()
+        self.vision = engine.model_cfg.vision
+        self.image_processor = (ClipImageProcessor.from_folder(engine.model_folder)
+                                if self.vision is not None else None)
         self.client = EngineClient(engine)
         self.model_name = engine.cfg.model_name
         self.tokenizer = engine.tokenizer
@@ -121,13 +129,21 @@ class ApiServer:
 
     async def chat_completions(self, request: HttpRequest) -> Response:
         body = await read_json(request)
-        gen, messages = parse_chat(body, self.model_name, self.vocab_size, default_max_tokens=256)
+        gen, messages = parse_chat(body, self.model_name, self.vocab_size, default_max_tokens=256,
+                                   takes_images=self.vision is not None)
+        items: list[ImageItem] = []
+        if gen.images and self.vision is not None:  # every image is checked before any engine work
+            items = await image_items(gen.images, self.image_cfg, self.image_processor, self.vision,
+                                      accept_refs=self.engine.role.name != "unified")
         try:
             text = self.tokenizer.apply_chat_template(messages)
         except ChatTemplateError as exc:
             raise ApiError(str(exc), "messages") from None
         # The template already spells the special tokens (BOS, role markers) out.
-        return await self._respond(request, gen, [self._tokenize(text, add_special=False)])
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if self.vision is not None:
+            ids = place_images(ids, items, self.vision)
+        return await self._respond(request, gen, [self._tokenize(ids, add_special=False)], items)
 
     async def models(self, _request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -174,7 +190,7 @@ class ApiServer:
                            code="context_length_exceeded")
         return ids
 
-    def _choice_streams(self, gen: GenerationRequest, prompts: list[list[int]]
+    def _choice_streams(self, gen: GenerationRequest, prompts: list[list[int]], images: list[ImageItem]
                         ) -> list[tuple[ChoiceResult, AsyncIterator[TokenOutput]]]:
         streams = []
         bootstrap = (f"{gen.bootstrap_host}:{gen.bootstrap_port}"
@@ -183,12 +199,14 @@ class ApiServer:
             for j in range(gen.n):
                 index = p * gen.n + j
                 rid = gen.request_id if len(prompts) * gen.n == 1 else f"{gen.request_id}-{index}"
-                stream = self.client.generate(rid, ids, gen.params, bootstrap, gen.bootstrap_room)
+                stream = self.client.generate(rid, ids, gen.params, bootstrap, gen.bootstrap_room,
+                                              copies_for_choice(images))
                 streams.append((ChoiceResult(index, ids), stream))
         return streams
 
-    async def _respond(self, request: HttpRequest, gen: GenerationRequest, prompts: list[list[int]]) -> Response:
-        streams = self._choice_streams(gen, prompts)
+    async def _respond(self, request: HttpRequest, gen: GenerationRequest, prompts: list[list[int]],
+                       images: list[ImageItem] | None = None) -> Response:
+        streams = self._choice_streams(gen, prompts, images or [])
         if gen.stream:
             return StreamingResponse(self._sse(gen, streams), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
