@@ -2,7 +2,9 @@
 
 Starts the engines (prefill and decode, or unified replicas), waits until each is healthy
 (printing progress), starts the router, prints the endpoint, and on Ctrl-C or SIGTERM stops
-everything it started. If any process dies, the rest are stopped and the exit code says so.
+everything it started. It supervises like a kubelet: a process that exits is restarted with
+the same flags (and ports) after a backoff, and rejoins the router, which serves on the rest
+meanwhile.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ class UpConfig:
     engine_args: str = field(default="", metadata={"help": "extra flags for every engine, one string"})
     transfer_control_key: str = field(default="", metadata={
         "help": "the group's key, handed to every engine and the router (empty: a random one per run)"})
+    router_args: str = field(default="", metadata={"help": "extra flags for the router, one string"})
+    restart_backoff_s: float = field(default=1.0, metadata={
+        "help": "wait before restarting a process that exited (doubles while it keeps exiting)"})
+    restart_backoff_max_s: float = field(default=30.0, metadata={"help": "longest wait before a restart"})
+    restart_reset_s: float = field(default=60.0, metadata={
+        "help": "a process that ran this long before exiting is restarted after the first backoff again"})
 
     def __post_init__(self) -> None:
         if self.unified and (self.prefill or self.decode) and (self.prefill, self.decode) != (1, 1):
@@ -55,8 +63,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(procs: list[tuple[str, subprocess.Popen]], timeout: float) -> None:
-    """Waits until every URL's /health answers 200; raises if a process exits first."""
+def wait_healthy(procs: list[tuple[str, subprocess.Popen]], timeout: float, path: str = "/health") -> None:
+    """Waits until every URL's `path` answers 200; raises if a process exits first."""
     deadline = time.monotonic() + timeout
     pending = dict(procs)
     last_report = 0.0
@@ -65,7 +73,7 @@ def wait_healthy(procs: list[tuple[str, subprocess.Popen]], timeout: float) -> N
             if proc.poll() is not None:
                 raise RuntimeError(f"{url} exited with code {proc.returncode} while starting")
             try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{url}{path}", timeout=1.0).status_code == 200:
                     del pending[url]
                     logger.info("ready: %s (%d/%d)", url, len(procs) - len(pending), len(procs))
             except httpx.HTTPError:
@@ -90,23 +98,44 @@ def engine_device(device: str, index: int) -> str:
     return f"cuda:{index % count}"
 
 
+@dataclass(eq=False)
+class Child:
+    """One process of the deployment, restarted with the same flags (and so the same ports)."""
+
+    name: str
+    url: str
+    args: list[str]
+    ready_path: str = "/health"
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    failures_in_a_row: int = 0
+    restart_at: float | None = None  # set while it is down and waiting for its restart
+
+
 class Deployment:
-    """The processes of one `splitserve up`, started and stopped together."""
+    """The processes of one `splitserve up`: started together, each restarted when it exits (with
+    a backoff that doubles while it keeps failing, like a kubelet), stopped together."""
 
     def __init__(self, cfg: UpConfig) -> None:
         self.cfg = cfg
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.children: list[Child] = []
         self._engines_started = 0
         self.key = cfg.transfer_control_key or secrets.token_hex(32)
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-P", "-m", "splitserve", *args]
-        logger.info("starting %s: %s", name, " ".join(args))
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen]]:
+        return [(c.url, c.proc) for c in self.children if c.proc is not None]
+
+    def _spawn(self, child: Child) -> None:
+        cmd = [sys.executable, "-P", "-m", "splitserve", *child.args]
+        logger.info("starting %s: %s", child.name, " ".join(child.args))
         # The key goes in the environment, not argv (which every local user can read).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITSERVE_TRANSFER_CONTROL_KEY": self.key,
                "SPLITSERVE_ROUTER_TRANSFER_CONTROL_KEY": self.key}
         # A new session: Ctrl-C in the terminal reaches `up` alone, which stops the children in order.
-        return subprocess.Popen(cmd, start_new_session=True, env=env)
+        child.proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+        child.started_at = time.monotonic()
 
     def _engine(self, role: str, index: int) -> str:
         port = free_port()
@@ -116,9 +145,10 @@ class Deployment:
         if role == "prefill":
             args += ["--bootstrap-port", str(free_port())]
         args += self.cfg.engine_args.split()
-        url = f"http://127.0.0.1:{port}"
-        self.procs.append((url, self._spawn(f"{role}-{index}", args)))
-        return url
+        child = Child(f"{role}-{index}", f"http://127.0.0.1:{port}", args)
+        self.children.append(child)
+        self._spawn(child)
+        return child.url
 
     def start(self) -> str:
         cfg = self.cfg
@@ -130,35 +160,55 @@ class Deployment:
             decode = [self._engine("decode", i) for i in range(cfg.decode)]
             router_args = ["--prefill", *prefill, "--decode", *decode]
         wait_healthy(self.procs, cfg.startup_timeout_s)
-        router_url = f"http://{cfg.host}:{cfg.port}"
-        router = self._spawn("router", ["router", "--host", cfg.host, "--port", str(cfg.port), *router_args])
-        self.procs.append((router_url, router))
-        wait_healthy([(router_url, router)], cfg.startup_timeout_s)
-        return router_url
+        router = Child("router", f"http://{cfg.host}:{cfg.port}", [
+            "router", "--host", cfg.host, "--port", str(cfg.port), *router_args, *cfg.router_args.split()],
+            ready_path="/ready")
+        self.children.append(router)
+        self._spawn(router)
+        wait_healthy([(router.url, router.proc)], cfg.startup_timeout_s, path="/ready")
+        return router.url
+
+    def supervise_once(self) -> None:
+        """Restarts the children that exited, each after its backoff (logged, with its count)."""
+        now = time.monotonic()
+        for child in self.children:
+            assert child.proc is not None
+            if child.restart_at is None and child.proc.poll() is not None:
+                if now - child.started_at > self.cfg.restart_reset_s:
+                    child.failures_in_a_row = 0  # it ran long enough: this is a new failure, not a loop
+                delay = min(self.cfg.restart_backoff_max_s, self.cfg.restart_backoff_s * 2 ** child.failures_in_a_row)
+                child.failures_in_a_row += 1
+                child.restart_at = now + delay
+                logger.error("%s (%s) exited with code %s; restart %d in %.1f s", child.name, child.url,
+                             child.proc.returncode, child.restarts + 1, delay)
+            elif child.restart_at is not None and now >= child.restart_at:
+                child.restart_at = None
+                child.restarts += 1
+                logger.warning("restarting %s (restart %d)", child.name, child.restarts)
+                self._spawn(child)
 
     def watch(self, stop: list[bool]) -> int:
-        """Blocks until a stop is asked for (0) or a process dies (1)."""
+        """Supervises the children until a stop is asked for."""
         while not stop[0]:
-            for url, proc in self.procs:
-                if proc.poll() is not None:
-                    logger.error("%s exited with code %s; stopping the deployment", url, proc.returncode)
-                    return 1
-            time.sleep(0.5)
+            self.supervise_once()
+            time.sleep(0.2)
         return 0
 
     def stop(self) -> None:
         # The router first, so no new work reaches engines that are going away.
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
+        for child in reversed(self.children):
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.terminate()
         deadline = time.monotonic() + 20
-        for url, proc in self.procs:
+        for child in self.children:
+            if child.proc is None:
+                continue
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time; killing it", url)
-                proc.kill()
-                proc.wait()
+                logger.warning("%s did not stop in time; killing it", child.name)
+                child.proc.kill()
+                child.proc.wait()
 
 
 def main(argv: list[str]) -> int:

@@ -95,6 +95,7 @@ class LocalDeployment:
         self.engine_args = engine_args
         self.transfer_args = transfer_args
         self.procs: dict[str, ServerProcess] = {}
+        self.ready_paths: dict[str, str] = {}  # where each process says it is ready (/health unless set)
 
     def engine(self, role: str, *extra: str) -> str:
         """Starts `splitserve serve --role <role>` (later flags win over earlier ones); returns its URL."""
@@ -109,16 +110,18 @@ class LocalDeployment:
         self.procs[url] = ServerProcess([*args, *extra], self.tmp / f"{role}-{port}.log")
         return url
 
-    def router(self, prefill: list[str], decode: list[str]) -> str:
+    def router(self, prefill: list[str], decode: list[str], *extra: str) -> str:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        self.procs[url] = ServerProcess(["router", "--port", str(port), "--prefill", *prefill, "--decode", *decode],
-                                        self.tmp / f"router-{port}.log")
+        self.procs[url] = ServerProcess(["router", "--port", str(port), "--prefill", *prefill, "--decode", *decode,
+                                         *extra], self.tmp / f"router-{port}.log")
+        self.ready_paths[url] = "/ready"  # /health is its liveness
         return url
 
     def wait(self, urls: list[str], timeout: float = 180.0) -> None:
         for url in urls:
-            wait_http_ok(f"{url}/health", self.procs[url].proc, timeout, self.procs[url].log)
+            path = self.ready_paths.get(url, "/health")
+            wait_http_ok(f"{url}{path}", self.procs[url].proc, timeout, self.procs[url].log)
 
     def alive(self, url: str) -> bool:
         return self.procs[url].proc.poll() is None

@@ -183,7 +183,7 @@ def test_prefill_killed_mid_request_is_retried_on_another_or_fails_fast(checkpoi
         assert any(r.status_code == 200 for r in responses)
         ok = [r.json()["choices"][0]["token_ids"] for r in responses if r.status_code == 200]
         assert all(t == ok[0] for t in ok)
-        retries = _metric(httpx.get(f"{router}/metrics").text, "splitserve_router_prefill_retries_total")
+        retries = _metric(httpx.get(f"{router}/metrics").text, "splitserve_router_retries_total")
         assert retries >= 1
         assert_kv_back_to_start(decode, timeout=20)
         assert_kv_back_to_start(spare)

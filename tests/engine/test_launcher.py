@@ -74,6 +74,53 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def cmdline_of(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [a.decode() for a in f.read().split(b"\0") if a]
+
+
+def test_up_restarts_a_killed_engine_and_the_router_serves_throughout(tmp_path) -> None:
+    port = free_port()
+    router = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "up.log"
+    log = log_path.open("w+")
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", "cpu",
+                             "--prefill", "1", "--decode", "2", "--restart-backoff-s", "0.5"],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=splitserve_env(), cwd=REPO.parent)
+    try:
+        assert proc.stdout.readline().startswith("endpoint:"), log_path.read_text()[-3000:]
+        decodes = {c: cmdline_of(c) for c in children_of(proc.pid) if "decode" in cmdline_of(c)}
+        victim, args = next(iter(decodes.items()))
+        victim_url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+        os.kill(victim, signal.SIGKILL)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        deadline = time.monotonic() + 90
+        served = 0
+        while True:  # the router serves on the other decode while the victim restarts
+            r = httpx.post(f"{router}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            served += 1
+            state = {b["url"]: b for b in httpx.get(f"{router}/health", timeout=5).json()["backends"]}
+            if state[victim_url]["healthy"] and state[victim_url]["ejections"] >= 1:
+                break  # back, and the router took it back in
+            assert time.monotonic() < deadline, f"{victim_url} never came back: {state[victim_url]}"
+            time.sleep(0.2)
+        assert served >= 2
+        assert "restart 1 in" in log_path.read_text() and "restarting decode-" in log_path.read_text()
+        children = children_of(proc.pid)
+        assert victim not in children and len(children) == 4  # the new decode replaced the killed one
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{c}") and not _is_zombie(c) for c in children):
+            assert time.monotonic() < deadline, "a child of `up` outlived it"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
 def test_up_refuses_a_shape_with_no_decode() -> None:
     r = subprocess.run([sys.executable, "-P", "-m", "splitserve", "up", "--prefill", "1", "--decode", "0"],
                        capture_output=True, text=True, env=splitserve_env(), cwd=REPO.parent, timeout=60)

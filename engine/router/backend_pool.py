@@ -1,0 +1,170 @@
+"""The router's engines by role, with their health and load: who may get the next request.
+
+A backend is routable while it is healthy (its last probe passed and nothing failed since)
+and not draining. A failure (a connect error, a 5xx, a timeout, a failed probe) ejects it at
+once; the prober then tries it again after a backoff that doubles with each failure in a row,
+and a passing probe brings it back. The set of URLs per role can change at runtime
+(``replace``): new URLs join once a probe passes, URLs that leave drain (no new requests) and
+are dropped when their last request ends. Load is counted by leases, released exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "unified")
+
+
+class NoBackend(Exception):
+    """No healthy backend of a role (other than those a request must avoid)."""
+
+
+class Overloaded(Exception):
+    """Every healthy backend of a role is at its in-flight limit."""
+
+
+@dataclass(eq=False)
+class Backend:
+    """One engine behind the router."""
+
+    url: str
+    role: str
+    in_flight: int = 0
+    healthy: bool = False  # until its first probe passes
+    draining: bool = False
+    failures: int = 0  # in a row: drives the probe backoff
+    next_probe_at: float = 0.0
+    last_error: str = ""
+    ejections: int = 0
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    ejected: asyncio.Event = field(default_factory=asyncio.Event)  # set while ejected; wakes its requests
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+    def describe(self) -> dict:
+        return {"url": self.url, "role": self.role, "healthy": self.healthy, "draining": self.draining,
+                "in_flight": self.in_flight, "failures": self.failures, "ejections": self.ejections,
+                "last_error": self.last_error}
+
+
+class Lease:
+    """One request's hold on a backend; ``release`` is idempotent, so the count stays exact."""
+
+    def __init__(self, pool: BackendPool, backend: Backend) -> None:
+        self.pool, self.backend, self.released = pool, backend, False
+        backend.in_flight += 1
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.backend.in_flight -= 1
+            self.pool._drop_if_drained(self.backend)
+
+
+class BackendPool:
+    """Backends per role with health state and in-flight counts (one event loop's state)."""
+
+    def __init__(self, max_in_flight_per_backend: int, backoff_s: float, backoff_max_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_in_flight_per_backend = max_in_flight_per_backend
+        self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
+        self.clock = clock
+        self._roles: dict[str, dict[str, Backend]] = {role: {} for role in ROLES}
+
+    # ---- the set of backends -----------------------------------------------------------------
+
+    def replace(self, role: str, urls: Iterable[str]) -> None:
+        """Makes ``urls`` the role's set: new ones join (after a passing probe), missing ones drain."""
+        wanted = [u.rstrip("/") for u in urls]
+        current = self._roles[role]
+        for url in wanted:
+            if url not in current:
+                current[url] = Backend(url, role)
+                logger.info("backend %s (%s) added; routable once a probe passes", url, role)
+            elif current[url].draining:
+                current[url].draining = False
+                logger.info("backend %s (%s) re-added", url, role)
+        for url, backend in list(current.items()):
+            if url not in wanted and not backend.draining:
+                backend.draining = True
+                logger.info("backend %s (%s) removed; draining %d request(s)", url, role, backend.in_flight)
+                self._drop_if_drained(backend)
+
+    def add(self, role: str, url: str) -> None:
+        self.replace(role, [*self.urls(role), url])
+
+    def remove(self, role: str, url: str) -> None:
+        self.replace(role, [u for u in self.urls(role) if u != url.rstrip("/")])
+
+    def urls(self, role: str) -> list[str]:
+        """The role's current set (not counting backends that are draining)."""
+        return [b.url for b in self._roles[role].values() if not b.draining]
+
+    def backends(self, role: str | None = None) -> list[Backend]:
+        roles = ROLES if role is None else (role,)
+        return [b for r in roles for b in self._roles[r].values()]
+
+    def _drop_if_drained(self, backend: Backend) -> None:
+        if backend.draining and backend.in_flight == 0 and self._roles[backend.role].get(backend.url) is backend:
+            del self._roles[backend.role][backend.url]
+            logger.info("backend %s (%s) drained and dropped", backend.url, backend.role)
+
+    # ---- choosing ----------------------------------------------------------------------------
+
+    def healthy_count(self, role: str) -> int:
+        return sum(b.routable for b in self._roles[role].values())
+
+    def pick(self, role: str, avoid: set[str] = frozenset(), never: set[str] = frozenset()) -> Lease:  # type: ignore[assignment]
+        """Leases the least-loaded routable backend of ``role``: one not in ``avoid`` if there is
+        one, never one in ``never``. Raises NoBackend, or Overloaded when all are at the limit."""
+        candidates = [b for b in self._roles[role].values() if b.routable and b.url not in never]
+        if not candidates:
+            raise NoBackend(f"no healthy {role} backend" + (" left to retry on" if never else ""))
+        open_ = [b for b in candidates if b.in_flight < self.max_in_flight_per_backend]
+        if not open_:
+            raise Overloaded(f"every healthy {role} backend has {self.max_in_flight_per_backend} requests in flight")
+        preferred = [b for b in open_ if b.url not in avoid] or open_
+        return Lease(self, min(preferred, key=lambda b: b.in_flight))
+
+    # ---- health ------------------------------------------------------------------------------
+
+    def eject(self, backend: Backend, reason: str) -> None:
+        """Takes a backend out of rotation at once; the prober tries it again after a backoff."""
+        backend.failures += 1
+        backend.last_error = reason
+        backend.next_probe_at = self.clock() + min(self.backoff_max_s, self.backoff_s * 2 ** (backend.failures - 1))
+        if backend.healthy:
+            backend.healthy = False
+            backend.ejections += 1
+            backend.ejected.set()
+            logger.warning("backend %s (%s) ejected: %s", backend.url, backend.role, reason)
+        else:
+            logger.debug("backend %s (%s) still failing (%d in a row): %s", backend.url, backend.role,
+                         backend.failures, reason)
+
+    def admit(self, backend: Backend, info: dict) -> None:
+        """A passing probe: the backend is healthy (again); a prefill's probe tells its bootstrap port."""
+        if info.get("bootstrap_port") is not None:
+            backend.bootstrap_host, backend.bootstrap_port = info.get("bootstrap_host"), int(info["bootstrap_port"])
+        if backend.role == "prefill" and backend.bootstrap_port is None:
+            self.eject(backend, "prefill reports no bootstrap port")
+            return
+        if not backend.healthy:
+            logger.info("backend %s (%s) healthy%s", backend.url, backend.role,
+                        f" again after {backend.failures} failed probe(s)" if backend.ejections else "")
+        backend.healthy, backend.failures, backend.last_error = True, 0, ""
+        backend.ejected.clear()
+
+    def due_for_probe(self) -> list[Backend]:
+        """Healthy backends (every round) and ejected ones whose backoff has passed."""
+        now = self.clock()
+        return [b for b in self.backends() if b.healthy or b.next_probe_at <= now]

@@ -1,0 +1,49 @@
+"""``RouterConfig``: where the engines are, how hard to try them, and the router's limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RouterConfig:
+    """Where the engines are and how to reach them."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
+    port: int = field(default=8000, metadata={"help": "HTTP port"})
+    prefill: list[str] = field(default_factory=list, metadata={"help": "prefill engine URLs"})
+    decode: list[str] = field(default_factory=list, metadata={"help": "decode engine URLs"})
+    unified: list[str] = field(default_factory=list, metadata={"help": "unified engine URLs (data parallel)"})
+    request_timeout_s: float = field(default=600.0, metadata={"help": "upstream read timeout"})
+    connect_timeout_s: float = field(default=3.0, metadata={"help": "upstream connect timeout"})
+    retries: int = field(default=2, metadata={
+        "help": "retries on other backends (another decode and another prefill) before the first token"})
+    transfer_control_key: str = field(default="", metadata={
+        "help": "the group's key (the engines' --transfer-control-key): signs each pair's bootstrap fields "
+                "(bootstrap_signature); empty: unsigned, for engines without a key"})
+    health_interval_s: float = field(default=1.0, metadata={"help": "seconds between /health probes"})
+    health_timeout_s: float = field(default=2.0, metadata={"help": "a probe with no answer by then fails"})
+    eject_backoff_s: float = field(default=0.5, metadata={
+        "help": "first wait before an ejected backend is probed again (doubles per failure)"})
+    eject_backoff_max_s: float = field(default=5.0, metadata={"help": "longest wait between probes of one"})
+    max_in_flight: int = field(default=1024, metadata={
+        "help": "requests the router takes at once; past it, 503 with Retry-After"})
+    max_in_flight_per_backend: int = field(default=256, metadata={
+        "help": "requests in flight on one engine; when every healthy one is full, 503 with Retry-After"})
+    retry_after_s: int = field(default=1, metadata={"help": "the Retry-After of a 503 for a full router"})
+
+    def __post_init__(self) -> None:
+        if self.unified and (self.prefill or self.decode):
+            raise ValueError("give either --unified URLs or --prefill and --decode URLs, not both")
+        if not self.unified and not (self.prefill and self.decode):
+            raise ValueError("need --prefill and --decode URLs (or --unified URLs)")
+        for name in ("request_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",
+                     "eject_backoff_s", "eject_backoff_max_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_in_flight < 1 or self.max_in_flight_per_backend < 1:
+            raise ValueError("max_in_flight and max_in_flight_per_backend must be >= 1")
+
+    @property
+    def disaggregated(self) -> bool:
+        return not self.unified
