@@ -159,7 +159,8 @@ def build_router_deployment(group_body: Body, replicas: Mapping[str, int],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "resources": container_resources(router.get("resources") or {}),
         "volumeMounts": [{"name": "peers", "mountPath": PEERS_MOUNT, "readOnly": True}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        # Ready while it has a healthy prefill and decode; alive whatever its backends do.
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 20},
     }
     if spec.get("imagePullPolicy"):

@@ -123,6 +123,12 @@ class LocalDeployment:
             path = self.ready_paths.get(url, "/health")
             wait_http_ok(f"{url}{path}", self.procs[url].proc, timeout, self.procs[url].log)
 
+    def restart(self, url: str) -> None:
+        """Starts a process again with the same flags (so the same ports), after it died."""
+        old = self.procs[url]
+        old.stop()
+        self.procs[url] = ServerProcess(old.args, old.log.with_suffix(".restarted.log"))
+
     def alive(self, url: str) -> bool:
         return self.procs[url].proc.poll() is None
 

@@ -223,6 +223,10 @@ def test_router_gets_the_groups_key_from_its_secret_under_the_routers_own_variab
     engine_env = env_of(build_statefulset(role_body(group(), "decode"), IMAGE)["spec"]["template"]["spec"][
         "containers"][0])
     assert engine_env["SPLITSERVE_TRANSFER_CONTROL_KEY"] == env[variable]  # the same Secret key
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    # Readiness follows its backends (/ready); liveness (/health) never does.
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     parser = argparse.ArgumentParser()
     add_config_flags(parser, RouterConfig, "SPLITSERVE_ROUTER")
     cmd = router_command("g", "ns", {"prefill": 1, "decode": 1}, 8000)

@@ -1,0 +1,206 @@
+"""The router routes around failure: real engines killed with SIGKILL under it.
+
+Engines' bootstrap timeout is 60 s here, so an answer within a few seconds after a kill shows
+the router noticed the failure itself rather than waiting for the transfer layer to time out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from engine_checkpoints import write
+from servers import LocalDeployment, assert_kv_back_to_start, engine_state
+
+ENGINE_ARGS = ["--page-size", "4", "--max-total-tokens", "8192", "--max-running-requests", "16", "--device", "cpu"]
+TRANSFER_ARGS = ["--transfer-heartbeat-interval-s", "0.2", "--transfer-heartbeat-misses", "5",
+                 "--transfer-bootstrap-timeout-s", "60"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    checkpoint = write("llama-gqa-llama3rope", tmp_path_factory.mktemp("ckpt"))
+    d = LocalDeployment(tmp_path_factory.mktemp("failover"), checkpoint, ENGINE_ARGS, TRANSFER_ARGS)
+    try:
+        prefill = [d.engine("prefill"), d.engine("prefill")]
+        decode = [d.engine("decode"), d.engine("decode")]
+        d.wait([*prefill, *decode])
+        router = d.router(prefill, decode, "--eject-backoff-s", "0.2", "--eject-backoff-max-s", "1")
+        d.wait([router], timeout=60)
+        yield {"d": d, "prefill": prefill, "decode": decode, "router": router}
+    finally:
+        d.stop()
+
+
+def body(max_tokens: int = 8, **extra) -> dict:
+    return {"model": "m", "prompt": list(range(1, 40)), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **extra}
+
+
+def backends(router: str) -> dict[str, dict]:
+    return {b["url"]: b for b in httpx.get(f"{router}/health", timeout=5).json()["backends"]}
+
+
+def assert_router_counts_back_to_zero(router: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(f"{router}/health", timeout=5).json()
+        if health["in_flight"] == 0 and all(b["in_flight"] == 0 for b in health["backends"]):
+            return
+        assert time.monotonic() < deadline, f"router load counters not back to zero: {health}"
+        time.sleep(0.05)
+
+
+def wait_until_healthy_again(cluster, url: str, timeout: float = 120.0) -> None:
+    cluster["d"].restart(url)
+    cluster["d"].wait([url], timeout=timeout)
+    deadline = time.monotonic() + 15
+    while not backends(cluster["router"])[url]["healthy"]:  # probed back in
+        assert time.monotonic() < deadline, backends(cluster["router"])[url]
+        time.sleep(0.1)
+
+
+def decoding_on(urls: list[str]) -> str:
+    deadline = time.monotonic() + 20
+    while True:
+        for url in urls:
+            if engine_state(url)["running"]:
+                return url
+        assert time.monotonic() < deadline, "no decode started the request"
+        time.sleep(0.01)
+
+
+def test_dead_decode_is_noticed_at_once_and_requests_go_to_the_other(cluster) -> None:
+    router, (dead, alive) = cluster["router"], cluster["decode"]
+    want = httpx.post(f"{router}/v1/completions", json=body(), timeout=60).json()["choices"][0]["token_ids"]
+    cluster["d"].procs[dead].kill()
+    for stream in (False, False, True, False, True, False):
+        started = time.monotonic()
+        if stream:
+            with httpx.stream("POST", f"{router}/v1/completions", json=body(stream=True), timeout=60) as r:
+                assert r.status_code == 200
+                events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+            assert not any("error" in e for e in events), events
+            got = [t for e in events for t in e["choices"][0].get("token_ids", [])]
+        else:
+            r = httpx.post(f"{router}/v1/completions", json=body(), timeout=60)
+            assert r.status_code == 200, r.text
+            got = r.json()["choices"][0]["token_ids"]
+        assert got == want
+        assert time.monotonic() - started < 10, "waited for a transfer timeout instead of noticing the dead decode"
+    state = backends(router)
+    assert not state[dead]["healthy"] and state[dead]["ejections"] == 1 and state[alive]["healthy"]
+    assert httpx.get(f"{router}/ready", timeout=5).status_code == 200  # a prefill and a decode are left
+    assert_router_counts_back_to_zero(router)
+    for url in [*cluster["prefill"], alive]:
+        assert_kv_back_to_start(url)
+
+    # Readiness follows the backends, liveness does not: a router whose only decode is the dead one.
+    lonely = cluster["d"].router(cluster["prefill"], [dead])
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{lonely}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    ready = httpx.get(f"{lonely}/ready", timeout=5)
+    assert ready.status_code == 503 and "0 healthy decode" in ready.json()["summary"]
+    r = httpx.post(f"{lonely}/v1/completions", json=body(), timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "no_backend"
+    cluster["d"].procs[lonely].stop()
+
+    wait_until_healthy_again(cluster, dead)
+    r = httpx.post(f"{router}/v1/completions", json=body(), timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
+
+
+def test_decode_killed_mid_answer_retries_a_whole_answer_and_breaks_a_started_stream(cluster) -> None:
+    router = cluster["router"]
+    want = httpx.post(f"{router}/v1/completions", json=body(300), timeout=120).json()["choices"][0]["token_ids"]
+
+    # Not streamed: nothing reached the client yet, so it is retried on the other pair.
+    result: dict = {}
+    call = threading.Thread(target=lambda: result.update(r=httpx.post(f"{router}/v1/completions", json=body(300),
+                                                                      timeout=120)))
+    call.start()
+    victim = decoding_on(cluster["decode"])
+    time.sleep(0.3)
+    cluster["d"].procs[victim].kill()
+    call.join(timeout=60)
+    assert result["r"].status_code == 200, result["r"].text
+    assert result["r"].json()["choices"][0]["token_ids"] == want
+    wait_until_healthy_again(cluster, victim)
+
+    # Streamed, with tokens already at the client: the stream ends with an OpenAI-style error event.
+    with httpx.stream("POST", f"{router}/v1/completions", json=body(300, stream=True), timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(ln for ln in lines if ln.startswith("data: {"))
+        assert json.loads(first[6:])["choices"][0]["token_ids"]
+        victim = decoding_on(cluster["decode"])
+        cluster["d"].procs[victim].kill()
+        rest = [ln for ln in lines if ln]
+    errors = [json.loads(ln[6:]) for ln in rest if ln.startswith("data: {") and '"error"' in ln]
+    assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error", rest[-3:]
+    assert errors[0]["error"]["code"] == "upstream_failed" and rest[-1] == "data: [DONE]"
+    assert_router_counts_back_to_zero(router)
+    survivor = next(u for u in cluster["decode"] if u != victim)
+    for url in [*cluster["prefill"], survivor]:
+        assert_kv_back_to_start(url, timeout=20)
+    wait_until_healthy_again(cluster, victim)
+
+
+def test_load_counters_stay_exact_when_clients_leave(cluster) -> None:
+    router = cluster["router"]
+    with httpx.stream("POST", f"{router}/v1/completions", json=body(400, stream=True), timeout=60) as r:
+        lines = r.iter_lines()
+        next(ln for ln in lines if ln.startswith("data: {"))
+        assert httpx.get(f"{router}/health", timeout=5).json()["in_flight"] == 1
+    # ... left mid-stream; and one that leaves before its (non-streamed) answer:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{router}/v1/completions", json=body(900), timeout=0.5)
+
+    async def many_leave() -> None:
+        async with httpx.AsyncClient(timeout=0.5) as client:
+            calls = [client.post(f"{router}/v1/completions", json=body(900 - i)) for i in range(6)]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            assert all(isinstance(x, httpx.ReadTimeout) for x in results), results
+    asyncio.run(many_leave())
+    assert_router_counts_back_to_zero(router)
+    for url in [*cluster["prefill"], *cluster["decode"]]:
+        assert_kv_back_to_start(url, timeout=20)
+
+
+def test_past_the_in_flight_limits_the_router_answers_503_with_retry_after_at_once(cluster) -> None:
+    d = cluster["d"]
+    overall = d.router(cluster["prefill"], cluster["decode"], "--max-in-flight", "1")
+    per_backend = d.router(cluster["prefill"], cluster["decode"], "--max-in-flight-per-backend", "1")
+    d.wait([overall, per_backend], timeout=60)
+    try:
+        for router, holders in ((overall, 1), (per_backend, 2)):
+            async def run(router: str = router, holders: int = holders) -> None:
+                async with httpx.AsyncClient(timeout=120) as client:
+                    held = [asyncio.ensure_future(client.post(f"{router}/v1/completions", json=body(300)))
+                            for _ in range(holders)]
+                    while httpx.get(f"{router}/health", timeout=5).json()["in_flight"] < holders:
+                        await asyncio.sleep(0.02)
+                    started = time.monotonic()
+                    r = await client.post(f"{router}/v1/completions", json=body())
+                    assert time.monotonic() - started < 2
+                    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                    assert r.json()["error"]["code"] == "overloaded"
+                    assert all(x.status_code == 200 for x in await asyncio.gather(*held))
+            asyncio.run(run())
+            assert_router_counts_back_to_zero(router)
+    finally:
+        d.procs[overall].stop()
+        d.procs[per_backend].stop()
