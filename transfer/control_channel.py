@@ -36,8 +36,10 @@ class ControlChannel:
 
     def __init__(self, host: str, port: int, key: bytes,
                  on_message: Callable[[ControlMessage], None], on_tick: Callable[[float], None],
-                 tick_s: float, idle_socket_s: float = 60.0, name: str = "transfer-control") -> None:
+                 tick_s: float, idle_socket_s: float = 60.0, name: str = "transfer-control",
+                 message_types: dict[str, type] | None = None) -> None:
         self._key = key
+        self._types = message_types  # None: the KV messages
         self._on_message = on_message
         self._on_tick = on_tick
         self._tick_s = tick_s
@@ -152,7 +154,7 @@ class ControlChannel:
                 return
             self.received += 1
             try:
-                msg = decode_message(frames, self._key)
+                msg = decode_message(frames, self._key, self._types)
             except ControlMessageError as exc:
                 self.dropped += 1
                 log.warning("dropped control message: %s", exc)

@@ -115,8 +115,9 @@ def encode_message(msg: ControlMessage, key: bytes = b"") -> list[bytes]:
     return [WIRE_VERSION, mac, raw]
 
 
-def decode_message(frames: list[bytes], key: bytes = b"") -> ControlMessage:
-    """Parses and validates frames; raises ``ControlMessageError`` on anything unexpected."""
+def decode_message(frames: list[bytes], key: bytes = b"", types: dict[str, type] | None = None) -> ControlMessage:
+    """Parses and validates frames; raises ``ControlMessageError`` on anything unexpected.
+    ``types`` is the message set the channel speaks (default: the KV messages)."""
     if len(frames) != 3 or frames[0] != WIRE_VERSION:
         raise ControlMessageError(f"expected 3 frames starting {WIRE_VERSION!r}, got {len(frames)} "
                                   f"frames starting {frames[0][:16]!r}" if frames else "empty message")
@@ -131,7 +132,7 @@ def decode_message(frames: list[bytes], key: bytes = b"") -> ControlMessage:
         raise ControlMessageError(f"body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise ControlMessageError(f"body must be an object, got {type(body).__name__}")
-    cls = MESSAGE_TYPES.get(body.get("kind"))  # type: ignore[arg-type]
+    cls = (MESSAGE_TYPES if types is None else types).get(body.get("kind"))  # type: ignore[arg-type]
     if cls is None:
         raise ControlMessageError(f"unknown message kind {body.get('kind')!r}")
     hints = typing.get_type_hints(cls)

@@ -1,0 +1,157 @@
+"""Embedding rows from an encoder's sender to a prefill's receiver over real Mooncake TCP on loopback:
+exact bytes, checks before any write, failures on both sides, slots held back, counts back to start."""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from splitserve.transfer import TransferConfig
+from splitserve.transfer.embedding_receiver import FAILED, LANDED, RECEIVING, EmbeddingReceiver, WantedItem
+from splitserve.transfer.embedding_sender import EmbeddingChunk, EmbeddingSender
+from splitserve.transfer.embedding_slots import EmbeddingSlots
+
+ROWS, HIDDEN = 16, 64
+CONFIG = TransferConfig(transfer_heartbeat_interval_s=0.2, transfer_heartbeat_misses=3,
+                        transfer_bootstrap_timeout_s=5.0)
+
+
+@pytest.fixture
+def pair():
+    enc_slots = EmbeddingSlots(4, ROWS, HIDDEN, torch.float32, hold_s=0.3)
+    pre_slots = EmbeddingSlots(3, ROWS, HIDDEN, torch.float32, hold_s=0.3)
+    sender = EmbeddingSender(CONFIG, enc_slots, CollectorRegistry())
+    receiver = EmbeddingReceiver(CONFIG, pre_slots, timeout_s=3.0, metrics_registry=CollectorRegistry())
+    yield sender, receiver
+    receiver.close()
+    sender.close()
+
+
+def wait_codes(receiver: EmbeddingReceiver, rid: str, timeout: float = 5.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = receiver.poll().get(rid)
+        if code != RECEIVING:
+            return code  # type: ignore[return-value]
+        time.sleep(0.01)
+    raise AssertionError(f"{rid} still receiving after {timeout} s")
+
+
+def put_rows(sender: EmbeddingSender, slot: int, seed: int, rows: int = ROWS) -> torch.Tensor:
+    data = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed))
+    sender.slots.buffer[slot, :rows] = data
+    return data
+
+
+def chunk(room: int, slot: int, rows: int = ROWS, hidden: int = HIDDEN, dtype: str = "float32") -> EmbeddingChunk:
+    return EmbeddingChunk(room, slot, rows, hidden, dtype, rows * hidden * 4)
+
+
+def test_rows_land_exactly_whichever_side_comes_first(pair) -> None:
+    sender, receiver = pair
+    a, b = put_rows(sender, 0, 1), put_rows(sender, 1, 2)
+    assert sender.begin(11) and not sender.begin(11)  # a room is taken once
+    sender.send(chunk(11, 0))  # rows ready before the prefill asks
+    receiver.stage("r", [WantedItem(11, sender.endpoint, ROWS, "a" * 64),
+                         WantedItem(12, sender.endpoint, ROWS, "b" * 64)])
+    time.sleep(0.2)
+    assert receiver.poll()["r"] == RECEIVING  # room 12's image has not reached the encoder yet
+    assert sender.begin(12)  # the prefill's ask for 12 arrived first and waited
+    sender.send(chunk(12, 1))
+    assert wait_codes(receiver, "r") == LANDED
+    landed, failed = receiver.settle({"r": LANDED})
+    assert failed == [] and [rid for rid, _ in landed] == ["r"]
+    slots = landed[0][1]
+    assert torch.equal(receiver.slots.rows(slots[0], ROWS), a) and torch.equal(receiver.slots.rows(slots[1], ROWS), b)
+    receiver.release(slots)
+    assert sorted(c.room for c in sender.concluded()) == [11, 12]
+    assert receiver.stats() == {"staged": 0, "rooms": 0, "watched_peers": 0, "free": 3, "held": 0, "leased": 0}
+    assert sender.stats() == {"rooms": 0, "early": 0, "concluded": 0}
+
+
+@pytest.mark.parametrize("bad", ["rows", "hidden", "dtype"])
+def test_a_mismatch_fails_both_sides_and_writes_nothing(pair, bad: str) -> None:
+    sender, receiver = pair
+    put_rows(sender, 0, 3)
+    sender.begin(21)
+    wrong = {"rows": chunk(21, 0, rows=ROWS - 1), "hidden": chunk(21, 0, hidden=HIDDEN // 2),
+             "dtype": chunk(21, 0, dtype="bfloat16")}[bad]
+    sender.send(wrong)
+    receiver.stage("r", [WantedItem(21, sender.endpoint, ROWS, "c" * 64)])
+    assert wait_codes(receiver, "r") == FAILED
+    landed, failed = receiver.settle({"r": FAILED})
+    assert landed == [] and "mismatch" in failed[0][1]
+    assert torch.count_nonzero(receiver.slots.buffer) == 0  # nothing was written
+    (done,) = sender.concluded()
+    assert not done.ok and "mismatch" in done.reason
+    assert receiver.stats()["held"] == 1  # held back, then free again
+    time.sleep(0.35)
+    assert receiver.stats()["free"] == 3
+
+
+def test_a_dead_encoder_fails_its_items_within_the_heartbeat_bound(pair) -> None:
+    _, receiver = pair
+    other = EmbeddingSender(CONFIG, EmbeddingSlots(1, ROWS, HIDDEN, torch.float32, 0.1), CollectorRegistry())
+    endpoint = other.endpoint
+    other.close()  # its control channel is gone: no pong ever comes back
+    started = time.monotonic()
+    receiver.stage("r", [WantedItem(31, endpoint, ROWS, "d" * 64)])
+    assert wait_codes(receiver, "r", timeout=3) == FAILED
+    assert time.monotonic() - started < CONFIG.heartbeat_timeout_s + 0.5
+    _, failed = receiver.settle({"r": FAILED})
+    assert "stopped answering" in failed[0][1]
+    time.sleep(0.35)
+    assert receiver.stats() == {"staged": 0, "rooms": 0, "watched_peers": 0, "free": 3, "held": 0, "leased": 0}
+
+
+def test_timeout_and_drop_tell_the_encoder_and_free_everything(pair) -> None:
+    sender, _ = pair
+    quick = EmbeddingReceiver(CONFIG, EmbeddingSlots(2, ROWS, HIDDEN, torch.float32, 0.1), timeout_s=0.4,
+                              metrics_registry=CollectorRegistry())
+    try:
+        sender.begin(41)  # never sends its rows (the image is slow)
+        quick.stage("slow", [WantedItem(41, sender.endpoint, ROWS, "e" * 64)])
+        assert wait_codes(quick, "slow", timeout=2) == FAILED
+        _, failed = quick.settle({"slow": FAILED})
+        assert "timed out" in failed[0][1]
+        deadline = time.monotonic() + 2
+        while sender.stats()["rooms"] != 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (done,) = sender.concluded()
+        assert done.room == 41 and not done.ok and "aborted by the prefill" in done.reason
+        # A request dropped mid-way (client gone): the same.
+        sender.begin(42)
+        quick.stage("gone", [WantedItem(42, sender.endpoint, ROWS, "f" * 64)])
+        time.sleep(0.1)
+        quick.drop("gone", "client disconnected")
+        time.sleep(0.3)
+        assert [c.room for c in sender.concluded()] == [42]
+        assert quick.stats() == {"staged": 0, "rooms": 0, "watched_peers": 0, "free": 2, "held": 0, "leased": 0}
+        assert sender.stats() == {"rooms": 0, "early": 0, "concluded": 0}
+    finally:
+        quick.close()
+
+
+def test_more_items_than_slots_wait_for_a_slot(pair) -> None:
+    sender, receiver = pair
+    items = [WantedItem(50 + i, sender.endpoint, ROWS, f"{i:064x}") for i in range(4)]  # 4 items, 3 slots
+    receiver.stage("big", items[:3])
+    receiver.stage("next", items[3:])
+    for i in range(4):
+        put_rows(sender, i, 10 + i)
+        sender.begin(50 + i)
+        sender.send(chunk(50 + i, i))
+    assert wait_codes(receiver, "big") == LANDED
+    landed, _ = receiver.settle({"big": LANDED})
+    assert receiver.poll()["next"] == RECEIVING  # no slot yet
+    receiver.release(landed[0][1])
+    assert wait_codes(receiver, "next") == LANDED
+    landed, _ = receiver.settle({"next": LANDED})
+    assert torch.equal(receiver.slots.rows(landed[0][1][0], ROWS), sender.slots.buffer[3])
+    receiver.release(landed[0][1])

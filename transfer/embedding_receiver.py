@@ -1,0 +1,203 @@
+"""The prefill side: receive each staged request's image rows into leased slots.
+
+`stage(rid, items)` leases a slot per item (or waits for one) and tells each item's encoder where
+to write (`EmbeddingWanted`); `poll()` gives each staged request's code (0 failed or timed out,
+1 receiving, 2 every item landed); `settle(codes)` acts on the replica-agreed codes (the MIN over
+tensor-parallel ranks, as for KV; the codes of `poll` on one rank) and returns the landed
+requests with the slot each item landed in, and the failed ones with their reason; `release(slots)`
+frees slots once their rows are copied into the prompt's embeddings. A failed or dropped item's
+slot is held back (`EmbeddingSlots.hold_back`): a write the encoder started may still land.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from .config import TransferConfig
+from .control_messages import ControlMessage
+from .embedding_endpoint import EmbeddingEndpoint
+from .embedding_messages import EmbeddingAbort, EmbeddingStatus, EmbeddingWanted
+from .embedding_slots import EmbeddingSlots
+
+log = logging.getLogger(__name__)
+
+FAILED, RECEIVING, LANDED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class WantedItem:
+    """One image item of a request: its room at encoder `encoder` (control endpoint), `rows` rows."""
+
+    room: int
+    encoder: str
+    rows: int
+    digest: str
+
+
+@dataclass
+class ItemState:
+    item: WantedItem
+    slot: int | None = None
+    state: int = RECEIVING
+    reason: str = ""
+
+
+@dataclass
+class Staged:
+    rid: str
+    items: list[ItemState]
+    staged_at: float
+    deadline: float
+    reason: str = field(default="")
+
+    @property
+    def code(self) -> int:
+        return min(i.state for i in self.items)
+
+
+class EmbeddingReceiver(EmbeddingEndpoint):
+    """The prefill engine's embedding transfer (one per prefill rank)."""
+
+    def __init__(self, config: TransferConfig, slots: EmbeddingSlots, timeout_s: float,
+                 metrics_registry: CollectorRegistry | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.dtype_name = str(slots.dtype).removeprefix("torch.")
+        self._staged: dict[str, Staged] = {}
+        self._by_room: dict[int, ItemState] = {}
+        super().__init__(config, slots, "embedding-receiver", metrics_registry)  # threads start here
+
+    # ---- the prefill role's API -------------------------------------------------------------
+
+    def stage(self, rid: str, items: list[WantedItem]) -> None:
+        now = time.monotonic()
+        with self.lock:
+            staged = Staged(rid, [ItemState(i) for i in items], now, now + self.timeout_s)
+            self._staged[rid] = staged
+            for st in staged.items:
+                if st.item.rows > self.slots.max_rows:
+                    self._fail_item_locked(st, f"{st.item.rows} rows do not fit a slot of {self.slots.max_rows}")
+                    continue
+                if st.item.room in self._by_room:
+                    self._fail_item_locked(st, f"room {st.item.room} is already staged")
+                    continue
+                self._by_room[st.item.room] = st
+                self.liveness.watch(st.item.encoder, "", now)
+            self._lease_and_ask_locked(now)
+
+    def poll(self) -> dict[str, int]:
+        with self.lock:
+            self._expire_locked(time.monotonic())
+            return {rid: s.code for rid, s in self._staged.items()}
+
+    def settle(self, codes: dict[str, int]) -> tuple[list[tuple[str, list[int]]], list[tuple[str, str]]]:
+        """(landed: rid and each item's slot, in item order; failed: rid and why). Both leave staging."""
+        landed, failed = [], []
+        now = time.monotonic()
+        with self.lock:
+            for rid, code in codes.items():
+                staged = self._staged.get(rid)
+                if staged is None or code == RECEIVING:
+                    continue
+                if code == LANDED:
+                    self._forget_locked(staged, hold=False)
+                    landed.append((rid, [i.slot for i in staged.items]))  # type: ignore[misc]
+                    rows = sum(i.item.rows for i in staged.items)
+                    nbytes = rows * self.slots.hidden * self.slots.buffer.element_size()
+                    self.metrics.item_done("prefill", True, nbytes, now - staged.staged_at)
+                else:
+                    reason = next((i.reason for i in staged.items if i.state == FAILED), "") or staged.reason
+                    self._drop_locked(staged, reason or "failed on another rank")
+                    failed.append((rid, reason or "failed on another rank"))
+                    self.metrics.item_done("prefill", False, 0, None)
+        return landed, failed
+
+    def release(self, slots: list[int]) -> None:
+        with self.lock:
+            for slot in slots:
+                self.slots.free(slot)
+
+    def drop(self, rid: str, reason: str) -> None:
+        """The request ended before its rows landed: the encoders are told, the slots held back."""
+        with self.lock:
+            staged = self._staged.get(rid)
+            if staged is not None:
+                self._drop_locked(staged, reason)
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return {"staged": len(self._staged), "rooms": len(self._by_room), "watched_peers": len(self.liveness),
+                    **self.slots.counts()}
+
+    # ---- internals (lock held) --------------------------------------------------------------
+
+    def _lease_and_ask_locked(self, now: float) -> None:
+        for st in self._by_room.values():
+            if st.slot is not None or st.state != RECEIVING:
+                continue
+            slot = self.slots.lease(now)
+            if slot is None:
+                return  # the next tick tries again
+            st.slot = slot
+            nbytes = st.item.rows * self.slots.hidden * self.slots.buffer.element_size()
+            self.send_control(st.item.encoder, EmbeddingWanted(
+                st.item.room, self.endpoint, self.instance_id, self.engine.session_id, self.slots.slot_ptr(slot),
+                nbytes, st.item.rows, self.slots.hidden, self.dtype_name, st.item.digest))
+
+    def _fail_item_locked(self, st: ItemState, reason: str) -> None:
+        if st.state == RECEIVING:
+            st.state, st.reason = FAILED, reason
+
+    def _drop_locked(self, staged: Staged, reason: str) -> None:
+        for st in staged.items:
+            if st.state != LANDED and st.slot is not None:  # an encoder done with the room ignores it
+                self.send_control(st.item.encoder, EmbeddingAbort(st.item.room, self.endpoint, self.instance_id,
+                                                                  reason))
+        self._forget_locked(staged, hold=True)
+
+    def _forget_locked(self, staged: Staged, hold: bool) -> None:
+        self._staged.pop(staged.rid, None)
+        for st in staged.items:
+            if self._by_room.get(st.item.room) is st:
+                del self._by_room[st.item.room]
+            if hold and st.slot is not None:
+                self.slots.hold_back(st.slot)
+        busy = {st.item.encoder for st in self._by_room.values()}
+        for st in staged.items:
+            if st.item.encoder not in busy:
+                self.liveness.unwatch(st.item.encoder)
+
+    def _expire_locked(self, now: float) -> None:
+        for staged in self._staged.values():
+            if staged.code == RECEIVING and now > staged.deadline:
+                for st in staged.items:
+                    self._fail_item_locked(st, f"timed out: the image rows did not arrive within {self.timeout_s:g} s")
+
+    def on_message_locked(self, msg: ControlMessage, now: float) -> None:
+        if not isinstance(msg, EmbeddingStatus):
+            return
+        st = self._by_room.get(msg.room)
+        if st is None or st.item.encoder != msg.reply_to or st.state != RECEIVING:
+            return
+        if msg.state == LANDED and msg.rows == st.item.rows:
+            st.state = LANDED
+        elif msg.state == LANDED:
+            self._fail_item_locked(st, f"encoder wrote {msg.rows} rows, {st.item.rows} expected")
+        else:
+            self._fail_item_locked(st, f"encoder {msg.reply_to} failed the image: {msg.reason}")
+
+    def on_tick_locked(self, now: float) -> None:
+        self._expire_locked(now)
+        self._lease_and_ask_locked(now)
+
+    def on_peer_dead_locked(self, endpoint: str) -> None:
+        for st in self._by_room.values():
+            if st.item.encoder == endpoint:
+                self._fail_item_locked(st, f"encoder {endpoint} stopped answering")
+
+    def on_close_locked(self) -> None:
+        for st in self._by_room.values():
+            self._fail_item_locked(st, "prefill shutting down")

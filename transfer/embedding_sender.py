@@ -1,0 +1,202 @@
+"""The encoder's side: ship each image item's rows to the prefill rank waiting for its room.
+
+`begin(room)` opens the room (False if it is taken); `send(chunk)` hands over where the rows are
+(a slot of this encoder's registered pool), their rows, hidden size, dtype and bytes; the rows go
+out once the prefill rank's `EmbeddingWanted` for the room is in hand (it may come before or
+after). Before any write, the chunk is checked against what the prefill rank expects (rows,
+hidden, dtype, bytes); a mismatch fails the item on both sides and writes nothing.
+`fail(room, reason)` fails an item (e.g. the image did not decode); `concluded()` returns the
+rooms finished since the last call, so the caller can unpin their source slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from .config import TransferConfig
+from .control_messages import ControlMessage
+from .embedding_endpoint import EmbeddingEndpoint
+from .embedding_messages import EmbeddingAbort, EmbeddingStatus, EmbeddingWanted
+from .embedding_slots import EmbeddingSlots
+
+log = logging.getLogger(__name__)
+
+FAILED, LANDED = 0, 2
+
+
+@dataclass(frozen=True)
+class EmbeddingChunk:
+    """One item's rows: slot `slot` of the sender's pool, `rows` x `hidden` of `dtype` (`nbytes`)."""
+
+    room: int
+    slot: int
+    rows: int
+    hidden: int
+    dtype: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Concluded:
+    room: int
+    ok: bool
+    reason: str
+    slot: int | None  # the source slot the chunk used (None: no chunk was sent)
+
+
+@dataclass
+class SendRoom:
+    room: int
+    created: float
+    chunk: EmbeddingChunk | None = None
+    wanted: EmbeddingWanted | None = None
+    ready_at: float | None = None
+    writing: bool = False
+    done: bool = False
+
+
+def expected_problem(chunk: EmbeddingChunk, want: EmbeddingWanted, itemsize: int) -> str:
+    """Why `chunk` must not be written where `want` says, or "" (pure)."""
+    for what, ours, theirs in (("rows", chunk.rows, want.rows), ("hidden size", chunk.hidden, want.hidden),
+                               ("dtype", chunk.dtype, want.dtype), ("bytes", chunk.nbytes, want.nbytes)):
+        if ours != theirs:
+            return f"embedding {what} mismatch: the encoder has {ours}, the prefill expects {theirs}"
+    if chunk.nbytes != chunk.rows * chunk.hidden * itemsize:
+        return f"embedding bytes {chunk.nbytes} != rows {chunk.rows} x hidden {chunk.hidden} x {itemsize}"
+    return ""
+
+
+class EmbeddingSender(EmbeddingEndpoint):
+    """The encode engine's embedding transfer (one per encode rank)."""
+
+    def __init__(self, config: TransferConfig, slots: EmbeddingSlots,
+                 metrics_registry: CollectorRegistry | None = None) -> None:
+        self._rooms: dict[int, SendRoom] = {}
+        self._early: dict[int, tuple[float, EmbeddingWanted]] = {}
+        self._aborted: dict[int, float] = {}  # room -> until when an abort is remembered
+        self._concluded: list[Concluded] = []
+        super().__init__(config, slots, "embedding-sender", metrics_registry)  # threads start here
+
+    # ---- the encode role's API ------------------------------------------------------------
+
+    def begin(self, room: int) -> bool:
+        now = time.monotonic()
+        with self.lock:
+            if room in self._rooms:
+                return False
+            self._rooms[room] = SendRoom(room, now)
+            if room in self._aborted:
+                self._conclude_locked(self._rooms[room], False, "aborted by the prefill")
+                return True
+            early = self._early.pop(room, None)
+            if early is not None:
+                self._rooms[room].wanted = early[1]
+            return True
+
+    def send(self, chunk: EmbeddingChunk) -> None:
+        with self.lock:
+            state = self._rooms.get(chunk.room)
+            if state is None or state.done:
+                return
+            state.chunk = chunk
+            state.ready_at = time.monotonic()
+            self._maybe_write_locked(state)
+
+    def fail(self, room: int, reason: str) -> None:
+        with self.lock:
+            state = self._rooms.get(room)
+            if state is not None and not state.done and not state.writing:
+                self._conclude_locked(state, False, reason)
+
+    def concluded(self) -> list[Concluded]:
+        with self.lock:
+            out, self._concluded = self._concluded, []
+            return out
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return {"rooms": len(self._rooms), "early": len(self._early), "concluded": len(self._concluded)}
+
+    # ---- internals (lock held) --------------------------------------------------------------
+
+    def _maybe_write_locked(self, state: SendRoom) -> None:
+        want, chunk = state.wanted, state.chunk
+        if want is None or chunk is None or state.writing or state.done:
+            return
+        problem = expected_problem(chunk, want, self.slots.buffer.element_size())
+        if problem:
+            self._conclude_locked(state, False, problem)
+            return
+        state.writing = True
+        self.submit(lambda: self._write(state, chunk, want))
+
+    def _write(self, state: SendRoom, chunk: EmbeddingChunk, want: EmbeddingWanted) -> None:
+        """Writer thread: one Mooncake write, then the status (off the lock)."""
+        with self.lock:
+            if state.done:
+                return
+        code = self.engine.write(want.session, [self.slots.slot_ptr(chunk.slot)], [want.dst_ptr], [chunk.nbytes])
+        with self.lock:
+            state.writing = False
+            if state.done:
+                return
+            if code != 0:
+                self._conclude_locked(state, False, f"Mooncake write of {chunk.nbytes} bytes failed ({code})")
+                return
+            seconds = time.monotonic() - state.ready_at if state.ready_at is not None else None
+            self.metrics.item_done("encoder", True, chunk.nbytes, seconds)
+            self._conclude_locked(state, True, "")
+
+    def _conclude_locked(self, state: SendRoom, ok: bool, reason: str) -> None:
+        state.done = True
+        if not ok:
+            log.info("embedding room %d failed: %s", state.room, reason)
+            self.metrics.item_done("encoder", False, 0, None)
+        if state.wanted is not None:
+            rows = state.chunk.rows if state.chunk is not None else 0
+            self.send_control(state.wanted.reply_to, EmbeddingStatus(state.room, self.endpoint, self.instance_id,
+                                                             LANDED if ok else FAILED, rows, reason))
+        del self._rooms[state.room]
+        self._concluded.append(Concluded(state.room, ok, reason, state.chunk.slot if state.chunk else None))
+
+    def on_message_locked(self, msg: ControlMessage, now: float) -> None:
+        if isinstance(msg, EmbeddingWanted):
+            state = self._rooms.get(msg.room)
+            if state is None:
+                if msg.room in self._aborted:
+                    return
+                self._early[msg.room] = (now, msg)  # the room's image may not have arrived yet
+                return
+            if state.wanted is not None:
+                self._conclude_locked(state, False, f"second EmbeddingWanted for room {msg.room}")
+                return
+            state.wanted = msg
+            self._maybe_write_locked(state)
+        elif isinstance(msg, EmbeddingAbort):
+            self._early.pop(msg.room, None)
+            self._aborted[msg.room] = now + self.config.transfer_bootstrap_timeout_s
+            state = self._rooms.get(msg.room)
+            if state is not None and not state.writing:
+                state.wanted = None  # no status back: the prefill gave up
+                self._conclude_locked(state, False, f"aborted by the prefill: {msg.reason}")
+
+    def on_tick_locked(self, now: float) -> None:
+        horizon = now - self.config.transfer_bootstrap_timeout_s
+        for room, (at, _) in list(self._early.items()):
+            if at < horizon:
+                del self._early[room]
+        for room, until in list(self._aborted.items()):
+            if until < now:
+                del self._aborted[room]
+        for state in list(self._rooms.values()):
+            if state.wanted is None and state.created < horizon:  # no prefill ever asked for it
+                self._conclude_locked(state, False, "no prefill asked for the room's rows in time")
+
+    def on_close_locked(self) -> None:
+        for state in list(self._rooms.values()):
+            if not state.writing:
+                self._conclude_locked(state, False, "encoder shutting down")
