@@ -23,6 +23,9 @@ class SpecConfig:
         "help": "this verifier's rank in the group (a request is draft:<rank>:<id> on a drafter)"})
     draft_heartbeat_interval_s: float = field(default=0.25, metadata={
         "help": "seconds between heartbeats to each joined drafter"})
+    draft_wait_ms: float = field(default=0.0, metadata={
+        "help": "ms a verify step may wait for drafts still on their way (0: never wait; a drafter much "
+                "faster than the target needs none, one about as fast needs some to be ahead at all)"})
     draft_rpc_timeout_s: float = field(default=0.5, metadata={
         "help": "seconds a Join/Heartbeat call may take before the drafter counts as silent"})
     # ---- drafter (--role drafter) --------------------------------------------------------------
@@ -42,6 +45,8 @@ class SpecConfig:
             raise ValueError(f"--max-draft-ahead must be >= 1, got {self.max_draft_ahead}")
         if self.verifier_rank < 0:
             raise ValueError(f"--verifier-rank must be >= 0, got {self.verifier_rank}")
+        if self.draft_wait_ms < 0:
+            raise ValueError(f"--draft-wait-ms must be >= 0, got {self.draft_wait_ms}")
         for name in ("draft_heartbeat_interval_s", "draft_rpc_timeout_s", "draft_lease_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")

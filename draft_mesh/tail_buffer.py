@@ -38,14 +38,15 @@ class TailBuffer:
             self.start, self.chain = position, [token]
         return True
 
-    def reconcile(self, committed: list[int]) -> bool:
-        """Drops the chain's committed part; False (and the chain cleared, the floor raised) when
-        a drafted token disagrees with a committed one."""
-        length = len(committed)
+    def reconcile(self, committed: list[int], offset: int = 0) -> bool:
+        """Drops the chain's committed part (`committed[i]` is the token at position `offset + i`,
+        and the chain never starts before `offset`); False (the chain cleared, the floor raised)
+        when a drafted token disagrees with a committed one."""
+        length = offset + len(committed)
         if self.start >= length:
             return True
         overlap = min(self.end, length)
-        if self.chain[: overlap - self.start] != committed[self.start:overlap]:
+        if self.chain[: overlap - self.start] != committed[self.start - offset:overlap - offset]:
             self.start, self.chain, self.floor = length, [], max(self.floor, length)
             return False
         del self.chain[: length - self.start]

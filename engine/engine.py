@@ -21,7 +21,7 @@ from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache import KVCache, KVUsage
 from splitserve.engine.metrics import EngineMetrics
 from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_runner import ModelRunner, PendingStep, StepOutput
+from splitserve.engine.model_runner import ModelRunner, PendingStep, StepOutput, VerifiedChunk
 from splitserve.engine.parallel_state import SINGLE, TensorParallel, check_tp_size
 from splitserve.engine.request import FinishReason, Request, RequestStatus, TokenOutput
 from splitserve.engine.role import Role, UnifiedRole
@@ -137,6 +137,7 @@ class Engine:
 
     def start(self) -> None:
         self.role.attach(self)
+        self.overlap = self.overlap and self.role.allows_overlap()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -332,6 +333,29 @@ class Engine:
             lp = [out.logprobs[i]] if out.logprobs is not None and req.params.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None and lp is not None else None
             self.append_token(req, token, now, lp, top)
+        verified = [v for v in out.verified if id(v.chunk.request) in live and not v.chunk.request.finished]
+        self.runner.commit_verified(verified)
+        for v in verified:
+            self._append_verified(v, now)
+
+    def _append_verified(self, v: VerifiedChunk, now: float) -> None:
+        """Appends a verify chunk's tokens one by one, with every stop check plain decoding makes;
+        gives back the pages of the draft positions that were rejected (or cut by a stop)."""
+        req = v.chunk.request
+        self.metrics.spec_draft_tokens.inc(len(v.chunk.draft))
+        self.metrics.spec_accepted_tokens.inc(v.accepted)
+        self.metrics.spec_acceptance_length.observe(v.accepted)
+        # KV holds the input token's position; each accepted draft token's KV was computed too.
+        req.kv_len = v.chunk.start + 1
+        for i, token in enumerate(v.tokens):
+            if i:
+                req.kv_len += 1
+            lp = [v.logprobs[i]] if v.logprobs is not None and req.params.logprobs is not None else None
+            top = [v.top_logprobs[i]] if v.top_logprobs is not None and lp is not None else None
+            self.append_token(req, token, now, lp, top)
+            if req.status is not RequestStatus.RUNNING:
+                return  # finished (its pages went back with it) or taken over
+        self.kv.shrink(req, req.total_len)
 
     def append_token(self, req: Request, token: int, now: float, logprobs: list[float] | None = None,
                      top: list[list[tuple[int, float]]] | None = None) -> None:

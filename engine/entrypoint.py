@@ -11,6 +11,7 @@ from types import FrameType
 import uvicorn
 
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
+from splitserve.draft_mesh.config import SpecConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.image_inputs import ImageInputConfig
@@ -27,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     # The transfer layer's flags (used by --role prefill/decode) live in its own dataclass.
     add_config_flags(parser.add_argument_group("KV transfer (prefill/decode)"), TransferConfig, ENV_PREFIX)
     add_config_flags(parser.add_argument_group("Images (multimodal models)"), ImageInputConfig, ENV_PREFIX)
+    add_config_flags(parser.add_argument_group("speculative decoding (drafter; decode/unified with --drafter)"),
+                     SpecConfig, ENV_PREFIX)
     return parser
 
 
@@ -41,16 +44,20 @@ def main(argv: list[str]) -> int:
         cfg = config_from_args(EngineConfig, args, ENV_PREFIX)
         transfer = config_from_args(TransferConfig, args, ENV_PREFIX)
         images = config_from_args(ImageInputConfig, args, ENV_PREFIX)
+        spec = config_from_args(SpecConfig, args, ENV_PREFIX)
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
     logging.getLogger().setLevel(cfg.log_level.upper())
     role = None
-    if cfg.role != "unified":
-        from splitserve.engine.roles import build_role  # prefill/decode need the transfer layer
+    if cfg.role != "unified" or spec.drafter:
+        from splitserve.engine.roles import build_role  # the roles need the transfer layer or the draft mesh
         try:
-            role = build_role(cfg, transfer)
+            role = build_role(cfg, transfer, spec)
         except ValueError as exc:
             parser.error(str(exc))
+    if cfg.role == "drafter":
+        from splitserve.engine.roles.drafter import drafter_engine_config
+        cfg = drafter_engine_config(cfg)
     try:
         engine = Engine(cfg, role=role)
         engine.start()

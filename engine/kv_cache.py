@@ -116,6 +116,19 @@ class KVCache:
             return None
         return self.allocator.alloc(n)
 
+    def shrink(self, req: Request, num_tokens: int) -> None:
+        """Frees `req`'s own pages past those `num_tokens` tokens need (rejected draft positions,
+        a drafter's truncated drafts); its KV length drops to at most `num_tokens`."""
+        keep = self.pages_for(num_tokens)
+        req.kv_len = min(req.kv_len, num_tokens)
+        if keep >= len(req.pages):
+            return
+        if keep < len(self._shared_pages(req)):
+            raise ValueError(f"request {req.request_id}: cannot shrink to {num_tokens} tokens, into the "
+                             "pages it shares with the prefix cache")
+        self.allocator.free(req.pages[keep:])
+        del req.pages[keep:]
+
     def release(self, req: Request, cache_prefix: bool = True) -> None:
         """Gives back everything `req` holds; its computed full pages go to the prefix cache."""
         if req.slot < 0:

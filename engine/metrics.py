@@ -36,6 +36,20 @@ class EngineMetrics:
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", labels,
                                          registry=r).labels(model_name)
+        # Speculative decoding (a verifier: decode, or unified with drafters).
+        self.spec_draft_tokens = Counter("splitserve_spec_draft_tokens", "Draft tokens received and verified",
+                                         labels, registry=r).labels(model_name)
+        self.spec_accepted_tokens = Counter("splitserve_spec_accepted_tokens", "Draft tokens accepted",
+                                            labels, registry=r).labels(model_name)
+        self.spec_acceptance_length = Histogram(
+            "splitserve_spec_acceptance_length", "Draft tokens accepted per verified request and step", labels,
+            buckets=tuple(range(17)), registry=r).labels(model_name)
+        self.spec_fallbacks = Counter("splitserve_spec_fallbacks",
+                                      "Requests dropped to plain decoding because their drafter was lost",
+                                      labels, registry=r).labels(model_name)
+        self.spec_quarantines = Counter("splitserve_spec_quarantines",
+                                        "Requests a drafter quarantined after a protocol violation",
+                                        labels, registry=r).labels(model_name)
         self._finished = Counter("splitserve_requests_finished", "Requests finished, by reason",
                                  [*labels, "reason"], registry=r)
         self.model_name = model_name

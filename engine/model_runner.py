@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,32 +32,74 @@ CPU_KV_BUDGET_BYTES = 512 << 20
 
 
 @dataclass
+class VerifiedChunk:
+    """What verifying one chunk's draft gave: the tokens it emits, in order (the accepted draft
+    tokens, then the target's correction or bonus token), and their logprobs if asked for."""
+
+    chunk: ScheduledChunk
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: TopLogprobs | None = None
+
+    @property
+    def accepted(self) -> int:
+        return len(self.tokens) - 1
+
+
+@dataclass
 class PendingStep:
-    """A step queued on the device; `result()` waits for its tokens (host copies in flight)."""
+    """A step queued on the device; `result()` waits for its tokens (host copies in flight).
+    `verified`: the verify chunks' outcomes (read back before the step returns)."""
 
     sampled_chunks: list[ScheduledChunk]
     tokens: torch.Tensor | None
     logprobs: torch.Tensor | None
     top_logprobs: list[TopLogprobs | None] | None
     done: torch.cuda.Event | None = None
+    verified: list[VerifiedChunk] = field(default_factory=list)
 
     def result(self) -> StepOutput:
         if self.done is not None:
             self.done.synchronize()
         if self.tokens is None:
-            return StepOutput([], [], None, None)
+            return StepOutput([], [], None, None, self.verified)
         logprobs = self.logprobs.tolist() if self.logprobs is not None else None
-        return StepOutput(self.sampled_chunks, self.tokens.tolist(), logprobs, self.top_logprobs)
+        return StepOutput(self.sampled_chunks, self.tokens.tolist(), logprobs, self.top_logprobs, self.verified)
 
 
 @dataclass
 class StepOutput:
-    """What one forward pass produced for the chunks that asked to sample."""
+    """What one forward pass produced for the chunks that asked to sample (plain chunks: one
+    token each; verify chunks: in `verified`)."""
 
     sampled_chunks: list[ScheduledChunk]
     tokens: list[int]
     logprobs: list[float] | None
     top_logprobs: list[TopLogprobs | None] | None
+    verified: list[VerifiedChunk] = field(default_factory=list)
+
+
+def verified_chunks(chunks: list[ScheduledChunk], out: SampleOutput) -> list[VerifiedChunk]:
+    """Host copies of a verify() output, one per chunk, cut to each row's accepted length."""
+    lengths = out.accept_lengths.tolist()
+    tokens = out.tokens.tolist()
+    logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+    return [VerifiedChunk(c, tokens[i][:n], logprobs[i][:n] if logprobs is not None else None,
+                          out.top_logprobs[i] if out.top_logprobs is not None else None)
+            for i, (c, n) in enumerate(zip(chunks, lengths, strict=True))]
+
+
+def logit_rows(chunks: list[ScheduledChunk]) -> list[int]:
+    """Flat indices of the tokens whose logits a step needs: the last of each sampling chunk, and
+    every position of a verify chunk (the last known token's and each draft token's)."""
+    rows, offset = [], 0
+    for c in chunks:
+        if c.draft:
+            rows.extend(range(offset, offset + c.length))
+        elif c.sample:
+            rows.append(offset + c.length - 1)
+        offset += c.length
+    return rows
 
 
 def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, page_size: int,
@@ -66,7 +108,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
     ids: list[int] = []
     positions: list[int] = []
     for c in chunks:
-        known = c.request.all_ids[c.start:c.start + c.length]
+        known = c.request.all_ids[c.start:c.start + c.length - len(c.draft)] + c.draft
         # A decode whose input token is still being sampled on the device (overlap): -1, from the relay.
         ids.extend(known + [-1] * (c.length - len(known)))
         positions.extend(range(c.start, c.start + c.length))
@@ -82,8 +124,11 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
     kv_pos = torch.arange(max_kv, device=device)
     kv_indices = table[slots][:, kv_pos // page_size] * page_size + kv_pos % page_size
     kv_indices = torch.where(kv_pos.unsqueeze(0) < seq_lens.unsqueeze(1), kv_indices, 0)
-    ends = torch.cumsum(extend_lens, 0) - 1
-    want = to_device([c.sample for c in chunks], torch.bool, device)
+    if any(c.draft for c in chunks):
+        logits_index = to_device(logit_rows(chunks), torch.int64, device)
+    else:
+        ends = torch.cumsum(extend_lens, 0) - 1
+        logits_index = ends[to_device([c.sample for c in chunks], torch.bool, device)]
     input_ids = to_device(ids, torch.int64, device)
     if relay is not None:
         input_ids = torch.where(input_ids >= 0, input_ids, relay[slots[token_batch_index]])
@@ -91,7 +136,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
         input_ids=input_ids, positions=pos, out_cache_loc=out_cache_loc,
         seq_lens=seq_lens, extend_lens=extend_lens, kv_indices=kv_indices,
         token_batch_index=token_batch_index, token_query_index=token_query_index,
-        logits_index=ends[want], max_extend=max(c.length for c in chunks), max_kv=max_kv,
+        logits_index=logits_index, max_extend=max(c.length for c in chunks), max_kv=max_kv,
         no_prefix=all(c.start == 0 for c in chunks),
     )
 
@@ -197,6 +242,8 @@ class ModelRunner:
             if touches_images(chunks):
                 batch.input_embeds = self.prompt_embeds(chunks, batch)
             logits = self.forward(batch)
+            if any(c.draft for c in chunks):
+                return self._sample_and_verify(logits, sampled)
         if not sampled:
             return PendingStep([], None, None, None, self._record_done())
         if argmax is not None and all(c.request.params.wants_argmax_only for c in sampled):
@@ -220,6 +267,49 @@ class ModelRunner:
             for item, rows in zip(missing, self.encode_images([m.pixels for m in missing]), strict=True):
                 item.embedding, item.pixels = rows, None
         return scatter_image_rows(self.model.embed_tokens(batch.input_ids), chunks)
+
+    def _sample_and_verify(self, logits: torch.Tensor, sampled: list[ScheduledChunk]) -> PendingStep:
+        """A step with verify chunks: plain chunks sample their token, verify chunks (grouped by
+        draft length) verify their draft. It runs eagerly (the extend path, no CUDA graph) and its
+        outcome is read back at once: the next step is planned from it."""
+        plain: list[ScheduledChunk] = []
+        plain_rows: list[int] = []
+        groups: dict[int, list[tuple[ScheduledChunk, int]]] = {}
+        row = 0
+        for c in sampled:
+            if c.draft:
+                groups.setdefault(len(c.draft), []).append((c, row))
+            else:
+                plain.append(c)
+                plain_rows.append(row)
+            row += c.length if c.draft else 1
+        verified: list[VerifiedChunk] = []
+        for k, members in groups.items():
+            chunks = [c for c, _ in members]
+            rows = to_device([r + j for _, r in members for j in range(k + 1)], torch.int64, self.device)
+            out = self.verify(logits[rows].view(len(members), k + 1, -1), chunks)
+            last = out.tokens.gather(1, (out.accept_lengths - 1).unsqueeze(1)).squeeze(1)
+            self.next_tokens[to_device([c.request.slot for c in chunks], torch.int64, self.device)] = last
+            verified += verified_chunks(chunks, out)
+        if not plain:
+            return PendingStep([], None, None, None, self._record_done(), verified)
+        out = self.sample(logits[to_device(plain_rows, torch.int64, self.device)], plain)
+        self.next_tokens[to_device([c.request.slot for c in plain], torch.int64, self.device)] = out.tokens
+        return PendingStep(plain, out.tokens, out.logprobs, out.top_logprobs, self._record_done(), verified)
+
+    def verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleOutput:
+        """Verifies each chunk's draft (K tokens, the same K for all) against logits [B, K+1, V]."""
+        params = [c.request.params for c in chunks]
+        batch = SamplingBatch(slots=to_device([c.request.slot for c in chunks], torch.int64, self.device),
+                              params=params)
+        candidates = to_device([t for c in chunks for t in c.draft], torch.int64, self.device).view(len(chunks), -1)
+        if all(p.is_greedy for p in params):
+            return self.greedy.verify(logits, candidates, batch)
+        for c in chunks:
+            self.prepare_sampler_slot(c)
+        # Token-only drafts (no draft probabilities): accept x with p(x), else draw from p without
+        # x; the emitted token is distributed as p whatever the drafter's own distribution was.
+        return self.full.verify(logits, candidates, batch)
 
     def _decode(self, chunks: list[ScheduledChunk], page_table: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -285,6 +375,13 @@ class ModelRunner:
             if req.output_ids:
                 self.full.commit(to_device([req.slot], torch.int64, self.device), [list(req.output_ids)])
             req.sampler_slot = req.slot
+
+    def commit_verified(self, verified: list[VerifiedChunk]) -> None:
+        """Records verify chunks' emitted tokens in the per-slot penalty state, like `commit`."""
+        rows = [(v.chunk.request.slot, v.tokens) for v in verified
+                if v.chunk.request.sampler_slot == v.chunk.request.slot]
+        if rows:
+            self.full.commit(to_device([s for s, _ in rows], torch.int64, self.device), [t for _, t in rows])
 
     def commit(self, chunks: list[ScheduledChunk], tokens: list[int]) -> None:
         """Records sampled tokens in the per-slot penalty state of requests that use it."""

@@ -73,6 +73,9 @@ class Request:
     images: list[ImageItem] = field(default_factory=list)
     # Role hooks may hang their per-request state here (e.g. a KV sender or receiver).
     role_state: Any = None
+    # Speculative decoding: draft tokens for the positions after the last one, offered by a
+    # behaviour (the verifier) for the next step; the scheduler takes them (and clears this).
+    draft_tokens: list[int] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

@@ -59,6 +59,11 @@ class Role:
         """How long the idle loop may sleep (None: the engine's default)."""
         return None
 
+    def allows_overlap(self) -> bool:
+        """False when the role needs every step's tokens on the host before the next is planned
+        (the verifier: a draft is verified only after the token it follows is known)."""
+        return True
+
     def close(self) -> None:
         """The engine is stopping."""
 
@@ -76,7 +81,8 @@ class ComposedRole(Role):
     - `on_token`: each behaviour sees the token; the request is taken over if any takes it.
     - `poll`, `on_chunk_done`, `on_finish`: every behaviour (`on_finish` also for requests a behaviour
       never saw, when an earlier one refused them); `close`: every one, in reverse.
-    - `health_info`: the behaviours' fields merged; `idle_poll_interval`: the shortest asked for.
+    - `health_info`: the behaviours' fields merged; `idle_poll_interval`: the shortest asked for;
+      `allows_overlap`: only if every behaviour allows it.
     """
 
     def __init__(self, name: str, behaviours: list[Role]) -> None:
@@ -125,6 +131,9 @@ class ComposedRole(Role):
     def idle_poll_interval(self) -> float | None:
         asked = [t for t in (b.idle_poll_interval() for b in self.behaviours) if t is not None]
         return min(asked) if asked else None
+
+    def allows_overlap(self) -> bool:
+        return all(b.allows_overlap() for b in self.behaviours)
 
     def close(self) -> None:
         for b in reversed(self.behaviours):

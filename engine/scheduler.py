@@ -2,7 +2,9 @@
 
 Continuous batching with chunked prefill, in the order that keeps latency steady:
 1. every running request that is decoding gets its one token (preempting the newest running
-   request when pages run out);
+   request when pages run out), or, when a behaviour offered draft tokens for it
+   (`Request.draft_tokens`), one verify chunk over its last token and the draft (the draft is
+   dropped rather than preempt anyone for it);
 2. requests part-way through their prompt continue, within the prefill token budget;
 3. waiting requests are admitted in arrival order while a slot, the budget and the pages for
    their whole prompt are there.
@@ -22,12 +24,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ScheduledChunk:
-    """Run `length` tokens of `request` starting at its `kv_len`; sample after if `sample`."""
+    """Run `length` tokens of `request` starting at its `kv_len`; sample after if `sample`.
+
+    A verify chunk (`draft` not empty) runs the last known token followed by the draft tokens
+    (`length == 1 + len(draft)`), and the sampler verifies the draft against the logits at
+    every one of those positions.
+    """
 
     request: Request
     start: int
     length: int
     sample: bool
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -89,13 +97,17 @@ class Scheduler:
                 continue  # preempted below while making room for an older request
             if req.kv_len >= self.config.context_length:
                 continue  # at the context limit: the step in flight (overlap) ends it
-            while not self.kv.grow(req, req.kv_len + 1):
+            draft = self._take_draft(req)
+            while not self.kv.grow(req, req.kv_len + 1 + len(draft)):
+                if draft:
+                    draft = []  # no pages for the draft: decode one token as usual
+                    continue
                 victim = self._newest_running(exclude=req)
                 if victim is None:
                     break
                 self._preempt(victim, plan)
             else:
-                plan.chunks.append(ScheduledChunk(req, req.kv_len, 1, sample=True))
+                plan.chunks.append(ScheduledChunk(req, req.kv_len, 1 + len(draft), sample=True, draft=draft))
                 continue
             # Alone and still no page: the whole cache is this request's. It ends here (length).
             logger.warning("request %s fills the KV cache (%d tokens); ending it", req.request_id, req.kv_len)
@@ -125,6 +137,15 @@ class Scheduler:
             self.running.append(req)
             budget -= self._schedule_prefill(req, budget, plan)
         return plan
+
+    def _take_draft(self, req: Request) -> list[int]:
+        """The request's offered draft, cut to what it may still emit (context and max_tokens keep
+        room for the token verification adds); empty unless its last token is known on the host."""
+        draft, req.draft_tokens = req.draft_tokens, []
+        if not draft or req.pending_len != 1:
+            return []
+        room = min(self.config.context_length - req.kv_len - 1, req.params.max_new_tokens - len(req.output_ids) - 1)
+        return draft[:max(room, 0)]
 
     def _schedule_prefill(self, req: Request, budget: int, plan: StepPlan) -> int:
         length = min(req.pending_len, budget)

@@ -72,3 +72,11 @@ def test_a_redrafted_position_replaces_the_chain_from_there() -> None:
     buf.add(9, 9, 9)  # a gap: the chain restarts there
     assert (buf.start, buf.chain) == (9, [9])
     assert buf.reconcile([0] * 5) and buf.draft(5, 3) == []  # not contiguous with the committed tokens
+
+
+def test_the_tail_buffer_reads_committed_tokens_past_an_offset() -> None:
+    buf = TailBuffer()
+    buf.add(7, 4, 4)
+    buf.add(8, 4, 5)
+    assert buf.reconcile([7], offset=4) and buf.draft(5, 2) == [8]
+    assert not buf.reconcile([7, 9], offset=4) and buf.floor == 6

@@ -1,0 +1,292 @@
+"""The verifier behaviour: use drafters' tokens to emit several tokens per decode step.
+
+Added to the decode role (and to unified) when `--drafter` endpoints are given. It joins every
+drafter (draft_mesh/client.py: a thread per drafter keeps the lease alive), spreads its decoding
+requests over the drafters it holds a lease on (`DraftSync`, least loaded first), sends each
+request's newly committed tokens after every step (`VerifyCommit`) and a `DraftClose` when it
+ends. Drafted tokens stream back into a tail buffer per request (draft_mesh/tail_buffer.py);
+before each step the buffer is checked against the committed tokens and up to K of its tokens
+are offered to the scheduler as `Request.draft_tokens`, which verifies them in the step's one
+forward (engine/scheduler.py, engine/model_runner.py).
+
+It waits for drafts at most `--draft-wait-ms` (default: not at all): a request with no tail then
+decodes one token as usual. A lost lease or
+a silent drafter (a failed or slow heartbeat) drops that drafter's requests to plain decoding at
+once; they re-sync to another drafter, or to the same one when it is joined again. Requests with
+repetition, frequency or presence penalties are not speculated (their verification would not be
+exact), nor are requests a drafter quarantined.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from splitserve.draft_mesh.client import DrafterLink, LinkEvent
+from splitserve.draft_mesh.config import SpecConfig
+from splitserve.draft_mesh.fingerprint import model_fingerprint, tokenizer_fingerprint
+from splitserve.draft_mesh.tail_buffer import TailBuffer
+from splitserve.draft_mesh.wire import WireError, decode_tails, encode_frames
+from splitserve.engine.engine import Engine
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.role import Role
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.proto import draft_mesh_pb2 as pb
+from splitserve.transfer import TransferConfig
+
+logger = logging.getLogger(__name__)
+
+RECV_POLL_MS = 100
+
+
+def speculation_exact_for(params: SamplingParams) -> bool:
+    """Verification keeps the output distribution exactly unless the logits depend on the emitted
+    tokens (penalties apply the committed state to every draft position)."""
+    return params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
+
+
+@dataclass
+class JoinedDrafter:
+    """A drafter this verifier holds a lease on."""
+
+    endpoint: str
+    lease: pb.JoinReply
+    socket: zmq.Socket
+    requests: set[str] = field(default_factory=set)
+    items: list[pb.DraftControl] = field(default_factory=list)
+
+
+@dataclass
+class SpecState:
+    """One request's link to its drafter."""
+
+    drafter: str  # endpoint
+    lease_id: str
+    sent_len: int  # committed tokens the drafter has been sent
+    buffer: TailBuffer
+
+
+class VerifierRole(Role):
+    """Draft-mesh client and tail buffers; the engine's verify step does the verifying."""
+
+    name = "verifier"
+
+    def __init__(self, spec: SpecConfig, transfer: TransferConfig) -> None:
+        self.spec = spec
+        self.key = transfer.transfer_control_key
+        self.host = transfer.transfer_host
+        self.instance = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.events: queue.Queue[LinkEvent] = queue.Queue()
+        self.tails: deque[pb.TailBatch] = deque()
+        self.drafters: dict[str, JoinedDrafter] = {}
+        self.states: dict[str, SpecState] = {}
+        self.quarantined: set[str] = set()
+        self.dropped_messages = 0
+        self._stop = threading.Event()
+        self._tail_arrived = threading.Event()
+
+    # ---- setup and teardown ---------------------------------------------------------------------
+
+    def attach(self, engine: Engine) -> None:
+        super().attach(engine)
+        self.metrics = engine.metrics
+        self.zmq = zmq.Context()
+        self.tail_socket = self.zmq.socket(zmq.PULL)
+        self.tail_socket.setsockopt(zmq.LINGER, 0)
+        self.tail_socket.bind_to_random_port(f"tcp://{self.host}")
+        self.tail_endpoint = self.tail_socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._receiver = threading.Thread(target=self._receive, name="draft-tail-recv", daemon=True)
+        self._receiver.start()
+        mc = engine.model_cfg
+        join = pb.JoinRequest(
+            verifier_rank=self.spec.verifier_rank, verifier_instance=self.instance,
+            model_fingerprint=model_fingerprint(mc.architecture, mc.num_layers, mc.hidden_size, mc.vocab_size,
+                                                engine.cfg.model_name),
+            tokenizer_fingerprint=tokenizer_fingerprint(engine.tokenizer), vocab_size=mc.vocab_size,
+            draft_tokens=self.spec.speculative_tokens, tail_endpoint=self.tail_endpoint)
+        self.links = {ep: DrafterLink(ep, join, self.key, self.spec.draft_heartbeat_interval_s,
+                                      self.spec.draft_rpc_timeout_s, self.events).start()
+                      for ep in self.spec.drafter}
+        logger.info("verifier rank %d: tails on %s, drafters %s", self.spec.verifier_rank, self.tail_endpoint,
+                    ", ".join(self.spec.drafter))
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.stop(leave=True)
+        self._stop.set()
+        self._receiver.join(timeout=2)
+        for drafter in self.drafters.values():
+            drafter.socket.close(linger=0)
+        self.tail_socket.close(linger=0)
+        self.zmq.term()
+
+    def health_info(self) -> dict[str, Any]:
+        return {"drafters": {ep: {"state": link.state, "detail": link.last_reason} for ep, link in self.links.items()},
+                "speculating": len(self.states), "quarantined": len(self.quarantined)}
+
+    def allows_overlap(self) -> bool:
+        return False
+
+    # ---- the receive thread -----------------------------------------------------------------------
+
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.tail_socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(RECV_POLL_MS):
+                    continue
+                frames = self.tail_socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                logger.exception("draft tail socket failed")
+                continue
+            try:
+                self.tails.append(decode_tails(frames, self.key))
+                self._tail_arrived.set()
+            except WireError as exc:
+                self.dropped_messages += 1
+                logger.warning("dropped a draft tail message: %s", exc)
+
+    # ---- the loop thread --------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        self._take_link_events()
+        self._take_tails()
+        short = [req for req in self.engine.requests.values() if self._step_request(req)]
+        for drafter in list(self.drafters.values()):
+            self._flush(drafter)
+        if short and self.spec.draft_wait_ms > 0:
+            self._wait_for_drafts(short)
+
+    def _wait_for_drafts(self, short: list[Request]) -> None:
+        """Waits (at most --draft-wait-ms) until the requests offered fewer than K drafts have them."""
+        deadline = time.monotonic() + self.spec.draft_wait_ms / 1000
+        while short and (left := deadline - time.monotonic()) > 0:
+            self._tail_arrived.wait(left)
+            self._tail_arrived.clear()
+            self._take_tails()
+            short = [req for req in short if req.request_id in self.states
+                     and self._offer(req, self.states[req.request_id])]
+
+    def _take_link_events(self) -> None:
+        while True:
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                return
+            if event.kind == "joined":
+                self._drop_drafter(event.endpoint, "rejoined")
+                sock = self.zmq.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 10000)
+                sock.connect(event.reply.control_endpoint)
+                self.drafters[event.endpoint] = JoinedDrafter(event.endpoint, event.reply, sock)
+            else:
+                self._drop_drafter(event.endpoint, event.reason)
+
+    def _drop_drafter(self, endpoint: str, why: str) -> None:
+        """The drafter's requests fall back to plain decoding (and re-sync elsewhere, or later)."""
+        drafter = self.drafters.pop(endpoint, None)
+        if drafter is None:
+            return
+        for rid in drafter.requests:
+            if self.states.pop(rid, None) is not None:
+                self.metrics.spec_fallbacks.inc()
+        drafter.socket.close(linger=0)
+        if drafter.requests:
+            logger.warning("drafter %s lost (%s): %d requests decode on their own", endpoint, why,
+                           len(drafter.requests))
+
+    def _take_tails(self) -> None:
+        by_lease = {d.lease.lease_id: d for d in self.drafters.values()}
+        while self.tails:
+            batch = self.tails.popleft()
+            drafter = by_lease.get(batch.lease_id)
+            if drafter is None:
+                continue  # from a lease that is gone: stale
+            for tail in batch.tokens:
+                state = self.states.get(tail.request_id)
+                if state is not None and state.lease_id == batch.lease_id:
+                    state.buffer.add(tail.token, tail.base_committed_len, tail.position)
+            for q in batch.quarantined:
+                state = self.states.get(q.request_id)
+                if state is not None and state.lease_id == batch.lease_id:
+                    logger.warning("drafter %s quarantined request %s: %s", drafter.endpoint, q.request_id, q.reason)
+                    self.metrics.spec_quarantines.inc()
+                    self.quarantined.add(q.request_id)
+                    del self.states[q.request_id]
+                    drafter.requests.discard(q.request_id)
+
+    def _step_request(self, req: Request) -> bool:
+        """Syncs or commits the request, offers its drafts; True if it was offered fewer than it could take."""
+        if req.status is not RequestStatus.RUNNING or not req.output_ids:
+            return False  # still in its prompt, or parked (its KV on the way)
+        state = self.states.get(req.request_id)
+        if state is None:
+            self._sync(req)
+            return False
+        drafter = self.drafters[state.drafter]
+        if req.total_len > state.sent_len:
+            drafter.items.append(pb.DraftControl(commit=pb.VerifyCommit(
+                request_id=req.request_id, pre_verify_committed_len=state.sent_len,
+                tokens=req.output_ids[state.sent_len - len(req.prompt_ids):])))
+            state.sent_len = req.total_len
+        return self._offer(req, state)
+
+    def _offer(self, req: Request, state: SpecState) -> bool:
+        """Offers the request's drafts for the next step; True if fewer than it could take."""
+        if req.pending_len != 1:
+            return False
+        state.buffer.reconcile(req.output_ids, offset=len(req.prompt_ids))
+        room = min(self.spec.speculative_tokens, req.params.max_new_tokens - len(req.output_ids) - 1,
+                   self.engine.context_length - req.total_len)
+        req.draft_tokens = state.buffer.draft(req.total_len, self.spec.speculative_tokens)
+        return len(req.draft_tokens) < room
+
+    def _sync(self, req: Request) -> None:
+        if not self.drafters or req.request_id in self.quarantined or not speculation_exact_for(req.params):
+            return
+        drafter = min(self.drafters.values(), key=lambda d: len(d.requests))
+        drafter.items.append(pb.DraftControl(sync=pb.DraftSync(
+            request_id=req.request_id, prompt_ids=req.prompt_ids, output_ids=req.output_ids)))
+        drafter.requests.add(req.request_id)
+        self.states[req.request_id] = SpecState(drafter.endpoint, drafter.lease.lease_id, req.total_len,
+                                                TailBuffer(start=req.total_len, floor=req.total_len))
+
+    def on_finish(self, req: Request) -> None:
+        req.draft_tokens = []
+        state = self.states.pop(req.request_id, None)
+        if state is None:
+            return
+        drafter = self.drafters.get(state.drafter)
+        if drafter is not None:
+            drafter.requests.discard(req.request_id)
+            drafter.items.append(pb.DraftControl(close=pb.DraftClose(request_id=req.request_id)))
+
+    def _flush(self, drafter: JoinedDrafter) -> None:
+        if not drafter.items:
+            return
+        batch = pb.DraftControlBatch(lease_id=drafter.lease.lease_id, items=drafter.items)
+        drafter.items = []
+        try:
+            drafter.socket.send_multipart(encode_frames(batch, self.key), zmq.NOBLOCK)
+        except zmq.Again:
+            # The drafter is not reading: what it holds is out of step now. Its requests decode on
+            # their own and re-sync from scratch (a DraftSync replaces the drafter's copy).
+            logger.warning("drafter %s is not reading its control messages; re-syncing its requests",
+                           drafter.endpoint)
+            for rid in drafter.requests:
+                if self.states.pop(rid, None) is not None:
+                    self.metrics.spec_fallbacks.inc()
+            drafter.requests.clear()
