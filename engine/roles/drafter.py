@@ -89,6 +89,7 @@ class DrafterRole(Role):
         self.outboxes: dict[str, Outbox] = {}
         self.tail_sockets: dict[str, zmq.Socket] = {}
         self.quarantined_total = 0
+        self.drafted_total = 0
         self.dropped_messages = 0
         self._stop = threading.Event()
 
@@ -129,7 +130,8 @@ class DrafterRole(Role):
     def health_info(self) -> dict[str, Any]:
         return {"draft_mesh_port": self.mesh_port, "draft_control_endpoint": self.control_endpoint,
                 "drafter_rank": self.rank, "leases": len(self.leases), "draft_requests": len(self.states),
-                "quarantined": self.quarantined_total, "dropped_messages": self.dropped_messages}
+                "drafted": self.drafted_total, "quarantined": self.quarantined_total,
+                "dropped_messages": self.dropped_messages}
 
     def allows_overlap(self) -> bool:
         return False
@@ -260,6 +262,7 @@ class DrafterRole(Role):
         state = self.states.get(req.request_id)
         if state is None:
             return False
+        self.drafted_total += 1
         self.outboxes.setdefault(state.lease_id, Outbox()).tokens.append(pb.TailToken(
             request_id=state.request_id, token=req.output_ids[-1], base_committed_len=state.committed_len,
             position=req.total_len - 1))

@@ -1,0 +1,280 @@
+"""Speculative decoding through the draft mesh, with real gRPC and ZeroMQ on loopback: drafter and
+verifier engines in this process, each with its own sockets, as separate pods would have them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from scipy.stats import chi2_contingency
+from servers import free_port
+
+from splitserve.draft_mesh import SpecConfig
+from splitserve.draft_mesh.client import MeshCaller
+from splitserve.draft_mesh.fingerprint import tokenizer_fingerprint
+from splitserve.draft_mesh.wire import decode_tails, encode_frames
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.offline import generate_tokens
+from splitserve.engine.request import Request, TokenOutput
+from splitserve.engine.role import ComposedRole
+from splitserve.engine.roles.drafter import DrafterRole, drafter_engine_config
+from splitserve.engine.roles.verifier import VerifierRole
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tiny_model import TINY_CONFIG, write_checkpoint
+from splitserve.proto import draft_mesh_pb2 as pb
+from splitserve.transfer import TransferConfig
+
+KEY = "5a" * 16
+TRANSFER = TransferConfig(transfer_control_key=KEY)
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [40, 41, 42, 43, 44, 45], [100, 7, 100]]
+GREEDY = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+ENGINE = {"device": "cpu", "page_size": 4, "max_total_tokens": 2048, "max_running_requests": 8}
+WAIT_MS = 40.0  # the tiny drafter is no faster than the tiny target: let it get ahead
+
+
+def start_drafter(model: str = "tiny", seed: int = 0, port: int | None = None) -> Engine:
+    spec = SpecConfig(draft_mesh_port=port or free_port(), max_draft_ahead=8)
+    engine = Engine(drafter_engine_config(EngineConfig(model=model, seed=seed, **ENGINE)),
+                    role=ComposedRole("drafter", [DrafterRole(spec, TRANSFER)]))
+    engine.start()
+    return engine
+
+
+def mesh_endpoint(drafter: Engine) -> str:
+    return f"127.0.0.1:{drafter.role.health_info()['draft_mesh_port']}"
+
+
+def start_verifier(drafters: list[Engine], k: int = 4, rank: int = 0, wait_ms: float = WAIT_MS) -> Engine:
+    spec = SpecConfig(drafter=[mesh_endpoint(d) for d in drafters], speculative_tokens=k, verifier_rank=rank,
+                      draft_wait_ms=wait_ms)
+    engine = Engine(EngineConfig(model="tiny", **ENGINE), role=ComposedRole("unified", [VerifierRole(spec, TRANSFER)]))
+    engine.start()
+    return engine
+
+
+def wait_joined(verifier: Engine, count: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [d["state"] for d in verifier.role.health_info()["drafters"].values()]
+        if states.count("joined") >= count:
+            time.sleep(0.1)  # the loop takes the join event on its next poll
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"verifier joined {states}")
+
+
+def assert_idle_and_pages_back(*engines: Engine, timeout: float = 10.0) -> None:
+    for engine in engines:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = engine.state()
+            kv = s.kv
+            if (not engine.requests and s.running == s.waiting == s.parked == 0 and kv.locked == 0
+                    and kv.slots_in_use == 0 and kv.free + kv.cached == kv.capacity):
+                break
+            assert time.monotonic() < deadline, f"{engine.role.name}: not back to start: {s}"
+            time.sleep(0.05)
+
+
+def spec_counts(verifier: Engine) -> tuple[float, float]:
+    m = verifier.metrics
+    return m.spec_draft_tokens._value.get(), m.spec_accepted_tokens._value.get()
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    engine = Engine(EngineConfig(model="tiny", **ENGINE))
+    engine.start()
+    try:
+        return generate_tokens(engine, PROMPTS, GREEDY)
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
+def stopper() -> Iterator[list[Engine]]:
+    engines: list[Engine] = []
+    yield engines
+    for engine in reversed(engines):
+        engine.stop()
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_a_drafter_equal_to_the_target_has_nearly_every_draft_accepted(plain, stopper, k) -> None:
+    drafter = start_drafter()
+    stopper.append(drafter)
+    verifier = start_verifier([drafter], k=k)
+    stopper.append(verifier)
+    wait_joined(verifier, 1)
+    assert generate_tokens(verifier, PROMPTS, GREEDY) == plain
+    drafted, accepted = spec_counts(verifier)
+    assert drafted >= 30 and accepted >= 0.9 * drafted
+    assert verifier.steps < 0.6 * 30  # several tokens per step (plain decoding takes one step per token)
+    assert_idle_and_pages_back(verifier, drafter)
+
+
+def test_a_different_drafter_has_few_drafts_accepted_and_changes_nothing(plain, stopper) -> None:
+    drafter = start_drafter(seed=7)  # another random model with the same tokenizer
+    stopper.append(drafter)
+    verifier = start_verifier([drafter], k=3)
+    stopper.append(verifier)
+    wait_joined(verifier, 1)
+    assert generate_tokens(verifier, PROMPTS, GREEDY) == plain
+    drafted, accepted = spec_counts(verifier)
+    assert drafted >= 30 and accepted <= 0.2 * drafted
+    assert_idle_and_pages_back(verifier, drafter)
+
+
+def binned_counts(a: Counter, b: Counter, min_count: int) -> list[list[int]]:
+    """A 2 x n contingency table: tokens seen at least `min_count` times in all, the rest pooled."""
+    common = [t for t in set(a) | set(b) if a[t] + b[t] >= min_count]
+    rest_a, rest_b = sum(a.values()) - sum(a[t] for t in common), sum(b.values()) - sum(b[t] for t in common)
+    return [[a[t] for t in common] + [rest_a], [b[t] for t in common] + [rest_b]]
+
+
+@pytest.mark.slow
+def test_seeded_sampling_keeps_the_target_distribution(stopper) -> None:
+    """Two-sample chi-squared tests on the tokens at output positions 1..3 (position 0 comes from
+    the prefill): plain sampling against sampling through verification of greedy drafts."""
+    params = [SamplingParams(max_new_tokens=4, temperature=0.8, seed=seed, ignore_eos=True) for seed in range(400)]
+    prompt = [5, 6, 7]
+
+    def sample(engine: Engine) -> list[list[int]]:
+        outs: dict[str, list[int]] = {}
+        done = threading.Semaphore(0)
+
+        def collect(out: TokenOutput) -> None:
+            outs.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finish_reason is not None:
+                assert out.error is None, out.error
+                done.release()
+
+        for i, p in enumerate(params):
+            engine.submit(Request(f"s{i}", prompt, p, collect))
+        for _ in params:
+            assert done.acquire(timeout=120)
+        return [outs[f"s{i}"] for i in range(len(params))]
+
+    plain_engine = Engine(EngineConfig(model="tiny", **ENGINE))
+    plain_engine.start()
+    stopper.append(plain_engine)
+    reference = sample(plain_engine)
+    drafter = start_drafter()
+    stopper.append(drafter)
+    verifier = start_verifier([drafter], k=3, wait_ms=200.0)
+    stopper.append(verifier)
+    wait_joined(verifier, 1)
+    speculative = sample(verifier)
+    drafted, accepted = spec_counts(verifier)
+    assert drafted > 100 and 0 < accepted < drafted  # both acceptance and rejection took place
+    for position in (1, 2, 3):
+        a, b = Counter(o[position] for o in reference), Counter(o[position] for o in speculative)
+        _, p_value, _, _ = chi2_contingency(binned_counts(a, b, min_count=10))
+        assert p_value > 0.001, f"position {position}: {a.most_common(5)} vs {b.most_common(5)}"
+    # The sharper test: how often the sampled token is the target's argmax given its prefix (what
+    # a greedy drafter proposes, so what a biased accept/resample rule would over- or under-produce).
+    greedy_one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    prefixes = [prompt + o[:j] for o in reference + speculative for j in (1, 2, 3)]
+    argmax = generate_tokens(plain_engine, prefixes, greedy_one)
+    hits = [argmax[i][0] == (reference + speculative)[i // 3][1 + i % 3] for i in range(len(prefixes))]
+    half = len(hits) // 2
+    table = [[sum(hits[:half]), half - sum(hits[:half])], [sum(hits[half:]), half - sum(hits[half:])]]
+    _, p_value, _, _ = chi2_contingency(table)
+    assert p_value > 0.001, f"argmax rate plain {table[0]} vs speculative {table[1]}"
+    assert_idle_and_pages_back(verifier, drafter)
+
+
+def test_two_verifiers_share_two_drafters(plain, stopper) -> None:
+    drafters = [start_drafter(), start_drafter()]
+    stopper.extend(drafters)
+    verifiers = [start_verifier(drafters, k=3, rank=0), start_verifier(drafters, k=3, rank=1)]
+    stopper.extend(verifiers)
+    for v in verifiers:
+        wait_joined(v, 2)
+    assert all(d.role.health_info()["leases"] == 2 for d in drafters)
+    for v in verifiers:
+        assert generate_tokens(v, PROMPTS, GREEDY) == plain
+        drafted, accepted = spec_counts(v)
+        assert drafted > 0 and accepted >= 0.9 * drafted
+    assert all(d.role.health_info()["drafted"] > 0 for d in drafters)  # each verifier spread its requests over both
+    assert_idle_and_pages_back(*verifiers, *drafters)
+
+
+def test_join_is_refused_on_a_tokenizer_mismatch_with_the_reason(tmp_path, stopper) -> None:
+    folder = write_checkpoint(tmp_path / "other-tokenizer", TINY_CONFIG, seed=0)
+    tok = (folder / "tokenizer.json").read_text().replace('"<|im_end|>"', '"<|im_stop|>"')
+    (folder / "tokenizer.json").write_text(tok)
+    drafter = start_drafter(model=str(folder))
+    stopper.append(drafter)
+    verifier = start_verifier([drafter])
+    stopper.append(verifier)
+    deadline = time.monotonic() + 10
+    while (link := verifier.role.health_info()["drafters"][mesh_endpoint(drafter)])["state"] != "refused":
+        assert time.monotonic() < deadline, link
+        time.sleep(0.05)
+    assert "REFUSAL_TOKENIZER_MISMATCH" in link["detail"] and "tokenizer mismatch" in link["detail"]
+    assert drafter.role.health_info()["leases"] == 0
+    assert generate_tokens(verifier, PROMPTS[:1], GREEDY)  # it serves, without speculation
+    assert spec_counts(verifier) == (0, 0)
+
+
+def test_corrupt_messages_quarantine_one_request_each(stopper) -> None:
+    drafter = start_drafter()
+    stopper.append(drafter)
+    start = drafter.kv.usage()
+    ctx = zmq.Context()
+    tails = ctx.socket(zmq.PULL)
+    tail_port = tails.bind_to_random_port("tcp://127.0.0.1")
+    caller = MeshCaller(mesh_endpoint(drafter), KEY, timeout_s=5)
+    try:
+        lease = caller.call("Join", pb.JoinRequest(
+            verifier_rank=4, verifier_instance="test", tokenizer_fingerprint=tokenizer_fingerprint(drafter.tokenizer),
+            vocab_size=drafter.model_cfg.vocab_size, draft_tokens=4, tail_endpoint=f"tcp://127.0.0.1:{tail_port}"))
+        assert lease.accepted
+        control = ctx.socket(zmq.PUSH)
+        control.connect(lease.control_endpoint)
+
+        def send(*items: pb.DraftControl, key: str = KEY) -> None:
+            control.send_multipart(encode_frames(pb.DraftControlBatch(lease_id=lease.lease_id, items=items), key))
+
+        def commit(rid: str, start_at: int, tokens: list[int]) -> pb.DraftControl:
+            return pb.DraftControl(commit=pb.VerifyCommit(request_id=rid, pre_verify_committed_len=start_at,
+                                                          tokens=tokens))
+
+        send(*(pb.DraftControl(sync=pb.DraftSync(request_id=f"r{i}", prompt_ids=[1, 2, 3], output_ids=[4]))
+               for i in range(5)))
+        control.send_multipart([b"garbage"])  # malformed frames: dropped, nothing else happens
+        send(commit("r0", 4, [5]), key="00" * 16)  # not signed with the group's key: dropped
+        send(commit("r0", 6, [5]),  # a gap
+             commit("r1", 3, [5]),  # an overlap
+             commit("r2", 4, [10_000]),  # a token outside the vocabulary
+             pb.DraftControl(sync=pb.DraftSync(request_id="r3", prompt_ids=[])),  # a sync with no prompt
+             commit("never-synced", 4, [5]),
+             commit("r4", 4, [9]))  # valid: r4 goes on drafting
+        quarantined: dict[str, str] = {}
+        drafted_after_commit: list[pb.TailToken] = []
+        deadline = time.monotonic() + 20
+        while (len(quarantined) < 5 or not drafted_after_commit) and time.monotonic() < deadline:
+            if tails.poll(200):
+                batch = decode_tails(tails.recv_multipart(), KEY)
+                quarantined.update({q.request_id: q.reason for q in batch.quarantined})
+                drafted_after_commit += [t for t in batch.tokens if t.request_id == "r4" and t.base_committed_len == 5]
+        assert set(quarantined) == {"r0", "r1", "r2", "r3", "never-synced"}
+        assert "gap" in quarantined["r0"] and "overlap" in quarantined["r1"] and "outside" in quarantined["r2"]
+        assert drafted_after_commit and drafted_after_commit[0].position == 5
+        health = drafter.role.health_info()
+        assert health["dropped_messages"] == 2 and health["quarantined"] == 5 and health["draft_requests"] == 1
+        send(pb.DraftControl(close=pb.DraftClose(request_id="r4")))
+        assert_idle_and_pages_back(drafter)
+        assert drafter.kv.usage() == start
+        caller.call("Leave", pb.LeaveRequest(lease_id=lease.lease_id))
+        control.close(linger=0)
+    finally:
+        caller.close()
+        tails.close(linger=0)
+        ctx.term()
