@@ -18,7 +18,10 @@ SHARED = frozenset({
     "presence_penalty", "logit_bias", "seed", "stop", "logprobs",
     # vLLM / SGLang sampling extensions
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "return_token_ids",
-    "max_completion_tokens", "response_format",
+    "max_completion_tokens",
+    # structured outputs: OpenAI's, then vLLM's and SGLang's names (engine/grammar/spec.py)
+    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex",
+    "ebnf",
     # disaggregation: set by the router
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_signature",
 })
@@ -55,9 +58,6 @@ def check_unsupported_values(body: dict[str, Any], kind: str) -> None:
     def given(name: str) -> bool:
         return body.get(name) is not None
 
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise UnknownField("response_format", "'response_format' other than {'type': 'text'} is not supported yet")
     if kind == "completion":
         if given("suffix") and body["suffix"] != "":
             raise UnknownField("suffix", "'suffix' (insertion) is not supported: this server only appends")

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.grammar.compiler import GrammarCompiler
+from splitserve.engine.grammar.slots import GrammarSlots
 from splitserve.engine.kv_cache import KVCache, KVUsage
 from splitserve.engine.metrics import EngineMetrics
 from splitserve.engine.model_config import ModelConfig
@@ -127,6 +129,9 @@ class Engine:
         if tok_eos is not None:
             eos.add(tok_eos)
         self.eos_token_ids = frozenset(eos)
+        # Structured outputs: the server compiles a request's grammar, the full sampler applies it.
+        self.grammar = GrammarCompiler(self.tokenizer.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
+        self.runner.full.grammar = GrammarSlots(self.grammar)
 
     @property
     def max_prompt_tokens(self) -> int:

@@ -359,8 +359,9 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleOutput:
         params = [c.request.params for c in chunks]
-        slots = to_device([c.request.slot for c in chunks], torch.int64, self.device)
-        batch = SamplingBatch(slots=slots, params=params)
+        host_slots = [c.request.slot for c in chunks]
+        slots = to_device(host_slots, torch.int64, self.device)
+        batch = SamplingBatch(slots=slots, params=params, host_slots=host_slots)
         if all(p.wants_argmax_only for p in params):
             return self.greedy.sample(logits, batch)
         for c in chunks:

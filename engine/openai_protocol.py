@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.engine.api_fields import UnknownField, check_fields
+from splitserve.engine.grammar.spec import InvalidGrammarField, grammar_spec_from
 from splitserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 
 MAX_N = 16
@@ -175,12 +176,20 @@ def sampling_params_from(body: dict[str, Any], vocab_size: int, default_max_toke
         stop_token_ids=stop_ids,
         ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)),
         logprobs=logprobs,
+        grammar=_grammar(body),
     )
     try:
         params.validate(vocab_size)
     except InvalidSamplingParams as exc:
         raise ApiError(str(exc), _param_of(str(exc))) from None
     return params
+
+
+def _grammar(body: dict[str, Any]):
+    try:
+        return grammar_spec_from(body)
+    except InvalidGrammarField as exc:
+        raise ApiError(str(exc), exc.field) from None
 
 
 def _param_of(message: str) -> str | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.engine.grammar.spec import GrammarSpec
+
 # Beyond this a logit bias is a ban or a force; OpenAI caps it at 100 as well.
 MAX_LOGIT_BIAS = 100.0
 MAX_TOP_LOGPROBS = 20
@@ -31,6 +33,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the chosen token's plus the top n
+    grammar: GrammarSpec | None = None  # structured output: the output must match it
 
     @property
     def is_greedy(self) -> bool:
@@ -50,6 +53,7 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
             or bool(self.logit_bias)
+            or self.grammar is not None
         )
 
     def validate(self, vocab_size: int) -> None:
@@ -68,6 +72,8 @@ class SamplingParams:
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
              f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"),
+            (not (self.ignore_eos and self.grammar is not None),
+             "ignore_eos cannot be combined with a structured-output constraint: the grammar ends the output"),
         ]
         for ok, message in checks:
             if not ok:

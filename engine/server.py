@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from splitserve.engine.engine import Engine
 from splitserve.engine.engine_client import EngineClient
+from splitserve.engine.grammar.compiler import InvalidGrammar
 from splitserve.engine.image_inputs import ImageInputConfig
 from splitserve.engine.image_items import ImageItem
 from splitserve.engine.image_processor import ClipImageProcessor
@@ -204,8 +205,20 @@ class ApiServer:
                 streams.append((ChoiceResult(index, ids), stream))
         return streams
 
+    async def _compile_grammar(self, gen: GenerationRequest) -> None:
+        """Compiles a structured-output constraint off the loop thread: a bad one is a 400 here, and
+        the loop then finds it in the compiler's cache."""
+        spec = gen.params.grammar
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammar.compile, spec)
+        except InvalidGrammar as exc:
+            raise ApiError(str(exc), spec.source_field) from None
+
     async def _respond(self, request: HttpRequest, gen: GenerationRequest, prompts: list[list[int]],
                        images: list[ImageItem] | None = None) -> Response:
+        await self._compile_grammar(gen)
         streams = self._choice_streams(gen, prompts, images or [])
         if gen.stream:
             return StreamingResponse(self._sse(gen, streams), media_type="text/event-stream",

@@ -29,4 +29,8 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
 fi
 log "installing splitserve[$extras]"
 "$PY" -m pip install -q -e ".[$extras]"
+# Structured outputs. --no-deps: xgrammar requires triton, a 286 MB GPU compiler that the CPU path
+# never imports (its other requirements are splitserve's); a CUDA torch brings triton anyway.
+log "installing xgrammar==0.2.9 (without triton)"
+"$PY" -m pip install -q --no-deps xgrammar==0.2.9
 log "done: $("$PY" -c 'import splitserve, torch; print("splitserve", splitserve.__version__, "torch", torch.__version__)')"

@@ -31,6 +31,7 @@ class SamplingBatch:
 
     slots: torch.Tensor  # int64 [B]
     params: list[SamplingParams]
+    host_slots: list[int] | None = None  # the same slots on the host, when the caller has them (no device sync)
 
     def __post_init__(self) -> None:
         if self.slots.dim() != 1 or self.slots.shape[0] != len(self.params):
@@ -40,6 +41,9 @@ class SamplingBatch:
 
     def __len__(self) -> int:
         return len(self.params)
+
+    def slot_list(self) -> list[int]:
+        return self.host_slots if self.host_slots is not None else self.slots.tolist()
 
 
 @dataclass

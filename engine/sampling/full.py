@@ -1,6 +1,7 @@
 """The full sampling backend: penalties, logit bias, temperature, top-k/top-p/min-p, seeds.
 
 Order of processing, per row:
+0. a structured-output row's grammar bitmask sets every token it forbids to -inf (engine/grammar);
 1. repetition penalty (HF: over prompt and output tokens, a positive logit is divided by the
    penalty and a negative one multiplied), then frequency and presence penalties (OpenAI: over
    output tokens only, `count * frequency + (count > 0) * presence` subtracted), then logit bias;
@@ -25,6 +26,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from splitserve.engine.grammar.bitmask import apply_bitmask
+from splitserve.engine.grammar.slots import GrammarSlots
 from splitserve.engine.sampling.base import (
     PAD_TOKEN,
     SampleOutput,
@@ -77,6 +80,8 @@ class FullSampler(SamplerBackend):
         self.prompt_mask = torch.zeros(max_slots, vocab_size, dtype=torch.bool, device=self.device)
         self.logit_bias: torch.Tensor | None = None
         self.generators: dict[int, torch.Generator] = {}
+        # Structured outputs: per-slot grammar matchers, attached by the engine (None: no grammars).
+        self.grammar: GrammarSlots | None = None
         self.shared_generator = torch.Generator(device=self.device)
         if seed is None:
             self.shared_generator.seed()
@@ -109,6 +114,8 @@ class FullSampler(SamplerBackend):
                 ids, values = zip(*params.logit_bias.items(), strict=True)
                 self.logit_bias[slot, self._ids(ids)] = torch.tensor(values, device=self.device)
 
+        if self.grammar is not None:
+            self.grammar.reset(slot, params.grammar)
         if params.seed is None:
             self.generators.pop(slot, None)
         else:
@@ -118,7 +125,11 @@ class FullSampler(SamplerBackend):
     def commit(self, slots: torch.Tensor, tokens: list[list[int]]) -> None:
         if len(slots) != len(tokens):
             raise ValueError(f"commit got {len(slots)} slots but {len(tokens)} token lists")
-        rows = [slot for slot, emitted in zip(slots.tolist(), tokens, strict=True) for _ in emitted]
+        host_slots = slots.tolist()
+        if self.grammar is not None:
+            for slot, emitted in zip(host_slots, tokens, strict=True):
+                self.grammar.commit(slot, emitted)
+        rows = [slot for slot, emitted in zip(host_slots, tokens, strict=True) for _ in emitted]
         if not rows:
             return
         cols = [token for emitted in tokens for token in emitted]
@@ -205,14 +216,31 @@ class FullSampler(SamplerBackend):
 
     # -- the contract -----------------------------------------------------------------------
 
+    def grammar_masked(self, logits: torch.Tensor, batch: SamplingBatch,
+                       candidates: torch.Tensor | None = None) -> torch.Tensor:
+        """logits ([B, V], or [B, K+1, V] with the draft candidates [B, K]) with -inf at every token
+        a row's grammar forbids there; unchanged when no row has one. The bitmask is filled on the
+        host and applied with tensor ops: on a GPU, an async copy and no sync."""
+        if self.grammar is None or not any(p.grammar is not None for p in batch.params):
+            return logits
+        slots = batch.slot_list()
+        if candidates is None:
+            bitmask = self.grammar.fill(slots)
+        else:
+            bitmask = self.grammar.fill_verify(slots, candidates.tolist())
+        if self.device.type == "cuda":
+            bitmask = bitmask.pin_memory()
+        return apply_bitmask(logits, bitmask)
+
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         check_sample_inputs(logits, batch, self.vocab_size)
+        raw, logits = logits, self.grammar_masked(logits, batch)
         if all(p.temperature == 0.0 for p in batch.params):
             tokens = argmax_tokens(self.penalized_logits(logits, batch.slots, batch.params))
         else:
             tokens = self._draw(self.target_probs(logits, batch.slots, batch.params), batch)
         output = SampleOutput(tokens=tokens, accept_lengths=torch.ones_like(tokens))
-        return attach_logprobs(output, logits, batch.params)
+        return attach_logprobs(output, raw, batch.params)
 
     def verify(
         self,
@@ -230,6 +258,7 @@ class FullSampler(SamplerBackend):
         A temperature-0 row has a one-hot p, which makes this exactly greedy verification.
         """
         check_verify_inputs(logits, candidates, batch, draft_probs, self.vocab_size)
+        raw, logits = logits, self.grammar_masked(logits, batch, candidates)
         b, k = candidates.shape
         slots = batch.slots.repeat_interleave(k + 1)
         p = self.target_probs(logits.reshape(b * (k + 1), -1), slots, batch.params).view(b, k + 1, -1)
@@ -252,4 +281,4 @@ class FullSampler(SamplerBackend):
         tokens[rows, accepted] = self._draw(last, batch)
         accept_lengths = accepted + 1
         output = SampleOutput(tokens=pad_after(tokens, accept_lengths), accept_lengths=accept_lengths)
-        return attach_logprobs(output, logits, batch.params)
+        return attach_logprobs(output, raw, batch.params)

@@ -1,0 +1,2 @@
+"""Structured outputs: what a request constrains its output to (spec), compiled for the model's
+vocabulary (compiler), tracked per sampler slot (slots) and applied to logits (bitmask)."""

@@ -1,0 +1,142 @@
+"""The official `openai` client against real servers: a unified engine and a 1P1D deployment
+(prefill + decode + router, Mooncake TCP on loopback), for every feature, streaming and not."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+from servers import LocalDeployment, assert_kv_back_to_start
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("xgrammar")
+
+ENGINE_ARGS = ["--page-size", "4", "--max-total-tokens", "4096", "--max-running-requests", "8", "--device", "cpu"]
+TRANSFER_ARGS = ["--transfer-heartbeat-interval-s", "0.2", "--transfer-heartbeat-misses", "5",
+                 "--transfer-bootstrap-timeout-s", "5"]
+MODEL = "m"
+SHAPES = ["unified", "1p1d"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "population": {"type": "integer", "minimum": 0, "maximum": 100000},
+        "capital": {"type": "boolean"},
+        "zone": {"enum": ["north", "south"]},
+    },
+    "required": ["city", "population", "capital", "zone"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+MESSAGES = [{"role": "user", "content": "Describe a city as JSON."}]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    d = LocalDeployment(tmp_path_factory.mktemp("oa"), Path("tiny"), ENGINE_ARGS, TRANSFER_ARGS)
+    try:
+        unified, prefill, decode = d.engine("unified"), d.engine("prefill"), d.engine("decode")
+        d.wait([unified, prefill, decode])
+        router = d.router([prefill], [decode])
+        d.wait([router], timeout=60)
+        yield {"deployment": d, "unified": unified, "1p1d": router, "engines": [unified, prefill, decode]}
+    finally:
+        d.stop()
+
+
+@pytest.fixture(autouse=True)
+def pages_back_everywhere(deployment):
+    yield
+    for url in deployment["engines"]:
+        assert_kv_back_to_start(url)
+
+
+def client_for(deployment, shape: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{deployment[shape]}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def streamed_text(stream) -> tuple[str, str | None]:
+    text, finish = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = getattr(choice, "delta", None)
+            text += (delta.content or "") if delta is not None else choice.text
+            finish = choice.finish_reason or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_output_validates_every_time(deployment, shape: str, stream: bool) -> None:
+    client = client_for(deployment, shape)
+    for seed in range(4):
+        kwargs = dict(model=MODEL, messages=MESSAGES, response_format=JSON_SCHEMA_FORMAT, max_tokens=200,
+                      temperature=1.0, seed=seed)
+        if stream:
+            text, finish = streamed_text(client.chat.completions.create(stream=True, **kwargs))
+        else:
+            out = client.chat.completions.create(**kwargs)
+            text, finish = out.choices[0].message.content, out.choices[0].finish_reason
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_json_object_gives_a_json_object(deployment, shape: str) -> None:
+    client = client_for(deployment, shape)
+    close = str(ord("}"))  # the tiny model's byte tokens: pushing '}' ends the object soon
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"},
+                                         max_tokens=300, logit_bias={close: 8.0}, seed=1)
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_and_sglang_extensions(deployment, shape: str, stream: bool) -> None:
+    client = client_for(deployment, shape)
+    cases = [({"guided_regex": "[a-d]{3}-[0-9]{2}"}, r"[a-d]{3}-[0-9]{2}"),
+             ({"regex": "(yes|no)!"}, r"(yes|no)!"),
+             ({"guided_choice": ["red", "green", "blue"]}, r"red|green|blue"),
+             ({"guided_grammar": 'root ::= "<" [a-z]+ ">"'}, r"<[a-z]+>"),
+             ({"ebnf": 'root ::= ("ab")+ "."'}, r"(ab)+\."),
+             ({"guided_json": SCHEMA}, None), ({"json_schema": json.dumps(SCHEMA)}, None)]
+    for extra, pattern in cases:
+        out = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=200, seed=3, stream=stream,
+                                        extra_body=extra)
+        text, finish = streamed_text(out) if stream else (out.choices[0].text, out.choices[0].finish_reason)
+        assert finish == "stop", (extra, text)
+        if pattern is None:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        else:
+            assert re.fullmatch(pattern, text), (extra, text)
+
+
+def test_the_grammar_state_travels_from_prefill_to_decode(deployment) -> None:
+    """Greedy under a grammar: the 1P1D deployment (first token sampled on prefill under the grammar,
+    decode rebuilding the state from it) gives the unified engine's output token for token."""
+    outputs = {}
+    for shape in SHAPES:
+        out = client_for(deployment, shape).completions.create(
+            model=MODEL, prompt="x", max_tokens=120, temperature=0, extra_body={"guided_json": SCHEMA,
+                                                                                "return_token_ids": True})
+        outputs[shape] = out.choices[0].model_extra["token_ids"]
+        jsonschema.validate(json.loads(out.choices[0].text), SCHEMA)
+    assert outputs["unified"] == outputs["1p1d"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bad_constraints_get_a_400_naming_the_field(deployment, shape: str) -> None:
+    client = client_for(deployment, shape)
+    for extra, field in [({"guided_regex": "(unclosed"}, "guided_regex"),
+                         ({"guided_regex": "a", "regex": "b"}, "regex"),
+                         ({"response_format": {"type": "yaml"}}, "response_format"),
+                         ({"ebnf": "root ::= "}, "ebnf")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=extra)
+        assert err.value.body["param"] == field, err.value.body
