@@ -7,7 +7,10 @@ becomes ``--drafter`` and ``SPLITSERVE_DRAFTER``. The group's key is the transfe
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -16,11 +19,16 @@ class SpecConfig:
 
     # ---- verifier (decode, or unified with --drafter) -----------------------------------------
     drafter: list[str] = field(default_factory=list, metadata={
-        "help": "draft mesh gRPC endpoints (host:port) of drafters to join; empty: no speculation"})
-    speculative_tokens: int = field(default=4, metadata={
+        "help": "draft mesh gRPC endpoints (host:port) of drafters to join (empty: those --peers-file lists, "
+                "if any; else no speculation)"})
+    peers_file: str = field(default="", metadata={
+        "help": "the operator's peers.json: its drafter endpoints are joined when --drafter is empty"})
+    num_draft_tokens: int = field(default=4, metadata={
         "help": "draft tokens verified per request and step (K); the forward covers K+1 positions"})
-    verifier_rank: int = field(default=0, metadata={
-        "help": "this verifier's rank in the group (a request is draft:<rank>:<id> on a drafter)"})
+    verifier_rank: int | None = field(default=None, metadata={
+        "help": "this verifier's rank in the group, unique per verifier (a request is draft:<rank>:<id> on a "
+                "drafter); default: the pod's replica index (SPLITSERVE_REPLICA_INDEX or the pod name's "
+                "ordinal), else 0"})
     draft_heartbeat_interval_s: float = field(default=0.25, metadata={
         "help": "seconds between heartbeats to each joined drafter"})
     draft_wait_ms: float = field(default=0.0, metadata={
@@ -39,11 +47,11 @@ class SpecConfig:
         "help": "seconds a lease lives after its last heartbeat (then its requests are closed)"})
 
     def __post_init__(self) -> None:
-        if self.speculative_tokens < 1:
-            raise ValueError(f"--speculative-tokens must be >= 1, got {self.speculative_tokens}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
         if self.max_draft_ahead < 1:
             raise ValueError(f"--max-draft-ahead must be >= 1, got {self.max_draft_ahead}")
-        if self.verifier_rank < 0:
+        if self.verifier_rank is not None and self.verifier_rank < 0:
             raise ValueError(f"--verifier-rank must be >= 0, got {self.verifier_rank}")
         if self.draft_wait_ms < 0:
             raise ValueError(f"--draft-wait-ms must be >= 0, got {self.draft_wait_ms}")
@@ -54,3 +62,20 @@ class SpecConfig:
             host, _, port = endpoint.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--drafter {endpoint!r} is not host:port")
+
+
+def default_verifier_rank(environ: Mapping[str, str]) -> int:
+    """The pod's replica index as the operator hands it over (the label, else the StatefulSet pod
+    name's "-<ordinal>" suffix), 0 outside Kubernetes."""
+    index = environ.get("SPLITSERVE_REPLICA_INDEX", "")
+    if index.isdigit():
+        return int(index)
+    ordinal = environ.get("SPLITSERVE_POD_NAME", "").rpartition("-")[2]
+    return int(ordinal) if ordinal.isdigit() else 0
+
+
+def drafters_from_peers(path: str) -> list[str]:
+    """The drafter pods' draft-mesh endpoints (host:meshPort) listed in the operator's peers.json."""
+    peers = json.loads(Path(path).read_text())
+    endpoints = ((peers.get("roles") or {}).get("drafter") or {}).get("endpoints") or []
+    return [f"{e['host']}:{e['meshPort']}" for e in endpoints if "meshPort" in e]

@@ -1,8 +1,11 @@
 """A drafter's leases: which verifier ranks joined, where their tails go, when they expire.
 
 Written by the gRPC threads (Join, Heartbeat, Leave) and read by the engine loop, so every
-method takes the lock. The loop collects ended leases (left, replaced by a rejoin of the same
-rank, or silent past their ttl) with `take_ended` and closes their requests.
+method takes the lock. A rank is held by one verifier instance at a time: the same instance
+joining again replaces its lease, another instance is refused while that lease lives (two live
+verifiers with one rank would otherwise take the lease from each other in turn). The loop
+collects ended leases (left, replaced by a rejoin, or silent past their ttl) with `take_ended`
+and closes their requests.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ class Lease:
     last_heartbeat: float
 
 
+class RankHeld(RuntimeError):
+    """Another live verifier instance holds this rank's lease."""
+
+
 class LeaseTable:
     """Leases by id, at most one per verifier rank."""
 
@@ -37,11 +44,15 @@ class LeaseTable:
 
     def grant(self, verifier_rank: int, verifier_instance: str, tail_endpoint: str, draft_tokens: int,
               now: float | None = None) -> Lease | None:
-        """A new lease (replacing the rank's old one); None when the table is full."""
+        """A new lease (replacing this instance's old one); None when the table is full; raises
+        RankHeld when another instance holds the rank."""
         now = time.monotonic() if now is None else now
         with self._lock:
             self._expire(now)
             for old in [lease for lease in self._leases.values() if lease.verifier_rank == verifier_rank]:
+                if old.verifier_instance != verifier_instance:
+                    raise RankHeld(f"verifier rank {verifier_rank} is held by the live verifier "
+                                   f"{old.verifier_instance}; give each verifier its own --verifier-rank")
                 self._end(old)
             if len(self._leases) >= self.max_leases:
                 return None

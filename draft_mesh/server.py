@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.draft_mesh.auth import call_refusal
-from splitserve.draft_mesh.leases import LeaseTable
+from splitserve.draft_mesh.leases import LeaseTable, RankHeld
 from splitserve.proto import draft_mesh_pb2 as pb
 from splitserve.proto import draft_mesh_pb2_grpc as pb_grpc
 
@@ -69,8 +69,12 @@ class DraftMeshService(pb_grpc.DraftMeshServicer):
             logger.warning("refused Join of verifier rank %d: %s", request.verifier_rank, reason)
             return pb.JoinReply(accepted=False, refusal=refusal, reason=reason, drafter_rank=me.rank,
                                 drafter_instance=me.instance)
-        lease = self.leases.grant(request.verifier_rank, request.verifier_instance, request.tail_endpoint,
-                                  request.draft_tokens)
+        try:
+            lease = self.leases.grant(request.verifier_rank, request.verifier_instance, request.tail_endpoint,
+                                      request.draft_tokens)
+        except RankHeld as exc:
+            return pb.JoinReply(accepted=False, refusal=pb.REFUSAL_BAD_REQUEST, reason=str(exc), drafter_rank=me.rank,
+                                drafter_instance=me.instance)
         if lease is None:
             return pb.JoinReply(accepted=False, refusal=pb.REFUSAL_FULL, drafter_rank=me.rank,
                                 drafter_instance=me.instance,

@@ -298,6 +298,9 @@ def print_pd_report(r: dict) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="splitserve bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    if argv[:2] == ["--profile", "spec"] or argv[:1] == ["--profile=spec"]:
+        from splitserve.engine.bench_spec import main as spec_main  # its own flags
+        return spec_main(argv)
     if argv[:2] == ["--profile", "transfer"] or argv[:1] == ["--profile=transfer"]:
         from splitserve.transfer.bench import main as transfer_main  # its own flags
         return transfer_main(argv[2:] if argv[:1] == ["--profile"] else argv[1:])

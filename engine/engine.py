@@ -142,7 +142,6 @@ class Engine:
 
     def start(self) -> None:
         self.role.attach(self)
-        self.overlap = self.overlap and self.role.allows_overlap()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -286,7 +285,7 @@ class Engine:
     def _may_overlap(self, step: LaunchedStep) -> bool:
         """Overlap only where it is exact: CUDA, one rank, and greedy requests (a penalty or a seed
         needs the previous token committed on the host before the next step samples)."""
-        return (self.overlap and bool(step.chunks)
+        return (self.overlap and bool(step.chunks) and self.role.allows_overlap()
                 and all(c.request.params.wants_argmax_only for c in step.chunks))
 
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:

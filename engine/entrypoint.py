@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     logging.getLogger().setLevel(cfg.log_level.upper())
     role = None
-    if cfg.role != "unified" or spec.drafter:
+    if cfg.role != "unified" or spec.drafter or spec.peers_file:
         from splitserve.engine.roles import build_role  # the roles need the transfer layer or the draft mesh
         try:
             role = build_role(cfg, transfer, spec)

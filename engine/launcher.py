@@ -49,6 +49,10 @@ class UpConfig:
     restart_backoff_max_s: float = field(default=30.0, metadata={"help": "longest wait before a restart"})
     restart_reset_s: float = field(default=60.0, metadata={
         "help": "a process that ran this long before exiting is restarted after the first backoff again"})
+    drafter: int = field(default=0, metadata={
+        "help": "drafter engines (speculative decoding): every decode (or unified) engine joins them all"})
+    draft_model: str = field(default="", metadata={"help": "the drafters' checkpoint folder (default: --model)"})
+    speculative_tokens: int = field(default=4, metadata={"help": "draft tokens verified per request and step"})
 
     def __post_init__(self) -> None:
         if self.unified and (self.prefill or self.decode) and (self.prefill, self.decode) != (1, 1):
@@ -137,14 +141,27 @@ class Deployment:
         child.proc = subprocess.Popen(cmd, start_new_session=True, env=env)
         child.started_at = time.monotonic()
 
-    def _engine(self, role: str, index: int) -> str:
+    def _drafter(self, index: int) -> str:
+        """Starts drafter `index`; returns its draft-mesh gRPC endpoint (a restart keeps the port)."""
+        mesh_port = free_port()
+        self._engine("drafter", index, ["--model", self.cfg.draft_model or self.cfg.model,
+                                        "--draft-mesh-port", str(mesh_port)])
+        return f"127.0.0.1:{mesh_port}"
+
+    def _verifier_args(self, drafters: list[str], index: int) -> list[str]:
+        if not drafters:
+            return []
+        return ["--drafter", *drafters, "--num-draft-tokens", str(self.cfg.speculative_tokens),
+                "--verifier-rank", str(index)]
+
+    def _engine(self, role: str, index: int, extra: list[str] | None = None) -> str:
         port = free_port()
         args = ["serve", "--role", role, "--model", self.cfg.model, "--port", str(port),
                 "--device", engine_device(self.cfg.device, self._engines_started)]
         self._engines_started += 1
         if role == "prefill":
             args += ["--bootstrap-port", str(free_port())]
-        args += self.cfg.engine_args.split()
+        args += self.cfg.engine_args.split() + (extra or [])
         child = Child(f"{role}-{index}", f"http://127.0.0.1:{port}", args)
         self.children.append(child)
         self._spawn(child)
@@ -152,12 +169,13 @@ class Deployment:
 
     def start(self) -> str:
         cfg = self.cfg
+        drafters = [self._drafter(i) for i in range(cfg.drafter)]
         if cfg.unified:
-            unified = [self._engine("unified", i) for i in range(cfg.unified)]
+            unified = [self._engine("unified", i, self._verifier_args(drafters, i)) for i in range(cfg.unified)]
             router_args = ["--unified", *unified]
         else:
             prefill = [self._engine("prefill", i) for i in range(cfg.prefill)]
-            decode = [self._engine("decode", i) for i in range(cfg.decode)]
+            decode = [self._engine("decode", i, self._verifier_args(drafters, i)) for i in range(cfg.decode)]
             router_args = ["--prefill", *prefill, "--decode", *decode]
         wait_healthy(self.procs, cfg.startup_timeout_s)
         router = Child("router", f"http://{cfg.host}:{cfg.port}", [

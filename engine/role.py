@@ -60,8 +60,9 @@ class Role:
         return None
 
     def allows_overlap(self) -> bool:
-        """False when the role needs every step's tokens on the host before the next is planned
-        (the verifier: a draft is verified only after the token it follows is known)."""
+        """False while the role needs every step's tokens on the host before the next is planned
+        (the verifier, while requests have drafters: a draft is verified only after the token it
+        follows is known). Asked at every step."""
         return True
 
     def close(self) -> None:

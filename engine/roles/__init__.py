@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from splitserve.draft_mesh import SpecConfig
+from splitserve.draft_mesh.config import drafters_from_peers
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.role import ComposedRole, Role
 from splitserve.transfer import TransferConfig
@@ -31,8 +34,9 @@ def role_behaviours(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfi
 
 
 def verifier(transfer: TransferConfig, spec: SpecConfig) -> list[Role]:
-    """The verifier behaviour when drafters are given (--drafter), else nothing."""
-    if not spec.drafter:
+    """The verifier behaviour when there are drafters to join (--drafter, or the peers file's), else nothing."""
+    drafters = spec.drafter or (drafters_from_peers(spec.peers_file) if spec.peers_file else [])
+    if not drafters:
         return []
     from splitserve.engine.roles.verifier import VerifierRole
-    return [VerifierRole(spec, transfer)]
+    return [VerifierRole(dataclasses.replace(spec, drafter=drafters), transfer)]

@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 
 from splitserve.draft_mesh.client import DrafterLink, LinkEvent
-from splitserve.draft_mesh.config import SpecConfig
+from splitserve.draft_mesh.config import SpecConfig, default_verifier_rank
 from splitserve.draft_mesh.fingerprint import model_fingerprint, tokenizer_fingerprint
 from splitserve.draft_mesh.tail_buffer import TailBuffer
 from splitserve.draft_mesh.wire import WireError, decode_tails, encode_frames
@@ -82,6 +82,8 @@ class VerifierRole(Role):
 
     def __init__(self, spec: SpecConfig, transfer: TransferConfig) -> None:
         self.spec = spec
+        self.num_draft_tokens = spec.num_draft_tokens  # K; benchmarks change it between runs
+        self.rank = spec.verifier_rank if spec.verifier_rank is not None else default_verifier_rank(os.environ)
         self.key = transfer.transfer_control_key
         self.host = transfer.transfer_host
         self.instance = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -108,15 +110,15 @@ class VerifierRole(Role):
         self._receiver.start()
         mc = engine.model_cfg
         join = pb.JoinRequest(
-            verifier_rank=self.spec.verifier_rank, verifier_instance=self.instance,
+            verifier_rank=self.rank, verifier_instance=self.instance,
             model_fingerprint=model_fingerprint(mc.architecture, mc.num_layers, mc.hidden_size, mc.vocab_size,
                                                 engine.cfg.model_name),
             tokenizer_fingerprint=tokenizer_fingerprint(engine.tokenizer), vocab_size=mc.vocab_size,
-            draft_tokens=self.spec.speculative_tokens, tail_endpoint=self.tail_endpoint)
+            draft_tokens=self.spec.num_draft_tokens, tail_endpoint=self.tail_endpoint)
         self.links = {ep: DrafterLink(ep, join, self.key, self.spec.draft_heartbeat_interval_s,
                                       self.spec.draft_rpc_timeout_s, self.events).start()
                       for ep in self.spec.drafter}
-        logger.info("verifier rank %d: tails on %s, drafters %s", self.spec.verifier_rank, self.tail_endpoint,
+        logger.info("verifier rank %d: tails on %s, drafters %s", self.rank, self.tail_endpoint,
                     ", ".join(self.spec.drafter))
 
     def close(self) -> None:
@@ -134,7 +136,7 @@ class VerifierRole(Role):
                 "speculating": len(self.states), "quarantined": len(self.quarantined)}
 
     def allows_overlap(self) -> bool:
-        return False
+        return not self.states  # plain decoding keeps the overlap scheduler while no request has a drafter
 
     # ---- the receive thread -----------------------------------------------------------------------
 
@@ -249,9 +251,9 @@ class VerifierRole(Role):
         if req.pending_len != 1:
             return False
         state.buffer.reconcile(req.output_ids, offset=len(req.prompt_ids))
-        room = min(self.spec.speculative_tokens, req.params.max_new_tokens - len(req.output_ids) - 1,
+        room = min(self.num_draft_tokens, req.params.max_new_tokens - len(req.output_ids) - 1,
                    self.engine.context_length - req.total_len)
-        req.draft_tokens = state.buffer.draft(req.total_len, self.spec.speculative_tokens)
+        req.draft_tokens = state.buffer.draft(req.total_len, self.num_draft_tokens)
         return len(req.draft_tokens) < room
 
     def _sync(self, req: Request) -> None:

@@ -71,12 +71,22 @@ def test_join_is_refused_when_full_or_draining(mesh) -> None:
     assert caller.call("Join", join_request(verifier_rank=5)).refusal == pb.REFUSAL_DRAINING
 
 
-def test_a_rejoining_rank_replaces_its_old_lease(mesh) -> None:
+def test_a_rejoining_verifier_replaces_its_old_lease(mesh) -> None:
     _, leases, caller, _ = mesh
-    first = caller.call("Join", join_request(verifier_instance="old"))
-    second = caller.call("Join", join_request(verifier_instance="new"))
+    first = caller.call("Join", join_request(verifier_instance="v0"))
+    second = caller.call("Join", join_request(verifier_instance="v0"))
     assert first.lease_id != second.lease_id and len(leases) == 1
-    assert [lease.verifier_instance for lease in leases.take_ended()] == ["old"]
+    assert [lease.lease_id for lease in leases.take_ended()] == [first.lease_id]
+
+
+def test_another_verifier_with_a_live_rank_is_refused_until_the_lease_expires(mesh) -> None:
+    caller = mesh[2]
+    assert caller.call("Join", join_request(verifier_instance="old")).accepted
+    clash = caller.call("Join", join_request(verifier_instance="new"))
+    assert not clash.accepted and clash.refusal == pb.REFUSAL_BAD_REQUEST
+    assert "held by the live verifier old" in clash.reason
+    time.sleep(0.8)  # the old one stopped heartbeating: its lease expires
+    assert caller.call("Join", join_request(verifier_instance="new")).accepted
 
 
 def test_a_lease_without_heartbeats_expires(mesh) -> None:

@@ -50,7 +50,7 @@ def mesh_endpoint(drafter: Engine) -> str:
 
 
 def start_verifier(drafters: list[Engine], k: int = 4, rank: int = 0, wait_ms: float = WAIT_MS) -> Engine:
-    spec = SpecConfig(drafter=[mesh_endpoint(d) for d in drafters], speculative_tokens=k, verifier_rank=rank,
+    spec = SpecConfig(drafter=[mesh_endpoint(d) for d in drafters], num_draft_tokens=k, verifier_rank=rank,
                       draft_wait_ms=wait_ms)
     engine = Engine(EngineConfig(model="tiny", **ENGINE), role=ComposedRole("unified", [VerifierRole(spec, TRANSFER)]))
     engine.start()

@@ -1,0 +1,255 @@
+"""`splitserve bench --profile spec`: decode tokens/s with a drafter vs plain decoding, same engine, same run.
+
+The target is a model shape with random weights in which every layer from the (draft_layers+1)th
+on has zero `o_proj` and `down_proj`: those layers add exact zeros to the residual stream, so the
+target's output equals that of its first `draft_layers` layers (in bf16 too) while it still costs
+all of its layers. The exact drafter is those first layers with the same embeddings, norm and
+head: every draft is accepted. A perturbed drafter (noise on its layers) is accepted less often.
+
+The verifier engine runs in this process; each drafter is a `splitserve serve --role drafter`
+process on the same device and the same draft-mesh port (the verifier rejoins when the next one
+starts). For each drafter, K and batch size the report gives tokens/s, the ratio to plain decoding
+at that batch size (measured first, before any drafter runs) and the acceptance rate.
+Verify steps run eagerly (the extend path, no CUDA graph); plain decode steps use the CUDA graphs.
+
+  splitserve bench --profile spec --shape llama-3.1-8b --device cuda        # the H200 setup
+  splitserve bench --profile spec --shape spec-cpu --device cpu \\
+      --batch-sizes 1 4 --ks 2 4 --output-len 48                            # a CPU run of the same
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from splitserve.config_flags import add_config_flags, config_from_args
+from splitserve.draft_mesh import SpecConfig
+from splitserve.engine.bench import random_prompts
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.model_shapes import SHAPES
+from splitserve.engine.offline import generate_tokens
+from splitserve.engine.role import ComposedRole
+from splitserve.engine.roles.verifier import VerifierRole
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tiny_model import TINY_CONFIG, byte_level_tokenizer
+from splitserve.transfer import TransferConfig
+
+logger = logging.getLogger(__name__)
+
+# A CPU-sized target: deep and wide enough that its layers, not the loop, cost the time.
+SPEC_CPU: dict[str, Any] = {**TINY_CONFIG, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 16,
+                            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
+BENCH_SHAPES = {**SHAPES, "spec-cpu": SPEC_CPU}
+KEY = "5bec" * 16
+
+
+@dataclass
+class SpecBenchConfig:
+    """What `bench --profile spec` measures."""
+
+    profile: str = field(default="spec", metadata={"help": "spec (this benchmark)"})
+    shape: str = field(default="llama-3.1-8b", metadata={"help": f"target shape: {', '.join(BENCH_SHAPES)}"})
+    device: str = field(default="cuda", metadata={"help": "cpu or cuda (the verifier and the drafters share it)"})
+    draft_layers: int = field(default=4, metadata={"help": "layers of the drafter (the target's live layers)"})
+    perturb: float = field(default=0.35, metadata={
+        "help": "noise on the perturbed drafter's layers, relative to each weight's std (0: no perturbed run)"})
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32], metadata={"help": "decode batch sizes"})
+    ks: list[int] = field(default_factory=lambda: [2, 4, 8], metadata={"help": "draft tokens per step (K)"})
+    prompt_len: int = field(default=128, metadata={"help": "prompt tokens per request"})
+    output_len: int = field(default=128, metadata={"help": "output tokens per request"})
+    draft_wait_ms: float = field(default=2.0, metadata={"help": "the verifier's --draft-wait-ms"})
+    max_total_tokens: int = field(default=65536, metadata={"help": "KV cache tokens of each engine"})
+    seed: int = field(default=0, metadata={"help": "weights seed"})
+    workdir: str | None = field(default=None, metadata={"help": "where checkpoints go (default: a temp dir)"})
+    output: str | None = field(default=None, metadata={"help": "write the report as JSON here"})
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+
+def _save(folder: Path, config: dict[str, Any], weights: dict[str, torch.Tensor]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous().cpu() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    byte_level_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                              "eos_token": "<|end_of_text|>"}))
+    return folder
+
+
+def spec_checkpoints(shape: dict[str, Any], folder: Path, draft_layers: int, perturb: float, seed: int,
+                     device: str) -> dict[str, Path]:
+    """The target, the exact drafter and (perturb > 0) the perturbed drafter, as checkpoint folders."""
+    dtype = getattr(torch, shape.get("torch_dtype", "float32"))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = shape.get("head_dim") or hidden // heads
+    std = 0.02 if hidden >= 2048 else 0.08
+
+    def rand(*size: int, scale: float = std) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
+
+    shared = {"model.embed_tokens.weight": rand(vocab, hidden, scale=0.25 if hidden < 2048 else std),
+              "model.norm.weight": torch.ones(hidden, dtype=dtype, device=device),
+              "lm_head.weight": rand(vocab, hidden, scale=0.25 if hidden < 2048 else std)}
+    target = dict(shared)
+    shapes = {"self_attn.q_proj.weight": (heads * head_dim, hidden), "self_attn.k_proj.weight": (kv_heads * head_dim,
+              hidden), "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+              "self_attn.o_proj.weight": (hidden, heads * head_dim), "mlp.gate_proj.weight": (inter, hidden),
+              "mlp.up_proj.weight": (inter, hidden), "mlp.down_proj.weight": (hidden, inter)}
+    for i in range(shape["num_hidden_layers"]):
+        for name, size in shapes.items():
+            dead = i >= draft_layers and name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+            target[f"model.layers.{i}.{name}"] = torch.zeros(size, dtype=dtype, device=device) if dead else rand(*size)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            target[f"model.layers.{i}.{norm}.weight"] = torch.ones(hidden, dtype=dtype, device=device)
+    draft_cfg = {**shape, "num_hidden_layers": draft_layers}
+    drafter = {k: v for k, v in target.items()
+               if not k.startswith("model.layers.") or int(k.split(".")[2]) < draft_layers}
+    out = {"target": _save(folder / "target", shape, target), "exact": _save(folder / "drafter-exact", draft_cfg,
+                                                                               drafter)}
+    if perturb > 0:
+        noisy = {k: (v.float() + torch.randn(v.shape, generator=gen, device=device) * perturb * v.float().std()).to(
+                 dtype) if k.startswith("model.layers.") and v.dim() == 2 else v for k, v in drafter.items()}
+        out["perturbed"] = _save(folder / "drafter-perturbed", draft_cfg, noisy)
+    return out
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+
+def decode_run(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    m = engine.metrics
+    drafted0, accepted0, steps0 = m.spec_draft_tokens._value.get(), m.spec_accepted_tokens._value.get(), engine.steps
+    start = time.perf_counter()
+    outs = generate_tokens(engine, prompts, params)
+    elapsed = time.perf_counter() - start
+    drafted, accepted = m.spec_draft_tokens._value.get() - drafted0, m.spec_accepted_tokens._value.get() - accepted0
+    tokens = sum(len(o) for o in outs)
+    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "steps": engine.steps - steps0,
+            "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else 0.0,
+            "outputs": outs}
+
+
+def start_drafter(folder: Path, device: str, mesh_port: int, http_port: int, cfg: SpecBenchConfig,
+                  log: Path) -> subprocess.Popen:
+    args = [sys.executable, "-P", "-m", "splitserve", "serve", "--role", "drafter", "--model", str(folder),
+            "--device", device, "--port", str(http_port), "--draft-mesh-port", str(mesh_port),
+            "--max-total-tokens", str(cfg.max_total_tokens), "--max-draft-ahead", str(2 * max(cfg.ks)),
+            "--max-running-requests", str(max(cfg.batch_sizes))]
+    env = {**os.environ, "SPLITSERVE_TRANSFER_CONTROL_KEY": KEY, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def wait_joined(verifier: VerifierRole, proc: subprocess.Popen, timeout: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not verifier.drafters:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the drafter exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the verifier did not join the drafter")
+        verifier.engine.call_soon(lambda: None)  # the loop takes join events on its polls
+        time.sleep(0.2)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
+    shape = BENCH_SHAPES[cfg.shape]
+    work = Path(cfg.workdir or tempfile.mkdtemp(prefix="splitserve-spec-bench-"))
+    started = time.monotonic()
+    folders = spec_checkpoints(shape, work, cfg.draft_layers, cfg.perturb, cfg.seed,
+                               "cuda" if cfg.device.startswith("cuda") else "cpu")
+    logger.info("checkpoints written to %s in %.0f s", work, time.monotonic() - started)
+    mesh_port = free_port()
+    spec = SpecConfig(drafter=[f"127.0.0.1:{mesh_port}"], num_draft_tokens=max(cfg.ks),
+                      draft_wait_ms=cfg.draft_wait_ms)
+    verifier = VerifierRole(spec, TransferConfig(transfer_control_key=KEY))
+    engine = Engine(EngineConfig(model=str(folders["target"]), device=cfg.device, max_total_tokens=cfg.max_total_tokens,
+                                 max_running_requests=max(cfg.batch_sizes)), role=ComposedRole("unified", [verifier]))
+    engine.start()
+    report: dict[str, Any] = {"config": asdict(cfg), "plain": {}, "runs": []}
+    try:
+        prompts = {b: random_prompts(b, cfg.prompt_len, seed=b) for b in cfg.batch_sizes}
+        generate_tokens(engine, prompts[cfg.batch_sizes[0]][:1], SamplingParams(max_new_tokens=4))  # warm-up
+        plain_outputs = {}
+        for b in cfg.batch_sizes:
+            r = decode_run(engine, prompts[b], cfg.output_len)
+            plain_outputs[b] = r.pop("outputs")
+            report["plain"][b] = r
+            logger.info("plain batch %d: %.1f tok/s", b, r["tokens_per_s"])
+        drafters = [("exact", folders["exact"])] + ([("perturbed", folders["perturbed"])] if "perturbed" in folders
+                                                    else [])
+        for name, folder in drafters:
+            proc = start_drafter(folder, cfg.device, mesh_port, free_port(), cfg, work / f"drafter-{name}.log")
+            try:
+                wait_joined(verifier, proc)
+                generate_tokens(engine, prompts[cfg.batch_sizes[0]][:1], SamplingParams(max_new_tokens=8))
+                for k in cfg.ks:
+                    verifier.num_draft_tokens = k
+                    for b in cfg.batch_sizes:
+                        r = decode_run(engine, prompts[b], cfg.output_len)
+                        same = r.pop("outputs") == plain_outputs[b]
+                        r.update(drafter=name, k=k, batch=b, identical_to_plain=same,
+                                 speedup=r["tokens_per_s"] / report["plain"][b]["tokens_per_s"])
+                        report["runs"].append(r)
+                        logger.info("%s K=%d batch %d: %.1f tok/s (x%.2f), acceptance %.2f%s", name, k, b,
+                                    r["tokens_per_s"], r["speedup"], r["acceptance"], "" if same else " OUTPUT DIFFERS")
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+                deadline = time.monotonic() + 10
+                while verifier.drafters and time.monotonic() < deadline:  # the lease is dropped
+                    engine.call_soon(lambda: None)
+                    time.sleep(0.1)
+    finally:
+        engine.stop()
+    return report
+
+
+def print_spec_report(report: dict[str, Any]) -> None:
+    cfg = report["config"]
+    print(f"\nspeculative decoding, target {cfg['shape']} ({cfg['draft_layers']} live layers), device {cfg['device']}, "
+          f"prompt {cfg['prompt_len']}, output {cfg['output_len']}, draft wait {cfg['draft_wait_ms']} ms")
+    print(f"{'drafter':<10} {'K':>2} {'batch':>5} {'tok/s':>9} {'plain':>9} {'speedup':>8} {'accept':>7} "
+          f"{'tok/step':>8} {'same':>5}")
+    for r in report["runs"]:
+        plain = report["plain"][r["batch"]]
+        per_step = r["batch"] * cfg["output_len"] / max(r["steps"], 1)
+        same = "yes" if r["identical_to_plain"] else "NO"
+        print(f"{r['drafter']:<10} {r['k']:>2} {r['batch']:>5} {r['tokens_per_s']:>9.1f} "
+              f"{plain['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {r['acceptance']:>7.2f} {per_step:>8.2f} {same:>5}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="splitserve bench --profile spec", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser, SpecBenchConfig, "SPLITSERVE_BENCH")
+    cfg = config_from_args(SpecBenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH")
+    report = run_spec_benchmark(cfg)
+    print_spec_report(report)
+    if cfg.output:
+        Path(cfg.output).write_text(json.dumps(report, indent=2, default=str))
+    return 0 if all(r["identical_to_plain"] for r in report["runs"]) else 1
+

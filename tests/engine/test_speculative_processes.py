@@ -1,0 +1,149 @@
+"""Speculative decoding as processes: `splitserve serve --role drafter` killed with SIGKILL while a
+verifier streams through it, then restarted on the same port and joined again; `splitserve up
+--drafter N` with prefill/decode."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from servers import REPO, ServerProcess, assert_kv_back_to_start, free_port, splitserve_env, wait_http_ok
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.offline import generate_tokens
+from splitserve.engine.sampling_params import SamplingParams
+
+KEY = {"SPLITSERVE_TRANSFER_CONTROL_KEY": "7e" * 16}
+ENGINE_ARGS = ["--model", "tiny", "--device", "cpu", "--page-size", "4", "--max-total-tokens", "4096"]
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [40, 41, 42, 43, 44, 45], [100, 7, 100], [3, 3, 3, 3]]
+MAX_TOKENS = 120
+
+pytestmark = pytest.mark.slow
+
+
+def metric(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    found = re.search(rf"^{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def drafter_state(verifier_url: str) -> str:
+    drafters = httpx.get(f"{verifier_url}/health", timeout=5).json()["drafters"]
+    (state,) = [d["state"] for d in drafters.values()]
+    return state
+
+
+def wait_for(check, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not check():
+        assert time.monotonic() - start < timeout, f"{what} not within {timeout} s"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def complete(url: str, prompt: list[int], out: dict[int, list[int]], index: int) -> None:
+    body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    tokens: list[int] = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                tokens += choice.get("token_ids") or []
+                assert choice.get("finish_reason") in (None, "length"), choice
+    out[index] = tokens
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=4096))
+    engine.start()
+    try:
+        return generate_tokens(engine, PROMPTS, SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0.0,
+                                                               ignore_eos=True))
+    finally:
+        engine.stop()
+
+
+def test_a_killed_drafter_loses_no_request_and_a_restarted_one_is_joined_again(tmp_path: Path, plain) -> None:
+    mesh_port, drafter_port, verifier_port = free_port(), free_port(), free_port()
+    drafter_args = ["serve", "--role", "drafter", *ENGINE_ARGS, "--port", str(drafter_port),
+                    "--draft-mesh-port", str(mesh_port)]
+    verifier_url, drafter_url = f"http://127.0.0.1:{verifier_port}", f"http://127.0.0.1:{drafter_port}"
+    procs = [ServerProcess(drafter_args, tmp_path / "drafter-1.log", KEY),
+             ServerProcess(["serve", "--role", "unified", *ENGINE_ARGS, "--served-model-name", "m",
+                            "--port", str(verifier_port), "--drafter", f"127.0.0.1:{mesh_port}",
+                            "--num-draft-tokens", "4", "--draft-wait-ms", "30"], tmp_path / "verifier.log", KEY)]
+    try:
+        wait_http_ok(f"{drafter_url}/health", procs[0].proc, 120, procs[0].log)
+        wait_http_ok(f"{verifier_url}/health", procs[1].proc, 120, procs[1].log)
+        wait_for(lambda: drafter_state(verifier_url) == "joined", 10, "join")
+
+        outs: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=complete, args=(verifier_url, p, outs, i)) for i, p in enumerate(PROMPTS)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: metric(verifier_url, "splitserve_spec_accepted_tokens_total") >= 20, 60, "drafts in use")
+        procs[0].kill()  # SIGKILL, mid-stream
+        fallback_s = wait_for(lambda: drafter_state(verifier_url) != "joined", 5, "fallback")
+        assert fallback_s < 2.0
+        for t in threads:
+            t.join(timeout=120)
+        assert [outs[i] for i in range(len(PROMPTS))] == plain  # every request, token for token
+        assert metric(verifier_url, "splitserve_spec_fallbacks_total") >= 1
+        drafted_before = metric(verifier_url, "splitserve_spec_draft_tokens_total")
+        assert_kv_back_to_start(verifier_url)
+
+        procs[0] = ServerProcess(drafter_args, tmp_path / "drafter-2.log", KEY)  # the same ports again
+        wait_http_ok(f"{drafter_url}/health", procs[0].proc, 120, procs[0].log)
+        wait_for(lambda: drafter_state(verifier_url) == "joined", 10, "rejoin")
+        again: dict[int, list[int]] = {}
+        complete(verifier_url, PROMPTS[0], again, 0)
+        assert again[0] == plain[0]
+        drafted = metric(verifier_url, "splitserve_spec_draft_tokens_total") - drafted_before
+        assert drafted >= 20 and httpx.get(f"{drafter_url}/health").json()["leases"] == 1
+        assert_kv_back_to_start(verifier_url)
+        assert_kv_back_to_start(drafter_url)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def test_up_with_drafters_serves_prefill_decode_with_speculation(tmp_path: Path, plain) -> None:
+    port = free_port()
+    log = (tmp_path / "up.log").open("w+")
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", "cpu",
+                             "--prefill", "1", "--decode", "1", "--drafter", "1", "--speculative-tokens", "3",
+                             "--engine-args", "--draft-wait-ms 30 --page-size 4"],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=splitserve_env(), cwd=REPO.parent)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == f"endpoint: http://127.0.0.1:{port}/v1", (line, log.seek(0) or log.read()[-3000:])
+        log.seek(0)
+        decode_port = re.search(r"starting decode-0: serve --role decode .*?--port (\d+)", log.read()).group(1)
+        decode_url = f"http://127.0.0.1:{decode_port}"
+        assert drafter_state(decode_url) == "joined"
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": PROMPTS[1], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == plain[1][:60]
+        drafted = metric(decode_url, "splitserve_spec_draft_tokens_total")
+        assert drafted >= 10 and metric(decode_url, "splitserve_spec_accepted_tokens_total") >= 0.9 * drafted
+        assert_kv_back_to_start(decode_url)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
