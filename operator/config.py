@@ -14,6 +14,8 @@ class OperatorConfig:
                 "default: every namespace (needs the ClusterRole)"})
     default_image: str = field(default="ghcr.io/splitserve/splitserve:0.1.0", metadata={
         "help": "engine and router image for groups and roles that name none"})
+    router_cluster_role: str = field(default="splitserve-router", metadata={
+        "help": "ClusterRole (from the chart) bound to each group's router ServiceAccount: read Endpoints"})
     liveness_port: int = field(default=8080, metadata={
         "help": "port of the /healthz liveness endpoint (0 disables it)"})
     liveness_host: str = field(default="0.0.0.0", metadata={"help": "address of the liveness endpoint"})

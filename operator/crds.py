@@ -22,6 +22,7 @@ import yaml
 from splitserve.operator.names import (
     API_GROUP,
     API_VERSION,
+    BUILTIN_MODELS,
     DEFAULT_BOOTSTRAP_PORT,
     DEFAULT_DRAFT_MESH_PORT,
     DEFAULT_HTTP_PORT,
@@ -178,12 +179,15 @@ def model_schema() -> Schema:
                 "Weights in a folder of the node.", required=["path"]),
             "imagePath": _str("Weights baked into the engine image, at this absolute path.",
                               pattern=ABSOLUTE_PATH_PATTERN, maxLength=1024),
+            "builtin": _str("A model built into splitserve: 'tiny' (random weights, a byte-level "
+                            "tokenizer; for trying a deployment out on CPUs).", enum=list(BUILTIN_MODELS)),
             "mountPath": _str("Where pvc or hostPath weights are mounted in the pod.",
                               pattern=ABSOLUTE_PATH_PATTERN, maxLength=1024, default="/models"),
         },
-        "Where the weights are: exactly one of pvc, hostPath, imagePath.",
+        "Where the weights are: exactly one of pvc, hostPath, imagePath, builtin.",
         required=["name"],
-        oneOf=[{"required": ["pvc"]}, {"required": ["hostPath"]}, {"required": ["imagePath"]}],
+        oneOf=[{"required": ["pvc"]}, {"required": ["hostPath"]}, {"required": ["imagePath"]},
+               {"required": ["builtin"]}],
     )
 
 

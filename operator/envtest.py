@@ -1,9 +1,10 @@
 """A real Kubernetes control plane on loopback for tests, like controller-runtime's envtest.
 
-etcd, kube-apiserver (RBAC, service accounts) and kube-controller-manager (garbage
-collector, namespace, service-account, deployment, replicaset and statefulset controllers)
-run as child processes with their own CA, certificates and service-account key; there is
-no kubelet, so pods never run (tests mark them ready by patching their status).
+etcd, kube-apiserver (RBAC, service accounts), kube-controller-manager (garbage collector,
+namespace, service-account, deployment, replicaset, statefulset and endpoints controllers)
+and, on request, kube-scheduler run as child processes with their own CA, certificates and
+service-account key. There is no kubelet: tests mark pods ready by patching their status, or
+register a local node (tests/local_node) that runs the pods the scheduler binds to it.
 
 The binaries come from ``$KUBEBUILDER_ASSETS`` or the cache ``scripts/k8s_assets.sh`` fills.
 """
@@ -33,9 +34,12 @@ from cryptography.x509.oid import NameOID
 log = logging.getLogger(__name__)
 
 K8S_VERSION = "1.20.2"
-REQUIRED_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm")
+REQUIRED_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm")
 CONTROLLERS = ("garbagecollector", "namespace", "serviceaccount", "serviceaccount-token", "deployment",
-               "replicaset", "statefulset")
+               "replicaset", "statefulset", "endpoint")
+# Client rate limits of the controllers and the scheduler: their defaults (20 and 50 requests/s)
+# would make thousands of pods (the operator's scale benchmark) wait on the client side.
+CONTROLLER_QPS, CONTROLLER_BURST = 200, 400
 SERVICE_CIDR = "10.0.0.0/24"
 
 
@@ -164,6 +168,8 @@ class ControlPlane:
     server: str = ""
     kubeconfig: pathlib.Path = field(default=pathlib.Path())
     certs: Certificates | None = None
+    # Run kube-scheduler too (pods then get bound to the registered nodes).
+    with_scheduler: bool = False
 
     def binary(self, name: str) -> str:
         """Path of one of the asset binaries."""
@@ -241,8 +247,17 @@ class ControlPlane:
             f"--root-ca-file={certs.ca}",
             "--leader-elect=false", "--port=0", "--secure-port=0",
             "--concurrent-statefulset-syncs=5", "--concurrent-gc-syncs=10",
+            f"--kube-api-qps={CONTROLLER_QPS}", f"--kube-api-burst={CONTROLLER_BURST}",
             "--v=1",
         ])
+        if self.with_scheduler:
+            self._spawn("kube-scheduler", [
+                self.binary("kube-scheduler"),
+                f"--kubeconfig={self.kubeconfig}",
+                "--leader-elect=false", "--port=0", "--secure-port=0",
+                f"--kube-api-qps={CONTROLLER_QPS}", f"--kube-api-burst={CONTROLLER_BURST}",
+                "--v=1",
+            ])
         self._wait_default_service_account(timeout)
 
     def _check_alive(self) -> None:

@@ -113,21 +113,14 @@ def build_serving_role(group_body: Body, role: str, revision: str, partition: in
     return obj
 
 
-def pod_url(group: str, role: str, index: int, namespace: str, port: int = DEFAULT_HTTP_PORT) -> str:
-    """HTTP URL of one engine pod through its role's headless Service."""
-    name = role_object_name(group, role)
-    return f"http://{name}-{index}.{name}.{namespace}.svc:{port}"
+def router_command(group: str, port: int) -> list[str]:
+    """``splitserve router --kube-group G --host 0.0.0.0 --port P``.
 
-
-def router_command(group: str, namespace: str, replicas: Mapping[str, int], port: int) -> list[str]:
-    """``splitserve router --prefill URL... --decode URL... --host 0.0.0.0 --port P``."""
-    command = ["splitserve", "router"]
-    for role in ("prefill", "decode"):
-        urls = [pod_url(group, role, i, namespace) for i in range(replicas.get(role, 0))]
-        if urls:
-            command += [f"--{role}", *urls]
+    The router finds its prefill and decode pods itself, by watching the Endpoints of the
+    group's role Services: scaling a role changes no field of its Deployment, so it never rolls.
+    """
     # All interfaces: the router is reached through its Service, not from inside its own pod.
-    return [*command, "--host", "0.0.0.0", "--port", str(port)]
+    return ["splitserve", "router", "--kube-group", group, "--host", "0.0.0.0", "--port", str(port)]
 
 
 def router_port(spec: Mapping[str, Any]) -> int:
@@ -135,9 +128,8 @@ def router_port(spec: Mapping[str, Any]) -> int:
     return int((spec.get("router") or {}).get("port", DEFAULT_HTTP_PORT))
 
 
-def build_router_deployment(group_body: Body, replicas: Mapping[str, int],
-                            default_image: str) -> dict[str, Any]:
-    """The router Deployment; ``replicas`` are the roles' current replica counts."""
+def build_router_deployment(group_body: Body, default_image: str) -> dict[str, Any]:
+    """The router Deployment, under the group's router ServiceAccount (it reads Endpoints)."""
     meta, spec = group_body["metadata"], group_body["spec"]
     group, namespace = meta["name"], meta.get("namespace", "default")
     router = spec.get("router") or {}
@@ -146,8 +138,10 @@ def build_router_deployment(group_body: Body, replicas: Mapping[str, int],
     container: dict[str, Any] = {
         "name": "router",
         "image": router.get("image") or spec.get("image") or default_image,
-        "command": router_command(group, namespace, replicas, port),
+        "command": router_command(group, port),
         "env": [
+            {"name": "SPLITSERVE_ROUTER_KUBE_NAMESPACE",
+             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": env_var("GROUP"), "value": group},
             {"name": env_var("ROLE"), "value": ROUTER_ROLE},
             {"name": env_var("SERVED_MODEL_NAME"), "value": str(spec["model"].get("name", ""))},
@@ -168,7 +162,7 @@ def build_router_deployment(group_body: Body, replicas: Mapping[str, int],
     pod: dict[str, Any] = {
         "containers": [container],
         "volumes": [{"name": "peers", "configMap": {"name": peers_configmap_name(group), "optional": True}}],
-        "automountServiceAccountToken": False,
+        "serviceAccountName": router_name(group),
         "enableServiceLinks": False,
     }
     if router.get("nodeSelector"):
@@ -189,6 +183,34 @@ def build_router_deployment(group_body: Body, replicas: Mapping[str, int],
     }
     kopf.adopt(deployment, owner=dict(group_body))
     return deployment
+
+
+def build_router_service_account(group_body: Body) -> dict[str, Any]:
+    """The ServiceAccount the group's router runs as."""
+    meta = group_body["metadata"]
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": router_name(meta["name"]), "namespace": meta.get("namespace", "default"),
+                     "labels": common_labels(meta["name"], ROUTER_ROLE)},
+    }
+    kopf.adopt(account, owner=dict(group_body))
+    return account
+
+
+def build_router_role_binding(group_body: Body, cluster_role: str) -> dict[str, Any]:
+    """Grants the router's ServiceAccount the chart's router ClusterRole (read Endpoints) in its namespace."""
+    meta = group_body["metadata"]
+    name, namespace = router_name(meta["name"]), meta.get("namespace", "default")
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": name, "namespace": namespace, "labels": common_labels(meta["name"], ROUTER_ROLE)},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    }
+    kopf.adopt(binding, owner=dict(group_body))
+    return binding
 
 
 def build_router_service(group_body: Body) -> dict[str, Any]:

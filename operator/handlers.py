@@ -11,6 +11,7 @@ through owner references (Kubernetes' garbage collector); no finalizer is needed
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -24,7 +25,9 @@ from splitserve.operator.group_builders import (
     build_control_secret,
     build_peers_configmap,
     build_router_deployment,
+    build_router_role_binding,
     build_router_service,
+    build_router_service_account,
     build_serving_role,
     group_roles,
     role_replicas,
@@ -145,7 +148,9 @@ class Reconciler:
             build_peers_configmap(group, replicas),
             *(build_serving_role(group, role, revision, partitions[role], existing[role]) for role in roles),
             build_router_service(group),
-            build_router_deployment(group, replicas, self.config.default_image),
+            build_router_service_account(group),
+            build_router_role_binding(group, self.config.router_cluster_role),
+            build_router_deployment(group, self.config.default_image),
         ]
         try:
             applied = {}
@@ -279,8 +284,15 @@ class Reconciler:
 
 
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    """kopf's credentials: the pod's service account in a cluster, else $KUBECONFIG."""
-    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    """kopf's credentials: $KUBECONFIG when set (``--kubeconfig`` sets it), else the pod's service account.
+
+    In a pod this goes through the kubernetes client's in-cluster config, which reaches the API
+    server at $KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT as client-go does; kopf's own
+    service-account login assumes https://kubernetes.default.svc (cluster DNS and port 443).
+    """
+    if os.environ.get("KUBECONFIG"):
+        return kopf.login_with_kubeconfig(**kwargs)
+    return kopf.login_via_client(**kwargs)
 
 
 def register_handlers(registry: kopf.OperatorRegistry, reconciler: Reconciler, config: OperatorConfig) -> None:

@@ -31,6 +31,9 @@ ANNOTATION_APPLIED_HASH = f"{API_GROUP}/applied-hash"
 # `kubectl scale sr/...` is not undone unless the group's own value changes.
 ANNOTATION_GROUP_REPLICAS = f"{API_GROUP}/group-replicas"
 
+# Models `splitserve serve --model NAME` builds itself (spec.model.builtin).
+BUILTIN_MODELS = ("tiny",)
+
 ROUTER_ROLE = "router"
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_BOOTSTRAP_PORT = 8998

@@ -77,7 +77,9 @@ def selector_string(group: str, role: str) -> str:
 
 
 def model_path(model: Mapping[str, Any]) -> str:
-    """Path of the checkpoint folder inside an engine pod."""
+    """Path of the checkpoint folder inside an engine pod (or the name of a built-in model)."""
+    if model.get("builtin"):
+        return str(model["builtin"])
     if model.get("imagePath"):
         return str(model["imagePath"])
     return str(model.get("mountPath") or "/models")

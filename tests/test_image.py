@@ -9,8 +9,11 @@ import pathlib
 import re
 import subprocess
 import sys
-import tomllib
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 import yaml
 
 from splitserve.operator.config import OperatorConfig

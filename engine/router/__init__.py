@@ -1,6 +1,7 @@
 """`splitserve router`: the OpenAI-compatible front door of a deployment.
 
-Disaggregated (`--prefill URL... --decode URL...`): each request goes to the least-loaded
+Disaggregated (`--prefill URL... --decode URL...`, or `--kube-group G` in Kubernetes, which watches the
+Endpoints of the group's role Services): each request goes to the least-loaded
 healthy prefill and decode at once, with `bootstrap_host/port/room` (and the group key's
 signature) telling them where to meet; decode's answer goes back to the client. Before the
 first token reaches the client a failed attempt is retried on another decode and another

@@ -23,6 +23,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from splitserve.engine.endpoints_watch import SERVICE_ACCOUNT_DIR, EndpointsWatch, InClusterAccess
 from splitserve.engine.openai_protocol import ApiError
 from splitserve.engine.router.backend_pool import BackendPool, NoBackend, Overloaded
 from splitserve.engine.router.config import RouterConfig
@@ -114,12 +115,25 @@ class Router:
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         await self.prober.probe_due()  # serve knowing who is up (and every prefill's bootstrap port)
-        probing = asyncio.ensure_future(self.prober.run())
+        tasks = [asyncio.ensure_future(self.prober.run())]
+        if self.cfg.kube_group:
+            tasks.append(asyncio.ensure_future(self._watch_endpoints()))
         yield
-        probing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await probing
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.client.aclose()
+
+    async def _watch_endpoints(self) -> None:
+        """--kube-group: the role Services' Endpoints are the backend sets (scaling never restarts us)."""
+        namespace = self.cfg.kube_namespace or (SERVICE_ACCOUNT_DIR / "namespace").read_text().strip()
+
+        def replace(urls: dict[str, list[str]]) -> None:
+            for role in ("prefill", "decode"):
+                self.pool.replace(role, urls.get(role, []))
+
+        await EndpointsWatch(InClusterAccess.from_pod(), namespace, self.cfg.kube_group, replace).run()
 
     # ---- endpoints ---------------------------------------------------------------------------
 

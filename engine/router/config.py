@@ -31,12 +31,19 @@ class RouterConfig:
     max_in_flight_per_backend: int = field(default=256, metadata={
         "help": "requests in flight on one engine; when every healthy one is full, 503 with Retry-After"})
     retry_after_s: int = field(default=1, metadata={"help": "the Retry-After of a 503 for a full router"})
+    kube_group: str = field(default="", metadata={
+        "help": "in a Kubernetes pod: find the prefill and decode engines by watching the Endpoints of this "
+                "ServingGroup's role Services (instead of --prefill/--decode URLs)"})
+    kube_namespace: str = field(default="", metadata={
+        "help": "the group's namespace (default: the pod's own, from its service account)"})
 
     def __post_init__(self) -> None:
+        if self.kube_group and (self.unified or self.prefill or self.decode):
+            raise ValueError("--kube-group finds the engines itself: give no engine URLs with it")
         if self.unified and (self.prefill or self.decode):
             raise ValueError("give either --unified URLs or --prefill and --decode URLs, not both")
-        if not self.unified and not (self.prefill and self.decode):
-            raise ValueError("need --prefill and --decode URLs (or --unified URLs)")
+        if not self.kube_group and not self.unified and not (self.prefill and self.decode):
+            raise ValueError("need --prefill and --decode URLs (or --unified URLs, or --kube-group)")
         for name in ("request_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",
                      "eject_backoff_s", "eject_backoff_max_s"):
             if getattr(self, name) <= 0:

@@ -13,6 +13,8 @@ from splitserve.operator.group_builders import (
     build_control_secret,
     build_peers_configmap,
     build_router_deployment,
+    build_router_role_binding,
+    build_router_service_account,
     build_serving_role,
     group_roles,
     role_replicas,
@@ -185,14 +187,26 @@ def test_group_replicas_do_not_override_a_role_scaled_on_its_own() -> None:
     assert role_replicas(g["spec"], "decode", None) == 5
 
 
-def test_router_gets_one_url_per_prefill_and_decode_pod() -> None:
-    cmd = router_command("g", "ns", {"prefill": 2, "decode": 1}, 8000)
-    assert cmd == ["splitserve", "router",
-                   "--prefill", "http://g-prefill-0.g-prefill.ns.svc:8000", "http://g-prefill-1.g-prefill.ns.svc:8000",
-                   "--decode", "http://g-decode-0.g-decode.ns.svc:8000", "--host", "0.0.0.0", "--port", "8000"]
-    deployment = build_router_deployment(group(), {"prefill": 2, "decode": 1}, IMAGE)
+def test_router_finds_its_engines_through_the_api_under_its_own_service_account() -> None:
+    cmd = router_command("g", 8000)
+    assert cmd == ["splitserve", "router", "--kube-group", "g", "--host", "0.0.0.0", "--port", "8000"]
+    deployment = build_router_deployment(group(), IMAGE)
     assert deployment["metadata"]["name"] == "g-router"
-    assert deployment["spec"]["template"]["spec"]["containers"][0]["command"] == cmd
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"] == cmd
+    assert pod["serviceAccountName"] == "g-router" and "automountServiceAccountToken" not in pod
+    binding = build_router_role_binding(group(), "splitserve-router")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": "splitserve-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "g-router", "namespace": "ns"}]
+    assert build_router_service_account(group())["metadata"]["name"] == "g-router"
+
+
+def test_scaling_a_role_leaves_the_router_deployment_as_it_is() -> None:
+    before = build_router_deployment(group(), IMAGE)
+    scaled = group()
+    scaled["spec"]["roles"]["decode"]["replicas"] = 9
+    assert build_router_deployment(scaled, IMAGE) == before
 
 
 def test_router_command_parses_with_the_routers_own_flags() -> None:
@@ -201,12 +215,13 @@ def test_router_command_parses_with_the_routers_own_flags() -> None:
     from splitserve.config_flags import add_config_flags, config_from_args
     from splitserve.engine.router import RouterConfig
 
-    cmd = router_command("g", "ns", {"prefill": 2, "decode": 3}, 8100)
+    cmd = router_command("g", 8100)
     assert cmd[:2] == ["splitserve", "router"]
     parser = argparse.ArgumentParser()
     add_config_flags(parser, RouterConfig, "SPLITSERVE_ROUTER")
-    cfg = config_from_args(RouterConfig, parser.parse_args(cmd[2:]), "SPLITSERVE_ROUTER", environ={})
-    assert (cfg.host, cfg.port, len(cfg.prefill), len(cfg.decode)) == ("0.0.0.0", 8100, 2, 3)
+    cfg = config_from_args(RouterConfig, parser.parse_args(cmd[2:]), "SPLITSERVE_ROUTER",
+                           environ={"SPLITSERVE_ROUTER_KUBE_NAMESPACE": "ns"})
+    assert (cfg.host, cfg.port, cfg.kube_group, cfg.kube_namespace) == ("0.0.0.0", 8100, "g", "ns")
 
 
 def test_router_gets_the_groups_key_from_its_secret_under_the_routers_own_variable() -> None:

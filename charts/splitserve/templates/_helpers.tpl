@@ -32,6 +32,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* What each group's router may do: find its prefill and decode pods. */}}
+{{- define "splitserve.routerClusterRole" -}}
+{{- printf "%s-router" (include "splitserve.fullname" .) -}}
+{{- end -}}
+
 {{/* Rules on the namespaced objects the operator reconciles and creates. */}}
 {{- define "splitserve.namespacedRules" -}}
 - apiGroups: ["splitserve.io"]
@@ -46,6 +51,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [""]
   resources: ["services", "configmaps", "secrets"]
   verbs: ["get", "list", "watch", "create", "update", "patch"]
+# Each group's router runs as its own ServiceAccount, bound to the router ClusterRole below.
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "update", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["rolebindings"]
+  verbs: ["get", "create", "update", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["clusterroles"]
+  verbs: ["bind"]
+  resourceNames: [{{ include "splitserve.routerClusterRole" . | quote }}]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]

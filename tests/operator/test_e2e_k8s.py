@@ -1,0 +1,295 @@
+"""End to end on a local cluster: `helm install` the chart, `kubectl apply` a ServingGroup, and the
+group serves, with every pod run as a local process by the local node (tests/local_node).
+
+Control plane: etcd, kube-apiserver, kube-controller-manager and kube-scheduler (its own, for
+this module, so that no other test's pods get bound to the node). The operator itself runs as the
+chart's pod, under the chart's ServiceAccount and RBAC; so does each group's router.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import httpx
+import kubernetes
+import pytest
+import yaml
+from local_node import LocalNode, NodeCapacity
+from servers import free_port
+
+from splitserve.operator.config import OperatorConfig
+from splitserve.operator.envtest import ControlPlane, find_assets, missing_binaries
+from splitserve.operator.kube import Kube
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "splitserve"
+EXAMPLES = REPO / "manifests" / "examples"
+IMAGE = OperatorConfig().default_image
+RELEASE_NS = "splitserve-system"
+T = TypeVar("T")
+
+
+class LocalCluster:
+    """The control plane, the local node and the helpers the tests drive them with."""
+
+    def __init__(self, cp: ControlPlane, node: LocalNode, kube: Kube) -> None:
+        self.cp, self.node, self.kube = cp, node, kube
+        self.deployed: dict[str, tuple[str, str, str]] = {}
+
+    def kubectl(self, *args: str, input: str | None = None) -> str:
+        return self.cp.kubectl(*args, input=input).stdout
+
+    def wait_for(self, check: Callable[[], T], what: str, timeout: float = 90.0) -> T:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            last = check()
+            if last:
+                return last
+            time.sleep(0.25)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}\n{self.pod_logs()}")
+
+    def pods(self, namespace: str, selector: str = "") -> list[dict[str, Any]]:
+        query = [("labelSelector", selector)] if selector else []
+        return self.kube.request("GET", f"/api/v1/namespaces/{namespace}/pods", query=query)["items"]
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.kube.get("v1", "Pod", namespace, name)
+
+    @staticmethod
+    def ready(pod: dict[str, Any] | None) -> bool:
+        conditions = ((pod or {}).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    def router_url(self, namespace: str, group: str) -> str | None:
+        """The router's address as its Service's Endpoints list it (ready router pods only)."""
+        endpoints = self.kube.get("v1", "Endpoints", namespace, f"{group}-router") or {}
+        for subset in endpoints.get("subsets") or []:
+            for address in subset.get("addresses") or []:
+                return f"http://{address['ip']}:{subset['ports'][0]['port']}"
+        return None
+
+    def group_ready(self, namespace: str, group: str) -> bool:
+        sg = self.kube.get("splitserve.io/v1alpha1", "ServingGroup", namespace, group) or {}
+        return any(c["type"] == "Ready" and c["status"] == "True"
+                   for c in (sg.get("status") or {}).get("conditions") or [])
+
+    def deploy(self, example: str) -> tuple[str, str, str]:
+        """`kubectl apply` of an example into its own namespace (once), until it is Ready:
+        (namespace, group, router URL)."""
+        if example not in self.deployed:
+            ns = f"e2e-{example}"
+            self.kubectl("create", "namespace", ns)
+            self.kubectl("apply", "-n", ns, "-f", str(EXAMPLES / f"{example}.yaml"))
+            group = yaml.safe_load((EXAMPLES / f"{example}.yaml").read_text())["metadata"]["name"]
+            self.wait_for(lambda: self.group_ready(ns, group), f"ServingGroup {group} Ready", timeout=150)
+            router = self.wait_for(lambda: self.router_url(ns, group), "the router's endpoint")
+            self.deployed[example] = (ns, group, router)
+        return self.deployed[example]
+
+    def pod_logs(self, lines: int = 15) -> str:
+        out = []
+        for log in sorted(self.node.workdir.glob("*/*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {log.parent.name}/{log.name}\n" + "\n".join(tail))
+        return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    assets = find_assets()
+    if assets is None or missing_binaries(assets):
+        pytest.skip("no complete Kubernetes binaries: run scripts/k8s_assets.sh")
+    workdir = tmp_path_factory.mktemp("e2e")
+    cp = ControlPlane(assets, workdir / "k8s", with_scheduler=True)
+    node = None
+    try:
+        cp.start(before_controllers=[REPO / "manifests" / "crds"])
+        kube = Kube(kubernetes.config.new_client_from_config(config_file=str(cp.kubeconfig)), field_manager="e2e")
+        server = urllib.parse.urlparse(cp.server)
+        node = LocalNode(kube, "local-0", workdir / "node", api_host=server.hostname, api_port=server.port,
+                         capacity=NodeCapacity(cpu="16", memory="64Gi", gpus=0),
+                         known_images=frozenset({IMAGE})).start()
+        cluster = LocalCluster(cp, node, kube)
+        cp.helm("install", "splitserve", str(CHART), "--namespace", RELEASE_NS, "--create-namespace",
+                "--set", "resyncSeconds=10", "--wait=false")
+        yield cluster
+    finally:
+        if node is not None:
+            node.stop()
+        cp.stop()
+
+
+def completions(url: str, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+    out = []
+    with httpx.Client(timeout=60) as client:
+        for prompt in prompts:
+            r = client.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            out.append(r.json()["choices"][0]["token_ids"])
+    return out
+
+
+PROMPTS = [[1, 2, 3], [7] * 20, list(range(40, 75)), [200, 13, 99, 4, 250]]
+
+
+def example_params() -> list[Any]:
+    """Every example; those that cannot run on this machine's CPUs are skipped, saying why."""
+    params = []
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        spec = yaml.safe_load(path.read_text())["spec"]
+        roles = spec["roles"]
+        reason = None
+        if any(int((r.get("resources") or {}).get("gpus", 0)) for r in roles.values()):
+            reason = "needs GPUs (resources.gpus)"
+        for role in ("encode", "drafter"):
+            if role in roles:
+                reason = f"the {role} role is not there yet"
+        marks = [pytest.mark.skip(reason=reason)] if reason else []
+        params.append(pytest.param(path.stem, marks=marks, id=path.stem))
+    return params
+
+
+def test_helm_install_runs_the_operator_as_the_charts_pod(local: LocalCluster) -> None:
+    def operator_running() -> bool:
+        pods = local.pods(RELEASE_NS, "app.kubernetes.io/name=splitserve-operator")
+        return bool(pods) and local.ready(pods[0])
+
+    local.wait_for(operator_running, "the operator pod Running")
+    pod = local.pods(RELEASE_NS, "app.kubernetes.io/name=splitserve-operator")[0]
+    assert pod["spec"]["serviceAccountName"] == "splitserve"
+    assert pod["spec"]["containers"][0]["command"] == ["splitserve", "operator"]
+
+
+@pytest.mark.parametrize("example", example_params())
+def test_example_serves_like_the_unified_engine(local: LocalCluster, example: str, start_server: Any) -> None:
+    _, _, router = local.deploy(example)
+    got = completions(router, PROMPTS)
+
+    port = free_port()
+    start_server(["serve", "--model", "tiny", "--port", str(port)], health_url=f"http://127.0.0.1:{port}/health")
+    assert got == completions(f"http://127.0.0.1:{port}", PROMPTS)
+
+
+class SteadyClient:
+    """A few clients each sending one greedy request after another through the router, recording
+    each outcome (concurrent, so that the least-loaded choice spreads them over the backends)."""
+
+    def __init__(self, url: str, concurrency: int = 3) -> None:
+        self.url, self.outcomes = url, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(concurrency)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set():
+                try:
+                    r = client.post(f"{self.url}/v1/completions", json={
+                        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+                    self.outcomes.append(r.status_code if r.status_code != 200 else 200)
+                    if r.status_code != 200:
+                        self.outcomes.append(r.text[:300])
+                except httpx.HTTPError as exc:
+                    self.outcomes.append(repr(exc))
+
+    def stop(self) -> list[Any]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=60)
+        return self.outcomes
+
+
+def requests_finished(url: str) -> float:
+    """The engine's count of finished requests (its Prometheus counter)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("splitserve_requests_finished_total"))
+
+
+def router_pod(local: LocalCluster, ns: str, group: str) -> dict[str, Any]:
+    pods = local.pods(ns, f"splitserve.io/group={group},splitserve.io/role=router")
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    return pods[0]
+
+
+def test_scaling_decode_adds_a_backend_without_restarting_the_router_or_failing_a_request(
+        local: LocalCluster) -> None:
+    ns, group, router = local.deploy("tiny-cpu")
+    before = router_pod(local, ns, group)
+    pid = local.node.worker(ns, before["metadata"]["name"]).pid()
+    client = SteadyClient(router)
+    try:
+        local.wait_for(lambda: len(client.outcomes) >= 3, "requests flowing")
+        local.kubectl("scale", f"sr/{group}-decode", "-n", ns, "--replicas", "2")
+        new = local.wait_for(lambda: local.ready(local.pod(ns, f"{group}-decode-1")) and local.pod(
+            ns, f"{group}-decode-1"), "decode-1 Ready", timeout=120)
+        scaled_at = time.monotonic()
+        url = f"http://{new['status']['podIP']}:8000"
+        local.wait_for(lambda: requests_finished(url) > 0, "decode-1 serving requests", timeout=30)
+        joined_s = time.monotonic() - scaled_at
+    finally:
+        outcomes = client.stop()
+    assert outcomes and all(o == 200 for o in outcomes), outcomes
+    after = router_pod(local, ns, group)
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]
+    assert after["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert local.node.worker(ns, after["metadata"]["name"]).pid() == pid
+    assert joined_s < 10, f"the new decode served {joined_s:.1f}s after it was Ready"
+
+
+def test_a_killed_engine_process_is_restarted_and_the_group_serves_again(local: LocalCluster) -> None:
+    ns, group, router = local.deploy("tiny-cpu")
+    name = f"{group}-prefill-0"
+    pid = local.node.worker(ns, name).pid()
+    os.kill(pid, signal.SIGKILL)
+
+    def restarted() -> bool:
+        pod = local.pod(ns, name)
+        return local.ready(pod) and pod["status"]["containerStatuses"][0]["restartCount"] == 1
+
+    local.wait_for(restarted, "prefill-0 restarted and Ready", timeout=120)
+    assert local.node.worker(ns, name).pid() not in (None, pid)
+    local.wait_for(lambda: local.group_ready(ns, group), "the group Ready again")
+
+    def serves() -> bool:
+        try:
+            return completions(router, PROMPTS[:1]) is not None
+        except AssertionError:
+            return False
+
+    local.wait_for(serves, "completions through the router again", timeout=60)
+    assert completions(router, PROMPTS) == completions(router, PROMPTS)
+
+
+def test_deleting_the_group_leaves_no_process(local: LocalCluster) -> None:
+    ns, group, _ = local.deploy("tiny-cpu")
+    pods = local.pods(ns, f"splitserve.io/group={group}")
+    pids = [local.node.worker(ns, p["metadata"]["name"]).pid() for p in pods]
+    assert len(pids) == 4 and all(pids)  # prefill, 2 decode, router
+    local.kubectl("delete", "sg", group, "-n", ns, "--wait=false")
+    local.wait_for(lambda: not local.pods(ns, f"splitserve.io/group={group}"), "every pod of the group gone",
+                   timeout=120)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    assert [pid for pid in pids if alive(pid)] == []
+    assert set(local.node.running_pids()) & set(pids) == set()
+    assert local.kube.get("apps/v1", "Deployment", ns, f"{group}-router") is None
