@@ -140,7 +140,7 @@ def build_router_deployment(group_body: Body, default_image: str) -> dict[str, A
         "image": router.get("image") or spec.get("image") or default_image,
         "command": router_command(group, port),
         "env": [
-            {"name": "SPLITSERVE_ROUTER_KUBE_NAMESPACE",
+            {"name": env_var("ROUTER_KUBE_NAMESPACE"),
              "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": env_var("GROUP"), "value": group},
             {"name": env_var("ROLE"), "value": ROUTER_ROLE},

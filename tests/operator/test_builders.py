@@ -231,7 +231,7 @@ def test_router_gets_the_groups_key_from_its_secret_under_the_routers_own_variab
     from splitserve.config_flags import add_config_flags, config_from_args, env_name
     from splitserve.engine.router import RouterConfig
 
-    deployment = build_router_deployment(group(), {"prefill": 1, "decode": 1}, IMAGE)
+    deployment = build_router_deployment(group(), IMAGE)
     env = env_of(deployment["spec"]["template"]["spec"]["containers"][0])
     variable = env_name("SPLITSERVE_ROUTER", "transfer_control_key")
     assert env[variable] == {"secretKeyRef": {"name": "g-control", "key": "key"}}
@@ -244,7 +244,7 @@ def test_router_gets_the_groups_key_from_its_secret_under_the_routers_own_variab
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     parser = argparse.ArgumentParser()
     add_config_flags(parser, RouterConfig, "SPLITSERVE_ROUTER")
-    cmd = router_command("g", "ns", {"prefill": 1, "decode": 1}, 8000)
+    cmd = router_command("g", 8000)
     cfg = config_from_args(RouterConfig, parser.parse_args(cmd[2:]), "SPLITSERVE_ROUTER", environ={variable: "k1"})
     assert cfg.transfer_control_key == "k1"
 
