@@ -23,33 +23,18 @@ from splitserve.engine.grammar.slots import GrammarSlots
 from splitserve.engine.kv_cache import KVCache, KVUsage
 from splitserve.engine.metrics import EngineMetrics
 from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model_names import resolve_model_path
 from splitserve.engine.model_runner import ModelRunner, PendingStep, StepOutput, VerifiedChunk
 from splitserve.engine.parallel_state import SINGLE, TensorParallel, check_tp_size
 from splitserve.engine.request import FinishReason, Request, RequestStatus, TokenOutput
 from splitserve.engine.role import Role, UnifiedRole
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from splitserve.engine.tiny_llava import TINY_LLAVA_NAME, tiny_llava_folder
-from splitserve.engine.tiny_model import TINY_NAME, tiny_model_folder
 from splitserve.engine.tokenizer import TextTokenizer
 from splitserve.engine.tp_supervisor import TensorParallelSupervisor
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
-
-
-def resolve_model_folder(cfg: EngineConfig) -> Path:
-    if cfg.model == TINY_NAME:
-        return tiny_model_folder(cfg.seed)
-    if cfg.model == TINY_LLAVA_NAME:
-        return tiny_llava_folder(cfg.seed)
-    folder = Path(cfg.model)
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"--model {cfg.model!r} is not a folder (give a Hugging Face checkpoint folder or 'tiny'); "
-            "splitserve never downloads weights"
-        )
-    return folder
 
 
 def start_tp_workers(cfg: EngineConfig, model_folder: Path, model_cfg: ModelConfig) -> TensorParallelSupervisor:
@@ -89,8 +74,8 @@ class Engine:
     def __init__(self, cfg: EngineConfig, tp: TensorParallel = SINGLE, role: Role | None = None,
                  metrics: EngineMetrics | None = None) -> None:
         self.cfg = cfg
-        self.model_folder = resolve_model_folder(cfg)
-        self.model_cfg = ModelConfig.from_folder(self.model_folder)
+        self.model_folder = resolve_model_path(cfg.model, cfg.seed)  # a folder or a GGUF file
+        self.model_cfg = ModelConfig.from_checkpoint(self.model_folder)
         self.tokenizer = TextTokenizer(self.model_folder)
         if self.model_cfg.takes_images and cfg.tp_size > 1:
             raise ValueError("--tp-size > 1 is not supported for multimodal models yet (the image rows are not "

@@ -1,4 +1,5 @@
-"""The architecture of a Llama-family checkpoint, read from its Hugging Face `config.json`."""
+"""The architecture of a Llama-family checkpoint, read from its Hugging Face `config.json` or from
+a GGUF file's metadata."""
 
 from __future__ import annotations
 
@@ -119,6 +120,16 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {folder}")
         return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> ModelConfig:
+        """The config of a checkpoint folder, a GGUF file, or a folder holding one GGUF file."""
+        from splitserve.engine.gguf_checkpoint import find_gguf_file, open_gguf
+
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:
+            return cls.from_dict(open_gguf(gguf_file).hf_config)
+        return cls.from_folder(path)
 
 
 def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from splitserve.engine.model_names import TINY_LLAVA_NAME  # noqa: F401  (re-exported: the name `--model` takes)
 from splitserve.engine.tiny_model import BOS, EOS, byte_level_tokenizer, random_llama_weights
 
-TINY_LLAVA_NAME = "tiny-llava"
 IMAGE_TOKEN = "<image>"
 # Renders OpenAI-style content parts (after the server maps image_url parts to {"type": "image"}).
 LLAVA_CHAT_TEMPLATE = (

@@ -17,9 +17,10 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
+from splitserve.engine.model_names import TINY_NAME  # noqa: F401  (re-exported: the name `--model` takes)
+
 logger = logging.getLogger(__name__)
 
-TINY_NAME = "tiny"
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
 BOS, EOS = SPECIAL_TOKENS[0], SPECIAL_TOKENS[1]
 # A ChatML-style template: what Qwen-style chat checkpoints ship in tokenizer_config.json.

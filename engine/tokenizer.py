@@ -1,4 +1,5 @@
-"""A checkpoint's tokenizer (`tokenizer.json`) and chat template (`tokenizer_config.json`)."""
+"""A checkpoint's tokenizer and chat template: `tokenizer.json` and `tokenizer_config.json` of a
+Hugging Face folder, or the metadata of a GGUF file."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from splitserve.engine.gguf_checkpoint import find_gguf_file, open_gguf
+from splitserve.engine.gguf_tokenizer import gguf_tokenizer
+
 
 class ChatTemplateError(ValueError):
     """The model has no chat template, or the messages do not render with it."""
@@ -18,20 +22,17 @@ class ChatTemplateError(ValueError):
 class TextTokenizer:
     """Encodes prompts, decodes outputs and renders chat messages for one checkpoint."""
 
-    def __init__(self, folder: str | Path) -> None:
-        folder = Path(folder)
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in model folder {folder}")
-        self.tokenizer = Tokenizer.from_file(str(path))
-        cfg_path = folder / "tokenizer_config.json"
-        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.bos_token = _token_text(cfg.get("bos_token"))
-        self.eos_token = _token_text(cfg.get("eos_token"))
-        self.chat_template: str | None = cfg.get("chat_template")
-        if isinstance(self.chat_template, list):  # named templates: take the default one
-            named = {t["name"]: t["template"] for t in self.chat_template}
-            self.chat_template = named.get("default", next(iter(named.values()), None))
+    def __init__(self, path: str | Path) -> None:
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:
+            parts = gguf_tokenizer(open_gguf(gguf_file))
+            tokenizer, bos, eos, template = parts.tokenizer, parts.bos_token, parts.eos_token, parts.chat_template
+        else:
+            tokenizer, bos, eos, template = folder_tokenizer(Path(path))
+        self.tokenizer = tokenizer
+        self.bos_token = bos
+        self.eos_token = eos
+        self.chat_template = template
         self._template: jinja2.Template | None = None
 
     @property
@@ -63,6 +64,21 @@ class TextTokenizer:
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+def folder_tokenizer(folder: Path) -> tuple[Tokenizer, str | None, str | None, str | None]:
+    """(tokenizer, BOS text, EOS text, chat template) of a Hugging Face checkpoint folder."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in model folder {folder}")
+    cfg_path = folder / "tokenizer_config.json"
+    cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default", next(iter(named.values()), None))
+    return Tokenizer.from_file(str(path)), _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")), \
+        template
 
 
 def _token_text(token: Any) -> str | None:

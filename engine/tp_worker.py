@@ -149,7 +149,7 @@ def worker_main(spec: WorkerSpec) -> None:
     try:
         tp, control = join_tensor_parallel(spec.rank, spec.size, store, spec.cfg.torch_device(), timeout)
         try:
-            model_cfg = ModelConfig.from_folder(spec.model_folder)
+            model_cfg = ModelConfig.from_checkpoint(spec.model_folder)
             runner = ModelRunner(spec.cfg, spec.model_folder, model_cfg, tp)
             layout = KVLayoutMessage.decode(store.get(KV_LAYOUT_KEY))
             resize_kv_pool(runner, layout.num_pages)

@@ -1,15 +1,18 @@
-"""Loads a Hugging Face safetensors checkpoint into a model, shard by shard, with progress."""
+"""Loads a checkpoint's weights into a model, with progress: the safetensors shards of a Hugging
+Face folder, or the tensors of a GGUF file (dequantized)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from splitserve.engine.gguf_checkpoint import find_gguf_file, open_gguf
 from splitserve.engine.layers.linear import WeightShapeError
 
 logger = logging.getLogger(__name__)
@@ -53,31 +56,43 @@ def _copy_into(module: nn.Module, name: str, tensor: torch.Tensor, shard: int) -
     param.data.copy_(tensor)
 
 
-def load_weights(model: nn.Module, folder: str | Path, tied_lm_head: bool) -> None:
-    """Copies every tensor the model needs from `folder`; raises naming what is missing or extra."""
-    targets: dict[str, tuple[nn.Module, int]] = model.weight_targets()  # type: ignore[operator]
-    # Multimodal checkpoints come in several layouts: the model maps each name to the one it targets.
-    canonical = getattr(model, "checkpoint_name", lambda n: n)
-    remaining = set(targets)
+def safetensors_tensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's shards, logging progress after each shard."""
     files = safetensors_files(folder)
     total_bytes = sum(f.stat().st_size for f in files)
     done_bytes, started = 0, time.monotonic()
     for index, path in enumerate(files, 1):
         with safe_open(str(path), framework="pt") as reader:
-            for stored in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
-                name = canonical(stored)
-                if name.endswith(IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
-                    continue
-                if name not in targets:
-                    raise CheckpointError(f"{path.name}: unexpected tensor {name!r} (wrong architecture?)")
-                module, shard = targets[name]
-                _copy_into(module, name, reader.get_tensor(stored), shard)
-                remaining.discard(name)
+            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, reader.get_tensor(name)
         done_bytes += path.stat().st_size
         elapsed = time.monotonic() - started
         logger.info("loaded weights %d/%d files, %.0f%% (%.1f GB/s)", index, len(files),
                     100 * done_bytes / max(total_bytes, 1), done_bytes / max(elapsed, 1e-9) / 1e9)
+
+
+def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of every weight in a checkpoint folder or GGUF file."""
+    gguf_file = find_gguf_file(path)
+    return open_gguf(gguf_file).tensors() if gguf_file is not None else safetensors_tensors(path)
+
+
+def load_weights(model: nn.Module, path: str | Path, tied_lm_head: bool) -> None:
+    """Copies every tensor the model needs from the checkpoint; raises naming what is missing or extra."""
+    targets: dict[str, tuple[nn.Module, int]] = model.weight_targets()  # type: ignore[operator]
+    # Multimodal checkpoints come in several layouts: the model maps each name to the one it targets.
+    canonical = getattr(model, "checkpoint_name", lambda n: n)
+    remaining = set(targets)
+    for stored, tensor in checkpoint_tensors(path):
+        name = canonical(stored)
+        if name.endswith(IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
+            continue
+        if name not in targets:
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} (wrong architecture?)")
+        module, shard = targets[name]
+        _copy_into(module, name, tensor, shard)
+        remaining.discard(name)
     if remaining:
         missing = sorted(remaining)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"checkpoint {folder} lacks {len(missing)} tensor(s): {shown}")
+        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s): {shown}")
