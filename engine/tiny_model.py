@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
+from splitserve.engine.gguf_tokenizer import byte_level_alphabet
 from splitserve.engine.model_names import TINY_NAME  # noqa: F401  (re-exported: the name `--model` takes)
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ TINY_CONFIG: dict[str, Any] = {
 
 def byte_level_tokenizer() -> Tokenizer:
     """256 byte tokens plus the special tokens (ids 256..), BOS added to every encoding."""
-    vocab = {ch: byte for byte, ch in _byte_to_unicode().items()}
+    vocab = {ch: byte for byte, ch in byte_level_alphabet().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -64,21 +65,6 @@ def byte_level_tokenizer() -> Tokenizer:
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
     )
     return tok
-
-
-def _byte_to_unicode() -> dict[int, str]:
-    """ByteLevel's alphabet: printable bytes map to themselves, the rest to U+0100 onwards."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
-    )
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def random_llama_weights(config: dict[str, Any], seed: int, std: float = 0.08,
