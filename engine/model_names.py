@@ -35,6 +35,12 @@ def smollm2_file() -> Path:
     return path
 
 
+def check_model_exists(model: str) -> None:
+    """Raises ModelNotFoundError unless `--model` names something here (writes nothing, imports no torch)."""
+    if model not in (TINY_NAME, TINY_LLAVA_NAME):
+        resolve_model_path(model)
+
+
 def resolve_model_path(model: str, seed: int = 0) -> Path:
     """The checkpoint `--model` names: a built-in name, a Hugging Face folder or a GGUF file."""
     if model == TINY_NAME:

@@ -35,8 +35,8 @@ def test_up_serves_then_stops_every_process_on_sigterm(shape: list[str], tmp_pat
     port = free_port()
     log = (tmp_path / "up.log").open("w+")
     proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", "cpu",
-                             *shape], stdout=subprocess.PIPE, stderr=log, text=True, env=splitserve_env(),
-                            cwd=REPO.parent)
+                             "--model", "tiny", *shape], stdout=subprocess.PIPE, stderr=log, text=True,
+                            env=splitserve_env(), cwd=REPO.parent)
     try:
         line = proc.stdout.readline()  # the one line `up` prints once everything is ready
         assert line.strip() == f"endpoint: http://127.0.0.1:{port}/v1", (line, log.seek(0) or log.read()[-3000:])
@@ -85,7 +85,7 @@ def test_up_restarts_a_killed_engine_and_the_router_serves_throughout(tmp_path) 
     log_path = tmp_path / "up.log"
     log = log_path.open("w+")
     proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", "cpu",
-                             "--prefill", "1", "--decode", "2", "--restart-backoff-s", "0.5"],
+                             "--model", "tiny", "--prefill", "1", "--decode", "2", "--restart-backoff-s", "0.5"],
                             stdout=subprocess.PIPE, stderr=log, text=True, env=splitserve_env(), cwd=REPO.parent)
     try:
         assert proc.stdout.readline().startswith("endpoint:"), log_path.read_text()[-3000:]
@@ -119,6 +119,22 @@ def test_up_restarts_a_killed_engine_and_the_router_serves_throughout(tmp_path) 
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+def test_up_names_a_missing_model_before_starting_anything(tmp_path) -> None:
+    missing = str(tmp_path / "no-such-model")
+    r = subprocess.run([sys.executable, "-P", "-m", "splitserve", "up", "--model", missing],
+                       capture_output=True, text=True, env=splitserve_env(), cwd=REPO.parent, timeout=60)
+    assert r.returncode == 2
+    assert f"--model {missing!r} is neither a folder nor a .gguf file" in r.stderr
+    assert "starting" not in r.stderr  # no engine was started
+
+
+def test_up_and_serve_default_to_smollm2() -> None:
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.launcher import UpConfig
+
+    assert UpConfig().model == EngineConfig().model == "smollm2"
 
 
 def test_up_refuses_a_shape_with_no_decode() -> None:

@@ -123,7 +123,8 @@ def test_up_with_drafters_serves_prefill_decode_with_speculation(tmp_path: Path,
     port = free_port()
     log = (tmp_path / "up.log").open("w+")
     proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", "cpu",
-                             "--prefill", "1", "--decode", "1", "--drafter", "1", "--speculative-tokens", "3",
+                             "--model", "tiny", "--prefill", "1", "--decode", "1", "--drafter", "1",
+                             "--speculative-tokens", "3",
                              "--engine-args", "--draft-wait-ms 30 --page-size 4"],
                             stdout=subprocess.PIPE, stderr=log, text=True, env=splitserve_env(), cwd=REPO.parent)
     try:
