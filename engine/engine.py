@@ -91,6 +91,7 @@ class Engine:
         if self.tp_supervisor is not None:
             self.tp_supervisor.attach(self.runner, self.kv.page_table, self.kv.padding_slot)
         self.runner.capture_decode_graphs(self.kv.page_table, self.kv.padding_slot)
+        self.runner.warm_up(self.kv.page_table)  # before /health can say ready
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_running_requests, cfg.chunked_prefill_size, self.context_length), self.kv
         )
@@ -139,6 +140,8 @@ class Engine:
         if self.tp_supervisor is not None:
             # A loop thread still stuck in a collective must not race a stop message.
             self.tp_supervisor.stop(graceful=self._thread is None or not self._thread.is_alive())
+        if self._thread is None or not self._thread.is_alive():
+            self.runner.close()  # the device memory goes back: another engine may start in this process
 
     def submit(self, req: Request) -> None:
         with self._closing:  # the loop closes the inbox under this lock when it dies: no request is lost

@@ -8,9 +8,12 @@ graph with nothing but the token ids, positions and slots changing).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from splitserve.engine.layers.extend_plan import ExtendPlan, aligned, extend_plan_from
 
 
 @dataclass
@@ -33,6 +36,11 @@ class ForwardBatch:
     max_extend: int = 1
     max_kv: int = 0
     no_prefix: bool = False  # no sequence has cached KV before this step (a plain causal prefill)
+    # Extend batches on CUDA: the paged kernels' plan instead of kv_indices (see paged_attention_plan).
+    attn_meta: torch.Tensor | None = None  # int32: decode rows' slots and KV lengths, then an ExtendPlan
+    decode_rows: int = 0  # the leading one-token chunks, which run through the paged decode kernel
+    extend_chunks: int = 0
+    extend_blocks: int = 0
     # Decode batches: the page table and each sequence's row in it.
     slots: torch.Tensor | None = None  # [B] int64
     page_table: torch.Tensor | None = None  # [max_slots, max_pages] int32
@@ -47,6 +55,14 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         return self.slots is not None
+
+    @functools.cached_property
+    def paged_attention_plan(self) -> tuple[torch.Tensor, torch.Tensor, ExtendPlan]:
+        """The decode rows' slots and KV lengths, and the plan of the other chunks (CUDA extend batches)."""
+        assert self.attn_meta is not None
+        n, a = self.decode_rows, aligned(self.decode_rows)
+        plan = extend_plan_from(self.attn_meta[2 * a:], self.extend_chunks, self.extend_blocks)
+        return self.attn_meta[:n], self.attn_meta[a:a + n], plan
 
 
 def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -14,13 +16,16 @@ from splitserve.engine.cuda_graph_runner import DecodeGraphs
 from splitserve.engine.forward_batch import ForwardBatch, decode_batch
 from splitserve.engine.host_to_device import to_device
 from splitserve.engine.kv_pool import KVPool, KVPoolShape
+from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models import build_model
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
 from splitserve.engine.prompt_embeds import missing_embeddings, scatter_image_rows, touches_images
+from splitserve.engine.request import Request
 from splitserve.engine.sampling.base import SampleOutput, SamplingBatch, TopLogprobs
 from splitserve.engine.sampling.full import FullSampler
 from splitserve.engine.sampling.greedy import GreedySampler
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledChunk
 from splitserve.engine.step_broadcast import StepBroadcaster
 from splitserve.engine.weight_loader import load_weights
@@ -103,8 +108,13 @@ def logit_rows(chunks: list[ScheduledChunk]) -> list[int]:
 
 
 def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, page_size: int,
-                        device: torch.device, relay: torch.Tensor | None = None) -> ForwardBatch:
-    """Flattens the chunks' tokens and derives every KV location from the page table."""
+                        device: torch.device, relay: torch.Tensor | None = None,
+                        tokens_per_block: int | None = None) -> ForwardBatch:
+    """Flattens the chunks' tokens and derives every KV location from the page table.
+
+    With `tokens_per_block` (the paged CUDA kernels' query block), the batch carries their plan;
+    without it, every sequence's KV locations padded to the longest (the reference path).
+    """
     ids: list[int] = []
     positions: list[int] = []
     for c in chunks:
@@ -112,23 +122,38 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
         # A decode whose input token is still being sampled on the device (overlap): -1, from the relay.
         ids.extend(known + [-1] * (c.length - len(known)))
         positions.extend(range(c.start, c.start + c.length))
-    slots = to_device([c.request.slot for c in chunks], torch.int64, device)
-    extend_lens = to_device([c.length for c in chunks], torch.int64, device)
-    seq_lens = to_device([c.start + c.length for c in chunks], torch.int64, device)
+    lengths = [c.length for c in chunks]
+    kv_lens = [c.start + c.length for c in chunks]
+    slot_list = [c.request.slot for c in chunks]
+    slots = to_device(slot_list, torch.int64, device)
+    extend_lens = to_device(lengths, torch.int64, device)
+    seq_lens = to_device(kv_lens, torch.int64, device)
     pos = to_device(positions, torch.int64, device)
-    token_batch_index = torch.repeat_interleave(torch.arange(len(chunks), device=device), extend_lens)
+    token_batch_index = torch.repeat_interleave(torch.arange(len(chunks), device=device), extend_lens,
+                                                output_size=len(positions))  # no device sync
     token_query_index = pos - (seq_lens - extend_lens)[token_batch_index]
     table = page_table.long()
     out_cache_loc = table[slots[token_batch_index], pos // page_size] * page_size + pos % page_size
-    max_kv = max(c.start + c.length for c in chunks)
-    kv_pos = torch.arange(max_kv, device=device)
-    kv_indices = table[slots][:, kv_pos // page_size] * page_size + kv_pos % page_size
-    kv_indices = torch.where(kv_pos.unsqueeze(0) < seq_lens.unsqueeze(1), kv_indices, 0)
+    max_kv = max(kv_lens)
+    kv_indices = attn_meta = None
+    decode_rows = extend_chunks = extend_blocks = 0
+    if tokens_per_block is None:
+        kv_pos = torch.arange(max_kv, device=device)
+        kv_indices = table[slots][:, kv_pos // page_size] * page_size + kv_pos % page_size
+        kv_indices = torch.where(kv_pos.unsqueeze(0) < seq_lens.unsqueeze(1), kv_indices, 0)
+    else:
+        while decode_rows < len(chunks) and lengths[decode_rows] == 1:
+            decode_rows += 1
+        plan, extend_chunks, extend_blocks = extend_plan_values(lengths, kv_lens, slot_list, tokens_per_block,
+                                                                first_chunk=decode_rows)
+        decode_meta = padded(slot_list[:decode_rows]) + padded(kv_lens[:decode_rows])
+        attn_meta = to_device(decode_meta + plan, torch.int32, device)
     if any(c.draft for c in chunks):
         logits_index = to_device(logit_rows(chunks), torch.int64, device)
-    else:
-        ends = torch.cumsum(extend_lens, 0) - 1
-        logits_index = ends[to_device([c.sample for c in chunks], torch.bool, device)]
+    else:  # each sampling chunk's last row, computed here: a boolean mask on the device would sync
+        ends = list(itertools.accumulate(lengths))
+        logits_index = to_device([end - 1 for c, end in zip(chunks, ends, strict=True) if c.sample], torch.int64,
+                                 device)
     input_ids = to_device(ids, torch.int64, device)
     if relay is not None:
         input_ids = torch.where(input_ids >= 0, input_ids, relay[slots[token_batch_index]])
@@ -136,8 +161,10 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
         input_ids=input_ids, positions=pos, out_cache_loc=out_cache_loc,
         seq_lens=seq_lens, extend_lens=extend_lens, kv_indices=kv_indices,
         token_batch_index=token_batch_index, token_query_index=token_query_index,
-        logits_index=logits_index, max_extend=max(c.length for c in chunks), max_kv=max_kv,
+        logits_index=logits_index, max_extend=max(lengths), max_kv=max_kv,
         no_prefix=all(c.start == 0 for c in chunks),
+        attn_meta=attn_meta, decode_rows=decode_rows, extend_chunks=extend_chunks, extend_blocks=extend_blocks,
+        page_table=page_table if attn_meta is not None else None, page_size=page_size,
     )
 
 
@@ -213,6 +240,9 @@ class ModelRunner:
         logger.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages - 1, cfg.page_size,
                     self.kv_shape.total_bytes / 2**30)
         max_slots = cfg.max_running_requests
+        # Extend batches on CUDA run the paged kernels, planned in blocks of this many queries.
+        self.extend_block_tokens = (block_tokens(attn.num_heads // attn.num_kv_heads)
+                                    if self.device.type == "cuda" else None)
         self.decode_graphs: DecodeGraphs | None = None
         # The relay: each slot's latest sampled token, on the device, read by the next decode step.
         self.next_tokens = torch.zeros(max_slots + 1, dtype=torch.int64, device=self.device)
@@ -238,7 +268,8 @@ class ModelRunner:
                 rows = to_device([i for i, c in enumerate(chunks) if c.sample], torch.int64, self.device)
                 logits, argmax = logits[rows], (argmax[rows] if argmax is not None else None)
         else:
-            batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device, self.next_tokens)
+            batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device, self.next_tokens,
+                                        self.extend_block_tokens)
             if touches_images(chunks):
                 batch.input_embeds = self.prompt_embeds(chunks, batch)
             logits = self.forward(batch)
@@ -356,6 +387,53 @@ class ModelRunner:
                               self.next_tokens)
         graphs.capture()
         self.decode_graphs = graphs
+
+    @torch.inference_mode()
+    def warm_up(self, page_table: torch.Tensor) -> None:
+        """Runs every kind of extend step and both samplers once, so that no kernel compiles
+        (Triton) or picks its algorithm (cuBLAS, SDPA) while a served request waits (GPU only).
+
+        Runs before any request holds a slot: slot 0's page-table row is all scratch page, so
+        these steps read and write nothing but scratch. The decode graphs' capture has already
+        compiled the decode kernels.
+        """
+        if self.device.type != "cuda":
+            return
+        started = time.monotonic()
+        greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
+        sampled = SamplingParams(max_new_tokens=1, temperature=0.7, top_k=8, top_p=0.9, seed=1,
+                                 repetition_penalty=1.1)
+
+        def chunk(length: int, start: int = 0, params: SamplingParams = greedy) -> ScheduledChunk:
+            req = Request("warm-up", [1] * (start + length), params, on_output=lambda _out: None)
+            req.slot, req.kv_len = 0, start
+            return ScheduledChunk(req, start, length, sample=True)
+
+        steps = [
+            [chunk(64)],  # one prompt: SDPA's causal kernel
+            [chunk(24), chunk(9, params=sampled)],  # several prompts: the paged extend kernel, the full sampler
+            [chunk(1, start=40), chunk(16, start=32)],  # a decode row beside a chunk over a cached prefix
+            [chunk(1, start=7), chunk(1, start=3, params=sampled)],  # an eager decode step (no graph)
+        ]
+        graphs, self.decode_graphs = self.decode_graphs, None
+        try:
+            for chunks in steps:
+                self.run(chunks, page_table)
+        finally:
+            self.decode_graphs = graphs
+        torch.cuda.synchronize(self.device)
+        logger.info("warm-up: every step kind compiled in %.1f s", time.monotonic() - started)
+
+    def close(self) -> None:
+        """Gives the device memory back (the engine has stopped): graphs, KV pool, weights."""
+        self.decode_graphs = None
+        self.model = None
+        self.kv_pool = None
+        self.full = None
+        self.next_tokens = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleOutput:
         params = [c.request.params for c in chunks]

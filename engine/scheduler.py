@@ -1,13 +1,18 @@
 """Which requests run this step and how many of their tokens: returns a plan, runs nothing.
 
-Continuous batching with chunked prefill, in the order that keeps latency steady:
+Continuous batching with chunked prefill under one token budget per step (the chunked prefill
+size), shared by decodes and prompt chunks as vLLM and SGLang share theirs, in the order that
+keeps latency steady:
 1. every running request that is decoding gets its one token (preempting the newest running
    request when pages run out), or, when a behaviour offered draft tokens for it
    (`Request.draft_tokens`), one verify chunk over its last token and the draft (the draft is
-   dropped rather than preempt anyone for it);
-2. requests part-way through their prompt continue, within the prefill token budget;
+   dropped rather than preempt anyone for it); their tokens count against the budget;
+2. requests part-way through their prompt continue, within what is left of the budget (at
+   least an eighth of it, so that a large decode batch cannot stall admission for good);
 3. waiting requests are admitted in arrival order while a slot, the budget and the pages for
    their whole prompt are there.
+A step then costs about the same whatever its mix: a decode's wait behind a prompt (its
+inter-token latency) stays bounded by the budget, and the GPU gets full-size matmuls.
 """
 
 from __future__ import annotations
@@ -59,8 +64,14 @@ class SchedulerConfig:
     """Limits the scheduler works within."""
 
     max_running_requests: int
-    chunked_prefill_size: int  # prefill tokens per step; <= 0 means whole prompts
+    chunked_prefill_size: int  # tokens per step, decodes included; <= 0 means whole prompts
     context_length: int
+
+
+def prefill_budget(step_budget: int, decode_tokens: int) -> int:
+    """Prompt tokens a step may take beside `decode_tokens` decode (and verify) tokens: the rest of
+    the step's budget, but never less than an eighth of it."""
+    return max(step_budget - decode_tokens, max(1, step_budget // 8))
 
 
 class Scheduler:
@@ -88,7 +99,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
+        step_budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
 
         # 1. Decodes first: each needs room for one more token.
         decoding = [r for r in self.running if not r.in_prefill]
@@ -97,6 +108,8 @@ class Scheduler:
                 continue  # preempted below while making room for an older request
             if req.kv_len >= self.config.context_length:
                 continue  # at the context limit: the step in flight (overlap) ends it
+            if req.pending_len == 0 and len(req.output_ids) + 1 >= req.params.max_new_tokens:
+                continue  # its last token is in flight (overlap): nothing more to run for it
             draft = self._take_draft(req)
             while not self.kv.grow(req, req.kv_len + 1 + len(draft)):
                 if draft:
@@ -114,7 +127,8 @@ class Scheduler:
             self.running.remove(req)
             plan.cache_full.append(req)
 
-        # 2. Prompts in progress continue.
+        # 2. Prompts in progress continue, in what the decodes left of the step's budget.
+        budget = prefill_budget(step_budget, plan.num_tokens)
         for req in self.running:
             if budget <= 0:
                 break

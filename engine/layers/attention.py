@@ -1,10 +1,13 @@
 """Paged attention over the KV pool.
 
 New keys and values are written into the pool at each token's slot, then:
-- extend batches (prompt chunks, mixed with decodes) attend over each sequence's whole KV,
-  gathered from its pages, with a causal mask offset by the cached length: one padded SDPA
-  call; a plain causal prefill (no cached prefix, one sequence) goes straight to SDPA's
-  causal kernel (FlashAttention on GPUs);
+- a plain causal prefill (no cached prefix, one sequence) goes straight to SDPA's causal
+  kernel (FlashAttention on GPUs);
+- other extend batches (prompt chunks, mixed with decodes) on CUDA: the leading decode rows
+  through the paged decode kernel, the chunks through the paged extend kernel, both reading
+  the pages in place; elsewhere (the reference) each sequence's whole KV is gathered from its
+  pages and padded to the longest, with a causal mask offset by the cached length, for one
+  SDPA call;
 - decode batches use the Triton flash-decoding kernel on CUDA, and a gather + SDPA reference
   everywhere else (the same maths, used to test the kernel).
 """
@@ -77,6 +80,8 @@ class PagedAttention(nn.Module):
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
                 v.transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True, scale=self.scale, enable_gqa=self.gqa,
             ).squeeze(0).transpose(0, 1)
+        elif batch.attn_meta is not None:
+            out = self._paged_extend(q, batch, k_cache, v_cache)
         else:
             out = self._extend(q, batch, k_cache, v_cache, mask)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
@@ -100,6 +105,20 @@ class PagedAttention(nn.Module):
             from splitserve.engine.layers.paged_decode_triton import paged_decode_attention
             return paged_decode_attention(*args)
         return decode_attention_reference(*args)
+
+    def _paged_extend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+                      ) -> torch.Tensor:
+        from splitserve.engine.layers.paged_decode_triton import paged_decode_attention
+        from splitserve.engine.layers.paged_extend_triton import paged_extend_attention
+
+        assert batch.page_table is not None
+        decode_slots, decode_lens, plan = batch.paged_attention_plan
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        n = batch.decode_rows
+        if n:
+            out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, batch.page_table, decode_slots, decode_lens,
+                                             batch.page_size, self.scale)
+        return paged_extend_attention(q, k_cache, v_cache, batch.page_table, plan, batch.page_size, self.scale, out)
 
     def _extend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:

@@ -23,6 +23,11 @@ import triton.language as tl
 from splitserve.engine.layers.fused_triton import merge_splits
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 attention multiplies in full float32 (the reference's precision), not tf32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @dataclass(frozen=True)
 class NewTokenKV:
     """The step's new key and value heads ([B, Hkv, D] views of the QKV output, not yet rotated),
@@ -50,16 +55,17 @@ def _load_rotated(Ptr, Cos, Sin, pos, stride_cos, rows_mask, HEAD_DIM: tl.conste
     return x * cos + sign[None, :] * x_partner * sin
 
 
-@triton.jit
+# One compile whatever the batch size (eager mixed steps): nothing that varies with it is specialized.
+@triton.jit(do_not_specialize=["num_splits", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh"])
 def _paged_decode_split(
     Q, K, V, PageTable, Slots, SeqLens, OutAcc, OutLse,
     KNew, VNew, Cos, Sin, Loc,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos,
-    sm_scale,
+    sm_scale, num_splits,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_NEW: tl.constexpr,
+    BLOCK_N: tl.constexpr, FUSE_NEW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -67,9 +73,9 @@ def _paged_decode_split(
     slot = tl.load(Slots + b)
     seq_len = tl.load(SeqLens + b)
     # With FUSE_NEW the cache holds the earlier tokens only; the new one is in registers, and
-    # an extra last split (index NUM_SPLITS) takes it alone, in parallel with the others.
+    # an extra last split (index num_splits) takes it alone, in parallel with the others.
     cached = seq_len - 1 if FUSE_NEW else seq_len
-    per_split = tl.cdiv(tl.cdiv(cached, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(cached, num_splits), BLOCK_N) * BLOCK_N
     start = tl.minimum(split * per_split, cached)
     end = tl.minimum(start + per_split, cached)
 
@@ -92,20 +98,20 @@ def _paged_decode_split(
         page = tl.load(PageTable + slot * stride_pt + offs // PAGE_SIZE, mask=valid, other=0)
         loc = page.to(tl.int64) * PAGE_SIZE + offs % PAGE_SIZE
         k = tl.load(K + loc[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * sm_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp(qk - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + loc[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_tokens = start < end
     if FUSE_NEW:
-        has_tokens = has_tokens | (split == NUM_SPLITS)
-        if split == NUM_SPLITS:  # the new token: stored once, attended from registers
+        has_tokens = has_tokens | (split == num_splits)
+        if split == num_splits:  # the new token: stored once, attended from registers
             one = tl.full([1], 1, dtype=tl.int1)
             k_new = _load_rotated(KNew + b * stride_knb + kv_head * stride_knh + tl.zeros([1, 1], dtype=tl.int32),
                                   Cos, Sin, seq_len - 1, stride_cos, one[:, None], HEAD_DIM).to(K.dtype.element_ty)
@@ -159,8 +165,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos.stride(0),
-        scale, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=splits, FUSE_NEW=new_kv is not None, num_warps=4,
+        scale, splits, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, FUSE_NEW=new_kv is not None,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
         num_stages=2,
     )
     return merge_splits(acc, lse, q.dtype)  # splits with no tokens weigh 0

@@ -122,8 +122,9 @@ class LlamaForCausalLM(nn.Module):
         if input_embeds is None:
             input_embeds = batch.input_embeds
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
-        # Only the padded extend path needs a mask; decodes and plain causal prefills do not.
-        needs_mask = not batch.is_decode and not (batch.no_prefix and batch.batch_size == 1)
+        # Only the padded extend path (the reference) needs a mask; the paged kernels, decodes and
+        # plain causal prefills do not.
+        needs_mask = batch.kv_indices is not None and not (batch.no_prefix and batch.batch_size == 1)
         mask = causal_padded_mask(batch) if needs_mask else None
         residual = None
         for layer in self.layers:

@@ -208,3 +208,100 @@ def test_skinny_gemm_matches_torch_and_a_row_does_not_depend_on_the_others(rows:
     torch.testing.assert_close(y, torch.nn.functional.linear(x, weight, bias), atol=3e-2, rtol=2e-2)
     # Batch invariance: row 0 alone gives the same bits as row 0 among the others.
     assert torch.equal(skinny.skinny_linear(x[:1], weight, bias), y[:1])
+
+
+def causal_chunk_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                           slot: int, kv_len: int, page_size: int, scale: float) -> torch.Tensor:
+    """One chunk's queries q [L, H, D] (the last L of its kv_len tokens) over its paged KV, in float64."""
+    pos = torch.arange(kv_len, device=q.device)
+    loc = page_table[slot, pos // page_size].long() * page_size + pos % page_size
+    keys, values = k_cache[loc].double(), v_cache[loc].double()  # [kv_len, Hkv, D]
+    group = q.shape[1] // k_cache.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
+    q_pos = torch.arange(kv_len - q.shape[0], kv_len, device=q.device)
+    scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(32, 8, 128, 16), (6, 2, 16, 4), (28, 4, 128, 16),
+                                                               (8, 8, 64, 1)])
+def test_paged_extend_and_decode_rows_match_float64(heads: int, kv_heads: int, head_dim: int, page_size: int,
+                                                    dtype: torch.dtype) -> None:
+    # Decode rows first (the paged decode kernel), then chunks: no prefix, over a prefix, one token,
+    # one longer than a program's block; every row written, each close to float64.
+    from splitserve.engine.forward_batch import ForwardBatch
+    from splitserve.engine.layers.attention import PagedAttention
+    from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    lengths = [1, 1, 37, 130, 1, 300]
+    kv_lens = [5, 900, 37, 530, 64, 300]
+    slots = [4, 0, 2, 5, 1, 3]
+    max_pages = -(-max(kv_lens) // page_size)
+    num_pages = len(slots) * max_pages + 1
+    page_table = (torch.randperm(num_pages - 1, device=dev) + 1)[: len(slots) * max_pages].view(len(slots), -1)
+    page_table = torch.cat([page_table, torch.zeros(2, max_pages, dtype=page_table.dtype, device=dev)]).int()
+    k_cache = torch.randn(num_pages * page_size, kv_heads, head_dim, device=dev, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sum(lengths), heads, head_dim, device=dev, dtype=dtype)
+    decode_rows = 2
+    plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, block_tokens(heads // kv_heads), decode_rows)
+    meta = torch.tensor(padded(slots[:decode_rows]) + padded(kv_lens[:decode_rows]) + plan, dtype=torch.int32,
+                        device=dev)
+    batch = ForwardBatch(input_ids=q.new_zeros(q.shape[0], dtype=torch.long), positions=q.new_zeros(1),
+                         out_cache_loc=q.new_zeros(1), seq_lens=torch.tensor(kv_lens, device=dev),
+                         logits_index=q.new_zeros(1), attn_meta=meta, decode_rows=decode_rows,
+                         extend_chunks=chunks, extend_blocks=blocks, page_table=page_table, page_size=page_size)
+    attn = PagedAttention(heads, kv_heads, head_dim, 0)
+    got = attn._paged_extend(q, batch, k_cache, v_cache).float()
+    assert torch.isfinite(got).all()
+    row = 0
+    for length, kv_len, slot in zip(lengths, kv_lens, slots, strict=True):
+        want = causal_chunk_reference(q[row:row + length], k_cache, v_cache, page_table, slot, kv_len, page_size,
+                                      head_dim ** -0.5).float()
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(got[row:row + length], want, atol=tol, rtol=tol)
+        row += length
+
+
+def test_mixed_steps_through_the_paged_kernels_give_the_reference_paths_greedy_tokens(tmp_path: Path) -> None:
+    # float32, chunks of 8: prompt chunks over cached prefixes beside decode rows in most steps. The
+    # reference path gathers every sequence's KV padded to the longest and runs one masked SDPA.
+    folder = write("llama-gqa-llama3rope", tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 29, 12, 50, 1, 17)]
+
+    def run(paged: bool) -> list[list[int]]:
+        engine = Engine(EngineConfig(model=str(folder), device="cuda", dtype="float32", page_size=4,
+                                     max_total_tokens=4096, max_running_requests=8, chunked_prefill_size=8))
+        if not paged:
+            engine.runner.extend_block_tokens = None
+        engine.start()
+        try:
+            return generate_tokens(engine, prompts, SamplingParams(max_new_tokens=12, temperature=0.0,
+                                                                   ignore_eos=True), timeout=120)
+        finally:
+            engine.stop()
+
+    assert run(paged=True) == run(paged=False)
+
+
+def test_a_stopped_engine_gives_its_gpu_memory_back_and_a_second_one_starts(tmp_path: Path) -> None:
+    folder = write("llama-gqa-llama3rope", tmp_path)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    outputs = []
+    for _ in range(2):  # KV sized from --mem-fraction: the second fits only if the first gave it back
+        engine = Engine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", max_running_requests=4))
+        engine.start()
+        try:
+            outputs.append(generate_tokens(engine, [[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0,
+                                                                                ignore_eos=True), timeout=60))
+        finally:
+            engine.stop()
+        del engine
+        assert torch.cuda.memory_allocated() - before < 64 << 20
+    assert outputs[0] == outputs[1]

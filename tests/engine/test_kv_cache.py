@@ -9,7 +9,7 @@ from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.page_allocator import DoubleFreeError, OutOfPagesError, PageAllocator
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig, prefill_budget
 
 
 def make_request(rid: str, prompt: list[int], max_new: int = 8) -> Request:
@@ -145,7 +145,25 @@ def test_decodes_run_beside_a_new_prompt_chunk() -> None:
     second = make_request("second", list(range(30, 42)))
     s.add(second)
     plan = s.schedule()
-    assert [(c.request.request_id, c.length) for c in plan.chunks] == [("first", 1), ("second", 8)]
+    # One token budget per step: the decode takes one of the 8, the prompt chunk the other 7.
+    assert [(c.request.request_id, c.length) for c in plan.chunks] == [("first", 1), ("second", 7)]
+
+
+def test_decodes_share_the_step_budget_and_leave_prompts_at_least_an_eighth() -> None:
+    s = scheduler(pages=200, page_size=4, slots=16, chunk=16)
+    for i in range(10):
+        s.add(make_request(f"d{i}", [i + 1]))
+    run_plan(s.schedule())  # ten one-token prompts: all prefilled in the first step
+    s.add(make_request("late", list(range(40))))
+    plan = s.schedule()
+    assert [c.length for c in plan.chunks] == [1] * 10 + [6]  # 16 - 10 decodes
+    s2 = scheduler(pages=200, page_size=4, slots=16, chunk=16)
+    for i in range(14):
+        s2.add(make_request(f"d{i}", [i + 1]))
+    run_plan(s2.schedule())  # 14 decodes leave 2 tokens of 16, also the floor (an eighth)
+    s2.add(make_request("late", list(range(40))))
+    assert [c.length for c in s2.schedule().chunks] == [1] * 14 + [2]
+    assert prefill_budget(16, 40) == 2
 
 
 def test_waiting_request_is_not_admitted_without_pages_for_its_prompt() -> None:
@@ -178,3 +196,17 @@ def test_preemption_requeues_the_newest_request_and_frees_its_pages() -> None:
     s.running.remove(old)
     plan = s.schedule()
     assert plan.chunks[0].request is new and new.cached_len == 2
+
+
+def test_extend_plan_covers_every_query_once_latest_blocks_first() -> None:
+    from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_from, extend_plan_values
+
+    assert [block_tokens(g) for g in (1, 4, 7, 8, 16)] == [128, 32, 16, 16, 16]
+    lengths, kv_lens, slots = [1, 1, 40, 3], [9, 20, 50, 3], [5, 6, 7, 8]
+    values, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, tokens_per_block=16, first_chunk=2)
+    assert (chunks, blocks) == (2, 4)
+    # Every section padded to 4 int32s (16 bytes): slots, first rows (after the two decode rows,
+    # then after the 40), lengths, KV lengths, the programs' chunks and first queries.
+    assert values == [7, 8, 0, 0, 2, 42, 0, 0, 40, 3, 0, 0, 50, 3, 0, 0, 0, 0, 0, 1, 32, 16, 0, 0]
+    plan = extend_plan_from(torch.tensor(values), chunks, blocks)
+    assert plan.chunk_kv_len.tolist() == [50, 3] and plan.block_start.tolist() == [32, 16, 0, 0]

@@ -1,0 +1,123 @@
+"""The bare engine under the loads of issue 16, each against the bound from this run's limits.
+
+  python3 -P benchmarks/engine_loads.py --shape llama-3.1-8b --loads 256x512:256 4x8192:1 [--chunk 2048]
+
+A load NxI:O submits N prompts of I tokens at once, each asking for O tokens. Per load: prefill
+time (to the last first token), engine-loop prefill tok/s over the runner's own prefill rate at
+that prompt length (one prompt alone, measured here), and output tok/s over the bound: all
+prompts at the runner's best prefill rate plus ceil(N*O / batch) - 1 decode steps at the HBM
+roofline. Also the first request after the engine is built (what a client sees after /health)
+against the same request warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from splitserve.engine.bench import random_prompts, run_engine_batch
+from splitserve.engine.bench_engine import EngineUnderTest, device_limits, loop_bench_config
+from splitserve.engine.engine import Engine
+from splitserve.engine.model_shapes import write_shape_folder
+
+logger = logging.getLogger("engine_loads")
+
+
+def parse_load(text: str) -> tuple[int, int, int]:
+    n, rest = text.split("x")
+    prompt, output = rest.split(":")
+    return int(n), int(prompt), int(output)
+
+
+def runner_rates(shape: str, device: str, lengths: list[int], batch: int) -> dict:
+    """The runner alone: prefill tok/s of one prompt at each length; weights and KV bytes; limits."""
+    eut = EngineUnderTest(shape, device, 8, max(lengths) + 64)
+    limits = device_limits(eut.device, eut.runner.dtype)
+    rates: dict[int, float] = {}
+    for _ in range(2):  # the best of two passes: a fresh GPU's clocks may still be ramping on the first
+        for n in lengths:
+            rates[n] = max(rates.get(n, 0.0), n / eut.prefill_seconds(n))
+    out = {"limits": limits, "prefill_tok_s": rates, "weight_bytes": eut.weight_bytes,
+           "kv_bytes_per_token": eut.kv_bytes_per_token}
+    del eut
+    gc.collect()  # the runner's graphs hold it in a cycle
+    torch.cuda.empty_cache()
+    return out
+
+
+def load_bound(n: int, prompt: int, output: int, batch: int, runner: dict) -> float:
+    """Seconds at least: every prompt at the runner's best prefill rate, then the decode steps at the roofline."""
+    best_prefill = max(runner["prefill_tok_s"].values())
+    steps = max(0, -(-n * output // min(n, batch)) - 1)
+    context = prompt + output / 2
+    step_s = (runner["weight_bytes"] + min(n, batch) * context * runner["kv_bytes_per_token"]) \
+        / runner["limits"]["copy_bandwidth_Bps"]
+    return n * prompt / best_prefill + steps * step_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--loads", nargs="+", default=["256x512:256", "64x512:256", "256x512:1", "16x2048:1",
+                                                       "4x8192:1", "256x512:64"])
+    parser.add_argument("--chunk", type=int, default=2048, help="chunked prefill size (tokens per step)")
+    parser.add_argument("--max-running", type=int, default=256)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+    loads = [parse_load(x) for x in args.loads]
+    lengths = sorted({p for _, p, _ in loads} | {args.chunk})
+    runner = runner_rates(args.shape, args.device, lengths, args.max_running)
+    logger.info("runner prefill tok/s: %s", {k: round(v) for k, v in runner["prefill_tok_s"].items()})
+    folder = write_shape_folder(args.shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{args.shape}-")))
+    per_request = max(p + o for _, p, o in loads)
+    kv_tokens = max(n * (p + o + 32) for n, p, o in loads)
+    cfg = dataclasses.replace(loop_bench_config(folder, args.device, args.max_running, per_request),
+                              chunked_prefill_size=args.chunk, max_total_tokens=kv_tokens)
+    started = time.perf_counter()
+    engine = Engine(cfg)
+    engine.start()
+    report: dict = {"shape": args.shape, "chunk": args.chunk, "runner": runner, "loads": []}
+    try:
+        report["engine_build_s"] = time.perf_counter() - started
+        first = [run_engine_batch(engine, random_prompts(1, 512, 1000 + i), 16) for i in range(3)]
+        cold, warm = first[0], first[2]
+        cold_s, warm_s = cold["prefill_s"] + cold["decode_s"], warm["prefill_s"] + warm["decode_s"]
+        report["first_request"] = {"cold_s": cold_s, "warm_s": warm_s, "cold_over_warm": cold_s / warm_s}
+        for n, prompt, output in loads:
+            r = run_engine_batch(engine, random_prompts(n, prompt, n * 7 + prompt), output)
+            total = r["prefill_s"] + r["decode_s"]
+            bound = load_bound(n, prompt, output, args.max_running, runner)
+            row = {"load": f"{n}x{prompt}:{output}", "prefill_s": r["prefill_s"], "total_s": total,
+                   "prefill_tok_s": n * prompt / r["prefill_s"],
+                   "prefill_over_runner": n * prompt / r["prefill_s"] / runner["prefill_tok_s"][prompt],
+                   "output_tok_s": n * output / total, "bound_s": bound, "output_over_bound": bound / total,
+                   "steps": r["steps"]}
+            report["loads"].append(row)
+            logger.info("%s", json.dumps(row))
+    finally:
+        engine.stop()
+    fr = report["first_request"]
+    print(f"{args.shape}, chunk {args.chunk}, max running {args.max_running}; engine built in "
+          f"{report['engine_build_s']:.1f} s; first request {fr['cold_s'] * 1e3:.0f} ms, warm "
+          f"{fr['warm_s'] * 1e3:.0f} ms ({fr['cold_over_warm']:.2f}x)")
+    print("load          | prefill s | prefill tok/s | / runner | output tok/s | / bound | steps")
+    for row in report["loads"]:
+        print(f"{row['load']:<13} | {row['prefill_s']:9.2f} | {row['prefill_tok_s']:13.0f} | "
+              f"{row['prefill_over_runner']:8.2f} | {row['output_tok_s']:12.0f} | {row['output_over_bound']:7.2f} | "
+              f"{row['steps']}")
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""How the paged extend kernel's programs cover an extend batch: built on the host, one copy in.
+
+Kept apart from the kernel (engine/layers/paged_extend_triton.py) so that batches can be
+planned where Triton is not installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROWS_PER_PROGRAM = 128  # query rows (tokens x group heads) per program: one tensor-core tile
+ALIGN = 4  # int32s: Triton compiles a kernel once per 16-byte alignment of each pointer it takes
+
+
+def aligned(n: int) -> int:
+    """`n` rounded up so that a section of int32s that starts aligned ends aligned."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def padded(values: list[int]) -> list[int]:
+    return values + [0] * (aligned(len(values)) - len(values))
+
+
+def block_tokens(group: int) -> int:
+    """Query tokens per program for a GQA group size (at least 16 tokens)."""
+    return max(16, ROWS_PER_PROGRAM // (1 << (group - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    """Where each chunk's queries and KV are, and which programs cover them (device int32 views)."""
+
+    chunk_slot: torch.Tensor  # [C]
+    chunk_row: torch.Tensor  # [C] first flat row of the chunk's new tokens
+    chunk_len: torch.Tensor  # [C] new tokens
+    chunk_kv_len: torch.Tensor  # [C] KV length after the step (cached prefix + new tokens)
+    block_chunk: torch.Tensor  # [P] the chunk each program works on
+    block_start: torch.Tensor  # [P] its first query, counted within the chunk
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.block_chunk.shape[0])
+
+
+def extend_plan_values(lengths: list[int], kv_lens: list[int], slots: list[int], tokens_per_block: int,
+                       first_chunk: int = 0) -> tuple[list[int], int, int]:
+    """The host side of an ExtendPlan for chunks `first_chunk..` of a step, flattened into one list
+    (one copy to the device): slots, rows, lengths, KV lengths, then the programs' chunks and starts,
+    each section padded to 16 bytes."""
+    rows, row = [], sum(lengths[:first_chunk])
+    block_chunk, block_start = [], []
+    chosen = range(first_chunk, len(lengths))
+    for i, c in enumerate(chosen):
+        rows.append(row)
+        row += lengths[c]
+        # Latest queries first: they see the most keys, so the longest programs start earliest.
+        for start in reversed(range(0, lengths[c], tokens_per_block)):
+            block_chunk.append(i)
+            block_start.append(start)
+    values = (padded([slots[c] for c in chosen]) + padded(rows) + padded([lengths[c] for c in chosen])
+              + padded([kv_lens[c] for c in chosen]) + padded(block_chunk) + padded(block_start))
+    return values, len(chosen), len(block_chunk)
+
+
+def extend_plan_from(values: torch.Tensor, num_chunks: int, num_blocks: int) -> ExtendPlan:
+    """Views of a device tensor laid out by `extend_plan_values`."""
+    c, p = aligned(num_chunks), aligned(num_blocks)
+    n, m = num_chunks, num_blocks
+    return ExtendPlan(values[:n], values[c:c + n], values[2 * c:2 * c + n], values[3 * c:3 * c + n],
+                      values[4 * c:4 * c + m], values[4 * c + p:4 * c + p + m])
