@@ -6,6 +6,9 @@
   splitserve bench --profile engine --shape llama-3.1-8b
                                           # a real model shape with random weights: prefill MFU and
                                           # decode step vs roofline, and transformers as the peer
+  splitserve bench --profile serving --shape llama-3.1-8b --rates 4 16 inf
+                                          # a server of that shape under open-loop load (fixed lengths,
+                                          # a ShareGPT-like mix at several rates) vs its bound
 
 Figures are printed as ratios: HTTP throughput against the bare engine measured in the same
 run; prefill against the measured matmul peak; decode step time against the memory-bandwidth
@@ -40,8 +43,9 @@ class BenchConfig:
     url: str | None = field(default=None, metadata={"help": "server to load (default: start one)"})
     profile: str = field(default="http", metadata={
         "help": "http: load a server; engine: the model on a real shape; pd: TTFT of 1P1D vs unified; "
-                "transfer: the KV transfer layer vs raw Mooncake, memcpy and a socket",
-        "choices": ("http", "engine", "pd", "transfer")})
+                "transfer: the KV transfer layer vs raw Mooncake, memcpy and a socket; serving: a server of "
+                "--shape under open-loop load at --rates, against the bound from this run's limits",
+        "choices": ("http", "engine", "pd", "transfer", "serving")})
     model: str = field(default="tiny", metadata={"help": "model for the server/engine this command starts"})
     device: str = field(default="auto", metadata={"help": "device for the engine this command starts"})
     num_requests: int = field(default=64, metadata={"help": "requests to send"})
@@ -57,11 +61,17 @@ class BenchConfig:
     hf_peer: bool = field(default=True, metadata={"help": "engine profile: measure transformers on the same shape"})
     gen_batches: list[int] = field(default_factory=lambda: [1, 8, 64],
                                    metadata={"help": "engine profile: batch sizes of transformers generate"})
-    plot: str | None = field(default=None, metadata={"help": "engine profile: write a PNG plot here"})
+    plot: str | None = field(default=None, metadata={"help": "engine and serving profiles: write a PNG plot here"})
     concurrency_levels: list[int] = field(default_factory=lambda: [1, 4],
                                           metadata={"help": "pd profile: concurrency levels to load at"})
     unified_replicas: int = field(default=1, metadata={"help": "pd profile: unified replicas (data parallel)"})
-    engine_args: str = field(default="", metadata={"help": "pd profile: extra flags for every engine"})
+    engine_args: str = field(default="", metadata={"help": "pd and serving profiles: extra flags for every engine"})
+    rates: list[float] = field(default_factory=lambda: [4.0, 16.0, float("inf")], metadata={
+        "help": "serving profile: request rates (req/s) of the ShareGPT-like load; inf: all at once"})
+    fixed_loads: list[str] = field(default_factory=lambda: ["256x512:256"], metadata={
+        "help": "serving profile: fixed-length loads NxI:O (N prompts of I tokens, O output tokens, all at once)"})
+    max_prompt_len: int = field(default=4096, metadata={"help": "serving profile: longest ShareGPT-like prompt"})
+    max_output_len: int = field(default=1024, metadata={"help": "serving profile: longest ShareGPT-like output"})
     max_running_requests: int = field(default=64, metadata={"help": "engine batch limit"})
     seed: int = field(default=0, metadata={"help": "seed of the random prompts"})
     output: str | None = field(default=None, metadata={"help": "write the figures as JSON here"})
@@ -310,6 +320,12 @@ def main(argv: list[str]) -> int:
     if cfg.profile == "pd":
         report["pd"] = pd_ttft(cfg)
         print_pd_report(report["pd"])
+    elif cfg.profile == "serving":
+        from splitserve.engine.bench_serving import plot_serving_report, print_serving_report, run_serving_benchmark
+        report["serving"] = run_serving_benchmark(cfg)
+        print_serving_report(report["serving"])
+        if cfg.plot:
+            plot_serving_report(report["serving"], Path(cfg.plot))
     elif cfg.profile == "engine":
         from splitserve.engine.bench_engine import plot_engine_report, print_engine_report, run_engine_benchmark
         report["engine"] = run_engine_benchmark(
@@ -336,4 +352,6 @@ def main(argv: list[str]) -> int:
         print_report(report)
     if cfg.output:
         Path(cfg.output).write_text(json.dumps(report, indent=2, default=str))
-    return 0 if report.get("http", {}).get("failed", 0) == 0 else 1
+    failed = report.get("http", {}).get("failed", 0)
+    failed += sum(r["requests"] - r["ok"] for r in report.get("serving", {}).get("loads", []))
+    return 0 if failed == 0 else 1

@@ -143,11 +143,13 @@ def num_splits_for(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                            slots: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
-                           new_kv: NewTokenKV | None = None) -> torch.Tensor:
+                           new_kv: NewTokenKV | None = None, launch: tuple[int, int, int] | None = None
+                           ) -> torch.Tensor:
     """q: [B, H, D]; caches: [tokens, Hkv, D]; returns [B, H, D] in q's dtype.
 
     Without `new_kv`, q is rotated and the new token's KV is already in the cache. With it, q
     is not rotated yet and the kernel rotates it, and writes and attends the new key and value.
+    `launch` (BLOCK_N, warps, stages) overrides the measured choice (the sweep tries them).
     """
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -156,7 +158,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     grid_splits = splits + (new_kv is not None)
     acc = torch.empty(bsz, num_heads, grid_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, num_heads, grid_splits, dtype=torch.float32, device=q.device)
-    block_n = 64 if head_dim <= 128 else 32
+    block_n, warps, stages = launch or (64 if head_dim <= 128 else 32, 4, 2)
     # Without new_kv the kernel reads none of these; any tensors of the right rank fill the slots.
     new = new_kv or NewTokenKV(k=k_cache, v=v_cache, cos=q, sin=q, out_cache_loc=slots)
     _paged_decode_split[(bsz, num_kv_heads, grid_splits)](
@@ -167,7 +169,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos.stride(0),
         scale, splits, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, FUSE_NEW=new_kv is not None,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
-        num_stages=2,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
     return merge_splits(acc, lse, q.dtype)  # splits with no tokens weigh 0

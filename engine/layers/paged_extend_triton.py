@@ -102,15 +102,21 @@ def _paged_extend_kernel(
 
 
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                           plan: ExtendPlan, page_size: int, scale: float, out: torch.Tensor) -> torch.Tensor:
+                           plan: ExtendPlan, page_size: int, scale: float, out: torch.Tensor,
+                           launch: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """q: [T, H, D] (rotated; the step's KV already in the cache); writes the rows the plan covers
-    into out [T, H, D] and returns it."""
+    into out [T, H, D] and returns it.
+
+    `launch` (query tokens per program, BLOCK_N, warps, stages) overrides the measured choice (the
+    sweep tries them; the plan must have been built with the same tokens per program).
+    """
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     if plan.num_blocks == 0:
         return out
     big = head_dim * q.element_size() > 256  # tiles of float32 or of heads over 128: smaller, fewer stages
+    block_m, block_n, warps, stages = launch or (block_tokens(group), 32 if big else 64, 8, 2 if big else 3)
     _paged_extend_kernel[(plan.num_blocks, num_kv_heads)](
         q, k_cache, v_cache, out, page_table,
         plan.chunk_slot, plan.chunk_row, plan.chunk_len, plan.chunk_kv_len, plan.block_chunk, plan.block_start,
@@ -118,7 +124,6 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1), page_table.stride(0),
         scale * LOG2E,
         PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        BLOCK_M=block_tokens(group), BLOCK_N=32 if big else 64,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=8, num_stages=2 if big else 3,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
     return out
