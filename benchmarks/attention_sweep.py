@@ -69,8 +69,8 @@ def sweep_extend() -> None:
         for ms, cfg, _ in results[:4]:
             print(f"{name:<22} | {cfg[0]:11} {cfg[1]:7} {cfg[2]:5} {cfg[3]:6} | {ms:6.3f} | {tflop / ms * 1e3:7.0f} | "
                   f"{ms / sdpa:.2f}")
-        default = next(r for r in results if r[1] == (32, 64, 8, 3))
-        print(f"{name:<22} | default (32, 64, 8, 3)           | {default[0]:6.3f} | "
+        default = next(r for r in results if r[1] == (64, 128, 8, 3))
+        print(f"{name:<22} | default (64, 128, 8, 3)          | {default[0]:6.3f} | "
               f"{tflop / default[0] * 1e3:7.0f} | {default[0] / sdpa:.2f}  (SDPA {sdpa:.3f} ms)")
 
 
@@ -96,10 +96,10 @@ def sweep_decode() -> None:
                 continue
             results.append((ms, (block_n, warps, stages)))
         results.sort()
-        for ms, cfg in results[:3] + [r for r in results if r[1] == (64, 4, 2)]:
+        for ms, cfg in results[:3] + [r for r in results if r[1] == (64, 4, 3)]:
             gbs = kv_bytes / (ms / 1e3) / 1e9
             print(f"{batch:>5} x {ctx:<10} | {cfg[0]:7} {cfg[1]:5} {cfg[2]:6} | {ms * 1e3:6.1f} | {gbs:7.0f} | "
-                  f"{gbs * 1e9 / bandwidth:.2f}{'  (default)' if cfg == (64, 4, 2) else ''}")
+                  f"{gbs * 1e9 / bandwidth:.2f}{'  (default)' if cfg == (64, 4, 3) else ''}")
 
 
 def main() -> None:

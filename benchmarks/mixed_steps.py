@@ -36,7 +36,8 @@ def attention_case(lengths: list[int], kv_lens: list[int], decode_rows: int) -> 
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(sum(lengths), HEADS, DIM, device=dev, dtype=torch.bfloat16)
     slots = list(range(n))
-    plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, block_tokens(HEADS // KV_HEADS), decode_rows)
+    tokens = block_tokens(HEADS // KV_HEADS, DIM * 2)
+    plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, tokens, decode_rows)
     meta = torch.tensor(padded(slots[:decode_rows]) + padded(kv_lens[:decode_rows]) + plan, dtype=torch.int32,
                         device=dev)
     batch = ForwardBatch(input_ids=q.new_zeros(1), positions=q.new_zeros(1), out_cache_loc=q.new_zeros(1),

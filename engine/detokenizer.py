@@ -33,17 +33,25 @@ class IncrementalDetokenizer:
         for tid in token_ids:
             if self.stopped_on is not None:
                 return
-            self.ids.append(tid)
-            before = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
-            after = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special)
-            if after.endswith("\ufffd") or len(after) <= len(before):
-                continue  # an incomplete character: wait for the next token
-            search_from = max(0, len(self.text) - self.hold)
-            self.text += after[len(before):]
-            self.prefix_offset = max(0, len(self.ids) - CONTEXT_TOKENS)
-            # Re-anchor so that `before` next time decodes exactly the confirmed tail.
-            self.read_offset = len(self.ids)
-            self._check_stop(search_from)
+            before, after = self._windows(tid)
+            self._confirm(self.tokenizer.decode(before, self.skip_special),
+                          self.tokenizer.decode(after, self.skip_special))
+
+    def _windows(self, tid: int) -> tuple[list[int], list[int]]:
+        """Appends a token; the token windows to decode before and after it."""
+        self.ids.append(tid)
+        return self.ids[self.prefix_offset:self.read_offset], self.ids[self.prefix_offset:]
+
+    def _confirm(self, before: str, after: str) -> None:
+        """Takes the text the newest token confirms, if it completes a character."""
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return  # an incomplete character: wait for the next token
+        search_from = max(0, len(self.text) - self.hold)
+        self.text += after[len(before):]
+        self.prefix_offset = max(0, len(self.ids) - CONTEXT_TOKENS)
+        # Re-anchor so that `before` next time decodes exactly the confirmed tail.
+        self.read_offset = len(self.ids)
+        self._check_stop(search_from)
 
     def _check_stop(self, search_from: int) -> None:
         best = None
@@ -67,3 +75,18 @@ class IncrementalDetokenizer:
         delta = self.text[self.emitted:end]
         self.emitted = end
         return delta
+
+
+def add_one_token_each(detokenizers: list[IncrementalDetokenizer], token_ids: list[int]) -> None:
+    """`detokenizers[i].add([token_ids[i]])` for a whole step's requests, with one tokenizer call for
+    every window of the same kind instead of two calls per request: at a few hundred requests a
+    step, per-call overhead was most of the engine thread's time between steps."""
+    work = [(d, tid) for d, tid in zip(detokenizers, token_ids, strict=True) if d.stopped_on is None]
+    by_kind: dict[tuple[int, bool], list[tuple[IncrementalDetokenizer, tuple[list[int], list[int]]]]] = {}
+    for d, tid in work:
+        by_kind.setdefault((id(d.tokenizer), d.skip_special), []).append((d, d._windows(tid)))
+    for group in by_kind.values():
+        tokenizer, skip = group[0][0].tokenizer, group[0][0].skip_special
+        texts = tokenizer.decode_batch([w for _, pair in group for w in pair], skip)
+        for i, (d, _) in enumerate(group):
+            d._confirm(texts[2 * i], texts[2 * i + 1])

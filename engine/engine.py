@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.detokenizer import IncrementalDetokenizer, add_one_token_each
 from splitserve.engine.grammar.compiler import GrammarCompiler
 from splitserve.engine.grammar.slots import GrammarSlots
 from splitserve.engine.kv_cache import KVCache, KVUsage
@@ -317,6 +317,10 @@ class Engine:
     def _process_samples(self, out: StepOutput, live: set[int]) -> None:
         rows = [(c, t) for c, t in zip(out.sampled_chunks, out.tokens, strict=True) if id(c.request) in live]
         self.runner.commit([c for c, _ in rows], [t for _, t in rows])
+        # The step's text in one tokenizer call, not two per request (a token that ends a request is not text).
+        texts = [(c.request, t) for c, t in rows if not c.request.finished and not self._stops_on_token(c.request, t)]
+        add_one_token_each([r.detokenizer for r, _ in texts], [t for _, t in texts])
+        detokenized = {id(r) for r, _ in texts}
         now = time.monotonic()
         for i, (chunk, token) in enumerate(zip(out.sampled_chunks, out.tokens, strict=True)):
             req = chunk.request
@@ -324,7 +328,7 @@ class Engine:
                 continue  # finished (or preempted) while this step ran: its token is not wanted
             lp = [out.logprobs[i]] if out.logprobs is not None and req.params.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None and lp is not None else None
-            self.append_token(req, token, now, lp, top)
+            self.append_token(req, token, now, lp, top, detokenized=id(req) in detokenized)
         verified = [v for v in out.verified if id(v.chunk.request) in live and not v.chunk.request.finished]
         self.runner.commit_verified(verified)
         for v in verified:
@@ -349,9 +353,14 @@ class Engine:
                 return  # finished (its pages went back with it) or taken over
         self.kv.shrink(req, req.total_len)
 
+    def _stops_on_token(self, req: Request, token: int) -> bool:
+        params = req.params
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+
     def append_token(self, req: Request, token: int, now: float, logprobs: list[float] | None = None,
-                     top: list[list[tuple[int, float]]] | None = None) -> None:
-        """Adds one output token, checks the stop conditions and emits the delta."""
+                     top: list[list[tuple[int, float]]] | None = None, detokenized: bool = False) -> None:
+        """Adds one output token, checks the stop conditions and emits the delta (`detokenized`: the
+        detokenizer has the token already)."""
         if req.first_token_time is None:
             req.first_token_time = now
             req.first_token_logprob = logprobs[0] if logprobs else 0.0
@@ -363,11 +372,11 @@ class Engine:
         self.metrics.generation_tokens.inc()
         params = req.params
         finish = None
-        hit_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-        if hit_stop_token:
+        if self._stops_on_token(req, token):
             finish = FinishReason.STOP
         else:
-            req.detokenizer.add([token])
+            if not detokenized:
+                req.detokenizer.add([token])
             if req.detokenizer.stopped_on is not None:
                 finish = FinishReason.STOP
         if finish is None and (len(req.output_ids) >= params.max_new_tokens

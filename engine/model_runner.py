@@ -241,8 +241,8 @@ class ModelRunner:
                     self.kv_shape.total_bytes / 2**30)
         max_slots = cfg.max_running_requests
         # Extend batches on CUDA run the paged kernels, planned in blocks of this many queries.
-        self.extend_block_tokens = (block_tokens(attn.num_heads // attn.num_kv_heads)
-                                    if self.device.type == "cuda" else None)
+        group, head_bytes = attn.num_heads // attn.num_kv_heads, attn.head_dim * self.dtype.itemsize
+        self.extend_block_tokens = block_tokens(group, head_bytes) if self.device.type == "cuda" else None
         self.decode_graphs: DecodeGraphs | None = None
         # The relay: each slot's latest sampled token, on the device, read by the next decode step.
         self.next_tokens = torch.zeros(max_slots + 1, dtype=torch.int64, device=self.device)

@@ -52,6 +52,10 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """`decode` of each sequence, in one call into the tokenizer."""
+        return self.tokenizer.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")

@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-ROWS_PER_PROGRAM = 128  # query rows (tokens x group heads) per program: one tensor-core tile
+# Query rows (tokens x group heads) per program: 256 measured fastest on an H200 for 128-dim bf16
+# heads (benchmarks/attention_sweep.py); tiles of wider heads (or float32) take half as many.
+ROWS_PER_PROGRAM = 256
+WIDE_HEAD_BYTES = 256
 ALIGN = 4  # int32s: Triton compiles a kernel once per 16-byte alignment of each pointer it takes
 
 
@@ -23,9 +26,10 @@ def padded(values: list[int]) -> list[int]:
     return values + [0] * (aligned(len(values)) - len(values))
 
 
-def block_tokens(group: int) -> int:
-    """Query tokens per program for a GQA group size (at least 16 tokens)."""
-    return max(16, ROWS_PER_PROGRAM // (1 << (group - 1).bit_length()))
+def block_tokens(group: int, head_bytes: int) -> int:
+    """Query tokens per program for a GQA group size and a head of `head_bytes` (at least 16 tokens)."""
+    rows = ROWS_PER_PROGRAM if head_bytes <= WIDE_HEAD_BYTES else ROWS_PER_PROGRAM // 2
+    return max(16, rows // (1 << (group - 1).bit_length()))
 
 
 @dataclass(frozen=True)

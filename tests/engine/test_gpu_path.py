@@ -248,7 +248,8 @@ def test_paged_extend_and_decode_rows_match_float64(heads: int, kv_heads: int, h
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(sum(lengths), heads, head_dim, device=dev, dtype=dtype)
     decode_rows = 2
-    plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, block_tokens(heads // kv_heads), decode_rows)
+    plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots,
+                                                block_tokens(heads // kv_heads, head_dim * dtype.itemsize), decode_rows)
     meta = torch.tensor(padded(slots[:decode_rows]) + padded(kv_lens[:decode_rows]) + plan, dtype=torch.int32,
                         device=dev)
     batch = ForwardBatch(input_ids=q.new_zeros(q.shape[0], dtype=torch.long), positions=q.new_zeros(1),

@@ -201,7 +201,8 @@ def test_preemption_requeues_the_newest_request_and_frees_its_pages() -> None:
 def test_extend_plan_covers_every_query_once_latest_blocks_first() -> None:
     from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_from, extend_plan_values
 
-    assert [block_tokens(g) for g in (1, 4, 7, 8, 16)] == [128, 32, 16, 16, 16]
+    assert [block_tokens(g, 256) for g in (1, 4, 7, 8, 16)] == [256, 64, 32, 32, 16]
+    assert [block_tokens(g, 512) for g in (1, 4, 8)] == [128, 32, 16]  # float32 or wider heads: half the rows
     lengths, kv_lens, slots = [1, 1, 40, 3], [9, 20, 50, 3], [5, 6, 7, 8]
     values, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, tokens_per_block=16, first_chunk=2)
     assert (chunks, blocks) == (2, 4)
