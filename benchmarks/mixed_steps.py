@@ -36,7 +36,7 @@ def attention_case(lengths: list[int], kv_lens: list[int], decode_rows: int) -> 
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(sum(lengths), HEADS, DIM, device=dev, dtype=torch.bfloat16)
     slots = list(range(n))
-    tokens = block_tokens(HEADS // KV_HEADS, DIM * 2)
+    tokens = block_tokens(HEADS // KV_HEADS, wide=False)
     plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, tokens, decode_rows)
     meta = torch.tensor(padded(slots[:decode_rows]) + padded(kv_lens[:decode_rows]) + plan, dtype=torch.int32,
                         device=dev)

@@ -16,7 +16,7 @@ from splitserve.engine.cuda_graph_runner import DecodeGraphs
 from splitserve.engine.forward_batch import ForwardBatch, decode_batch
 from splitserve.engine.host_to_device import to_device
 from splitserve.engine.kv_pool import KVPool, KVPoolShape
-from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded
+from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, wide_tiles
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models import build_model
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
@@ -241,8 +241,9 @@ class ModelRunner:
                     self.kv_shape.total_bytes / 2**30)
         max_slots = cfg.max_running_requests
         # Extend batches on CUDA run the paged kernels, planned in blocks of this many queries.
-        group, head_bytes = attn.num_heads // attn.num_kv_heads, attn.head_dim * self.dtype.itemsize
-        self.extend_block_tokens = block_tokens(group, head_bytes) if self.device.type == "cuda" else None
+        wide = wide_tiles(attn.head_dim, self.dtype.itemsize)
+        group = attn.num_heads // attn.num_kv_heads
+        self.extend_block_tokens = block_tokens(group, wide) if self.device.type == "cuda" else None
         self.decode_graphs: DecodeGraphs | None = None
         # The relay: each slot's latest sampled token, on the device, read by the next decode step.
         self.next_tokens = torch.zeros(max_slots + 1, dtype=torch.int64, device=self.device)
@@ -409,8 +410,11 @@ class ModelRunner:
             req.slot, req.kv_len = 0, start
             return ScheduledChunk(req, start, length, sample=True)
 
+        # Prompts of the sizes steps have (cuBLAS picks its kernels per shape on first use).
+        budget = self.cfg.chunked_prefill_size if self.cfg.chunked_prefill_size > 0 else 2048
+        sizes = sorted({min(n, self.context_length - 64) for n in (64, 512, budget)})
         steps = [
-            [chunk(64)],  # one prompt: SDPA's causal kernel
+            *([chunk(n)] for n in sizes),  # one prompt: SDPA's causal kernel
             [chunk(24), chunk(9, params=sampled)],  # several prompts: the paged extend kernel, the full sampler
             [chunk(1, start=40), chunk(16, start=32)],  # a decode row beside a chunk over a cached prefix
             [chunk(1, start=7), chunk(1, start=3, params=sampled)],  # an eager decode step (no graph)

@@ -116,8 +116,10 @@ class PagedAttention(nn.Module):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = batch.decode_rows
         if n:
+            # One split per row: a mixed step's decode rows come in every count, and each split count
+            # would be its own compile; the prompt chunk beside them fills the GPU anyway.
             out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, batch.page_table, decode_slots, decode_lens,
-                                             batch.page_size, self.scale)
+                                             batch.page_size, self.scale, splits=1)
         return paged_extend_attention(q, k_cache, v_cache, batch.page_table, plan, batch.page_size, self.scale, out)
 
     def _extend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -10,10 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-# Query rows (tokens x group heads) per program: 256 measured fastest on an H200 for 128-dim bf16
-# heads (benchmarks/attention_sweep.py); tiles of wider heads (or float32) take half as many.
+# Query rows (tokens x group heads) per program: 256 measured fastest on an H200 for 16-bit heads
+# of up to 128 (benchmarks/attention_sweep.py); wide tiles (float32, wider heads) take half as many
+# (at 256 rows float32 needs more shared memory than the chip has).
 ROWS_PER_PROGRAM = 256
-WIDE_HEAD_BYTES = 256
+
+
+def wide_tiles(head_dim: int, element_size: int) -> bool:
+    return element_size > 2 or head_dim > 128
 ALIGN = 4  # int32s: Triton compiles a kernel once per 16-byte alignment of each pointer it takes
 
 
@@ -26,9 +30,9 @@ def padded(values: list[int]) -> list[int]:
     return values + [0] * (aligned(len(values)) - len(values))
 
 
-def block_tokens(group: int, head_bytes: int) -> int:
-    """Query tokens per program for a GQA group size and a head of `head_bytes` (at least 16 tokens)."""
-    rows = ROWS_PER_PROGRAM if head_bytes <= WIDE_HEAD_BYTES else ROWS_PER_PROGRAM // 2
+def block_tokens(group: int, wide: bool) -> int:
+    """Query tokens per program for a GQA group size (at least 16 tokens); `wide`: see wide_tiles."""
+    rows = ROWS_PER_PROGRAM // 2 if wide else ROWS_PER_PROGRAM
     return max(16, rows // (1 << (group - 1).bit_length()))
 
 

@@ -129,14 +129,13 @@ def rope_and_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     )
 
 
-# One compile whatever the split count: nothing that varies with it is specialized.
-@triton.jit(do_not_specialize=["num_splits", "stride_ab", "stride_ah", "stride_lb", "stride_lh"])
+@triton.jit
 def _merge_splits_kernel(Acc, Lse, Out, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
-                         num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
-    ms = s < num_splits
+    ms = s < NUM_SPLITS
     lse = tl.load(Lse + b * stride_lb + h * stride_lh + s, mask=ms, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, axis=0))
     w = w / tl.sum(w, axis=0)
@@ -147,15 +146,11 @@ def _merge_splits_kernel(Acc, Lse, Out, stride_ab, stride_ah, stride_as, stride_
     tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
-MAX_SPLITS_PAD = 64  # the decode kernel's most splits (32, and one for the new token), padded
-
-
 def merge_splits(acc: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Combines flash-decoding partial outputs [B, H, S, D] by their log-sum-exp [B, H, S]."""
     bsz, heads, splits, head_dim = acc.shape
-    assert splits <= MAX_SPLITS_PAD
     out = torch.empty(bsz, heads, head_dim, dtype=dtype, device=acc.device)
     _merge_splits_kernel[(bsz, heads)](acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0),
-                                       lse.stride(1), out.stride(0), out.stride(1), splits,
-                                       SPLITS_PAD=MAX_SPLITS_PAD, HEAD_DIM=head_dim)
+                                       lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,
+                                       SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim)
     return out

@@ -55,17 +55,16 @@ def _load_rotated(Ptr, Cos, Sin, pos, stride_cos, rows_mask, HEAD_DIM: tl.conste
     return x * cos + sign[None, :] * x_partner * sin
 
 
-# One compile whatever the batch size (eager mixed steps): nothing that varies with it is specialized.
-@triton.jit(do_not_specialize=["num_splits", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh"])
+@triton.jit
 def _paged_decode_split(
     Q, K, V, PageTable, Slots, SeqLens, OutAcc, OutLse,
     KNew, VNew, Cos, Sin, Loc,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos,
-    sm_scale, num_splits,
+    sm_scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, FUSE_NEW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_NEW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,9 +72,9 @@ def _paged_decode_split(
     slot = tl.load(Slots + b)
     seq_len = tl.load(SeqLens + b)
     # With FUSE_NEW the cache holds the earlier tokens only; the new one is in registers, and
-    # an extra last split (index num_splits) takes it alone, in parallel with the others.
+    # an extra last split (index NUM_SPLITS) takes it alone, in parallel with the others.
     cached = seq_len - 1 if FUSE_NEW else seq_len
-    per_split = tl.cdiv(tl.cdiv(cached, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(cached, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = tl.minimum(split * per_split, cached)
     end = tl.minimum(start + per_split, cached)
 
@@ -110,8 +109,8 @@ def _paged_decode_split(
 
     has_tokens = start < end
     if FUSE_NEW:
-        has_tokens = has_tokens | (split == num_splits)
-        if split == num_splits:  # the new token: stored once, attended from registers
+        has_tokens = has_tokens | (split == NUM_SPLITS)
+        if split == NUM_SPLITS:  # the new token: stored once, attended from registers
             one = tl.full([1], 1, dtype=tl.int1)
             k_new = _load_rotated(KNew + b * stride_knb + kv_head * stride_knh + tl.zeros([1, 1], dtype=tl.int32),
                                   Cos, Sin, seq_len - 1, stride_cos, one[:, None], HEAD_DIM).to(K.dtype.element_ty)
@@ -143,23 +142,24 @@ def num_splits_for(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                            slots: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
-                           new_kv: NewTokenKV | None = None, launch: tuple[int, int, int] | None = None
-                           ) -> torch.Tensor:
+                           new_kv: NewTokenKV | None = None, launch: tuple[int, int, int] | None = None,
+                           splits: int | None = None) -> torch.Tensor:
     """q: [B, H, D]; caches: [tokens, Hkv, D]; returns [B, H, D] in q's dtype.
 
     Without `new_kv`, q is rotated and the new token's KV is already in the cache. With it, q
     is not rotated yet and the kernel rotates it, and writes and attends the new key and value.
-    `launch` (BLOCK_N, warps, stages) overrides the measured choice (the sweep tries them).
+    `launch` (BLOCK_N, warps, stages) overrides the measured choice (the sweep tries them). `splits`
+    fixes the number of splits per sequence (each count is its own compile; eager steps of any
+    batch size pass one, so that they compile once).
     """
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    splits = num_splits_for(bsz, num_kv_heads)
+    splits = splits or num_splits_for(bsz, num_kv_heads)
     grid_splits = splits + (new_kv is not None)
     acc = torch.empty(bsz, num_heads, grid_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, num_heads, grid_splits, dtype=torch.float32, device=q.device)
-    # Measured on an H200 (benchmarks/attention_sweep.py): 3 stages read 256 x 1024 tokens 6% faster than 2.
-    block_n, warps, stages = launch or (64 if head_dim <= 128 else 32, 4, 3)
+    block_n, warps, stages = launch or (64 if head_dim <= 128 else 32, 4, 2)
     # Without new_kv the kernel reads none of these; any tensors of the right rank fill the slots.
     new = new_kv or NewTokenKV(k=k_cache, v=v_cache, cos=q, sin=q, out_cache_loc=slots)
     _paged_decode_split[(bsz, num_kv_heads, grid_splits)](
@@ -168,8 +168,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos.stride(0),
-        scale, splits, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, FUSE_NEW=new_kv is not None,
+        scale, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=splits, FUSE_NEW=new_kv is not None,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
     return merge_splits(acc, lse, q.dtype)  # splits with no tokens weigh 0

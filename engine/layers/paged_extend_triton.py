@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.engine.layers.extend_plan import WIDE_HEAD_BYTES, ExtendPlan, block_tokens
+from splitserve.engine.layers.extend_plan import ExtendPlan, block_tokens, wide_tiles
 from splitserve.engine.layers.paged_decode_triton import dot_precision
 
 LOG2E = 1.4426950408889634
@@ -115,10 +115,9 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_heads // num_kv_heads
     if plan.num_blocks == 0:
         return out
-    head_bytes = head_dim * q.element_size()
-    wide = head_bytes > WIDE_HEAD_BYTES  # tiles of float32 or of heads over 128: smaller, fewer stages
+    wide = wide_tiles(head_dim, q.element_size())
     # Measured on an H200 (benchmarks/attention_sweep.py): 256 rows x 128 keys, 8 warps, 3 stages.
-    block_m, block_n, warps, stages = launch or (block_tokens(group, head_bytes), 32 if wide else 128, 8,
+    block_m, block_n, warps, stages = launch or (block_tokens(group, wide), 32 if wide else 128, 8,
                                                  2 if wide else 3)
     _paged_extend_kernel[(plan.num_blocks, num_kv_heads)](
         q, k_cache, v_cache, out, page_table,

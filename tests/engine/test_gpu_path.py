@@ -233,7 +233,7 @@ def test_paged_extend_and_decode_rows_match_float64(heads: int, kv_heads: int, h
     # one longer than a program's block; every row written, each close to float64.
     from splitserve.engine.forward_batch import ForwardBatch
     from splitserve.engine.layers.attention import PagedAttention
-    from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded
+    from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, wide_tiles
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -249,7 +249,8 @@ def test_paged_extend_and_decode_rows_match_float64(heads: int, kv_heads: int, h
     q = torch.randn(sum(lengths), heads, head_dim, device=dev, dtype=dtype)
     decode_rows = 2
     plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots,
-                                                block_tokens(heads // kv_heads, head_dim * dtype.itemsize), decode_rows)
+                                                block_tokens(heads // kv_heads, wide_tiles(head_dim, dtype.itemsize)),
+                                                decode_rows)
     meta = torch.tensor(padded(slots[:decode_rows]) + padded(kv_lens[:decode_rows]) + plan, dtype=torch.int32,
                         device=dev)
     batch = ForwardBatch(input_ids=q.new_zeros(q.shape[0], dtype=torch.long), positions=q.new_zeros(1),

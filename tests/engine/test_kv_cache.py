@@ -199,10 +199,11 @@ def test_preemption_requeues_the_newest_request_and_frees_its_pages() -> None:
 
 
 def test_extend_plan_covers_every_query_once_latest_blocks_first() -> None:
-    from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_from, extend_plan_values
+    from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_from, extend_plan_values, wide_tiles
 
-    assert [block_tokens(g, 256) for g in (1, 4, 7, 8, 16)] == [256, 64, 32, 32, 16]
-    assert [block_tokens(g, 512) for g in (1, 4, 8)] == [128, 32, 16]  # float32 or wider heads: half the rows
+    assert [block_tokens(g, wide=False) for g in (1, 4, 7, 8, 16)] == [256, 64, 32, 32, 16]
+    assert [block_tokens(g, wide=True) for g in (1, 4, 8)] == [128, 32, 16]  # float32 or wider heads: half the rows
+    assert wide_tiles(64, 4) and wide_tiles(256, 2) and not wide_tiles(128, 2)
     lengths, kv_lens, slots = [1, 1, 40, 3], [9, 20, 50, 3], [5, 6, 7, 8]
     values, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, tokens_per_block=16, first_chunk=2)
     assert (chunks, blocks) == (2, 4)
@@ -211,3 +212,18 @@ def test_extend_plan_covers_every_query_once_latest_blocks_first() -> None:
     assert values == [7, 8, 0, 0, 2, 42, 0, 0, 40, 3, 0, 0, 50, 3, 0, 0, 0, 0, 0, 1, 32, 16, 0, 0]
     plan = extend_plan_from(torch.tensor(values), chunks, blocks)
     assert plan.chunk_kv_len.tolist() == [50, 3] and plan.block_start.tolist() == [32, 16, 0, 0]
+
+
+def test_a_request_whose_last_token_is_in_flight_gets_no_decode_row() -> None:
+    s = scheduler(pages=40, chunk=8)
+    done_soon = make_request("done-soon", [1, 2, 3], max_new=2)
+    going_on = make_request("going-on", [4, 5, 6])
+    s.add(done_soon)
+    s.add(going_on)
+    run_plan(s.schedule())  # both prefilled, a first token each
+    plan = s.schedule()
+    for c in plan.chunks:  # under the overlap scheduler: launched, its token not yet read back
+        c.request.kv_len += c.length
+    plan = s.schedule()
+    # done-soon's second (last) token is in flight: nothing to run for it; going-on decodes on.
+    assert [c.request.request_id for c in plan.chunks] == ["going-on"]
