@@ -3,6 +3,9 @@
   splitserve bench                        # starts a tiny-model server, loads it, and times the
                                           # bare engine on the same work as the peer
   splitserve bench --url http://host:port # loads a running server (router or engine)
+  splitserve bench --profile chaos --chaos-duration-s 150
+                                          # 2P2D under load while random processes are killed
+                                          # (and restarted): ok / clear errors / hung, p99, recovery
   splitserve bench --profile engine --shape llama-3.1-8b
                                           # a real model shape with random weights: prefill MFU and
                                           # decode step vs roofline, and transformers as the peer
@@ -32,6 +35,7 @@ import httpx
 import torch
 
 from splitserve.config_flags import add_config_flags, config_from_args
+from splitserve.engine.chaos import print_chaos_report
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +48,9 @@ class BenchConfig:
     profile: str = field(default="http", metadata={
         "help": "http: load a server; engine: the model on a real shape; pd: TTFT of 1P1D vs unified; "
                 "transfer: the KV transfer layer vs raw Mooncake, memcpy and a socket; serving: a server of "
-                "--shape under open-loop load at --rates, against the bound from this run's limits",
-        "choices": ("http", "engine", "pd", "transfer", "serving")})
+                "--shape under open-loop load at --rates, against the bound from this run's limits; chaos: 2P2D "
+                "under load while random processes are killed and restarted",
+        "choices": ("http", "engine", "pd", "transfer", "serving", "chaos")})
     model: str = field(default="tiny", metadata={"help": "model for the server/engine this command starts"})
     device: str = field(default="auto", metadata={"help": "device for the engine this command starts"})
     num_requests: int = field(default=64, metadata={"help": "requests to send"})
@@ -74,6 +79,11 @@ class BenchConfig:
     max_output_len: int = field(default=1024, metadata={"help": "serving profile: longest ShareGPT-like output"})
     max_running_requests: int = field(default=64, metadata={"help": "engine batch limit"})
     seed: int = field(default=0, metadata={"help": "seed of the random prompts"})
+    chaos_duration_s: float = field(default=150.0, metadata={"help": "chaos profile: seconds of load (bounded)"})
+    chaos_kill_every_s: float = field(default=20.0, metadata={
+        "help": "chaos profile: mean seconds between SIGKILLs of a random process"})
+    chaos_roles: list[str] = field(default_factory=lambda: ["prefill", "decode", "router"], metadata={
+        "help": "chaos profile: roles whose processes may be killed"})
     output: str | None = field(default=None, metadata={"help": "write the figures as JSON here"})
 
 
@@ -305,6 +315,24 @@ def print_pd_report(r: dict) -> None:
               f"throughput {ratio['throughput_1p1d_over_unified']:.2f}")
 
 
+def chaos_run(cfg: BenchConfig) -> dict:
+    """2 prefill + 2 decode under `splitserve up` supervision, loaded while processes are killed."""
+    from splitserve.engine.chaos import ChaosConfig, run_chaos
+    from splitserve.engine.launcher import Deployment, UpConfig, free_port
+
+    if not 0 < cfg.chaos_duration_s <= 3600:
+        raise ValueError("--chaos-duration-s must be in (0, 3600]")
+    deployment = Deployment(UpConfig(model=cfg.model, device=cfg.device, port=free_port(), prefill=2, decode=2,
+                                     engine_args=cfg.engine_args, restart_backoff_s=1.0))
+    try:
+        deployment.start()
+        return run_chaos(deployment, ChaosConfig(
+            duration_s=cfg.chaos_duration_s, kill_every_s=cfg.chaos_kill_every_s, roles=cfg.chaos_roles,
+            concurrency=cfg.concurrency, prompt_len=cfg.input_len, max_tokens=cfg.output_len, seed=cfg.seed))
+    finally:
+        deployment.stop()
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="splitserve bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -326,6 +354,9 @@ def main(argv: list[str]) -> int:
         print_serving_report(report["serving"])
         if cfg.plot:
             plot_serving_report(report["serving"], Path(cfg.plot))
+    elif cfg.profile == "chaos":
+        report["chaos"] = chaos_run(cfg)
+        print_chaos_report(report["chaos"])
     elif cfg.profile == "engine":
         from splitserve.engine.bench_engine import plot_engine_report, print_engine_report, run_engine_benchmark
         report["engine"] = run_engine_benchmark(
@@ -352,6 +383,8 @@ def main(argv: list[str]) -> int:
         print_report(report)
     if cfg.output:
         Path(cfg.output).write_text(json.dumps(report, indent=2, default=str))
+    if "chaos" in report:
+        return 0 if report["chaos"]["hung"] == 0 else 1
     failed = report.get("http", {}).get("failed", 0)
     failed += sum(r["requests"] - r["ok"] for r in report.get("serving", {}).get("loads", []))
     return 0 if failed == 0 else 1

@@ -68,15 +68,16 @@ class ServerProcess:
         self.proc.wait()
 
 
-def engine_state(base_url: str) -> dict:
-    return httpx.get(f"{base_url}/internal/state", timeout=5).json()
+def engine_state(base_url: str, key: str = "") -> dict:
+    headers = {"X-Splitserve-Key": key} if key else {}
+    return httpx.get(f"{base_url}/internal/state", timeout=5, headers=headers).json()
 
 
-def assert_kv_back_to_start(base_url: str, timeout: float = 10.0) -> dict:
+def assert_kv_back_to_start(base_url: str, timeout: float = 10.0, key: str = "") -> dict:
     """Waits until no request holds anything: no running/waiting/parked, every page free or cached."""
     deadline = time.monotonic() + timeout
     while True:
-        s = engine_state(base_url)
+        s = engine_state(base_url, key)
         idle = (s["running"] == 0 and s["waiting"] == 0 and s["parked"] == 0 and s["requests"] == 0
                 and s["kv_locked"] == 0 and s["kv_used_by_requests"] == 0 and s["slots_in_use"] == 0)
         if idle and s["kv_free"] + s["kv_cached"] == s["kv_capacity"]:
@@ -135,3 +136,23 @@ class LocalDeployment:
     def stop(self) -> None:
         for p in self.procs.values():
             p.stop()
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of a process, from /proc (the engines and the router `up` started)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def cmdline_of(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [a.decode() for a in f.read().split(b"\0") if a]

@@ -10,24 +10,9 @@ import time
 
 import httpx
 import pytest
-from servers import REPO, free_port, splitserve_env
+from servers import REPO, children_of, cmdline_of, free_port, splitserve_env
 
 pytestmark = pytest.mark.slow
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct children of a process, from /proc (the engines and the router `up` started)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                kids.append(int(entry))
-    return kids
 
 
 @pytest.mark.parametrize("shape", [["--prefill", "1", "--decode", "1"], ["--unified", "2"]])
@@ -72,11 +57,6 @@ def _is_zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
-
-
-def cmdline_of(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return [a.decode() for a in f.read().split(b"\0") if a]
 
 
 def test_up_restarts_a_killed_engine_and_the_router_serves_throughout(tmp_path) -> None:
