@@ -138,7 +138,8 @@ def summarize(records: list[RequestRecord], kills: list[Kill]) -> dict:
         tokenless = [r for r in records if r.start < kill.at < r.end
                      and (r.first_token is None or r.first_token > kill.at)
                      and not (r.outcome != "ok" and r.tokens)]
-        after = sorted((r for r in records if kill.at <= r.start < until), key=lambda r: r.start)
+        # Requests still in flight at the next kill are that kill's to explain.
+        after = sorted((r for r in records if kill.at <= r.start < until and r.end <= until), key=lambda r: r.start)
         recovery = 0.0
         for j, r in enumerate(after):
             if r.outcome != "ok":
@@ -150,7 +151,14 @@ def summarize(records: list[RequestRecord], kills: list[Kill]) -> dict:
             "new_requests": len(after), "new_requests_ok": sum(r.outcome == "ok" for r in after),
             "recovery_s": recovery,
         })
-    return {"requests": len(records), **counts,
+    engine_kills = [k for k in per_kill if k["role"] != "router"]
+    targets = {  # the targets, over the kills of engines (a killed router drops its connections)
+        "hung": counts["hung"],
+        "tokenless_ok": sum(k["of_those_ok"] for k in engine_kills),
+        "tokenless": sum(k["in_flight_without_token"] for k in engine_kills),
+        "max_recovery_s": max((k["recovery_s"] for k in engine_kills), default=0.0),
+    }
+    return {"requests": len(records), **counts, "targets": targets,
             "latency_p50_s": percentile([r.end - r.start for r in records if r.outcome == "ok"], 0.5),
             "latency_p99_s": percentile([r.end - r.start for r in records if r.outcome == "ok"], 0.99),
             "longest_s": max((r.end - r.start for r in records), default=0.0),
@@ -222,6 +230,10 @@ def print_chaos_report(s: dict) -> None:
         share = f"{k['of_those_ok']}/{k['in_flight_without_token']}" if k["in_flight_without_token"] else "0/0"
         lines.append(f"  kill at {k['at_s']:6.1f} s of {k['name']:<9}: in flight without a token {share} ok; "
                      f"new requests {k['new_requests_ok']}/{k['new_requests']} ok; recovery {k['recovery_s']:.1f} s")
+    t = s["targets"]
+    share = t["tokenless_ok"] / t["tokenless"] if t["tokenless"] else float("nan")
+    lines.append(f"  engine kills: {t['hung']} hung; in flight without a token {t['tokenless_ok']}/{t['tokenless']} ok "
+                 f"({share:.0%}, target >= 95%); longest recovery {t['max_recovery_s']:.1f} s (target <= 10 s)")
     lines.append("  restarts: " + ", ".join(f"{n} {c}" for n, c in s["restarts"].items()))
     lines += [f"  {e}" for e in s["errors"]]
     for line in lines:

@@ -15,12 +15,32 @@ import time
 import pytest
 from servers import REPO, assert_kv_back_to_start, children_of, cmdline_of, free_port, splitserve_env
 
-from splitserve.engine.chaos import Kill, load_until, summarize
+from splitserve.engine.chaos import Kill, RequestRecord, load_until, summarize
 
-pytestmark = pytest.mark.slow
 KEY = "c0ffee" * 8
 
 
+def test_summary_counts_per_kill_what_was_tokenless_and_when_new_requests_all_succeeded_again() -> None:
+    records = [
+        RequestRecord(0.0, 3.0, outcome="ok"),  # in flight at the first kill, no token yet: retried, ok
+        RequestRecord(1.0, 2.2, first_token=1.5, tokens=3, outcome="clear_error"),  # broke after its token
+        RequestRecord(2.6, 2.8, outcome="clear_error"),  # new after the first kill, failed
+        RequestRecord(2.9, 3.1, outcome="ok"),  # ... and from here on all succeeded: recovery 0.9 s
+        RequestRecord(3.5, 4.0, outcome="ok"),
+        RequestRecord(2.5, 6.0, outcome="unclear"),  # in flight when the router died: the second kill's
+        RequestRecord(6.0, 7.0, outcome="hung"),
+    ]
+    s = summarize(records, [Kill(2.0, "decode-0", "decode"), Kill(5.0, "router", "router")])
+    first, second = s["kills"]
+    assert (first["in_flight_without_token"], first["of_those_ok"]) == (1, 1)
+    assert (first["new_requests"], first["new_requests_ok"]) == (3, 2)
+    assert abs(first["recovery_s"] - 0.9) < 1e-9
+    assert (second["in_flight_without_token"], second["of_those_ok"]) == (1, 0)
+    assert s["targets"] == {"hung": 1, "tokenless_ok": 1, "tokenless": 1, "max_recovery_s": first["recovery_s"]}
+    assert (s["ok"], s["clear_error"], s["unclear"], s["hung"]) == (3, 2, 1, 1)
+
+
+@pytest.mark.slow
 def test_killing_a_decode_then_a_prefill_under_load_hangs_nothing_and_recovers(tmp_path) -> None:
     port = free_port()
     log_path = tmp_path / "up.log"

@@ -48,7 +48,7 @@ def cluster(tmp_path_factory):
         routers = {"p2d1": d.router(engines["prefill-tp2"], engines["decode-tp1"]),
                    "p1d2": d.router(engines["prefill-tp1"], engines["decode-tp2"])}
         for url in routers.values():
-            wait_http_ok(f"{url}/health", d.procs[url].proc, 60, d.procs[url].log)
+            wait_http_ok(f"{url}/ready", d.procs[url].proc, 60, d.procs[url].log)
         yield {**engines, **routers}
     finally:
         d.stop()
@@ -90,7 +90,7 @@ def test_prefill_worker_killed_mid_prefill_fails_fast_and_frees_pages_on_both_si
         prefill, decode = d.engine("prefill", 2), d.engine("decode", 1)
         d.wait([prefill, decode])
         router = d.router(prefill, decode)
-        wait_http_ok(f"{router}/health", d.procs[router].proc, 60, d.procs[router].log)
+        wait_http_ok(f"{router}/ready", d.procs[router].proc, 60, d.procs[router].log)
         worker = int(engine_state(prefill)["tp_worker_pids"]["1"])
         prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(9)).tolist()
         body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
