@@ -204,3 +204,36 @@ def test_past_the_in_flight_limits_the_router_answers_503_with_retry_after_at_on
     finally:
         d.procs[overall].stop()
         d.procs[per_backend].stop()
+
+
+def test_a_stuck_decode_is_ejected_by_its_probe_and_its_request_retried_elsewhere(cluster) -> None:
+    """SIGSTOP: the connection stays open, so only the active probe can tell; the request on it
+    is retried on the other pair when the probe ejects it, not after the 600 s read timeout."""
+    import os
+    import signal
+
+    router = cluster["router"]
+    want = httpx.post(f"{router}/v1/completions", json=body(600), timeout=120).json()["choices"][0]["token_ids"]
+    result: dict = {}
+    call = threading.Thread(target=lambda: result.update(r=httpx.post(f"{router}/v1/completions", json=body(600),
+                                                                      timeout=120)))
+    call.start()
+    victim = decoding_on(cluster["decode"])
+    pid = cluster["d"].procs[victim].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        call.join(timeout=60)
+        assert result["r"].status_code == 200, result["r"].text
+        assert result["r"].json()["choices"][0]["token_ids"] == want
+        assert time.monotonic() - started < 15
+        assert not backends(router)[victim]["healthy"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while not backends(router)[victim]["healthy"]:  # probed back in once it answers again
+        assert time.monotonic() < deadline, backends(router)[victim]
+        time.sleep(0.1)
+    assert_router_counts_back_to_zero(router)
+    for url in [*cluster["prefill"], *cluster["decode"]]:
+        assert_kv_back_to_start(url, timeout=20)
