@@ -47,7 +47,7 @@ def test_killing_a_decode_then_a_prefill_under_load_hangs_nothing_and_recovers(t
     log = log_path.open("w+")
     engine_args = ("--max-running-requests 16 --transfer-heartbeat-interval-s 0.2 --transfer-heartbeat-misses 5")
     proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", "cpu",
-                             "--prefill", "2", "--decode", "2", "--transfer-control-key", KEY,
+                             "--model", "tiny", "--prefill", "2", "--decode", "2", "--transfer-control-key", KEY,
                              "--engine-args", engine_args], stdout=subprocess.PIPE, stderr=log, text=True,
                             env=splitserve_env(), cwd=REPO.parent)
     try:
