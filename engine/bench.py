@@ -6,6 +6,9 @@
   splitserve bench --profile chaos --chaos-duration-s 150
                                           # 2P2D under load while random processes are killed
                                           # (and restarted): ok / clear errors / hung, p99, recovery
+  splitserve bench --profile checkpoint --model smollm2 --gen-batches 1 8
+                                          # a real checkpoint in the engine and in transformers
+                                          # generate on the same chat prompts: tok/s and the ratio
   splitserve bench --profile engine --shape llama-3.1-8b
                                           # a real model shape with random weights: prefill MFU and
                                           # decode step vs roofline, and transformers as the peer
@@ -49,8 +52,9 @@ class BenchConfig:
         "help": "http: load a server; engine: the model on a real shape; pd: TTFT of 1P1D vs unified; "
                 "transfer: the KV transfer layer vs raw Mooncake, memcpy and a socket; serving: a server of "
                 "--shape under open-loop load at --rates, against the bound from this run's limits; chaos: 2P2D "
-                "under load while random processes are killed and restarted",
-        "choices": ("http", "engine", "pd", "transfer", "serving", "chaos")})
+                "under load while random processes are killed and restarted; checkpoint: --model "
+                "(e.g. smollm2) generating in the engine and in transformers on the same chat prompts",
+        "choices": ("http", "engine", "pd", "transfer", "serving", "chaos", "checkpoint")})
     model: str = field(default="tiny", metadata={"help": "model for the server/engine this command starts"})
     device: str = field(default="auto", metadata={"help": "device for the engine this command starts"})
     num_requests: int = field(default=64, metadata={"help": "requests to send"})
@@ -65,7 +69,9 @@ class BenchConfig:
     decode_context: int = field(default=1024, metadata={"help": "engine profile: tokens per sequence when decoding"})
     hf_peer: bool = field(default=True, metadata={"help": "engine profile: measure transformers on the same shape"})
     gen_batches: list[int] = field(default_factory=lambda: [1, 8, 64],
-                                   metadata={"help": "engine profile: batch sizes of transformers generate"})
+                                   metadata={"help": "engine, checkpoint profiles: generate batch sizes"})
+    repeats: int = field(default=3, metadata={
+        "help": "checkpoint profile: timed runs of each side, interleaved (the median counts)"})
     plot: str | None = field(default=None, metadata={"help": "engine and serving profiles: write a PNG plot here"})
     concurrency_levels: list[int] = field(default_factory=lambda: [1, 4],
                                           metadata={"help": "pd profile: concurrency levels to load at"})
@@ -357,6 +363,11 @@ def main(argv: list[str]) -> int:
     elif cfg.profile == "chaos":
         report["chaos"] = chaos_run(cfg)
         print_chaos_report(report["chaos"])
+    elif cfg.profile == "checkpoint":
+        from splitserve.engine.bench_checkpoint import print_checkpoint_report, run_checkpoint_benchmark
+        report["checkpoint"] = run_checkpoint_benchmark(cfg.model, cfg.device, cfg.gen_batches, cfg.output_len,
+                                                        cfg.repeats)
+        print_checkpoint_report(report["checkpoint"])
     elif cfg.profile == "engine":
         from splitserve.engine.bench_engine import plot_engine_report, print_engine_report, run_engine_benchmark
         report["engine"] = run_engine_benchmark(
