@@ -19,8 +19,9 @@ class OperatorConfig:
     liveness_port: int = field(default=8080, metadata={
         "help": "port of the /healthz liveness endpoint (0 disables it)"})
     liveness_host: str = field(default="0.0.0.0", metadata={"help": "address of the liveness endpoint"})
-    resync_seconds: float = field(default=60.0, metadata={
-        "help": "period of the level-based resync of every group and role"})
+    resync_seconds: float = field(default=600.0, metadata={
+        "help": "period of the level-based resync of every group and role (a safety net: events of the "
+                "children repair drift as it happens, and each period costs a full reconcile of every object)"})
     kubeconfig: str = field(default="", metadata={
         "help": "kubeconfig file (default: in-cluster config, then $KUBECONFIG / ~/.kube/config)"})
     verbose: bool = field(default=False, metadata={"help": "debug logging"})

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
+from splitserve.operator.coalescing import Coalescer
 from splitserve.operator.config import OperatorConfig
 from splitserve.operator.group_builders import (
     build_control_secret,
@@ -82,32 +83,29 @@ class Reconciler:
     def __init__(self, kube: Kube, config: OperatorConfig) -> None:
         self.kube = kube
         self.config = config
-        self._locks: dict[tuple[str, str, str], threading.Lock] = {}
-        self._locks_guard = threading.Lock()
-
-    def _lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
-        """One lock per object: concurrent triggers of the same object run one after another."""
-        with self._locks_guard:
-            return self._locks.setdefault((kind, namespace, name), threading.Lock())
+        # One reconcile per object at a time; triggers meanwhile fold into one more run.
+        self._coalescer = Coalescer()
 
     # ServingGroup ----------------------------------------------------------------------------
 
     def reconcile_group(self, namespace: str, name: str) -> None:
         """Brings a ServingGroup's children and status to what its spec says."""
-        with self._lock(GROUP_KIND, namespace, name):
-            for attempt in range(CONFLICT_ATTEMPTS):
-                group = self.kube.get(GROUP_API_VERSION, GROUP_KIND, namespace, name)
-                if group is None or group["metadata"].get("deletionTimestamp"):
-                    return
-                try:
-                    self._reconcile_group(group)
-                    return
-                except Conflict:
-                    # A role changed (kubectl scale) between our read and our write: recompute.
-                    log.info("ServingGroup %s/%s: conflict on attempt %d, recomputing", namespace, name,
-                             attempt + 1)
-                    time.sleep(0.05 * (attempt + 1))
-            raise kopf.TemporaryError(f"ServingGroup {namespace}/{name}: conflicting writes", delay=RETRY_DELAY)
+        self._coalescer.run((GROUP_KIND, namespace, name), lambda: self._reconcile_group_by_name(namespace, name))
+
+    def _reconcile_group_by_name(self, namespace: str, name: str) -> None:
+        for attempt in range(CONFLICT_ATTEMPTS):
+            group = self.kube.get(GROUP_API_VERSION, GROUP_KIND, namespace, name)
+            if group is None or group["metadata"].get("deletionTimestamp"):
+                return
+            try:
+                self._reconcile_group(group)
+                return
+            except Conflict:
+                # A role changed (kubectl scale) between our read and our write: recompute.
+                log.info("ServingGroup %s/%s: conflict on attempt %d, recomputing", namespace, name,
+                         attempt + 1)
+                time.sleep(0.05 * (attempt + 1))
+        raise kopf.TemporaryError(f"ServingGroup {namespace}/{name}: conflicting writes", delay=RETRY_DELAY)
 
     def _reconcile_group(self, group: dict[str, Any]) -> None:
         meta, spec = group["metadata"], group["spec"]
@@ -130,9 +128,13 @@ class Reconciler:
                 continue
             status, role_spec = existing[role].get("status") or {}, existing[role].get("spec") or {}
             if status.get("revision") == revision:
-                # Pods on the new revision, ready or not: the StatefulSet controller itself waits
-                # for each updated pod to be ready before it updates the next.
-                updated = int(status.get("updatedReplicas", 0))
+                # Every pod not on an older revision: those on the new one, ready or not (the
+                # StatefulSet controller itself waits for each updated pod to be ready before it
+                # updates the next), and those not created yet, which will be. Counting only the
+                # existing ones made a new group "roll" while its pods were being created,
+                # rewriting partitions (and waking every watcher) at each pod.
+                outdated = max(0, int(status.get("replicas", 0)) - int(status.get("updatedReplicas", 0)))
+                updated = replicas[role] - outdated
             elif role_spec.get("revision") == revision:
                 # The role has the new revision but has not reported on it yet: assume its
                 # StatefulSet did what its partition says, so the partitions hold still.
@@ -194,11 +196,13 @@ class Reconciler:
 
     def reconcile_role(self, namespace: str, name: str) -> None:
         """Brings a ServingRole's StatefulSet, Service and status to what its spec says."""
-        with self._lock(ROLE_KIND, namespace, name):
-            role = self.kube.get(GROUP_API_VERSION, ROLE_KIND, namespace, name)
-            if role is None or role["metadata"].get("deletionTimestamp"):
-                return
-            self._reconcile_role(role)
+        self._coalescer.run((ROLE_KIND, namespace, name), lambda: self._reconcile_role_by_name(namespace, name))
+
+    def _reconcile_role_by_name(self, namespace: str, name: str) -> None:
+        role = self.kube.get(GROUP_API_VERSION, ROLE_KIND, namespace, name)
+        if role is None or role["metadata"].get("deletionTimestamp"):
+            return
+        self._reconcile_role(role)
 
     def _reconcile_role(self, role: dict[str, Any]) -> None:
         meta, spec = role["metadata"], role["spec"]
@@ -314,16 +318,17 @@ def register_handlers(registry: kopf.OperatorRegistry, reconciler: Reconciler, c
             reconciler.on_child_event)
 
 
-class TimerSuccessToDebug(logging.Filter):
-    """Demotes kopf's per-object "Timer '...' succeeded." lines to debug.
+# kopf's per-object success lines of the routine handlers: the resync timers and the watch
+# events of children and roles (one line per object per period or per child's status change).
+ROUTINE_SUCCESS = re.compile(r"^(Timer '[^']+'|Handler '(child-[^']+|role-event)') succeeded\.$")
 
-    Every group and role has a resync timer: at info they would log one line per object per
-    period, drowning what changed.
-    """
+
+class RoutineSuccessToDebug(logging.Filter):
+    """Demotes kopf's "succeeded" lines of routine handlers to debug: at info, a thousand groups
+    would log thousands of lines a minute, drowning the lines that say what changed."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.INFO and record.getMessage().startswith("Timer ") \
-                and record.getMessage().endswith(" succeeded."):
+        if record.levelno == logging.INFO and ROUTINE_SUCCESS.match(record.getMessage()):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
@@ -336,5 +341,5 @@ def operator_settings() -> kopf.OperatorSettings:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage()
     settings.posting.level = logging.WARNING
     settings.peering.standalone = True
-    logging.getLogger("kopf.objects").addFilter(TimerSuccessToDebug())
+    logging.getLogger("kopf.objects").addFilter(RoutineSuccessToDebug())
     return settings
