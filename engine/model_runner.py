@@ -332,8 +332,9 @@ class ModelRunner:
     def verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleOutput:
         """Verifies each chunk's draft (K tokens, the same K for all) against logits [B, K+1, V]."""
         params = [c.request.params for c in chunks]
-        batch = SamplingBatch(slots=to_device([c.request.slot for c in chunks], torch.int64, self.device),
-                              params=params)
+        host_slots = [c.request.slot for c in chunks]
+        batch = SamplingBatch(slots=to_device(host_slots, torch.int64, self.device), params=params,
+                              host_slots=host_slots)
         candidates = to_device([t for c in chunks for t in c.draft], torch.int64, self.device).view(len(chunks), -1)
         if all(p.is_greedy for p in params):
             return self.greedy.verify(logits, candidates, batch)

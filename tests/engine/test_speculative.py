@@ -3,6 +3,7 @@ verifier engines in this process, each with its own sockets, as separate pods wo
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter
@@ -278,3 +279,24 @@ def test_corrupt_messages_quarantine_one_request_each(stopper) -> None:
         caller.close()
         tails.close(linger=0)
         ctx.term()
+
+
+def test_structured_output_through_verification_equals_plain(stopper) -> None:
+    from splitserve.engine.grammar.spec import GrammarSpec
+
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, grammar=GrammarSpec("regex", "[a-m]{4,12}[0-9]{3}x"))
+    plain_engine = Engine(EngineConfig(model="tiny", **ENGINE))
+    plain_engine.start()
+    stopper.append(plain_engine)
+    reference = generate_tokens(plain_engine, PROMPTS, params)
+    drafter = start_drafter()
+    stopper.append(drafter)
+    verifier = start_verifier([drafter], k=3)
+    stopper.append(verifier)
+    wait_joined(verifier, 1)
+    assert generate_tokens(verifier, PROMPTS, params) == reference
+    drafted, accepted = spec_counts(verifier)
+    assert drafted > 0 and accepted < drafted  # the drafter ignores the grammar: the verifier holds to it
+    text = verifier.tokenizer.decode(reference[0])
+    assert re.fullmatch("[a-m]{4,12}[0-9]{3}x", text), text
+    assert_idle_and_pages_back(verifier, drafter)
