@@ -10,7 +10,8 @@ are offered to the scheduler as `Request.draft_tokens`, which verifies them in t
 forward (engine/scheduler.py, engine/model_runner.py).
 
 It waits for drafts at most `--draft-wait-ms` (default: not at all): a request with no tail then
-decodes one token as usual. A lost lease or
+decodes one token as usual. How many drafts a request is offered follows how many it had accepted
+(draft_mesh/draft_policy.py): a request whose drafts keep failing decodes on its own for a while. A lost lease or
 a silent drafter (a failed or slow heartbeat) drops that drafter's requests to plain decoding at
 once; they re-sync to another drafter, or to the same one when it is joined again. Requests with
 repetition, frequency or presence penalties are not speculated (their verification would not be
@@ -33,6 +34,7 @@ import zmq
 
 from splitserve.draft_mesh.client import DrafterLink, LinkEvent
 from splitserve.draft_mesh.config import SpecConfig, default_verifier_rank
+from splitserve.draft_mesh.draft_policy import DraftPolicy
 from splitserve.draft_mesh.fingerprint import model_fingerprint, tokenizer_fingerprint
 from splitserve.draft_mesh.tail_buffer import TailBuffer
 from splitserve.draft_mesh.wire import WireError, decode_tails, encode_frames
@@ -73,6 +75,10 @@ class SpecState:
     lease_id: str
     sent_len: int  # committed tokens the drafter has been sent
     buffer: TailBuffer
+    policy: DraftPolicy = field(default_factory=DraftPolicy)
+    step_k: int = 0  # drafts the policy allows this step
+    offered: list[int] = field(default_factory=list)  # the drafts offered for the last step
+    offered_at: int = 0  # the committed length they were offered at
 
 
 class VerifierRole(Role):
@@ -244,17 +250,26 @@ class VerifierRole(Role):
                 request_id=req.request_id, pre_verify_committed_len=state.sent_len,
                 tokens=req.output_ids[state.sent_len - len(req.prompt_ids):])))
             state.sent_len = req.total_len
+        if state.offered and req.total_len > state.offered_at:  # how the last offer did
+            start = state.offered_at - len(req.prompt_ids)
+            emitted = req.output_ids[start:start + len(state.offered)]
+            agree = [a == b for a, b in zip(state.offered, emitted, strict=False)]
+            accepted = agree.index(False) if False in agree else len(agree)
+            state.policy.observe(len(state.offered), accepted)
+            state.offered = []
+        if req.pending_len != 1:
+            return False
+        room = min(req.params.max_new_tokens - len(req.output_ids) - 1, self.engine.context_length - req.total_len)
+        state.step_k = min(state.policy.draft_length(self.num_draft_tokens), room)
         return self._offer(req, state)
 
     def _offer(self, req: Request, state: SpecState) -> bool:
-        """Offers the request's drafts for the next step; True if fewer than it could take."""
-        if req.pending_len != 1:
-            return False
+        """Offers the request's drafts for the next step; True if fewer than it could take and
+        worth waiting for."""
         state.buffer.reconcile(req.output_ids, offset=len(req.prompt_ids))
-        room = min(self.num_draft_tokens, req.params.max_new_tokens - len(req.output_ids) - 1,
-                   self.engine.context_length - req.total_len)
-        req.draft_tokens = state.buffer.draft(req.total_len, self.num_draft_tokens)
-        return len(req.draft_tokens) < room
+        req.draft_tokens = state.buffer.draft(req.total_len, state.step_k)
+        state.offered, state.offered_at = list(req.draft_tokens), req.total_len
+        return len(req.draft_tokens) < state.step_k and state.policy.worth_waiting
 
     def _sync(self, req: Request) -> None:
         if not self.drafters or req.request_id in self.quarantined or not speculation_exact_for(req.params):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.draft_mesh.commit_segments import ProtocolViolation, apply_commit
+from splitserve.draft_mesh.draft_policy import DraftPolicy
 from splitserve.draft_mesh.tail_buffer import TailBuffer
 from splitserve.draft_mesh.wire import WireError, decode_control, decode_tails, encode_frames
 from splitserve.proto import draft_mesh_pb2 as pb
@@ -80,3 +81,22 @@ def test_the_tail_buffer_reads_committed_tokens_past_an_offset() -> None:
     buf.add(8, 4, 5)
     assert buf.reconcile([7], offset=4) and buf.draft(5, 2) == [8]
     assert not buf.reconcile([7, 9], offset=4) and buf.floor == 6
+
+
+def test_a_request_whose_drafts_are_rejected_pauses_then_probes_and_recovers() -> None:
+    policy = DraftPolicy()
+    assert policy.draft_length(4) == 4 and policy.worth_waiting
+    for _ in range(5):
+        policy.observe(4, 1)  # a quarter accepted: fewer drafts
+    assert 1 <= policy.draft_length(4) < 4 and not policy.worth_waiting
+    while policy.acceptance >= 0.15:
+        policy.observe(4, 0)
+    lengths = [policy.draft_length(4) for _ in range(5)]
+    assert lengths[:4] == [0, 0, 0, 0] and lengths[4] >= 1  # paused 4 steps, then a probe
+    policy.observe(lengths[4], 0)
+    lengths = [policy.draft_length(4) for _ in range(9)]
+    assert lengths[:8] == [0] * 8 and lengths[8] >= 1  # the next pause is twice as long
+    for _ in range(6):
+        offered = max(policy.draft_length(4), 1)
+        policy.observe(offered, offered)
+    assert policy.draft_length(4) == 4 and policy.backoff == 4  # agreeing again: all K, backoff reset

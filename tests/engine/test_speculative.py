@@ -127,7 +127,9 @@ def test_a_different_drafter_has_few_drafts_accepted_and_changes_nothing(plain, 
     wait_joined(verifier, 1)
     assert generate_tokens(verifier, PROMPTS, GREEDY) == plain
     drafted, accepted = spec_counts(verifier)
-    assert drafted >= 30 and accepted <= 0.2 * drafted
+    assert drafted >= 6 and accepted <= 0.2 * drafted
+    # Drafts that keep failing pause speculation (draft_mesh/draft_policy.py): far fewer than K per token.
+    assert drafted < 0.5 * 3 * sum(len(o) for o in plain)
     assert_idle_and_pages_back(verifier, drafter)
 
 
@@ -300,3 +302,37 @@ def test_structured_output_through_verification_equals_plain(stopper) -> None:
     text = verifier.tokenizer.decode(reference[0])
     assert re.fullmatch("[a-m]{4,12}[0-9]{3}x", text), text
     assert_idle_and_pages_back(verifier, drafter)
+
+
+def test_stop_strings_and_aborts_behave_as_without_speculation(plain, stopper) -> None:
+    drafter = start_drafter()
+    stopper.append(drafter)
+    verifier = start_verifier([drafter], k=4)
+    stopper.append(verifier)
+    wait_joined(verifier, 1)
+    text = verifier.tokenizer.decode(plain[0])
+    stop = text[10:13]
+    params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+    plain_engine = Engine(EngineConfig(model="tiny", **ENGINE))
+    plain_engine.start()
+    stopper.append(plain_engine)
+    assert generate_tokens(verifier, PROMPTS[:1], params) == generate_tokens(plain_engine, PROMPTS[:1], params)
+
+    outs: list[TokenOutput] = []
+    long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+    verifier.submit(Request("to-abort", PROMPTS[0], long, outs.append))
+    deadline = time.monotonic() + 20
+    while sum(len(o.token_ids) for o in outs) < 40:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert drafter.role.health_info()["draft_requests"] == 1
+    verifier.abort("to-abort")
+    deadline = time.monotonic() + 10
+    while not outs[-1].finish_reason:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert outs[-1].finish_reason.value == "abort"
+    tokens = [t for o in outs for t in o.token_ids]
+    assert tokens == generate_tokens(plain_engine, PROMPTS[:1], long)[0][: len(tokens)]
+    assert_idle_and_pages_back(verifier, drafter)  # the drafter closed it too
+    assert drafter.role.health_info()["draft_requests"] == 0

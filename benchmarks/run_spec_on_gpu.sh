@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The speculative decoding benchmark of issue 13 on one H200 (verifier and drafters share it):
+# the Llama-3.1-8B shape with random weights, layers 5.. with zero o_proj/down_proj, a 4-layer
+# drafter sharing embeddings/norm/head (every draft accepted) and a perturbed one; batch 1/8/32,
+# K = 2/4/8, tokens/s against plain decoding measured first in the same run.
+#   benchmarks/run_spec_on_gpu.sh OUT_DIR [extra bench flags, e.g. --perturb 0.5]
+set -uo pipefail
+out=${1:?output folder}; shift
+mkdir -p "$out"
+for whl in .whl/*.whl; do
+    [[ -e "$whl" ]] || continue
+    mod=$(basename "$whl" | cut -d- -f1 | tr 'A-Z' 'a-z')
+    case $mod in python_dateutil) mod=dateutil;; pillow) mod=PIL;; pyzmq) mod=zmq;; grpcio) mod=grpc;; esac
+    python3 -c "import $mod" 2>/dev/null || python3 -m pip install -q --no-index --no-deps "$whl" 2>&1 | tail -1
+done
+mkdir -p /tmp/splitserve-path && ln -sfn "$PWD" /tmp/splitserve-path/splitserve
+export PYTHONPATH=/tmp/splitserve-path PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+python3 -P -m splitserve bench --profile spec --shape llama-3.1-8b --device cuda --workdir /tmp/spec-ckpt \
+    --output "$out/spec_llama-3.1-8b_h200.json" "$@" 2>&1 | grep -v "^Loading weights" | tail -60 \
+    | tee "$out/spec_llama-3.1-8b_h200.txt"
