@@ -4,7 +4,9 @@ The target is a model shape with random weights in which every layer from the (d
 on has zero `o_proj` and `down_proj`: those layers add exact zeros to the residual stream, so the
 target's output equals that of its first `draft_layers` layers (in bf16 too) while it still costs
 all of its layers. The exact drafter is those first layers with the same embeddings, norm and
-head: every draft is accepted. A perturbed drafter (noise on its layers) is accepted less often.
+head: every draft is accepted. A perturbed drafter (noise on its layers, its scale calibrated on
+the device so that its greedy token agrees with the target's at --perturbed-acceptance of the
+positions) is accepted that often.
 
 The verifier engine runs in this process; each drafter is a `splitserve serve --role drafter`
 process on the same device and the same draft-mesh port (the verifier rejoins when the next one
@@ -32,18 +34,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from splitserve.config_flags import add_config_flags, config_from_args
 from splitserve.draft_mesh import SpecConfig
 from splitserve.engine.bench import random_prompts
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model_runner import ModelRunner, build_forward_batch
 from splitserve.engine.model_shapes import SHAPES
 from splitserve.engine.offline import generate_tokens
+from splitserve.engine.request import Request
 from splitserve.engine.role import ComposedRole
 from splitserve.engine.roles.verifier import VerifierRole
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import ScheduledChunk
 from splitserve.engine.tiny_model import TINY_CONFIG, byte_level_tokenizer
 from splitserve.transfer import TransferConfig
 
@@ -64,8 +71,10 @@ class SpecBenchConfig:
     shape: str = field(default="llama-3.1-8b", metadata={"help": f"target shape: {', '.join(BENCH_SHAPES)}"})
     device: str = field(default="cuda", metadata={"help": "cpu or cuda (the verifier and the drafters share it)"})
     draft_layers: int = field(default=4, metadata={"help": "layers of the drafter (the target's live layers)"})
-    perturb: float = field(default=0.35, metadata={
-        "help": "noise on the perturbed drafter's layers, relative to each weight's std (0: no perturbed run)"})
+    perturbed_acceptance: float = field(default=0.6, metadata={
+        "help": "per-token agreement the perturbed drafter is calibrated to (0: no perturbed drafter)"})
+    perturb: float = field(default=0.0, metadata={
+        "help": "noise on the perturbed drafter's layers relative to each weight's std (0: calibrate it)"})
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32], metadata={"help": "decode batch sizes"})
     ks: list[int] = field(default_factory=lambda: [2, 4, 8], metadata={"help": "draft tokens per step (K)"})
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens per request"})
@@ -90,9 +99,8 @@ def _save(folder: Path, config: dict[str, Any], weights: dict[str, torch.Tensor]
     return folder
 
 
-def spec_checkpoints(shape: dict[str, Any], folder: Path, draft_layers: int, perturb: float, seed: int,
-                     device: str) -> dict[str, Path]:
-    """The target, the exact drafter and (perturb > 0) the perturbed drafter, as checkpoint folders."""
+def spec_checkpoints(shape: dict[str, Any], folder: Path, draft_layers: int, seed: int, device: str) -> dict[str, Path]:
+    """The target and the exact drafter, as checkpoint folders."""
     dtype = getattr(torch, shape.get("torch_dtype", "float32"))
     gen = torch.Generator(device=device).manual_seed(seed)
     hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -120,13 +128,79 @@ def spec_checkpoints(shape: dict[str, Any], folder: Path, draft_layers: int, per
     draft_cfg = {**shape, "num_hidden_layers": draft_layers}
     drafter = {k: v for k, v in target.items()
                if not k.startswith("model.layers.") or int(k.split(".")[2]) < draft_layers}
-    out = {"target": _save(folder / "target", shape, target), "exact": _save(folder / "drafter-exact", draft_cfg,
-                                                                               drafter)}
-    if perturb > 0:
-        noisy = {k: (v.float() + torch.randn(v.shape, generator=gen, device=device) * perturb * v.float().std()).to(
-                 dtype) if k.startswith("model.layers.") and v.dim() == 2 else v for k, v in drafter.items()}
-        out["perturbed"] = _save(folder / "drafter-perturbed", draft_cfg, noisy)
+    return {"target": _save(folder / "target", shape, target),
+            "exact": _save(folder / "drafter-exact", draft_cfg, drafter)}
+
+
+def with_noise(weight: torch.Tensor, scale: float, gen: torch.Generator) -> torch.Tensor:
+    """weight + Gaussian noise of `scale` times its own std."""
+    w = weight.float()
+    noise = torch.randn(w.shape, generator=gen, device=w.device)
+    return (w + noise * scale * w.std()).to(weight.dtype)
+
+
+def perturbed_drafter(exact: Path, folder: Path, scale: float, seed: int, device: str) -> Path:
+    """The exact drafter with noise on every layer matrix."""
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    weights = {k: v.to(device) for k, v in load_file(str(exact / "model.safetensors")).items()}
+    weights = {k: with_noise(v, scale, gen) if k.startswith("model.layers.") and v.dim() == 2 else v
+               for k, v in weights.items()}
+    return _save(folder, json.loads((exact / "config.json").read_text()), weights)
+
+
+@torch.inference_mode()
+def argmax_at_every_position(runner: ModelRunner, kv: KVCache, tokens: list[int]) -> torch.Tensor:
+    """The model's greedy next token after each prefix of `tokens` (one prefill)."""
+    req = Request("calibration", tokens, SamplingParams(), lambda _out: None)
+    kv.admit(req, max_prefix_tokens=0)
+    kv.grow(req, len(tokens))
+    batch = build_forward_batch([ScheduledChunk(req, 0, len(tokens), True)], kv.page_table, kv.page_size,
+                                runner.device)
+    batch.logits_index = torch.arange(len(tokens), device=runner.device)
+    out = runner.forward(batch).argmax(dim=-1)
+    kv.release(req, cache_prefix=False)
     return out
+
+
+@torch.inference_mode()
+def calibrate_perturbation(exact: Path, device: str, rate: float, prompts: list[list[int]], new_tokens: int) -> float:
+    """The noise scale at which the perturbed drafter's greedy token agrees with the exact one's
+    (= the target's) at about `rate` of the positions of the exact drafter's own continuations."""
+    cfg = EngineConfig(model=str(exact), device=device, max_total_tokens=8192, max_running_requests=1,
+                       disable_cuda_graph=True)
+    model_cfg = ModelConfig.from_folder(exact)
+    runner = ModelRunner(cfg, exact, model_cfg)
+    kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 1, runner.context_length, runner.device,
+                 prefix_caching=False)
+    sequences = []
+    for prompt in prompts:
+        seq = list(prompt)
+        for _ in range(new_tokens):
+            seq.append(int(argmax_at_every_position(runner, kv, seq)[-1]))
+        sequences.append((len(prompt), seq))
+    reference = [argmax_at_every_position(runner, kv, seq)[n - 1:-1] for n, seq in sequences]
+    params = {name: p for name, p in runner.model.named_parameters() if "layers." in name and p.dim() == 2}
+    originals = {name: p.detach().clone() for name, p in params.items()}
+
+    def agreement(scale: float) -> float:
+        gen = torch.Generator(device=runner.device).manual_seed(1)
+        for name, p in params.items():
+            p.copy_(with_noise(originals[name], scale, gen))
+        hits = [(argmax_at_every_position(runner, kv, seq)[n - 1:-1] == ref).float().mean().item()
+                for (n, seq), ref in zip(sequences, reference, strict=True)]
+        return sum(hits) / len(hits)
+
+    low, high = 1e-3, 1.0  # agreement falls as the noise grows: bisect in log scale
+    for _ in range(8):
+        mid = (low * high) ** 0.5
+        if agreement(mid) > rate:
+            low = mid
+        else:
+            high = mid
+    scale = (low * high) ** 0.5
+    logger.info("perturbed drafter: noise %.4f x std gives %.2f agreement (asked %.2f)", scale, agreement(scale),
+                rate)
+    return scale  # the runner and its KV pool go with this frame
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -179,8 +253,16 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
     shape = BENCH_SHAPES[cfg.shape]
     work = Path(cfg.workdir or tempfile.mkdtemp(prefix="splitserve-spec-bench-"))
     started = time.monotonic()
-    folders = spec_checkpoints(shape, work, cfg.draft_layers, cfg.perturb, cfg.seed,
-                               "cuda" if cfg.device.startswith("cuda") else "cpu")
+    weights_device = "cuda" if cfg.device.startswith("cuda") else "cpu"
+    folders = spec_checkpoints(shape, work, cfg.draft_layers, cfg.seed, weights_device)
+    prompts = {b: random_prompts(b, cfg.prompt_len, seed=b) for b in cfg.batch_sizes}
+    if cfg.perturbed_acceptance > 0 or cfg.perturb > 0:
+        scale = cfg.perturb or calibrate_perturbation(folders["exact"], cfg.device, cfg.perturbed_acceptance,
+                                                      random_prompts(4, cfg.prompt_len, seed=99), 48)
+        folders["perturbed"] = perturbed_drafter(folders["exact"], work / "drafter-perturbed", scale, cfg.seed,
+                                                 weights_device)
+    if weights_device == "cuda":
+        torch.cuda.empty_cache()  # the calibration runner's memory
     logger.info("checkpoints written to %s in %.0f s", work, time.monotonic() - started)
     mesh_port = free_port()
     spec = SpecConfig(drafter=[f"127.0.0.1:{mesh_port}"], num_draft_tokens=max(cfg.ks),
@@ -191,7 +273,6 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
     engine.start()
     report: dict[str, Any] = {"config": asdict(cfg), "plain": {}, "runs": []}
     try:
-        prompts = {b: random_prompts(b, cfg.prompt_len, seed=b) for b in cfg.batch_sizes}
         generate_tokens(engine, prompts[cfg.batch_sizes[0]][:1], SamplingParams(max_new_tokens=4))  # warm-up
         plain_outputs = {}
         for b in cfg.batch_sizes:
