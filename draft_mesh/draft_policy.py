@@ -51,6 +51,15 @@ class DraftPolicy:
             return k
         return max(1, round(k * self.acceptance / FULL_FROM))
 
+    def ahead(self, k: int) -> int:
+        """How far past the last commit the drafter should draft for this request: twice the drafts
+        it would be offered (they arrive while the verifier works), nothing while paused."""
+        if self.paused_steps > 0 or self.acceptance < OFF_BELOW:
+            return 0
+        if self.acceptance >= FULL_FROM:
+            return 2 * k
+        return 2 * max(1, round(k * self.acceptance / FULL_FROM))
+
     @property
     def worth_waiting(self) -> bool:
         """Drafts still on their way are worth waiting for (see --draft-wait-ms)."""

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/proto/draft_mesh.proto\x12\x18splitserve.draft_mesh.v1\"\xba\x01\n\x0bJoinRequest\x12\x15\n\rverifier_rank\x18\x01 \x01(\x05\x12\x19\n\x11verifier_instance\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x01(\x05\x12\x15\n\rtail_endpoint\x18\x07 \x01(\t\"\xeb\x01\n\tJoinReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x32\n\x07refusal\x18\x02 \x01(\x0e\x32!.splitserve.draft_mesh.v1.Refusal\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x14\n\x0c\x64rafter_rank\x18\x04 \x01(\x05\x12\x18\n\x10\x64rafter_instance\x18\x05 \x01(\t\x12\x18\n\x10\x63ontrol_endpoint\x18\x06 \x01(\t\x12\x10\n\x08lease_id\x18\x07 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x08 \x01(\x01\x12\x17\n\x0fmax_draft_ahead\x18\t \x01(\x05\"$\n\x10HeartbeatRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"K\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x18\n\x10\x64rafter_instance\x18\x02 \x01(\t\x12\x10\n\x08requests\x18\x03 \x01(\x05\" \n\x0cLeaveRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x1b\n\nLeaveReply\x12\r\n\x05known\x18\x01 \x01(\x08\"G\n\tDraftSync\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\"T\n\x0cVerifyCommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x18pre_verify_committed_len\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\" \n\nDraftClose\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xbc\x01\n\x0c\x44raftControl\x12\x33\n\x04sync\x18\x01 \x01(\x0b\x32#.splitserve.draft_mesh.v1.DraftSyncH\x00\x12\x38\n\x06\x63ommit\x18\x02 \x01(\x0b\x32&.splitserve.draft_mesh.v1.VerifyCommitH\x00\x12\x35\n\x05\x63lose\x18\x03 \x01(\x0b\x32$.splitserve.draft_mesh.v1.DraftCloseH\x00\x42\x06\n\x04item\"\\\n\x11\x44raftControlBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x35\n\x05items\x18\x02 \x03(\x0b\x32&.splitserve.draft_mesh.v1.DraftControl\"\\\n\tTailToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x1a\n\x12\x62\x61se_committed_len\x18\x03 \x01(\x03\x12\x10\n\x08position\x18\x04 \x01(\x03\"1\n\x0bQuarantined\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x8e\x01\n\tTailBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x33\n\x06tokens\x18\x02 \x03(\x0b\x32#.splitserve.draft_mesh.v1.TailToken\x12:\n\x0bquarantined\x18\x03 \x03(\x0b\x32%.splitserve.draft_mesh.v1.Quarantined*\x98\x01\n\x07Refusal\x12\x10\n\x0cREFUSAL_NONE\x10\x00\x12\x1e\n\x1aREFUSAL_TOKENIZER_MISMATCH\x10\x01\x12\x1a\n\x16REFUSAL_VOCAB_MISMATCH\x10\x02\x12\x10\n\x0cREFUSAL_FULL\x10\x03\x12\x14\n\x10REFUSAL_DRAINING\x10\x04\x12\x17\n\x13REFUSAL_BAD_REQUEST\x10\x05\x32\x99\x02\n\tDraftMesh\x12R\n\x04Join\x12%.splitserve.draft_mesh.v1.JoinRequest\x1a#.splitserve.draft_mesh.v1.JoinReply\x12\x61\n\tHeartbeat\x12*.splitserve.draft_mesh.v1.HeartbeatRequest\x1a(.splitserve.draft_mesh.v1.HeartbeatReply\x12U\n\x05Leave\x12&.splitserve.draft_mesh.v1.LeaveRequest\x1a$.splitserve.draft_mesh.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/proto/draft_mesh.proto\x12\x18splitserve.draft_mesh.v1\"\xba\x01\n\x0bJoinRequest\x12\x15\n\rverifier_rank\x18\x01 \x01(\x05\x12\x19\n\x11verifier_instance\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x01(\x05\x12\x15\n\rtail_endpoint\x18\x07 \x01(\t\"\xeb\x01\n\tJoinReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x32\n\x07refusal\x18\x02 \x01(\x0e\x32!.splitserve.draft_mesh.v1.Refusal\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x14\n\x0c\x64rafter_rank\x18\x04 \x01(\x05\x12\x18\n\x10\x64rafter_instance\x18\x05 \x01(\t\x12\x18\n\x10\x63ontrol_endpoint\x18\x06 \x01(\t\x12\x10\n\x08lease_id\x18\x07 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x08 \x01(\x01\x12\x17\n\x0fmax_draft_ahead\x18\t \x01(\x05\"$\n\x10HeartbeatRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"K\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x18\n\x10\x64rafter_instance\x18\x02 \x01(\t\x12\x10\n\x08requests\x18\x03 \x01(\x05\" \n\x0cLeaveRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x1b\n\nLeaveReply\x12\r\n\x05known\x18\x01 \x01(\x08\"G\n\tDraftSync\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\"T\n\x0cVerifyCommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x18pre_verify_committed_len\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\" \n\nDraftClose\x12\x12\n\nrequest_id\x18\x01 \x01(\t\".\n\tDraftPace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x61head\x18\x02 \x01(\x05\"\xf1\x01\n\x0c\x44raftControl\x12\x33\n\x04sync\x18\x01 \x01(\x0b\x32#.splitserve.draft_mesh.v1.DraftSyncH\x00\x12\x38\n\x06\x63ommit\x18\x02 \x01(\x0b\x32&.splitserve.draft_mesh.v1.VerifyCommitH\x00\x12\x35\n\x05\x63lose\x18\x03 \x01(\x0b\x32$.splitserve.draft_mesh.v1.DraftCloseH\x00\x12\x33\n\x04pace\x18\x04 \x01(\x0b\x32#.splitserve.draft_mesh.v1.DraftPaceH\x00\x42\x06\n\x04item\"\\\n\x11\x44raftControlBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x35\n\x05items\x18\x02 \x03(\x0b\x32&.splitserve.draft_mesh.v1.DraftControl\"\\\n\tTailToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x1a\n\x12\x62\x61se_committed_len\x18\x03 \x01(\x03\x12\x10\n\x08position\x18\x04 \x01(\x03\"1\n\x0bQuarantined\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x8e\x01\n\tTailBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x33\n\x06tokens\x18\x02 \x03(\x0b\x32#.splitserve.draft_mesh.v1.TailToken\x12:\n\x0bquarantined\x18\x03 \x03(\x0b\x32%.splitserve.draft_mesh.v1.Quarantined*\x98\x01\n\x07Refusal\x12\x10\n\x0cREFUSAL_NONE\x10\x00\x12\x1e\n\x1aREFUSAL_TOKENIZER_MISMATCH\x10\x01\x12\x1a\n\x16REFUSAL_VOCAB_MISMATCH\x10\x02\x12\x10\n\x0cREFUSAL_FULL\x10\x03\x12\x14\n\x10REFUSAL_DRAINING\x10\x04\x12\x17\n\x13REFUSAL_BAD_REQUEST\x10\x05\x32\x99\x02\n\tDraftMesh\x12R\n\x04Join\x12%.splitserve.draft_mesh.v1.JoinRequest\x1a#.splitserve.draft_mesh.v1.JoinReply\x12\x61\n\tHeartbeat\x12*.splitserve.draft_mesh.v1.HeartbeatRequest\x1a(.splitserve.draft_mesh.v1.HeartbeatReply\x12U\n\x05Leave\x12&.splitserve.draft_mesh.v1.LeaveRequest\x1a$.splitserve.draft_mesh.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.proto.draft_mesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REFUSAL']._serialized_start=1437
-  _globals['_REFUSAL']._serialized_end=1589
+  _globals['_REFUSAL']._serialized_start=1538
+  _globals['_REFUSAL']._serialized_end=1690
   _globals['_JOINREQUEST']._serialized_start=64
   _globals['_JOINREQUEST']._serialized_end=250
   _globals['_JOINREPLY']._serialized_start=253
@@ -51,16 +51,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYCOMMIT']._serialized_end=825
   _globals['_DRAFTCLOSE']._serialized_start=827
   _globals['_DRAFTCLOSE']._serialized_end=859
-  _globals['_DRAFTCONTROL']._serialized_start=862
-  _globals['_DRAFTCONTROL']._serialized_end=1050
-  _globals['_DRAFTCONTROLBATCH']._serialized_start=1052
-  _globals['_DRAFTCONTROLBATCH']._serialized_end=1144
-  _globals['_TAILTOKEN']._serialized_start=1146
-  _globals['_TAILTOKEN']._serialized_end=1238
-  _globals['_QUARANTINED']._serialized_start=1240
-  _globals['_QUARANTINED']._serialized_end=1289
-  _globals['_TAILBATCH']._serialized_start=1292
-  _globals['_TAILBATCH']._serialized_end=1434
-  _globals['_DRAFTMESH']._serialized_start=1592
-  _globals['_DRAFTMESH']._serialized_end=1873
+  _globals['_DRAFTPACE']._serialized_start=861
+  _globals['_DRAFTPACE']._serialized_end=907
+  _globals['_DRAFTCONTROL']._serialized_start=910
+  _globals['_DRAFTCONTROL']._serialized_end=1151
+  _globals['_DRAFTCONTROLBATCH']._serialized_start=1153
+  _globals['_DRAFTCONTROLBATCH']._serialized_end=1245
+  _globals['_TAILTOKEN']._serialized_start=1247
+  _globals['_TAILTOKEN']._serialized_end=1339
+  _globals['_QUARANTINED']._serialized_start=1341
+  _globals['_QUARANTINED']._serialized_end=1390
+  _globals['_TAILBATCH']._serialized_start=1393
+  _globals['_TAILBATCH']._serialized_end=1535
+  _globals['_DRAFTMESH']._serialized_start=1693
+  _globals['_DRAFTMESH']._serialized_end=1974
 # @@protoc_insertion_point(module_scope)

@@ -4,9 +4,10 @@ Verifiers join over gRPC (draft_mesh/server.py) and send batches of `DraftSync` 
 / `DraftClose` over ZeroMQ. Each synced request becomes an engine request `draft:<rank>:<id>`
 whose prompt is the verifier's prompt and committed output; the engine decodes it greedily and
 every token it drafts is streamed back at once (with the committed length it was drafted from
-and its position), until it is `max_draft_ahead` tokens past the last commit; then the request
-is parked until the next commit. A commit that disagrees with the drafts truncates the request
-to the committed prefix (its KV pages past it are freed) and drafting continues from there.
+and its position), until it is as far past the last commit as the verifier asks (`DraftPace`, at
+most `max_draft_ahead`); then the request is parked until the next commit. A commit that
+disagrees with the drafts truncates the request to the committed prefix (its KV pages past it are
+freed) and drafting continues from there.
 A gap, an overlap or a malformed item quarantines that one request: it is closed and reported.
 
 The drafter runs with overlap and the prefix cache off: a commit may cut any drafted token, so
@@ -182,6 +183,8 @@ class DrafterRole(Role):
                     self._commit(lease, item.commit)
                 elif kind == "close":
                     self._close(draft_key(lease.verifier_rank, rid), None)
+                elif kind == "pace":
+                    self._pace(lease, item.pace)
                 else:
                     raise ProtocolViolation("an item with no sync, commit or close")
             except ProtocolViolation as exc:
@@ -217,6 +220,15 @@ class DrafterRole(Role):
             if req.slot >= 0:
                 self.engine.kv.shrink(req, outcome.keep)  # the disagreeing drafts' KV pages go back
         state.committed_len = outcome.committed_len
+        self._resume(state)
+
+    def _pace(self, lease: Lease, pace: pb.DraftPace) -> None:
+        state = self.states.get(draft_key(lease.verifier_rank, pace.request_id))
+        if state is None or state.lease_id != lease.lease_id:
+            raise ProtocolViolation("DraftPace for a request that is not synced")
+        if pace.ahead < 0:
+            raise ProtocolViolation(f"DraftPace ahead {pace.ahead} < 0")
+        state.ahead = min(pace.ahead, self.spec.max_draft_ahead)
         self._resume(state)
 
     def _close(self, key: str, reason: str | None) -> None:

@@ -79,6 +79,7 @@ class SpecState:
     step_k: int = 0  # drafts the policy allows this step
     offered: list[int] = field(default_factory=list)  # the drafts offered for the last step
     offered_at: int = 0  # the committed length they were offered at
+    pace: int = -1  # the DraftPace last sent (-1: none; the drafter starts from the Join's K)
 
 
 class VerifierRole(Role):
@@ -261,6 +262,10 @@ class VerifierRole(Role):
             return False
         room = min(req.params.max_new_tokens - len(req.output_ids) - 1, self.engine.context_length - req.total_len)
         state.step_k = min(state.policy.draft_length(self.num_draft_tokens), room)
+        ahead = min(state.policy.ahead(self.num_draft_tokens), max(room, 0))
+        if ahead != state.pace:  # drafts the verifier will not take are compute the drafter can skip
+            drafter.items.append(pb.DraftControl(pace=pb.DraftPace(request_id=req.request_id, ahead=ahead)))
+            state.pace = ahead
         return self._offer(req, state)
 
     def _offer(self, req: Request, state: SpecState) -> bool:

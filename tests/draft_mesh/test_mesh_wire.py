@@ -100,3 +100,14 @@ def test_a_request_whose_drafts_are_rejected_pauses_then_probes_and_recovers() -
         offered = max(policy.draft_length(4), 1)
         policy.observe(offered, offered)
     assert policy.draft_length(4) == 4 and policy.backoff == 4  # agreeing again: all K, backoff reset
+
+
+def test_the_drafter_is_asked_to_draft_less_far_ahead_as_acceptance_falls() -> None:
+    policy = DraftPolicy()
+    assert policy.ahead(4) == 8
+    for _ in range(5):
+        policy.observe(4, 1)
+    assert 2 <= policy.ahead(4) < 8
+    while policy.acceptance >= 0.15:
+        policy.observe(4, 0)
+    assert policy.ahead(4) == 0

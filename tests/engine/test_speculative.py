@@ -250,7 +250,7 @@ def test_corrupt_messages_quarantine_one_request_each(stopper) -> None:
                                                           tokens=tokens))
 
         send(*(pb.DraftControl(sync=pb.DraftSync(request_id=f"r{i}", prompt_ids=[1, 2, 3], output_ids=[4]))
-               for i in range(5)))
+               for i in range(6)))
         control.send_multipart([b"garbage"])  # malformed frames: dropped, nothing else happens
         send(commit("r0", 4, [5]), key="00" * 16)  # not signed with the group's key: dropped
         send(commit("r0", 6, [5]),  # a gap
@@ -258,20 +258,21 @@ def test_corrupt_messages_quarantine_one_request_each(stopper) -> None:
              commit("r2", 4, [10_000]),  # a token outside the vocabulary
              pb.DraftControl(sync=pb.DraftSync(request_id="r3", prompt_ids=[])),  # a sync with no prompt
              commit("never-synced", 4, [5]),
+             pb.DraftControl(pace=pb.DraftPace(request_id="r5", ahead=-1)),  # a negative pace
              commit("r4", 4, [9]))  # valid: r4 goes on drafting
         quarantined: dict[str, str] = {}
         drafted_after_commit: list[pb.TailToken] = []
         deadline = time.monotonic() + 20
-        while (len(quarantined) < 5 or not drafted_after_commit) and time.monotonic() < deadline:
+        while (len(quarantined) < 6 or not drafted_after_commit) and time.monotonic() < deadline:
             if tails.poll(200):
                 batch = decode_tails(tails.recv_multipart(), KEY)
                 quarantined.update({q.request_id: q.reason for q in batch.quarantined})
                 drafted_after_commit += [t for t in batch.tokens if t.request_id == "r4" and t.base_committed_len == 5]
-        assert set(quarantined) == {"r0", "r1", "r2", "r3", "never-synced"}
+        assert set(quarantined) == {"r0", "r1", "r2", "r3", "r5", "never-synced"}
         assert "gap" in quarantined["r0"] and "overlap" in quarantined["r1"] and "outside" in quarantined["r2"]
         assert drafted_after_commit and drafted_after_commit[0].position == 5
         health = drafter.role.health_info()
-        assert health["dropped_messages"] == 2 and health["quarantined"] == 5 and health["draft_requests"] == 1
+        assert health["dropped_messages"] == 2 and health["quarantined"] == 6 and health["draft_requests"] == 1
         send(pb.DraftControl(close=pb.DraftClose(request_id="r4")))
         assert_idle_and_pages_back(drafter)
         assert drafter.kv.usage() == start
