@@ -24,6 +24,10 @@ from splitserve.proto import draft_mesh_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 REJOIN_BACKOFF_S = 0.5
+# gRPC backs a failed channel's reconnects off exponentially (to minutes, by default); a returning
+# drafter must be found within about a second of its start.
+CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class MeshCaller:
         self.endpoint = endpoint
         self.key = key
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(endpoint)
+        self.channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.DraftMeshStub(self.channel)
 
     def call(self, method: str, request):

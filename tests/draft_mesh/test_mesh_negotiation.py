@@ -134,3 +134,24 @@ def test_a_link_joins_heartbeats_and_reports_a_lost_lease(mesh) -> None:
     finally:
         link.stop()
     assert len(leases) == 0  # stop() left
+
+
+def test_a_link_finds_a_drafter_that_comes_back_on_its_port_within_a_second() -> None:
+    leases = LeaseTable(ttl_s=2.0, max_leases=2)
+    server, port = start_mesh_server(DraftMeshService(IDENTITY, leases, KEY), "127.0.0.1", 0)
+    events: queue.Queue[LinkEvent] = queue.Queue()
+    link = DrafterLink(f"127.0.0.1:{port}", join_request(), KEY, heartbeat_interval_s=0.1, timeout_s=1.0,
+                       events=events).start()
+    try:
+        assert events.get(timeout=5).kind == "joined"
+        server.stop(0)
+        assert events.get(timeout=5).kind == "lost"
+        time.sleep(8.0)  # long enough for gRPC's default reconnect backoff to grow past several seconds
+        leases = LeaseTable(ttl_s=2.0, max_leases=2)
+        server, _ = start_mesh_server(DraftMeshService(IDENTITY, leases, KEY), "127.0.0.1", port)
+        back = time.monotonic()
+        assert events.get(timeout=5).kind == "joined"
+        assert time.monotonic() - back < 1.5
+    finally:
+        link.stop()
+        server.stop(0)
