@@ -23,6 +23,7 @@ from starlette.routing import Route
 from splitserve.engine.engine import Engine
 from splitserve.engine.engine_client import EngineClient
 from splitserve.engine.grammar.compiler import InvalidGrammar
+from splitserve.engine.http_request import error_response, read_json, wait_for_disconnect
 from splitserve.engine.image_inputs import ImageInputConfig
 from splitserve.engine.image_items import ImageItem
 from splitserve.engine.image_processor import ClipImageProcessor
@@ -40,9 +41,6 @@ from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.tokenizer import ChatTemplateError
 
 logger = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 32 << 20
-
 
 class ChoiceResult:
     """Everything one choice produced, accumulated from its outputs."""
@@ -69,31 +67,6 @@ class ChoiceResult:
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason.value
             self.error = out.error
-
-
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-async def read_json(request: HttpRequest) -> Any:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise ApiError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
-    raw = await request.body()
-    if not raw:
-        raise ApiError("request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(f"request body is not valid JSON: {exc}") from None
-
-
-async def wait_for_disconnect(request: HttpRequest) -> None:
-    """Returns when the client closes the connection (the body has already been read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 class ApiServer:

@@ -13,46 +13,40 @@ Public API (see README.md in this folder for the protocol and how an engine wire
 - errors: ``KVTransferError`` and its subclasses, ``TransferError``.
 """
 
-from .agreement import agree_poll_states, poll_and_agree
-from .aux_data import AUX_BYTES, AuxData, make_aux_tensor, pack_aux, unpack_aux
-from .bootstrap_server import DEFAULT_BOOTSTRAP_PORT, BootstrapServer
-from .config import TransferConfig
-from .errors import (
-    BootstrapError,
-    KVAbortedError,
-    KVLengthMismatchError,
-    KVMetadataError,
-    KVPeerFailedError,
-    KVPeerLostError,
-    KVTimeoutError,
-    KVTransferError,
-    KVWriteError,
-    LayoutMismatchError,
-    RdmaUnavailableError,
-    RoomInUseError,
-    TransferEngineUnavailableError,
-    TransferError,
-    TransferUsageError,
-)
-from .kv_contract import BaseKVManager, BaseKVReceiver, BaseKVSender
-from .kv_layout import (
-    AuxBuffer,
-    KVBuffer,
-    KVLayout,
-    aux_buffer_from_tensor,
-    head_range,
-    kv_buffers_from_pool,
-    kv_buffers_from_views,
-    layout_for_pool,
-)
-from .kv_manager import MooncakeKVManager
-from .kv_receiver import MooncakeKVReceiver
-from .kv_sender import MooncakeKVSender
-from .poll_state import KVPoll
+import importlib
+from typing import Any
 
-KVManager = MooncakeKVManager
-KVSender = MooncakeKVSender
-KVReceiver = MooncakeKVReceiver
+# Names are loaded on first use, so that a light user of one module (the router signs grants
+# with bootstrap_grant) does not import torch and Mooncake with the rest.
+_MODULE_OF = {
+    "agree_poll_states": "agreement", "poll_and_agree": "agreement",
+    "AUX_BYTES": "aux_data", "AuxData": "aux_data", "make_aux_tensor": "aux_data", "pack_aux": "aux_data",
+    "unpack_aux": "aux_data",
+    "DEFAULT_BOOTSTRAP_PORT": "bootstrap_server", "BootstrapServer": "bootstrap_server",
+    "TransferConfig": "config",
+    **{name: "errors" for name in (
+        "BootstrapError", "KVAbortedError", "KVLengthMismatchError", "KVMetadataError", "KVPeerFailedError",
+        "KVPeerLostError", "KVTimeoutError", "KVTransferError", "KVWriteError", "LayoutMismatchError",
+        "RdmaUnavailableError", "RoomInUseError", "TransferEngineUnavailableError", "TransferError",
+        "TransferUsageError")},
+    "BaseKVManager": "kv_contract", "BaseKVReceiver": "kv_contract", "BaseKVSender": "kv_contract",
+    **{name: "kv_layout" for name in (
+        "AuxBuffer", "KVBuffer", "KVLayout", "aux_buffer_from_tensor", "head_range", "kv_buffers_from_pool",
+        "kv_buffers_from_views", "layout_for_pool")},
+    "MooncakeKVManager": "kv_manager", "MooncakeKVReceiver": "kv_receiver", "MooncakeKVSender": "kv_sender",
+    "KVPoll": "poll_state",
+}
+_ALIASES = {"KVManager": "MooncakeKVManager", "KVSender": "MooncakeKVSender", "KVReceiver": "MooncakeKVReceiver"}
+
+
+def __getattr__(name: str) -> Any:
+    target = _ALIASES.get(name, name)
+    if target not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_MODULE_OF[target]}", __name__), target)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AUX_BYTES", "DEFAULT_BOOTSTRAP_PORT", "AuxBuffer", "AuxData", "BaseKVManager", "BaseKVReceiver",

@@ -24,13 +24,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve.engine.endpoints_watch import SERVICE_ACCOUNT_DIR, EndpointsWatch, InClusterAccess
+from splitserve.engine.http_request import error_response, read_json, wait_for_disconnect
 from splitserve.engine.openai_protocol import ApiError
 from splitserve.engine.router.backend_pool import BackendPool, NoBackend, Overloaded
 from splitserve.engine.router.config import RouterConfig
 from splitserve.engine.router.health_prober import HealthProber
 from splitserve.engine.router.pair_routing import Answer, PairRouter
 from splitserve.engine.router.upstream import EJECTING_KINDS, UpstreamFailure, sse_error_event
-from splitserve.engine.server import error_response, read_json, wait_for_disconnect
 
 logger = logging.getLogger(__name__)
 

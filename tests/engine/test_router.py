@@ -113,3 +113,13 @@ def test_a_removed_backend_drains_then_leaves_and_can_come_back() -> None:
     pool.remove("decode", "http://d2")
     pool.add("decode", "http://d0")
     assert pool.urls("decode") == ["http://d1", "http://d0"]
+
+
+def test_the_router_does_not_import_torch() -> None:
+    """It starts (and restarts, under `up`) in a fraction of an engine's time, and holds no torch memory."""
+    import subprocess
+    import sys
+
+    code = "import sys, splitserve.engine.router.app; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[:300]
