@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -38,6 +39,7 @@ from splitserve.engine.openai_protocol import (
     usage,
 )
 from splitserve.engine.request import FinishReason, TokenOutput
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import ChatTemplateError
 
 logger = logging.getLogger(__name__)
@@ -173,7 +175,7 @@ class ApiServer:
             for j in range(gen.n):
                 index = p * gen.n + j
                 rid = gen.request_id if len(prompts) * gen.n == 1 else f"{gen.request_id}-{index}"
-                stream = self.client.generate(rid, ids, gen.params, bootstrap, gen.bootstrap_room,
+                stream = self.client.generate(rid, ids, choice_params(gen.params, j), bootstrap, gen.bootstrap_room,
                                               copies_for_choice(images))
                 streams.append((ChoiceResult(index, ids), stream))
         return streams
@@ -316,3 +318,11 @@ class ApiServer:
 
 def _sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def choice_params(params: SamplingParams, sample: int) -> SamplingParams:
+    """Sample j of a seeded request draws with seed + j: the n samples differ, each reproducible
+    (the router's fan-out gives sample j the same seed)."""
+    if params.seed is None or sample == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + sample)

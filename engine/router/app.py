@@ -28,6 +28,7 @@ from splitserve.engine.http_request import error_response, read_json, wait_for_d
 from splitserve.engine.openai_protocol import ApiError
 from splitserve.engine.router.backend_pool import BackendPool, NoBackend, Overloaded
 from splitserve.engine.router.config import RouterConfig
+from splitserve.engine.router.fan_out import fan_out, split_sequences
 from splitserve.engine.router.health_prober import HealthProber
 from splitserve.engine.router.pair_routing import Answer, PairRouter
 from splitserve.engine.router.upstream import EJECTING_KINDS, UpstreamFailure, sse_error_event
@@ -208,6 +209,10 @@ class Router:
                 self.requests.labels("client_gone").inc()
                 return Response(status_code=499)
             result = work.result()
+            if isinstance(result, StreamingResponse):  # a fanned-out stream: admitted until it ends
+                relaying = True
+                return RelayResponse(_release_at_end(result.body_iterator, ticket), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
             if not isinstance(result, Answer):
                 return result
             if result.events is None:  # non-streamed: the whole answer is in
@@ -224,9 +229,25 @@ class Router:
     async def _answer(self, body: Any, path: str) -> Answer | Response:
         if not isinstance(body, dict):
             raise ApiError("request body must be a JSON object")
+        if self.cfg.disaggregated:  # one sequence per pair: n > 1 and prompt lists fan out
+            sequences = split_sequences(body)
+            if len(sequences) > 1:
+                return await fan_out(body, sequences, lambda one: self._one_sequence(one, path))
+            body = sequences[0].body
+        return await self._dispatch(body, path)
+
+    async def _one_sequence(self, body: dict, path: str) -> Response:
+        """One sequence of a fanned-out request, as a response the fan-out merges."""
+        answer = await self._dispatch(body, path)
+        if not isinstance(answer, Answer):
+            return answer
+        if answer.events is None:
+            await answer.close()
+            return Response(answer.content, media_type="application/json")
+        return RelayResponse(self._relay(answer, None), media_type="text/event-stream")
+
+    async def _dispatch(self, body: dict, path: str) -> Answer | Response:
         stream = body.get("stream") is True
-        if self.cfg.disaggregated:
-            check_single_sequence(body)
         try:
             return await self.pairs.dispatch(path, body, stream, self.cfg.disaggregated)
         except Overloaded as exc:
@@ -244,7 +265,7 @@ class Router:
             return error_json(f"request failed on every backend tried; last: {failure}", 503, "upstream_failed",
                               retry_after=self.cfg.retry_after_s)
 
-    async def _relay(self, answer: Answer, ticket: Admission.Ticket) -> AsyncIterator[bytes]:
+    async def _relay(self, answer: Answer, ticket: Admission.Ticket | None) -> AsyncIterator[bytes]:
         """Relays a stream that has its first token; a failure from here on ends it with an error event."""
         outcome = "ok"
         try:
@@ -269,16 +290,16 @@ class Router:
             try:
                 await answer.close()
             finally:
-                ticket.release()
+                if ticket is not None:
+                    ticket.release()
 
 
-def check_single_sequence(body: dict) -> None:
-    """One room carries one sequence: n > 1 and batched prompts are refused, not silently split."""
-    if body.get("n", 1) != 1:
-        raise ApiError("'n' > 1 is not supported by a disaggregated deployment; send n requests", "n")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
-        if len(prompt) > 1:
-            raise ApiError("batched prompts are not supported by a disaggregated deployment; send one prompt "
-                           "per request", "prompt")
-        body["prompt"] = prompt[0]
+async def _release_at_end(events: AsyncIterator[bytes], ticket: Admission.Ticket) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        try:
+            await events.aclose()  # type: ignore[attr-defined]
+        finally:
+            ticket.release()

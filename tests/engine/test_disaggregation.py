@@ -6,6 +6,7 @@ Real processes: a unified engine (the reference), prefill and decode engines and
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -135,10 +136,40 @@ def test_direct_request_to_prefill_or_decode_without_room_is_refused(cluster) ->
         assert "bootstrap" in r.json()["error"]["message"]
 
 
-def test_router_refuses_n_above_one_clearly(cluster) -> None:
-    r = httpx.post(f"{cluster['1p1d']}/v1/completions", json={"model": "m", "prompt": "a", "n": 2}, timeout=30)
-    assert r.status_code == 400
-    assert r.json()["error"]["param"] == "n"
+@pytest.mark.parametrize("stream", [False, True])
+def test_router_fans_out_n_and_prompt_lists_like_the_unified_engine(cluster, stream: bool) -> None:
+    """n > 1 and a list of prompts through 2P2D: choices in the unified engine's order, its greedy
+    tokens, its usage; seeded samples of one prompt differ (seed + j)."""
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    body = {"model": "m", "prompt": prompts, "n": 2, "max_tokens": 6, "return_token_ids": True, "ignore_eos": True,
+            "temperature": 0}
+    greedy = body
+
+    def answer(url: str, **extra) -> tuple[dict[int, list[int]], dict]:
+        body = {**greedy, **extra}
+        if not stream:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return {c["index"]: c["token_ids"] for c in r.json()["choices"]}, r.json()["usage"]
+        tokens: dict[int, list[int]] = {}
+        usage = None
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
+        for event in map(json.loads, lines[:-1]):
+            for c in event["choices"]:
+                tokens.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+            usage = event.get("usage") or usage
+        return tokens, usage
+
+    unified, split = answer(cluster["unified"]), answer(cluster["2p2d"])
+    assert sorted(split[0]) == list(range(6))
+    assert split == unified
+    seeded = answer(cluster["2p2d"], temperature=1.0, seed=11)[0]
+    assert seeded[0] != seeded[1]  # seed + j: the two samples of a prompt differ
+    assert split[1]["prompt_tokens"] == sum(len(p) for p in prompts) and split[1]["completion_tokens"] == 36
 
 
 def test_unreachable_bootstrap_fails_the_decode_request_and_frees_its_pages(cluster) -> None:

@@ -140,3 +140,27 @@ def test_bad_constraints_get_a_400_naming_the_field(deployment, shape: str) -> N
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=extra)
         assert err.value.body["param"] == field, err.value.body
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_and_prompt_lists(deployment, shape: str, stream: bool) -> None:
+    client = client_for(deployment, shape)
+    prompts = ["one", "two", "three"]
+    kwargs = dict(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0, stream=stream)
+    if stream:
+        texts: dict[int, str] = {}
+        usage = None
+        for chunk in client.completions.create(stream_options={"include_usage": True}, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+            usage = chunk.usage or usage
+    else:
+        out = client.completions.create(**kwargs)
+        texts, usage = {c.index: c.text for c in out.choices}, out.usage
+    assert sorted(texts) == list(range(6))
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: a prompt's samples agree
+    assert usage.prompt_tokens == sum(len(p) + 1 for p in prompts)  # + BOS each, counted once per prompt
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=3, max_tokens=4, seed=5)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert 3 <= chat.usage.completion_tokens <= 12

@@ -4,6 +4,7 @@ its state rebuilt from tokens, and the request fields that ask for it."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -206,3 +207,52 @@ def test_bounded_strings_become_patterns_of_unescaped_characters() -> None:
     assert not re.fullmatch(a["pattern"], "a\x01") and not re.fullmatch(a["pattern"], 'a"')
     assert b == {"type": "string", "minLength": 2, "pattern": "^x+$"}  # a pattern is left alone
     assert re.fullmatch(t["pattern"], "x") and not re.fullmatch(t["pattern"], "")
+
+
+class OfferDrafts:
+    """A role offering each decoding request the next K tokens of a known continuation, with every
+    `wrong_every`-th replaced by `wrong` (a token the grammar forbids)."""
+
+    def __init__(self, continuation: list[int], k: int, wrong: int, wrong_every: int) -> None:
+        from splitserve.engine.role import Role
+
+        class _Role(Role):
+            def poll(inner) -> None:
+                from splitserve.engine.request import RequestStatus
+                for req in inner.engine.requests.values():
+                    if req.status is not RequestStatus.RUNNING or req.pending_len != 1 or not req.output_ids:
+                        continue
+                    n = len(req.output_ids)
+                    rest = continuation[n:][:k]
+                    req.draft_tokens = [wrong if wrong_every and (n + i) % wrong_every == 0 else t
+                                        for i, t in enumerate(rest)]
+                    self.offered += len(rest)
+
+        self.role = _Role()
+        self.offered = 0
+
+
+def test_the_engine_verify_step_keeps_a_grammar(tokenizer) -> None:
+    """Drafts through the engine's verify step: forbidden draft tokens are never accepted, so the
+    greedy output under the grammar is the one plain decoding gives."""
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine
+    from splitserve.engine.offline import generate_tokens
+
+    def run(role) -> list[int]:
+        engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=1024,
+                                     max_running_requests=2), role=role)
+        engine.start()
+        try:
+            params = SamplingParams(max_new_tokens=40, temperature=0.0, grammar=GrammarSpec("regex", "[0-9]{12}x"))
+            return generate_tokens(engine, [[1, 2, 3]], params)[0]
+        finally:
+            engine.stop()
+
+    plain = run(None)
+    assert re.fullmatch(r"[0-9]{12}x", tokenizer.decode(plain))
+    letter = tokenizer.encode("q", add_special_tokens=False)[0]
+    wrong = OfferDrafts(plain, k=4, wrong=letter, wrong_every=3)
+    assert run(wrong.role) == plain and wrong.offered > 0
+    right = OfferDrafts(plain, k=4, wrong=letter, wrong_every=0)
+    assert run(right.role) == plain and right.offered > 0
