@@ -64,10 +64,6 @@ def check_unsupported_values(body: dict[str, Any], kind: str) -> None:
         if given("best_of") and body["best_of"] != body.get("n", 1):
             raise UnknownField("best_of", "'best_of' other than n is not supported (no server-side ranking)")
         return
-    if body.get("tools"):
-        raise UnknownField("tools", "'tools' are not supported yet")
-    if given("tool_choice") and body["tool_choice"] != "none":
-        raise UnknownField("tool_choice", "'tool_choice' other than 'none' is not supported yet")
     if given("modalities") and body["modalities"] != ["text"]:
         raise UnknownField("modalities", "only the 'text' output modality is supported")
     for name, why in (("audio", "audio output is not supported"),

@@ -51,6 +51,9 @@ class EngineConfig:
     disable_overlap: bool = field(default=False, metadata={
         "help": "wait for each step's tokens before scheduling the next (GPUs overlap them by default)"})
     cuda_graph_max_batch: int = field(default=256, metadata={"help": "largest decode batch captured in a graph"})
+    tool_call_parser: str = field(default="auto", metadata={
+        "help": "how the model writes tool calls: hermes (<tool_call> JSON), llama3 (JSON), or auto (from the chat "
+                "template)", "choices": ("auto", "hermes", "llama3")})
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 from splitserve.engine.api_fields import UnknownField, check_fields
 from splitserve.engine.grammar.spec import InvalidGrammarField, grammar_spec_from
 from splitserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from splitserve.engine.tools.forcing import forced_call_grammar
+from splitserve.engine.tools.request import InvalidTools, ToolRequest, tool_request_from
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -63,6 +65,7 @@ class GenerationRequest:
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     images: list[ImagePart] = field(default_factory=list)  # chat: the image parts, in prompt order
+    tools: ToolRequest | None = None  # chat: the tools offered and how they may be used
 
 
 # ---- field readers: each names the field it reads in its error -------------------------------
@@ -279,6 +282,8 @@ def parse_chat(body: Any, served_model: str, vocab_size: int, default_max_tokens
                 messages[i] = {**m, "content": parts}
             else:
                 messages[i] = {**m, "content": "".join(p.get("text", "") for p in parts)}
+        elif content is None and m.get("role") == "assistant" and m.get("tool_calls"):
+            _check_tool_calls(m["tool_calls"], i)
         elif not isinstance(content, str):
             raise ApiError(f"'messages[{i}].content' must be a string or an array of content parts", "messages")
     if images and not takes_images:
@@ -289,11 +294,35 @@ def parse_chat(body: Any, served_model: str, vocab_size: int, default_max_tokens
     if _get(body, "logprobs", (bool,), False):
         logprobs = _int(body, "top_logprobs", 0)
     params = sampling_params_from(body, vocab_size, default_max_tokens, logprobs)
+    tools = _tools(body)
+    if tools is not None and tools.forced:
+        if params.grammar is not None:
+            raise ApiError(f"'{params.grammar.source_field}' cannot be combined with a forced tool call "
+                           "(tool_choice required or a named function)", params.grammar.source_field)
+        params.grammar = forced_call_grammar(tools)
     req = GenerationRequest(
         kind="chat", model=model, prompts=[], params=params, n=n, stream=stream, include_usage=include_usage,
-        return_token_ids=bool(_get(body, "return_token_ids", (bool,), False)), images=images,
+        return_token_ids=bool(_get(body, "return_token_ids", (bool,), False)), images=images, tools=tools,
     )
     return _bootstrap(body, req), messages
+
+
+def _tools(body: dict[str, Any]) -> ToolRequest | None:
+    try:
+        return tool_request_from(body)
+    except InvalidTools as exc:
+        raise ApiError(str(exc), exc.field) from None
+
+
+def _check_tool_calls(calls: Any, i: int) -> None:
+    """An earlier assistant turn's calls, as the client echoes them back."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(f"'{where}' must be an array", "messages")
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise ApiError(f"'{where}' entries need function.name and function.arguments strings", "messages")
 
 
 def _content_part(part: Any, where: str, images: list[ImagePart]) -> dict[str, Any]:

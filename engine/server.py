@@ -41,6 +41,8 @@ from splitserve.engine.openai_protocol import (
 from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import ChatTemplateError
+from splitserve.engine.tools.formats import format_for, messages_for_template, template_renders_tools
+from splitserve.engine.tools.streaming import ToolCallStream, final_message
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class ChoiceResult:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.cached_tokens = 0
+        self.tool_stream: ToolCallStream | None = None  # streamed chat with tools: holds calls back
 
     def add(self, out: TokenOutput) -> None:
         self.text += out.text
@@ -84,6 +87,7 @@ class ApiServer:
         self.model_name = engine.cfg.model_name
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model_cfg.vocab_size
+        self.tool_format = format_for(engine.cfg.tool_call_parser, self.tokenizer.chat_template)
         self.context_length = engine.context_length
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -111,8 +115,11 @@ class ApiServer:
         if gen.images and self.vision is not None:  # every image is checked before any engine work
             items = await image_items(gen.images, self.image_cfg, self.image_processor, self.vision,
                                       accept_refs=self.engine.role.name != "unified")
+        renders_tools = template_renders_tools(self.tokenizer.chat_template)
+        messages = messages_for_template(messages, gen.tools, self.tool_format, renders_tools)
+        tools = [f.as_openai() for f in gen.tools.tools] if gen.tools is not None and renders_tools else None
         try:
-            text = self.tokenizer.apply_chat_template(messages)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools)
         except ChatTemplateError as exc:
             raise ApiError(str(exc), "messages") from None
         # The template already spells the special tokens (BOS, role markers) out.
@@ -240,6 +247,12 @@ class ApiServer:
                                      "logprobs": self._logprobs_block(gen, c.token_ids, c.logprobs, c.top)}
             if gen.kind == "chat":
                 entry["message"] = {"role": "assistant", "content": c.text}
+                if gen.tools is not None and gen.tools.parses_output and c.finish_reason != "error":
+                    content, calls = final_message(gen.tools, self.tool_format, c.text)
+                    if calls:
+                        entry["message"] = {"role": "assistant", "content": content,
+                                            "tool_calls": [call.as_openai() for call in calls]}
+                        entry["finish_reason"] = _tool_finish(gen, c.finish_reason)
             else:
                 prefix = self.tokenizer.decode(c.prompt_ids) if gen.echo else ""
                 entry["text"] = prefix + c.text
@@ -273,6 +286,8 @@ class ApiServer:
         try:
             if gen.kind == "chat":
                 for c, _ in streams:
+                    if gen.tools is not None and gen.tools.parses_output:
+                        c.tool_stream = ToolCallStream(gen.tools, self.tool_format)
                     yield _sse_event({"id": rid, "object": kind, "created": gen.created, "model": gen.model,
                                       "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                    "logprobs": None, "finish_reason": None}]})
@@ -305,7 +320,9 @@ class ApiServer:
         finish = out.finish_reason.value if out.finish_reason is not None else None
         logprobs = self._logprobs_block(gen, out.token_ids, out.logprobs or [], out.top_logprobs or [])
         entry: dict[str, Any] = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish}
-        if gen.kind == "chat":
+        if gen.kind == "chat" and choice.tool_stream is not None:
+            entry["delta"] = self._tool_delta(gen, choice.tool_stream, out, entry)
+        elif gen.kind == "chat":
             entry["delta"] = {"content": out.text} if out.text else {}
         else:
             entry["text"] = out.text
@@ -314,6 +331,28 @@ class ApiServer:
             if len(choice.token_ids) == len(out.token_ids):
                 entry["prompt_token_ids"] = choice.prompt_ids
         return {"id": rid, "object": kind, "created": gen.created, "model": gen.model, "choices": [entry]}
+
+
+    def _tool_delta(self, gen: GenerationRequest, tools: ToolCallStream, out: TokenOutput,
+                    entry: dict[str, Any]) -> dict[str, Any]:
+        """A chat delta with the text that is surely no call; at the end, the rest and the calls."""
+        text = tools.feed(out.text)
+        if out.finish_reason is None or out.finish_reason == FinishReason.ERROR:
+            return {"content": text} if text else {}
+        rest, calls = tools.finish()
+        delta: dict[str, Any] = {"content": text + rest} if text + rest else {}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call.as_openai()} for i, call in enumerate(calls)]
+            entry["finish_reason"] = _tool_finish(gen, entry["finish_reason"])
+        return delta
+
+
+def _tool_finish(gen: GenerationRequest, finish: str | None) -> str | None:
+    """OpenAI's finish reason once calls were made: tool_calls, or stop for a named function."""
+    if finish != "stop":
+        return finish
+    assert gen.tools is not None
+    return "tool_calls" if gen.tools.choice in ("auto", "required") else "stop"
 
 
 def _sse_event(payload: dict[str, Any]) -> bytes:

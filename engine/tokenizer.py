@@ -56,7 +56,8 @@ class TextTokenizer:
         """`decode` of each sequence, in one call into the tokenizer."""
         return self.tokenizer.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         if self._template is None:
@@ -65,7 +66,8 @@ class TextTokenizer:
             self._template = env.from_string(self.chat_template)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                         tools=tools)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 

@@ -1,8 +1,9 @@
 """Compiles grammar specs for one model's vocabulary with xgrammar (which caches the results).
 
-The tokenizer's vocabulary is read once, on the first compile: a server that never sees a
-structured-output request never imports xgrammar. Compiles run on the HTTP server's worker
-threads (the first, for validation and warming the cache) and, on a cache miss, on the loop.
+The tokenizer's vocabulary is read once, by `warm_up_in_background` at engine start (importing
+xgrammar imports transformers: seconds, which must not stall a serving process's first
+structured request and its health probes). Compiles run on the HTTP server's worker threads
+(validating and warming xgrammar's cache) and, on a cache miss, on the engine loop.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ class GrammarCompiler:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILER_THREADS,
                                                      cache_limit_bytes=CACHE_LIMIT_BYTES)
             return self._compiler
+
+    def warm_up_in_background(self) -> None:
+        """Builds the xgrammar compiler on a thread; a compile meanwhile waits for it."""
+        def warm() -> None:
+            try:
+                self._xgr_compiler()
+            except Exception:  # reported again, as a clear error, by the first compile
+                logger.exception("grammar compiler failed to start")
+        threading.Thread(target=warm, name="grammar-warm-up", daemon=True).start()
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The CompiledGrammar of `spec`; raises InvalidGrammar naming what failed."""

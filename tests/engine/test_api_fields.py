@@ -26,7 +26,7 @@ CHAT_FIELDS = {
     "audio": ({"voice": "alloy", "format": "wav"}, False), "prediction": ({"type": "content", "content": "x"}, False),
     "function_call": ("auto", False), "functions": ([{"name": "f"}], False), "moderation": ({}, False),
     "reasoning_effort": ("low", False), "verbosity": ("low", False), "web_search_options": ({}, False),
-    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], False),
+    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], True),
 }
 COMPLETION_FIELDS = {
     "best_of": (3, False), "echo": (True, True), "frequency_penalty": (0.5, True), "logit_bias": ({"65": 1.0}, True),

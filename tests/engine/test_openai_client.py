@@ -164,3 +164,85 @@ def test_n_and_prompt_lists(deployment, shape: str, stream: bool) -> None:
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=3, max_tokens=4, seed=5)
     assert [c.index for c in chat.choices] == [0, 1, 2]
     assert 3 <= chat.usage.completion_tokens <= 12
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def chat_calls(client, stream: bool, **kwargs) -> tuple[str | None, list[tuple[str, str, str]], str]:
+    """(content, [(id, name, arguments)], finish_reason), streamed or not."""
+    if not stream:
+        out = client.chat.completions.create(model=MODEL, messages=ASK, **kwargs)
+        m = out.choices[0].message
+        return m.content, [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []], \
+            out.choices[0].finish_reason
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, ["", "", ""])
+                entry[0] += d.id or ""
+                entry[1] += d.function.name or ""
+                entry[2] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content or None, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_are_valid_for_the_schema(deployment, shape: str, stream: bool) -> None:
+    client = client_for(deployment, shape)
+    for seed in range(3):
+        content, calls, finish = chat_calls(client, stream, tools=[WEATHER, TIME], tool_choice="required",
+                                            max_tokens=400, seed=seed, logit_bias={str(ord("]")): 4.0})
+        assert finish == "tool_calls" and content is None and calls
+        for call_id, name, arguments in calls:
+            assert call_id.startswith("call_")
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    content, calls, finish = chat_calls(client, stream, tools=[WEATHER, TIME], max_tokens=200, seed=1,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert finish == "stop" and [c[1] for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0][2]), SCHEMAS["get_weather"])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_calls_are_parsed_from_the_output(deployment, shape: str, stream: bool) -> None:
+    """The output is steered (guided_regex) into a Hermes call after some text: the parser finds it."""
+    client = client_for(deployment, shape)
+    steer = ('Let me check[.]\n<tool_call>\n\\{"name": "get_weather", "arguments": '
+             '\\{"city": "[a-z]{2,5}", "days": 3\\}\\}\n</tool_call>')
+    content, calls, finish = chat_calls(client, stream, tools=[WEATHER], max_tokens=200,
+                                        extra_body={"guided_regex": steer})
+    assert finish == "tool_calls" and content == "Let me check."
+    assert [c[1] for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0][2]), SCHEMAS["get_weather"])
+    # tool_choice none: the same output stays text
+    content, calls, finish = chat_calls(client, stream, tools=[WEATHER], tool_choice="none", max_tokens=200,
+                                        extra_body={"guided_regex": steer})
+    assert calls == [] and finish == "stop" and "<tool_call>" in content
+
+
+def test_tool_results_render_back(deployment) -> None:
+    from splitserve.engine.tiny_model import tiny_model_folder
+    from splitserve.engine.tokenizer import TextTokenizer
+
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "oslo", "days": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    out = client_for(deployment, "1p1d").chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=2, extra_body={"return_token_ids": True})
+    prompt = TextTokenizer(tiny_model_folder(0)).decode(out.choices[0].model_extra["prompt_token_ids"])
+    assert "<tools>" in prompt and '"name": "get_weather"' in prompt  # this template renders no tools itself
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "oslo", "days": 1}}\n</tool_call>' in prompt
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
