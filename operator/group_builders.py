@@ -30,17 +30,13 @@ from splitserve.operator.names import (
     role_object_name,
     router_name,
 )
-from splitserve.operator.role_builders import (
-    bootstrap_port,
-    common_labels,
-    container_resources,
-    env_var,
-    mesh_port,
-    selector_labels,
-)
+from splitserve.operator.role_builders import common_labels, container_resources, env_var, selector_labels
+from splitserve.operator.role_table import ROLE_TRAITS, bootstrap_port, mesh_port, traits
 
 Body = Mapping[str, Any]
 # Fields of spec.roles.<role> copied into the ServingRole's spec as they are.
+# Fields of spec.speculative that name a role's own model (not copied into the roles' specs).
+OWN_MODEL_FIELDS = {t.own_model for t in ROLE_TRAITS.values() if t.own_model}
 ROLE_TEMPLATE_FIELDS = ("tensorParallelSize", "resources", "nodeSelector", "tolerations", "dtype",
                         "pageSize", "engineArgs", "env")
 
@@ -73,12 +69,13 @@ def build_serving_role(group_body: Body, role: str, revision: str, partition: in
     meta, spec = group_body["metadata"], group_body["spec"]
     group = meta["name"]
     template = spec["roles"][role]
-    draft_model = (spec.get("speculative") or {}).get("draftModel")
+    own = traits(role).own_model
+    own_model = (spec.get("speculative") or {}).get(own) if own else None
     role_spec: dict[str, Any] = {
         "group": group,
         "role": role,
         "replicas": role_replicas(spec, role, existing_role),
-        "model": copy.deepcopy(dict(draft_model if role == "drafter" and draft_model else spec["model"])),
+        "model": copy.deepcopy(dict(own_model or spec["model"])),
         "transfer": copy.deepcopy(dict(spec.get("transfer") or {})),
         "revision": revision,
         "updatePartition": int(partition),
@@ -94,9 +91,9 @@ def build_serving_role(group_body: Body, role: str, revision: str, partition: in
     pull = template.get("imagePullPolicy") or spec.get("imagePullPolicy")
     if pull:
         role_spec["imagePullPolicy"] = pull
-    if spec.get("speculative") is not None and role in ("decode", "drafter"):
+    if spec.get("speculative") is not None and traits(role).speculative:
         role_spec["speculative"] = {k: copy.deepcopy(v) for k, v in spec["speculative"].items()
-                                    if k != "draftModel"}
+                                    if k not in OWN_MODEL_FIELDS}
     wanted = int(template.get("replicas", 1))
     obj = {
         "apiVersion": GROUP_API_VERSION,
@@ -251,10 +248,7 @@ def peers_document(group_body: Body, replicas: Mapping[str, int]) -> dict[str, A
         for i in range(replicas.get(role, 0)):
             endpoint: dict[str, Any] = {"host": f"{name}-{i}.{name}.{namespace}.svc",
                                         "port": DEFAULT_HTTP_PORT, "index": i}
-            if role == "prefill":
-                endpoint["bootstrapPort"] = bootstrap_port(spec)
-            if role == "drafter":
-                endpoint["meshPort"] = mesh_port(spec)
+            endpoint.update({port.peers_key: port.number(spec) for port in traits(role).ports})
             endpoints.append(endpoint)
         roles[role] = {"service": f"{name}.{namespace}.svc", "replicas": replicas.get(role, 0),
                        "tensorParallelSize": int(spec["roles"][role].get("tensorParallelSize", 1)),

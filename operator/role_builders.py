@@ -13,8 +13,6 @@ import kopf
 
 from splitserve.operator.names import (
     CONTROL_KEY,
-    DEFAULT_BOOTSTRAP_PORT,
-    DEFAULT_DRAFT_MESH_PORT,
     DEFAULT_HTTP_PORT,
     ENV_PREFIX,
     LABEL_COMPONENT,
@@ -28,6 +26,7 @@ from splitserve.operator.names import (
     PEERS_FILE,
     PEERS_MOUNT,
 )
+from splitserve.operator.role_table import ROLE_TRAITS, bootstrap_port, mesh_port, traits
 from splitserve.operator.rollout import role_revision
 
 Body = Mapping[str, Any]
@@ -37,8 +36,8 @@ PEERS_VOLUME = "peers"
 GPU_RESOURCE = "nvidia.com/gpu"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 # Engine flags the operator sets itself; engineArgs may not repeat them.
-MANAGED_ENGINE_FLAGS = ("--role", "--model", "--host", "--port", "--tp-size", "--device",
-                        "--bootstrap-port", "--dtype", "--page-size")
+MANAGED_ENGINE_FLAGS = ("--role", "--model", "--host", "--port", "--tp-size", "--device", "--dtype", "--page-size",
+                        *sorted({p.engine_flag for t in ROLE_TRAITS.values() for p in t.ports if p.engine_flag}))
 
 
 def env_var(name: str) -> str:
@@ -117,23 +116,14 @@ def engine_command(role: str, spec: Mapping[str, Any]) -> list[str]:
         "--tp-size", str(tp),
         "--device", "cuda" if gpus > 0 else "cpu",
     ]
-    if role == "prefill":
-        command += ["--bootstrap-port", str(bootstrap_port(spec))]
+    for port in traits(role).ports:
+        if port.engine_flag:
+            command += [port.engine_flag, str(port.number(spec))]
     if spec.get("dtype"):
         command += ["--dtype", str(spec["dtype"])]
     if spec.get("pageSize"):
         command += ["--page-size", str(spec["pageSize"])]
     return command + [str(arg) for arg in spec.get("engineArgs") or []]
-
-
-def bootstrap_port(spec: Mapping[str, Any]) -> int:
-    """The prefill pods' bootstrap port."""
-    return int((spec.get("transfer") or {}).get("bootstrapPort", DEFAULT_BOOTSTRAP_PORT))
-
-
-def mesh_port(spec: Mapping[str, Any]) -> int:
-    """The drafter pods' DraftMesh gRPC port."""
-    return int((spec.get("speculative") or {}).get("meshPort", DEFAULT_DRAFT_MESH_PORT))
 
 
 def engine_env(name: str, spec: Mapping[str, Any], revision: str, namespace: str) -> list[dict[str, Any]]:
@@ -169,7 +159,7 @@ def engine_env(name: str, spec: Mapping[str, Any], revision: str, namespace: str
         # The engine's --transfer-control-key: HMAC on transfer control messages, bootstrap auth.
         env.append({"name": env_var("TRANSFER_CONTROL_KEY"), "valueFrom": {"secretKeyRef": {
             "name": spec["controlSecret"], "key": CONTROL_KEY}}})
-    if spec.get("speculative") and role in ("decode", "drafter"):
+    if spec.get("speculative") and traits(role).speculative:
         env.append({"name": env_var("NUM_DRAFT_TOKENS"),
                     "value": str(spec["speculative"].get("numDraftTokens", 4))})
         env.append({"name": env_var("DRAFT_MESH_PORT"), "value": str(mesh_port(spec))})
@@ -182,10 +172,7 @@ def engine_env(name: str, spec: Mapping[str, Any], revision: str, namespace: str
 def container_ports(role: str, spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Named ports of an engine container."""
     ports = [{"name": "http", "containerPort": DEFAULT_HTTP_PORT, "protocol": "TCP"}]
-    if role == "prefill":
-        ports.append({"name": "bootstrap", "containerPort": bootstrap_port(spec), "protocol": "TCP"})
-    if role == "drafter":
-        ports.append({"name": "draft-mesh", "containerPort": mesh_port(spec), "protocol": "TCP"})
+    ports += [{"name": p.name, "containerPort": p.number(spec), "protocol": "TCP"} for p in traits(role).ports]
     return ports
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from splitserve.operator.names import MAX_GROUP_NAME, ROLE_NAMES
 from splitserve.operator.role_builders import MANAGED_ENGINE_FLAGS, MANAGED_ENV
+from splitserve.operator.role_table import traits
 
 
 class InvalidSpec(ValueError):
@@ -53,15 +54,18 @@ def group_spec_problems(name: str, spec: Mapping[str, Any]) -> list[str]:
     for role in ROLE_NAMES:
         if roles.get(role) is not None:
             problems += role_template_problems(f"spec.roles.{role}", roles[role])
-    has_drafter = roles.get("drafter") is not None and int(roles["drafter"].get("replicas", 1)) > 0
-    if has_drafter and spec.get("speculative") is None:
-        problems.append("spec.roles.drafter is set but spec.speculative is not: "
-                        "drafters serve only decoupled speculative decoding")
-    if spec.get("speculative") is not None and roles.get("drafter") is None:
-        problems.append("spec.speculative is set but spec.roles.drafter is not: "
+    drafting = [r for r in ROLE_NAMES if traits(r).requires_speculative]
+    for role in drafting:
+        if roles.get(role) is not None and int(roles[role].get("replicas", 1)) > 0 and spec.get("speculative") is None:
+            problems.append(f"spec.roles.{role} is set but spec.speculative is not: "
+                            f"{role}s serve only decoupled speculative decoding")
+    if spec.get("speculative") is not None and not any(roles.get(r) is not None for r in drafting):
+        problems.append(f"spec.speculative is set but spec.roles.{' / '.join(drafting)} is not: "
                         "speculative decoding needs drafter pods")
-    if roles.get("encode") is not None and int(roles.get("prefill", {}).get("replicas", 1)) == 0:
-        problems.append("spec.roles.encode is set but prefill has 0 replicas: encoders feed prefill pods")
+    for role in ROLE_NAMES:
+        fed = traits(role).feeds
+        if roles.get(role) is not None and fed and int(roles.get(fed, {}).get("replicas", 1)) == 0:
+            problems.append(f"spec.roles.{role} is set but {fed} has 0 replicas: {role} pods feed {fed} pods")
     return problems
 
 
@@ -71,6 +75,7 @@ def role_spec_problems(name: str, spec: Mapping[str, Any]) -> list[str]:
     if len(name) > MAX_GROUP_NAME + len("-prefill"):
         problems.append(f"metadata.name {name!r} is {len(name)} characters; at most "
                         f"{MAX_GROUP_NAME + len('-prefill')} leave room for the pods' names")
-    if spec.get("role") == "drafter" and spec.get("speculative") is None:
-        problems.append("spec.role is drafter but spec.speculative is not set")
+    role = spec.get("role")
+    if role in ROLE_NAMES and traits(role).requires_speculative and spec.get("speculative") is None:
+        problems.append(f"spec.role is {role} but spec.speculative is not set")
     return problems
