@@ -323,11 +323,15 @@ def print_pd_report(r: dict) -> None:
 
 def chaos_run(cfg: BenchConfig) -> dict:
     """2 prefill + 2 decode under `splitserve up` supervision, loaded while processes are killed."""
+    import signal
+
     from splitserve.engine.chaos import ChaosConfig, run_chaos
     from splitserve.engine.launcher import Deployment, UpConfig, free_port
 
     if not 0 < cfg.chaos_duration_s <= 3600:
         raise ValueError("--chaos-duration-s must be in (0, 3600]")
+    # SIGTERM (a `timeout`, a CI runner) stops the deployment too: its processes have sessions of their own.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deployment = Deployment(UpConfig(model=cfg.model, device=cfg.device, port=free_port(), prefill=2, decode=2,
                                      engine_args=cfg.engine_args, restart_backoff_s=1.0))
     try:

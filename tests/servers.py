@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -156,3 +158,20 @@ def children_of(pid: int) -> list[int]:
 def cmdline_of(pid: int) -> list[str]:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return [a.decode() for a in f.read().split(b"\0") if a]
+
+
+def stop_up(proc: subprocess.Popen) -> None:
+    """Stops a `splitserve up` (SIGTERM: it stops its children); if it will not, kills it and them,
+    so that a failing test leaves no engine behind (they run in sessions of their own)."""
+    if proc.poll() is not None:
+        return
+    kids = children_of(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=40)
+    except subprocess.TimeoutExpired:
+        for pid in {*kids, *children_of(proc.pid)}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()

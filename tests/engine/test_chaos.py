@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from servers import REPO, assert_kv_back_to_start, children_of, cmdline_of, free_port, splitserve_env
+from servers import REPO, assert_kv_back_to_start, children_of, cmdline_of, free_port, splitserve_env, stop_up
 
 from splitserve.engine.chaos import Kill, RequestRecord, load_until, summarize
 
@@ -88,6 +88,5 @@ def test_killing_a_decode_then_a_prefill_under_load_hangs_nothing_and_recovers(t
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=40) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_up(proc)
         log.close()

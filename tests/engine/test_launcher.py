@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from servers import REPO, children_of, cmdline_of, free_port, splitserve_env
+from servers import REPO, children_of, cmdline_of, free_port, splitserve_env, stop_up
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,7 @@ def test_up_serves_then_stops_every_process_on_sigterm(shape: list[str], tmp_pat
             assert time.monotonic() < deadline, "a child of `up` outlived it"
             time.sleep(0.1)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_up(proc)
         log.close()
 
 
@@ -96,8 +95,7 @@ def test_up_restarts_a_killed_engine_and_the_router_serves_throughout(tmp_path) 
             assert time.monotonic() < deadline, "a child of `up` outlived it"
             time.sleep(0.1)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_up(proc)
         log.close()
 
 
