@@ -14,6 +14,7 @@ from splitserve.config_flags import ConfigError, add_config_flags, config_from_a
 from splitserve.draft_mesh.config import SpecConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.epd_config import EPDConfig
 from splitserve.engine.image_inputs import ImageInputConfig
 from splitserve.engine.server import ApiServer
 from splitserve.transfer.config import TransferConfig
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(parser.add_argument_group("Images (multimodal models)"), ImageInputConfig, ENV_PREFIX)
     add_config_flags(parser.add_argument_group("speculative decoding (drafter; decode/unified with --drafter)"),
                      SpecConfig, ENV_PREFIX)
+    add_config_flags(parser.add_argument_group("Encoder disaggregation (encode/prefill)"), EPDConfig, ENV_PREFIX)
     return parser
 
 
@@ -45,6 +47,7 @@ def main(argv: list[str]) -> int:
         transfer = config_from_args(TransferConfig, args, ENV_PREFIX)
         images = config_from_args(ImageInputConfig, args, ENV_PREFIX)
         spec = config_from_args(SpecConfig, args, ENV_PREFIX)
+        epd = config_from_args(EPDConfig, args, ENV_PREFIX)
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
     logging.getLogger().setLevel(cfg.log_level.upper())
@@ -52,8 +55,8 @@ def main(argv: list[str]) -> int:
     if cfg.role != "unified" or spec.drafter or spec.peers_file:
         from splitserve.engine.roles import build_role  # the roles need the transfer layer or the draft mesh
         try:
-            role = build_role(cfg, transfer, spec)
-        except ValueError as exc:
+            role = build_role(cfg, transfer, spec, epd=epd, images=images)
+        except (ValueError, FileNotFoundError) as exc:
             parser.error(str(exc))
     if cfg.role == "drafter":
         from splitserve.engine.roles.drafter import drafter_engine_config

@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+# How a request whose image rows did not arrive in time fails (the API answers 408 to it).
+EMBEDDING_TIMEOUT = "embedding timeout"
+
 
 def image_digest(data: bytes) -> str:
     """The identity of an image: sha256 of its encoded bytes (hex)."""

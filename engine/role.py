@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from starlette.routing import Route
+
 from splitserve.engine.request import FinishReason, Request
 
 if TYPE_CHECKING:
@@ -55,6 +57,10 @@ class Role:
     def on_finish(self, req: Request) -> None:
         """The request is retiring (finished, aborted or failed): drop per-request role state."""
 
+    def routes(self) -> list[Route]:
+        """HTTP endpoints the role adds to the engine's API (e.g. the encode role's /v1/encode)."""
+        return []
+
     def idle_poll_interval(self) -> float | None:
         """How long the idle loop may sleep (None: the engine's default)."""
         return None
@@ -83,7 +89,7 @@ class ComposedRole(Role):
     - `poll`, `on_chunk_done`, `on_finish`: every behaviour (`on_finish` also for requests a behaviour
       never saw, when an earlier one refused them); `close`: every one, in reverse.
     - `health_info`: the behaviours' fields merged; `idle_poll_interval`: the shortest asked for;
-      `allows_overlap`: only if every behaviour allows it.
+      `allows_overlap`: only if every behaviour allows it; `routes`: every behaviour's.
     """
 
     def __init__(self, name: str, behaviours: list[Role]) -> None:
@@ -128,6 +134,9 @@ class ComposedRole(Role):
     def on_finish(self, req: Request) -> None:
         for b in self.behaviours:
             b.on_finish(req)
+
+    def routes(self) -> list[Route]:
+        return [r for b in self.behaviours for r in b.routes()]
 
     def idle_poll_interval(self) -> float | None:
         asked = [t for t in (b.idle_poll_interval() for b in self.behaviours) if t is not None]

@@ -26,7 +26,7 @@ from splitserve.engine.engine_client import EngineClient
 from splitserve.engine.grammar.compiler import InvalidGrammar
 from splitserve.engine.http_request import error_response, read_json, wait_for_disconnect
 from splitserve.engine.image_inputs import ImageInputConfig
-from splitserve.engine.image_items import ImageItem
+from splitserve.engine.image_items import EMBEDDING_TIMEOUT, ImageItem
 from splitserve.engine.image_processor import ClipImageProcessor
 from splitserve.engine.multimodal_prompt import copies_for_choice, image_items, place_images
 from splitserve.engine.openai_protocol import (
@@ -97,6 +97,7 @@ class ApiServer:
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/internal/state", self.internal_state, methods=["GET"]),
             Route("/internal/flush_cache", self.flush_cache, methods=["POST"]),
+            *engine.role.routes(),
         ], exception_handlers={ApiError: lambda _r, e: error_response(e)})
 
     # ---- endpoints ---------------------------------------------------------------------------
@@ -217,8 +218,11 @@ class ApiServer:
         choices = work.result()
         failed = [c for c in choices if c.finish_reason == FinishReason.ERROR.value]
         if failed:
-            return JSONResponse({"error": {"message": failed[0].error or "generation failed", "type": "server_error",
-                                           "param": None, "code": "generation_failed"}}, status_code=503)
+            message = failed[0].error or "generation failed"
+            timed_out = message.startswith(EMBEDDING_TIMEOUT)  # image rows that never came from the encoder
+            return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
+                                           "code": "timeout" if timed_out else "generation_failed"}},
+                                status_code=408 if timed_out else 503)
         return JSONResponse(self._final_body(gen, choices))
 
     async def _collect(self, streams) -> list[ChoiceResult]:

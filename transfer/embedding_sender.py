@@ -97,14 +97,16 @@ class EmbeddingSender(EmbeddingEndpoint):
                 self._rooms[room].wanted = early[1]
             return True
 
-    def send(self, chunk: EmbeddingChunk) -> None:
+    def send(self, chunk: EmbeddingChunk) -> bool:
+        """False if the room is gone (failed, aborted): the chunk's slot is the caller's again."""
         with self.lock:
             state = self._rooms.get(chunk.room)
-            if state is None or state.done:
-                return
+            if state is None or state.done or state.chunk is not None:
+                return False
             state.chunk = chunk
             state.ready_at = time.monotonic()
             self._maybe_write_locked(state)
+            return True
 
     def fail(self, room: int, reason: str) -> None:
         with self.lock:

@@ -8,19 +8,33 @@ import dataclasses
 from splitserve.draft_mesh import SpecConfig
 from splitserve.draft_mesh.config import drafters_from_peers
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.epd_config import EPDConfig
+from splitserve.engine.image_inputs import ImageInputConfig
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.role import ComposedRole, Role
 from splitserve.transfer import TransferConfig
 
 
-def build_role(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfig | None = None) -> Role:
+def build_role(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfig | None = None, *,
+               epd: EPDConfig | None = None, images: ImageInputConfig | None = None) -> Role:
     """The role for `--role`: its behaviours in hook order; raises for roles this build cannot run."""
-    return ComposedRole(cfg.role, role_behaviours(cfg, transfer, spec or SpecConfig()))
+    return ComposedRole(cfg.role, role_behaviours(cfg, transfer, spec or SpecConfig(), epd or EPDConfig(),
+                                                  images or ImageInputConfig()))
 
 
-def role_behaviours(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfig) -> list[Role]:
+def takes_images(cfg: EngineConfig) -> bool:
+    from splitserve.engine.engine import resolve_model_folder
+    return ModelConfig.from_folder(resolve_model_folder(cfg)).takes_images
+
+
+def role_behaviours(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfig, epd: EPDConfig,
+                    images: ImageInputConfig) -> list[Role]:
     """What `--role` adds to the loop, one behaviour per concern (the KV sender of prefill, ...)."""
     if cfg.role == "prefill":
         from splitserve.engine.roles.prefill import PrefillRole
+        if takes_images(cfg):  # the KV sender, and the receiver of encoder-computed image rows
+            from splitserve.engine.roles.embedding_receiving import EmbeddingReceivingRole
+            return [PrefillRole(transfer), EmbeddingReceivingRole(transfer, epd)]
         return [PrefillRole(transfer)]  # the KV sender
     if cfg.role == "decode":
         from splitserve.engine.roles.decode import DecodeRole
@@ -30,7 +44,12 @@ def role_behaviours(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfi
     if cfg.role == "drafter":
         from splitserve.engine.roles.drafter import DrafterRole
         return [DrafterRole(spec, transfer)]  # the draft model + the draft mesh server
-    raise ValueError(f"--role {cfg.role} is not implemented yet (unified, prefill, decode and drafter are)")
+    if cfg.role == "encode":
+        from splitserve.engine.roles.encode import EncodeRole
+        if not takes_images(cfg):
+            raise ValueError(f"--role encode needs a multimodal model; {cfg.model} takes no images")
+        return [EncodeRole(transfer, epd, images)]  # vision tower + embedding sender
+    raise ValueError(f"--role {cfg.role} is not implemented yet")
 
 
 def verifier(transfer: TransferConfig, spec: SpecConfig) -> list[Role]:

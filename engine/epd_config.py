@@ -1,0 +1,26 @@
+"""Settings of encoder disaggregation (EPD): the encode engine's cache, the prefill's slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EPDConfig:
+    """How many embeddings an encoder caches, how many items a prefill receives at once, and how long."""
+
+    encode_cache_size: int = field(default=64, metadata={
+        "help": "encode role: embeddings kept by image hash (an LRU cache; a hit ships without recomputing)"})
+    encode_batch_size: int = field(default=8, metadata={"help": "encode role: images per vision-tower batch"})
+    embedding_slots: int = field(default=32, metadata={
+        "help": "prefill role: image items receiving at once (each holds one image's rows)"})
+    embedding_timeout_s: float = field(default=60.0, metadata={
+        "help": "prefill role: seconds a request's image rows may take to arrive before it fails (408)"})
+    embedding_hold_s: float = field(default=10.0, metadata={
+        "help": "prefill role: seconds a failed item's slot is held back (a late write may still land)"})
+
+    def __post_init__(self) -> None:
+        if self.encode_cache_size < 1 or self.embedding_slots < 1 or self.encode_batch_size < 1:
+            raise ValueError("--encode-cache-size, --encode-batch-size and --embedding-slots must be >= 1")
+        if self.embedding_timeout_s <= 0 or self.embedding_hold_s < 0:
+            raise ValueError("--embedding-timeout-s must be > 0 and --embedding-hold-s >= 0")
