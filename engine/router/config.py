@@ -14,6 +14,8 @@ class RouterConfig:
     prefill: list[str] = field(default_factory=list, metadata={"help": "prefill engine URLs"})
     decode: list[str] = field(default_factory=list, metadata={"help": "decode engine URLs"})
     unified: list[str] = field(default_factory=list, metadata={"help": "unified engine URLs (data parallel)"})
+    encode: list[str] = field(default_factory=list, metadata={
+        "help": "encode engine URLs: each image goes to one (by a hash of its bytes) before prefill"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "upstream read timeout"})
     connect_timeout_s: float = field(default=3.0, metadata={"help": "upstream connect timeout"})
     retries: int = field(default=2, metadata={
@@ -42,6 +44,8 @@ class RouterConfig:
             raise ValueError("--kube-group finds the engines itself: give no engine URLs with it")
         if self.unified and (self.prefill or self.decode):
             raise ValueError("give either --unified URLs or --prefill and --decode URLs, not both")
+        if self.encode and self.unified:
+            raise ValueError("--encode engines serve prefill engines; a unified engine encodes its images itself")
         if not self.kube_group and not self.unified and not (self.prefill and self.decode):
             raise ValueError("need --prefill and --decode URLs (or --unified URLs, or --kube-group)")
         for name in ("request_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",

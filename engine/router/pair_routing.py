@@ -94,9 +94,11 @@ class PairRouter:
     """Runs requests on pairs (or unified replicas) from the pool, with retries."""
 
     def __init__(self, pool: BackendPool, client: httpx.AsyncClient, key: str, retries: int,
-                 on_retry=lambda: None) -> None:
+                 on_retry=lambda: None, prepare=None) -> None:
         self.pool, self.client, self.key, self.retries = pool, client, key, retries
         self.on_retry = on_retry
+        # Per attempt, before any backend is leased: e.g. the images sent to encoders (new rooms each time).
+        self.prepare = prepare
 
     async def dispatch(self, path: str, body: dict, stream: bool, disaggregated: bool) -> Answer:
         """Runs one request until an attempt answers; raises the last UpstreamFailure (or NoBackend
@@ -105,6 +107,7 @@ class PairRouter:
         never: set[str] = set()  # backends that failed themselves
         last: UpstreamFailure | None = None
         for attempt in range(1 + max(0, self.retries)):
+            attempt_body = await self.prepare(body) if self.prepare is not None else body
             try:
                 main = self.pool.pick("decode" if disaggregated else "unified", avoid, never)
             except NoBackend:
@@ -123,7 +126,7 @@ class PairRouter:
                 logger.warning("retrying on %s after: %s", main.backend.url if prefill is None else
                                f"{prefill.backend.url} + {main.backend.url}", last)
             try:
-                return await self._attempt(prefill, main, path, body, stream)
+                return await self._attempt(prefill, main, path, attempt_body, stream)
             except UpstreamFailure as failure:
                 if failure.kind == "client":
                     raise

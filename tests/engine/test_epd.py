@@ -1,0 +1,223 @@
+"""Encoder disaggregation end to end: 1 encode + 1 prefill + 1 decode, and 2 encode + 1 prefill +
+1 decode, behind the router, equal the unified engine token for token; bad images are 400s before
+prefill work; text skips the encoders; a dead encoder is retried around, or fails its request
+cleanly; rows that never come give 408; every engine's slots, rooms and pages return to their start."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import secrets
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from servers import ServerProcess, assert_kv_back_to_start, free_port, wait_http_ok
+
+from splitserve.engine.tiny_llava import write_llava_checkpoint
+
+pytestmark = pytest.mark.slow
+
+ENGINE = ["--served-model-name", "m", "--device", "cpu", "--page-size", "4", "--max-total-tokens", "2048",
+          "--max-running-requests", "8"]
+TRANSFER = ["--transfer-heartbeat-interval-s", "0.3", "--transfer-heartbeat-misses", "4"]
+
+
+class Deployment:
+    def __init__(self, tmp: Path, checkpoint: Path) -> None:
+        self.tmp, self.checkpoint, self.procs = tmp, checkpoint, {}
+
+    def start(self, name: str, args: list[str]) -> str:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        self.procs[name] = (url, ServerProcess([*args, "--port", str(port)], self.tmp / f"{name}.log"))
+        return url
+
+    def engine(self, name: str, role: str, *extra: str) -> str:
+        return self.start(name, ["serve", "--role", role, "--model", str(self.checkpoint), *ENGINE, *extra])
+
+    def url(self, name: str) -> str:
+        return self.procs[name][0]
+
+    def wait(self) -> None:
+        for name, (url, proc) in self.procs.items():
+            wait_http_ok(f"{url}/ready" if name.startswith("router") else f"{url}/health", proc.proc, 180, proc.log)
+
+    def stop(self) -> None:
+        for _, proc in self.procs.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("epd")
+    d = Deployment(tmp, write_llava_checkpoint(tmp / "ckpt", seed=7))
+    d.engine("unified", "unified", "--chunked-prefill-size", "8")
+    for name in ("encode-a", "encode-b", "encode-c"):
+        d.engine(name, "encode", *TRANSFER)
+    bootstrap = free_port()
+    d.engine("prefill", "prefill", "--bootstrap-port", str(bootstrap), "--chunked-prefill-size", "8",
+             "--embedding-timeout-s", "3", "--embedding-hold-s", "0.5", *TRANSFER)
+    d.bootstrap_port = bootstrap
+    d.engine("decode", "decode", *TRANSFER)
+    pd = ["--prefill", d.url("prefill"), "--decode", d.url("decode"), "--health-interval-s", "0.3"]
+    d.start("router-1e", ["router", *pd, "--encode", d.url("encode-a")])
+    d.start("router-2e", ["router", *pd, "--encode", d.url("encode-a"), d.url("encode-b")])
+    d.start("router-failover", ["router", *pd, "--encode", d.url("encode-b"), d.url("encode-c")])
+    try:
+        d.wait()
+        yield d
+    finally:
+        d.stop()
+
+
+def png_url(w: int, h: int, seed: int, fmt: str = "PNG") -> str:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def body(parts: list[dict], max_tokens: int = 10) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": parts}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+
+def health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=5).json()
+
+
+def chat_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json=b) for b in bodies))
+    return asyncio.run(run())
+
+
+def assert_everything_back(d: Deployment, timeout: float = 10.0) -> None:
+    assert_kv_back_to_start(d.url("prefill"))
+    assert_kv_back_to_start(d.url("decode"))
+    deadline = time.monotonic() + timeout
+    while True:
+        pre = health(d.url("prefill"))["embedding"]
+        alive = [n for n in ("encode-a", "encode-b") if d.procs[n][1].proc.poll() is None]
+        encoders = [health(d.url(n))["embedding"] for n in alive]
+        clean = (pre["waiting"] == 0 and pre["staged"] == 0 and pre["rooms"] == 0 and pre["leased"] == 0
+                 and pre["held"] == 0 and all(e["pinned_slots"] == 0 and e["rooms"] == 0 and e["queued"] == 0
+                                             for e in encoders))
+        if clean:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"embedding resources not back: prefill {pre}, encoders {encoders}")
+        time.sleep(0.1)
+
+
+CASES = [
+    [{"type": "text", "text": "plain text, no encoder"}],
+    [image(png_url(40, 30, 1)), {"type": "text", "text": "describe"}],
+    [image(png_url(25, 60, 2, "JPEG")), {"type": "text", "text": "describe"}],
+    [{"type": "text", "text": "two"}, image(png_url(90, 70, 3)), image(png_url(33, 33, 4, "WEBP"))],
+    [image(png_url(40, 30, 1)), {"type": "text", "text": "the first image again"}],
+    [image(png_url(61, 47, 5)), image(png_url(61, 47, 5)), {"type": "text", "text": "twice the same"}],
+]
+
+
+@pytest.mark.parametrize("router", ["router-1e", "router-2e"])
+def test_epd_equals_unified_token_for_token(deployment: Deployment, router: str) -> None:
+    bodies = [body(c) for c in CASES]
+    want = [r.json()["choices"][0] for r in chat_all(deployment.url("unified"), bodies)]
+    got = chat_all(deployment.url(router), bodies)
+    for case, w, g in zip(CASES, want, got, strict=True):
+        assert g.status_code == 200, g.text
+        choice = g.json()["choices"][0]
+        assert choice["token_ids"] == w["token_ids"], case
+        assert choice["prompt_token_ids"] == w["prompt_token_ids"]
+    assert_everything_back(deployment)
+    a = health(deployment.url("encode-a"))["embedding"]["cached_images"]
+    b = health(deployment.url("encode-b"))["embedding"]["cached_images"]
+    if router == "router-1e":
+        assert a == 5  # every distinct image, once (repeats were cache hits)
+    else:
+        assert b > 0  # the second encoder took its share by image hash
+
+
+def test_text_only_requests_skip_the_encoders(deployment: Deployment) -> None:
+    before = httpx.get(f"{deployment.url('encode-a')}/metrics").text.count("splitserve_embedding_items_total{")
+    r = httpx.post(f"{deployment.url('router-1e')}/v1/chat/completions", json=body([{"type": "text", "text": "hi"}]),
+                   timeout=60)
+    assert r.status_code == 200
+    after = httpx.get(f"{deployment.url('encode-a')}/metrics").text.count("splitserve_embedding_items_total{")
+    assert after == before
+
+
+def test_bad_images_are_400s_before_any_prefill_work(deployment: Deployment) -> None:
+    steps = httpx.get(f"{deployment.url('prefill')}/internal/state").json()["steps"]
+    bad = [("data:image/png;base64,@@@", "invalid_image"), ("data:image/gif;base64,R0lGODlh", "unsupported_image_type"),
+           ("data:image/png;base64," + base64.b64encode(b"not a png at all").decode(), "invalid_image"),
+           ("ftp://example/x.png", "unsupported_image_url")]
+    for url, code in bad:
+        parts = [image(png_url(20, 20, 9)), {"type": "text", "text": "x"}, image(url)]
+        r = httpx.post(f"{deployment.url('router-2e')}/v1/chat/completions", json=body(parts), timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "messages[0].content[2]" and r.json()["error"]["code"] == code
+    assert httpx.get(f"{deployment.url('prefill')}/internal/state").json()["steps"] == steps
+    assert_everything_back(deployment)
+
+
+def prefill_and_decode(d: Deployment, parts: list[dict]) -> tuple[httpx.Response, httpx.Response]:
+    """One request sent to the prefill and the decode directly, as the router would (no encoder call)."""
+    pd = {**body(parts), "bootstrap_host": "127.0.0.1", "bootstrap_port": d.bootstrap_port,
+          "bootstrap_room": secrets.randbits(63)}
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await asyncio.gather(client.post(f"{d.url('prefill')}/v1/chat/completions", json=pd),
+                                        client.post(f"{d.url('decode')}/v1/chat/completions", json=pd))
+    pre, dec = asyncio.run(both())
+    return pre, dec
+
+
+def image_ref(encoder: str) -> dict:
+    return {"type": "image_ref", "image_ref": {"digest": "ab" * 32, "encoder_addr": encoder,
+                                               "room": secrets.randbits(63)}}
+
+
+def test_rows_that_never_come_give_408_and_free_everything(deployment: Deployment) -> None:
+    """A room the encoder never got: prefill times out (408) and its decode is told at once."""
+    encoder = health(deployment.url("encode-a"))["embedding_endpoint"]
+    started = time.monotonic()
+    pre, dec = prefill_and_decode(deployment, [image_ref(encoder), {"type": "text", "text": "x"}])
+    assert pre.status_code == 408 and pre.json()["error"]["code"] == "timeout", pre.text
+    assert dec.status_code == 503, dec.text
+    assert time.monotonic() - started < 6
+    assert_everything_back(deployment)
+
+
+def test_a_killed_encoder_is_retried_around_or_fails_cleanly(deployment: Deployment) -> None:
+    cases = [body([image(png_url(30 + i, 20, 100 + i)), {"type": "text", "text": f"img {i}"}]) for i in range(4)]
+    want = [r.json()["choices"][0]["token_ids"] for r in chat_all(deployment.url("unified"), cases)]
+    _, victim = deployment.procs["encode-c"]
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait()
+    got = chat_all(deployment.url("router-failover"), cases)  # encode-b takes the images meant for encode-c
+    assert [g.status_code for g in got] == [200] * 4, [g.text for g in got]
+    assert [g.json()["choices"][0]["token_ids"] for g in got] == want
+    # A prefill told to wait for rows from a dead encoder fails within the heartbeat bound, and so
+    # does its decode (abort_room), with nothing left behind.
+    started = time.monotonic()
+    pre, dec = prefill_and_decode(deployment, [image_ref(f"tcp://127.0.0.1:{free_port()}"),
+                                               {"type": "text", "text": "x"}])
+    assert pre.status_code == 503 and "stopped answering" in pre.json()["error"]["message"], pre.text
+    assert dec.status_code == 503
+    assert time.monotonic() - started < 3
+    assert_everything_back(deployment)
