@@ -53,8 +53,9 @@ class BenchConfig:
                 "transfer: the KV transfer layer vs raw Mooncake, memcpy and a socket; serving: a server of "
                 "--shape under open-loop load at --rates, against the bound from this run's limits; chaos: 2P2D "
                 "under load while random processes are killed and restarted; checkpoint: --model "
-                "(e.g. smollm2) generating in the engine and in transformers on the same chat prompts",
-        "choices": ("http", "engine", "pd", "transfer", "serving", "chaos", "checkpoint")})
+                "(e.g. smollm2) generating in the engine and in transformers on the same chat prompts; epd: "
+                "encoder disaggregation vs unified (its own flags: bench --profile epd --help)",
+        "choices": ("http", "engine", "pd", "transfer", "serving", "chaos", "checkpoint", "epd")})
     model: str = field(default="tiny", metadata={"help": "model for the server/engine this command starts"})
     device: str = field(default="auto", metadata={"help": "device for the engine this command starts"})
     num_requests: int = field(default=64, metadata={"help": "requests to send"})
@@ -349,6 +350,9 @@ def main(argv: list[str]) -> int:
     if argv[:2] == ["--profile", "spec"] or argv[:1] == ["--profile=spec"]:
         from splitserve.engine.bench_spec import main as spec_main  # its own flags
         return spec_main(argv)
+    if argv[:2] == ["--profile", "epd"] or argv[:1] == ["--profile=epd"]:
+        from splitserve.engine.bench_epd import main as epd_main  # its own flags
+        return epd_main(argv[2:] if argv[:1] == ["--profile"] else argv[1:])
     if argv[:2] == ["--profile", "transfer"] or argv[:1] == ["--profile=transfer"]:
         from splitserve.transfer.bench import main as transfer_main  # its own flags
         return transfer_main(argv[2:] if argv[:1] == ["--profile"] else argv[1:])
