@@ -23,8 +23,8 @@ def build_role(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfig | N
 
 
 def takes_images(cfg: EngineConfig) -> bool:
-    from splitserve.engine.engine import resolve_model_folder
-    return ModelConfig.from_folder(resolve_model_folder(cfg)).takes_images
+    from splitserve.engine.model_names import resolve_model_path
+    return ModelConfig.from_checkpoint(resolve_model_path(cfg.model, cfg.seed)).takes_images
 
 
 def role_behaviours(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfig, epd: EPDConfig,
