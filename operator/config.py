@@ -22,6 +22,9 @@ class OperatorConfig:
     resync_seconds: float = field(default=600.0, metadata={
         "help": "period of the level-based resync of every group and role (a safety net: events of the "
                 "children repair drift as it happens, and each period costs a full reconcile of every object)"})
+    workers: int = field(default=16, metadata={
+        "help": "threads running reconciles (each mostly waits on the API server; one object is never "
+                "reconciled by two at once)"})
     kubeconfig: str = field(default="", metadata={
         "help": "kubeconfig file (default: in-cluster config, then $KUBECONFIG / ~/.kube/config)"})
     verbose: bool = field(default=False, metadata={"help": "debug logging"})
@@ -32,6 +35,8 @@ class OperatorConfig:
         return not self.namespaces
 
     def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.resync_seconds <= 0:
             raise ValueError(f"--resync-seconds must be > 0, got {self.resync_seconds}")
         if not 0 <= self.liveness_port <= 65535:

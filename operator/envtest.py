@@ -40,7 +40,9 @@ CONTROLLERS = ("garbagecollector", "namespace", "serviceaccount", "serviceaccoun
 # Client rate limits of the controllers and the scheduler: their defaults (20 and 50 requests/s)
 # would make thousands of pods (the operator's scale benchmark) wait on the client side.
 CONTROLLER_QPS, CONTROLLER_BURST = 200, 400
-SERVICE_CIDR = "10.0.0.0/24"
+# Room for the ClusterIPs of thousands of router Services (the scale benchmark); 10.0.0.1 is the
+# API server's own Service, named in its certificate.
+SERVICE_CIDR = "10.0.0.0/16"
 
 
 class ControlPlaneError(RuntimeError):

@@ -334,12 +334,13 @@ class RoutineSuccessToDebug(logging.Filter):
         return True
 
 
-def operator_settings() -> kopf.OperatorSettings:
+def operator_settings(workers: int = 16) -> kopf.OperatorSettings:
     """kopf settings: progress in annotations only, so the status schema can stay strict."""
     settings = kopf.OperatorSettings()
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage()
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage()
     settings.posting.level = logging.WARNING
     settings.peering.standalone = True
+    settings.execution.max_workers = workers  # the sync handlers' thread pool
     logging.getLogger("kopf.objects").addFilter(RoutineSuccessToDebug())
     return settings

@@ -42,6 +42,6 @@ def main(argv: list[str]) -> int:
     log.info("splitserve operator: %s, resync every %.0fs, default image %s",
              "cluster-wide" if config.cluster_wide else f"namespaces {', '.join(config.namespaces)}",
              config.resync_seconds, config.default_image)
-    kopf.run(registry=registry, settings=operator_settings(), standalone=True,
+    kopf.run(registry=registry, settings=operator_settings(config.workers), standalone=True,
              clusterwide=config.cluster_wide, namespaces=config.namespaces, liveness_endpoint=liveness)
     return 0
