@@ -54,7 +54,7 @@ class DraftPolicy:
     def ahead(self, k: int) -> int:
         """How far past the last commit the drafter should draft for this request: twice the drafts
         it would be offered (they arrive while the verifier works), nothing while paused."""
-        if self.paused_steps > 0 or self.acceptance < OFF_BELOW:
+        if k <= 0 or self.paused_steps > 0 or self.acceptance < OFF_BELOW:
             return 0
         if self.acceptance >= FULL_FROM:
             return 2 * k

@@ -104,7 +104,7 @@ def test_a_request_whose_drafts_are_rejected_pauses_then_probes_and_recovers() -
 
 def test_the_drafter_is_asked_to_draft_less_far_ahead_as_acceptance_falls() -> None:
     policy = DraftPolicy()
-    assert policy.ahead(4) == 8
+    assert policy.ahead(4) == 8 and policy.ahead(0) == 0
     for _ in range(5):
         policy.observe(4, 1)
     assert 2 <= policy.ahead(4) < 8
