@@ -7,12 +7,16 @@
 set -uo pipefail
 out=${1:?output folder}; shift
 mkdir -p "$out"
-for whl in .whl/*.whl; do
+# The draft mesh needs grpcio/protobuf at least as new as its generated modules, and pyzmq; they
+# travel as wheels in .whl/ (carry it) and are installed only where the image's are missing or older.
+python3 -m pip install -q --no-index --no-deps --find-links .whl "grpcio>=1.85.1" "protobuf>=7.35.1" "pyzmq>=25" \
+    2>&1 | tail -2
+for whl in .whl/starlette-*.whl .whl/uvicorn-*.whl; do
     [[ -e "$whl" ]] || continue
-    mod=$(basename "$whl" | cut -d- -f1 | tr 'A-Z' 'a-z')
-    case $mod in python_dateutil) mod=dateutil;; pillow) mod=PIL;; pyzmq) mod=zmq;; grpcio) mod=grpc;; esac
+    mod=$(basename "$whl" | cut -d- -f1)
     python3 -c "import $mod" 2>/dev/null || python3 -m pip install -q --no-index --no-deps "$whl" 2>&1 | tail -1
 done
+python3 -c "import grpc, google.protobuf, zmq; print('grpc', grpc.__version__, 'protobuf', google.protobuf.__version__)"
 mkdir -p /tmp/splitserve-path && ln -sfn "$PWD" /tmp/splitserve-path/splitserve
 export PYTHONPATH=/tmp/splitserve-path PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
