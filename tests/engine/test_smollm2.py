@@ -65,7 +65,7 @@ def test_logits_of_prefill_chunks_and_decode_steps_equal_transformers() -> None:
         req.kv_len += 1
     got_all = torch.cat(got)
     assert got_all.shape == want.shape == (len(prompt) + len(decode_tokens), 49152)
-    torch.testing.assert_close(got_all, want, atol=2e-3, rtol=1e-4)
+    torch.testing.assert_close(got_all, want, atol=5e-4, rtol=1e-5)  # measured: 5.6e-5 (logits up to 38)
     assert torch.equal(got_all.argmax(-1), want.argmax(-1))
 
 
