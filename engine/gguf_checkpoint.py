@@ -95,7 +95,8 @@ class GGUFCheckpoint:
             raise GGUFError(f"{self.path.name}: GGUF architecture {self.architecture!r} not supported; "
                             f"this engine runs {', '.join(ARCHITECTURES)}")
         self.tensor_names = {t.name for t in self.reader.tensors}
-        refused = sorted({t.tensor_type.name for t in self.reader.tensors if not dequantizable(t.tensor_type)})
+        types = {t.tensor_type for t in self.reader.tensors}
+        refused = sorted(kind.name for kind in types if not dequantizable(kind))
         if refused:
             raise GGUFError(f"{self.path.name}: tensor type(s) {', '.join(refused)} cannot be dequantized by the "
                             "installed gguf package")
