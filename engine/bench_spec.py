@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -314,6 +315,8 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
                     time.sleep(0.1)
     finally:
         engine.stop()
+        if cfg.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)  # checkpoints of the size of the shape
     return report
 
 
