@@ -15,6 +15,8 @@
   splitserve bench --profile serving --shape llama-3.1-8b --rates 4 16 inf
                                           # a server of that shape under open-loop load (fixed lengths,
                                           # a ShareGPT-like mix at several rates) vs its bound
+  splitserve bench --profile structured --model smollm2 --concurrency 8
+                                          # decode tokens/s under a JSON schema / unconstrained
 
 Figures are printed as ratios: HTTP throughput against the bare engine measured in the same
 run; prefill against the measured matmul peak; decode step time against the memory-bandwidth
@@ -54,8 +56,9 @@ class BenchConfig:
                 "--shape under open-loop load at --rates, against the bound from this run's limits; chaos: 2P2D "
                 "under load while random processes are killed and restarted; checkpoint: --model "
                 "(e.g. smollm2) generating in the engine and in transformers on the same chat prompts; epd: "
-                "encoder disaggregation vs unified (its own flags: bench --profile epd --help)",
-        "choices": ("http", "engine", "pd", "transfer", "serving", "chaos", "checkpoint", "epd")})
+                "encoder disaggregation vs unified (its own flags: bench --profile epd --help); structured: "
+                "decode tokens/s under a JSON schema vs unconstrained, on the same prompts",
+        "choices": ("http", "engine", "pd", "transfer", "serving", "chaos", "checkpoint", "epd", "structured")})
     model: str = field(default="tiny", metadata={"help": "model for the server/engine this command starts"})
     device: str = field(default="auto", metadata={"help": "device for the engine this command starts"})
     num_requests: int = field(default=64, metadata={"help": "requests to send"})
@@ -368,6 +371,10 @@ def main(argv: list[str]) -> int:
         print_serving_report(report["serving"])
         if cfg.plot:
             plot_serving_report(report["serving"], Path(cfg.plot))
+    elif cfg.profile == "structured":
+        from splitserve.engine.bench_structured import print_structured_report, run_structured_benchmark
+        report["structured"] = run_structured_benchmark(cfg)
+        print_structured_report(report["structured"])
     elif cfg.profile == "chaos":
         report["chaos"] = chaos_run(cfg)
         print_chaos_report(report["chaos"])
