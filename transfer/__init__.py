@@ -26,8 +26,8 @@ _MODULE_OF = {
     "TransferConfig": "config",
     **{name: "errors" for name in (
         "BootstrapError", "KVAbortedError", "KVLengthMismatchError", "KVMetadataError", "KVPeerFailedError",
-        "KVPeerLostError", "KVTimeoutError", "KVTransferError", "KVWriteError", "LayoutMismatchError",
-        "RdmaUnavailableError", "RoomInUseError", "TransferEngineUnavailableError", "TransferError",
+        "KVPeerLostError", "KVTimeoutError", "KVTransferError", "KVWorkerError", "KVWriteError",
+        "LayoutMismatchError", "RdmaUnavailableError", "RoomInUseError", "TransferEngineUnavailableError", "TransferError",
         "TransferUsageError")},
     "BaseKVManager": "kv_contract", "BaseKVReceiver": "kv_contract", "BaseKVSender": "kv_contract",
     **{name: "kv_layout" for name in (
@@ -52,7 +52,7 @@ __all__ = [
     "AUX_BYTES", "DEFAULT_BOOTSTRAP_PORT", "AuxBuffer", "AuxData", "BaseKVManager", "BaseKVReceiver",
     "BaseKVSender", "BootstrapError", "BootstrapServer", "KVAbortedError", "KVBuffer", "KVLayout",
     "KVLengthMismatchError", "KVManager", "KVMetadataError", "KVPeerFailedError", "KVPeerLostError",
-    "KVPoll", "KVReceiver", "KVSender", "KVTimeoutError", "KVTransferError", "KVWriteError",
+    "KVPoll", "KVReceiver", "KVSender", "KVTimeoutError", "KVTransferError", "KVWorkerError", "KVWriteError",
     "LayoutMismatchError", "MooncakeKVManager", "MooncakeKVReceiver", "MooncakeKVSender",
     "RdmaUnavailableError", "RoomInUseError", "TransferConfig", "TransferEngineUnavailableError",
     "TransferError", "TransferUsageError", "agree_poll_states", "aux_buffer_from_tensor", "head_range",

@@ -144,3 +144,12 @@ class KVPeerFailedError(KVTransferError):
         self.peer = peer
         self.reason = reason
         super().__init__(room, f"peer {peer} failed the room: {reason}")
+
+
+class KVWorkerError(KVTransferError):
+    """The worker writing this room's pages raised (a bug or an unexpected Mooncake failure)."""
+
+    def __init__(self, room: int, peer: str, error: Exception) -> None:
+        self.peer = peer
+        self.error = error
+        super().__init__(room, f"the transfer worker for {peer} failed: {error!r}")

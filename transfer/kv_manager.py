@@ -3,10 +3,12 @@
 Threads (all daemon, all stopped by ``close``):
 - ``transfer-control``: the ZeroMQ control channel; handles every incoming message, sends
   heartbeats, fails rooms whose deadline passed or whose peer went silent;
-- ``transfer-worker-N`` (``transfer_threads``): Mooncake writes, one queue each; one room's
-  jobs to one peer always go to the same worker, so its chunks land in order;
-- ``transfer-lookup``: HTTP lookups of prefill layouts at bootstrap servers (cached per
-  bootstrap address, retried until the room's bootstrap deadline).
+- ``transfer-worker-<peer>-N`` (``transfer_threads`` per peer, see peer_workers.py): Mooncake
+  writes; a peer whose calls block holds only its own workers; one room's jobs to one peer
+  always go to the same worker, so its chunks land in order; idle workers end;
+- ``transfer-lookup-<addr>``: one per bootstrap address being looked up (layouts are cached
+  per address; a lookup is retried every 0.2 s while the server answers 503, and fails its
+  rooms once the server has been unreachable for ``LOOKUP_UNREACHABLE_S``); it ends when done.
 
 Every room state change happens under ``self.lock``, which is never held across network
 I/O; the scheduler's ``poll()`` takes it only to read.
@@ -16,12 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -30,11 +29,12 @@ from .bootstrap_client import fetch_layouts, publish_layout
 from .config import TransferConfig
 from .control_channel import ControlChannel
 from .control_messages import AbortRoom, ControlMessage, KVMetadata, Ping, Pong, TransferStatus
-from .errors import BootstrapError, KVAbortedError, KVPeerLostError, RoomInUseError
+from .errors import BootstrapError, KVAbortedError, KVMetadataError, KVPeerLostError, RoomInUseError
 from .kv_contract import BaseKVManager
 from .kv_layout import KVLayout
 from .mooncake_engine import MooncakeEngine
 from .peer_liveness import PeerLiveness
+from .peer_workers import PeerWorkers, TransferJob
 from .poll_state import KVPoll
 from .transfer_metrics import TransferMetrics, transfer_metrics
 
@@ -47,15 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOOKUP_RETRY_S = 0.2
-
-
-@dataclass(frozen=True)
-class TransferJob:
-    """Writes of one chunk of one room to one peer; ``run`` does the I/O, off the lock."""
-
-    peer: str
-    room: int
-    run: Callable[[], None]
+# A bootstrap server refusing connections (or answering garbage) this long is not coming up:
+# its rooms fail now, not at their bootstrap deadline. One still starting answers 503 (retried).
+LOOKUP_UNREACHABLE_S = 1.0
+WORKER_IDLE_S = 5.0
 
 
 class MooncakeKVManager(BaseKVManager):
@@ -101,11 +96,11 @@ class MooncakeKVManager(BaseKVManager):
         self._peer_rooms: dict[str, set[Room]] = {}
         self._peer_idle_since: dict[str, float] = {}
         self._layouts: dict[str, list[KVLayout]] = {}
-        self._lookups: set[str] = set()
+        self._lookups: dict[str, threading.Thread] = {}  # bootstrap address -> its lookup thread
         self._pending_aborts: dict[str, list[tuple[float, int, str]]] = {}
         self._lookup_cv = threading.Condition(self.lock)
-        self._queues: list[queue.SimpleQueue[TransferJob | None]] = [
-            queue.SimpleQueue() for _ in range(config.transfer_threads)]
+        self.workers = PeerWorkers(config.transfer_threads, WORKER_IDLE_S)
+        self.sessions_opened: set[str] = set()  # Mooncake sessions a handshake was queued for
         key = config.transfer_control_key.encode()
         tick_s = min(0.05, config.transfer_heartbeat_interval_s / 4)
         try:
@@ -118,11 +113,6 @@ class MooncakeKVManager(BaseKVManager):
         self.layout = dataclasses.replace(layout, session=self.engine.session_id,
                                           control_endpoint=self.channel.endpoint,
                                           instance_id=self.instance_id)
-        self._threads = [threading.Thread(target=self._worker, args=(q,), name=f"transfer-worker-{i}",
-                                          daemon=True) for i, q in enumerate(self._queues)]
-        self._threads.append(threading.Thread(target=self._lookup_loop, name="transfer-lookup", daemon=True))
-        for thread in self._threads:
-            thread.start()
         log.info("transfer manager %s: session %s, control %s, %d buffers", self.instance_id,
                  self.engine.session_id, self.channel.endpoint, len(layout.buffers))
 
@@ -169,8 +159,7 @@ class MooncakeKVManager(BaseKVManager):
                 self._send_aborts(bootstrap_addr, layouts, [(now, room, reason)])
                 return
             self._pending_aborts.setdefault(bootstrap_addr, []).append((now, room, reason))
-            self._lookups.add(bootstrap_addr)
-            self._lookup_cv.notify_all()
+            self._start_lookup_locked(bootstrap_addr)
 
     def _send_aborts(self, bootstrap_addr: str, layouts: list[KVLayout],
                      aborts: list[tuple[float, int, str]]) -> None:
@@ -192,6 +181,8 @@ class MooncakeKVManager(BaseKVManager):
                 "peer_rooms": sum(len(r) for r in self._peer_rooms.values()),
                 "peer_sockets": self.channel.peer_sockets,
                 "dropped_messages": self.channel.dropped,
+                "worker_threads": self.workers.threads,
+                "lookup_threads": len(self._lookups),
             }
 
     def close(self) -> None:
@@ -203,12 +194,12 @@ class MooncakeKVManager(BaseKVManager):
             for room in [*self._senders.values(), *self._receivers.values()]:
                 room.fail_locked(KVPeerLostError(room.room, "local", "transfer manager closed"), notify=True)
             self._lookup_cv.notify_all()
-        for q in self._queues:
-            q.put(None)
-        for thread in self._threads:
-            thread.join(timeout=2)
+            lookups = list(self._lookups.values())
+        self.workers.close()
+        for thread in lookups:
+            thread.join(timeout=6)  # a lookup may be in its HTTP call (5 s at most)
             if thread.is_alive():
-                log.warning("%s still running at close (blocked in Mooncake?)", thread.name)
+                log.warning("%s still running at close", thread.name)
         self.channel.close()
         self.engine.close()
         with self.lock:
@@ -272,8 +263,8 @@ class MooncakeKVManager(BaseKVManager):
         self.channel.send(endpoint, msg)
 
     def submit(self, job: TransferJob) -> None:
-        """Queues a write job; one room's jobs to one peer always share a worker (in order)."""
-        self._queues[hash((job.peer, job.room)) % len(self._queues)].put(job)
+        """Queues a write job on its peer's workers; one room's jobs to one peer share a worker (in order)."""
+        self.workers.submit(job)
 
     def request_layouts(self, receiver: MooncakeKVReceiver) -> None:
         """Hands ``receiver`` the prefill's layouts now (cached) or when the lookup succeeds."""
@@ -282,8 +273,15 @@ class MooncakeKVManager(BaseKVManager):
             if layouts is not None:
                 receiver.on_layouts_locked(layouts, time.monotonic())
                 return
-            self._lookups.add(receiver.bootstrap_addr)
-            self._lookup_cv.notify_all()
+            self._start_lookup_locked(receiver.bootstrap_addr)
+
+    def _start_lookup_locked(self, addr: str) -> None:
+        """One lookup thread per bootstrap address: an address that hangs delays only its own rooms."""
+        if addr in self._lookups or self._closed:
+            return
+        thread = threading.Thread(target=self._lookup, args=(addr,), name=f"transfer-lookup-{addr}", daemon=True)
+        self._lookups[addr] = thread
+        thread.start()
 
     # ---------------------------------------------------------- control thread
 
@@ -391,49 +389,43 @@ class MooncakeKVManager(BaseKVManager):
             if any(lay.control_endpoint == endpoint for lay in layouts):
                 del self._layouts[addr]
 
-    # ------------------------------------------------------------- workers
+    # ------------------------------------------------------------- lookups
 
-    def _worker(self, jobs: queue.SimpleQueue[TransferJob | None]) -> None:
+    def _lookup(self, addr: str) -> None:
+        """Looks ``addr``'s layouts up until found or nobody waits for them any more."""
+        unreachable_since: float | None = None
         while True:
-            job = jobs.get()
-            if job is None:
-                return
             try:
-                job.run()
-            except Exception:
-                log.exception("transfer job to %s failed", job.peer)
-
-    def _lookup_loop(self) -> None:
-        while True:
+                layouts = fetch_layouts(addr, self.config.transfer_control_key,
+                                        timeout_s=min(5.0, self.config.transfer_bootstrap_timeout_s))
+                problem, unreachable_since = "not every prefill rank registered (503)", None
+            except BootstrapError as exc:
+                layouts, problem = None, str(exc)
+                unreachable_since = unreachable_since or time.monotonic()
             with self.lock:
-                while not self._lookups and not self._closed:
-                    self._lookup_cv.wait()
                 if self._closed:
+                    self._lookups.pop(addr, None)
                     return
-                addrs = list(self._lookups)
-            for addr in addrs:
-                try:
-                    layouts = fetch_layouts(addr, self.config.transfer_control_key,
-                                            timeout_s=min(5.0, self.config.transfer_bootstrap_timeout_s))
-                    problem = "" if layouts is not None else "not every prefill rank registered (503)"
-                except BootstrapError as exc:
-                    layouts, problem = None, str(exc)
-                with self.lock:
-                    waiting = [r for (a, _), r in self._receivers.items()
-                               if a == addr and r.waiting_for_layouts]
-                    aborts = self._pending_aborts.get(addr, [])
-                    if layouts is not None:
-                        self._layouts[addr] = layouts
-                        self._lookups.discard(addr)
-                        now = time.monotonic()
-                        for receiver in waiting:
-                            receiver.on_layouts_locked(layouts, now)
-                        self._send_aborts(addr, layouts, self._pending_aborts.pop(addr, []))
-                    elif not waiting and not aborts:
-                        self._lookups.discard(addr)
-                    else:
-                        log.debug("layout lookup at %s: %s", addr, problem)
-            with self.lock:
-                if self._lookups and not self._closed:
-                    self._lookup_cv.wait(LOOKUP_RETRY_S)
-
+                waiting = [r for (a, _), r in self._receivers.items() if a == addr and r.waiting_for_layouts]
+                if layouts is not None:
+                    self._layouts[addr] = layouts
+                    now = time.monotonic()
+                    for receiver in waiting:
+                        receiver.on_layouts_locked(layouts, now)
+                    self._send_aborts(addr, layouts, self._pending_aborts.pop(addr, []))
+                    self._lookups.pop(addr, None)
+                    return
+                if unreachable_since is not None and time.monotonic() - unreachable_since >= LOOKUP_UNREACHABLE_S:
+                    for receiver in waiting:
+                        receiver.fail_locked(KVMetadataError(receiver.room, f"cannot look the prefill's layout "
+                                                                            f"up: {problem}"), notify=False)
+                    self._pending_aborts.pop(addr, None)  # nobody there to tell
+                    waiting = []
+                if not waiting and not self._pending_aborts.get(addr):
+                    self._lookups.pop(addr, None)
+                    return
+                log.debug("layout lookup at %s: %s", addr, problem)
+                self._lookup_cv.wait(LOOKUP_RETRY_S)
+                if self._closed:
+                    self._lookups.pop(addr, None)
+                    return

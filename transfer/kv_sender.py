@@ -26,14 +26,16 @@ from .errors import (
     KVLengthMismatchError,
     KVMetadataError,
     KVTransferError,
+    KVWorkerError,
     KVWriteError,
     LayoutMismatchError,
     TransferUsageError,
 )
 from .kv_contract import BaseKVSender
 from .kv_layout import KVLayout
-from .kv_manager import MooncakeKVManager, TransferJob
+from .kv_manager import MooncakeKVManager
 from .mooncake_room import MooncakeRoom
+from .peer_workers import TransferJob
 from .poll_state import KVPoll
 from .room_status import RoomStatus
 from .transfer_plan import Segments, aux_segment, concat, page_segments
@@ -164,7 +166,31 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
                              notify=True)
             return
         self._expected_dsts = msg.expected_dsts
+        self._shake_hands(self._dsts[key])
         self._maybe_ready(now)
+
+    def _shake_hands(self, dst: Destination) -> None:
+        """Has the peer's worker open its Mooncake session now, while the peer is known to be alive
+        (it just sent this metadata): Mooncake 0.3.13 runs a session's first handshake under an
+        engine-wide mutex, so a peer that froze before it would stall every peer's writes. The
+        handshake is a write of this room's aux slot, which decode reads only after Success (the
+        real one lands later on the same worker)."""
+        session = dst.layout.session
+        if not dst.meta.write_aux or session in self.mgr.sessions_opened:
+            return
+        self.mgr.sessions_opened.add(session)
+        segment = aux_segment(self.mgr.layout, self._aux_index, dst.layout, dst.meta.dst_aux_index)
+
+        def shake() -> None:
+            if not self.status.final:
+                code = self.mgr.engine.write(session, segment.srcs.tolist(), segment.dsts.tolist(),
+                                             segment.lens.tolist())
+                if code != 0:
+                    log.info("handshake write to %s returned %d", session, code)
+                    with self.mgr.lock:
+                        self.mgr.sessions_opened.discard(session)
+
+        self.mgr.submit(TransferJob(dst.meta.reply_to, self.room, shake, lambda exc: None))
 
     def _check_metadata(self, msg: KVMetadata, dst: KVLayout) -> str:
         local = self.mgr.layout
@@ -229,7 +255,8 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
             if not dst.announced:
                 dst.announced = True
                 self.mgr.send(key[0], self._status_msg(dst, KVPoll.Transferring, ""))
-            self.mgr.submit(TransferJob(key[0], self.room, lambda d=dst, c=chunk: self._write(d, c, aux_index)))
+            self.mgr.submit(TransferJob(key[0], self.room, lambda d=dst, c=chunk: self._write(d, c, aux_index),
+                                        lambda exc, d=dst: self._job_failed(d, exc)))
 
     def _write(self, dst: Destination, chunk: Chunk, aux_index: int) -> None:
         """Worker thread: writes one chunk to one decode rank, then reports (off the lock)."""
@@ -246,6 +273,11 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
                 return
         with self.mgr.lock:
             self._chunk_written(dst, chunk, segments.nbytes, time.monotonic())
+
+    def _job_failed(self, dst: Destination, exc: Exception) -> None:
+        """Worker thread: a write job raised; this room fails, the worker and other rooms go on."""
+        with self.mgr.lock:
+            self.fail_locked(KVWorkerError(self.room, dst.meta.reply_to, exc), notify=True)
 
     def _segments(self, dst: Destination, chunk: Chunk, aux_index: int) -> Segments:
         page_size = self.mgr.layout.page_size
