@@ -32,6 +32,11 @@ class EngineConfig:
         "choices": ("safetensors", "dummy")})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     max_running_requests: int = field(default=64, metadata={"help": "requests decoding at once"})
+    max_waiting_requests: int = field(default=1024, metadata={
+        "help": "requests admitted but not yet running (queued, or waiting for their KV transfer to start); "
+                "past it new requests get 503 with Retry-After"})
+    max_inbox: int = field(default=1024, metadata={
+        "help": "requests handed to the engine loop and not yet taken in; past it, 503 with Retry-After"})
     max_total_tokens: int | None = field(default=None, metadata={
         "help": "KV cache size in tokens (default: from --mem-fraction)"})
     mem_fraction: float = field(default=0.85, metadata={
@@ -61,6 +66,9 @@ class EngineConfig:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.max_waiting_requests < 1 or self.max_inbox < 1:
+            raise ValueError(f"--max-waiting-requests and --max-inbox must be >= 1, got "
+                             f"{self.max_waiting_requests} and {self.max_inbox}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction <= 1.0:

@@ -35,6 +35,13 @@ from splitserve.engine.tp_supervisor import TensorParallelSupervisor
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
+RETRY_AFTER_S = 1  # what an overloaded engine tells clients to wait
+
+
+class EngineOverloaded(RuntimeError):
+    """The engine's inbox or waiting queue is full: the request was not taken (the client may retry)."""
+
+    retry_after_s = RETRY_AFTER_S
 
 
 def start_tp_workers(cfg: EngineConfig, model_folder: Path, model_cfg: ModelConfig) -> TensorParallelSupervisor:
@@ -63,7 +70,7 @@ class EngineState:
     """A consistent snapshot for /internal/state, metrics and leak checks in tests."""
 
     running: int
-    waiting: int
+    waiting: int  # admitted, not yet running: queued, or held by the role until its transfer can start
     parked: int
     kv: KVUsage
 
@@ -101,6 +108,7 @@ class Engine:
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._closing = threading.Lock()
         self._inbox_closed = False
+        self._inbox_adds = 0  # requests in the inbox (aborts and calls are never refused, never counted)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -145,8 +153,17 @@ class Engine:
             self.runner.close()  # the device memory goes back: another engine may start in this process
 
     def submit(self, req: Request) -> None:
+        """Hands `req` to the loop; raises EngineOverloaded (taking nothing) when the inbox or the
+        waiting queue is full. The waiting count is the loop's last snapshot, so at most
+        `max_waiting_requests + max_inbox` requests ever wait."""
         with self._closing:  # the loop closes the inbox under this lock when it dies: no request is lost
             if not self._inbox_closed:
+                if self._inbox_adds >= self.cfg.max_inbox:
+                    raise EngineOverloaded(f"the engine's inbox is full ({self.cfg.max_inbox} requests)")
+                if self._state.waiting >= self.cfg.max_waiting_requests:
+                    raise EngineOverloaded(f"{self._state.waiting} requests are waiting already "
+                                           f"(--max-waiting-requests {self.cfg.max_waiting_requests})")
+                self._inbox_adds += 1
                 self._inbox.put(("add", req))
                 self._wake.set()
                 return
@@ -241,6 +258,8 @@ class Engine:
     def _drain_inbox(self) -> None:
         for kind, item in self._take_inbox():
             if kind == "add":
+                with self._closing:
+                    self._inbox_adds -= 1
                 self._admit(item)  # type: ignore[arg-type]
             elif kind == "abort":
                 rid, reason = item  # type: ignore[misc]
@@ -265,11 +284,12 @@ class Engine:
         if error is not None:
             self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR, error=error))
             return
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         self.requests[req.request_id] = req
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        if not self.role.on_arrival(req):
-            self.scheduler.add(req)
+        with self.request_fault(req, "admitting the request"):
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+            if not self.role.on_arrival(req) and not req.finished:
+                self.scheduler.add(req)
 
     def _may_overlap(self, step: LaunchedStep) -> bool:
         """Overlap only where it is exact: CUDA, one rank, and greedy requests (a penalty or a seed
@@ -300,7 +320,8 @@ class Engine:
         # Only now is the step's KV written on the device (a transfer may read it).
         for c in step.chunks:
             if id(c.request) in live:
-                self.role.on_chunk_done(c.request, c.start + c.length)
+                with self.request_fault(c.request, "the role's handling of a computed chunk"):
+                    self.role.on_chunk_done(c.request, c.start + c.length)
         self._process_samples(out, live)
 
     def _step_failed(self, chunks, exc: Exception) -> None:
@@ -329,11 +350,13 @@ class Engine:
                 continue  # finished (or preempted) while this step ran: its token is not wanted
             lp = [out.logprobs[i]] if out.logprobs is not None and req.params.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None and lp is not None else None
-            self.append_token(req, token, now, lp, top, detokenized=id(req) in detokenized)
+            with self.request_fault(req, "processing a sampled token"):
+                self.append_token(req, token, now, lp, top, detokenized=id(req) in detokenized)
         verified = [v for v in out.verified if id(v.chunk.request) in live and not v.chunk.request.finished]
         self.runner.commit_verified(verified)
         for v in verified:
-            self._append_verified(v, now)
+            with self.request_fault(v.chunk.request, "processing verified draft tokens"):
+                self._append_verified(v, now)
 
     def _append_verified(self, v: VerifiedChunk, now: float) -> None:
         """Appends a verify chunk's tokens one by one, with every stop check plain decoding makes;
@@ -416,9 +439,24 @@ class Engine:
                                     cached_tokens=req.cached_len))
         self._retire(req, reason, cache_prefix=reason is not FinishReason.ERROR)
 
+    @contextlib.contextmanager
+    def request_fault(self, req: Request, what: str) -> Iterator[None]:
+        """Contains a fault of one request: an exception inside ends `req` with an error and
+        nothing else; the loop and every other request carry on. Used where the loop calls
+        per-request code (role hooks, detokenizer, sender/receiver calls)."""
+        try:
+            yield
+        except Exception as exc:
+            logger.exception("request %s: %s failed", req.request_id, what)
+            if not req.finished:
+                self.finish(req, FinishReason.ERROR, f"{what} failed: {exc}")
+
     def _retire(self, req: Request, reason: FinishReason, cache_prefix: bool = True) -> None:
         self.scheduler.remove(req)
-        self.role.on_finish(req)
+        try:
+            self.role.on_finish(req)
+        except Exception:  # the role must not keep the request's pages and slot: they go back regardless
+            logger.exception("request %s: the role's on_finish failed", req.request_id)
         self.kv.release(req, cache_prefix=cache_prefix)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -434,8 +472,8 @@ class Engine:
 
     def _snapshot(self) -> EngineState:
         parked = sum(1 for r in self.requests.values() if r.status is RequestStatus.PARKED)
-        return EngineState(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                           parked=parked, kv=self.kv.usage())
+        waiting = sum(1 for r in self.requests.values() if r.status is RequestStatus.WAITING)
+        return EngineState(running=len(self.scheduler.running), waiting=waiting, parked=parked, kv=self.kv.usage())
 
     def _publish_gauges(self) -> None:
         s = self._state

@@ -49,13 +49,14 @@ class EngineClient:
         self.engine = engine
         self._outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Outbox] = weakref.WeakKeyDictionary()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       bootstrap_addr: str | None = None, bootstrap_room: int | None = None,
-                       images: list[ImageItem] | None = None) -> AsyncIterator[TokenOutput]:
-        """Yields the request's outputs until one has a finish reason.
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 bootstrap_addr: str | None = None, bootstrap_room: int | None = None,
+                 images: list[ImageItem] | None = None) -> AsyncIterator[TokenOutput]:
+        """Submits the request now (raises EngineOverloaded, taking nothing, when the engine is
+        full) and returns its outputs, which end with one that has a finish reason.
 
         If the consumer stops early (client gone, task cancelled), the request is aborted and
-        its pages are freed by the engine loop.
+        its pages are freed by the engine loop; one never iterated must be aborted by the caller.
         """
         loop = asyncio.get_running_loop()
         outbox = self._outboxes.get(loop) or self._outboxes.setdefault(loop, Outbox(loop))
@@ -67,6 +68,9 @@ class EngineClient:
         req = Request(request_id=request_id, prompt_ids=prompt_ids, params=params, on_output=deliver,
                       bootstrap_addr=bootstrap_addr, bootstrap_room=bootstrap_room, images=images or [])
         self.engine.submit(req)
+        return self._outputs(request_id, outputs)
+
+    async def _outputs(self, request_id: str, outputs: asyncio.Queue[TokenOutput]) -> AsyncIterator[TokenOutput]:
         finished = False
         try:
             while not finished:

@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError, MemoryError, OSError) as exc:
         logger.error("cannot start the engine: %s", exc)
         return 1
-    server = ApiServer(engine, images)
+    server = ApiServer(engine, images, control_key=transfer.transfer_control_key)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal; as SystemExit it lets
     # the `finally` below stop the engine (and its tensor-parallel workers) before the process ends.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -15,7 +15,7 @@ MAX_BODY_BYTES = 32 << 20
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 async def read_json(request: HttpRequest) -> Any:

@@ -16,6 +16,7 @@ from splitserve.engine.grammar.spec import InvalidGrammarField, grammar_spec_fro
 from splitserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from splitserve.engine.tools.forcing import forced_call_grammar
 from splitserve.engine.tools.request import InvalidTools, ToolRequest, tool_request_from
+from splitserve.transfer.bootstrap_grant import SIGNATURE_FIELD
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -25,9 +26,11 @@ class ApiError(Exception):
     """An error the client caused; becomes an OpenAI-style error body."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -66,6 +69,12 @@ class GenerationRequest:
     bootstrap_room: int | None = None
     images: list[ImagePart] = field(default_factory=list)  # chat: the image parts, in prompt order
     tools: ToolRequest | None = None  # chat: the tools offered and how they may be used
+    bootstrap_signature: str | None = None  # the router's grant of the three (transfer/bootstrap_grant.py)
+
+    @property
+    def has_bootstrap_fields(self) -> bool:
+        return any(v is not None for v in (self.bootstrap_host, self.bootstrap_port, self.bootstrap_room,
+                                           self.bootstrap_signature))
 
 
 # ---- field readers: each names the field it reads in its error -------------------------------
@@ -227,6 +236,7 @@ def _bootstrap(body: dict[str, Any], req: GenerationRequest) -> GenerationReques
     if room is not None and not 0 <= room < 2**63:
         raise ApiError(f"'bootstrap_room' must be in [0, 2^63), got {room}", "bootstrap_room")
     req.bootstrap_room = room
+    req.bootstrap_signature = _get(body, SIGNATURE_FIELD, (str,), None)
     return req
 
 

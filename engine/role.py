@@ -132,8 +132,14 @@ class ComposedRole(Role):
         return info
 
     def on_finish(self, req: Request) -> None:
+        failed: Exception | None = None
         for b in self.behaviours:
-            b.on_finish(req)
+            try:
+                b.on_finish(req)
+            except Exception as exc:  # the others must still drop what they hold for the request
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def routes(self) -> list[Route]:
         return [r for b in self.behaviours for r in b.routes()]

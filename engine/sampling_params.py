@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from splitserve.engine.grammar.spec import GrammarSpec
@@ -9,6 +10,9 @@ from splitserve.engine.grammar.spec import GrammarSpec
 # Beyond this a logit bias is a ban or a force; OpenAI caps it at 100 as well.
 MAX_LOGIT_BIAS = 100.0
 MAX_TOP_LOGPROBS = 20
+# The sampler holds these in float32 tensors: anything larger (or not finite) overflows in the
+# step and would fail every request of the batch, not just this one.
+FLOAT32_MAX = 3.0e38
 
 
 class InvalidSamplingParams(ValueError):
@@ -74,7 +78,13 @@ class SamplingParams:
              f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"),
             (not (self.ignore_eos and self.grammar is not None),
              "ignore_eos cannot be combined with a structured-output constraint: the grammar ends the output"),
+            # torch.Generator.manual_seed takes 64 bits; a larger seed would fail the whole step.
+            (self.seed is None or -2**63 <= self.seed < 2**64, f"seed must be in [-2^63, 2^64), got {self.seed}"),
         ]
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            checks.append((math.isfinite(value) and abs(value) <= FLOAT32_MAX,
+                           f"{name} must be a finite number of at most {FLOAT32_MAX:g}, got {value}"))
         for ok, message in checks:
             if not ok:
                 raise InvalidSamplingParams(message)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -21,7 +22,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from splitserve.engine.engine import Engine
+from splitserve.engine.engine import Engine, EngineOverloaded
 from splitserve.engine.engine_client import EngineClient
 from splitserve.engine.grammar.compiler import InvalidGrammar
 from splitserve.engine.http_request import error_response, read_json, wait_for_disconnect
@@ -43,6 +44,8 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import ChatTemplateError
 from splitserve.engine.tools.formats import format_for, messages_for_template, template_renders_tools
 from splitserve.engine.tools.streaming import ToolCallStream, final_message
+from splitserve.transfer.bootstrap_grant import SIGNATURE_FIELD, bootstrap_grant_valid
+from splitserve.transfer.bootstrap_server import KEY_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +77,32 @@ class ChoiceResult:
             self.error = out.error
 
 
+def check_bootstrap_grant(gen: GenerationRequest, key: str) -> None:
+    """Bootstrap fields point this engine at a prefill's room: only the router, which holds the
+    group's key, may do that (it signs them). Without a key this engine takes none at all: a
+    client could otherwise make a decode connect anywhere and hold pages for made-up rooms."""
+    if not gen.has_bootstrap_fields:
+        return
+    if not key:
+        raise ApiError("this engine has no --transfer-control-key, so it takes no bootstrap fields "
+                       "(splitserve up and the operator give every engine and the router the group's key)",
+                       "bootstrap_room", status=403, kind="permission_error", code="bootstrap_not_granted")
+    if gen.bootstrap_host is None or gen.bootstrap_port is None or gen.bootstrap_room is None:
+        raise ApiError("bootstrap fields come as a set: 'bootstrap_host', 'bootstrap_port', 'bootstrap_room' "
+                       f"and '{SIGNATURE_FIELD}'", "bootstrap_room", status=403, kind="permission_error",
+                       code="bootstrap_not_granted")
+    if not bootstrap_grant_valid(key, gen.bootstrap_host, gen.bootstrap_port, gen.bootstrap_room,
+                                 gen.bootstrap_signature):
+        raise ApiError(f"'{SIGNATURE_FIELD}' is missing or is not the router's grant of these bootstrap fields",
+                       SIGNATURE_FIELD, status=403, kind="permission_error", code="bootstrap_not_granted")
+
+
 class ApiServer:
     """Builds the Starlette app around one engine."""
 
-    def __init__(self, engine: Engine, images: ImageInputConfig | None = None) -> None:
+    def __init__(self, engine: Engine, images: ImageInputConfig | None = None, control_key: str = "") -> None:
         self.engine = engine
+        self.control_key = control_key  # the group's transfer_control_key: bootstrap grants, /internal/*
         self.image_cfg = images or ImageInputConfig()
         self.vision = engine.model_cfg.vision
         self.image_processor = (ClipImageProcessor.from_folder(engine.model_folder)
@@ -105,6 +129,7 @@ class ApiServer:
     async def completions(self, request: HttpRequest) -> Response:
         body = await read_json(request)
         gen = parse_completion(body, self.model_name, self.vocab_size)
+        check_bootstrap_grant(gen, self.control_key)
         prompts = [self._tokenize(p, add_special=True) for p in gen.prompts]
         return await self._respond(request, gen, prompts)
 
@@ -112,6 +137,7 @@ class ApiServer:
         body = await read_json(request)
         gen, messages = parse_chat(body, self.model_name, self.vocab_size, default_max_tokens=256,
                                    takes_images=self.vision is not None)
+        check_bootstrap_grant(gen, self.control_key)
         items: list[ImageItem] = []
         if gen.images and self.vision is not None:  # every image is checked before any engine work
             items = await image_items(gen.images, self.image_cfg, self.image_processor, self.vision,
@@ -123,8 +149,10 @@ class ApiServer:
             text = self.tokenizer.apply_chat_template(messages, tools=tools)
         except ChatTemplateError as exc:
             raise ApiError(str(exc), "messages") from None
+        except Exception as exc:  # a template that breaks on these messages (a type it does not expect)
+            raise ApiError(f"the chat template cannot render these messages: {exc!r}", "messages") from None
         # The template already spells the special tokens (BOS, role markers) out.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self._tokenize(text, add_special=False)
         if self.vision is not None:
             ids = place_images(ids, items, self.vision)
         return await self._respond(request, gen, [self._tokenize(ids, add_special=False)], items)
@@ -142,7 +170,14 @@ class ApiServer:
     async def metrics(self, _request: HttpRequest) -> Response:
         return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def internal_state(self, _request: HttpRequest) -> Response:
+    def _check_internal_key(self, request: HttpRequest) -> None:
+        """/internal/* is for the group's own processes (and tests): with a key, they must show it."""
+        if self.control_key and not hmac.compare_digest(request.headers.get(KEY_HEADER, ""), self.control_key):
+            raise ApiError(f"missing or wrong {KEY_HEADER}", status=401, kind="authentication_error",
+                           code="invalid_key")
+
+    async def internal_state(self, request: HttpRequest) -> Response:
+        self._check_internal_key(request)
         s = self.engine.state()
         kv = s.kv
         return JSONResponse({
@@ -154,7 +189,8 @@ class ApiServer:
             "tp_worker_pids": self.engine.tp_supervisor.pids() if self.engine.tp_supervisor is not None else {},
         })
 
-    async def flush_cache(self, _request: HttpRequest) -> Response:
+    async def flush_cache(self, request: HttpRequest) -> Response:
+        self._check_internal_key(request)
         done = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
         self.engine.call_soon(lambda: loop.call_soon_threadsafe(
@@ -164,7 +200,10 @@ class ApiServer:
     # ---- shared machinery --------------------------------------------------------------------
 
     def _tokenize(self, prompt: str | list[int], add_special: bool) -> list[int]:
-        ids = self.tokenizer.encode(prompt, add_special) if isinstance(prompt, str) else prompt
+        try:
+            ids = self.tokenizer.encode(prompt, add_special) if isinstance(prompt, str) else prompt
+        except Exception as exc:  # the tokenizer library's own error: this prompt's fault
+            raise ApiError(f"the prompt cannot be tokenized: {exc}", "prompt") from None
         if not ids:
             raise ApiError("the prompt encodes to no tokens", "prompt")
         if len(ids) > self.engine.max_prompt_tokens:
@@ -179,13 +218,22 @@ class ApiServer:
         streams = []
         bootstrap = (f"{gen.bootstrap_host}:{gen.bootstrap_port}"
                      if gen.bootstrap_host is not None and gen.bootstrap_port is not None else None)
-        for p, ids in enumerate(prompts):
-            for j in range(gen.n):
-                index = p * gen.n + j
-                rid = gen.request_id if len(prompts) * gen.n == 1 else f"{gen.request_id}-{index}"
-                stream = self.client.generate(rid, ids, choice_params(gen.params, j), bootstrap, gen.bootstrap_room,
-                                              copies_for_choice(images))
-                streams.append((ChoiceResult(index, ids), stream))
+        submitted: list[str] = []
+        try:
+            for p, ids in enumerate(prompts):
+                for j in range(gen.n):
+                    index = p * gen.n + j
+                    rid = gen.request_id if len(prompts) * gen.n == 1 else f"{gen.request_id}-{index}"
+                    stream = self.client.generate(rid, ids, choice_params(gen.params, j), bootstrap,
+                                                  gen.bootstrap_room,
+                                                  copies_for_choice(images))
+                    submitted.append(rid)
+                    streams.append((ChoiceResult(index, ids), stream))
+        except EngineOverloaded as exc:
+            for rid in submitted:  # all choices or none
+                self.engine.abort(rid, "another choice of the request was refused (engine overloaded)")
+            raise ApiError(f"engine overloaded: {exc}; retry later", status=503, kind="server_error",
+                           code="overloaded", headers={"Retry-After": str(exc.retry_after_s)}) from None
         return streams
 
     async def _compile_grammar(self, gen: GenerationRequest) -> None:

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import httpx
 
+from splitserve.transfer.bootstrap_grant import sign_bootstrap
+from splitserve.transfer.bootstrap_server import KEY_HEADER
+
 REPO = Path(__file__).resolve().parents[1]
+# The group key tests give prefill/decode engines and routers (splitserve up and the operator always
+# give one): it signs bootstrap grants and control messages, and opens /internal/*.
+TEST_CONTROL_KEY = "splitserve-test-group-key"
 
 
 def free_port() -> int:
@@ -70,12 +76,19 @@ class ServerProcess:
         self.proc.wait()
 
 
-def engine_state(base_url: str, key: str = "") -> dict:
-    headers = {"X-Splitserve-Key": key} if key else {}
-    return httpx.get(f"{base_url}/internal/state", timeout=5, headers=headers).json()
+def bootstrap_grant(host: str, port: int, room: int, key: str = TEST_CONTROL_KEY) -> dict:
+    """The bootstrap fields of a request as the router sends them: signed with the group's key."""
+    return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room,
+            "bootstrap_signature": sign_bootstrap(key, host, port, room)}
 
 
-def assert_kv_back_to_start(base_url: str, timeout: float = 10.0, key: str = "") -> dict:
+def engine_state(base_url: str, key: str = TEST_CONTROL_KEY) -> dict:
+    r = httpx.get(f"{base_url}/internal/state", headers={KEY_HEADER: key} if key else {}, timeout=5)
+    r.raise_for_status()
+    return r.json()
+
+
+def assert_kv_back_to_start(base_url: str, timeout: float = 10.0, key: str = TEST_CONTROL_KEY) -> dict:
     """Waits until no request holds anything: no running/waiting/parked, every page free or cached."""
     deadline = time.monotonic() + timeout
     while True:
@@ -106,7 +119,7 @@ class LocalDeployment:
         args = ["serve", "--role", role, "--model", str(self.checkpoint), "--served-model-name", "m",
                 "--port", str(port), *self.engine_args]
         if role in ("prefill", "decode"):
-            args += self.transfer_args
+            args += ["--transfer-control-key", TEST_CONTROL_KEY, *self.transfer_args]
         if role == "prefill":
             args += ["--bootstrap-port", str(free_port()), "--chunked-prefill-size", "8"]
         url = f"http://127.0.0.1:{port}"
@@ -116,7 +129,8 @@ class LocalDeployment:
     def router(self, prefill: list[str], decode: list[str], *extra: str) -> str:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        self.procs[url] = ServerProcess(["router", "--port", str(port), "--prefill", *prefill, "--decode", *decode,
+        self.procs[url] = ServerProcess(["router", "--port", str(port), "--transfer-control-key", TEST_CONTROL_KEY,
+                                         "--prefill", *prefill, "--decode", *decode,
                                          *extra], self.tmp / f"router-{port}.log")
         self.ready_paths[url] = "/ready"  # /health is its liveness
         return url

@@ -27,8 +27,8 @@ _MODULE_OF = {
     **{name: "errors" for name in (
         "BootstrapError", "KVAbortedError", "KVLengthMismatchError", "KVMetadataError", "KVPeerFailedError",
         "KVPeerLostError", "KVTimeoutError", "KVTransferError", "KVWorkerError", "KVWriteError",
-        "LayoutMismatchError", "RdmaUnavailableError", "RoomInUseError", "TransferEngineUnavailableError", "TransferError",
-        "TransferUsageError")},
+        "LayoutMismatchError", "RdmaUnavailableError", "RoomInUseError", "TransferEngineUnavailableError",
+        "TransferError", "TransferUsageError")},
     "BaseKVManager": "kv_contract", "BaseKVReceiver": "kv_contract", "BaseKVSender": "kv_contract",
     **{name: "kv_layout" for name in (
         "AuxBuffer", "KVBuffer", "KVLayout", "aux_buffer_from_tensor", "head_range", "kv_buffers_from_pool",

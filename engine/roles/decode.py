@@ -3,8 +3,9 @@
 A request arrives with the prefill's bootstrap address and the room. Decode gives it a slot
 and pages for the whole prompt (reusing its own prefix cache: those tokens are not sent
 again), starts a receiver, and parks the request. When the room reaches Success the first
-token is read from the aux slot and the request joins the running batch; if it fails, its
-pages are freed and the client gets the reason.
+token is read from the aux slot and the request joins the running batch; if it fails, the
+client gets the reason and its pages, once the metadata went out, are held back for a heartbeat
+timeout (a late write must not land in another request's KV) before they are freed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class DecodeRole(Role):
         self.pending: deque[Request] = deque()  # waiting for a slot and pages
         self.quarantine: deque[tuple[float, list[int]]] = deque()  # (free after, pages) of aborted transfers
         self.receiving: dict[str, Request] = {}
+        self.metadata_sent: set[str] = set()  # requests whose pages a prefill may write into
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
@@ -43,27 +45,39 @@ class DecodeRole(Role):
             self.engine.finish(req, FinishReason.ERROR, "a decode engine needs 'bootstrap_host', 'bootstrap_port' "
                                                         "and 'bootstrap_room' (send requests through the router)")
             return True
-        self.engine.park(req)
-        self.pending.append(req)
+        self.pending.append(req)  # waiting (for a slot and pages), like a request in the scheduler's queue
         self._admit_pending()
         return True
 
     def _admit_pending(self) -> None:
-        kv = self.engine.kv
-        while self.pending and kv.free_slots:
+        while self.pending and self.engine.kv.free_slots:
             req = self.pending[0]
-            prompt_len = len(req.prompt_ids)
-            kv.admit(req, max_prefix_tokens=prompt_len - 1)
-            decode_prefix_len = req.kv_len
-            if not kv.grow(req, prompt_len):
-                kv.release(req)
-                return  # wait for pages to come back
-            self.pending.popleft()
-            receiver = self.endpoint.new_receiver(req.request_id, req.bootstrap_addr, req.bootstrap_room)
-            receiver.init()
-            receiver.send_metadata(req.pages[: kv.pages_for(prompt_len)], req.slot, decode_prefix_len)
-            req.role_state = receiver
-            self.receiving[req.request_id] = req
+            with self.engine.request_fault(req, "reserving its pages and starting its KV receiver"):
+                if not self._admit(req):
+                    return  # wait for pages to come back
+
+    def _admit(self, req: Request) -> bool:
+        kv = self.engine.kv
+        prompt_len = len(req.prompt_ids)
+        kv.admit(req, max_prefix_tokens=prompt_len - 1)
+        decode_prefix_len = req.kv_len
+        if not kv.grow(req, prompt_len):
+            kv.release(req)
+            return False
+        self.pending.popleft()
+        self.engine.park(req)
+        self._start_receiver(req, decode_prefix_len)
+        return True
+
+    def _start_receiver(self, req: Request, decode_prefix_len: int) -> None:
+        # A reused room raises RoomInUseError here: only this request fails, the room's owner goes on.
+        receiver = self.endpoint.new_receiver(req.request_id, req.bootstrap_addr, req.bootstrap_room)
+        req.role_state = receiver
+        self.receiving[req.request_id] = req
+        receiver.init()
+        self.metadata_sent.add(req.request_id)  # from here on the prefill may write into the pages
+        receiver.send_metadata(req.pages[: self.engine.kv.pages_for(len(req.prompt_ids))], req.slot,
+                               decode_prefix_len)
 
     def poll(self) -> None:
         self._release_quarantine()
@@ -72,20 +86,26 @@ class DecodeRole(Role):
         states = self.endpoint.agree(rids, [self.receiving[rid].role_state for rid in rids])
         for rid, status in zip(rids, states, strict=True):
             req = self.receiving[rid]
-            receiver: KVReceiver = req.role_state
-            if status == KVPoll.Success:
-                self.receiving.pop(rid)
-                aux = unpack_aux(self.endpoint.aux, req.slot)
-                receiver.clear()
-                req.kv_len = len(req.prompt_ids)
-                req.cached_len = aux.cached_tokens
-                self.engine.scheduler.add_running(req)
-                self.engine.append_token(req, aux.first_token_id, time.monotonic(),
-                                         [aux.first_token_logprob] if req.params.logprobs is not None else None)
-            elif status == KVPoll.Failed:
-                self.receiving.pop(rid)
-                exc = receiver.failure_exception()
-                self.engine.finish(req, FinishReason.ERROR, f"KV transfer from prefill failed: {exc}")
+            with self.engine.request_fault(req, "taking its KV in"):
+                self._receiver_polled(req, status)
+
+    def _receiver_polled(self, req: Request, status: KVPoll) -> None:
+        receiver: KVReceiver = req.role_state
+        if status == KVPoll.Success:
+            self.receiving.pop(req.request_id)
+            self.metadata_sent.discard(req.request_id)  # every write landed: nothing more can
+            aux = unpack_aux(self.endpoint.aux, req.slot)
+            receiver.clear()
+            req.role_state = None
+            req.kv_len = len(req.prompt_ids)
+            req.cached_len = aux.cached_tokens
+            self.engine.scheduler.add_running(req)
+            self.engine.append_token(req, aux.first_token_id, time.monotonic(),
+                                     [aux.first_token_logprob] if req.params.logprobs is not None else None)
+        elif status == KVPoll.Failed:
+            self.receiving.pop(req.request_id)
+            exc = receiver.failure_exception()
+            self.engine.finish(req, FinishReason.ERROR, f"KV transfer from prefill failed: {exc}")
 
     def idle_poll_interval(self) -> float | None:
         if self.receiving or self.pending:
@@ -101,19 +121,23 @@ class DecodeRole(Role):
             self.endpoint.manager.abort_room(req.bootstrap_room, "decode request ended before it got KV pages",
                                              bootstrap_addr=req.bootstrap_addr)
         receiver = req.role_state  # a KVReceiver, or its ReplicatedRoom on a tensor-parallel engine
+        req.role_state = None
+        if req.request_id in self.metadata_sent:
+            # Failed, aborted or timed out after the metadata went out: a write may still land.
+            self.metadata_sent.discard(req.request_id)
+            self._quarantine_own_pages(req)
         if receiver is not None:
-            state = receiver.poll()
-            if state not in (KVPoll.Success, KVPoll.Failed):
-                receiver.abort("decode request ended before its KV arrived")
-            if state in (KVPoll.WaitingForInput, KVPoll.Transferring):
-                self._quarantine_own_pages(req)
-            receiver.clear()
-            req.role_state = None
+            try:
+                if receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
+                    receiver.abort("decode request ended before its KV arrived")
+            finally:
+                receiver.clear()
 
     def _quarantine_own_pages(self, req: Request) -> None:
         """The prefill may still be writing into this request's pages (a chunk already in flight
-        when the abort reached it): keep them out of the allocator for a while rather than hand
-        them to another request whose KV that late write would corrupt."""
+        when the room failed, timed out or was aborted, or a peer declared dead that is only
+        frozen): keep them out of the allocator for a while rather than hand them to another
+        request whose KV that late write would corrupt."""
         shared = req.kv_len // self.engine.kv.page_size  # the decode's own prefix-cache pages: never written
         own, req.pages = req.pages[shared:], req.pages[:shared]
         if own:

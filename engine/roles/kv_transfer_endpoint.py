@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from splitserve.engine.engine import Engine
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.roles.replicated_transfers import ReplicatedRoom, agree_over_ranks, new_room_op
 from splitserve.transfer import (
     AuxData,
@@ -20,7 +20,16 @@ from splitserve.transfer import (
     pack_aux,
 )
 
+if TYPE_CHECKING:
+    from splitserve.engine.engine import Engine
+
 logger = logging.getLogger(__name__)
+
+
+def aux_slot_count(cfg: EngineConfig) -> int:
+    """Aux slots per rank: decode indexes them by batch slot; prefill gives one to each request from
+    its arrival on (it waits for its decode before it has a batch slot)."""
+    return cfg.max_running_requests + cfg.max_waiting_requests
 
 
 class KVTransferEndpoint:
@@ -32,8 +41,7 @@ class KVTransferEndpoint:
 
     def __init__(self, engine: Engine, config: TransferConfig) -> None:
         pool = engine.runner.kv_pool.buffer
-        # Aux slots are indexed by the request's slot, like every other per-request row.
-        self.aux = make_aux_tensor(engine.cfg.max_running_requests)
+        self.aux = make_aux_tensor(aux_slot_count(engine.cfg))
         if pool.device.type != "cpu" and config.transfer_protocol == "tcp":
             logger.warning("KV pool on %s with the tcp transport: Mooncake TCP stages GPU memory through "
                            "the host; use rdma in production", pool.device)

@@ -1,10 +1,15 @@
 """The prefill role: run the prompt, sample the first token, ship KV + aux to decode, finish.
 
-Each request arrives with the room the router drew. Its sender is created at once; after each
-prefill chunk the complete pages go out (chunked prefill sends as it goes); the last pages
-and the aux data (first token, its logprob, cached-token count) go once the first token is
-sampled. The request is then parked, holding its pages, until the room reaches Success (the
-pages go to the prefix cache) or Failed (the client gets the reason).
+Each request arrives with the room the router drew. Its sender is created and initialised at
+once, and the request waits, computing nothing, until its decode has reserved pages and sent
+the metadata (the room leaves Bootstrapping): SGLang's order, so a decode short of pages holds
+requests back here instead of filling this engine with KV nobody can receive. Then the prompt
+is scheduled; after each prefill chunk the complete pages go out (chunked prefill sends as it
+goes); the last pages and the aux data (first token, its logprob, cached-token count) go once
+the first token is sampled. The request is then parked, holding its pages, until the room
+reaches Success (the pages go to the prefix cache) or Failed (the client gets the reason).
+
+Aux slots are this role's own (a request needs one from arrival, before it has a batch slot).
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PrefillState:
-    """One request's sender and how many of its prompt pages have gone out."""
+    """One request's sender, its aux slot and how many of its prompt pages have gone out."""
 
     sender: KVSender  # or its ReplicatedRoom on a tensor-parallel engine
+    aux_index: int
     pages_sent: int = 0
-    initialised: bool = False
     finish: FinishReason | None = None
 
 
@@ -39,11 +44,13 @@ class PrefillRole(Role):
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
-        self.parked: dict[str, Request] = {}
+        self.bootstrapping: dict[str, Request] = {}  # waiting for the decode's metadata: nothing computed
+        self.parked: dict[str, Request] = {}  # first token sampled: waiting for the transfer to finish
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
         self.endpoint = KVTransferEndpoint(engine, self.config)
+        self.free_aux = list(range(self.endpoint.aux.shape[0] - 1, -1, -1))
         self.bootstrap = BootstrapServer(self.config.transfer_host, self.config.bootstrap_port,
                                          key=self.config.transfer_control_key).start()
         self.bootstrap_addr = self.bootstrap.address
@@ -59,18 +66,19 @@ class PrefillRole(Role):
             self.engine.finish(req, FinishReason.ERROR, "a prefill engine needs 'bootstrap_room' (send requests "
                                                         "through the router)")
             return True
-        req.role_state = PrefillState(self.endpoint.new_sender(req.request_id, self.bootstrap_addr,
-                                                               req.bootstrap_room))
-        return False
-
-    def _ensure_init(self, req: Request, state: PrefillState) -> None:
-        if not state.initialised:
-            state.sender.init(self.engine.kv.pages_for(len(req.prompt_ids)), req.slot)
-            state.initialised = True
+        if not self.free_aux:
+            self.engine.finish(req, FinishReason.ERROR, "prefill engine overloaded: every aux slot is taken by "
+                                                        "a request waiting for its decode")
+            return True
+        # A reused room raises RoomInUseError here: the engine fails this request, not the room's owner.
+        sender = self.endpoint.new_sender(req.request_id, self.bootstrap_addr, req.bootstrap_room)
+        req.role_state = PrefillState(sender, self.free_aux.pop())
+        sender.init(self.engine.kv.pages_for(len(req.prompt_ids)), req.role_state.aux_index)
+        self.bootstrapping[req.request_id] = req
+        return True
 
     def on_chunk_done(self, req: Request, computed_len: int) -> None:
         state: PrefillState = req.role_state
-        self._ensure_init(req, state)
         # Only whole pages may go before the last chunk; the partial tail goes with the aux data.
         full = min(computed_len, len(req.prompt_ids)) // self.engine.kv.page_size
         if full > state.pages_sent and computed_len < len(req.prompt_ids):
@@ -79,8 +87,7 @@ class PrefillRole(Role):
 
     def on_token(self, req: Request, finish: FinishReason | None) -> bool:
         state: PrefillState = req.role_state
-        self._ensure_init(req, state)
-        self.endpoint.pack_aux(req.slot, AuxData(req.output_ids[0], req.first_token_logprob, req.cached_len))
+        self.endpoint.pack_aux(state.aux_index, AuxData(req.output_ids[0], req.first_token_logprob, req.cached_len))
         prompt_pages = self.engine.kv.pages_for(len(req.prompt_ids))
         state.sender.send(req.pages[state.pages_sent:prompt_pages], last_chunk=True)
         state.pages_sent = prompt_pages
@@ -90,30 +97,54 @@ class PrefillRole(Role):
         return True
 
     def poll(self) -> None:
-        rids = list(self.parked)
-        states = self.endpoint.agree(rids, [self.parked[rid].role_state.sender for rid in rids])
-        for rid, status in zip(rids, states, strict=True):
-            req = self.parked[rid]
-            state: PrefillState = req.role_state
-            if status == KVPoll.Success:
-                self.parked.pop(rid)
-                self.engine.finish(req, state.finish or FinishReason.LENGTH)
-            elif status == KVPoll.Failed:
-                self.parked.pop(rid)
-                exc = state.sender.failure_exception()
-                self.engine.finish(req, FinishReason.ERROR, f"KV transfer to decode failed: {exc}")
+        waiting, parked = list(self.bootstrapping), list(self.parked)
+        held = {**self.bootstrapping, **self.parked}
+        states = self.endpoint.agree(waiting + parked, [held[rid].role_state.sender for rid in waiting + parked])
+        for rid, status in zip(waiting + parked, states, strict=True):
+            req = held[rid]
+            with self.engine.request_fault(req, "polling its KV transfer"):
+                if rid in self.bootstrapping:
+                    self._bootstrap_polled(req, status)
+                else:
+                    self._transfer_polled(req, status)
+
+    def _bootstrap_polled(self, req: Request, status: KVPoll) -> None:
+        if status == KVPoll.Bootstrapping:
+            return
+        del self.bootstrapping[req.request_id]
+        if status == KVPoll.Failed:
+            self.engine.finish(req, FinishReason.ERROR, f"KV transfer to decode failed before the prompt ran: "
+                                                        f"{req.role_state.sender.failure_exception()}")
+        else:  # the decode's pages are reserved and its metadata is here: now compute the prompt
+            self.engine.scheduler.add(req)
+
+    def _transfer_polled(self, req: Request, status: KVPoll) -> None:
+        state: PrefillState = req.role_state
+        if status == KVPoll.Success:
+            del self.parked[req.request_id]
+            self.engine.finish(req, state.finish or FinishReason.LENGTH)
+        elif status == KVPoll.Failed:
+            del self.parked[req.request_id]
+            self.engine.finish(req, FinishReason.ERROR, f"KV transfer to decode failed: "
+                                                        f"{state.sender.failure_exception()}")
 
     def idle_poll_interval(self) -> float | None:
-        return 0.002 if self.parked else None
+        return 0.002 if self.parked or self.bootstrapping else None
 
     def on_finish(self, req: Request) -> None:
         self.parked.pop(req.request_id, None)
+        self.bootstrapping.pop(req.request_id, None)
         state = req.role_state
-        if isinstance(state, PrefillState):
+        if not isinstance(state, PrefillState):
+            return
+        req.role_state = None
+        try:
             if state.sender.poll() not in (KVPoll.Success, KVPoll.Failed):
                 state.sender.abort("prefill request ended before its KV was sent")
+        finally:
             state.sender.clear()
-            req.role_state = None
+            # A write still in flight only reads this slot (and the request's pages): reusing them is safe.
+            self.free_aux.append(state.aux_index)
 
     def close(self) -> None:
         self.endpoint.close()

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel_state import TensorParallel
+from splitserve.engine.roles.kv_transfer_endpoint import aux_slot_count
 from splitserve.engine.roles.replicated_transfers import REPLAYED_METHODS
 from splitserve.transfer import (
     KVManager,
@@ -42,7 +43,7 @@ class RankTransfers:
     def __init__(self, runner: ModelRunner, tp: TensorParallel, role: str, config: TransferConfig,
                  bootstrap_addr: str | None) -> None:
         self.device = runner.device
-        self.aux = make_aux_tensor(runner.cfg.max_running_requests)
+        self.aux = make_aux_tensor(aux_slot_count(runner.cfg))
         layout = layout_for_pool(runner.kv_pool.buffer, self.aux, tp_size=tp.size, tp_rank=tp.rank,
                                  num_kv_heads=runner.model_cfg.num_kv_heads)
         # Rank 0 holds any fixed control port; the other ranks take free ones.

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 from engine_checkpoints import write
-from servers import LocalDeployment, assert_kv_back_to_start, engine_state, free_port
+from servers import LocalDeployment, assert_kv_back_to_start, bootstrap_grant, engine_state, free_port
 
 ENGINE_ARGS = ["--page-size", "4", "--max-total-tokens", "8192", "--max-running-requests", "16", "--device", "cpu"]
 # Fast failure detection for the tests; the defaults are for production.
@@ -174,8 +174,8 @@ def test_router_fans_out_n_and_prompt_lists_like_the_unified_engine(cluster, str
 
 def test_unreachable_bootstrap_fails_the_decode_request_and_frees_its_pages(cluster) -> None:
     """A decode told to meet a prefill that is not there fails within the bootstrap timeout."""
-    body = {"model": "m", "prompt": list(range(30)), "max_tokens": 4, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": free_port(), "bootstrap_room": 12345}
+    body = {"model": "m", "prompt": list(range(30)), "max_tokens": 4,
+            **bootstrap_grant("127.0.0.1", free_port(), 12345)}
     started = time.monotonic()
     r = httpx.post(f"{cluster['decode'][1]}/v1/completions", json=body, timeout=120)
     assert r.status_code == 503
@@ -237,11 +237,11 @@ def test_request_dropped_while_waiting_for_decode_pages_releases_the_prefill_at_
         decode = d.engine("decode", "--max-running-requests", "1", *slow)
         d.wait([prefill, decode])
         info = httpx.get(f"{prefill}/health", timeout=5).json()
-        meet = {"bootstrap_host": info["bootstrap_host"], "bootstrap_port": info["bootstrap_port"]}
+        host, port = info["bootstrap_host"], info["bootstrap_port"]
 
         def post_in_background(url: str, room: int, prompt: list[int], max_tokens: int = 4) -> None:
-            body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "bootstrap_room": room,
-                    "ignore_eos": True, **meet}
+            body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                    **bootstrap_grant(host, port, room)}
             threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=120),
                              daemon=True).start()
 
@@ -249,18 +249,21 @@ def test_request_dropped_while_waiting_for_decode_pages_releases_the_prefill_at_
         post_in_background(prefill, 777, list(range(30)), max_tokens=900)
         post_in_background(decode, 777, list(range(30)), max_tokens=900)
         deadline = time.monotonic() + 20
-        while httpx.get(f"{decode}/internal/state", timeout=5).json()["running"] < 1:
+        while engine_state(decode)["running"] < 1:
             assert time.monotonic() < deadline, "the slot holder never started decoding"
             time.sleep(0.02)
-        post_in_background(prefill, 4242, list(range(50, 90)))  # prefill runs it, then waits for decode
-        while httpx.get(f"{prefill}/internal/state", timeout=5).json()["parked"] < 1:
-            assert time.monotonic() < deadline, "the prefill never parked its request"
+        steps_before = engine_state(prefill)["steps"]
+        post_in_background(prefill, 4242, list(range(50, 90)))  # prefill holds it until decode has pages
+        while engine_state(prefill)["waiting"] < 1:
+            assert time.monotonic() < deadline, "the prefill never took the request"
             time.sleep(0.02)
         with pytest.raises(httpx.ReadTimeout):  # decode keeps it pending (no slot); the client gives up
             httpx.post(f"{decode}/v1/completions", timeout=1.0, json={
-                "model": "m", "prompt": list(range(50, 90)), "max_tokens": 4, "bootstrap_room": 4242, **meet})
-        assert httpx.get(f"{decode}/internal/state", timeout=5).json()["running"] == 1, "the holder ended too soon"
+                "model": "m", "prompt": list(range(50, 90)), "max_tokens": 4, **bootstrap_grant(host, port, 4242)})
+        assert engine_state(decode)["running"] == 1, "the holder ended too soon"
         assert_kv_back_to_start(prefill, timeout=1.5)  # not the 60 s timeout: decode told it
+        # SGLang's order: a prefill computes nothing before its decode has pages (and sent metadata).
+        assert engine_state(prefill)["steps"] == steps_before, "prefill ran a prompt no decode had pages for"
     finally:
         d.stop()
 
@@ -288,8 +291,8 @@ def test_pages_of_a_transfer_aborted_mid_way_are_held_back_briefly_then_freed(cl
     out of the allocator for the heartbeat timeout (1 s here) instead of reusing them at once."""
     decode, prefill = cluster["decode"][1], cluster["prefill"][1]
     info = httpx.get(f"{prefill}/health", timeout=5).json()
-    body = {"model": "m", "prompt": list(range(60)), "max_tokens": 4, "bootstrap_room": 99991,
-            "bootstrap_host": info["bootstrap_host"], "bootstrap_port": info["bootstrap_port"]}
+    body = {"model": "m", "prompt": list(range(60)), "max_tokens": 4,
+            **bootstrap_grant(info["bootstrap_host"], info["bootstrap_port"], 99991)}
     with pytest.raises(httpx.ReadTimeout):  # no prefill request for this room: decode waits for KV
         httpx.post(f"{decode}/v1/completions", json=body, timeout=1.0)
     deadline = time.monotonic() + 5
