@@ -100,7 +100,8 @@ class MooncakeKVManager(BaseKVManager):
         self._pending_aborts: dict[str, list[tuple[float, int, str]]] = {}
         self._lookup_cv = threading.Condition(self.lock)
         self.workers = PeerWorkers(config.transfer_threads, WORKER_IDLE_S)
-        self.sessions_opened: set[str] = set()  # Mooncake sessions a handshake was queued for
+        # Mooncake sessions whose handshake was queued (False) or done (True): see MooncakeKVSender._shake_hands.
+        self.sessions_opened: dict[str, bool] = {}
         key = config.transfer_control_key.encode()
         tick_s = min(0.05, config.transfer_heartbeat_interval_s / 4)
         try:

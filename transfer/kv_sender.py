@@ -178,17 +178,17 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         session = dst.layout.session
         if not dst.meta.write_aux or session in self.mgr.sessions_opened:
             return
-        self.mgr.sessions_opened.add(session)
+        self.mgr.sessions_opened[session] = False
         segment = aux_segment(self.mgr.layout, self._aux_index, dst.layout, dst.meta.dst_aux_index)
 
         def shake() -> None:
-            if not self.status.final:
-                code = self.mgr.engine.write(session, segment.srcs.tolist(), segment.dsts.tolist(),
-                                             segment.lens.tolist())
-                if code != 0:
+            code = self.mgr.engine.write(session, segment.srcs.tolist(), segment.dsts.tolist(), segment.lens.tolist())
+            with self.mgr.lock:
+                if code == 0:
+                    self.mgr.sessions_opened[session] = True
+                else:  # the room's own writes will fail and say why; the next room tries again
                     log.info("handshake write to %s returned %d", session, code)
-                    with self.mgr.lock:
-                        self.mgr.sessions_opened.discard(session)
+                    self.mgr.sessions_opened.pop(session, None)
 
         self.mgr.submit(TransferJob(dst.meta.reply_to, self.room, shake, lambda exc: None))
 

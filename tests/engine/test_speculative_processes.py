@@ -15,14 +15,22 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import REPO, ServerProcess, assert_kv_back_to_start, free_port, splitserve_env, wait_http_ok
+from servers import (
+    REPO,
+    TEST_CONTROL_KEY,
+    ServerProcess,
+    assert_kv_back_to_start,
+    free_port,
+    splitserve_env,
+    wait_http_ok,
+)
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.offline import generate_tokens
 from splitserve.engine.sampling_params import SamplingParams
 
-KEY = {"SPLITSERVE_TRANSFER_CONTROL_KEY": "7e" * 16}
+KEY = {"SPLITSERVE_TRANSFER_CONTROL_KEY": TEST_CONTROL_KEY}  # also opens /internal/* for the leak checks
 ENGINE_ARGS = ["--model", "tiny", "--device", "cpu", "--page-size", "4", "--max-total-tokens", "4096"]
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [40, 41, 42, 43, 44, 45], [100, 7, 100], [3, 3, 3, 3]]
 MAX_TOKENS = 120
@@ -125,6 +133,7 @@ def test_up_with_drafters_serves_prefill_decode_with_speculation(tmp_path: Path,
     proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", "cpu",
                              "--model", "tiny", "--prefill", "1", "--decode", "1", "--drafter", "1",
                              "--speculative-tokens", "3",
+                             "--transfer-control-key", TEST_CONTROL_KEY,
                              "--engine-args", "--draft-wait-ms 30 --page-size 4"],
                             stdout=subprocess.PIPE, stderr=log, text=True, env=splitserve_env(), cwd=REPO.parent)
     try:
