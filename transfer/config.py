@@ -41,7 +41,8 @@ class TransferConfig:
     transfer_heartbeat_misses: int = field(default=5, metadata={
         "help": "a peer silent for this many heartbeat intervals is dead and its rooms fail"})
     transfer_threads: int = field(default=2, metadata={
-        "help": "transfer worker threads per manager (each drives Mooncake writes to its peers)"})
+        "help": "Mooncake write threads per peer (started on demand, ended when idle; a peer whose "
+                "calls block holds only its own)"})
     transfer_max_batch_segments: int = field(default=1024, metadata={
         "help": "segments per Mooncake batch (its TCP lane rejects batches of a few thousand)"})
     transfer_control_key: str = field(default="", metadata={
