@@ -143,9 +143,9 @@ class ApiServer:
             items = await image_items(gen.images, self.image_cfg, self.image_processor, self.vision,
                                       accept_refs=self.engine.role.name != "unified")
         renders_tools = template_renders_tools(self.tokenizer.chat_template)
-        messages = messages_for_template(messages, gen.tools, self.tool_format, renders_tools)
         tools = [f.as_openai() for f in gen.tools.tools] if gen.tools is not None and renders_tools else None
         try:
+            messages = messages_for_template(messages, gen.tools, self.tool_format, renders_tools)
             text = self.tokenizer.apply_chat_template(messages, tools=tools)
         except ChatTemplateError as exc:
             raise ApiError(str(exc), "messages") from None
