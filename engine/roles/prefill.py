@@ -37,6 +37,13 @@ class PrefillState:
     finish: FinishReason | None = None
 
 
+def awaits_encoder(req: Request) -> bool:
+    """Image rows an encoder computes are still to come: the embedding receiver holds the request
+    until they land and hands it to the scheduler then; its chunks wait in the room for the decode's
+    metadata (the order above holds for every other request)."""
+    return any(item.embedding is None and item.pixels is None for item in req.images)
+
+
 class PrefillRole(Role):
     """Prefill: the engine loop plus a KV sender per request and a bootstrap server."""
 
@@ -74,6 +81,8 @@ class PrefillRole(Role):
         sender = self.endpoint.new_sender(req.request_id, self.bootstrap_addr, req.bootstrap_room)
         req.role_state = PrefillState(sender, self.free_aux.pop())
         sender.init(self.engine.kv.pages_for(len(req.prompt_ids)), req.role_state.aux_index)
+        if awaits_encoder(req):
+            return False  # the embedding receiver holds it (one holder at a time: engine/role.py)
         self.bootstrapping[req.request_id] = req
         return True
 

@@ -18,7 +18,15 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from servers import ServerProcess, assert_kv_back_to_start, free_port, wait_http_ok
+from servers import (
+    TEST_CONTROL_KEY,
+    ServerProcess,
+    assert_kv_back_to_start,
+    bootstrap_grant,
+    engine_state,
+    free_port,
+    wait_http_ok,
+)
 
 from splitserve.engine.tiny_llava import write_llava_checkpoint
 
@@ -26,7 +34,8 @@ pytestmark = pytest.mark.slow
 
 ENGINE = ["--served-model-name", "m", "--device", "cpu", "--page-size", "4", "--max-total-tokens", "2048",
           "--max-running-requests", "8"]
-TRANSFER = ["--transfer-heartbeat-interval-s", "0.3", "--transfer-heartbeat-misses", "4"]
+TRANSFER = ["--transfer-heartbeat-interval-s", "0.3", "--transfer-heartbeat-misses", "4",
+            "--transfer-control-key", TEST_CONTROL_KEY]
 
 
 class Deployment:
@@ -66,7 +75,8 @@ def deployment(tmp_path_factory):
              "--embedding-timeout-s", "3", "--embedding-hold-s", "0.5", *TRANSFER)
     d.bootstrap_port = bootstrap
     d.engine("decode", "decode", *TRANSFER)
-    pd = ["--prefill", d.url("prefill"), "--decode", d.url("decode"), "--health-interval-s", "0.3"]
+    pd = ["--prefill", d.url("prefill"), "--decode", d.url("decode"), "--health-interval-s", "0.3",
+          "--transfer-control-key", TEST_CONTROL_KEY]
     d.start("router-1e", ["router", *pd, "--encode", d.url("encode-a")])
     d.start("router-2e", ["router", *pd, "--encode", d.url("encode-a"), d.url("encode-b")])
     d.start("router-failover", ["router", *pd, "--encode", d.url("encode-b"), d.url("encode-c")])
@@ -161,7 +171,7 @@ def test_text_only_requests_skip_the_encoders(deployment: Deployment) -> None:
 
 
 def test_bad_images_are_400s_before_any_prefill_work(deployment: Deployment) -> None:
-    steps = httpx.get(f"{deployment.url('prefill')}/internal/state").json()["steps"]
+    steps = engine_state(deployment.url('prefill'))["steps"]
     bad = [("data:image/png;base64,@@@", "invalid_image"), ("data:image/gif;base64,R0lGODlh", "unsupported_image_type"),
            ("data:image/png;base64," + base64.b64encode(b"not a png at all").decode(), "invalid_image"),
            ("ftp://example/x.png", "unsupported_image_url")]
@@ -170,14 +180,13 @@ def test_bad_images_are_400s_before_any_prefill_work(deployment: Deployment) -> 
         r = httpx.post(f"{deployment.url('router-2e')}/v1/chat/completions", json=body(parts), timeout=30)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "messages[0].content[2]" and r.json()["error"]["code"] == code
-    assert httpx.get(f"{deployment.url('prefill')}/internal/state").json()["steps"] == steps
+    assert engine_state(deployment.url('prefill'))["steps"] == steps
     assert_everything_back(deployment)
 
 
 def prefill_and_decode(d: Deployment, parts: list[dict]) -> tuple[httpx.Response, httpx.Response]:
     """One request sent to the prefill and the decode directly, as the router would (no encoder call)."""
-    pd = {**body(parts), "bootstrap_host": "127.0.0.1", "bootstrap_port": d.bootstrap_port,
-          "bootstrap_room": secrets.randbits(63)}
+    pd = {**body(parts), **bootstrap_grant("127.0.0.1", d.bootstrap_port, secrets.randbits(63))}
 
     async def both() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=30) as client:
