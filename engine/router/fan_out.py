@@ -151,11 +151,25 @@ async def _merged_stream(sequences: list[Sequence], responses: list[Response],
                         "model": last.get("model"), "choices": [], "usage": summed_usage(sequences, usages)})
         yield b"data: [DONE]\n\n"
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for r in responses:
-            await _close(r)
+        # The client may be gone: the server cancels this generator, and under anyio every later
+        # await here is cancelled too. The closing runs as its own task, held until it is done.
+        cleanup = asyncio.ensure_future(_end_sequences(tasks, responses))
+        _CLEANUPS.add(cleanup)
+        cleanup.add_done_callback(_CLEANUPS.discard)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(cleanup)
+
+
+_CLEANUPS: set[asyncio.Future] = set()
+
+
+async def _end_sequences(tasks: list[asyncio.Future], responses: list[Response]) -> None:
+    """Stops the pumps and closes every sequence's stream (its engines abort the request)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for r in responses:
+        await _close(r)
 
 
 async def _sse_events(response: Response) -> AsyncIterator[dict[str, Any]]:

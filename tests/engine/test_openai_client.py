@@ -246,3 +246,15 @@ def test_tool_results_render_back(deployment) -> None:
     assert "<tools>" in prompt and '"name": "get_weather"' in prompt  # this template renders no tools itself
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "oslo", "days": 1}}\n</tool_call>' in prompt
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
+
+
+def test_a_client_leaving_a_fanned_out_stream_frees_every_sequence(deployment) -> None:
+    """n = 3 through 1P1D, streamed; the client reads one event and leaves: every sequence is
+    aborted on the engines (the autouse check: all pages back, no request left)."""
+    import httpx
+
+    body = {"model": MODEL, "prompt": "leave", "n": 3, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{deployment['1p1d']}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"]
