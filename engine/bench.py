@@ -281,7 +281,8 @@ def pd_ttft(cfg: BenchConfig) -> dict:
                 run_cfg = dataclasses.replace(cfg, concurrency=level, num_requests=max(cfg.num_requests, level))
                 results[name][level] = asyncio.run(http_load(url, run_cfg))
                 if name == "1p1d":
-                    results.setdefault("transfer_metrics", {})[level] = scrape_transfer_metrics(deployment)
+                    totals = scrape_metric_totals(deployment, "splitserve_transfer_")
+                    results.setdefault("transfer_metrics", {})[level] = totals
         finally:
             deployment.stop()
     results["ratios"] = {}
@@ -295,8 +296,9 @@ def pd_ttft(cfg: BenchConfig) -> dict:
     return results
 
 
-def scrape_transfer_metrics(deployment) -> dict[str, float]:
-    """Sums of the transfer layer's Prometheus counters over the deployment's engines."""
+def scrape_metric_totals(deployment, prefix: str) -> dict[str, float]:
+    """Each Prometheus metric whose name starts with `prefix`, summed over the deployment's engines
+    and over its labels (histogram buckets and `_created` timestamps left out)."""
     totals: dict[str, float] = {}
     for url, _ in deployment.procs:
         try:
@@ -304,7 +306,7 @@ def scrape_transfer_metrics(deployment) -> dict[str, float]:
         except httpx.HTTPError:
             continue
         for line in text.splitlines():
-            if line.startswith("splitserve_transfer_") and not line.startswith("#") and "_bucket" not in line:
+            if line.startswith(prefix) and "_bucket" not in line and "_created" not in line:
                 name, value = line.rsplit(" ", 1)
                 key = name.split("{", 1)[0]
                 totals[key] = totals.get(key, 0.0) + float(value)

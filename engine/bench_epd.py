@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 
 from splitserve.config_flags import add_config_flags, config_from_args
-from splitserve.engine.bench import percentiles
+from splitserve.engine.bench import percentiles, scrape_metric_totals
 
 
 @dataclass
@@ -170,7 +170,7 @@ def ttft_comparison(cfg: EPDBenchConfig) -> dict:
                 if name == "epd":  # the same images again: every one is in the encoder's cache
                     out["epd_cached"][rate] = asyncio.run(load_at_rate(url, images, rate, cfg.max_tokens, i))
             if name == "epd":
-                out["encoder_metrics"] = encoder_metrics(deployment)
+                out["encoder_metrics"] = scrape_metric_totals(deployment, "splitserve_embedding_")
         finally:
             deployment.stop()
     out["ratios"] = {rate: {
@@ -178,20 +178,6 @@ def ttft_comparison(cfg: EPDBenchConfig) -> dict:
         "ttft_p50_cached_over_fresh": out["epd_cached"][rate]["ttft_s"]["p50"] / out["epd"][rate]["ttft_s"]["p50"],
     } for rate in cfg.rates}
     return out
-
-
-def encoder_metrics(deployment) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for url, _ in deployment.procs:
-        try:
-            text = httpx.get(f"{url}/metrics", timeout=5).text
-        except httpx.HTTPError:
-            continue
-        for line in text.splitlines():
-            if line.startswith("splitserve_embedding_") and "_bucket" not in line and "_created" not in line:
-                name, value = line.rsplit(" ", 1)
-                totals[name] = totals.get(name, 0.0) + float(value)
-    return totals
 
 
 def print_report(report: dict) -> None:
