@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
-from splitserve.engine.engine import Engine
+from splitserve.engine.engine import Engine, EngineOverloaded
 from splitserve.engine.request import Request, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -18,12 +19,15 @@ def generate_tokens(engine: Engine, prompts: list[list[int]], params: SamplingPa
                     stagger_s: float = 0.0, observe: Callable[[TokenOutput], None] | None = None) -> list[list[int]]:
     """Output token ids of every prompt, submitted together (or `stagger_s` apart) to a started engine.
 
+    The engine's inbox and waiting queue are bounded: a prompt that finds them full is submitted again
+    once the loop has taken some in, so any number of prompts can be passed at once.
     `observe`, if given, sees every output as it arrives, on the engine's thread (for timings).
     """
     outs: dict[str, list[int]] = {}
     errors: list[str] = []
     finished: set[str] = set()
     done = threading.Event()
+    deadline = time.monotonic() + timeout
 
     def collect(out: TokenOutput) -> None:
         if observe is not None:
@@ -37,11 +41,23 @@ def generate_tokens(engine: Engine, prompts: list[list[int]], params: SamplingPa
                 done.set()
 
     for i, prompt in enumerate(prompts):
-        engine.submit(Request(f"offline-{id(outs)}-{i}", list(prompt), params, collect))
+        submit_when_taken(engine, Request(f"offline-{id(outs)}-{i}", list(prompt), params, collect), deadline)
         if stagger_s:
             done.wait(stagger_s)
-    if not done.wait(timeout):
+    if not done.wait(max(0.0, deadline - time.monotonic())):
         raise TimeoutError(f"{len(prompts) - len(finished)} of {len(prompts)} requests unfinished after {timeout} s")
     if errors:
         raise GenerationFailed("; ".join(errors[:3]))
     return [outs[f"offline-{id(outs)}-{i}"] for i in range(len(prompts))]
+
+
+def submit_when_taken(engine: Engine, req: Request, deadline: float, poll_s: float = 0.005) -> None:
+    """Submits `req`, waiting while the engine refuses it as overloaded (it takes nothing then)."""
+    while True:
+        try:
+            engine.submit(req)
+            return
+        except EngineOverloaded as exc:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{req.request_id} was never taken: {exc}") from exc
+            time.sleep(poll_s)  # the loop drains its inbox every turn

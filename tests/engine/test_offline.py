@@ -107,3 +107,18 @@ def test_a_step_of_one_token_chunks_where_a_prompt_chunk_samples_nothing() -> No
         assert_all_pages_back(engine)
     finally:
         engine.stop()
+
+
+def test_more_prompts_than_the_bounded_inbox_all_complete() -> None:
+    # An inbox of 2 and a waiting queue of 2: 24 prompts at once must wait for room, not be refused.
+    small = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=1024,
+                                max_running_requests=2, max_inbox=2, max_waiting_requests=2))
+    small.start()
+    try:
+        prompts = [[1 + i, 2, 3] for i in range(24)]
+        together = generate_tokens(small, prompts, GREEDY, timeout=120)
+        assert together[:3] == [generate_tokens(small, [p], GREEDY)[0] for p in prompts[:3]]
+        assert all(len(t) == 12 for t in together)
+        assert_all_pages_back(small)
+    finally:
+        small.stop()
