@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -94,6 +95,20 @@ class ServerProcess:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+@contextlib.contextmanager
+def served(serve_args: list[str], log: Path, timeout: float = 120.0) -> Iterator[str]:
+    """`splitserve serve *serve_args` on a free port: yields its base URL once `/health` answers, and
+    stops the process on exit (for the many module fixtures that serve one engine)."""
+    port = free_port()
+    proc = ServerProcess(["serve", *serve_args, "--port", str(port)], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(f"{url}/health", proc.proc, timeout, proc.log)
+        yield url
+    finally:
+        proc.stop()
 
 
 def bootstrap_grant(host: str, port: int, room: int, key: str = TEST_CONTROL_KEY) -> dict:

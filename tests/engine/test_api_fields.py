@@ -4,7 +4,7 @@ implemented, ignored on purpose (the README lists those), or refused with a 400 
 from __future__ import annotations
 
 import pytest
-from servers import ServerProcess, assert_kv_back_to_start, free_port, wait_http_ok
+from servers import assert_kv_back_to_start, served
 
 openai = pytest.importorskip("openai")
 from openai.types import completion_create_params as completion_params  # noqa: E402
@@ -39,16 +39,9 @@ REQUIRED = {"messages", "model", "prompt"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> str:
-    port = free_port()
-    proc = ServerProcess(["serve", "--model", "tiny", "--port", str(port), "--device", "cpu",
-                          "--max-total-tokens", "2048", "--max-running-requests", "4"],
-                         tmp_path_factory.mktemp("log") / "server.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(f"{url}/health", proc.proc, 120, proc.log)
+    with served(["--model", "tiny", "--device", "cpu", "--max-total-tokens", "2048", "--max-running-requests", "4"],
+                tmp_path_factory.mktemp("log") / "server.log") as url:
         yield url
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

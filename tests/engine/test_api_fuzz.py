@@ -5,13 +5,12 @@ alive, a good request served afterwards and every KV page back."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from servers import ServerProcess, assert_kv_back_to_start, free_port, wait_http_ok
+from servers import assert_kv_back_to_start, served
 
 pytestmark = pytest.mark.slow
 
@@ -77,17 +76,10 @@ def bad_body(draw) -> tuple[str, bytes, dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> str:
-    port = free_port()
-    log: Path = tmp_path_factory.mktemp("fuzz") / "engine.log"
-    proc = ServerProcess(["serve", "--model", "tiny", "--served-model-name", "m", "--port", str(port),
-                          "--device", "cpu", "--context-length", "24", "--max-total-tokens", "512",
-                          "--page-size", "4", "--max-running-requests", "4"], log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(f"{url}/health", proc.proc, 120, log)
+    with served(["--model", "tiny", "--served-model-name", "m", "--device", "cpu", "--context-length", "24",
+                 "--max-total-tokens", "512", "--page-size", "4", "--max-running-requests", "4"],
+                tmp_path_factory.mktemp("fuzz") / "engine.log") as url:
         yield url
-    finally:
-        proc.stop()
 
 
 def good_request_succeeds(url: str) -> None:

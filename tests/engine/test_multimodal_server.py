@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from servers import ServerProcess, assert_kv_back_to_start, free_port, wait_http_ok
+from servers import assert_kv_back_to_start, served
 
 from splitserve.engine.image_inputs import ImageInputConfig, load_images
 from splitserve.engine.openai_protocol import ApiError, ImagePart, parse_chat
@@ -86,20 +86,13 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory) -> str:
-    port = free_port()
     # Chunks of 8 tokens cut through the 16-row images; small pages exercise the image-keyed prefix cache.
-    proc = ServerProcess(["serve", "--model", str(checkpoint), "--served-model-name", MODEL, "--port", str(port),
-                          "--page-size", "4", "--chunked-prefill-size", "8", "--max-total-tokens", "4096",
-                          "--max-running-requests", "8", "--device", "cpu", "--max-images-per-request", "3",
-                          "--max-image-bytes", str(MAX_IMAGE_BYTES), "--max-image-pixels", "250000",
-                          "--image-fetch-timeout", "1"],
-                         tmp_path_factory.mktemp("log") / "server.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(f"{url}/health", proc.proc, 120, proc.log)
+    with served(["--model", str(checkpoint), "--served-model-name", MODEL, "--page-size", "4",
+                 "--chunked-prefill-size", "8", "--max-total-tokens", "4096", "--max-running-requests", "8",
+                 "--device", "cpu", "--max-images-per-request", "3", "--max-image-bytes", str(MAX_IMAGE_BYTES),
+                 "--max-image-pixels", "250000", "--image-fetch-timeout", "1"],
+                tmp_path_factory.mktemp("log") / "server.log") as url:
         yield url
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 from engine_checkpoints import write
-from servers import ServerProcess, assert_kv_back_to_start, free_port, wait_http_ok
+from servers import assert_kv_back_to_start, served
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,19 +24,12 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory) -> str:
-    port = free_port()
     # Small pages and a small chunk size so that a batch of prompts exercises chunked prefill,
     # page boundaries and prefix sharing.
-    proc = ServerProcess(["serve", "--model", str(checkpoint), "--served-model-name", MODEL, "--port", str(port),
-                          "--page-size", "4", "--chunked-prefill-size", "8", "--max-total-tokens", "4096",
-                          "--max-running-requests", "8", "--device", "cpu"],
-                         tmp_path_factory.mktemp("log") / "server.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(f"{url}/health", proc.proc, 120, proc.log)
+    with served(["--model", str(checkpoint), "--served-model-name", MODEL, "--page-size", "4",
+                 "--chunked-prefill-size", "8", "--max-total-tokens", "4096", "--max-running-requests", "8",
+                 "--device", "cpu"], tmp_path_factory.mktemp("log") / "server.log") as url:
         yield url
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 import torch
-from servers import REPO, ServerProcess, free_port, splitserve_env, wait_http_ok
+from servers import REPO, free_port, served, splitserve_env
 from smollm2_reference import QUESTIONS, hf_greedy_chat, hf_model, hf_tokenizer
 
 from splitserve.engine.config import EngineConfig
@@ -92,16 +92,10 @@ def assert_answers_equal_transformers(answers: dict[str, tuple[list[int], str]],
 
 
 def test_greedy_chat_over_http_equals_transformers_generate(tmp_path, reference_answers) -> None:
-    port = free_port()
-    server = ServerProcess(["serve", "--model", "smollm2", "--device", "cpu", "--port", str(port)],
-                           tmp_path / "serve.log")
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", server.proc, 180, server.log)
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+    with served(["--model", "smollm2", "--device", "cpu"], tmp_path / "serve.log", timeout=180) as url:
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["smollm2"]
-        assert_answers_equal_transformers(chat_answers(f"http://127.0.0.1:{port}", "smollm2"), reference_answers)
-    finally:
-        server.stop()
+        assert_answers_equal_transformers(chat_answers(url, "smollm2"), reference_answers)
 
 
 def test_up_one_prefill_one_decode_answers_as_transformers_does(tmp_path, reference_answers) -> None:

@@ -7,7 +7,7 @@ import json
 
 import jsonschema
 import pytest
-from servers import ServerProcess, assert_kv_back_to_start, free_port, wait_http_ok
+from servers import assert_kv_back_to_start, served
 
 from splitserve.engine.model_names import ModelNotFoundError, smollm2_file
 
@@ -28,16 +28,9 @@ def server(tmp_path_factory) -> str:
         smollm2_file()
     except ModelNotFoundError as exc:
         pytest.skip(f"the default model is not installed here: {exc}")
-    port = free_port()
-    proc = ServerProcess(["serve", "--model", "smollm2", "--port", str(port), "--device", "cpu",
-                          "--max-total-tokens", "4096", "--max-running-requests", "2"],
-                         tmp_path_factory.mktemp("log") / "server.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(f"{url}/health", proc.proc, 240, proc.log)
+    with served(["--model", "smollm2", "--device", "cpu", "--max-total-tokens", "4096", "--max-running-requests", "2"],
+                tmp_path_factory.mktemp("log") / "server.log", timeout=240) as url:
         yield url
-    finally:
-        proc.stop()
 
 
 def test_a_json_schema_request_gives_valid_json(server: str) -> None:
