@@ -224,3 +224,64 @@ def stop_up(proc: subprocess.Popen) -> None:
                 os.kill(pid, signal.SIGKILL)
         proc.kill()
         proc.wait()
+
+
+class UpProcess:
+    """A `splitserve up *args` on a free port, its stderr in `log_path`; ready once it printed its endpoint."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(self.port),
+                                      "--device", "cpu", *args], stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, env=splitserve_env(), cwd=REPO.parent)
+        line = self.proc.stdout.readline()  # the one line `up` prints once everything is ready
+        if line.strip() != f"endpoint: {self.url}/v1":
+            self.close()
+            raise AssertionError(f"`up` printed {line!r}; its log ends:\n{self.log_text()[-3000:]}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text()
+
+    def engines(self) -> dict[str, list[tuple[int, str]]]:
+        """role -> [(pid, url)] of the engines `up` runs now."""
+        engines: dict[str, list[tuple[int, str]]] = {}
+        for pid in children_of(self.proc.pid):
+            args = cmdline_of(pid)
+            if "serve" in args:
+                url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+                engines.setdefault(args[args.index("--role") + 1], []).append((pid, url))
+        return engines
+
+    def sigterm_leaves_no_child(self, timeout: float = 10.0) -> None:
+        """SIGTERM stops `up` with status 0, and every child it had goes with it."""
+        children = children_of(self.proc.pid)
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=40) == 0
+        deadline = time.monotonic() + timeout
+        while any(os.path.exists(f"/proc/{c}") and not is_zombie(c) for c in children):
+            assert time.monotonic() < deadline, "a child of `up` outlived it"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        stop_up(self.proc)
+        self._log.close()
+
+
+@contextlib.contextmanager
+def running_up(args: list[str], log_path: Path) -> Iterator[UpProcess]:
+    up = UpProcess(args, log_path)
+    try:
+        yield up
+    finally:
+        up.close()
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -7,13 +7,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
-from servers import REPO, assert_kv_back_to_start, children_of, cmdline_of, free_port, splitserve_env, stop_up
+from servers import assert_kv_back_to_start, running_up
 
 from splitserve.engine.chaos import Kill, RequestRecord, load_until, summarize
 
@@ -42,22 +40,10 @@ def test_summary_counts_per_kill_what_was_tokenless_and_when_new_requests_all_su
 
 @pytest.mark.slow
 def test_killing_a_decode_then_a_prefill_under_load_hangs_nothing_and_recovers(tmp_path) -> None:
-    port = free_port()
-    log_path = tmp_path / "up.log"
-    log = log_path.open("w+")
     engine_args = ("--max-running-requests 16 --transfer-heartbeat-interval-s 0.2 --transfer-heartbeat-misses 5")
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", "cpu",
-                             "--model", "tiny", "--prefill", "2", "--decode", "2", "--transfer-control-key", KEY,
-                             "--engine-args", engine_args], stdout=subprocess.PIPE, stderr=log, text=True,
-                            env=splitserve_env(), cwd=REPO.parent)
-    try:
-        assert proc.stdout.readline().startswith("endpoint:"), log_path.read_text()[-3000:]
-        engines = {}  # role -> [(pid, url)]
-        for pid in children_of(proc.pid):
-            args = cmdline_of(pid)
-            if "serve" in args:
-                role = args[args.index("--role") + 1]
-                engines.setdefault(role, []).append((pid, f"http://127.0.0.1:{args[args.index('--port') + 1]}"))
+    with running_up(["--model", "tiny", "--prefill", "2", "--decode", "2", "--transfer-control-key", KEY,
+                     "--engine-args", engine_args], tmp_path / "up.log") as up:
+        engines = up.engines()  # role -> [(pid, url)]
         kills: list[Kill] = []
         start = time.monotonic()
         schedule = [(start + 4, "decode"), (start + 10, "prefill")]
@@ -71,7 +57,7 @@ def test_killing_a_decode_then_a_prefill_under_load_hangs_nothing_and_recovers(t
 
         thread = threading.Thread(target=killer)
         thread.start()
-        records = asyncio.run(load_until(f"http://127.0.0.1:{port}", start + 10 + 15 + 8, concurrency=4,
+        records = asyncio.run(load_until(up.url, start + 10 + 15 + 8, concurrency=4,
                                          prompt_len=24, max_tokens=16, deadline_s=30))
         thread.join()
         s = summarize(records, kills)
@@ -84,9 +70,5 @@ def test_killing_a_decode_then_a_prefill_under_load_hangs_nothing_and_recovers(t
         assert tokenless >= 2 and sum(k["of_those_ok"] for k in s["kills"]) >= 0.95 * tokenless, s
         for role in ("prefill", "decode"):
             assert_kv_back_to_start(engines[role][1][1], timeout=20, key=KEY)  # the engines left alone
-        assert log_path.read_text().count("restarting ") >= 1
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=40) == 0
-    finally:
-        stop_up(proc)
-        log.close()
+        assert up.log_text().count("restarting ") >= 1
+        up.sigterm_leaves_no_child()

@@ -10,39 +10,24 @@ import time
 
 import httpx
 import pytest
-from servers import REPO, children_of, cmdline_of, free_port, splitserve_env, stop_up
+from servers import REPO, children_of, running_up, splitserve_env
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("shape", [["--prefill", "1", "--decode", "1"], ["--unified", "2"]])
 def test_up_serves_then_stops_every_process_on_sigterm(shape: list[str], tmp_path) -> None:
-    port = free_port()
-    log = (tmp_path / "up.log").open("w+")
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", "cpu",
-                             "--model", "tiny", *shape], stdout=subprocess.PIPE, stderr=log, text=True,
-                            env=splitserve_env(), cwd=REPO.parent)
-    try:
-        line = proc.stdout.readline()  # the one line `up` prints once everything is ready
-        assert line.strip() == f"endpoint: http://127.0.0.1:{port}/v1", (line, log.seek(0) or log.read()[-3000:])
-        children = children_of(proc.pid)
+    with running_up(["--model", "tiny", *shape], tmp_path / "up.log") as up:
+        children = children_of(up.proc.pid)
         assert len(children) == 3  # two engines and the router
         keys = [environ_of(c) for c in children]  # one group key for all, engines and router alike
         assert len({k["SPLITSERVE_TRANSFER_CONTROL_KEY"] for k in keys}) == 1
         assert len(keys[0]["SPLITSERVE_TRANSFER_CONTROL_KEY"]) == 64
         assert all(k["SPLITSERVE_ROUTER_TRANSFER_CONTROL_KEY"] == k["SPLITSERVE_TRANSFER_CONTROL_KEY"] for k in keys)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+        r = httpx.post(f"{up.url}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=40) == 0
-        deadline = time.monotonic() + 10
-        while any(os.path.exists(f"/proc/{c}") and not _is_zombie(c) for c in children):
-            assert time.monotonic() < deadline, "a child of `up` outlived it"
-            time.sleep(0.1)
-    finally:
-        stop_up(proc)
-        log.close()
+        up.sigterm_leaves_no_child()
 
 
 def environ_of(pid: int) -> dict[str, str]:
@@ -50,53 +35,28 @@ def environ_of(pid: int) -> dict[str, str]:
         return dict(e.decode().split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
 
 
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 def test_up_restarts_a_killed_engine_and_the_router_serves_throughout(tmp_path) -> None:
-    port = free_port()
-    router = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "up.log"
-    log = log_path.open("w+")
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", "cpu",
-                             "--model", "tiny", "--prefill", "1", "--decode", "2", "--restart-backoff-s", "0.5"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=splitserve_env(), cwd=REPO.parent)
-    try:
-        assert proc.stdout.readline().startswith("endpoint:"), log_path.read_text()[-3000:]
-        decodes = {c: cmdline_of(c) for c in children_of(proc.pid) if "decode" in cmdline_of(c)}
-        victim, args = next(iter(decodes.items()))
-        victim_url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+    with running_up(["--model", "tiny", "--prefill", "1", "--decode", "2", "--restart-backoff-s", "0.5"],
+                    tmp_path / "up.log") as up:
+        victim, victim_url = up.engines()["decode"][0]
         os.kill(victim, signal.SIGKILL)
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         deadline = time.monotonic() + 90
         served = 0
         while True:  # the router serves on the other decode while the victim restarts
-            r = httpx.post(f"{router}/v1/completions", json=body, timeout=30)
+            r = httpx.post(f"{up.url}/v1/completions", json=body, timeout=30)
             assert r.status_code == 200, r.text
             served += 1
-            state = {b["url"]: b for b in httpx.get(f"{router}/health", timeout=5).json()["backends"]}
+            state = {b["url"]: b for b in httpx.get(f"{up.url}/health", timeout=5).json()["backends"]}
             if state[victim_url]["healthy"] and state[victim_url]["ejections"] >= 1:
                 break  # back, and the router took it back in
             assert time.monotonic() < deadline, f"{victim_url} never came back: {state[victim_url]}"
             time.sleep(0.2)
         assert served >= 2
-        assert "restart 1 in" in log_path.read_text() and "restarting decode-" in log_path.read_text()
-        children = children_of(proc.pid)
+        assert "restart 1 in" in up.log_text() and "restarting decode-" in up.log_text()
+        children = children_of(up.proc.pid)
         assert victim not in children and len(children) == 4  # the new decode replaced the killed one
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=40) == 0
-        deadline = time.monotonic() + 10
-        while any(os.path.exists(f"/proc/{c}") and not _is_zombie(c) for c in children):
-            assert time.monotonic() < deadline, "a child of `up` outlived it"
-            time.sleep(0.1)
-    finally:
-        stop_up(proc)
-        log.close()
+        up.sigterm_leaves_no_child()
 
 
 def test_up_names_a_missing_model_before_starting_anything(tmp_path) -> None:
