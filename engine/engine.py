@@ -305,7 +305,12 @@ class Engine:
             return None
         self.steps += 1
         for c in chunks:
-            c.request.kv_len += c.length
+            req = c.request
+            prompt_tokens = min(c.start + c.length, len(req.prompt_ids)) - c.start
+            if prompt_tokens > 0:
+                self.metrics.prompt_tokens_computed.inc(prompt_tokens)
+                req.publishing = True
+            req.kv_len += c.length
         # A request's slot is its identity in the step: one preempted meanwhile gets its token discarded.
         return LaunchedStep(chunks, [c.request.slot for c in chunks], pending)
 
@@ -317,9 +322,13 @@ class Engine:
             return
         live = {id(c.request) for c, slot in zip(step.chunks, step.slots, strict=True)
                 if c.request.slot == slot and c.request.status is RequestStatus.RUNNING}
-        # Only now is the step's KV written on the device (a transfer may read it).
+        # Only now is the step's KV written on the device (a transfer may read it, and requests
+        # with the same prompt may take its full pages from the prefix cache).
         for c in step.chunks:
+            c.request.publishing = False
             if id(c.request) in live:
+                if c.start < len(c.request.prompt_ids):
+                    self.kv.publish_prompt(c.request, c.start + c.length)
                 with self.request_fault(c.request, "the role's handling of a computed chunk"):
                     self.role.on_chunk_done(c.request, c.start + c.length)
         self._process_samples(out, live)

@@ -85,7 +85,7 @@ class KVCache:
         req.slot = self._free_slots.pop()
         req.prefix_node = match.node
         req.pages = list(match.pages)
-        req.kv_len = req.cached_len = match.num_pages * self.page_size
+        req.kv_len = req.cached_len = req.published_len = match.num_pages * self.page_size
         if match.pages:
             self.page_table[req.slot, : match.num_pages] = to_device(match.pages, torch.int32, self.page_table.device)
 
@@ -129,6 +129,23 @@ class KVCache:
         self.allocator.free(req.pages[keep:])
         del req.pages[keep:]
 
+    def publish_prompt(self, req: Request, computed_len: int) -> None:
+        """Puts the full pages of `req`'s prompt computed so far (`computed_len` tokens of KV
+        written) in the prefix cache at once, locked by `req`, instead of when it ends: a request
+        with the same prompt (the n samples of one) then finds them instead of computing them."""
+        full = min(computed_len, len(req.prompt_ids)) // self.page_size
+        done = req.published_len // self.page_size
+        if full <= done or req.prefix_node is None or not self.prefix_cache.enabled:
+            return
+        key = req.cache_ids
+        chunks = [tuple(key[i * self.page_size:(i + 1) * self.page_size]) for i in range(done, full)]
+        node = self.prefix_cache.extend(req.prefix_node, chunks, req.pages[done:full])
+        self.prefix_cache.lock(node)
+        self.prefix_cache.unlock(req.prefix_node)
+        req.prefix_node = node
+        # A chunk cached by another request stops the path: the rest of this prompt stays its own.
+        req.published_len = full * self.page_size if len(self._shared_pages(req)) == full else len(req.prompt_ids)
+
     def release(self, req: Request, cache_prefix: bool = True) -> None:
         """Gives back everything `req` holds; its computed full pages go to the prefix cache."""
         if req.slot < 0:
@@ -145,6 +162,7 @@ class KVCache:
             self.prefix_cache.unlock(req.prefix_node)
         self._free_slots.append(req.slot)
         req.slot, req.pages, req.kv_len, req.prefix_node = -1, [], 0, None
+        req.published_len, req.publishing = 0, False
 
     def _shared_pages(self, req: Request) -> list[int]:
         node, shared = req.prefix_node, []

@@ -4,7 +4,8 @@ Each node holds one page and the `page_size` tokens whose KV it stores; a path f
 spells a prefix. The tree owns its pages. A request that matches a prefix locks the path (a
 reference count per node), so those pages are not evicted while it runs; when it finishes, its
 full pages are inserted and the lock is released. Unlocked leaves are evicted least recently
-used first when the allocator runs dry.
+used first when the allocator runs dry. A request's prompt pages also go in as soon as they
+are computed (`extend`), so a request with the same prompt arriving meanwhile shares them.
 """
 
 from __future__ import annotations
@@ -115,6 +116,25 @@ class PrefixCache:
             node = child
         leftover.extend(pages[len(chunks):])
         return leftover, node
+
+    def extend(self, node: TreeNode, chunks: Sequence[tuple[int, ...]], pages: Sequence[int]) -> TreeNode:
+        """Hangs `pages` (KV of `chunks`, one page each) below `node`, the deepest node of the
+        path they continue; returns the new deepest node. Stops at a chunk cached already with
+        another page (someone else computed it too): the caller keeps its own page for it."""
+        if not self.enabled:
+            return node
+        now = next(self._clock)
+        for chunk, page in zip(chunks, pages, strict=True):
+            child = node.children.get(chunk)
+            if child is None:
+                child = TreeNode(key=chunk, page=page, parent=node)
+                node.children[chunk] = child
+                self.cached_pages += 1
+            elif child.page != page:
+                break
+            child.last_access = now
+            node = child
+        return node
 
     def evict(self, num_pages: int) -> int:
         """Frees up to `num_pages` unlocked pages, least recently used leaves first."""

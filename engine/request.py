@@ -59,6 +59,10 @@ class Request:
     kv_len: int = 0  # tokens whose KV is in `pages`
     cached_len: int = 0  # of those, how many came from the prefix cache at admission
     prefix_node: TreeNode | None = None  # locked prefix-cache path
+    # Of the prompt's KV, the tokens on that path (found there at admission or put there once
+    # computed); `publishing`: a chunk of the prompt is computing, its pages go there when done.
+    published_len: int = 0
+    publishing: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
     first_token_time: float | None = None

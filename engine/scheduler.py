@@ -10,7 +10,9 @@ keeps latency steady:
 2. requests part-way through their prompt continue, within what is left of the budget (at
    least an eighth of it, so that a large decode batch cannot stall admission for good);
 3. waiting requests are admitted in arrival order while a slot, the budget and the pages for
-   their whole prompt are there.
+   their whole prompt are there; one whose prompt shares full pages with a prompt still being
+   computed (the n samples of one request, or the same prompt sent twice) waits for those pages
+   to reach the prefix cache instead of computing them again.
 A step then costs about the same whatever its mix: a decode's wait behind a prompt (its
 inter-token latency) stays bounded by the budget, and the GPU gets full-size matmuls.
 """
@@ -136,8 +138,12 @@ class Scheduler:
                 budget -= self._schedule_prefill(req, budget, plan)
 
         # 3. Admit waiting requests.
+        held: list[Request] = []  # waiting for a running request's prompt pages
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
+            if self._awaits_shared_prefix(req):
+                held.append(self.waiting.popleft())
+                continue
             if not self.kv.free_slots:
                 break
             # Keep at least one token to run, so the step yields logits to sample from.
@@ -150,7 +156,29 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             budget -= self._schedule_prefill(req, budget, plan)
+        self.waiting.extendleft(reversed(held))
         return plan
+
+    def _awaits_shared_prefix(self, req: Request) -> bool:
+        """True while a running request computes prompt pages `req` could take from the prefix
+        cache once they are there (more than it has published so far)."""
+        page = self.kv.page_size
+        usable = (req.total_len - 1) // page  # admission keeps one token to run
+        if usable == 0 or not self.kv.prefix_cache.enabled:
+            return False
+        key = None
+        for other in self.running:
+            if other.status is not RequestStatus.RUNNING or not (other.in_prefill or other.publishing):
+                continue
+            published = other.published_len // page
+            pages = min(usable, len(other.prompt_ids) // page)
+            if pages <= published:
+                continue
+            key = key if key is not None else req.cache_ids
+            theirs = other.cache_ids
+            if key[: (published + 1) * page] == theirs[: (published + 1) * page]:
+                return True  # at least the next page they publish is one of ours
+        return False
 
     def _take_draft(self, req: Request) -> list[int]:
         """The request's offered draft, cut to what it may still emit (context and max_tokens keep

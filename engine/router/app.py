@@ -32,7 +32,7 @@ from splitserve.engine.router.config import RouterConfig
 from splitserve.engine.router.fan_out import fan_out, split_sequences
 from splitserve.engine.router.health_prober import HealthProber
 from splitserve.engine.router.image_encoding import EncodersUnavailable, ImageEncoding
-from splitserve.engine.router.pair_routing import Answer, PairRouter
+from splitserve.engine.router.pair_routing import Answer, PairRouter, PrefillAffinity
 from splitserve.engine.router.upstream import EJECTING_KINDS, UpstreamFailure, sse_error_event
 
 logger = logging.getLogger(__name__)
@@ -236,13 +236,15 @@ class Router:
         if self.cfg.disaggregated:  # one sequence per pair: n > 1 and prompt lists fan out
             sequences = split_sequences(body)
             if len(sequences) > 1:
-                return await fan_out(body, sequences, lambda one: self._one_sequence(one, path))
+                prefills = {s.prompt_index: PrefillAffinity() for s in sequences}
+                return await fan_out(body, sequences,
+                                     lambda one: self._one_sequence(one.body, path, prefills[one.prompt_index]))
             body = sequences[0].body
         return await self._dispatch(body, path)
 
-    async def _one_sequence(self, body: dict, path: str) -> Response:
+    async def _one_sequence(self, body: dict, path: str, prefill: PrefillAffinity) -> Response:
         """One sequence of a fanned-out request, as a response the fan-out merges."""
-        answer = await self._dispatch(body, path)
+        answer = await self._dispatch(body, path, prefill)
         if not isinstance(answer, Answer):
             return answer
         if answer.events is None:
@@ -250,10 +252,10 @@ class Router:
             return Response(answer.content, media_type="application/json")
         return RelayResponse(self._relay(answer, None), media_type="text/event-stream")
 
-    async def _dispatch(self, body: dict, path: str) -> Answer | Response:
+    async def _dispatch(self, body: dict, path: str, prefill: PrefillAffinity | None = None) -> Answer | Response:
         stream = body.get("stream") is True
         try:
-            return await self.pairs.dispatch(path, body, stream, self.cfg.disaggregated)
+            return await self.pairs.dispatch(path, body, stream, self.cfg.disaggregated, prefill)
         except Overloaded as exc:
             self.requests.labels("overloaded").inc()
             return error_json(str(exc), 503, "overloaded", retry_after=self.cfg.retry_after_s)

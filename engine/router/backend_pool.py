@@ -123,9 +123,12 @@ class BackendPool:
     def healthy_count(self, role: str) -> int:
         return sum(b.routable for b in self._roles[role].values())
 
-    def pick(self, role: str, avoid: set[str] = frozenset(), never: set[str] = frozenset()) -> Lease:  # type: ignore[assignment]
+    def pick(self, role: str, avoid: set[str] = frozenset(), never: set[str] = frozenset(),  # type: ignore[assignment]
+             prefer: str | None = None) -> Lease:
         """Leases the least-loaded routable backend of ``role``: one not in ``avoid`` if there is
-        one, never one in ``never``. Raises NoBackend, or Overloaded when all are at the limit."""
+        one, never one in ``never``; ``prefer`` if it is among those and under its limit (the
+        samples of one prompt share a prefill). Raises NoBackend, or Overloaded when all are at
+        the limit."""
         candidates = [b for b in self._roles[role].values() if b.routable and b.url not in never]
         if not candidates:
             raise NoBackend(f"no healthy {role} backend" + (" left to retry on" if never else ""))
@@ -133,6 +136,9 @@ class BackendPool:
         if not open_:
             raise Overloaded(f"every healthy {role} backend has {self.max_in_flight_per_backend} requests in flight")
         preferred = [b for b in open_ if b.url not in avoid] or open_
+        sticky = next((b for b in preferred if b.url == prefer), None)
+        if sticky is not None:
+            return Lease(self, sticky)
         return Lease(self, min(preferred, key=lambda b: b.in_flight))
 
     # ---- health ------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ streams interleaved as their chunks arrive. Sample j of a seeded request gets se
 the engine, so the n samples differ and each is reproducible.
 
 The fan-out only needs a way to send one sequence and get a Starlette response back, so it
-works with whatever routing policy (pairing, retries, health) the router applies per sequence.
+works with whatever routing policy (pairing, retries, health) the router applies per sequence
+(the router sends the samples of one prompt to one prefill, whose prefix cache then computes
+the prompt once).
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ from splitserve.engine.openai_protocol import MAX_N, ApiError, usage
 
 MAX_SEQUENCES = 256  # choices of one fanned-out request (prompts x n)
 
-SendOne = Callable[[dict[str, Any]], Awaitable[Response]]
-
 
 @dataclass(frozen=True)
 class Sequence:
@@ -37,6 +37,9 @@ class Sequence:
     prompt_index: int
     sample: int
     body: dict[str, Any]
+
+
+SendOne = Callable[[Sequence], Awaitable[Response]]
 
 
 def split_sequences(body: dict[str, Any]) -> list[Sequence]:
@@ -67,7 +70,7 @@ def split_sequences(body: dict[str, Any]) -> list[Sequence]:
 
 async def fan_out(body: dict[str, Any], sequences: list[Sequence], send_one: SendOne) -> Response:
     """Sends every sequence of `body` (split_sequences) through `send_one` and merges the answers."""
-    tasks = [asyncio.ensure_future(send_one(s.body)) for s in sequences]
+    tasks = [asyncio.ensure_future(send_one(s)) for s in sequences]
     try:
         responses = list(await asyncio.gather(*tasks))
     except BaseException:

@@ -90,6 +90,14 @@ async def _first_ejected(backends: list[Backend]) -> Backend:
             w.cancel()
 
 
+@dataclass
+class PrefillAffinity:
+    """The prefill engine the sequences of one prompt share (the first pick sets it), so that
+    its prefix cache computes the prompt once for all n samples."""
+
+    url: str | None = None
+
+
 class PairRouter:
     """Runs requests on pairs (or unified replicas) from the pool, with retries."""
 
@@ -100,9 +108,11 @@ class PairRouter:
         # Per attempt, before any backend is leased: e.g. the images sent to encoders (new rooms each time).
         self.prepare = prepare
 
-    async def dispatch(self, path: str, body: dict, stream: bool, disaggregated: bool) -> Answer:
+    async def dispatch(self, path: str, body: dict, stream: bool, disaggregated: bool,
+                       affinity: PrefillAffinity | None = None) -> Answer:
         """Runs one request until an attempt answers; raises the last UpstreamFailure (or NoBackend
-        / Overloaded when there is nothing to try)."""
+        / Overloaded when there is nothing to try). With an `affinity`, the prefill it names is
+        preferred (and the first pick names it)."""
         avoid: set[str] = set()  # backends of failed attempts: others first
         never: set[str] = set()  # backends that failed themselves
         last: UpstreamFailure | None = None
@@ -115,12 +125,15 @@ class PairRouter:
                     raise last from None
                 raise
             try:
-                prefill = self.pool.pick("prefill", avoid, never) if disaggregated else None
+                prefill = (self.pool.pick("prefill", avoid, never, affinity.url if affinity else None)
+                           if disaggregated else None)
             except BaseException:
                 main.release()
                 if last is not None:
                     raise last from None
                 raise
+            if affinity is not None and prefill is not None and affinity.url is None:
+                affinity.url = prefill.backend.url
             if attempt:
                 self.on_retry()
                 logger.warning("retrying on %s after: %s", main.backend.url if prefill is None else

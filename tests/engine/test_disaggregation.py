@@ -172,6 +172,36 @@ def test_router_fans_out_n_and_prompt_lists_like_the_unified_engine(cluster, str
     assert split[1]["prompt_tokens"] == sum(len(p) for p in prompts) and split[1]["completion_tokens"] == 36
 
 
+def prompt_tokens_computed(urls: list[str]) -> float:
+    return sum(_metric(httpx.get(f"{u}/metrics", timeout=5).text, "splitserve_prompt_tokens_computed_total")
+               for u in urls)
+
+
+@pytest.mark.parametrize("shape", ["unified", "1p1d", "2p2d"])
+def test_the_n_samples_of_a_request_compute_its_prompt_once(cluster, shape: str) -> None:
+    """n = 4 on an 18-token prompt (pages of 4): the first sample computes the prompt, the others
+    wait for its 4 full pages in the prefix cache and compute only the last 2 tokens (the router
+    sends all four to one prefill), 18 + 3 * 2 prompt tokens instead of 72; decodes compute none.
+    Greedy samples equal n = 1; seeded sample j equals n = 1 with seed + j, as before."""
+    prompt = torch.randint(0, 256, (18,), generator=torch.Generator().manual_seed(["unified", "1p1d", "2p2d"].index(shape) + 40)).tolist()
+    computing = [cluster["unified"]] if shape == "unified" else cluster["prefill"]
+    body = {"model": "m", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
+
+    def tokens(**extra) -> list[list[int]]:
+        r = httpx.post(f"{cluster[shape]}/v1/completions", json={**body, **extra}, timeout=120)
+        assert r.status_code == 200, r.text
+        return [c["token_ids"] for c in r.json()["choices"]]
+
+    before, decode_before = prompt_tokens_computed(computing), prompt_tokens_computed(cluster["decode"])
+    greedy = tokens(n=4, temperature=0)
+    assert prompt_tokens_computed(computing) - before == 18 + 3 * 2
+    assert prompt_tokens_computed(cluster["decode"]) == decode_before
+    assert greedy == [tokens(temperature=0)[0]] * 4
+    seeded = tokens(n=4, temperature=1.0, seed=21)
+    assert seeded == [tokens(temperature=1.0, seed=21 + j)[0] for j in range(4)]
+    assert len({tuple(t) for t in seeded}) > 1
+
+
 def test_unreachable_bootstrap_fails_the_decode_request_and_frees_its_pages(cluster) -> None:
     """A decode told to meet a prefill that is not there fails within the bootstrap timeout."""
     body = {"model": "m", "prompt": list(range(30)), "max_tokens": 4,

@@ -227,3 +227,32 @@ def test_a_request_whose_last_token_is_in_flight_gets_no_decode_row() -> None:
     plan = s.schedule()
     # done-soon's second (last) token is in flight: nothing to run for it; going-on decodes on.
     assert [c.request.request_id for c in plan.chunks] == ["going-on"]
+
+
+def test_requests_with_the_prompt_of_one_being_computed_wait_for_its_pages() -> None:
+    """Four samples of one 14-token prompt (pages of 4), chunked by 8: the first computes the prompt,
+    the others wait until its pages are in the prefix cache and compute only the last 2 tokens; an
+    unrelated request is not held back."""
+    s = scheduler(pages=40, page_size=4, slots=8, chunk=8)
+    prompt = list(range(50, 64))
+    samples = [make_request(f"s{j}", prompt) for j in range(4)]
+    other = make_request("other", list(range(100, 106)))
+    for r in [*samples, other]:
+        s.add(r)
+    computed: dict[str, int] = {}
+    for _ in range(4):
+        plan = s.schedule()
+        for c in plan.chunks:
+            if c.start < len(c.request.prompt_ids):
+                computed[c.request.request_id] = computed.get(c.request.request_id, 0) + c.length
+        run_plan(plan)
+        for c in plan.chunks:
+            if c.start < len(c.request.prompt_ids):
+                s.kv.publish_prompt(c.request, c.start + c.length)
+    assert computed == {"s0": 14, "other": 6, "s1": 2, "s2": 2, "s3": 2}
+    assert [r.cached_len for r in samples] == [0, 12, 12, 12]
+    assert s.kv.usage().cached == s.kv.usage().locked == 3 + 1  # the prompt's 3 full pages, other's 1
+    for r in [*samples, other]:
+        s.running.remove(r)
+        s.kv.release(r)
+    assert_all_back(kv=s.kv)

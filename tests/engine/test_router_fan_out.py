@@ -37,7 +37,9 @@ def test_merge_renumbers_choices_and_counts_a_prompt_once() -> None:
 
 
 def test_streams_interleave_with_one_usage_chunk_and_one_done() -> None:
-    async def send_one(body: dict):
+    async def send_one(seq):
+        body = seq.body
+
         async def events():
             for k in range(2):
                 yield f'data: {{"id": "x", "choices": [{{"index": 0, "text": "{body["prompt"]}{k}"}}]}}\n\n'
@@ -63,8 +65,8 @@ def test_streams_interleave_with_one_usage_chunk_and_one_done() -> None:
 
 
 def test_a_failed_sequence_fails_the_whole_request_with_its_error() -> None:
-    async def send_one(body: dict):
-        if body["prompt"] == "bad":
+    async def send_one(seq):
+        if seq.body["prompt"] == "bad":
             return JSONResponse({"error": {"message": "no", "param": "prompt"}}, status_code=400)
 
         async def events():
