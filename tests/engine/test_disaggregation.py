@@ -183,7 +183,8 @@ def test_the_n_samples_of_a_request_compute_its_prompt_once(cluster, shape: str)
     wait for its 4 full pages in the prefix cache and compute only the last 2 tokens (the router
     sends all four to one prefill), 18 + 3 * 2 prompt tokens instead of 72; decodes compute none.
     Greedy samples equal n = 1; seeded sample j equals n = 1 with seed + j, as before."""
-    prompt = torch.randint(0, 256, (18,), generator=torch.Generator().manual_seed(["unified", "1p1d", "2p2d"].index(shape) + 40)).tolist()
+    seed = ["unified", "1p1d", "2p2d"].index(shape) + 40  # a prompt no other test (or shape) cached
+    prompt = torch.randint(0, 256, (18,), generator=torch.Generator().manual_seed(seed)).tolist()
     computing = [cluster["unified"]] if shape == "unified" else cluster["prefill"]
     body = {"model": "m", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
 
