@@ -342,6 +342,10 @@ class MooncakeKVManager(BaseKVManager):
             if room.peer_instance(endpoint) != new:
                 room.fail_locked(KVPeerLostError(room.room, endpoint, f"peer restarted (instance {old})"),
                                  notify=True)
+        self._forget_layouts_of(endpoint)
+
+    def _forget_layouts_of(self, endpoint: str) -> None:
+        """Drops the cached layouts of the replica ``endpoint`` belongs to: the next room looks them up."""
         for addr, layouts in list(self._layouts.items()):
             if any(lay.control_endpoint == endpoint for lay in layouts):
                 del self._layouts[addr]
@@ -376,6 +380,9 @@ class MooncakeKVManager(BaseKVManager):
                     if not self._peer_rooms.get(endpoint):
                         self._peer_rooms.pop(endpoint, None)
                         self._liveness.unwatch(endpoint)
+                        # Unwatched, a restart of that peer would go unseen: its cached layout
+                        # (control endpoint, instance) is trusted only while heartbeats vouch for it.
+                        self._forget_layouts_of(endpoint)
 
     def _peer_dead(self, endpoint: str) -> None:
         timeout = self._liveness.timeout_s
@@ -386,9 +393,7 @@ class MooncakeKVManager(BaseKVManager):
                              notify=True)
         self._peer_idle_since.pop(endpoint, None)
         self.channel.forget(endpoint)
-        for addr, layouts in list(self._layouts.items()):
-            if any(lay.control_endpoint == endpoint for lay in layouts):
-                del self._layouts[addr]
+        self._forget_layouts_of(endpoint)
 
     # ------------------------------------------------------------- lookups
 

@@ -139,3 +139,38 @@ def test_abort_from_a_receiver_process_reaches_the_sender(bootstrap, spawn_peer,
     report = decode.result(10)["rooms"]["301"]
     assert report["error"] == "KVTimeoutError" and report["history"] == [1, 2, 0]
     sender.clear()
+
+
+@pytest.mark.slow
+def test_a_prefill_restarted_while_no_room_was_open_is_looked_up_afresh_not_from_a_stale_cache(
+        spawn_peer, make_rank):
+    """The restart happens while the decode has no room with the prefill (no heartbeat sees it):
+    the decode must not reuse the old process's layout (its control endpoint and instance)."""
+    port = free_port()
+    prefill = spawn_peer({"role": "prefill", "seed": 7, "bootstrap_port": port})
+    decode = make_rank()
+    prefill.command("send", rooms=[{"room": 401, "pages": [1, 2], "aux_index": 0}])
+    receiver = KVReceiver(decode.mgr, prefill.ready["bootstrap"], 401)
+    receiver.init()
+    receiver.send_metadata([10, 11], 0)
+    poll_until_final([receiver], timeout_s=10)
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    receiver.clear()
+    assert prefill.result(10)["rooms"]["401"]["state"] == KVPoll.Success
+    # Idle: the decode stops watching the prefill, so nothing would notice its restart.
+    assert wait_until(lambda: decode.mgr.stats()["watched_peers"] == 0, 10), decode.mgr.stats()
+    prefill.kill9()
+    restarted = spawn_peer({"role": "prefill", "seed": 8, "bootstrap_port": port})
+    assert restarted.ready["bootstrap"] == prefill.ready["bootstrap"]
+    assert restarted.ready["control"] != prefill.ready["control"]  # the old endpoint is dead
+    restarted.command("send", rooms=[{"room": 402, "pages": [3, 4], "aux_index": 0}])
+    started = time.monotonic()
+    receiver = KVReceiver(decode.mgr, restarted.ready["bootstrap"], 402)
+    receiver.init()
+    receiver.send_metadata([60, 61], 0)
+    poll_until_final([receiver], timeout_s=10)
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    assert time.monotonic() - started < DEAD_PEER_BOUND_S
+    assert torch.equal(decode.pool[:, :, [60, 61]], fill_pool(DIMS, 8)[:, :, [3, 4]])
+    assert restarted.result(10)["rooms"]["402"]["state"] == KVPoll.Success
+    receiver.clear()
