@@ -25,6 +25,7 @@ from splitserve.operator.names import (
     BUILTIN_MODELS,
     DEFAULT_BOOTSTRAP_PORT,
     DEFAULT_DRAFT_MESH_PORT,
+    DEFAULT_EMBEDDING_PORT,
     DEFAULT_HTTP_PORT,
     ROLE_NAMES,
 )
@@ -205,6 +206,8 @@ def transfer_schema() -> Schema:
             },
             "bootstrapPort": _port("Port of each prefill pod's bootstrap server.",
                                    DEFAULT_BOOTSTRAP_PORT, minimum=1024),
+            "embeddingPort": _port("Control port of the image embedding transfer on each encode and prefill "
+                                   "pod.", DEFAULT_EMBEDDING_PORT, minimum=1024),
         },
         "KV and embedding transfer between pods.",
         default={},

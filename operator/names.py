@@ -37,6 +37,8 @@ BUILTIN_MODELS = ("tiny",)
 ROUTER_ROLE = "router"
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_BOOTSTRAP_PORT = 8998
+# The embedding transfer's ZeroMQ control port on encode and prefill pods (spec.transfer.embeddingPort).
+DEFAULT_EMBEDDING_PORT = 8999
 DEFAULT_DRAFT_MESH_PORT = 50061
 PEERS_FILE = "peers.json"
 PEERS_MOUNT = "/etc/splitserve/peers"

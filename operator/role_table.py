@@ -14,12 +14,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.operator.names import DEFAULT_BOOTSTRAP_PORT, DEFAULT_DRAFT_MESH_PORT, ROLE_NAMES
+from splitserve.operator.names import (
+    DEFAULT_BOOTSTRAP_PORT,
+    DEFAULT_DRAFT_MESH_PORT,
+    DEFAULT_EMBEDDING_PORT,
+    ROLE_NAMES,
+)
 
 
 def bootstrap_port(spec: Mapping[str, Any]) -> int:
     """The prefill pods' bootstrap port (``spec.transfer.bootstrapPort``, group or role spec)."""
     return int((spec.get("transfer") or {}).get("bootstrapPort", DEFAULT_BOOTSTRAP_PORT))
+
+
+def embedding_port(spec: Mapping[str, Any]) -> int:
+    """The encode and prefill pods' embedding transfer control port (``spec.transfer.embeddingPort``)."""
+    return int((spec.get("transfer") or {}).get("embeddingPort", DEFAULT_EMBEDDING_PORT))
 
 
 def mesh_port(spec: Mapping[str, Any]) -> int:
@@ -54,11 +64,14 @@ class RoleTraits:
 
 BOOTSTRAP = RolePort("bootstrap", bootstrap_port, "bootstrapPort", "--bootstrap-port")
 DRAFT_MESH = RolePort("draft-mesh", mesh_port, "meshPort")
+# Encoders write image rows to prefill pods; both ends' control sockets sit on this fixed port, so
+# that a NetworkPolicy or a Service can name it (a text-only prefill just leaves it unused).
+EMBEDDING = RolePort("embedding", embedding_port, "embeddingPort", "--embedding-control-port")
 
 ROLE_TRAITS: dict[str, RoleTraits] = {
-    "prefill": RoleTraits(ports=(BOOTSTRAP,)),
+    "prefill": RoleTraits(ports=(BOOTSTRAP, EMBEDDING)),
     "decode": RoleTraits(speculative=True),
-    "encode": RoleTraits(feeds="prefill"),
+    "encode": RoleTraits(ports=(EMBEDDING,), feeds="prefill"),
     "drafter": RoleTraits(ports=(DRAFT_MESH,), speculative=True, own_model="draftModel",
                           requires_speculative=True),
 }

@@ -27,6 +27,9 @@ class TransferConfig:
                 "(the pod IP in Kubernetes)"})
     transfer_control_port: int = field(default=0, metadata={
         "help": "ZeroMQ port for transfer control messages (0: any free port)"})
+    embedding_control_port: int = field(default=0, metadata={
+        "help": "ZeroMQ port for the image embedding transfer's control messages, on encode and multimodal "
+                "prefill engines (0: any free port)"})
     bootstrap_port: int = field(default=8998, metadata={
         "help": "port of the prefill's bootstrap server (prefill rank 0 serves it)"})
     transfer_bootstrap_timeout_s: float = field(default=60.0, metadata={

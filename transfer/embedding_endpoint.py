@@ -48,7 +48,7 @@ class EmbeddingEndpoint:
             self.liveness = PeerLiveness(config.transfer_heartbeat_interval_s, config.transfer_heartbeat_misses)
             self._ping_seq = 0
             self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-            self.channel = ControlChannel(config.transfer_host, config.transfer_control_port,
+            self.channel = ControlChannel(config.transfer_host, config.embedding_control_port,
                                           config.transfer_control_key.encode(), self._on_message, self._on_tick,
                                           min(0.05, config.transfer_heartbeat_interval_s / 4),
                                           idle_socket_s=2 * config.heartbeat_timeout_s, name=f"{name}-control",

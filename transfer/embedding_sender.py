@@ -7,6 +7,9 @@ after). Before any write, the chunk is checked against what the prefill rank exp
 hidden, dtype, bytes); a mismatch fails the item on both sides and writes nothing.
 `fail(room, reason)` fails an item (e.g. the image did not decode); `concluded()` returns the
 rooms finished since the last call, so the caller can unpin their source slots.
+
+`pause_halfway_s` (tests only) writes each item in two halves with a pause between, so that a
+test can kill the encoder while an item is partly written (`stats()["partly_written"]` says when).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class SendRoom:
     wanted: EmbeddingWanted | None = None
     ready_at: float | None = None
     writing: bool = False
+    written: int = 0  # bytes of the chunk already written to the prefill's slot
     done: bool = False
 
 
@@ -74,7 +78,8 @@ class EmbeddingSender(EmbeddingEndpoint):
     """The encode engine's embedding transfer (one per encode rank)."""
 
     def __init__(self, config: TransferConfig, slots: EmbeddingSlots,
-                 metrics_registry: CollectorRegistry | None = None) -> None:
+                 metrics_registry: CollectorRegistry | None = None, pause_halfway_s: float = 0.0) -> None:
+        self.pause_halfway_s = pause_halfway_s
         self._rooms: dict[int, SendRoom] = {}
         self._early: dict[int, tuple[float, EmbeddingWanted]] = {}
         self._aborted: dict[int, float] = {}  # room -> until when an abort is remembered
@@ -121,7 +126,9 @@ class EmbeddingSender(EmbeddingEndpoint):
 
     def stats(self) -> dict[str, int]:
         with self.lock:
-            return {"rooms": len(self._rooms), "early": len(self._early), "concluded": len(self._concluded)}
+            partly = sum(1 for r in self._rooms.values() if r.chunk is not None and 0 < r.written < r.chunk.nbytes)
+            return {"rooms": len(self._rooms), "early": len(self._early), "concluded": len(self._concluded),
+                    "writing": sum(1 for r in self._rooms.values() if r.writing), "partly_written": partly}
 
     # ---- internals (lock held) --------------------------------------------------------------
 
@@ -137,11 +144,23 @@ class EmbeddingSender(EmbeddingEndpoint):
         self.submit(lambda: self._write(state, chunk, want))
 
     def _write(self, state: SendRoom, chunk: EmbeddingChunk, want: EmbeddingWanted) -> None:
-        """Writer thread: one Mooncake write, then the status (off the lock)."""
+        """Writer thread: the Mooncake write (in two halves with `pause_halfway_s`), then the status (off the lock)."""
         with self.lock:
             if state.done:
                 return
-        code = self.engine.write(want.session, [self.slots.slot_ptr(chunk.slot)], [want.dst_ptr], [chunk.nbytes])
+        code = 0
+        if self.pause_halfway_s > 0:  # tests: a kill during the pause lands mid-write
+            half = chunk.nbytes // 2
+            code = self.engine.write(want.session, [self.slots.slot_ptr(chunk.slot)], [want.dst_ptr], [half])
+            with self.lock:
+                state.written = half
+            log.info("embedding room %d: %d of %d bytes written, pausing %.1f s", state.room, half, chunk.nbytes,
+                     self.pause_halfway_s)
+            time.sleep(self.pause_halfway_s)
+        if code == 0:
+            start = state.written
+            code = self.engine.write(want.session, [self.slots.slot_ptr(chunk.slot) + start], [want.dst_ptr + start],
+                                     [chunk.nbytes - start])
         with self.lock:
             state.writing = False
             if state.done:

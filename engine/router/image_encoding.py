@@ -8,6 +8,10 @@ decode and check the images first, so a bad one is a 400 naming its part before 
 work. The part is then rewritten into an `image_ref` (the image's hash, the encoder's embedding
 endpoint and the room): the pixels never travel to prefill or decode. Text-only requests, and
 deployments without encoders, pass through unchanged.
+
+The encoders an attempt used are handed back with the body: the attempt watches them like its
+prefill and decode, so an encoder that dies before its rows landed (e.g. mid-write) ends the
+attempt as soon as the router sees it gone, and the retry encodes again on a live encoder.
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ logger = logging.getLogger(__name__)
 
 class EncodersUnavailable(Exception):
     """No encoder could take an image (every one tried failed or none is healthy)."""
+
+
+@dataclass
+class Prepared:
+    """The body prefill and decode get, and the encoders its image rows come from."""
+
+    body: Any
+    encoders: list[Backend]
 
 
 @dataclass
@@ -87,13 +99,13 @@ class ImageEncoding:
     def __init__(self, pool: BackendPool, client: httpx.AsyncClient, images: ImageInputConfig) -> None:
         self.pool, self.client, self.images = pool, client, images
 
-    async def prepare(self, body: Any) -> Any:
+    async def prepare(self, body: Any) -> Prepared:
         """The request for prefill and decode: images replaced by references to their encoders' rows."""
         if not isinstance(body, dict) or not self.pool.backends("encode"):
-            return body
+            return Prepared(body, [])
         found = image_parts(body)
         if not found:
-            return body
+            return Prepared(body, [])
         parts = [ImagePart(where, url=url) for _, _, where, url in found]
         check_image_count(parts, self.images)
         slots = []
@@ -119,7 +131,8 @@ class ImageEncoding:
             results = await asyncio.gather(*(self._encode(g) for g in groups.values()))
             pending = [s for group, ok in zip(groups.values(), results, strict=True) if not ok for s in group]
             failed |= {s.encoder.url for s in pending if s.encoder is not None}
-        return rewritten(body, slots)
+        used = {id(s.encoder): s.encoder for s in slots if s.encoder is not None}
+        return Prepared(rewritten(body, slots), list(used.values()))
 
     async def _encode(self, group: list[ImageSlot]) -> bool:
         """Posts one encoder's items; False if the encoder failed (it is ejected; try another)."""

@@ -6,7 +6,10 @@ prefill's bootstrap timeout. Until the client has its first token (for a non-str
 until the whole answer is in), a failed attempt is dropped, closing its calls so the engines
 abort and free its pages, and the request is retried on another decode and another prefill;
 never on a backend that just failed. A streamed answer is read up to its first token before
-anything goes to the client, so that a decode failing before it is retried too.
+anything goes to the client, so that a decode failing before it is retried too. The encoders an
+attempt's images went to are watched the same way until the prefill answered (their rows are in
+by then): an encoder ejected meanwhile ends the attempt, and the retry encodes again elsewhere
+(a failed encoder does not make the next attempt avoid the prefill and decode it used).
 """
 
 from __future__ import annotations
@@ -105,7 +108,8 @@ class PairRouter:
                  on_retry=lambda: None, prepare=None) -> None:
         self.pool, self.client, self.key, self.retries = pool, client, key, retries
         self.on_retry = on_retry
-        # Per attempt, before any backend is leased: e.g. the images sent to encoders (new rooms each time).
+        # Per attempt, before any backend is leased: the images sent to encoders (new rooms each time);
+        # returns an object with the attempt's `body` and the `encoders` to watch.
         self.prepare = prepare
 
     async def dispatch(self, path: str, body: dict, stream: bool, disaggregated: bool,
@@ -117,7 +121,9 @@ class PairRouter:
         never: set[str] = set()  # backends that failed themselves
         last: UpstreamFailure | None = None
         for attempt in range(1 + max(0, self.retries)):
-            attempt_body = await self.prepare(body) if self.prepare is not None else body
+            prepared = await self.prepare(body) if self.prepare is not None else None
+            attempt_body = prepared.body if prepared is not None else body
+            encoders = prepared.encoders if prepared is not None else []
             try:
                 main = self.pool.pick("decode" if disaggregated else "unified", avoid, never)
             except NoBackend:
@@ -139,25 +145,28 @@ class PairRouter:
                 logger.warning("retrying on %s after: %s", main.backend.url if prefill is None else
                                f"{prefill.backend.url} + {main.backend.url}", last)
             try:
-                return await self._attempt(prefill, main, path, attempt_body, stream)
+                return await self._attempt(prefill, main, path, attempt_body, stream, encoders)
             except UpstreamFailure as failure:
                 if failure.kind == "client":
                     raise
                 last = failure
-                avoid |= {main.backend.url, *([prefill.backend.url] if prefill else [])}
+                if failure.backend.role != "encode":  # the pair was not at fault for a dead encoder
+                    avoid |= {main.backend.url, *([prefill.backend.url] if prefill else [])}
                 if failure.kind in EJECTING_KINDS:
                     never.add(failure.backend.url)
         assert last is not None
         raise last
 
-    async def _attempt(self, prefill: Lease | None, main: Lease, path: str, body: dict, stream: bool) -> Answer:
+    async def _attempt(self, prefill: Lease | None, main: Lease, path: str, body: dict, stream: bool,
+                       encoders: list[Backend] | None = None) -> Answer:
         if prefill is not None:
             backend = prefill.backend
             body = pair_request(body, backend.bootstrap_host or "", backend.bootstrap_port or 0,
                                 secrets.randbits(63), self.key)
         main_task = asyncio.ensure_future(self._answer(main, path, body, stream))
         prefill_task = asyncio.ensure_future(self._prefill(prefill, path, body)) if prefill is not None else None
-        watch = asyncio.ensure_future(_first_ejected([main.backend, *([prefill.backend] if prefill else [])]))
+        watch = asyncio.ensure_future(_first_ejected([main.backend, *([prefill.backend] if prefill else []),
+                                                      *(encoders or [])]))
         waiting = {main_task, watch, *([prefill_task] if prefill_task else [])}
         answered = False
         try:

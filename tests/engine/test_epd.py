@@ -1,16 +1,25 @@
 """Encoder disaggregation end to end: 1 encode + 1 prefill + 1 decode, and 2 encode + 1 prefill +
 1 decode, behind the router, equal the unified engine token for token; bad images are 400s before
 prefill work; text skips the encoders; a dead encoder is retried around, or fails its request
-cleanly; rows that never come give 408; every engine's slots, rooms and pages return to their start."""
+cleanly; an encoder killed -9 mid-write is retried around, and its prefill tells the waiting decode
+at once (abort_room); rows that never come give 408; every engine's slots, rooms and pages return to
+their start.
+
+Mid-write, deterministically: the `encode-slow-*` engines run with `--embedding-write-pause-s`, a
+test-only flag that writes each item's rows in two halves with a pause between; the tests wait
+until the encoder's health says an item is partly written (half its bytes are in the prefill's
+slot), then kill it."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import logging
 import os
 import secrets
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -28,14 +37,20 @@ from servers import (
     wait_http_ok,
 )
 
+from splitserve.engine.image_items import image_digest
+from splitserve.engine.router.backend_pool import Backend
+from splitserve.engine.router.image_encoding import encoder_ring
 from splitserve.engine.tiny_llava import write_llava_checkpoint
 
 pytestmark = pytest.mark.slow
+log = logging.getLogger(__name__)
 
 ENGINE = ["--served-model-name", "m", "--device", "cpu", "--page-size", "4", "--max-total-tokens", "2048",
           "--max-running-requests", "8"]
 TRANSFER = ["--transfer-heartbeat-interval-s", "0.3", "--transfer-heartbeat-misses", "4",
             "--transfer-control-key", TEST_CONTROL_KEY]
+HEARTBEAT_TIMEOUT_S = 0.3 * 4
+WRITE_PAUSE_S = 20.0  # far longer than any bound asserted below: the kill always lands in the pause
 
 
 class Deployment:
@@ -70,6 +85,8 @@ def deployment(tmp_path_factory):
     d.engine("unified", "unified", "--chunked-prefill-size", "8")
     for name in ("encode-a", "encode-b", "encode-c"):
         d.engine(name, "encode", *TRANSFER)
+    for name in ("encode-slow-1", "encode-slow-2"):
+        d.engine(name, "encode", "--embedding-write-pause-s", str(WRITE_PAUSE_S), *TRANSFER)
     bootstrap = free_port()
     d.engine("prefill", "prefill", "--bootstrap-port", str(bootstrap), "--chunked-prefill-size", "8",
              "--embedding-timeout-s", "3", "--embedding-hold-s", "0.5", *TRANSFER)
@@ -80,6 +97,7 @@ def deployment(tmp_path_factory):
     d.start("router-1e", ["router", *pd, "--encode", d.url("encode-a")])
     d.start("router-2e", ["router", *pd, "--encode", d.url("encode-a"), d.url("encode-b")])
     d.start("router-failover", ["router", *pd, "--encode", d.url("encode-b"), d.url("encode-c")])
+    d.start("router-midwrite", ["router", *pd, "--encode", d.url("encode-slow-1"), d.url("encode-b")])
     try:
         d.wait()
         yield d
@@ -87,11 +105,15 @@ def deployment(tmp_path_factory):
         d.stop()
 
 
-def png_url(w: int, h: int, seed: int, fmt: str = "PNG") -> str:
+def png_bytes(w: int, h: int, seed: int, fmt: str = "PNG") -> bytes:
     rng = np.random.default_rng(seed)
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+    return buf.getvalue()
+
+
+def png_url(w: int, h: int, seed: int, fmt: str = "PNG") -> str:
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(png_bytes(w, h, seed, fmt)).decode()
 
 
 def image(url: str) -> dict:
@@ -230,3 +252,104 @@ def test_a_killed_encoder_is_retried_around_or_fails_cleanly(deployment: Deploym
     assert dec.status_code == 503
     assert time.monotonic() - started < 3
     assert_everything_back(deployment)
+
+
+def kill_mid_write(d: Deployment, name: str) -> float:
+    """Waits until encoder `name` has an item partly written (it pauses there), kills it -9 and
+    returns when it died."""
+    url, victim = d.procs[name]
+    deadline = time.monotonic() + 60
+    while health(url)["embedding"]["partly_written"] == 0:
+        assert time.monotonic() < deadline, f"{name} never got an item partly written"
+        time.sleep(0.02)
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    victim.proc.wait()
+    return killed_at
+
+
+def router_retries(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("splitserve_router_retries_total"))
+
+
+def finished(url: str, reason: str) -> float:
+    """An engine's count of requests finished for `reason` (its Prometheus counter)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("splitserve_requests_finished_total") and f'reason="{reason}"' in line)
+
+
+def embedding_slots_free(d: Deployment) -> int:
+    return health(d.url("prefill"))["embedding"]["free"]
+
+
+def test_an_encoder_killed_mid_write_is_retried_on_another_encoder(deployment: Deployment) -> None:
+    """The router watches the encoders of an attempt: the one killed mid-write is ejected, the
+    attempt dropped (prefill and decode free its room) and the retry encodes on the other encoder."""
+    slow, other = deployment.url("encode-slow-1"), deployment.url("encode-b")
+    ring = [Backend(slow, "encode"), Backend(other, "encode")]
+    seed = next(s for s in range(200, 300)
+                if encoder_ring(ring, image_digest(png_bytes(36, 28, s)))[0].url == slow)  # slow-1 takes it first
+    case = body([image(png_url(36, 28, seed)), {"type": "text", "text": "killed mid-write"}])
+    want = chat_all(deployment.url("unified"), [case])[0].json()["choices"][0]["token_ids"]
+    free_at_start = embedding_slots_free(deployment)
+    retries_before = router_retries(deployment.url("router-midwrite"))
+    prefill_errors, prefill_aborts = finished(deployment.url("prefill"), "error"), finished(deployment.url("prefill"),
+                                                                                             "abort")
+    done: list[tuple[httpx.Response, float]] = []
+    sender = threading.Thread(target=lambda: done.append((httpx.post(
+        f"{deployment.url('router-midwrite')}/v1/chat/completions", json=case, timeout=120), time.monotonic())))
+    sender.start()
+    killed_at = kill_mid_write(deployment, "encode-slow-1")
+    sender.join(timeout=120)
+    (r, answered_at), = done
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == want
+    log.info("killed mid-write: the retried answer came %.2f s after the kill", answered_at - killed_at)
+    assert answered_at - killed_at < 10, "the retry waited for something other than the router seeing the kill"
+    assert router_retries(deployment.url("router-midwrite")) == retries_before + 1
+    # The router dropped the first attempt when it saw the encoder gone (the prefill's request was
+    # aborted), not when the prefill's heartbeats noticed (that would have been an error).
+    assert finished(deployment.url("prefill"), "abort") == prefill_aborts + 1
+    assert finished(deployment.url("prefill"), "error") == prefill_errors
+    assert_everything_back(deployment)
+    assert embedding_slots_free(deployment) == free_at_start
+
+
+def test_an_encoder_killed_mid_write_fails_its_prefill_and_tells_the_decode_at_once(deployment: Deployment) -> None:
+    """No router: prefill's receiver sees the encoder die within the heartbeat bound, and the prefill
+    aborts the KV room, so the decode (whose own transfer timeouts are 60 and 300 s) fails at once."""
+    enc = deployment.url("encode-slow-2")
+    room = secrets.randbits(63)
+    r = httpx.post(f"{enc}/v1/encode", json={"items": [{"room": room, "image_url": {"url": png_url(44, 30, 77)}}]},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    ref = {"type": "image_ref", "image_ref": {"digest": r.json()["items"][0]["digest"],
+                                              "encoder_addr": r.json()["endpoint"], "room": room}}
+    pd = {**body([ref, {"type": "text", "text": "x"}]),
+          **bootstrap_grant("127.0.0.1", deployment.bootstrap_port, secrets.randbits(63))}
+    free_at_start = embedding_slots_free(deployment)
+    answers: dict[str, tuple[httpx.Response, float]] = {}
+
+    def post(role: str) -> None:
+        answer = httpx.post(f"{deployment.url(role)}/v1/chat/completions", json=pd, timeout=120)
+        answers[role] = (answer, time.monotonic())
+
+    threads = [threading.Thread(target=post, args=(role,)) for role in ("prefill", "decode")]
+    for t in threads:
+        t.start()
+    killed_at = kill_mid_write(deployment, "encode-slow-2")
+    for t in threads:
+        t.join(timeout=120)
+    (pre, pre_at), (dec, dec_at) = answers["prefill"], answers["decode"]
+    assert pre.status_code == 503 and "stopped answering" in pre.json()["error"]["message"], pre.text
+    assert dec.status_code == 503, dec.text
+    log.info("killed mid-write: prefill failed %.2f s and decode %.2f s after the kill (heartbeat bound %.1f s)",
+             pre_at - killed_at, dec_at - killed_at, HEARTBEAT_TIMEOUT_S)
+    # The prefill's heartbeat bound, then abort_room: far under the decode's own timeouts.
+    assert pre_at - killed_at < HEARTBEAT_TIMEOUT_S + 1.5, pre_at - killed_at
+    assert dec_at - killed_at < HEARTBEAT_TIMEOUT_S + 2.0, dec_at - killed_at
+    assert_everything_back(deployment)
+    assert embedding_slots_free(deployment) == free_at_start

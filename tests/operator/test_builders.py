@@ -139,7 +139,7 @@ def test_headless_service_publishes_not_ready_pods_with_named_ports() -> None:
     svc = build_headless_service(role_body(group(), "prefill"))
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["publishNotReadyAddresses"] is True
-    assert [p["name"] for p in svc["spec"]["ports"]] == ["http", "bootstrap"]
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["http", "bootstrap", "embedding"]
 
 
 def test_cpu_role_runs_on_cpu_without_gpu_resources() -> None:
@@ -257,6 +257,27 @@ def test_peers_configmap_lists_every_pod_with_its_bootstrap_port() -> None:
     assert peers["roles"]["prefill"]["endpoints"][0]["bootstrapPort"] == 9000
     assert len(peers["roles"]["decode"]["endpoints"]) == 4
     assert peers["router"] == "http://g-router.ns.svc:8000"
+
+
+def test_encode_pods_run_the_encode_role_with_the_transfer_settings_and_the_embedding_port() -> None:
+    g = group(roles={"prefill": {}, "decode": {}, "encode": {"replicas": 2}},
+              transfer={"protocol": "tcp", "bootstrapPort": 9000, "embeddingPort": 9100})
+    (container,) = build_statefulset(role_body(g, "encode"), IMAGE)["spec"]["template"]["spec"]["containers"]
+    cmd = container["command"]
+    assert cmd[:4] == ["splitserve", "serve", "--role", "encode"]
+    assert cmd[cmd.index("--embedding-control-port") + 1] == "9100"
+    assert "--bootstrap-port" not in cmd
+    assert {"name": "embedding", "containerPort": 9100, "protocol": "TCP"} in container["ports"]
+    env = env_of(container)
+    assert env["SPLITSERVE_TRANSFER_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["SPLITSERVE_TRANSFER_CONTROL_KEY"] == {"secretKeyRef": {"name": "g-control", "key": "key"}}
+    assert env["SPLITSERVE_TRANSFER_PROTOCOL"] == "tcp"
+    (prefill,) = build_statefulset(role_body(g, "prefill"), IMAGE)["spec"]["template"]["spec"]["containers"]
+    assert prefill["command"][prefill["command"].index("--embedding-control-port") + 1] == "9100"
+    svc = build_headless_service(role_body(g, "encode"))
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["http", "embedding"]
+    peers = json.loads(build_peers_configmap(g, {"prefill": 1, "decode": 1, "encode": 2})["data"]["peers.json"])
+    assert [e["embeddingPort"] for e in peers["roles"]["encode"]["endpoints"]] == [9100, 9100]
 
 
 def test_control_secret_holds_the_key_base64_encoded() -> None:

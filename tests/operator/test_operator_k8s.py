@@ -69,6 +69,7 @@ def test_example_applies_and_every_child_is_owned_and_configured(cluster: Any, o
     group = cluster.group(ns, group_name)
     # Server-side defaults from the schema.
     assert group["spec"]["transfer"]["bootstrapPort"] == 8998
+    assert group["spec"]["transfer"]["embeddingPort"] == 8999
     assert group["spec"]["router"]["serviceType"] == "ClusterIP"
 
     def converged() -> dict[str, list[dict[str, Any]]] | None:
@@ -106,11 +107,16 @@ def test_example_applies_and_every_child_is_owned_and_configured(cluster: Any, o
         assert sts["spec"]["template"]["metadata"]["labels"][LABEL_REVISION] == group["status"]["revision"]
         if role == "prefill":
             assert "--bootstrap-port" in container["command"]
+        if role in ("encode", "prefill"):  # the image embedding transfer's fixed control port
+            assert container["command"][container["command"].index("--embedding-control-port") + 1] == "8999"
+            assert {"name": "embedding", "containerPort": 8999, "protocol": "TCP"} in container["ports"]
     services = {s["metadata"]["name"]: s for s in kids["Service"]}
     for r in roles:
         assert services[f"{group_name}-{r}"]["spec"]["clusterIP"] == "None"
         assert owner_names(services[f"{group_name}-{r}"]) == [("ServingRole", f"{group_name}-{r}")]
     assert services[f"{group_name}-router"]["spec"]["ports"][0]["port"] == 8000
+    if "encode" in roles:
+        assert [p["name"] for p in services[f"{group_name}-encode"]["spec"]["ports"]] == ["http", "embedding"]
     peers = json.loads(kids["ConfigMap"][0]["data"]["peers.json"])
     assert sorted(peers["roles"]) == sorted(roles)
     if example_name == "decode-drafter":

@@ -72,7 +72,7 @@ def test_rows_land_exactly_whichever_side_comes_first(pair) -> None:
     receiver.release(slots)
     assert sorted(c.room for c in sender.concluded()) == [11, 12]
     assert receiver.stats() == {"staged": 0, "rooms": 0, "watched_peers": 0, "free": 3, "held": 0, "leased": 0}
-    assert sender.stats() == {"rooms": 0, "early": 0, "concluded": 0}
+    assert sender.stats() == {"rooms": 0, "early": 0, "concluded": 0, "writing": 0, "partly_written": 0}
 
 
 @pytest.mark.parametrize("bad", ["rows", "hidden", "dtype"])
@@ -133,7 +133,7 @@ def test_timeout_and_drop_tell_the_encoder_and_free_everything(pair) -> None:
         time.sleep(0.3)
         assert [c.room for c in sender.concluded()] == [42]
         assert quick.stats() == {"staged": 0, "rooms": 0, "watched_peers": 0, "free": 2, "held": 0, "leased": 0}
-        assert sender.stats() == {"rooms": 0, "early": 0, "concluded": 0}
+        assert sender.stats() == {"rooms": 0, "early": 0, "concluded": 0, "writing": 0, "partly_written": 0}
     finally:
         quick.close()
 
@@ -155,3 +155,37 @@ def test_more_items_than_slots_wait_for_a_slot(pair) -> None:
     landed, _ = receiver.settle({"next": LANDED})
     assert torch.equal(receiver.slots.rows(landed[0][1][0], ROWS), sender.slots.buffer[3])
     receiver.release(landed[0][1])
+
+
+def test_a_fixed_embedding_control_port_from_the_env_is_where_peers_write(pair) -> None:
+    """`--embedding-control-port` / SPLITSERVE_EMBEDDING_CONTROL_PORT pins the receiver's control socket
+    (pods expose it); it is not the KV control port, which a prefill binds beside it."""
+    import argparse
+
+    from servers import free_port
+
+    from splitserve.config_flags import add_config_flags, config_from_args
+
+    sender, _ = pair
+    port, kv_port = free_port(), free_port()
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, TransferConfig, "SPLITSERVE")
+    config = config_from_args(TransferConfig, parser.parse_args(["--transfer-control-port", str(kv_port)]),
+                              "SPLITSERVE", environ={"SPLITSERVE_EMBEDDING_CONTROL_PORT": str(port)})
+    config = config.replace(transfer_heartbeat_interval_s=0.2, transfer_heartbeat_misses=3)
+    assert (config.embedding_control_port, config.transfer_control_port) == (port, kv_port)
+    fixed = EmbeddingReceiver(config, EmbeddingSlots(1, ROWS, HIDDEN, torch.float32, 0.1), timeout_s=3.0,
+                              metrics_registry=CollectorRegistry())
+    try:
+        assert fixed.endpoint == f"tcp://127.0.0.1:{port}"
+        data = put_rows(sender, 2, 9)
+        assert sender.begin(31)
+        fixed.stage("r", [WantedItem(31, sender.endpoint, ROWS, "d")])
+        sender.send(chunk(31, 2))
+        assert wait_codes(fixed, "r") == LANDED
+        (rid, slots), = fixed.settle({"r": LANDED})[0]
+        assert rid == "r"
+        assert torch.equal(fixed.slots.rows(slots[0], ROWS), data)
+        fixed.release(slots)
+    finally:
+        fixed.close()
