@@ -62,7 +62,7 @@ class ChoiceResult:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.cached_tokens = 0
-        self.tool_stream: ToolCallStream | None = None  # streamed chat with tools: holds calls back
+        self.tool_stream: ToolCallStream | None = None  # streamed chat with tools: content and call deltas
 
     def add(self, out: TokenOutput) -> None:
         self.text += out.text
@@ -387,15 +387,18 @@ class ApiServer:
 
     def _tool_delta(self, gen: GenerationRequest, tools: ToolCallStream, out: TokenOutput,
                     entry: dict[str, Any]) -> dict[str, Any]:
-        """A chat delta with the text that is surely no call; at the end, the rest and the calls."""
-        text = tools.feed(out.text)
-        if out.finish_reason is None or out.finish_reason == FinishReason.ERROR:
-            return {"content": text} if text else {}
-        rest, calls = tools.finish()
-        delta: dict[str, Any] = {"content": text + rest} if text + rest else {}
-        if calls:
-            delta["tool_calls"] = [{"index": i, **call.as_openai()} for i, call in enumerate(calls)]
-            entry["finish_reason"] = _tool_finish(gen, entry["finish_reason"])
+        """A chat delta with the content that is surely no call and the tool-call deltas the
+        output adds (engine/tools/streaming.py); at the end, what is still missing."""
+        step = tools.feed(out.text)
+        if out.finish_reason is not None and out.finish_reason != FinishReason.ERROR:
+            rest = tools.finish()
+            step.content += rest.content
+            step.tool_calls += rest.tool_calls
+            if tools.made_calls:
+                entry["finish_reason"] = _tool_finish(gen, entry["finish_reason"])
+        delta: dict[str, Any] = {"content": step.content} if step.content else {}
+        if step.tool_calls:
+            delta["tool_calls"] = step.tool_calls
         return delta
 
 

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from splitserve.engine.grammar.spec import GrammarSpec
+from splitserve.engine.tools.call_scanner import scan_calls
 from splitserve.engine.tools.request import ToolRequest
 
 MAX_PARALLEL_CALLS = 16  # calls in one forced answer: a weak model may otherwise list calls forever
@@ -32,9 +33,9 @@ def forced_calls(tools: ToolRequest, text: str) -> list[tuple[str, str]] | None:
     """(name, arguments JSON) of each call in a forced output, or None if it is not complete JSON
     (cut by max_tokens)."""
     try:
-        value = json.loads(text)
+        json.loads(text)  # complete (not cut by max_tokens)
     except json.JSONDecodeError:
         return None
     if tools.choice != "required":
-        return [(tools.choice, json.dumps(value))]
-    return [(c["name"], json.dumps(c["parameters"])) for c in value]
+        return [(tools.choice, text.strip())]
+    return [(c.name, c.arguments) for c in scan_calls(text, array=True)]  # arguments as written

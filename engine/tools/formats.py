@@ -15,10 +15,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.engine.tools.call_scanner import scan_calls
 from splitserve.engine.tools.request import ToolRequest
 
 FORMATS = ("hermes", "llama3")
 PARSER_CHOICES = ("auto", *FORMATS)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
 
@@ -58,18 +60,18 @@ def parse_calls(fmt: str, text: str) -> tuple[str | None, list[ToolCall]]:
     if fmt == "hermes":
         calls = []
         for body in _HERMES_CALL.findall(text):
-            call = _json_call(body, "arguments")
+            call = _json_call(body)
             if call is None:
                 return text, []  # a malformed call: leave the text as content
             calls.append(call)
-        content = _HERMES_CALL.sub("", text).strip() if calls else text
+        content = _HERMES_CALL.sub("", text).rstrip() if calls else text  # as a stream sends it
         return (content or None) if calls else text, calls
     stripped = text.strip().removeprefix(PYTHON_TAG).strip()
     if not stripped.startswith("{"):
         return text, []
     calls = []
     for part in _split_json_objects(stripped):
-        call = _json_call(part, "parameters")
+        call = _json_call(part)
         if call is None:
             return text, []
         calls.append(call)
@@ -93,15 +95,16 @@ def call_may_start(fmt: str, text: str) -> int | None:
     return None
 
 
-def _json_call(text: str, args_key: str) -> ToolCall | None:
+def _json_call(text: str) -> ToolCall | None:
+    """The call `text` holds (one JSON object), its arguments as written; None if it is none."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    args = value.get(args_key, value.get("arguments", value.get("parameters", {})))
-    return new_call(value["name"], args if isinstance(args, str) else json.dumps(args))
+    scanned = scan_calls(text)[0]
+    return new_call(value["name"], scanned.arguments)
 
 
 def _split_json_objects(text: str) -> list[str]:

@@ -232,6 +232,29 @@ def test_auto_tool_calls_are_parsed_from_the_output(deployment, shape: str, stre
     assert calls == [] and finish == "stop" and "<tool_call>" in content
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_streamed_tool_calls_arrive_as_deltas_that_add_up_to_the_answer(deployment, shape: str) -> None:
+    """Streamed, a call's name comes first and its arguments in fragments over several chunks; the
+    accumulated deltas equal the non-streamed answer (content, calls, finish reason)."""
+    client = client_for(deployment, shape)
+    steer = ('Let me check[.]\n<tool_call>\n\\{"name": "get_weather", "arguments": '
+             '\\{"city": "[a-z]{2,5}", "days": 3\\}\\}\n</tool_call>')
+    for kwargs in (dict(tools=[WEATHER], max_tokens=200, seed=3, extra_body={"guided_regex": steer}),
+                   dict(tools=[WEATHER, TIME], tool_choice="required", max_tokens=400, seed=2,
+                        logit_bias={str(ord("]")): 4.0})):
+        whole = chat_calls(client, False, **kwargs)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, stream=True, **kwargs))
+        with_calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+        assert len(with_calls) > 2, with_calls  # not one whole call at the end
+        first = with_calls[0][0]
+        assert first.index == 0 and first.id.startswith("call_") and first.type == "function" and first.function.name
+        assert all(d.id is None and d.function.name is None for d in with_calls[1])
+        streamed = chat_calls(client, True, **kwargs)
+        assert (streamed[0], [c[1:] for c in streamed[1]], streamed[2]) == (whole[0], [c[1:] for c in whole[1]],
+                                                                            whole[2])
+        assert whole[1] and whole[2] == "tool_calls"
+
+
 def test_tool_results_render_back(deployment) -> None:
     from splitserve.engine.tiny_model import tiny_model_folder
     from splitserve.engine.tokenizer import TextTokenizer

@@ -71,19 +71,66 @@ def test_format_from_the_template() -> None:
     assert format_for("llama3", "<tool_call>") == "llama3"
 
 
+def streamed(stream: ToolCallStream, text: str, chunk: int) -> tuple[str, list[list[str]], list[dict]]:
+    """(content, [[id, name, arguments]], every tool-call delta) of `text` fed in pieces of `chunk`."""
+    deltas = [stream.feed(text[i:i + chunk]) for i in range(0, len(text), chunk)] + [stream.finish()]
+    content, calls, raw = "", {}, []
+    for d in deltas:
+        content += d.content
+        for t in d.tool_calls:
+            raw.append(t)
+            entry = calls.setdefault(t["index"], ["", "", ""])
+            entry[0] += t.get("id", "")
+            entry[1] += t.get("function", {}).get("name", "")
+            entry[2] += t["function"]["arguments"]
+    return content, [calls[i] for i in sorted(calls)], raw
+
+
+CALL_OUTPUTS = [
+    ({"tools": [WEATHER, TIME]}, "hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+     '"oslo", "days": 3}}\n</tool_call>\n<tool_call>{"arguments":{"zone":"utc"},"name":"get_time"}</tool_call>'),
+    ({"tools": [WEATHER]}, "hermes", "a <tool_ lookalike but no call"),
+    ({"tools": [WEATHER, TIME]}, "llama3", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "cet"}}; '
+     '{"name": "get_weather", "parameters": {"city": "rome", "days": 1}}'),
+    ({"tools": [WEATHER]}, "llama3", "The answer is 4."),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "hermes",
+     '{"city": "bergen", "days": 7}'),
+    ({"tools": [WEATHER, TIME], "tool_choice": "required"}, "hermes",
+     '[{"name": "get_time", "parameters": {"zone": "utc"}}, {"name": "get_weather", "parameters": '
+     '{"city": "x", "days": 2}}]'),
+]
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
-def test_a_stream_holds_calls_back_whatever_the_chunking(chunk: int) -> None:
-    tools = tool_request_from({"tools": [WEATHER]})
-    text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "oslo", "days": 3}}\n</tool_call>'
-    stream = ToolCallStream(tools, "hermes")
-    sent = "".join(stream.feed(text[i:i + chunk]) for i in range(0, len(text), chunk))
-    rest, calls = stream.finish()
-    assert sent + rest == "Sure." and [c.name for c in calls] == ["get_weather"]
-    plain = ToolCallStream(tools, "hermes")
-    text = "a <tool_ lookalike but no call"
-    sent = "".join(plain.feed(text[i:i + chunk]) for i in range(0, len(text), chunk))
-    rest, calls = plain.finish()
-    assert sent + rest == text and calls == []
+@pytest.mark.parametrize("case", range(len(CALL_OUTPUTS)))
+def test_streamed_calls_are_deltas_that_add_up_to_the_whole_answer(chunk: int, case: int) -> None:
+    body, fmt, text = CALL_OUTPUTS[case]
+    tools = tool_request_from(body)
+    content, calls, raw = streamed(ToolCallStream(tools, fmt), text, chunk)
+    want_content, want_calls = final_message(tools, fmt, text)
+    assert content == (want_content or "")
+    assert [c[1:] for c in calls] == [[c.name, c.arguments] for c in want_calls]
+    for call in calls:
+        assert call[0].startswith("call_") and call[2] and json.loads(call[2])
+    firsts = {}
+    for t in raw:  # each call's first delta names it (with its id and type); later ones only add arguments
+        if t["index"] not in firsts:
+            firsts[t["index"]] = t
+            assert t["type"] == "function" and t["function"]["name"] and t["id"]
+        else:
+            assert set(t) == {"index", "function"} and set(t["function"]) == {"arguments"}
+    if chunk == 1 and want_calls:
+        assert len(raw) > 2 * len(want_calls)  # arguments arrive in pieces, not whole at the end
+
+
+def test_the_text_before_a_call_streams_before_the_call_ends() -> None:
+    stream = ToolCallStream(tool_request_from({"tools": [WEATHER]}), "hermes")
+    assert stream.feed("Let me check.").content == "Let me check."
+    assert stream.feed("\n<tool_").content == ""
+    first = stream.feed('call>{"name": "get_weather", "arguments": {"ci')
+    assert first.tool_calls == [{"index": 0, "id": stream.calls[0].id, "type": "function",
+                                 "function": {"name": "get_weather", "arguments": '{"ci'}}]
+    assert stream.feed('ty": "oslo"').tool_calls == [{"index": 0, "function": {"arguments": 'ty": "oslo"'}}]
 
 
 def test_tools_and_tool_results_render_back() -> None:
