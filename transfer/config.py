@@ -46,6 +46,10 @@ class TransferConfig:
     transfer_threads: int = field(default=2, metadata={
         "help": "Mooncake write threads per peer (started on demand, ended when idle; a peer whose "
                 "calls block holds only its own)"})
+    transfer_writer_engines: int = field(default=8, metadata={
+        "help": "Mooncake engines a sender writes through, one per decode peer up to this many (then "
+                "shared): a peer frozen in its first handshake stalls only its own engine's writes "
+                "(0: every write through the one shared engine)"})
     transfer_max_batch_segments: int = field(default=1024, metadata={
         "help": "segments per Mooncake batch (its TCP lane rejects batches of a few thousand)"})
     transfer_control_key: str = field(default="", metadata={
@@ -63,6 +67,8 @@ class TransferConfig:
             raise ValueError(f"transfer_heartbeat_misses must be >= 1, got {self.transfer_heartbeat_misses}")
         if self.transfer_threads < 1:
             raise ValueError(f"transfer_threads must be >= 1, got {self.transfer_threads}")
+        if self.transfer_writer_engines < 0:
+            raise ValueError(f"transfer_writer_engines must be >= 0, got {self.transfer_writer_engines}")
         if self.transfer_max_batch_segments < 1:
             raise ValueError("transfer_max_batch_segments must be >= 1")
 

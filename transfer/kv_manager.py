@@ -33,6 +33,7 @@ from .errors import BootstrapError, KVAbortedError, KVMetadataError, KVPeerLostE
 from .kv_contract import BaseKVManager
 from .kv_layout import KVLayout
 from .mooncake_engine import MooncakeEngine
+from .peer_engines import PeerEngines
 from .peer_liveness import PeerLiveness
 from .peer_workers import PeerWorkers, TransferJob
 from .poll_state import KVPoll
@@ -81,6 +82,8 @@ class MooncakeKVManager(BaseKVManager):
         except Exception:
             self.engine.close()
             raise
+        regions = [(buf.ptr, buf.nbytes) for buf in layout.buffers] + [(layout.aux.ptr, layout.aux.nbytes)]
+        self.writers = PeerEngines(self.engine, regions, config.transfer_writer_engines)
         self.sender_timeouts = {
             KVPoll.Bootstrapping: config.transfer_bootstrap_timeout_s,
             KVPoll.WaitingForInput: config.transfer_waiting_timeout_s,
@@ -184,6 +187,7 @@ class MooncakeKVManager(BaseKVManager):
                 "dropped_messages": self.channel.dropped,
                 "worker_threads": self.workers.threads,
                 "lookup_threads": len(self._lookups),
+                "writer_engines": self.writers.engines,
             }
 
     def close(self) -> None:
@@ -202,6 +206,7 @@ class MooncakeKVManager(BaseKVManager):
             if thread.is_alive():
                 log.warning("%s still running at close", thread.name)
         self.channel.close()
+        self.writers.close()
         self.engine.close()
         with self.lock:
             self._senders.clear()

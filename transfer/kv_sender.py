@@ -182,7 +182,7 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         segment = aux_segment(self.mgr.layout, self._aux_index, dst.layout, dst.meta.dst_aux_index)
 
         def shake() -> None:
-            code = self.mgr.engine.write(session, segment.srcs.tolist(), segment.dsts.tolist(), segment.lens.tolist())
+            code = self.mgr.writers.write(session, segment.srcs.tolist(), segment.dsts.tolist(), segment.lens.tolist())
             with self.mgr.lock:
                 if code == 0:
                     self.mgr.sessions_opened[session] = True
@@ -266,7 +266,7 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         for srcs, dsts, lens in segments.batches(self.mgr.config.transfer_max_batch_segments):
             if self.status.final:
                 return
-            code = self.mgr.engine.write(dst.layout.session, srcs, dsts, lens)
+            code = self.mgr.writers.write(dst.layout.session, srcs, dsts, lens)
             if code != 0:
                 with self.mgr.lock:
                     self.fail_locked(KVWriteError(self.room, dst.layout.session, code, sum(lens)), notify=True)

@@ -71,6 +71,7 @@ class MooncakeEngine:
             ) from exc
         self.host = host
         self.protocol = protocol
+        self.devices = devices
         engine = TransferEngine()
         code = engine.initialize(host, "P2PHANDSHAKE", protocol, devices)
         if code != 0:

@@ -5,12 +5,10 @@ block; a room to a healthy decode must not wait behind it. A bootstrap server th
 connections and never answers makes its lookup hang; a lookup at a healthy one must not wait
 behind it.
 
-Known limit (Mooncake 0.3.13's Python binding): the first handshake with a peer runs under one
-engine-wide mutex (transfer_engine_py.cpp opens the segment while holding it), so a peer that
-freezes before it was ever written to stalls every write of the engine until Mooncake's
-handshake times out. The manager shakes hands with each peer when its metadata arrives (see
-MooncakeKVSender._shake_hands), which leaves a window from the metadata's arrival to the end of
-that handshake (a round trip, plus the worker's start on a loaded machine).
+Mooncake 0.3.13's Python binding runs the first handshake with a peer under a mutex of its
+engine (every write of that engine takes it too), and the handshake's socket read times out only
+after 60 s: a peer frozen in it would stall every write of a shared engine for a minute. The sender
+writes to each peer through an engine of its own (peer_engines.py), so it stalls only its own.
 """
 
 from __future__ import annotations
@@ -142,3 +140,33 @@ def test_an_unreachable_bootstrap_address_fails_its_room_quickly_not_at_the_dead
     receiver.clear()
     assert wait_until(lambda: decode.mgr.stats()["lookup_threads"] == 0, 5)
     assert decode.mgr.stats()["rooms"] == 0
+
+
+@pytest.mark.slow
+def test_a_fresh_peer_frozen_in_its_first_handshake_stalls_no_other_peer(bootstrap, spawn_peer, make_rank):
+    config = FAST.replace(transfer_heartbeat_misses=50)  # the frozen peer's room stays open meanwhile
+    prefill = make_rank(seed=1, config=config)
+    prefill.mgr.publish_layout(bootstrap.address)
+    healthy = make_rank(config=config)
+    transfer_once(prefill, healthy.mgr, bootstrap.address, 1, [5, 6], [1, 2], aux_index=1)  # its session is open
+    frozen = spawn_peer({"role": "decode", "seed": 0})
+    frozen.command("recv", bootstrap=bootstrap.address, rooms=[{"room": 3, "pages": [1, 2], "aux_index": 3}])
+    assert wait_until(lambda: prefill.mgr.stats()["early_metadata"] == 1, 10)
+    frozen.proc.send_signal(signal.SIGSTOP)  # before this prefill ever spoke to its Mooncake engine
+    try:
+        stuck = KVSender(prefill.mgr, bootstrap.address, 3)
+        stuck.init(2, 3)  # the metadata is taken in: the handshake with the frozen peer starts
+        assert wait_until(lambda: False in prefill.mgr.sessions_opened.values(), 5)
+        time.sleep(0.3)  # the handshake is in its socket read now (60 s before Mooncake gives up)
+        started = time.monotonic()
+        transfer_once(prefill, healthy.mgr, bootstrap.address, 4, [20, 21], [10, 11], aux_index=2)
+        waited = time.monotonic() - started
+        assert torch.equal(healthy.pool[:, :, [10, 11]], prefill.pool[:, :, [20, 21]])
+        assert False in prefill.mgr.sessions_opened.values(), "the handshake ended: the test proves nothing"
+        assert waited < HEALTHY_ROOM_BOUND_S, f"a room to a healthy peer took {waited:.2f}s"
+        print(f"healthy room while a fresh peer's first handshake hangs: {waited * 1000:.0f} ms")
+        assert prefill.mgr.stats()["writer_engines"] == 2
+        stuck.abort("test over")
+        stuck.clear()
+    finally:
+        frozen.kill9()
