@@ -5,7 +5,8 @@ and not draining. A failure (a connect error, a 5xx, a timeout, a failed probe) 
 once; the prober then tries it again after a backoff that doubles with each failure in a row,
 and a passing probe brings it back. The set of URLs per role can change at runtime
 (``replace``): new URLs join once a probe passes, URLs that leave drain (no new requests) and
-are dropped when their last request ends. Load is counted by leases, released exactly once.
+are dropped when their last request ends. Load is counted by leases, released exactly once;
+the least loaded gets the next request, ties going round robin.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class BackendPool:
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.clock = clock
         self._roles: dict[str, dict[str, Backend]] = {role: {} for role in ROLES}
+        self._last_pick: dict[str, str] = {}  # per role: where the round robin among ties goes on from
 
     # ---- the set of backends -----------------------------------------------------------------
 
@@ -139,7 +141,18 @@ class BackendPool:
         sticky = next((b for b in preferred if b.url == prefer), None)
         if sticky is not None:
             return Lease(self, sticky)
-        return Lease(self, min(preferred, key=lambda b: b.in_flight))
+        least = min(b.in_flight for b in preferred)
+        return Lease(self, self._next_in_turn(role, [b for b in preferred if b.in_flight == least]))
+
+    def _next_in_turn(self, role: str, tied: list[Backend]) -> Backend:
+        """Of equally loaded backends, the first after the role's last pick (round robin): a
+        client sending one request at a time reaches every backend, not always the first."""
+        order = list(self._roles[role])
+        last = self._last_pick.get(role)
+        start = order.index(last) + 1 if last in order else 0
+        chosen = min(tied, key=lambda b: (order.index(b.url) - start) % len(order))
+        self._last_pick[role] = chosen.url
+        return chosen
 
     # ---- health ------------------------------------------------------------------------------
 

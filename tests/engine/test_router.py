@@ -89,6 +89,22 @@ def test_pick_prefers_the_least_loaded_avoids_what_failed_and_never_takes_what_m
         pool.pick("decode", never={"http://d0", "http://d1"})
 
 
+def test_ties_go_round_robin_so_one_request_at_a_time_reaches_every_backend() -> None:
+    pool = healthy_pool(FakeClock(), decode=["http://d0", "http://d1", "http://d2"])
+    picked = []
+    for _ in range(6):  # a sequential client: each lease ends before the next pick
+        lease = pool.pick("decode")
+        picked.append(lease.backend.url[-2:])
+        lease.release()
+    assert picked == ["d0", "d1", "d2", "d0", "d1", "d2"]
+    held = pool.pick("decode")  # d0 busy: the least loaded still wins, ties go on in turn
+    assert [pool.pick("decode").backend.url[-2:] for _ in range(2)] == ["d1", "d2"]
+    assert pool.pick("decode").backend.url[-2:] == "d0"  # all at 1 now: the turn comes back to d0
+    held.release()
+    assert [b.in_flight for b in pool.backends("decode")] == [1, 1, 1]
+    assert pool.pick("decode", prefer="http://d2").backend.url == "http://d2"  # a prompt's prefill affinity
+
+
 def test_leases_count_exactly_and_a_full_role_is_overloaded_not_waited_for() -> None:
     pool = healthy_pool(FakeClock(), limit=2, decode=["http://d0"])
     a, b = pool.pick("decode"), pool.pick("decode")
