@@ -13,8 +13,11 @@ Order of processing, per row:
 Per-request state lives in tensors indexed by pool slot, sized at construction and overwritten
 by reset_slot: the scalar parameters, output-token counts [max_slots, V] (int32), prompt-token
 presence [max_slots, V] (bool) and, from the first request that uses one, a dense logit-bias
-table [max_slots, V]. A seeded request gets its own torch.Generator, so its tokens depend only on
-its seed and logits, not on the rest of the batch; unseeded rows share one generator.
+table [max_slots, V]. A seeded request gets its own torch.Generator, seeded before each draw from
+(seed, tokens it has emitted so far), so its tokens depend only on its seed, its logits and its
+position: not on the rest of the batch, and not on where it runs (a decode engine taking over from
+a prefill, or a preempted request resumed in another slot, commits the tokens so far and draws on
+as the unified engine would). Unseeded rows share one generator.
 
 verify() simplification: penalties at all K+1 positions use the slot's committed state, as if
 none of the K draft tokens had been emitted yet (exact when no penalties are set).
@@ -43,6 +46,16 @@ from splitserve.engine.sampling.logprobs import attach_logprobs
 from splitserve.engine.sampling_params import SamplingParams
 
 Fill = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw for its output token `position`: splitmix64
+    of the two, so that neighbouring seeds and positions give unrelated streams."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
 
 
 def _exponential(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -80,6 +93,8 @@ class FullSampler(SamplerBackend):
         self.prompt_mask = torch.zeros(max_slots, vocab_size, dtype=torch.bool, device=self.device)
         self.logit_bias: torch.Tensor | None = None
         self.generators: dict[int, torch.Generator] = {}
+        self.seeds: dict[int, int] = {}
+        self.emitted = [0] * max_slots  # tokens committed per slot since its reset (host side)
         # Structured outputs: per-slot grammar matchers, attached by the engine (None: no grammars).
         self.grammar: GrammarSlots | None = None
         self.shared_generator = torch.Generator(device=self.device)
@@ -116,16 +131,20 @@ class FullSampler(SamplerBackend):
 
         if self.grammar is not None:
             self.grammar.reset(slot, params.grammar)
+        self.emitted[slot] = 0
         if params.seed is None:
             self.generators.pop(slot, None)
+            self.seeds.pop(slot, None)
         else:
-            self.generators[slot] = torch.Generator(device=self.device)
-            self.generators[slot].manual_seed(params.seed)
+            self.generators.setdefault(slot, torch.Generator(device=self.device))
+            self.seeds[slot] = params.seed
 
     def commit(self, slots: torch.Tensor, tokens: list[list[int]]) -> None:
         if len(slots) != len(tokens):
             raise ValueError(f"commit got {len(slots)} slots but {len(tokens)} token lists")
         host_slots = slots.tolist()
+        for slot, emitted in zip(host_slots, tokens, strict=True):
+            self.emitted[slot] += len(emitted)
         if self.grammar is not None:
             for slot, emitted in zip(host_slots, tokens, strict=True):
                 self.grammar.commit(slot, emitted)
@@ -200,7 +219,7 @@ class FullSampler(SamplerBackend):
         out = fill(torch.empty((len(batch), *shape), device=self.device), self.shared_generator)
         seeded = [i for i, p in enumerate(batch.params) if p.seed is not None]
         if seeded:
-            slots = batch.slots.tolist()  # host sync, only for batches with seeded rows
+            slots = batch.slot_list()  # a host sync without host_slots, only for batches with seeded rows
             for i in seeded:
                 generator = self.generators.get(slots[i])
                 if generator is None:
@@ -208,6 +227,16 @@ class FullSampler(SamplerBackend):
                                        " was reset_slot called with these params?")
                 fill(out[i], generator)
         return out
+
+    def _seed_rows(self, batch: SamplingBatch) -> None:
+        """Seeds the generator of every seeded row for the position it samples now (the draws of
+        one sample or verify call then follow each other in that stream)."""
+        if not any(p.seed is not None for p in batch.params):
+            return
+        for slot in set(batch.slot_list()):
+            seed = self.seeds.get(slot)
+            if seed is not None:
+                self.generators[slot].manual_seed(position_seed(seed, self.emitted[slot]))
 
     def _draw(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """One token per row of probs [B, V] (which need not be normalised)."""
@@ -238,6 +267,7 @@ class FullSampler(SamplerBackend):
         if all(p.temperature == 0.0 for p in batch.params):
             tokens = argmax_tokens(self.penalized_logits(logits, batch.slots, batch.params))
         else:
+            self._seed_rows(batch)
             tokens = self._draw(self.target_probs(logits, batch.slots, batch.params), batch)
         output = SampleOutput(tokens=tokens, accept_lengths=torch.ones_like(tokens))
         return attach_logprobs(output, raw, batch.params)
@@ -274,6 +304,7 @@ class FullSampler(SamplerBackend):
         # p == q leaves no residual mass; a rejection is then only float noise, so draw from p.
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_draft)
 
+        self._seed_rows(batch)
         accepted = accepted_prefix_length(self._random(batch, (k,), _uniform) < ratio)  # [B]
         rows = torch.arange(b, device=candidates.device)
         last = torch.cat([residual, p_bonus], dim=1)[rows, accepted]  # [B, V]

@@ -203,6 +203,45 @@ def test_the_n_samples_of_a_request_compute_its_prompt_once(cluster, shape: str)
     assert len({tuple(t) for t in seeded}) > 1
 
 
+def test_one_request_at_a_time_reaches_both_decodes_and_both_prefills(cluster) -> None:
+    """Ties in load go round robin: four sequential requests through 2P2D land two on each decode
+    (and each prefill); the router's load counters are back at zero after each."""
+    def generated(url: str) -> float:
+        return _metric(httpx.get(f"{url}/metrics", timeout=5).text, "splitserve_generation_tokens_total")
+
+    before = {u: generated(u) for u in cluster["decode"]}
+    computed = {u: prompt_tokens_computed([u]) for u in cluster["prefill"]}
+    for i in range(4):
+        body = {"model": "m", "prompt": [60 + i, 61, 62], "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+        assert httpx.post(f"{cluster['2p2d']}/v1/completions", json=body, timeout=60).status_code == 200
+        in_flight = [b["in_flight"] for b in httpx.get(f"{cluster['2p2d']}/health", timeout=5).json()["backends"]]
+        assert in_flight == [0, 0, 0, 0]
+    assert {u: generated(u) - before[u] for u in cluster["decode"]} == {u: 2 * 3 for u in cluster["decode"]}
+    assert all(prompt_tokens_computed([u]) - computed[u] == 2 * 3 for u in cluster["prefill"])
+
+
+@pytest.mark.parametrize("shape", ["1p1d", "2p2d"])
+def test_seeded_sampling_through_prefill_and_decode_equals_unified(cluster, shape: str) -> None:
+    """temperature > 0 with a seed: the decode draws each token from (seed, position), so the
+    tokens after the prefill's first one equal the unified engine's too (also with top-p)."""
+    prompts = prompts_of_mixed_lengths(8)[:4]
+
+    def sampled(url: str, **extra) -> list[list[int]]:
+        out = []
+        for i, p in enumerate(prompts):
+            body = {"model": "m", "prompt": p, "max_tokens": 10, "ignore_eos": True, "return_token_ids": True,
+                    "temperature": 1.0, "seed": 100 + i, **extra}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            out.append(r.json()["choices"][0]["token_ids"])
+        return out
+
+    for extra in ({}, {"top_p": 0.9, "temperature": 0.8}):
+        want = sampled(cluster["unified"], **extra)
+        assert sampled(cluster[shape], **extra) == want
+        assert len({t for tokens in want for t in tokens}) > 10  # sampled, not greedy
+
+
 def test_unreachable_bootstrap_fails_the_decode_request_and_frees_its_pages(cluster) -> None:
     """A decode told to meet a prefill that is not there fails within the bootstrap timeout."""
     body = {"model": "m", "prompt": list(range(30)), "max_tokens": 4,

@@ -169,13 +169,40 @@ def test_different_seeds_give_different_tokens(device: str) -> None:
     assert seq[0] != seq[1]
 
 
+def sample_and_commit(sampler: FullSampler, logits: torch.Tensor, batch: SamplingBatch, steps: int) -> list[int]:
+    """A request's tokens over `steps` steps as the engine gets them: each sampled token is committed."""
+    tokens = []
+    for _ in range(steps):
+        token = sampler.sample(logits, batch).tokens.item()
+        sampler.commit(batch.slots, [[token]])
+        tokens.append(token)
+    return tokens
+
+
 def test_reset_slot_restarts_the_seeded_sequence(device: str) -> None:
     params = SamplingParams(seed=7)
     full, batch = full_with([params], device)
     logits = torch.zeros(1, V, device=device)
-    first = [full.sample(logits, batch).tokens.item() for _ in range(10)]
+    first = sample_and_commit(full, logits, batch, 10)
+    assert len(set(first)) > 1
     full.reset_slot(0, params, [])
-    assert [full.sample(logits, batch).tokens.item() for _ in range(10)] == first
+    assert sample_and_commit(full, logits, batch, 10) == first
+
+
+def test_a_seeded_request_taken_over_elsewhere_draws_on_as_if_it_had_stayed(device: str) -> None:
+    """Prefill samples the first token, decode (another sampler, another slot) resets its slot,
+    commits that token and samples the rest: the tokens equal one sampler's whole run."""
+    params = SamplingParams(temperature=1.0, seed=31)
+    logits = torch.zeros(1, V, device=device)  # uniform: a restarted stream would show at once
+    unified, batch = full_with([params], device)
+    want = sample_and_commit(unified, logits, batch, 8)
+    prefill, batch = full_with([params], device)
+    got = sample_and_commit(prefill, logits, batch, 1)
+    decode = FullSampler(max_slots=8, vocab_size=V, device=device, seed=5)
+    decode.reset_slot(3, params, [])
+    decode.commit(torch.tensor([3], device=device), [got])
+    got += sample_and_commit(decode, logits, make_batch([3], [params], device), 7)
+    assert got == want
 
 
 def test_unseeded_sampling_follows_the_distribution(device: str) -> None:
