@@ -84,9 +84,6 @@ class Engine:
         self.model_folder = resolve_model_path(cfg.model, cfg.seed)  # a folder or a GGUF file
         self.model_cfg = ModelConfig.from_checkpoint(self.model_folder)
         self.tokenizer = TextTokenizer(self.model_folder)
-        if self.model_cfg.takes_images and cfg.tp_size > 1:
-            raise ValueError("--tp-size > 1 is not supported for multimodal models yet (the image rows are not "
-                             "broadcast to the worker ranks)")
         # --tp-size N: this process is rank 0 and starts ranks 1..N-1 as worker processes.
         self.tp_supervisor = start_tp_workers(cfg, self.model_folder, self.model_cfg) if cfg.tp_size > 1 else None
         if self.tp_supervisor is not None:

@@ -45,8 +45,11 @@ class ForwardBatch:
     slots: torch.Tensor | None = None  # [B] int64
     page_table: torch.Tensor | None = None  # [max_slots, max_pages] int32
     page_size: int = 0
-    # A multimodal prompt's embeddings with the image rows in place (None: embed `input_ids`).
-    input_embeds: torch.Tensor | None = None
+    # A multimodal prompt's image rows and the flat token positions they replace (None: text only).
+    # Rows, not whole embeddings: every tensor-parallel rank embeds the ids itself (the embedding's
+    # all-reduce pairs up across ranks) and writes the rows over them; the rows travel with the batch.
+    image_rows: torch.Tensor | None = None  # [N, hidden]
+    image_positions: torch.Tensor | None = None  # [N] int64
 
     @property
     def batch_size(self) -> int:

@@ -20,7 +20,7 @@ from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_value
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models import build_model
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
-from splitserve.engine.prompt_embeds import missing_embeddings, scatter_image_rows, touches_images
+from splitserve.engine.prompt_embeds import image_rows, missing_embeddings, touches_images
 from splitserve.engine.request import Request
 from splitserve.engine.sampling.base import SampleOutput, SamplingBatch, TopLogprobs
 from splitserve.engine.sampling.full import FullSampler
@@ -272,7 +272,7 @@ class ModelRunner:
             batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device, self.next_tokens,
                                         self.extend_block_tokens)
             if touches_images(chunks):
-                batch.input_embeds = self.prompt_embeds(chunks, batch)
+                batch.image_rows, batch.image_positions = self.prompt_image_rows(chunks)
             logits = self.forward(batch)
             if any(c.draft for c in chunks):
                 return self._sample_and_verify(logits, sampled)
@@ -292,13 +292,14 @@ class ModelRunner:
         rows = self.model.encode_images(torch.stack(pixels).to(self.device))  # type: ignore[operator]
         return list(rows.unbind(0))
 
-    def prompt_embeds(self, chunks: list[ScheduledChunk], batch: ForwardBatch) -> torch.Tensor:
-        """Token embeddings with the chunks' image rows in place; images not yet encoded are, now."""
+    def prompt_image_rows(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunks' image rows and their flat positions; images not yet encoded are, now (on this
+        rank alone: the vision tower is not sharded, and the rows reach the other ranks with the batch)."""
         missing = missing_embeddings(chunks)
         if missing:
             for item, rows in zip(missing, self.encode_images([m.pixels for m in missing]), strict=True):
                 item.embedding, item.pixels = rows, None
-        return scatter_image_rows(self.model.embed_tokens(batch.input_ids), chunks)
+        return image_rows(chunks, self.device)
 
     def _sample_and_verify(self, logits: torch.Tensor, sampled: list[ScheduledChunk]) -> PendingStep:
         """A step with verify chunks: plain chunks sample their token, verify chunks (grouped by

@@ -1,5 +1,6 @@
-"""The input embeddings of a step whose prompt chunks cover image positions: the token embeddings,
-with each image's rows written over its placeholder positions (only the part inside the chunk)."""
+"""The image rows of a step whose prompt chunks cover image positions, and where they go: each
+image's rows (only the part inside the chunk) and the flat token positions of its placeholders.
+The model writes them over the token embeddings (layers/embedding.py's `with_image_rows`)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,15 @@ def missing_embeddings(chunks: list[ScheduledChunk]) -> list[ImageItem]:
     return list(seen.values())
 
 
-def scatter_image_rows(token_embeds: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
-    """Writes the images' rows into the flat [T, hidden] token embeddings of the chunks, in place."""
+def image_rows(chunks: list[ScheduledChunk], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks' image rows [N, hidden] and the flat token positions [N] they replace."""
+    rows, positions = [], []
     flat = 0
     for c in chunks:
         for item, first, end in image_spans(c):
             assert item.embedding is not None, "image rows must be computed or received before the step"
-            rows = item.embedding[first - item.offset:end - item.offset]
-            token_embeds[flat + first - c.start:flat + end - c.start] = rows.to(token_embeds)
+            rows.append(item.embedding[first - item.offset:end - item.offset])
+            positions.append(torch.arange(flat + first - c.start, flat + end - c.start, dtype=torch.int64))
         flat += c.length
-    return token_embeds
+    return torch.cat(rows).to(device), torch.cat(positions).to(device)
+

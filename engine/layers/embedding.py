@@ -1,4 +1,5 @@
-"""Token embedding and LM head with the vocabulary split across tensor-parallel ranks."""
+"""Token embedding and LM head with the vocabulary split across tensor-parallel ranks; a multimodal
+prompt's image rows written over the token embeddings."""
 
 from __future__ import annotations
 
@@ -49,3 +50,12 @@ class ParallelLMHead(VocabParallelEmbedding):
                   else nn.functional.linear(hidden, self.weight))
         logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]
+
+
+def with_image_rows(token_embeds: torch.Tensor, rows: torch.Tensor | None,
+                    positions: torch.Tensor | None) -> torch.Tensor:
+    """The flat [T, hidden] token embeddings with a multimodal prompt's image rows written over their
+    positions (every tensor-parallel rank does it after the embedding's all-reduce)."""
+    if rows is None or positions is None:
+        return token_embeds
+    return token_embeds.index_copy(0, positions, rows.to(token_embeds.dtype))

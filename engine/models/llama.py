@@ -9,7 +9,7 @@ from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.layers.activation import silu_and_mul
 from splitserve.engine.layers.attention import PagedAttention, causal_padded_mask
-from splitserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from splitserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, with_image_rows
 from splitserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from splitserve.engine.layers.rmsnorm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding
@@ -119,9 +119,8 @@ class LlamaForCausalLM(nn.Module):
 
     def hidden_states(self, batch: ForwardBatch, kv: KVPool,
                       input_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        if input_embeds is None:
-            input_embeds = batch.input_embeds
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
+        x = with_image_rows(x, batch.image_rows, batch.image_positions)  # a multimodal prompt's image rows
         # Only the padded extend path (the reference) needs a mask; the paged kernels, decodes and
         # plain causal prefills do not.
         needs_mask = batch.kv_indices is not None and not (batch.no_prefix and batch.batch_size == 1)
@@ -134,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (float32) of the tokens at `batch.logits_index`; `input_embeds` replaces the token
-        embeddings (a multimodal prompt's image rows are in it)."""
+        embeddings; a multimodal prompt's image rows (`batch.image_rows`) go over either."""
         hidden = self.hidden_states(batch, kv, input_embeds)
         if not batch.is_decode:  # a decode batch wants every row's logits: no gather
             hidden = hidden[batch.logits_index]

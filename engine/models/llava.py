@@ -2,8 +2,8 @@
 
 `encode_images` turns preprocessed pixels into embedding rows of the text model's width (what an
 encode engine computes and ships); `forward` runs the text model over a batch whose image
-placeholder positions already carry those rows (`input_embeds`, built by the runner from the
-requests' image items). The text model is the engine's ordinary Llama, so paged KV, chunked
+placeholder positions take those rows (`batch.image_rows` at `batch.image_positions`, gathered by
+the runner from the requests' image items). The text model is the engine's ordinary Llama, so paged KV, chunked
 prefill, prefix caching and CUDA-graph decodes work unchanged.
 """
 

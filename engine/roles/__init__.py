@@ -48,6 +48,9 @@ def role_behaviours(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfi
         from splitserve.engine.roles.encode import EncodeRole
         if not takes_images(cfg):
             raise ValueError(f"--role encode needs a multimodal model; {cfg.model} takes no images")
+        if cfg.tp_size > 1:
+            raise ValueError("--role encode runs on one rank (the vision tower is not sharded): give it "
+                             "--tp-size 1 and scale encode replicas instead")
         return [EncodeRole(transfer, epd, images)]  # vision tower + embedding sender
     raise ValueError(f"--role {cfg.role} is not implemented yet")
 

@@ -98,7 +98,7 @@ def engine_logits(folder: Path, ids: list[int], images: list[ImageItem], splits:
             batch = build_forward_batch(chunks, kv.page_table, kv.page_size, runner.device)
             batch.logits_index = torch.arange(end - start)
             if images:
-                batch.input_embeds = runner.prompt_embeds(chunks, batch)
+                batch.image_rows, batch.image_positions = runner.prompt_image_rows(chunks)
             out.append(runner.model(batch, runner.kv_pool))
             req.kv_len = end
     return torch.cat(out)
