@@ -85,7 +85,7 @@ def deployment(tmp_path_factory):
     d.engine("unified", "unified", "--chunked-prefill-size", "8")
     for name in ("encode-a", "encode-b", "encode-c"):
         d.engine(name, "encode", *TRANSFER)
-    for name in ("encode-slow-1", "encode-slow-2"):
+    for name in ("encode-slow-1", "encode-slow-2", "encode-slow-3"):
         d.engine(name, "encode", "--embedding-write-pause-s", str(WRITE_PAUSE_S), *TRANSFER)
     bootstrap = free_port()
     d.engine("prefill", "prefill", "--bootstrap-port", str(bootstrap), "--chunked-prefill-size", "8",
@@ -98,6 +98,7 @@ def deployment(tmp_path_factory):
     d.start("router-2e", ["router", *pd, "--encode", d.url("encode-a"), d.url("encode-b")])
     d.start("router-failover", ["router", *pd, "--encode", d.url("encode-b"), d.url("encode-c")])
     d.start("router-midwrite", ["router", *pd, "--encode", d.url("encode-slow-1"), d.url("encode-b")])
+    d.start("router-lone-encoder", ["router", *pd, "--encode", d.url("encode-slow-3")])
     try:
         d.wait()
         yield d
@@ -351,5 +352,24 @@ def test_an_encoder_killed_mid_write_fails_its_prefill_and_tells_the_decode_at_o
     # The prefill's heartbeat bound, then abort_room: far under the decode's own timeouts.
     assert pre_at - killed_at < HEARTBEAT_TIMEOUT_S + 1.5, pre_at - killed_at
     assert dec_at - killed_at < HEARTBEAT_TIMEOUT_S + 2.0, dec_at - killed_at
+    assert_everything_back(deployment)
+    assert embedding_slots_free(deployment) == free_at_start
+
+
+def test_the_only_encoder_killed_mid_write_gives_a_clear_503_and_frees_everything(deployment: Deployment) -> None:
+    case = body([image(png_url(52, 41, 88)), {"type": "text", "text": "nobody left to encode"}])
+    free_at_start = embedding_slots_free(deployment)
+    done: list[tuple[httpx.Response, float]] = []
+    sender = threading.Thread(target=lambda: done.append((httpx.post(
+        f"{deployment.url('router-lone-encoder')}/v1/chat/completions", json=case, timeout=120), time.monotonic())))
+    sender.start()
+    killed_at = kill_mid_write(deployment, "encode-slow-3")
+    sender.join(timeout=120)
+    (r, answered_at), = done
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "no_encoder" and "no encoder could take the images" in r.text, r.text
+    assert r.headers["retry-after"]
+    log.info("the only encoder killed mid-write: 503 %.2f s after the kill", answered_at - killed_at)
+    assert answered_at - killed_at < 10
     assert_everything_back(deployment)
     assert embedding_slots_free(deployment) == free_at_start
