@@ -20,6 +20,12 @@ python3 -c "import grpc, google.protobuf, zmq; print('grpc', grpc.__version__, '
 mkdir -p /tmp/splitserve-path && ln -sfn "$PWD" /tmp/splitserve-path/splitserve
 export PYTHONPATH=/tmp/splitserve-path PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+# SPEC_TEST_WHEELS=folder: first the GPU tests of speculative decoding (pytest from those wheels).
+if [[ -n "${SPEC_TEST_WHEELS:-}" ]]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/spec-test-site "$SPEC_TEST_WHEELS"/*.whl 2>&1 | tail -1
+    PYTHONPATH=/tmp/splitserve-path:/tmp/spec-test-site timeout "${SPEC_TEST_TIMEOUT:-300}" python3 -P -m pytest \
+        -p no:cacheprovider -q -s -rA tests/engine/test_speculative_gpu.py 2>&1 | tee "$out/gpu_tests.txt" | tail -40
+fi
 python3 -P -m splitserve bench --profile spec --shape llama-3.1-8b --device cuda --workdir /tmp/spec-ckpt \
     --output "$out/spec_llama-3.1-8b_h200.json" "$@" 2>&1 | grep -v "^Loading weights" | tail -60 \
     | tee "$out/spec_llama-3.1-8b_h200.txt"

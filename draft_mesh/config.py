@@ -34,6 +34,9 @@ class SpecConfig:
     draft_wait_ms: float = field(default=0.0, metadata={
         "help": "ms a verify step may wait for drafts still on their way (0: never wait; a drafter much "
                 "faster than the target needs none, one about as fast needs some to be ahead at all)"})
+    speculation_gate: bool = field(default=True, metadata={
+        "help": "verify a step's drafts only while verify steps, as measured, emit tokens faster than plain "
+                "decoding at that batch (off: verify whatever the drafters offer)"})
     draft_rpc_timeout_s: float = field(default=0.5, metadata={
         "help": "seconds a Join/Heartbeat call may take before the drafter counts as silent"})
     # ---- drafter (--role drafter) --------------------------------------------------------------

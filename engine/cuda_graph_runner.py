@@ -8,6 +8,12 @@ page, and replays. Everything a decode step does on the device is inside the gra
 relay merge (a token id of -1 is the slot's token sampled by the step before, still on the
 device), the KV locations from the page table, the model, the greedy argmax and the relay
 write of that argmax. So a greedy step costs one copy in, one replay and one copy out.
+
+Verify steps (issue 13) have graphs of their own: `rows_per_request` R = K+1 rows per request
+(a request's last token and its drafts, each a decode row at its own position; requests with
+fewer drafts pad with scratch rows), one graph per bucket of requests and per R. Their rows attend
+with the split count plain decoding of that bucket uses, so each row's logits are the ones a
+plain decode step would compute at that position. Verification itself runs after the replay.
 """
 
 from __future__ import annotations
@@ -36,8 +42,13 @@ class DecodeGraphs:
     """Captured decode graphs, one per bucket; `replay` runs the smallest that fits a batch."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], page_table: torch.Tensor, page_size: int,
-                 padding_slot: int, max_batch: int, device: torch.device, relay: torch.Tensor) -> None:
+                 padding_slot: int, max_batch: int, device: torch.device, relay: torch.Tensor,
+                 rows_per_request: int = 1, decode_splits: Callable[[int], int] | None = None) -> None:
+        """`rows_per_request` > 1: verify graphs (see the module docstring); `decode_splits(bucket)`:
+        the paged decode kernel's split count for a bucket's rows (None: the kernel's default)."""
         self.forward = forward
+        self.rows_per_request = rows_per_request
+        self.decode_splits = decode_splits
         self.page_table = page_table
         self.page_size = page_size
         self.padding_slot = padding_slot
@@ -46,15 +57,16 @@ class DecodeGraphs:
         self.relay = relay
         # [3, bucket] int64 per bucket: token ids, positions, slots (padding rows: token 0 at
         # position 0 of the padding slot, whose only page is the scratch page).
-        self.inputs = {b: torch.tensor([[0] * b, [0] * b, [padding_slot] * b], dtype=torch.int64, device=device)
+        self.inputs = {b: torch.tensor([[0] * b * rows_per_request, [0] * b * rows_per_request,
+                                        [padding_slot] * b * rows_per_request], dtype=torch.int64, device=device)
                        for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.argmax: dict[int, torch.Tensor] = {}
 
-    def capture(self) -> None:
+    def capture(self, pool: tuple | None = None) -> tuple | None:
+        """Captures every bucket's graph (in `pool`, a graph memory pool to share); returns the pool."""
         started = time.monotonic()
-        pool = None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -68,16 +80,22 @@ class DecodeGraphs:
                 self.graphs[bsz] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs), self.buckets[0],
+        kind = "decode" if self.rows_per_request == 1 else f"verify ({self.rows_per_request} rows per request)"
+        logger.info("captured %d %s CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs), kind, self.buckets[0],
                     self.buckets[-1], time.monotonic() - started)
+        return pool
 
     def _step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What each graph runs: the whole decode step of a bucket, from its input rows."""
         ids, positions, slots = self.inputs[bucket]
-        logits = self.forward(decode_batch(ids, positions, slots, self.page_table, self.page_size, self.relay))
+        verify = self.rows_per_request > 1
+        splits = self.decode_splits(bucket) if self.decode_splits is not None else None
+        logits = self.forward(decode_batch(ids, positions, slots, self.page_table, self.page_size, self.relay,
+                                           rows_share_slots=verify, decode_splits=splits))
         argmax = argmax_tokens(logits)
-        # Greedy rows' next input, for the overlap scheduler; a sampling step overwrites its rows after.
-        self.relay[slots] = argmax
+        if not verify:  # a verify step's next input is known only once its drafts are verified
+            # Greedy rows' next input, for the overlap scheduler; a sampling step overwrites its rows after.
+            self.relay[slots] = argmax
         return logits, argmax
 
     def can_run(self, bsz: int) -> bool:
@@ -87,14 +105,15 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= bsz)
 
     def replay(self, ids: list[int], positions: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, V] and their argmax [B] of a decode step given as host lists (-1 ids: from the relay)."""
-        bsz = len(ids)
-        bucket = self._bucket(bsz)
-        pad = bucket - bsz
+        """Logits [B*R, V] and their argmax [B*R] of a step given as host lists of R rows per request
+        (-1 ids: from the relay)."""
+        rows = len(ids)
+        bucket = self._bucket(rows // self.rows_per_request)
+        pad = bucket * self.rows_per_request - rows
         copy_to_device([*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[self.padding_slot] * pad],
                        self.inputs[bucket].view(-1))
         self.graphs[bucket].replay()
-        return self.logits[bucket][:bsz], self.argmax[bucket][:bsz]
+        return self.logits[bucket][:rows], self.argmax[bucket][:rows]
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] of a decode batch already on the device (how tensor-parallel ranks get theirs)."""

@@ -132,6 +132,11 @@ class Engine:
 
     # ---- called from any thread -------------------------------------------------------------
 
+    def prepare_speculation(self, max_draft_tokens: int) -> None:
+        """Captures the verify step's CUDA graphs for drafts of up to `max_draft_tokens` (a behaviour that
+        offers drafts calls it before the loop starts; without it verify steps run eagerly)."""
+        self.runner.capture_verify_graphs(self.kv.page_table, self.kv.padding_slot, max_draft_tokens)
+
     def start(self) -> None:
         self.role.attach(self)
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -290,9 +295,10 @@ class Engine:
 
     def _may_overlap(self, step: LaunchedStep) -> bool:
         """Overlap only where it is exact: CUDA, one rank, and greedy requests (a penalty or a seed
-        needs the previous token committed on the host before the next step samples)."""
+        needs the previous token committed on the host before the next step samples), and no verify
+        chunk (the next step is planned from how many drafts were accepted)."""
         return (self.overlap and bool(step.chunks) and self.role.allows_overlap()
-                and all(c.request.params.wants_argmax_only for c in step.chunks))
+                and all(c.request.params.wants_argmax_only and not c.draft for c in step.chunks))
 
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
         try:

@@ -45,6 +45,12 @@ class ForwardBatch:
     slots: torch.Tensor | None = None  # [B] int64
     page_table: torch.Tensor | None = None  # [max_slots, max_pages] int32
     page_size: int = 0
+    # Verify steps run as decode batches of several rows per sequence (a request's K+1 positions):
+    # each row's KV is stored before any row attends (see PagedAttention.decode_new_token).
+    rows_share_slots: bool = False
+    # Splits per row of the paged decode kernel (None: its default for the batch's rows). A verify
+    # batch passes the count plain decoding of its requests uses, so its rows attend with the same numerics.
+    decode_splits: int | None = None
     # A multimodal prompt's image rows and the flat token positions they replace (None: text only).
     # Rows, not whole embeddings: every tensor-parallel rank embeds the ids itself (the embedding's
     # all-reduce pairs up across ranks) and writes the rows over them; the rows travel with the batch.
@@ -69,10 +75,12 @@ class ForwardBatch:
 
 
 def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
-                 page_size: int, relay: torch.Tensor | None = None) -> ForwardBatch:
+                 page_size: int, relay: torch.Tensor | None = None, rows_share_slots: bool = False,
+                 decode_splits: int | None = None) -> ForwardBatch:
     """A decode batch whose KV locations are computed on the device (CUDA-graph friendly).
 
     Token ids of -1 are taken from `relay[slot]`, the device buffer of each slot's latest token.
+    `rows_share_slots`: several rows are positions of one sequence (a verify step).
     """
     if relay is not None:
         input_ids = torch.where(input_ids >= 0, input_ids, relay[slots])
@@ -80,5 +88,6 @@ def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.
     return ForwardBatch(
         input_ids=input_ids, positions=positions, out_cache_loc=pages * page_size + positions % page_size,
         seq_lens=positions + 1, logits_index=torch.arange(input_ids.shape[0], device=input_ids.device),
-        slots=slots, page_table=page_table, page_size=page_size,
+        slots=slots, page_table=page_table, page_size=page_size, rows_share_slots=rows_share_slots,
+        decode_splits=decode_splits,
     )

@@ -168,6 +168,37 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
     )
 
 
+# Rows per request (K+1) of the verify graphs: a step's longest draft is padded up to the next.
+VERIFY_ROWS = (2, 3, 5, 9, 17)
+MAX_VERIFY_GRAPH_ROWS = 1024  # graphs up to this many rows; bigger verify steps run eagerly
+
+
+def verify_shaped(chunks: list[ScheduledChunk]) -> bool:
+    """Whether a step is decodes and verify chunks only (no prompt chunk): it can run as decode rows."""
+    return all(c.sample and c.length == 1 + len(c.draft) for c in chunks)
+
+
+def verify_row_count(longest_draft: int, graphs: dict[int, object]) -> int:
+    """Rows per request for a verify step: the smallest captured count that holds the longest draft
+    and its input token, else exactly that."""
+    return min((r for r in graphs if r >= longest_draft + 1), default=longest_draft + 1)
+
+
+def build_verify_rows(chunks: list[ScheduledChunk], rows: int, padding_slot: int
+                      ) -> tuple[list[int], list[int], list[int]]:
+    """Token ids, positions and slots of a verify step as `rows` decode rows per request: the last
+    known token and the draft at their positions, then scratch rows (the padding slot, position 0)."""
+    ids, positions, slots = [], [], []
+    for c in chunks:
+        req = c.request
+        known = req.all_ids[c.start] if c.start < req.total_len else -1
+        pad = rows - c.length
+        ids += [known, *c.draft, *[0] * pad]
+        positions += [*range(c.start, c.start + c.length), *[0] * pad]
+        slots += [req.slot] * c.length + [padding_slot] * pad
+    return ids, positions, slots
+
+
 def build_decode_inputs(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], list[int]]:
     """Token ids, positions and slots of a decode step (each chunk is one token).
 
@@ -244,7 +275,13 @@ class ModelRunner:
         wide = wide_tiles(attn.head_dim, self.dtype.itemsize)
         group = attn.num_heads // attn.num_kv_heads
         self.extend_block_tokens = block_tokens(group, wide) if self.device.type == "cuda" else None
+        if self.device.type == "cuda" and self.dtype == torch.float32:
+            # float32 runs check exactness: no TF32 anywhere (cuDNN's convolutions allow it by default).
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         self.decode_graphs: DecodeGraphs | None = None
+        self.verify_graphs: dict[int, DecodeGraphs] = {}  # by rows per request (K+1)
+        self.padding_slot = max_slots  # KVCache's padding slot: its page-table row is all scratch
         # The relay: each slot's latest sampled token, on the device, read by the next decode step.
         self.next_tokens = torch.zeros(max_slots + 1, dtype=torch.int64, device=self.device)
         # Tensor-parallel rank 0 announces every forward pass to the other ranks (engine/tp_supervisor.py).
@@ -263,6 +300,8 @@ class ModelRunner:
         prepares the next step meanwhile). Sampled tokens also go to the relay buffer, by slot."""
         sampled = [c for c in chunks if c.sample]
         argmax = None
+        if any(c.draft for c in chunks) and verify_shaped(chunks) and not touches_images(chunks):
+            return self._verify_rows(chunks, page_table)
         if all(c.length == 1 for c in chunks) and not touches_images(chunks):
             logits, argmax = self._decode(chunks, page_table)
             if len(sampled) < len(chunks):  # a one-token prompt chunk rides along: it samples nothing
@@ -301,10 +340,48 @@ class ModelRunner:
                 item.embedding, item.pixels = rows, None
         return image_rows(chunks, self.device)
 
+    def _verify_rows(self, chunks: list[ScheduledChunk], page_table: torch.Tensor) -> PendingStep:
+        """A step of decodes and verify chunks only: every request as R = K+1 decode rows (its last
+        token, its drafts, scratch rows after a shorter draft), through a verify CUDA graph where one
+        was captured for R and the batch. Each row attends as plain decoding would at its position."""
+        rows = verify_row_count(max(len(c.draft) for c in chunks), self.verify_graphs)
+        ids, positions, slots = build_verify_rows(chunks, rows, self.padding_slot)
+        graphs = self.verify_graphs.get(rows) if self.step_broadcaster is None else None
+        if graphs is not None and graphs.can_run(len(chunks)):
+            logits, _ = graphs.replay(ids, positions, slots)
+        else:
+            ids_t, positions_t, slots_t = (to_device(x, torch.int64, self.device) for x in (ids, positions, slots))
+            logits = self.forward(decode_batch(ids_t, positions_t, slots_t, page_table, self.cfg.page_size,
+                                               self.next_tokens, rows_share_slots=True,
+                                               decode_splits=self.decode_splits_for(len(chunks))))
+        if all(c.request.params.wants_argmax_only for c in chunks):
+            # One greedy verification for all: a shorter draft's missing candidates (-1) never match,
+            # and a request without a draft takes its first row's argmax, as a plain decode would.
+            out = self.verify(logits.view(len(chunks), rows, -1), chunks, rows - 1)
+            last = out.tokens.gather(1, (out.accept_lengths - 1).unsqueeze(1)).squeeze(1)
+            self.next_tokens[to_device([c.request.slot for c in chunks], torch.int64, self.device)] = last
+            tokens = out.tokens.tolist()
+            plain = [(c, t[0]) for c, t in zip(chunks, tokens, strict=True) if not c.draft]
+            drafted = [i for i, c in enumerate(chunks) if c.draft]
+            lengths = out.accept_lengths.tolist()
+            verified = [VerifiedChunk(chunks[i], tokens[i][:lengths[i]]) for i in drafted]
+            plain_tokens = torch.tensor([t for _, t in plain], dtype=torch.int64) if plain else None
+            return PendingStep([c for c, _ in plain], plain_tokens, None, None, None, verified)
+        rows_of = [i * rows + j for i, c in enumerate(chunks) for j in range(c.length if c.draft else 1)]
+        return self._sample_and_verify(logits[to_device(rows_of, torch.int64, self.device)], chunks)
+
+    def decode_splits_for(self, requests: int) -> int | None:
+        """The paged decode kernel's splits for a step of `requests` decoding requests (None on CPU)."""
+        if self.device.type != "cuda":
+            return None
+        from splitserve.engine.layers.paged_decode_triton import num_splits_for
+
+        return num_splits_for(requests, self.model.layers[0].self_attn.num_kv_heads)
+
     def _sample_and_verify(self, logits: torch.Tensor, sampled: list[ScheduledChunk]) -> PendingStep:
         """A step with verify chunks: plain chunks sample their token, verify chunks (grouped by
-        draft length) verify their draft. It runs eagerly (the extend path, no CUDA graph) and its
-        outcome is read back at once: the next step is planned from it."""
+        draft length) verify their draft. Beside prompt chunks it runs eagerly (the extend path, no
+        CUDA graph); its outcome is read back at once: the next step is planned from it."""
         plain: list[ScheduledChunk] = []
         plain_rows: list[int] = []
         groups: dict[int, list[tuple[ScheduledChunk, int]]] = {}
@@ -330,13 +407,16 @@ class ModelRunner:
         self.next_tokens[to_device([c.request.slot for c in plain], torch.int64, self.device)] = out.tokens
         return PendingStep(plain, out.tokens, out.logprobs, out.top_logprobs, self._record_done(), verified)
 
-    def verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SampleOutput:
-        """Verifies each chunk's draft (K tokens, the same K for all) against logits [B, K+1, V]."""
+    def verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk], k: int | None = None) -> SampleOutput:
+        """Verifies each chunk's draft against logits [B, K+1, V]; drafts shorter than `k` (greedy
+        only; default: all drafts have the same length) are padded with -1, which never matches."""
         params = [c.request.params for c in chunks]
         host_slots = [c.request.slot for c in chunks]
         batch = SamplingBatch(slots=to_device(host_slots, torch.int64, self.device), params=params,
                               host_slots=host_slots)
-        candidates = to_device([t for c in chunks for t in c.draft], torch.int64, self.device).view(len(chunks), -1)
+        k = len(chunks[0].draft) if k is None else k
+        candidates = to_device([t for c in chunks for t in [*c.draft, *[-1] * (k - len(c.draft))]], torch.int64,
+                               self.device).view(len(chunks), k)
         if all(p.is_greedy for p in params):
             return self.greedy.verify(logits, candidates, batch)
         for c in chunks:
@@ -376,7 +456,8 @@ class ModelRunner:
         """Logits of the batch's `logits_index` tokens (every TP rank runs this for every step)."""
         if self.step_broadcaster is not None:
             self.step_broadcaster.broadcast(batch)
-        if batch.is_decode and self.decode_graphs is not None and self.decode_graphs.can_run(batch.batch_size):
+        if (batch.is_decode and not batch.rows_share_slots and self.decode_graphs is not None
+                and self.decode_graphs.can_run(batch.batch_size)):
             return self.decode_graphs.run(batch)
         return self.model(batch, self.kv_pool)
 
@@ -390,6 +471,23 @@ class ModelRunner:
                               self.next_tokens)
         graphs.capture()
         self.decode_graphs = graphs
+
+    @torch.inference_mode()
+    def capture_verify_graphs(self, page_table: torch.Tensor, padding_slot: int, max_draft_tokens: int) -> None:
+        """Captures verify CUDA graphs for drafts of up to `max_draft_tokens` (a graph per bucket of
+        requests and per row count in VERIFY_ROWS up to K+1; GPU only, unless --disable-cuda-graph).
+        Steps with more drafts than any graph holds run eagerly."""
+        if self.device.type != "cuda" or self.cfg.disable_cuda_graph or self.step_broadcaster is not None:
+            return
+        counts = [r for r in VERIFY_ROWS if r < max_draft_tokens + 1] + [max_draft_tokens + 1]
+        max_batch = min(self.cfg.max_running_requests, self.cfg.cuda_graph_max_batch)
+        pool = None
+        for rows in sorted(set(counts) - set(self.verify_graphs), reverse=True):
+            graphs = DecodeGraphs(lambda b: self.model(b, self.kv_pool), page_table, self.cfg.page_size,
+                                  padding_slot, max(1, min(max_batch, MAX_VERIFY_GRAPH_ROWS // rows)), self.device,
+                                  self.next_tokens, rows_per_request=rows, decode_splits=self.decode_splits_for)
+            pool = graphs.capture(pool)
+            self.verify_graphs[rows] = graphs
 
     @torch.inference_mode()
     def warm_up(self, page_table: torch.Tensor) -> None:
@@ -433,6 +531,7 @@ class ModelRunner:
     def close(self) -> None:
         """Gives the device memory back (the engine has stopped): graphs, KV pool, weights."""
         self.decode_graphs = None
+        self.verify_graphs = {}
         self.model = None
         self.kv_pool = None
         self.full = None

@@ -9,7 +9,9 @@ New keys and values are written into the pool at each token's slot, then:
   pages and padded to the longest, with a causal mask offset by the cached length, for one
   SDPA call;
 - decode batches use the Triton flash-decoding kernel on CUDA, and a gather + SDPA reference
-  everywhere else (the same maths, used to test the kernel).
+  everywhere else (the same maths, used to test the kernel). A verify step is a decode batch
+  whose rows share slots (a request's K+1 positions, each a row): every row's KV is stored
+  first, then each row attends as plain decoding at its position would.
 """
 
 from __future__ import annotations
@@ -89,12 +91,15 @@ class PagedAttention(nn.Module):
     def decode_new_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         """Decode on CUDA from the unrotated projection: the kernel applies RoPE, stores k and v, attends."""
-        from splitserve.engine.layers.paged_decode_triton import NewTokenKV, paged_decode_attention
+        from splitserve.engine.layers.paged_decode_triton import NewTokenKV, paged_decode_attention, store_rotated_kv
 
         assert batch.page_table is not None and batch.slots is not None
         new = NewTokenKV(k, v, rotary.cos, rotary.sin, batch.out_cache_loc)
+        if batch.rows_share_slots:  # verify rows: each reads the rows before it from the cache
+            store_rotated_kv(new, batch.positions, k_cache, v_cache)
         out = paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.slots, batch.seq_lens,
-                                     batch.page_size, self.scale, new)
+                                     batch.page_size, self.scale, new, splits=batch.decode_splits,
+                                     new_kv_stored=batch.rows_share_slots)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _decode(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -103,7 +108,7 @@ class PagedAttention(nn.Module):
         args = (q, k_cache, v_cache, batch.page_table, batch.slots, batch.seq_lens, batch.page_size, self.scale)
         if q.is_cuda:
             from splitserve.engine.layers.paged_decode_triton import paged_decode_attention
-            return paged_decode_attention(*args)
+            return paged_decode_attention(*args, splits=batch.decode_splits)
         return decode_attention_reference(*args)
 
     def _paged_extend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor

@@ -51,7 +51,10 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset:offset + local].copy_(loaded.narrow(0, self.tp.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # cuBLAS does not split K for these (K is the hidden size): the skinny kernel gains nothing here.
+        # Decode-sized rows through the skinny kernel too: cuBLAS picks its kernel (and its rounding)
+        # by the row count, so a verify step's rows would differ from plain decoding's.
+        if skinny.fits(x):
+            return skinny.skinny_linear(x, self.weight, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
 
 

@@ -10,6 +10,13 @@ program applies RoPE to its query heads, the cached tokens are the sequence's ea
 and one extra split attends to the new key and value from registers and writes them (rotated)
 to the cache. That saves a decode step one kernel per layer (and its gap) at batch 1, where
 launches are a tenth of the step.
+
+A verify step runs as decode rows too: each of a request's K+1 positions is a row of its own,
+with its own KV length over the same pages, so its attention is computed exactly as plain
+decoding computes that position (same kernel, same splits, the new token from registers). Its
+rows' keys and values are written first (`store_rotated_kv`, the same rotation, the same bits):
+a row reads the positions before it from the cache, and another program of the same launch
+must not be writing them meanwhile (`new_kv_stored`).
 """
 
 from __future__ import annotations
@@ -64,7 +71,8 @@ def _paged_decode_split(
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos,
     sm_scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_NEW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_NEW: tl.constexpr, NEW_STORED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,9 +123,10 @@ def _paged_decode_split(
             k_new = _load_rotated(KNew + b * stride_knb + kv_head * stride_knh + tl.zeros([1, 1], dtype=tl.int32),
                                   Cos, Sin, seq_len - 1, stride_cos, one[:, None], HEAD_DIM).to(K.dtype.element_ty)
             v_new = tl.load(VNew + b * stride_vnb + kv_head * stride_vnh + d[None, :]).to(V.dtype.element_ty)
-            new_loc = tl.load(Loc + b).to(tl.int64)
-            tl.store(K + new_loc * stride_kt + kv_head * stride_kh + d[None, :], k_new)
-            tl.store(V + new_loc * stride_vt + kv_head * stride_vh + d[None, :], v_new)
+            if not NEW_STORED:
+                new_loc = tl.load(Loc + b).to(tl.int64)
+                tl.store(K + new_loc * stride_kt + kv_head * stride_kh + d[None, :], k_new)
+                tl.store(V + new_loc * stride_vt + kv_head * stride_vh + d[None, :], v_new)
             qk_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * sm_scale  # [GROUP_PAD]
             m_new = tl.maximum(m_i, qk_new)
             p_new = tl.exp(qk_new - m_new)
@@ -134,6 +143,34 @@ def _paged_decode_split(
     tl.store(OutLse + b * stride_lb + heads * stride_lh + split, lse, mask=in_group)
 
 
+@triton.jit
+def _store_rotated_kv(KNew, VNew, Cos, Sin, Pos, Loc, K, V, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos,
+                      stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: tl.constexpr):
+    """One row's key (rotated exactly as the decode kernel rotates it) and value into the cache."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    one = tl.full([1], 1, dtype=tl.int1)
+    pos = tl.load(Pos + b)
+    k_new = _load_rotated(KNew + b * stride_knb + kv_head * stride_knh + tl.zeros([1, 1], dtype=tl.int32),
+                          Cos, Sin, pos, stride_cos, one[:, None], HEAD_DIM).to(K.dtype.element_ty)
+    v_new = tl.load(VNew + b * stride_vnb + kv_head * stride_vnh + d[None, :]).to(V.dtype.element_ty)
+    loc = tl.load(Loc + b).to(tl.int64)
+    tl.store(K + loc * stride_kt + kv_head * stride_kh + d[None, :], k_new)
+    tl.store(V + loc * stride_vt + kv_head * stride_vh + d[None, :], v_new)
+
+
+def store_rotated_kv(new: NewTokenKV, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Writes every row's new key (rotated at its position) and value to the cache, with the bits the
+    decode kernel's own store would write."""
+    rows, num_kv_heads, head_dim = new.k.shape
+    _store_rotated_kv[(rows, num_kv_heads)](
+        new.k, new.v, new.cos, new.sin, positions, new.out_cache_loc, k_cache, v_cache,
+        new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), HEAD_DIM=head_dim,
+    )
+
+
 def num_splits_for(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
     """Enough programs to fill the GPU twice over, at most 32 splits per sequence."""
     want = -(-2 * num_sms // max(1, batch * num_kv_heads))
@@ -143,14 +180,15 @@ def num_splits_for(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                            slots: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
                            new_kv: NewTokenKV | None = None, launch: tuple[int, int, int] | None = None,
-                           splits: int | None = None) -> torch.Tensor:
+                           splits: int | None = None, new_kv_stored: bool = False) -> torch.Tensor:
     """q: [B, H, D]; caches: [tokens, Hkv, D]; returns [B, H, D] in q's dtype.
 
     Without `new_kv`, q is rotated and the new token's KV is already in the cache. With it, q
     is not rotated yet and the kernel rotates it, and writes and attends the new key and value.
     `launch` (BLOCK_N, warps, stages) overrides the measured choice (the sweep tries them). `splits`
     fixes the number of splits per sequence (each count is its own compile; eager steps of any
-    batch size pass one, so that they compile once).
+    batch size pass one, so that they compile once). `new_kv_stored`: the new keys and values are
+    in the cache already (store_rotated_kv; verify rows), the kernel only attends them.
     """
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -170,6 +208,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos.stride(0),
         scale, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=splits, FUSE_NEW=new_kv is not None,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        NEW_STORED=new_kv_stored, DOT_PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
     return merge_splits(acc, lse, q.dtype)  # splits with no tokens weigh 0

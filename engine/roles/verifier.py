@@ -11,7 +11,9 @@ forward (engine/scheduler.py, engine/model_runner.py).
 
 It waits for drafts at most `--draft-wait-ms` (default: not at all): a request with no tail then
 decodes one token as usual. How many drafts a request is offered follows how many it had accepted
-(draft_mesh/draft_policy.py): a request whose drafts keep failing decodes on its own for a while. A lost lease or
+(draft_mesh/draft_policy.py): a request whose drafts keep failing decodes on its own for a while;
+and a whole step verifies only while verify steps, as timed, emit tokens faster than plain decoding
+(draft_mesh/speculation_gate.py; --no-speculation-gate turns that off). A lost lease or
 a silent drafter (a failed or slow heartbeat) drops that drafter's requests to plain decoding at
 once; they re-sync to another drafter, or to the same one when it is joined again. Requests with
 repetition, frequency or presence penalties are not speculated (their verification would not be
@@ -36,8 +38,10 @@ from splitserve.draft_mesh.client import DrafterLink, LinkEvent
 from splitserve.draft_mesh.config import SpecConfig, default_verifier_rank
 from splitserve.draft_mesh.draft_policy import DraftPolicy
 from splitserve.draft_mesh.fingerprint import model_fingerprint, tokenizer_fingerprint
+from splitserve.draft_mesh.speculation_gate import SpeculationGate
 from splitserve.draft_mesh.tail_buffer import TailBuffer
 from splitserve.draft_mesh.wire import WireError, decode_tails, encode_frames
+from splitserve.engine.cuda_graph_runner import DEFAULT_BUCKETS
 from splitserve.engine.engine import Engine
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.role import Role
@@ -48,6 +52,11 @@ from splitserve.transfer import TransferConfig
 logger = logging.getLogger(__name__)
 
 RECV_POLL_MS = 100
+
+
+def step_bucket(batch: int) -> int:
+    """The decode batch's CUDA-graph bucket: steps in one bucket cost about the same."""
+    return next((b for b in DEFAULT_BUCKETS if b >= batch), batch)
 
 
 def speculation_exact_for(params: SamplingParams) -> bool:
@@ -102,11 +111,17 @@ class VerifierRole(Role):
         self.dropped_messages = 0
         self._stop = threading.Event()
         self._tail_arrived = threading.Event()
+        # Whether verifying pays for the whole step, from measured step times (draft_mesh/speculation_gate.py).
+        self.gate = SpeculationGate()
+        self._last_poll: float | None = None
+        self._last_step: tuple[int, int] | None = None  # (batch bucket, rows per request) of the step since
+        self._gate_off = False  # the last step found verifying not to pay: drafters need not draft far ahead
 
     # ---- setup and teardown ---------------------------------------------------------------------
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
+        engine.prepare_speculation(self.spec.num_draft_tokens)
         self.metrics = engine.metrics
         self.zmq = zmq.Context()
         self.tail_socket = self.zmq.socket(zmq.PULL)
@@ -170,6 +185,10 @@ class VerifierRole(Role):
     # ---- the loop thread --------------------------------------------------------------------------
 
     def poll(self) -> None:
+        now = time.monotonic()
+        if self._last_step is not None and self._last_poll is not None:
+            self.gate.observe(*self._last_step, now - self._last_poll)  # the loop's turn since: one step
+        self._last_poll, self._last_step = now, None
         self._take_link_events()
         self._take_tails()
         short = [req for req in self.engine.requests.values() if self._step_request(req)]
@@ -177,6 +196,32 @@ class VerifierRole(Role):
             self._flush(drafter)
         if short and self.spec.draft_wait_ms > 0:
             self._wait_for_drafts(short)
+        if self.spec.speculation_gate:
+            self._gate_step()
+
+    def _gate_step(self) -> None:
+        """Withdraws the step's drafts when verifying them is measured to be slower than plain
+        decoding; remembers the step's kind so that the next poll can time it."""
+        running = [r for r in self.engine.requests.values() if r.status is RequestStatus.RUNNING]
+        decoding = [r for r in running if r.output_ids and r.pending_len == 1]
+        if not decoding or len(decoding) != len(running):
+            return  # a prompt chunk or a request in flight shares the step: its time says nothing
+        drafted = [r for r in decoding if r.draft_tokens and r.request_id in self.states]
+        batch = step_bucket(len(decoding))
+        if not drafted:
+            self._last_step = (batch, 1)
+            return
+        rows = 1 + max(len(r.draft_tokens) for r in drafted)
+        expected = len(decoding) + sum(self.states[r.request_id].policy.acceptance * len(r.draft_tokens)
+                                       for r in drafted)
+        self._gate_off = self.gate.likely_off(batch, rows, expected)
+        if self.gate.verify_pays(batch, rows, expected):
+            self._last_step = (batch, rows)
+            return
+        for req in drafted:  # offered again next step if it pays then (the tail buffer keeps them)
+            req.draft_tokens = []
+            self.states[req.request_id].offered = []
+        self._last_step = (batch, 1)
 
     def _wait_for_drafts(self, short: list[Request]) -> None:
         """Waits (at most --draft-wait-ms) until the requests offered fewer than K drafts have them."""
@@ -262,7 +307,7 @@ class VerifierRole(Role):
             return False
         room = min(req.params.max_new_tokens - len(req.output_ids) - 1, self.engine.context_length - req.total_len)
         state.step_k = min(state.policy.draft_length(self.num_draft_tokens), room)
-        ahead = min(state.policy.ahead(self.num_draft_tokens), max(room, 0))
+        ahead = 0 if self._gate_off else min(state.policy.ahead(self.num_draft_tokens), max(room, 0))
         if ahead != state.pace:  # drafts the verifier will not take are compute the drafter can skip
             drafter.items.append(pb.DraftControl(pace=pb.DraftPace(request_id=req.request_id, ahead=ahead)))
             state.pace = ahead

@@ -91,7 +91,8 @@ def test_a_killed_drafter_loses_no_request_and_a_restarted_one_is_joined_again(t
     procs = [ServerProcess(drafter_args, tmp_path / "drafter-1.log", KEY),
              ServerProcess(["serve", "--role", "unified", *ENGINE_ARGS, "--served-model-name", "m",
                             "--port", str(verifier_port), "--drafter", f"127.0.0.1:{mesh_port}",
-                            "--num-draft-tokens", "4", "--draft-wait-ms", "30"], tmp_path / "verifier.log", KEY)]
+                            "--num-draft-tokens", "4", "--draft-wait-ms", "30",
+                            "--no-speculation-gate"], tmp_path / "verifier.log", KEY)]
     try:
         wait_http_ok(f"{drafter_url}/health", procs[0].proc, 120, procs[0].log)
         wait_http_ok(f"{verifier_url}/health", procs[1].proc, 120, procs[1].log)
@@ -134,7 +135,7 @@ def test_up_with_drafters_serves_prefill_decode_with_speculation(tmp_path: Path,
                              "--model", "tiny", "--prefill", "1", "--decode", "1", "--drafter", "1",
                              "--speculative-tokens", "3",
                              "--transfer-control-key", TEST_CONTROL_KEY,
-                             "--engine-args", "--draft-wait-ms 30 --page-size 4"],
+                             "--engine-args", "--draft-wait-ms 30 --page-size 4 --no-speculation-gate"],
                             stdout=subprocess.PIPE, stderr=log, text=True, env=splitserve_env(), cwd=REPO.parent)
     try:
         line = proc.stdout.readline()

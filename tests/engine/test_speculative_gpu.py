@@ -1,0 +1,185 @@
+"""Speculative decoding on the GPU: a verify step's rows are computed with plain decoding's numerics.
+
+A verify step runs each request's K+1 positions as decode rows (the paged decode kernel, the
+split count of plain decoding's batch, the skinny kernel's row tiles), through CUDA graphs. In
+float32 every row count gives the same bits, so greedy output with drafts is plain decoding's at
+every batch size. In bfloat16 the projections of more than 16 rows go to cuBLAS, which rounds by
+row count: identical where a step's rows fit one tile (batch 1 with K <= 15); elsewhere the test
+reports how many requests still match (`-s` prints it).
+
+Runs only where CUDA is (the lent H200s); CI has no GPU and skips it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitserve.engine.bench_spec import SPEC_CPU, spec_checkpoints
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.offline import generate_tokens
+from splitserve.engine.request import RequestStatus
+from splitserve.engine.role import ComposedRole, Role
+from splitserve.engine.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+OUTPUT_LEN = 32
+
+
+class OracleDrafts(Role):
+    """Offers each decoding request the next K tokens of its plain continuation, every
+    `wrong_every`-th one replaced by a wrong token; K = 0 offers nothing (plain decoding)."""
+
+    def __init__(self, max_k: int) -> None:
+        self.max_k, self.k, self.wrong_every = max_k, 0, 0
+        self.continuations: dict[tuple[int, ...], list[int]] = {}
+
+    def attach(self, engine: Engine) -> None:
+        super().attach(engine)
+        engine.prepare_speculation(self.max_k)
+
+    def poll(self) -> None:
+        if not self.k:
+            return
+        for req in self.engine.requests.values():
+            if req.status is not RequestStatus.RUNNING or req.pending_len != 1 or not req.output_ids:
+                continue
+            n = len(req.output_ids)
+            rest = self.continuations[tuple(req.prompt_ids)][n:n + self.k]
+            if self.wrong_every:
+                rest = [(t + 1) % 300 if (n + i) % self.wrong_every == 0 else t for i, t in enumerate(rest)]
+            req.draft_tokens = rest
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return spec_checkpoints(SPEC_CPU, tmp_path_factory.mktemp("spec-gpu"), 4, 0, "cuda")["target"]
+
+
+def prompts_for(batch: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(batch)
+    return [torch.randint(0, 300, (int(n),), generator=gen).tolist()
+            for n in torch.randint(8, 60, (batch,), generator=gen)]
+
+
+def runs_with_drafts(target: Path, dtype: str, batch: int, **cfg) -> tuple[list[list[int]], dict[str, list]]:
+    """Plain greedy output, then the outputs with right drafts (K=4) and with every third draft
+    wrong (K=8), all on one engine; asserts the drafts were verified and every page came back."""
+    oracle = OracleDrafts(max_k=8)
+    engine = Engine(EngineConfig(model=str(target), device="cuda", dtype=dtype, max_total_tokens=32768,
+                                 max_running_requests=32, **cfg), role=ComposedRole("unified", [oracle]))
+    engine.start()
+    prompts = prompts_for(batch)
+    params = SamplingParams(max_new_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+    try:
+        start = engine.kv.usage()
+        plain = generate_tokens(engine, prompts, params, timeout=300)
+        oracle.continuations = {tuple(p): o for p, o in zip(prompts, plain, strict=True)}
+        outputs = {}
+        for k, wrong_every in ((4, 0), (8, 3)):
+            oracle.k, oracle.wrong_every = k, wrong_every
+            drafted = engine.metrics.spec_draft_tokens._value.get()
+            accepted = engine.metrics.spec_accepted_tokens._value.get()
+            outputs[f"K={k} wrong_every={wrong_every}"] = generate_tokens(engine, prompts, params, timeout=300)
+            drafted = engine.metrics.spec_draft_tokens._value.get() - drafted
+            accepted = engine.metrics.spec_accepted_tokens._value.get() - accepted
+            assert drafted > 0 and (accepted == drafted if not wrong_every else 0 < accepted < drafted)
+        usage = engine.kv.usage()
+        assert usage.free + usage.cached == start.free + start.cached and usage.slots_in_use == 0
+        return plain, outputs
+    finally:
+        engine.stop()
+
+
+def match_report(plain: list[list[int]], outputs: dict[str, list]) -> str:
+    parts = []
+    for name, out in outputs.items():
+        same = sum(a == b for a, b in zip(out, plain, strict=True))
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b))
+                  for a, b in zip(out, plain, strict=True)]
+        parts.append(f"{name}: {same}/{len(plain)} requests identical, {sum(prefix)}/{sum(map(len, plain))} tokens "
+                     "before the first difference")
+    return "; ".join(parts)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_float32_greedy_output_with_drafts_is_plain_decodings_at_every_batch(target: Path, batch: int) -> None:
+    plain, outputs = runs_with_drafts(target, "float32", batch)
+    print(f"\nfloat32 batch {batch}: {match_report(plain, outputs)}")
+    for out in outputs.values():
+        assert out == plain
+
+
+def test_float32_eager_verify_steps_give_plain_decodings_output(target: Path) -> None:
+    plain, outputs = runs_with_drafts(target, "float32", 8, disable_cuda_graph=True)
+    for out in outputs.values():
+        assert out == plain
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_bfloat16_greedy_output_with_drafts(target: Path, batch: int) -> None:
+    plain, outputs = runs_with_drafts(target, "bfloat16", batch)
+    print(f"\nbfloat16 batch {batch}: {match_report(plain, outputs)}")
+    if batch == 1:  # K+1 <= 16 rows: one skinny tile, the attention of plain decoding
+        for out in outputs.values():
+            assert out == plain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_rows_attend_with_the_bits_of_one_decode_step_per_position(dtype: torch.dtype) -> None:
+    from splitserve.engine.layers.paged_decode_triton import (
+        NewTokenKV,
+        num_splits_for,
+        paged_decode_attention,
+        store_rotated_kv,
+    )
+    from splitserve.engine.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    heads, kv_heads, head_dim, page_size, max_pages = 32, 8, 128, 16, 64
+    seqs, rows, cached = 3, 5, [1, 100, 700]
+    num_pages = seqs * max_pages + 1
+    page_table = (torch.randperm(num_pages - 1, device=dev) + 1).view(seqs, max_pages).int()
+    cache = torch.randn(num_pages * page_size, kv_heads, head_dim, device=dev, dtype=dtype)
+    k_plain, v_plain = cache.clone(), torch.randn_like(cache)
+    k_verify, v_verify = k_plain.clone(), v_plain.clone()
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0, None).to(dev)
+    q = torch.randn(seqs, rows, heads, head_dim, device=dev, dtype=dtype)
+    k = torch.randn(seqs, rows, kv_heads, head_dim, device=dev, dtype=dtype)
+    v = torch.randn_like(k)
+    slots = torch.arange(seqs, device=dev)
+    positions = torch.tensor(cached, device=dev).view(-1, 1) + torch.arange(rows, device=dev).view(1, -1)
+    loc = page_table[slots.view(-1, 1), positions // page_size].long() * page_size + positions % page_size
+    splits = num_splits_for(seqs, kv_heads)
+    scale = head_dim ** -0.5
+    plain = [paged_decode_attention(q[:, j], k_plain, v_plain, page_table, slots, positions[:, j] + 1, page_size,
+                                    scale, NewTokenKV(k[:, j], v[:, j], rope.cos, rope.sin, loc[:, j]), splits=splits)
+             for j in range(rows)]  # one decode step per position
+    new = NewTokenKV(k.flatten(0, 1), v.flatten(0, 1), rope.cos, rope.sin, loc.flatten())
+    store_rotated_kv(new, positions.flatten(), k_verify, v_verify)
+    verify = paged_decode_attention(q.flatten(0, 1), k_verify, v_verify, page_table, slots.repeat_interleave(rows),
+                                    positions.flatten() + 1, page_size, scale, new, splits=splits,
+                                    new_kv_stored=True).view(seqs, rows, heads, head_dim)
+    assert torch.equal(verify, torch.stack(plain, dim=1))
+    assert torch.equal(k_verify, k_plain) and torch.equal(v_verify, v_plain)
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 300), (torch.bfloat16, 16)])
+def test_a_skinny_row_has_the_same_bits_at_every_row_count(dtype: torch.dtype, rows: int) -> None:
+    from splitserve.engine.layers.skinny_gemm_triton import skinny_gemm
+
+    torch.manual_seed(0)
+    n, k = 1536, 512
+    weight = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    y = skinny_gemm(x, weight)
+    want = x.double() @ weight.double().T
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.double(), want, atol=tol, rtol=tol)
+    for start, count in ((0, 1), (5, 1), (3, 9), (rows - 7, 7)):
+        assert torch.equal(skinny_gemm(x[start:start + count], weight), y[start:start + count])
