@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from splitserve.draft_mesh import SpecConfig
-from splitserve.draft_mesh.config import drafters_from_peers
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.epd_config import EPDConfig
 from splitserve.engine.image_inputs import ImageInputConfig
@@ -56,9 +53,9 @@ def role_behaviours(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfi
 
 
 def verifier(transfer: TransferConfig, spec: SpecConfig) -> list[Role]:
-    """The verifier behaviour when there are drafters to join (--drafter, or the peers file's), else nothing."""
-    drafters = spec.drafter or (drafters_from_peers(spec.peers_file) if spec.peers_file else [])
-    if not drafters:
+    """The verifier behaviour when there are drafters to join (--drafter), or a peers file that lists
+    them (now or later: it is read again while the engine runs), else nothing."""
+    if not spec.drafter and not spec.peers_file:
         return []
     from splitserve.engine.roles.verifier import VerifierRole
-    return [VerifierRole(dataclasses.replace(spec, drafter=drafters), transfer)]
+    return [VerifierRole(spec, transfer)]

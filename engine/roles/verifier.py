@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 
 from splitserve.draft_mesh.client import DrafterLink, LinkEvent
-from splitserve.draft_mesh.config import SpecConfig, default_verifier_rank
+from splitserve.draft_mesh.config import SpecConfig, default_verifier_rank, drafters_from_peers
 from splitserve.draft_mesh.draft_policy import DraftPolicy
 from splitserve.draft_mesh.fingerprint import model_fingerprint, tokenizer_fingerprint
 from splitserve.draft_mesh.speculation_gate import SpeculationGate
@@ -52,6 +52,7 @@ from splitserve.transfer import TransferConfig
 logger = logging.getLogger(__name__)
 
 RECV_POLL_MS = 100
+PEERS_REFRESH_S = 1.0  # how often the peers file is read again (drafters added or removed later)
 
 
 def step_bucket(batch: int) -> int:
@@ -116,6 +117,11 @@ class VerifierRole(Role):
         self._last_poll: float | None = None
         self._last_step: tuple[int, int] | None = None  # (batch bucket, rows per request) of the step since
         self._gate_off = False  # the last step found verifying not to pay: drafters need not draft far ahead
+        # Without --drafter the peers file lists the drafters; it is read again as drafters come and go.
+        self.peers_file = "" if spec.drafter else spec.peers_file
+        self._peers_read_at = 0.0
+        self._peers_error = ""
+        self.links: dict[str, DrafterLink] = {}
 
     # ---- setup and teardown ---------------------------------------------------------------------
 
@@ -131,17 +137,54 @@ class VerifierRole(Role):
         self._receiver = threading.Thread(target=self._receive, name="draft-tail-recv", daemon=True)
         self._receiver.start()
         mc = engine.model_cfg
-        join = pb.JoinRequest(
+        self.join = pb.JoinRequest(
             verifier_rank=self.rank, verifier_instance=self.instance,
             model_fingerprint=model_fingerprint(mc.architecture, mc.num_layers, mc.hidden_size, mc.vocab_size,
                                                 engine.cfg.model_name),
             tokenizer_fingerprint=tokenizer_fingerprint(engine.tokenizer), vocab_size=mc.vocab_size,
             draft_tokens=self.spec.num_draft_tokens, tail_endpoint=self.tail_endpoint)
-        self.links = {ep: DrafterLink(ep, join, self.key, self.spec.draft_heartbeat_interval_s,
-                                      self.spec.draft_rpc_timeout_s, self.events).start()
-                      for ep in self.spec.drafter}
-        logger.info("verifier rank %d: tails on %s, drafters %s", self.rank, self.tail_endpoint,
-                    ", ".join(self.spec.drafter))
+        endpoints = list(self.spec.drafter) or self._read_peers() or []
+        for endpoint in endpoints:
+            self._add_link(endpoint)
+        logger.info("verifier rank %d: tails on %s, drafters %s%s", self.rank, self.tail_endpoint,
+                    ", ".join(endpoints) or "none yet", f" (watching {self.peers_file})" if self.peers_file else "")
+
+    def _add_link(self, endpoint: str) -> None:
+        self.links[endpoint] = DrafterLink(endpoint, self.join, self.key, self.spec.draft_heartbeat_interval_s,
+                                           self.spec.draft_rpc_timeout_s, self.events).start()
+
+    def _read_peers(self) -> list[str] | None:
+        """The drafters the peers file lists now; None (logged once) while it cannot be read."""
+        try:
+            endpoints = drafters_from_peers(self.peers_file)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            if str(exc) != self._peers_error:
+                logger.warning("peers file %s unreadable (%s): keeping the drafters joined so far",
+                               self.peers_file, exc)
+            self._peers_error = str(exc)
+            return None
+        self._peers_error = ""
+        return endpoints
+
+    def _refresh_peers(self) -> None:
+        """Joins drafters the peers file lists now and leaves those it no longer lists (once a second)."""
+        now = time.monotonic()
+        if not self.peers_file or now - self._peers_read_at < PEERS_REFRESH_S:
+            return
+        self._peers_read_at = now
+        listed = self._read_peers()
+        if listed is None:
+            return
+        for endpoint in listed:
+            if endpoint not in self.links:
+                logger.info("peers file: joining drafter %s", endpoint)
+                self._add_link(endpoint)
+        for endpoint in [ep for ep in self.links if ep not in listed]:
+            logger.info("peers file: drafter %s is gone; leaving it", endpoint)
+            link = self.links.pop(endpoint)
+            self._drop_drafter(endpoint, "no longer in the peers file")
+            # Leave off the loop thread: the link's thread and the Leave call take up to a second.
+            threading.Thread(target=link.stop, name=f"draft-leave-{endpoint}", daemon=True).start()
 
     def close(self) -> None:
         for link in self.links.values():
@@ -158,7 +201,9 @@ class VerifierRole(Role):
                 "speculating": len(self.states), "quarantined": len(self.quarantined)}
 
     def allows_overlap(self) -> bool:
-        return not self.states  # plain decoding keeps the overlap scheduler while no request has a drafter
+        # Plain decoding keeps the overlap scheduler while no request has a drafter, or while the gate
+        # keeps verifying off (until shortly before its next probe, which needs every token on the host).
+        return not self.states or self._gate_off
 
     # ---- the receive thread -----------------------------------------------------------------------
 
@@ -185,6 +230,7 @@ class VerifierRole(Role):
     # ---- the loop thread --------------------------------------------------------------------------
 
     def poll(self) -> None:
+        self._refresh_peers()
         now = time.monotonic()
         if self._last_step is not None and self._last_poll is not None:
             self.gate.observe(*self._last_step, now - self._last_poll)  # the loop's turn since: one step
@@ -194,7 +240,7 @@ class VerifierRole(Role):
         short = [req for req in self.engine.requests.values() if self._step_request(req)]
         for drafter in list(self.drafters.values()):
             self._flush(drafter)
-        if short and self.spec.draft_wait_ms > 0:
+        if short and self.spec.draft_wait_ms > 0 and not self._gate_off:
             self._wait_for_drafts(short)
         if self.spec.speculation_gate:
             self._gate_step()
@@ -203,18 +249,22 @@ class VerifierRole(Role):
         """Withdraws the step's drafts when verifying them is measured to be slower than plain
         decoding; remembers the step's kind so that the next poll can time it."""
         running = [r for r in self.engine.requests.values() if r.status is RequestStatus.RUNNING]
-        decoding = [r for r in running if r.output_ids and r.pending_len == 1]
+        decoding = [r for r in running if r.output_ids and r.pending_len <= 1]  # 0: its token is in flight
         if not decoding or len(decoding) != len(running):
-            return  # a prompt chunk or a request in flight shares the step: its time says nothing
-        drafted = [r for r in decoding if r.draft_tokens and r.request_id in self.states]
+            self._gate_off = False
+            return  # a prompt chunk shares the step: its time says nothing
         batch = step_bucket(len(decoding))
+        speculating = [self.states[r.request_id] for r in decoding if r.request_id in self.states]
+        drafted = [r for r in decoding if r.draft_tokens and r.request_id in self.states]
+        # What verifying would take and give: the drafts offered, else the drafts the policies allow.
+        lengths = ([len(r.draft_tokens) for r in drafted] if drafted else [s.step_k for s in speculating]) or [0]
+        rows = 1 + max(lengths)
+        policies = [self.states[r.request_id].policy for r in drafted] if drafted else [s.policy for s in speculating]
+        expected = len(decoding) + sum(p.acceptance * n for p, n in zip(policies, lengths, strict=False))
+        self._gate_off = rows > 1 and self.gate.likely_off(batch, rows, expected)
         if not drafted:
             self._last_step = (batch, 1)
             return
-        rows = 1 + max(len(r.draft_tokens) for r in drafted)
-        expected = len(decoding) + sum(self.states[r.request_id].policy.acceptance * len(r.draft_tokens)
-                                       for r in drafted)
-        self._gate_off = self.gate.likely_off(batch, rows, expected)
         if self.gate.verify_pays(batch, rows, expected):
             self._last_step = (batch, rows)
             return
@@ -239,6 +289,8 @@ class VerifierRole(Role):
                 event = self.events.get_nowait()
             except queue.Empty:
                 return
+            if event.endpoint not in self.links:
+                continue  # a link being stopped (its drafter left the peers file)
             if event.kind == "joined":
                 self._drop_drafter(event.endpoint, "rejoined")
                 sock = self.zmq.socket(zmq.PUSH)

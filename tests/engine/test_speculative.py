@@ -3,6 +3,7 @@ verifier engines in this process, each with its own sockets, as separate pods wo
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -339,3 +340,37 @@ def test_stop_strings_and_aborts_behave_as_without_speculation(plain, stopper) -
     assert tokens == generate_tokens(plain_engine, PROMPTS[:1], long)[0][: len(tokens)]
     assert_idle_and_pages_back(verifier, drafter)  # the drafter closed it too
     assert drafter.role.health_info()["draft_requests"] == 0
+
+
+def write_peers(path, drafters: list[Engine]) -> None:
+    endpoints = [{"host": "127.0.0.1", "meshPort": d.role.health_info()["draft_mesh_port"]} for d in drafters]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"roles": {"drafter": {"endpoints": endpoints}}}))
+    tmp.replace(path)  # as a ConfigMap update swaps the file: never half written
+
+
+def test_drafters_added_to_the_peers_file_later_are_joined_and_removed_ones_left(tmp_path, plain, stopper) -> None:
+    peers = tmp_path / "peers.json"
+    write_peers(peers, [])
+    spec = SpecConfig(peers_file=str(peers), num_draft_tokens=3, draft_wait_ms=WAIT_MS, speculation_gate=False)
+    role = ComposedRole("unified", [VerifierRole(spec, TRANSFER)])
+    verifier = Engine(EngineConfig(model="tiny", **ENGINE), role=role)
+    verifier.start()
+    stopper.append(verifier)
+    assert generate_tokens(verifier, PROMPTS[:1], GREEDY) == plain[:1]  # no drafter yet: plain decoding
+    assert spec_counts(verifier) == (0, 0)
+    drafter = start_drafter()
+    stopper.append(drafter)
+    write_peers(peers, [drafter])
+    wait_joined(verifier, 1)
+    assert generate_tokens(verifier, PROMPTS, GREEDY) == plain
+    drafted, accepted = spec_counts(verifier)
+    assert drafted > 0 and accepted >= 0.9 * drafted
+    write_peers(peers, [])
+    deadline = time.monotonic() + 5
+    while verifier.role.health_info()["drafters"] or drafter.role.health_info()["leases"]:
+        assert time.monotonic() < deadline, (verifier.role.health_info(), drafter.role.health_info())
+        verifier.call_soon(lambda: None)
+        time.sleep(0.05)
+    assert generate_tokens(verifier, PROMPTS, GREEDY) == plain and spec_counts(verifier) == (drafted, accepted)
+    assert_idle_and_pages_back(verifier, drafter)

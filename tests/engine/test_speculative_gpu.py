@@ -42,6 +42,9 @@ class OracleDrafts(Role):
         super().attach(engine)
         engine.prepare_speculation(self.max_k)
 
+    def allows_overlap(self) -> bool:
+        return not self.k  # a draft follows a token known on the host
+
     def poll(self) -> None:
         if not self.k:
             return
@@ -158,7 +161,8 @@ def test_verify_rows_attend_with_the_bits_of_one_decode_step_per_position(dtype:
     splits = num_splits_for(seqs, kv_heads)
     scale = head_dim ** -0.5
     plain = [paged_decode_attention(q[:, j], k_plain, v_plain, page_table, slots, positions[:, j] + 1, page_size,
-                                    scale, NewTokenKV(k[:, j], v[:, j], rope.cos, rope.sin, loc[:, j]), splits=splits)
+                                    scale, NewTokenKV(k[:, j], v[:, j], rope.cos, rope.sin, loc[:, j].contiguous()),
+                                    splits=splits)
              for j in range(rows)]  # one decode step per position
     new = NewTokenKV(k.flatten(0, 1), v.flatten(0, 1), rope.cos, rope.sin, loc.flatten())
     store_rotated_kv(new, positions.flatten(), k_verify, v_verify)
