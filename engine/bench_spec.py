@@ -12,7 +12,8 @@ The verifier engine runs in this process; each drafter is a `splitserve serve --
 process on the same device and the same draft-mesh port (the verifier rejoins when the next one
 starts). For each drafter, K and batch size the report gives tokens/s, the ratio to plain decoding
 at that batch size (measured first, before any drafter runs) and the acceptance rate.
-Verify steps run eagerly (the extend path, no CUDA graph); plain decode steps use the CUDA graphs.
+Verify steps run as decode rows through their own CUDA graphs (engine/cuda_graph_runner.py), as
+plain decode steps do; the verifier's speculation gate (draft_mesh/speculation_gate.py) is on.
 
   splitserve bench --profile spec --shape llama-3.1-8b --device cuda        # the H200 setup
   splitserve bench --profile spec --shape spec-cpu --device cpu \\
