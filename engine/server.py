@@ -44,8 +44,7 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import ChatTemplateError
 from splitserve.engine.tools.formats import format_for, messages_for_template, template_renders_tools
 from splitserve.engine.tools.streaming import ToolCallStream, final_message
-from splitserve.transfer.bootstrap_grant import SIGNATURE_FIELD, bootstrap_grant_valid
-from splitserve.transfer.bootstrap_server import KEY_HEADER
+from splitserve.transfer.bootstrap_grant import KEY_HEADER, SIGNATURE_FIELD, bootstrap_grant_valid
 
 logger = logging.getLogger(__name__)
 

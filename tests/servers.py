@@ -15,8 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from splitserve.transfer.bootstrap_grant import sign_bootstrap
-from splitserve.transfer.bootstrap_server import KEY_HEADER
+from splitserve.transfer.bootstrap_grant import KEY_HEADER, sign_bootstrap
 
 REPO = Path(__file__).resolve().parents[1]
 # The group key tests give prefill/decode engines and routers (splitserve up and the operator always

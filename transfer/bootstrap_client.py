@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from .bootstrap_server import KEY_HEADER
+from .bootstrap_grant import KEY_HEADER
 from .errors import BootstrapError
 from .kv_layout import KVLayout
 

@@ -13,6 +13,9 @@ import hashlib
 import hmac
 
 SIGNATURE_FIELD = "bootstrap_signature"
+# The HTTP header in which the group's own processes show the key (bootstrap server, /internal/*,
+# an encoder's /v1/encode).
+KEY_HEADER = "X-Splitserve-Key"
 
 
 def _grant_bytes(host: str, port: int, room: int) -> bytes:

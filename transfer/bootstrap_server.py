@@ -27,12 +27,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from .bootstrap_grant import KEY_HEADER
 from .errors import BootstrapError, LayoutMismatchError
 from .kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
 
-KEY_HEADER = "X-Splitserve-Key"
 DEFAULT_BOOTSTRAP_PORT = 8998
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import logging
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from splitserve.engine.openai_protocol import ApiError, ImagePart
 from splitserve.engine.role import Role
 from splitserve.engine.roles.embedding_cache import EmbeddingCache
 from splitserve.transfer import TransferConfig
+from splitserve.transfer.bootstrap_grant import KEY_HEADER
 from splitserve.transfer.embedding_sender import EmbeddingChunk, EmbeddingSender
 from splitserve.transfer.embedding_slots import EmbeddingSlots
 
@@ -98,6 +100,11 @@ class EncodeRole(Role):
                               "queued": len(self.jobs), **self.sender.stats()}}
 
     async def encode_endpoint(self, request: HttpRequest) -> Response:
+        key = self.transfer.transfer_control_key
+        if key and not hmac.compare_digest(request.headers.get(KEY_HEADER, ""), key):
+            # Only the group's router may hand this encoder work: each call costs a tower forward.
+            err = ApiError(f"missing or wrong {KEY_HEADER}", status=401, kind="authentication_error")
+            return JSONResponse(err.body(), status_code=401)
         try:
             body = await request.json()
         except ValueError:

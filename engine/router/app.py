@@ -105,7 +105,7 @@ class Router:
                                      ["role", "url"], registry=self.registry)
         self.ejections = Gauge("splitserve_router_backend_ejections", "Times a backend was ejected",
                                ["role", "url"], registry=self.registry)
-        self.images = ImageEncoding(self.pool, self.client, images or ImageInputConfig())
+        self.images = ImageEncoding(self.pool, self.client, images or ImageInputConfig(), cfg.transfer_control_key)
         self.pairs = PairRouter(self.pool, self.client, cfg.transfer_control_key, cfg.retries, self.retries.inc,
                                 prepare=self.images.prepare)  # images go to encoders, when there are any
         self.app = Starlette(routes=[

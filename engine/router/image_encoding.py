@@ -29,6 +29,7 @@ import httpx
 from splitserve.engine.image_inputs import ImageInputConfig, check_image_count, image_bytes
 from splitserve.engine.openai_protocol import ApiError, ImagePart
 from splitserve.engine.router.backend_pool import Backend, BackendPool
+from splitserve.transfer.bootstrap_grant import KEY_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,10 @@ def encoder_ring(encoders: list[Backend], digest: str) -> list[Backend]:
 class ImageEncoding:
     """Sends a request's images to encoders and rewrites the request for prefill and decode."""
 
-    def __init__(self, pool: BackendPool, client: httpx.AsyncClient, images: ImageInputConfig) -> None:
+    def __init__(self, pool: BackendPool, client: httpx.AsyncClient, images: ImageInputConfig,
+                 control_key: str = "") -> None:
         self.pool, self.client, self.images = pool, client, images
+        self.headers = {KEY_HEADER: control_key} if control_key else {}  # encoders of a keyed group ask for it
 
     async def prepare(self, body: Any) -> Prepared:
         """The request for prefill and decode: images replaced by references to their encoders' rows."""
@@ -140,7 +143,7 @@ class ImageEncoding:
         assert backend is not None
         items = [{"room": s.room, "where": s.where, "image_url": {"url": s.url}} for s in group]
         try:
-            r = await self.client.post(f"{backend.url}/v1/encode", json={"items": items})
+            r = await self.client.post(f"{backend.url}/v1/encode", json={"items": items}, headers=self.headers)
         except httpx.HTTPError as exc:
             self.pool.eject(backend, f"encode call: {type(exc).__name__}: {exc}")
             return False

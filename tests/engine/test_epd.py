@@ -41,6 +41,7 @@ from splitserve.engine.image_items import image_digest
 from splitserve.engine.router.backend_pool import Backend
 from splitserve.engine.router.image_encoding import encoder_ring
 from splitserve.engine.tiny_llava import write_llava_checkpoint
+from splitserve.transfer.bootstrap_grant import KEY_HEADER
 
 pytestmark = pytest.mark.slow
 log = logging.getLogger(__name__)
@@ -193,6 +194,15 @@ def test_text_only_requests_skip_the_encoders(deployment: Deployment) -> None:
     assert after == before
 
 
+def test_only_the_group_may_hand_an_encoder_work(deployment: Deployment) -> None:
+    items = {"items": [{"room": secrets.randbits(63), "image_url": {"url": png_url(20, 20, 5)}}]}
+    for headers in ({}, {KEY_HEADER: "not-the-key"}):
+        r = httpx.post(f"{deployment.url('encode-a')}/v1/encode", json=items, headers=headers, timeout=30)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert health(deployment.url("encode-a"))["embedding"]["queued"] == 0  # nothing was taken
+
+
 def test_bad_images_are_400s_before_any_prefill_work(deployment: Deployment) -> None:
     steps = engine_state(deployment.url('prefill'))["steps"]
     bad = [("data:image/png;base64,@@@", "invalid_image"), ("data:image/gif;base64,R0lGODlh", "unsupported_image_type"),
@@ -325,7 +335,7 @@ def test_an_encoder_killed_mid_write_fails_its_prefill_and_tells_the_decode_at_o
     enc = deployment.url("encode-slow-2")
     room = secrets.randbits(63)
     r = httpx.post(f"{enc}/v1/encode", json={"items": [{"room": room, "image_url": {"url": png_url(44, 30, 77)}}]},
-                   timeout=30)
+                   headers={KEY_HEADER: TEST_CONTROL_KEY}, timeout=30)
     assert r.status_code == 200, r.text
     ref = {"type": "image_ref", "image_ref": {"digest": r.json()["items"][0]["digest"],
                                               "encoder_addr": r.json()["endpoint"], "room": room}}
