@@ -18,6 +18,7 @@ from splitserve.engine.epd_config import EPDConfig
 from splitserve.engine.image_inputs import ImageInputConfig
 from splitserve.engine.server import ApiServer
 from splitserve.transfer.config import TransferConfig
+from splitserve.transfer.errors import TransferEngineUnavailableError
 
 logger = logging.getLogger(__name__)
 ENV_PREFIX = "SPLITSERVE"
@@ -64,7 +65,7 @@ def main(argv: list[str]) -> int:
     try:
         engine = Engine(cfg, role=role)
         engine.start()
-    except (FileNotFoundError, ValueError, MemoryError, OSError) as exc:
+    except (FileNotFoundError, ValueError, MemoryError, OSError, TransferEngineUnavailableError) as exc:
         logger.error("cannot start the engine: %s", exc)
         return 1
     server = ApiServer(engine, images, control_key=transfer.transfer_control_key)

@@ -7,7 +7,8 @@ Public API (see README.md in this folder for the protocol and how an engine wire
 - ``KVLayout``, ``layout_for_pool``, ``kv_buffers_from_pool``, ``kv_buffers_from_views``,
   ``aux_buffer_from_tensor``, ``head_range``: what a rank registers.
 - ``AuxData``, ``make_aux_tensor``, ``pack_aux``, ``unpack_aux``: the aux slot.
-- ``KVManager`` (Mooncake), ``KVSender``, ``KVReceiver``: per engine / per room.
+- ``KVManager`` (Mooncake), ``KVSender``, ``KVReceiver``: per engine / per room;
+  ``new_kv_manager`` picks the backend by ``transfer_protocol`` (``CudaIpcKVManager`` for ``cuda_ipc``).
 - ``BootstrapServer``: the prefill replica's layout registry over HTTP.
 - ``agree_poll_states``, ``poll_and_agree``: MIN across TP ranks.
 - errors: ``KVTransferError`` and its subclasses, ``TransferError``.
@@ -25,14 +26,16 @@ _MODULE_OF = {
     "DEFAULT_BOOTSTRAP_PORT": "bootstrap_server", "BootstrapServer": "bootstrap_server",
     "TransferConfig": "config",
     **{name: "errors" for name in (
-        "BootstrapError", "KVAbortedError", "KVLengthMismatchError", "KVMetadataError", "KVPeerFailedError",
-        "KVPeerLostError", "KVTimeoutError", "KVTransferError", "KVWorkerError", "KVWriteError",
+        "BootstrapError", "CudaIpcError", "CudaIpcUnavailableError", "KVAbortedError", "KVLengthMismatchError",
+        "KVMetadataError", "KVPeerFailedError", "KVPeerLostError", "KVTimeoutError", "KVTransferError",
+        "KVWorkerError", "KVWriteError",
         "LayoutMismatchError", "RdmaUnavailableError", "RoomInUseError", "TransferEngineUnavailableError",
         "TransferError", "TransferUsageError")},
     "BaseKVManager": "kv_contract", "BaseKVReceiver": "kv_contract", "BaseKVSender": "kv_contract",
     **{name: "kv_layout" for name in (
         "AuxBuffer", "KVBuffer", "KVLayout", "aux_buffer_from_tensor", "head_range", "kv_buffers_from_pool",
         "kv_buffers_from_views", "layout_for_pool")},
+    "CudaIpcKVManager": "cuda_ipc_manager", "aux_device": "kv_backend", "new_kv_manager": "kv_backend",
     "MooncakeKVManager": "kv_manager", "MooncakeKVReceiver": "kv_receiver", "MooncakeKVSender": "kv_sender",
     "KVPoll": "poll_state",
 }
@@ -49,13 +52,53 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AUX_BYTES", "DEFAULT_BOOTSTRAP_PORT", "AuxBuffer", "AuxData", "BaseKVManager", "BaseKVReceiver",
-    "BaseKVSender", "BootstrapError", "BootstrapServer", "KVAbortedError", "KVBuffer", "KVLayout",
-    "KVLengthMismatchError", "KVManager", "KVMetadataError", "KVPeerFailedError", "KVPeerLostError",
-    "KVPoll", "KVReceiver", "KVSender", "KVTimeoutError", "KVTransferError", "KVWorkerError", "KVWriteError",
-    "LayoutMismatchError", "MooncakeKVManager", "MooncakeKVReceiver", "MooncakeKVSender",
-    "RdmaUnavailableError", "RoomInUseError", "TransferConfig", "TransferEngineUnavailableError",
-    "TransferError", "TransferUsageError", "agree_poll_states", "aux_buffer_from_tensor", "head_range",
-    "kv_buffers_from_pool", "kv_buffers_from_views", "layout_for_pool", "make_aux_tensor",
-    "pack_aux", "poll_and_agree", "unpack_aux",
+    "AUX_BYTES",
+    "DEFAULT_BOOTSTRAP_PORT",
+    "AuxBuffer",
+    "AuxData",
+    "BaseKVManager",
+    "BaseKVReceiver",
+    "BaseKVSender",
+    "BootstrapError",
+    "BootstrapServer",
+    "CudaIpcError",
+    "CudaIpcKVManager",
+    "CudaIpcUnavailableError",
+    "KVAbortedError",
+    "KVBuffer",
+    "KVLayout",
+    "KVLengthMismatchError",
+    "KVManager",
+    "KVMetadataError",
+    "KVPeerFailedError",
+    "KVPeerLostError",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "KVTimeoutError",
+    "KVTransferError",
+    "KVWorkerError",
+    "KVWriteError",
+    "LayoutMismatchError",
+    "MooncakeKVManager",
+    "MooncakeKVReceiver",
+    "MooncakeKVSender",
+    "RdmaUnavailableError",
+    "RoomInUseError",
+    "TransferConfig",
+    "TransferEngineUnavailableError",
+    "TransferError",
+    "TransferUsageError",
+    "agree_poll_states",
+    "aux_buffer_from_tensor",
+    "aux_device",
+    "head_range",
+    "kv_buffers_from_pool",
+    "kv_buffers_from_views",
+    "layout_for_pool",
+    "make_aux_tensor",
+    "new_kv_manager",
+    "pack_aux",
+    "poll_and_agree",
+    "unpack_aux",
 ]

@@ -24,15 +24,17 @@ class AuxData:
     cached_tokens: int
 
 
-def make_aux_tensor(num_slots: int, slot_bytes: int = AUX_BYTES) -> torch.Tensor:
-    """A zeroed ``[num_slots, slot_bytes]`` uint8 tensor to register as the aux buffer."""
+def make_aux_tensor(num_slots: int, slot_bytes: int = AUX_BYTES,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed ``[num_slots, slot_bytes]`` uint8 tensor to register as the aux buffer (on the GPU
+    for the ``cuda_ipc`` backend, which copies device memory only: see ``kv_backend.aux_device``)."""
     if slot_bytes < AUX_BYTES:
         raise ValueError(f"aux slots need at least {AUX_BYTES} bytes, got {slot_bytes}")
-    return torch.zeros((num_slots, slot_bytes), dtype=torch.uint8)
+    return torch.zeros((num_slots, slot_bytes), dtype=torch.uint8, device=device)
 
 
 def pack_aux(aux: torch.Tensor, slot: int, data: AuxData) -> None:
-    """Writes ``data`` into slot ``slot`` of the aux tensor (CPU)."""
+    """Writes ``data`` into slot ``slot`` of the aux tensor."""
     raw = AUX_STRUCT.pack(data.first_token_id, data.first_token_logprob, data.cached_tokens)
     aux[slot, :AUX_BYTES] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 

@@ -11,17 +11,20 @@ For each message size (4 KiB .. 256 MiB) and for real KV page layouts, one run m
 
 Figures are GB/s (1e9 bytes/s) and ratios to each other from the same run. Two managers in
 one process, TCP on 127.0.0.1 (``MC_TCP_BIND_ADDRESS``); run ``main(["--help"])`` for options.
+``--transfer-protocol cuda_ipc`` runs bench_cuda_ipc.py instead (two processes on one GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import logging
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -306,6 +309,11 @@ def format_rows(rows: Sequence[Row]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark and prints the table; ``--json PATH`` also writes the rows."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--transfer-protocol=cuda_ipc" in argv or ("--transfer-protocol", "cuda_ipc") in itertools.pairwise(argv):
+        from splitserve.transfer.bench_cuda_ipc import main as cuda_ipc_main  # two processes on one GPU
+
+        return cuda_ipc_main(argv)
     parser = argparse.ArgumentParser(prog="splitserve bench --profile transfer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SIZES,
                         help="message sizes in bytes, comma-separated (default 4 KiB .. 256 MiB)")

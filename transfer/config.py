@@ -17,8 +17,10 @@ class TransferConfig:
     """Settings of one KV manager and its bootstrap server."""
 
     transfer_protocol: str = field(default="tcp", metadata={
-        "help": "Mooncake transport: rdma (production; fails loudly without an RDMA device) or tcp",
-        "choices": ("rdma", "tcp"),
+        "help": "KV transport: Mooncake rdma (production; fails loudly without an RDMA device) or tcp, or "
+                "cuda_ipc (prefill and decode processes on one host's GPUs: device copies into the decode's "
+                "pool, mapped through CUDA IPC; fails loudly without CUDA)",
+        "choices": ("rdma", "tcp", "cuda_ipc"),
     })
     transfer_devices: str = field(default="", metadata={
         "help": "RDMA devices for Mooncake, comma-separated (empty: all found); rdma only"})
@@ -57,8 +59,8 @@ class TransferConfig:
                 "requires it (empty: no authentication)"})
 
     def __post_init__(self) -> None:
-        if self.transfer_protocol not in ("rdma", "tcp"):
-            raise ValueError(f"transfer_protocol must be rdma or tcp, got {self.transfer_protocol!r}")
+        if self.transfer_protocol not in ("rdma", "tcp", "cuda_ipc"):
+            raise ValueError(f"transfer_protocol must be rdma, tcp or cuda_ipc, got {self.transfer_protocol!r}")
         for name in ("transfer_bootstrap_timeout_s", "transfer_waiting_timeout_s", "transfer_timeout_s",
                      "transfer_heartbeat_interval_s"):
             if getattr(self, name) <= 0:

@@ -29,6 +29,14 @@ class RdmaUnavailableError(TransferEngineUnavailableError):
         )
 
 
+class CudaIpcUnavailableError(TransferEngineUnavailableError):
+    """Protocol ``cuda_ipc`` was asked for where it cannot run (no CUDA device, KV not in device memory)."""
+
+
+class CudaIpcError(TransferError):
+    """A CUDA IPC copy cannot be done: unknown peer session, or an address outside what the peer exported."""
+
+
 class MooncakeCallError(TransferError):
     """A Mooncake call returned a non-zero status (Mooncake never raises: every int is checked)."""
 

@@ -67,11 +67,22 @@ class AuxBuffer:
 
 
 @dataclass(frozen=True)
+class IpcRegion:
+    """A device allocation a ``cuda_ipc`` rank exported: its base address and size in the exporting
+    process, and its CUDA IPC handle (hex)."""
+
+    base: int
+    nbytes: int
+    handle: str
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """One rank's KV memory and where to reach it.
 
     ``session`` (Mooncake ``host:rpc_port``), ``control_endpoint`` (ZeroMQ) and ``instance_id``
     (random per manager start) are filled in by the manager; the engine leaves them empty.
+    ``ipc_regions``: the allocations a ``cuda_ipc`` rank exported (empty on Mooncake).
     """
 
     tp_size: int
@@ -88,6 +99,7 @@ class KVLayout:
     session: str = ""
     control_endpoint: str = ""
     instance_id: str = ""
+    ipc_regions: tuple[IpcRegion, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -137,6 +149,10 @@ class KVLayout:
         out = dataclasses.asdict(self)
         out["buffers"] = [[b.ptr, b.page_bytes, b.num_pages] for b in self.buffers]
         out["aux"] = [self.aux.ptr, self.aux.slot_bytes, self.aux.num_slots]
+        if self.ipc_regions:
+            out["ipc_regions"] = [[r.base, r.nbytes, r.handle] for r in self.ipc_regions]
+        else:
+            del out["ipc_regions"]
         return out
 
     @classmethod
@@ -148,6 +164,7 @@ class KVLayout:
             values["buffers"] = tuple(KVBuffer(int(p), int(b), int(n)) for p, b, n in data["buffers"])
             ptr, slot, num = data["aux"]
             values["aux"] = AuxBuffer(int(ptr), int(slot), int(num))
+            values["ipc_regions"] = ipc_regions_from_list(data.get("ipc_regions", ()))
             for name in ("tp_size", "tp_rank", "head_start", "head_count", "num_kv_heads", "head_dim",
                          "page_size", "num_layers"):
                 values[name] = int(values[name])
@@ -164,6 +181,18 @@ class KVLayout:
                 raise LayoutMismatchError(name, getattr(self, name), getattr(other, name), where)
         if len(self.buffers) != len(other.buffers):
             raise LayoutMismatchError("number of buffers", len(self.buffers), len(other.buffers), where)
+
+
+def ipc_regions_from_list(items: Sequence[Sequence[Any]]) -> tuple[IpcRegion, ...]:
+    """``[[base, nbytes, handle_hex], ...]`` (a layout's wire form) as regions; ``ValueError`` if malformed."""
+    regions = []
+    for item in items:
+        base, nbytes, handle = item
+        if not isinstance(handle, str):
+            raise ValueError(f"IPC handle must be a hex string, got {type(handle).__name__}")
+        bytes.fromhex(handle)
+        regions.append(IpcRegion(int(base), int(nbytes), handle))
+    return tuple(regions)
 
 
 def head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:

@@ -74,7 +74,7 @@ class MooncakeKVManager(BaseKVManager):
         self.metrics: TransferMetrics = transfer_metrics(metrics_registry)
         self.lock = threading.RLock()
         self._closed = False
-        self.engine = MooncakeEngine(config.transfer_host, config.transfer_protocol, config.transfer_devices)
+        self.engine = self._open_transport(config)
         try:
             for buf in layout.buffers:
                 self.engine.register(buf.ptr, buf.nbytes)
@@ -119,6 +119,10 @@ class MooncakeKVManager(BaseKVManager):
                                           instance_id=self.instance_id)
         log.info("transfer manager %s: session %s, control %s, %d buffers", self.instance_id,
                  self.engine.session_id, self.channel.endpoint, len(layout.buffers))
+
+    def _open_transport(self, config: TransferConfig) -> MooncakeEngine:
+        """The data path (another backend's manager returns its own engine of the same surface)."""
+        return MooncakeEngine(config.transfer_host, config.transfer_protocol, config.transfer_devices)
 
     # ----------------------------------------------------------------- public
 

@@ -263,13 +263,14 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         if self.status.final:
             return
         segments = self._segments(dst, chunk, aux_index)
-        for srcs, dsts, lens in segments.batches(self.mgr.config.transfer_max_batch_segments):
+        as_lists = not getattr(self.mgr.engine, "takes_arrays", False)  # Mooncake's binding takes lists
+        for srcs, dsts, lens in segments.batches(self.mgr.config.transfer_max_batch_segments, as_lists):
             if self.status.final:
                 return
             code = self.mgr.writers.write(dst.layout.session, srcs, dsts, lens)
             if code != 0:
                 with self.mgr.lock:
-                    self.fail_locked(KVWriteError(self.room, dst.layout.session, code, sum(lens)), notify=True)
+                    self.fail_locked(KVWriteError(self.room, dst.layout.session, code, int(sum(lens))), notify=True)
                 return
         with self.mgr.lock:
             self._chunk_written(dst, chunk, segments.nbytes, time.monotonic())

@@ -34,13 +34,13 @@ class Segments:
     def __len__(self) -> int:
         return len(self.lens)
 
-    def batches(self, max_segments: int) -> list[tuple[list[int], list[int], list[int]]]:
-        """Lists ready for Mooncake, at most ``max_segments`` each."""
+    def batches(self, max_segments: int, as_lists: bool = True) -> list[tuple]:
+        """Lists ready for Mooncake (or, ``as_lists=False``, the arrays' slices), at most ``max_segments`` each."""
         out = []
         for start in range(0, len(self.lens), max_segments):
             end = start + max_segments
-            out.append((self.srcs[start:end].tolist(), self.dsts[start:end].tolist(),
-                        self.lens[start:end].tolist()))
+            batch = (self.srcs[start:end], self.dsts[start:end], self.lens[start:end])
+            out.append(tuple(a.tolist() for a in batch) if as_lists else batch)
         return out
 
 

@@ -10,13 +10,14 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.roles.replicated_transfers import ReplicatedRoom, agree_over_ranks, new_room_op
 from splitserve.transfer import (
     AuxData,
-    KVManager,
     KVPoll,
     KVReceiver,
     KVSender,
     TransferConfig,
+    aux_device,
     layout_for_pool,
     make_aux_tensor,
+    new_kv_manager,
     pack_aux,
 )
 
@@ -41,13 +42,13 @@ class KVTransferEndpoint:
 
     def __init__(self, engine: Engine, config: TransferConfig) -> None:
         pool = engine.runner.kv_pool.buffer
-        self.aux = make_aux_tensor(aux_slot_count(engine.cfg))
+        self.aux = make_aux_tensor(aux_slot_count(engine.cfg), device=aux_device(config, pool.device))
         if pool.device.type != "cpu" and config.transfer_protocol == "tcp":
             logger.warning("KV pool on %s with the tcp transport: Mooncake TCP stages GPU memory through "
                            "the host; use rdma in production", pool.device)
         layout = layout_for_pool(pool, self.aux, tp_size=engine.runner.tp.size, tp_rank=engine.runner.tp.rank,
                                  num_kv_heads=engine.model_cfg.num_kv_heads)
-        self.manager = KVManager(config, layout, metrics_registry=engine.metrics.registry)
+        self.manager = new_kv_manager(config, layout, metrics_registry=engine.metrics.registry)
         self.config = config
         self.role_name = engine.cfg.role
         self.supervisor = engine.tp_supervisor

@@ -17,14 +17,15 @@ from splitserve.engine.parallel_state import TensorParallel
 from splitserve.engine.roles.kv_transfer_endpoint import aux_slot_count
 from splitserve.engine.roles.replicated_transfers import REPLAYED_METHODS
 from splitserve.transfer import (
-    KVManager,
     KVPoll,
     KVReceiver,
     KVSender,
     TransferConfig,
     agree_poll_states,
+    aux_device,
     layout_for_pool,
     make_aux_tensor,
+    new_kv_manager,
     pack_aux,
 )
 
@@ -43,11 +44,11 @@ class RankTransfers:
     def __init__(self, runner: ModelRunner, tp: TensorParallel, role: str, config: TransferConfig,
                  bootstrap_addr: str | None) -> None:
         self.device = runner.device
-        self.aux = make_aux_tensor(aux_slot_count(runner.cfg))
+        self.aux = make_aux_tensor(aux_slot_count(runner.cfg), device=aux_device(config, runner.kv_pool.buffer.device))
         layout = layout_for_pool(runner.kv_pool.buffer, self.aux, tp_size=tp.size, tp_rank=tp.rank,
                                  num_kv_heads=runner.model_cfg.num_kv_heads)
         # Rank 0 holds any fixed control port; the other ranks take free ones.
-        self.manager = KVManager(dataclasses.replace(config, transfer_control_port=0), layout)
+        self.manager = new_kv_manager(dataclasses.replace(config, transfer_control_port=0), layout)
         if role == "prefill":
             if bootstrap_addr is None:
                 raise RankTransferError("a prefill rank needs the replica's bootstrap address")

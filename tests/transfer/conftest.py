@@ -26,8 +26,10 @@ from splitserve.transfer import (
     KVManager,
     KVPoll,
     TransferConfig,
+    aux_device,
     layout_for_pool,
     make_aux_tensor,
+    new_kv_manager,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -106,13 +108,14 @@ def make_rank() -> Iterator[Callable[..., Rank]]:
 
     def make(seed: int | None = None, *, config: TransferConfig = FAST, tp_size: int = 1, tp_rank: int = 0,
              num_kv_heads: int | None = None, registry: CollectorRegistry | None = None,
-             shape: dict | None = None, fill: float = 0.0) -> Rank:
+             shape: dict | None = None, fill: float = 0.0, device: str = "cpu") -> Rank:
         s = {**SHAPE, **(shape or {})}
         dims = (s["layers"], 2, s["pages"], s["page_size"], s["heads"], s["head_dim"])
         pool = fill_pool(dims, seed) if seed is not None else torch.full(dims, fill, dtype=torch.float16)
-        aux = make_aux_tensor(32)
+        pool = pool.to(device)
+        aux = make_aux_tensor(32, device=aux_device(config, pool.device))
         layout = layout_for_pool(pool, aux, tp_size=tp_size, tp_rank=tp_rank, num_kv_heads=num_kv_heads)
-        rank = Rank(KVManager(config, layout, metrics_registry=registry or CollectorRegistry()), pool, aux)
+        rank = Rank(new_kv_manager(config, layout, metrics_registry=registry or CollectorRegistry()), pool, aux)
         made.append(rank)
         return rank
 

@@ -26,7 +26,7 @@ def test_flags_and_env_build_the_config():
 def test_bad_values_are_refused():
     with pytest.raises(ValueError, match="transfer_timeout_s"):
         TransferConfig(transfer_timeout_s=0)
-    with pytest.raises(ValueError, match="rdma or tcp"):
+    with pytest.raises(ValueError, match="rdma, tcp or cuda_ipc"):
         TransferConfig(transfer_protocol="ib")
 
 

@@ -22,13 +22,14 @@ import torch
 from splitserve.transfer import (
     AuxData,
     BootstrapServer,
-    KVManager,
     KVPoll,
     KVReceiver,
     KVSender,
     TransferConfig,
+    aux_device,
     layout_for_pool,
     make_aux_tensor,
+    new_kv_manager,
     pack_aux,
 )
 
@@ -54,17 +55,18 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     config = TransferConfig(**cfg.get("transfer", {}))
     shape = pool_shape(cfg)
+    device = torch.device(cfg.get("device", "cpu"))
     if cfg["role"] == "prefill":
-        pool = fill_pool(shape, cfg["seed"], cfg.get("dtype", "float16"))
+        pool = fill_pool(shape, cfg["seed"], cfg.get("dtype", "float16")).to(device)
     else:
-        pool = torch.zeros(shape, dtype=DTYPES[cfg.get("dtype", "float16")])
-    aux = make_aux_tensor(cfg.get("aux_slots", 64))
+        pool = torch.zeros(shape, dtype=DTYPES[cfg.get("dtype", "float16")], device=device)
+    aux = make_aux_tensor(cfg.get("aux_slots", 64), device=aux_device(config, device))
     layout = layout_for_pool(pool, aux, tp_size=cfg.get("tp_size", 1), tp_rank=cfg.get("tp_rank", 0),
                              num_kv_heads=cfg.get("num_kv_heads"))
     server = None
     if cfg["role"] == "prefill" and cfg.get("serve_bootstrap", True):
         server = BootstrapServer("127.0.0.1", cfg.get("bootstrap_port", 0)).start()
-    mgr = KVManager(config, layout)
+    mgr = new_kv_manager(config, layout)
     bootstrap = cfg.get("bootstrap") or (server.address if server else "")
     if cfg["role"] == "prefill":
         mgr.publish_layout(bootstrap)
@@ -104,7 +106,7 @@ def main() -> None:
                 del commands[cid]
 
 
-def start_room(mgr: KVManager, bootstrap: str, cmd: dict, spec: dict, aux: torch.Tensor) -> dict:
+def start_room(mgr, bootstrap: str, cmd: dict, spec: dict, aux: torch.Tensor) -> dict:
     room = spec["room"]
     entry = {"room": room, "done": False, "observed": [], "next_chunk": 0,
              "next_at": time.monotonic() + spec.get("first_delay", 0.0), "spec": spec}

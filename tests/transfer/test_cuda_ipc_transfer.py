@@ -1,0 +1,180 @@
+"""The CUDA IPC backend: bytes intact between two processes on one GPU, peers re-mapped after a restart,
+clear errors where it cannot run; and the pure arithmetic it rests on (runs everywhere).
+
+The GPU tests run only where CUDA is (the lent H200s); CI has no GPU and skips them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from splitserve.transfer import (
+    AuxData,
+    CudaIpcUnavailableError,
+    KVLayout,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    TransferConfig,
+    layout_for_pool,
+    make_aux_tensor,
+    new_kv_manager,
+    unpack_aux,
+)
+from splitserve.transfer.cuda_ipc_engine import session_process, translate
+from splitserve.transfer.errors import CudaIpcError
+from splitserve.transfer.kv_layout import IpcRegion
+from splitserve.transfer.segment_copy import PIECE_BYTES, plan_pieces, split_into_pieces
+
+from .conftest import FAST, HEARTBEAT_MISSES, HEARTBEAT_S, SHAPE, fill_pool, poll_until_final, wait_until
+
+IPC = FAST.replace(transfer_protocol="cuda_ipc")
+IPC_PEER = {"transfer_protocol": "cuda_ipc", "transfer_heartbeat_interval_s": HEARTBEAT_S,
+            "transfer_heartbeat_misses": HEARTBEAT_MISSES, "transfer_bootstrap_timeout_s": 10.0,
+            "transfer_waiting_timeout_s": 10.0, "transfer_timeout_s": 10.0}
+DIMS = (SHAPE["layers"], 2, SHAPE["pages"], SHAPE["page_size"], SHAPE["heads"], SHAPE["head_dim"])
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+# ------------------------------------------------------------------ everywhere
+
+
+def test_pieces_cover_every_byte_once_and_drop_empty_segments():
+    srcs, dsts, lens = np.array([0, 1000, 50]), np.array([5000, 9000, 7]), np.array([10, 0, 25])
+    p = split_into_pieces(srcs, dsts, lens, 8)
+    assert p.length.tolist() == [8, 2, 8, 8, 8, 1]
+    assert p.src.tolist() == [0, 8, 50, 58, 66, 74]
+    assert p.dst.tolist() == [5000, 5008, 7, 15, 23, 31]
+    assert int(p.length.sum()) == int(lens.sum())
+
+
+def test_plan_moves_aligned_segments_as_words_and_the_rest_as_bytes():
+    anchor = 1 << 20
+    srcs = np.array([anchor + 64, anchor + 1000 + 4])
+    dsts = np.array([anchor + 4096, anchor + 8192])
+    lens = np.array([PIECE_BYTES + 16, 12])  # a KV run over two pieces, an aux slot
+    words, raw = plan_pieces(srcs, dsts, lens, anchor)
+    assert words.src.tolist() == [8, 8 + PIECE_BYTES // 8] and words.length.tolist() == [PIECE_BYTES // 8, 2]
+    assert words.dst.tolist() == [512, 512 + PIECE_BYTES // 8]
+    assert raw.src.tolist() == [1004] and raw.dst.tolist() == [8192] and raw.length.tolist() == [12]
+
+
+def test_translation_refuses_segments_outside_the_exported_regions():
+    bases, sizes, local = np.array([1000, 100]), np.array([50, 20]), np.array([9000, 7000])
+    got = translate(np.array([110, 1000, 1040]), np.array([10, 1, 10]), bases, sizes, local, "destination")
+    assert got.tolist() == [7010, 9000, 9040]
+    for addr, length in ((1045, 10), (99, 2), (130, 1)):
+        with pytest.raises(CudaIpcError, match="outside"):
+            translate(np.array([addr]), np.array([length]), bases, sizes, local, "destination")
+
+
+def test_session_names_say_which_process_and_refuse_other_protocols():
+    assert session_process("cuda_ipc:node-1:4242:ab12") == ("node-1", 4242)
+    with pytest.raises(CudaIpcError, match="another transfer protocol"):
+        session_process("127.0.0.1:15123")
+
+
+def test_layout_carries_ipc_regions_and_mooncake_layouts_stay_as_they_were():
+    pool = torch.zeros(DIMS, dtype=torch.float16)
+    layout = layout_for_pool(pool, make_aux_tensor(4))
+    assert "ipc_regions" not in layout.to_dict()
+    with_regions = KVLayout.from_dict({**layout.to_dict(), "ipc_regions": [[4096, 1 << 20, "ab" * 64]]})
+    assert with_regions.ipc_regions == (IpcRegion(4096, 1 << 20, "ab" * 64),)
+    assert KVLayout.from_dict(with_regions.to_dict()) == with_regions
+    with pytest.raises(ValueError):
+        KVLayout.from_dict({**layout.to_dict(), "ipc_regions": [[4096, 1 << 20, "not hex"]]})
+
+
+def test_config_takes_cuda_ipc():
+    assert TransferConfig(transfer_protocol="cuda_ipc").transfer_protocol == "cuda_ipc"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_ipc_without_cuda_is_a_clear_error():
+    pool = torch.zeros(DIMS, dtype=torch.float16)
+    with pytest.raises(CudaIpcUnavailableError, match=r"needs a CUDA device.*--transfer-protocol tcp"):
+        new_kv_manager(IPC, layout_for_pool(pool, make_aux_tensor(4)))
+
+
+# ------------------------------------------------------------------ on a GPU
+
+
+@needs_cuda
+def test_cuda_ipc_with_the_pool_in_host_memory_is_a_clear_error():
+    pool = torch.zeros(DIMS, dtype=torch.float16)
+    with pytest.raises(CudaIpcUnavailableError, match="CUDA device memory"):
+        new_kv_manager(IPC, layout_for_pool(pool, make_aux_tensor(4)))
+
+
+@needs_cuda
+def test_rooms_from_a_prefill_process_land_intact_in_this_process_gpu_pool(spawn_peer, make_rank):
+    prefill = spawn_peer({"role": "prefill", "seed": 7, "device": "cuda", "transfer": IPC_PEER})
+    decode = make_rank(config=IPC, device="cuda")
+    src_pool = fill_pool(DIMS, 7)
+    rng = random.Random(5)
+    src_free, dst_free = list(range(1, DIMS[2])), list(range(1, DIMS[2]))
+    rng.shuffle(src_free)
+    rng.shuffle(dst_free)
+    plans = []
+    for i in range(16):
+        n = rng.randint(1, 6)
+        chunks = [1] * n if i % 2 else [n]
+        prefix = rng.randint(0, SHAPE["page_size"] * n - 1) if i % 4 == 3 else 0
+        plans.append(dict(room=rng.getrandbits(63), src=[src_free.pop() for _ in range(n)],
+                          dst=[dst_free.pop() for _ in range(n)], aux_index=i, chunks=chunks, prefix=prefix))
+    prefill.command("send", rooms=[{"room": p["room"], "pages": p["src"], "aux_index": p["aux_index"],
+                                    "chunks": p["chunks"], "chunk_delay": 0.005,
+                                    "aux": [p["aux_index"] + 100, 0.5, p["prefix"]]} for p in plans])
+    receivers = []
+    for p in plans:
+        receiver = KVReceiver(decode.mgr, prefill.ready["bootstrap"], p["room"])
+        receiver.init()
+        receiver.send_metadata(p["dst"], p["aux_index"], p["prefix"])
+        receivers.append(receiver)
+    poll_until_final(receivers, timeout_s=30)
+    outcomes = [(r.poll(), r.failure_exception()) for r in receivers]
+    for receiver in receivers:
+        receiver.clear()
+    report = prefill.result(30)["rooms"]
+    got = decode.pool.cpu()
+    for p, (state, error) in zip(plans, outcomes, strict=True):
+        assert state == KVPoll.Success, error
+        assert report[str(p["room"])]["state"] == KVPoll.Success
+        # Tokens before the decode's prefix stay as they were (zero); every other one arrived.
+        want = src_pool[:, :, p["src"]].clone().reshape(DIMS[0], 2, -1, *DIMS[4:])
+        want[:, :, :p["prefix"]] = 0
+        assert torch.equal(got[:, :, p["dst"]].reshape(want.shape), want)
+        assert unpack_aux(decode.aux, p["aux_index"]) == AuxData(p["aux_index"] + 100, 0.5, p["prefix"])
+    untouched = sorted(set(range(DIMS[2])) - {d for p in plans for d in p["dst"]})
+    assert not got[:, :, untouched].any()
+
+
+@needs_cuda
+def test_a_killed_decode_is_unmapped_and_its_restart_mapped_anew(spawn_peer, make_rank, bootstrap):
+    prefill = make_rank(3, config=IPC, device="cuda")
+    prefill.mgr.publish_layout(bootstrap.address)
+
+    def one_room(decode_peer, room: int) -> None:
+        sender = KVSender(prefill.mgr, bootstrap.address, room)
+        sender.init(2, 0)
+        decode_peer.command("recv", bootstrap=bootstrap.address, rooms=[{"room": room, "pages": [5, 6],
+                                                                          "aux_index": 1}])
+        assert wait_until(lambda: sender.poll() != KVPoll.Bootstrapping, 10)
+        sender.send([1, 2], last_chunk=True)
+        poll_until_final([sender], 10)
+        assert sender.poll() == KVPoll.Success, sender.failure_exception()
+        assert decode_peer.result(10)["rooms"][str(room)]["state"] == KVPoll.Success
+        sender.clear()
+
+    first = spawn_peer({"role": "decode", "device": "cuda", "transfer": IPC_PEER})
+    one_room(first, 11)
+    assert prefill.mgr.stats()["mapped_peers"] == 1
+    first.kill9()
+    second = spawn_peer({"role": "decode", "device": "cuda", "transfer": IPC_PEER})
+    one_room(second, 12)
+    # Both peers are idle now: each is unmapped a heartbeat timeout after its last room.
+    assert wait_until(lambda: prefill.mgr.stats()["mapped_peers"] == 0, 10), prefill.mgr.stats()
