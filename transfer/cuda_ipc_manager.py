@@ -13,7 +13,8 @@ the data path differs: ``CudaIpcEngine`` (see cuda_ipc_engine.py) instead of Moo
   for a heartbeat timeout (the next room maps it again), and at close.
 - Segments go to the copy kernel in batches of up to ``IPC_BATCH_SEGMENTS``: a batch costs one
   launch and one wait, not a network round trip, so Mooncake TCP's small batches would only
-  add waits.
+  add waits; and every write goes through this manager's one engine (``transfer_writer_engines``
+  0: the per-peer Mooncake engines guard a handshake this transport does not have).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ class CudaIpcKVManager(MooncakeKVManager):
 
     def __init__(self, config: TransferConfig, layout: KVLayout, *,
                  metrics_registry: CollectorRegistry | None = None) -> None:
+        # No writer engine per peer either: that guards against Mooncake's handshake mutex, and a copy
+        # into a mapped pool has no handshake to freeze in.
         config = config.replace(transfer_max_batch_segments=max(config.transfer_max_batch_segments,
-                                                                IPC_BATCH_SEGMENTS))
+                                                                IPC_BATCH_SEGMENTS), transfer_writer_engines=0)
         self._peer_sessions: dict[str, str] = {}  # control endpoint -> the cuda_ipc session behind it
         super().__init__(config, layout, metrics_registry=metrics_registry)
         self.layout = dataclasses.replace(self.layout, ipc_regions=self.engine.regions)
