@@ -31,14 +31,22 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+# Mooncake's TCP transport listens on random ports of this range (on 0.0.0.0), one per transfer
+# engine, and a prefill runs several: a port handed out here could be taken by one starting up.
+MOONCAKE_TCP_PORTS = range(15000, 17000)
+
+
 def free_port() -> int:
-    """A free port below the kernel's ephemeral range. A port from bind(0) is an ephemeral one, and
-    between this call and the server's bind an engine starting up (gloo, ZeroMQ, Mooncake, its own
-    outgoing connections) may be handed the very same port by the kernel: 'address already in use'."""
+    """A free port below the kernel's ephemeral range and outside Mooncake's. A port from bind(0) is
+    an ephemeral one, and between this call and the server's bind an engine starting up (gloo,
+    ZeroMQ, its own outgoing connections) may be handed the very same port by the kernel, as
+    Mooncake may pick one of its range: 'address already in use'."""
     low, _ = _ephemeral_range()
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(10000, max(10001, low))
+        if port in MOONCAKE_TCP_PORTS:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
