@@ -14,13 +14,14 @@ import logging
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
-from splitserve.operator.coalescing import Coalescer
+from splitserve.operator.coalescing import Coalescer, Dispatcher
 from splitserve.operator.config import OperatorConfig
 from splitserve.operator.group_builders import (
     build_control_secret,
@@ -34,6 +35,7 @@ from splitserve.operator.group_builders import (
     role_replicas,
     router_endpoint,
 )
+from splitserve.operator.informer import ChildCache
 from splitserve.operator.kube import Kube, KubeError, controller_of, owned_by
 from splitserve.operator.names import (
     API_GROUP,
@@ -41,7 +43,6 @@ from splitserve.operator.names import (
     GROUP_API_VERSION,
     GROUP_KIND,
     GROUP_PLURAL,
-    LABEL_GROUP,
     LABEL_MANAGED_BY,
     MANAGED_BY,
     ROLE_KIND,
@@ -66,9 +67,11 @@ CONFLICT_ATTEMPTS = 5
 
 class Conflict(Exception):
     """An object changed between the read a desired state was computed from and the write."""
-# kopf resource selectors of every kind of child the operator creates.
-CHILD_KINDS = (("v1", "services"), ("v1", "configmaps"), ("v1", "secrets"),
-               ("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"))
+# Every kind the operator creates, kept in watch caches (operator/informer.py); a change of one
+# triggers the reconcile of its controlling group or role.
+CHILD_KINDS = [("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ConfigMap"),
+               ("v1", "Secret"), ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+               (GROUP_API_VERSION, ROLE_KIND)]
 
 
 def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
@@ -80,11 +83,35 @@ def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> boo
 class Reconciler:
     """Reconciles ServingGroups and ServingRoles through a :class:`Kube` client."""
 
-    def __init__(self, kube: Kube, config: OperatorConfig) -> None:
+    def __init__(self, kube: Kube, config: OperatorConfig, cache_api: Any = None) -> None:
+        """``cache_api``: an ApiClient for the children's watch caches (None: every read is a GET)."""
         self.kube = kube
         self.config = config
         # One reconcile per object at a time; triggers meanwhile fold into one more run.
         self._coalescer = Coalescer()
+        self._dispatcher = Dispatcher(config.workers)
+        self.cache = (ChildCache(cache_api, CHILD_KINDS, config.namespaces, f"{LABEL_MANAGED_BY}={MANAGED_BY}",
+                                 self.on_child_change) if cache_api is not None else None)
+
+    def start(self) -> None:
+        """Starts the watch caches (their first lists arrive in the background)."""
+        if self.cache is not None:
+            self.cache.start()
+
+    def _current(self, api_version: str, kind: str, namespace: str, name: str,
+                 fresh: bool = False) -> dict[str, Any] | None:
+        """A child as the watch cache has it or, when ``fresh`` or not cached, as the server has it."""
+        if self.cache is not None and not fresh:
+            known, obj = self.cache.lookup(kind, namespace, name)
+            if known:
+                return obj
+        return self.kube.get(api_version, kind, namespace, name)
+
+    def _apply(self, desired: dict[str, Any], observed: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+        result, current = self.kube.apply(desired, observed, looked_up=True)
+        if result != "unchanged" and self.cache is not None:
+            self.cache.store(current)
+        return result, current
 
     # ServingGroup ----------------------------------------------------------------------------
 
@@ -98,7 +125,8 @@ class Reconciler:
             if group is None or group["metadata"].get("deletionTimestamp"):
                 return
             try:
-                self._reconcile_group(group)
+                # After a conflict the cache may still lag behind the change: read the server.
+                self._reconcile_group(group, fresh=attempt > 0)
                 return
             except Conflict:
                 # A role changed (kubectl scale) between our read and our write: recompute.
@@ -107,11 +135,11 @@ class Reconciler:
                 time.sleep(0.05 * (attempt + 1))
         raise kopf.TemporaryError(f"ServingGroup {namespace}/{name}: conflicting writes", delay=RETRY_DELAY)
 
-    def _reconcile_group(self, group: dict[str, Any]) -> None:
+    def _reconcile_group(self, group: dict[str, Any], fresh: bool = False) -> None:
         meta, spec = group["metadata"], group["spec"]
         namespace, name = meta["namespace"], meta["name"]
         revision = group_revision(spec)
-        existing = {role: self.kube.get(GROUP_API_VERSION, ROLE_KIND, namespace, role_object_name(name, role))
+        existing = {role: self._current(GROUP_API_VERSION, ROLE_KIND, namespace, role_object_name(name, role), fresh)
                     for role in ROLE_NAMES}
         problems = group_spec_problems(name, spec)
         if problems:
@@ -158,8 +186,13 @@ class Reconciler:
             applied = {}
             observed = {(ROLE_KIND, role_object_name(name, r)): obj for r, obj in existing.items() if obj}
             for obj in desired:
-                result, current = self.kube.apply(obj, observed.get((obj["kind"], obj["metadata"]["name"])))
-                applied[(obj["kind"], obj["metadata"]["name"])] = current
+                key = (obj["kind"], obj["metadata"]["name"])
+                if obj["kind"] == ROLE_KIND:
+                    result, current = self._apply(obj, observed.get(key))  # read above
+                else:
+                    result, current = self._apply(obj, self._current(
+                        obj["apiVersion"], obj["kind"], namespace, key[1], fresh))
+                applied[key] = current
                 if result != "unchanged":
                     log.info("%s %s %s/%s", result, obj["kind"], namespace, obj["metadata"]["name"])
             for role in ROLE_NAMES:
@@ -185,7 +218,7 @@ class Reconciler:
         meta, spec = group["metadata"], group["spec"]
         shown = {role: roles.get(role) for role in group_roles(spec)}
         if router is None:
-            router = self.kube.get("apps/v1", "Deployment", meta["namespace"], router_name(meta["name"]))
+            router = self._current("apps/v1", "Deployment", meta["namespace"], router_name(meta["name"]))
         status = group_status(
             group, revision, shown, router, int((spec.get("router") or {}).get("replicas", 1)),
             router_endpoint(group), problems or [], error, now_rfc3339())
@@ -199,12 +232,19 @@ class Reconciler:
         self._coalescer.run((ROLE_KIND, namespace, name), lambda: self._reconcile_role_by_name(namespace, name))
 
     def _reconcile_role_by_name(self, namespace: str, name: str) -> None:
-        role = self.kube.get(GROUP_API_VERSION, ROLE_KIND, namespace, name)
-        if role is None or role["metadata"].get("deletionTimestamp"):
-            return
-        self._reconcile_role(role)
+        for attempt in range(CONFLICT_ATTEMPTS):
+            role = self.kube.get(GROUP_API_VERSION, ROLE_KIND, namespace, name)
+            if role is None or role["metadata"].get("deletionTimestamp"):
+                return
+            try:
+                self._reconcile_role(role, fresh=attempt > 0)
+                return
+            except Conflict:
+                log.info("ServingRole %s/%s: conflict on attempt %d, recomputing", namespace, name, attempt + 1)
+                time.sleep(0.05 * (attempt + 1))
+        raise kopf.TemporaryError(f"ServingRole {namespace}/{name}: conflicting writes", delay=RETRY_DELAY)
 
-    def _reconcile_role(self, role: dict[str, Any]) -> None:
+    def _reconcile_role(self, role: dict[str, Any], fresh: bool = False) -> None:
         meta, spec = role["metadata"], role["spec"]
         namespace, name = meta["namespace"], meta["name"]
         problems = role_spec_problems(name, spec)
@@ -219,13 +259,21 @@ class Reconciler:
         statefulset = None
         try:
             for obj in build_role_children(role, self.config.default_image):
-                result, current = self.kube.apply(obj)
+                result, current = self._apply(obj, self._current(obj["apiVersion"], obj["kind"], namespace,
+                                                                 obj["metadata"]["name"], fresh))
                 if result != "unchanged":
                     log.info("%s %s %s/%s", result, obj["kind"], namespace, name)
                 if obj["kind"] == "StatefulSet":
                     statefulset = current
-            pods = self.kube.list("v1", "Pod", namespace, selector_labels(spec["group"], spec["role"]))
+            # From the API server's watch cache (resourceVersion 0), not etcd: the StatefulSet
+            # controller counted ready pods from that same cache, so it holds at least what the
+            # StatefulSet's status says. (A list "not older than" the StatefulSet's version would
+            # wait for a pod event: 1.20's cache of pods advances only with pod events.)
+            pods = self.kube.list("v1", "Pod", namespace, selector_labels(spec["group"], spec["role"]),
+                                  from_cache=True)
         except KubeError as exc:
+            if exc.status == 409:
+                raise Conflict(str(exc)) from exc
             raise kopf.TemporaryError(f"applying the children of {namespace}/{name}: {exc}",
                                       delay=RETRY_DELAY) from exc
         status = role_status(role, statefulset, pods, now)
@@ -234,18 +282,17 @@ class Reconciler:
 
     # Triggers ---------------------------------------------------------------------------------
 
-    def on_child_event(self, body: Mapping[str, Any], **_: Any) -> None:
-        """A child changed or went away: reconcile the group or role that controls it."""
+    def on_child_change(self, body: Mapping[str, Any]) -> None:
+        """A child (or a group's ServingRole, its status most often) changed or went away, as a watch
+        cache saw it: the group or role that controls it reconciles, on a worker thread."""
         owner = controller_of(body, (GROUP_KIND, ROLE_KIND))
         if owner is None:
             return
-        self._reconcile_owner(body["metadata"]["namespace"], owner)
+        self._trigger(body["metadata"]["namespace"], owner)
 
-    def on_role_event(self, body: Mapping[str, Any], **_: Any) -> None:
-        """A ServingRole changed (its status, most often): its group recomputes status and rollout."""
-        owner = controller_of(body, (GROUP_KIND,))
-        if owner is not None:
-            self._reconcile_owner(body["metadata"]["namespace"], owner)
+    def _trigger(self, namespace: str, owner: Mapping[str, Any]) -> None:
+        self._dispatcher.submit((owner["kind"], namespace, owner["name"]),
+                                lambda: self._reconcile_owner(namespace, owner))
 
     def _reconcile_owner(self, namespace: str, owner: Mapping[str, Any]) -> None:
         try:
@@ -253,10 +300,15 @@ class Reconciler:
                 self.reconcile_group(namespace, owner["name"])
             else:
                 self.reconcile_role(namespace, owner["name"])
-        except (InvalidSpec, kopf.TemporaryError) as exc:
-            # The owner's own handlers report and retry these; an event only nudges.
-            log.debug("reconciling %s %s/%s on a child's event: %s", owner["kind"], namespace,
-                      owner["name"], exc)
+        except InvalidSpec as exc:
+            log.debug("%s %s/%s on a child's change: %s", owner["kind"], namespace, owner["name"], exc)
+        except kopf.TemporaryError as exc:
+            # No other event may come to repair it: try again later, as kopf does for its handlers.
+            log.info("%s %s/%s on a child's change: %s; again in %.0fs", owner["kind"], namespace,
+                     owner["name"], exc, RETRY_DELAY)
+            retry = threading.Timer(RETRY_DELAY, self._trigger, args=(namespace, owner))
+            retry.daemon = True
+            retry.start()
 
     def on_group(self, name: str, namespace: str, **_: Any) -> None:
         """create/update/resume/resync of a ServingGroup."""
@@ -311,16 +363,12 @@ def register_handlers(registry: kopf.OperatorRegistry, reconciler: Reconciler, c
         kopf.on.resume(*resource, id=f"{kind}-resume", registry=registry)(handler)
         kopf.timer(*resource, id=f"{kind}-resync", interval=config.resync_seconds,
                    initial_delay=config.resync_seconds, registry=registry)(timer)
-    kopf.on.event(*role, id="role-event", registry=registry)(reconciler.on_role_event)
-    for selector in CHILD_KINDS:
-        kopf.on.event(*selector, id=f"child-{selector[-1]}", registry=registry,
-                      labels={LABEL_MANAGED_BY: MANAGED_BY, LABEL_GROUP: kopf.PRESENT})(
-            reconciler.on_child_event)
+    # Events of the children (and of the groups' roles) come from the reconciler's watch caches.
 
 
-# kopf's per-object success lines of the routine handlers: the resync timers and the watch
-# events of children and roles (one line per object per period or per child's status change).
-ROUTINE_SUCCESS = re.compile(r"^(Timer '[^']+'|Handler '(child-[^']+|role-event)') succeeded\.$")
+# kopf's per-object success lines of the routine handlers: the resync timers (one line per
+# object per period).
+ROUTINE_SUCCESS = re.compile(r"^Timer '[^']+' succeeded\.$")
 
 
 class RoutineSuccessToDebug(logging.Filter):

@@ -92,9 +92,14 @@ class Kube:
             raise
 
     def list(self, api_version: str, kind: str, namespace: str,
-             labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-        """Objects of a kind in a namespace, optionally filtered by labels."""
-        query = []
+             labels: Mapping[str, str] | None = None, from_cache: bool = False) -> list[dict[str, Any]]:
+        """Objects of a kind in a namespace, optionally filtered by labels.
+
+        ``from_cache``: the API server answers from its watch cache (possibly a moment old)
+        instead of reading every object of the namespace from etcd and filtering them, which
+        made each list cost O(objects in the namespace).
+        """
+        query = [("resourceVersion", "0")] if from_cache else []
         if labels:
             query.append(("labelSelector", ",".join(f"{k}={v}" for k, v in labels.items())))
         return self.request("GET", collection_path(api_version, kind, namespace), query=query).get("items", [])
@@ -115,20 +120,23 @@ class Kube:
                             body={"status": dict(status)}, content_type="application/merge-patch+json")
 
     def apply(self, desired: Mapping[str, Any], observed: Mapping[str, Any] | None = None,
-              ) -> tuple[str, dict[str, Any]]:
+              *, looked_up: bool = False) -> tuple[str, dict[str, Any]]:
         """Creates or updates ``desired``; returns ("created" | "updated" | "unchanged", object).
 
         Level-based and idempotent: an object equal to what was last applied, and whose
         fields still hold the desired values, is left alone. ``observed``: the object as read
         when ``desired`` was computed from it; the update then fails with HTTP 409 if it
-        changed since (optimistic concurrency) instead of overwriting the change.
+        changed since (optimistic concurrency) instead of overwriting the change. ``looked_up``:
+        ``observed`` is None because the object was not found (in a watch cache): no GET first.
         """
         desired = with_applied_hash(desired)
         meta = desired["metadata"]
         api_version, kind = desired["apiVersion"], desired["kind"]
         path = collection_path(api_version, kind, meta["namespace"])
-        existing = (dict(observed) if observed is not None
-                    else self.get(api_version, kind, meta["namespace"], meta["name"]))
+        if observed is not None or looked_up:
+            existing = dict(observed) if observed is not None else None
+        else:
+            existing = self.get(api_version, kind, meta["namespace"], meta["name"])
         query = [("fieldManager", self.field_manager)]
         if existing is None:
             try:

@@ -10,22 +10,29 @@ import kubernetes
 
 from splitserve.config_flags import parse_config
 from splitserve.operator.config import OperatorConfig
-from splitserve.operator.handlers import Reconciler, operator_settings, register_handlers
+from splitserve.operator.handlers import CHILD_KINDS, Reconciler, operator_settings, register_handlers
 from splitserve.operator.kube import Kube
 
 log = logging.getLogger(__name__)
 
 
-def api_client(config: OperatorConfig) -> kubernetes.client.ApiClient:
-    """A client for the API server: the given kubeconfig, in-cluster, or the default kubeconfig."""
+def api_client(config: OperatorConfig, pool_size: int) -> kubernetes.client.ApiClient:
+    """A client for the API server: the given kubeconfig, in-cluster, or the default kubeconfig.
+
+    ``pool_size``: kept connections; the default (5 per CPU) is below the worker threads, and each
+    request beyond it opened (and the API server paid for) a new TLS connection.
+    """
+    client_config = kubernetes.client.Configuration()
     if config.kubeconfig:
         # kopf's own login reads $KUBECONFIG too, so both talk to the same server.
         os.environ["KUBECONFIG"] = config.kubeconfig
-        return kubernetes.config.new_client_from_config(config_file=config.kubeconfig)
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        kubernetes.config.load_incluster_config()
-        return kubernetes.client.ApiClient()
-    return kubernetes.config.new_client_from_config()
+        kubernetes.config.load_kube_config(config_file=config.kubeconfig, client_configuration=client_config)
+    elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+        kubernetes.config.load_incluster_config(client_configuration=client_config)
+    else:
+        kubernetes.config.load_kube_config(client_configuration=client_config)
+    client_config.connection_pool_maxsize = pool_size
+    return kubernetes.client.ApiClient(client_config)
 
 
 def main(argv: list[str]) -> int:
@@ -35,8 +42,11 @@ def main(argv: list[str]) -> int:
     if config.verbose:
         logging.getLogger().setLevel(logging.DEBUG)
     registry = kopf.OperatorRegistry()
-    reconciler = Reconciler(Kube(api_client(config)), config)
+    # Reconciles run on kopf's threads and on the watch caches' dispatcher: two pools of --workers.
+    reconciler = Reconciler(Kube(api_client(config, 2 * config.workers)), config,
+                            cache_api=api_client(config, len(CHILD_KINDS) + 2))
     register_handlers(registry, reconciler, config)
+    reconciler.start()
     liveness = (f"http://{config.liveness_host}:{config.liveness_port}/healthz"
                 if config.liveness_port else None)
     log.info("splitserve operator: %s, resync every %.0fs, default image %s",

@@ -54,10 +54,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 # Each group's router runs as its own ServiceAccount, bound to the router ClusterRole below.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["get", "create", "update", "patch"]
+  verbs: ["get", "list", "watch", "create", "update", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["rolebindings"]
-  verbs: ["get", "create", "update", "patch"]
+  verbs: ["get", "list", "watch", "create", "update", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["clusterroles"]
   verbs: ["bind"]
