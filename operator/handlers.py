@@ -35,7 +35,7 @@ from splitserve.operator.group_builders import (
     role_replicas,
     router_endpoint,
 )
-from splitserve.operator.informer import ChildCache
+from splitserve.operator.informer import CachedKind, ObjectCache, Seen
 from splitserve.operator.kube import Kube, KubeError, controller_of, owned_by
 from splitserve.operator.names import (
     API_GROUP,
@@ -67,11 +67,21 @@ CONFLICT_ATTEMPTS = 5
 
 class Conflict(Exception):
     """An object changed between the read a desired state was computed from and the write."""
-# Every kind the operator creates, kept in watch caches (operator/informer.py); a change of one
-# triggers the reconcile of its controlling group or role.
-CHILD_KINDS = [("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ConfigMap"),
-               ("v1", "Secret"), ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
-               (GROUP_API_VERSION, ROLE_KIND)]
+MANAGED = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+# What the operator reads, kept in watch caches (operator/informer.py): every group and role (each
+# reconciled once when first listed, as kopf's resume did) and the children it created.
+CACHED_KINDS = [
+    CachedKind(GROUP_API_VERSION, GROUP_KIND, notify_listed=True),
+    CachedKind(GROUP_API_VERSION, ROLE_KIND, notify_listed=True),
+    *(CachedKind(api_version, kind, MANAGED) for api_version, kind in (
+        ("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ConfigMap"),
+        ("v1", "Secret"), ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "RoleBinding"))),
+]
+
+
+def spec_changed(before: Seen | None, new: Mapping[str, Any]) -> bool:
+    """Whether a group or role is new or its spec changed (a new generation), not only its status."""
+    return before is None or before.generation != new["metadata"].get("generation")
 
 
 def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
@@ -83,25 +93,23 @@ def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> boo
 class Reconciler:
     """Reconciles ServingGroups and ServingRoles through a :class:`Kube` client."""
 
-    def __init__(self, kube: Kube, config: OperatorConfig, cache_api: Any = None) -> None:
-        """``cache_api``: an ApiClient for the children's watch caches (None: every read is a GET)."""
+    def __init__(self, kube: Kube, config: OperatorConfig, cache_api: Any) -> None:
+        """``cache_api``: an ApiClient of its own for the watch caches (their watches hold connections)."""
         self.kube = kube
         self.config = config
         # One reconcile per object at a time; triggers meanwhile fold into one more run.
         self._coalescer = Coalescer()
         self._dispatcher = Dispatcher(config.workers)
-        self.cache = (ChildCache(cache_api, CHILD_KINDS, config.namespaces, f"{LABEL_MANAGED_BY}={MANAGED_BY}",
-                                 self.on_child_change) if cache_api is not None else None)
+        self.cache = ObjectCache(cache_api, CACHED_KINDS, config.namespaces, self.on_change)
 
     def start(self) -> None:
-        """Starts the watch caches (their first lists arrive in the background)."""
-        if self.cache is not None:
-            self.cache.start()
+        """Starts the watch caches; each group and role is reconciled once its kind is first listed."""
+        self.cache.start()
 
     def _current(self, api_version: str, kind: str, namespace: str, name: str,
                  fresh: bool = False) -> dict[str, Any] | None:
-        """A child as the watch cache has it or, when ``fresh`` or not cached, as the server has it."""
-        if self.cache is not None and not fresh:
+        """An object as the watch cache has it or, when ``fresh`` or not listed yet, as the server has it."""
+        if not fresh:
             known, obj = self.cache.lookup(kind, namespace, name)
             if known:
                 return obj
@@ -109,9 +117,13 @@ class Reconciler:
 
     def _apply(self, desired: dict[str, Any], observed: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
         result, current = self.kube.apply(desired, observed, looked_up=True)
-        if result != "unchanged" and self.cache is not None:
+        if result != "unchanged":
             self.cache.store(current)
         return result, current
+
+    def _patch_status(self, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        # Into the cache at once: the next reconcile compares with this status, not the one before.
+        self.cache.store(self.kube.patch_status(GROUP_API_VERSION, kind, namespace, name, status))
 
     # ServingGroup ----------------------------------------------------------------------------
 
@@ -121,7 +133,7 @@ class Reconciler:
 
     def _reconcile_group_by_name(self, namespace: str, name: str) -> None:
         for attempt in range(CONFLICT_ATTEMPTS):
-            group = self.kube.get(GROUP_API_VERSION, GROUP_KIND, namespace, name)
+            group = self._current(GROUP_API_VERSION, GROUP_KIND, namespace, name, fresh=attempt > 0)
             if group is None or group["metadata"].get("deletionTimestamp"):
                 return
             try:
@@ -223,7 +235,7 @@ class Reconciler:
             group, revision, shown, router, int((spec.get("router") or {}).get("replicas", 1)),
             router_endpoint(group), problems or [], error, now_rfc3339())
         if status_changed(group.get("status"), status):
-            self.kube.patch_status(GROUP_API_VERSION, GROUP_KIND, meta["namespace"], meta["name"], status)
+            self._patch_status(GROUP_KIND, meta["namespace"], meta["name"], status)
 
     # ServingRole -----------------------------------------------------------------------------
 
@@ -233,7 +245,7 @@ class Reconciler:
 
     def _reconcile_role_by_name(self, namespace: str, name: str) -> None:
         for attempt in range(CONFLICT_ATTEMPTS):
-            role = self.kube.get(GROUP_API_VERSION, ROLE_KIND, namespace, name)
+            role = self._current(GROUP_API_VERSION, ROLE_KIND, namespace, name, fresh=attempt > 0)
             if role is None or role["metadata"].get("deletionTimestamp"):
                 return
             try:
@@ -254,7 +266,7 @@ class Reconciler:
             status["conditions"] = [{**status["conditions"][0], "reason": "InvalidSpec",
                                      "message": "; ".join(problems)}]
             if status_changed(role.get("status"), status):
-                self.kube.patch_status(GROUP_API_VERSION, ROLE_KIND, namespace, name, status)
+                self._patch_status(ROLE_KIND, namespace, name, status)
             raise InvalidSpec(ROLE_KIND, f"{namespace}/{name}", problems)
         statefulset = None
         try:
@@ -278,17 +290,21 @@ class Reconciler:
                                       delay=RETRY_DELAY) from exc
         status = role_status(role, statefulset, pods, now)
         if status_changed(role.get("status"), status):
-            self.kube.patch_status(GROUP_API_VERSION, ROLE_KIND, namespace, name, status)
+            self._patch_status(ROLE_KIND, namespace, name, status)
 
     # Triggers ---------------------------------------------------------------------------------
 
-    def on_child_change(self, body: Mapping[str, Any]) -> None:
-        """A child (or a group's ServingRole, its status most often) changed or went away, as a watch
-        cache saw it: the group or role that controls it reconciles, on a worker thread."""
+    def on_change(self, body: Mapping[str, Any], before: Seen | None) -> None:
+        """An object changed or went away, as a watch cache saw it. A group or role whose spec
+        changed reconciles; so does the group or role controlling it (a role's status changes
+        its group's): on a worker thread, never the watch's."""
+        namespace = body["metadata"]["namespace"]
+        if body["kind"] in (GROUP_KIND, ROLE_KIND) and spec_changed(before, body) and \
+                not body["metadata"].get("deletionTimestamp"):
+            self._trigger(namespace, {"kind": body["kind"], "name": body["metadata"]["name"]})
         owner = controller_of(body, (GROUP_KIND, ROLE_KIND))
-        if owner is None:
-            return
-        self._trigger(body["metadata"]["namespace"], owner)
+        if owner is not None:
+            self._trigger(namespace, owner)
 
     def _trigger(self, namespace: str, owner: Mapping[str, Any]) -> None:
         self._dispatcher.submit((owner["kind"], namespace, owner["name"]),
@@ -301,7 +317,7 @@ class Reconciler:
             else:
                 self.reconcile_role(namespace, owner["name"])
         except InvalidSpec as exc:
-            log.debug("%s %s/%s on a child's change: %s", owner["kind"], namespace, owner["name"], exc)
+            log.info("%s %s/%s: %s", owner["kind"], namespace, owner["name"], exc)
         except kopf.TemporaryError as exc:
             # No other event may come to repair it: try again later, as kopf does for its handlers.
             log.info("%s %s/%s on a child's change: %s; again in %.0fs", owner["kind"], namespace,
@@ -309,20 +325,6 @@ class Reconciler:
             retry = threading.Timer(RETRY_DELAY, self._trigger, args=(namespace, owner))
             retry.daemon = True
             retry.start()
-
-    def on_group(self, name: str, namespace: str, **_: Any) -> None:
-        """create/update/resume/resync of a ServingGroup."""
-        try:
-            self.reconcile_group(namespace, name)
-        except InvalidSpec as exc:
-            raise kopf.PermanentError(str(exc)) from exc
-
-    def on_role(self, name: str, namespace: str, **_: Any) -> None:
-        """create/update/resume/resync of a ServingRole."""
-        try:
-            self.reconcile_role(namespace, name)
-        except InvalidSpec as exc:
-            raise kopf.PermanentError(str(exc)) from exc
 
     def on_group_timer(self, name: str, namespace: str, **_: Any) -> None:
         """Periodic level-based resync of a group (repairs drift no event reported)."""
@@ -356,14 +358,12 @@ def register_handlers(registry: kopf.OperatorRegistry, reconciler: Reconciler, c
     kopf.on.login(id="login", registry=registry)(login)
     group = (API_GROUP, API_VERSION, GROUP_PLURAL)
     role = (API_GROUP, API_VERSION, ROLE_PLURAL)
-    for resource, handler, timer, kind in ((group, reconciler.on_group, reconciler.on_group_timer, "group"),
-                                           (role, reconciler.on_role, reconciler.on_role_timer, "role")):
-        kopf.on.create(*resource, id=f"{kind}-create", registry=registry)(handler)
-        kopf.on.update(*resource, id=f"{kind}-update", registry=registry)(handler)
-        kopf.on.resume(*resource, id=f"{kind}-resume", registry=registry)(handler)
+    # Creations, changes and the first listing of groups and roles, and every event of their
+    # children, come from the reconciler's watch caches; kopf runs the periodic resync.
+    for resource, timer, kind in ((group, reconciler.on_group_timer, "group"),
+                                  (role, reconciler.on_role_timer, "role")):
         kopf.timer(*resource, id=f"{kind}-resync", interval=config.resync_seconds,
                    initial_delay=config.resync_seconds, registry=registry)(timer)
-    # Events of the children (and of the groups' roles) come from the reconciler's watch caches.
 
 
 # kopf's per-object success lines of the routine handlers: the resync timers (one line per

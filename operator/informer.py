@@ -1,4 +1,4 @@
-"""Watch caches of the operator's children, like client-go's informers.
+"""Watch caches of the operator's objects, like client-go's informers.
 
 A reconcile used to GET every child it compares (ten per group), and a thousand groups made the
 API server, not the operator, the bottleneck. Instead one list+watch per kind (label-selected on
@@ -21,7 +21,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from kubernetes.client import ApiClient
 
@@ -35,8 +36,18 @@ READ_TIMEOUT_S = WATCH_TIMEOUT_S + 30
 RELIST_DELAY_S = 1.0
 GLOB_CHARS = frozenset("*?[")
 
-Key = tuple[str, str, str]  # (kind, namespace, name)
-OnChange = Callable[[dict[str, Any]], None]
+
+
+class Seen(NamedTuple):
+    """What the watch last delivered of an object (the operator's own writes aside)."""
+
+    resource_version: int
+    generation: int | None
+
+
+# Called with the object as the watch delivered it (on deletion: its last state) and what the
+# watch had delivered of it before (None: it is new to the operator).
+OnChange = Callable[[dict[str, Any], Seen | None], None]
 
 
 def compact(obj: Mapping[str, Any]) -> str:
@@ -67,12 +78,16 @@ class KindCache:
     """The objects of one kind that match a label selector, kept current by list+watch threads."""
 
     def __init__(self, api: ApiClient, api_version: str, kind: str, namespaces: list[str], selector: str,
-                 on_change: OnChange) -> None:
+                 on_change: OnChange, notify_listed: bool = False) -> None:
+        """``selector``: a label selector ("" for every object); ``notify_listed``: the first list
+        reports each object as new too (what kopf's resume did for the groups and roles)."""
         self.api, self.api_version, self.kind = api, api_version, kind
         self.patterns, self.selector, self.on_change = list(namespaces), selector, on_change
+        self.notify_listed = notify_listed
         self.paths = watch_paths(api_version, kind, self.patterns)
         self._objects: dict[tuple[str, str], str] = {}
-        self._versions: dict[tuple[str, str], int] = {}
+        self._versions: dict[tuple[str, str], int] = {}  # of the text kept, which may be our own write
+        self._seen: dict[tuple[str, str], Seen] = {}  # from the watch only: what changes are told by
         self._lock = threading.Lock()
         self._listed: set[str] = set()
         self.synced = threading.Event()
@@ -101,28 +116,38 @@ class KindCache:
 
     def store(self, obj: Mapping[str, Any]) -> None:
         """Keeps an object the operator just wrote (unless the watch brought a newer one already),
-        so the next reconcile does not compare against the version before its own write."""
-        if self._wanted(obj):
-            self._put(obj)
+        so the next reconcile does not compare against the version before its own write. The
+        watch still reports the write as a change when it arrives."""
+        if not self._wanted(obj):
+            return
+        meta, version = obj["metadata"], resource_version(obj)
+        key = (meta["namespace"], meta["name"])
+        with self._lock:
+            if key not in self._objects or version > self._versions[key]:
+                self._objects[key], self._versions[key] = compact(obj), version
 
     def _wanted(self, obj: Mapping[str, Any]) -> bool:
         namespace = obj["metadata"].get("namespace", "")
         return not self.patterns or any(fnmatch.fnmatchcase(namespace, p) for p in self.patterns)
 
-    def _put(self, obj: Mapping[str, Any]) -> bool:
+    def _observe(self, obj: Mapping[str, Any]) -> tuple[bool, Seen | None]:
+        """Takes what the watch (or a list) delivered: (whether it is a change, what was seen before)."""
         meta, version = obj["metadata"], resource_version(obj)
         key = (meta["namespace"], meta["name"])
         with self._lock:
-            if key in self._objects and version <= self._versions[key]:
-                return False  # what the cache holds is as new (or newer: our own write, kept first)
-            self._objects[key], self._versions[key] = compact(obj), version
-        return True
+            before = self._seen.get(key)
+            if before is not None and version <= before.resource_version:
+                return False, before
+            self._seen[key] = Seen(version, meta.get("generation"))
+            if key not in self._objects or version >= self._versions[key]:
+                self._objects[key], self._versions[key] = compact(obj), version
+        return True, before
 
-    def _drop(self, obj: Mapping[str, Any]) -> None:
-        key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+    def _forget(self, key: tuple[str, str]) -> Seen | None:
         with self._lock:
             self._objects.pop(key, None)
             self._versions.pop(key, None)
+            return self._seen.pop(key, None)
 
     def _run(self, path: str) -> None:
         while not self._stop.is_set():
@@ -134,47 +159,54 @@ class KindCache:
                         if kind == "BOOKMARK" or not self._wanted(obj):
                             continue
                         if kind == "DELETED":
-                            self._drop(obj)
-                        elif not self._put(obj):
-                            continue
-                        self._notify(obj)
+                            before = self._forget((obj["metadata"]["namespace"], obj["metadata"]["name"]))
+                        else:
+                            changed, before = self._observe(obj)
+                            if not changed:
+                                continue
+                        self._notify(obj, before)
             except Exception as exc:  # a 410 (version too old), a dropped connection, ...
                 if not self._stop.is_set():
                     log.info("%s watch of %s ended (%s); listing again", self.kind, path, exc)
                     time.sleep(RELIST_DELAY_S)
 
     def _relist(self, path: str) -> str:
-        listed = request_json(self.api, path, [("labelSelector", self.selector)])
+        query = [("labelSelector", self.selector)] if self.selector else []
+        listed = request_json(self.api, path, query)
         items = [dict(item, apiVersion=self.api_version, kind=self.kind) for item in listed.get("items", [])
                  if self._wanted(item)]
         first = path not in self._listed
         seen = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in items}
+        scope = path.split("/namespaces/")[1].split("/")[0] if "/namespaces/" in path else None
         with self._lock:
-            scope = path.split("/namespaces/")[1].split("/")[0] if "/namespaces/" in path else None
-            gone = [k for k in self._objects if k not in seen and (scope is None or k[0] == scope)]
-            gone_objects = [json.loads(self._objects.pop(k)) for k in gone]
-            for k in gone:
-                self._versions.pop(k, None)
-        changed = [o for o in items if self._put(o)]
+            gone = [(k, self._objects.get(k)) for k in {*self._objects, *self._seen}
+                    if k not in seen and (scope is None or k[0] == scope)]
+        gone = [(text, self._forget(k)) for k, text in gone]
+        changed = [(o, before) for o in items for is_change, before in [self._observe(o)] if is_change]
         self._listed.add(path)
         if len(self._listed) == len(self.paths):
             self.synced.set()
-        if not first:
-            # Changes the broken watch missed (the first list is covered by the owners' resume).
-            for obj in [*changed, *gone_objects]:
-                self._notify(obj)
+        if not first or self.notify_listed:
+            # Changes a broken watch missed; on the first list, every object (if asked).
+            for obj, before in changed:
+                self._notify(obj, before)
+            for text, before in gone:
+                if text is not None:
+                    self._notify(json.loads(text), before)
         return listed["metadata"]["resourceVersion"]
 
-    def _notify(self, obj: dict[str, Any]) -> None:
+    def _notify(self, obj: dict[str, Any], before: Seen | None) -> None:
         try:
-            self.on_change(obj)
+            self.on_change(obj, before)
         except Exception:
             log.exception("handling a change of %s %s/%s", self.kind, obj["metadata"].get("namespace"),
                           obj["metadata"].get("name"))
 
     def _watch(self, path: str, version: str) -> Iterator[tuple[str, dict[str, Any]]]:
-        query = [("watch", "true"), ("labelSelector", self.selector), ("resourceVersion", version),
-                 ("timeoutSeconds", str(WATCH_TIMEOUT_S)), ("allowWatchBookmarks", "true")]
+        query = [("watch", "true"), ("resourceVersion", version), ("timeoutSeconds", str(WATCH_TIMEOUT_S)),
+                 ("allowWatchBookmarks", "true")]
+        if self.selector:
+            query.append(("labelSelector", self.selector))
         method, url, headers, body, post = self.api.param_serialize(
             method="GET", resource_path=path, query_params=query, header_params={"Accept": "application/json"},
             auth_settings=["BearerToken"])
@@ -213,15 +245,25 @@ def request_json(api: ApiClient, path: str, query: list[tuple[str, str]]) -> dic
     return json.loads(data)
 
 
-class ChildCache:
-    """One :class:`KindCache` per kind the operator creates; ``on_change`` gets every change."""
+@dataclass(frozen=True)
+class CachedKind:
+    """A kind to cache: which objects (a label selector, "" for all) and whether its first list
+    reports every object as new."""
 
-    def __init__(self, api: ApiClient, kinds: list[tuple[str, str]], namespaces: list[str], selector: str,
-                 on_change: OnChange) -> None:
-        self.kinds = {kind: KindCache(api, api_version, kind, namespaces, selector, on_change)
-                      for api_version, kind in kinds}
+    api_version: str
+    kind: str
+    selector: str = ""
+    notify_listed: bool = False
 
-    def start(self) -> ChildCache:
+
+class ObjectCache:
+    """One :class:`KindCache` per kind; ``on_change`` gets every change of any of them."""
+
+    def __init__(self, api: ApiClient, kinds: list[CachedKind], namespaces: list[str], on_change: OnChange) -> None:
+        self.kinds = {k.kind: KindCache(api, k.api_version, k.kind, namespaces, k.selector, on_change,
+                                        notify_listed=k.notify_listed) for k in kinds}
+
+    def start(self) -> ObjectCache:
         for cache in self.kinds.values():
             cache.start()
         return self

@@ -10,7 +10,7 @@ import kubernetes
 
 from splitserve.config_flags import parse_config
 from splitserve.operator.config import OperatorConfig
-from splitserve.operator.handlers import CHILD_KINDS, Reconciler, operator_settings, register_handlers
+from splitserve.operator.handlers import CACHED_KINDS, Reconciler, operator_settings, register_handlers
 from splitserve.operator.kube import Kube
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     registry = kopf.OperatorRegistry()
     # Reconciles run on kopf's threads and on the watch caches' dispatcher: two pools of --workers.
     reconciler = Reconciler(Kube(api_client(config, 2 * config.workers)), config,
-                            cache_api=api_client(config, len(CHILD_KINDS) + 2))
+                            cache_api=api_client(config, len(CACHED_KINDS) + 2))
     register_handlers(registry, reconciler, config)
     reconciler.start()
     liveness = (f"http://{config.liveness_host}:{config.liveness_port}/healthz"
