@@ -1,18 +1,19 @@
-"""The kopf handlers: thin, level-based reconcilers over the pure builders.
+"""The reconciler: thin, level-based reconcilers over the pure builders, fed by watch caches.
 
-Every handler ends in one of two functions, :meth:`Reconciler.reconcile_group` and
-:meth:`Reconciler.reconcile_role`, which read the object afresh, build the whole desired
-state from its spec, apply it and write the status. They are idempotent, so they run on
-create, update and resume, on every event of a child, and on a periodic resync; a restarted
-operator converges to the same objects. Deleting a group or a role deletes its children
-through owner references (Kubernetes' garbage collector); no finalizer is needed.
+Everything ends in one of two functions, :meth:`Reconciler.reconcile_group` and
+:meth:`Reconciler.reconcile_role`, which read the object and its children from the watch caches
+(operator/informer.py), build the whole desired state from its spec, apply what differs and
+write the status. They are idempotent, so they run when a group or role is first listed, when
+its spec changes, on every change of a child (or, for a group, of a role's status) and on a
+periodic resync; a restarted operator converges to the same objects. Deleting a group or a role
+deletes its children through owner references (Kubernetes' garbage collector); no finalizer
+is needed, and none is set (kopf's timers would set one on every object: the resync is ours).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 import threading
 import time
@@ -38,16 +39,12 @@ from splitserve.operator.group_builders import (
 from splitserve.operator.informer import CachedKind, ObjectCache, Seen
 from splitserve.operator.kube import Kube, KubeError, controller_of, owned_by
 from splitserve.operator.names import (
-    API_GROUP,
-    API_VERSION,
     GROUP_API_VERSION,
     GROUP_KIND,
-    GROUP_PLURAL,
     LABEL_MANAGED_BY,
     MANAGED_BY,
     ROLE_KIND,
     ROLE_NAMES,
-    ROLE_PLURAL,
     role_object_name,
     router_name,
 )
@@ -101,10 +98,18 @@ class Reconciler:
         self._coalescer = Coalescer()
         self._dispatcher = Dispatcher(config.workers)
         self.cache = ObjectCache(cache_api, CACHED_KINDS, config.namespaces, self.on_change)
+        self._stopped = threading.Event()
+        self._resync_queue: list[tuple[str, str, str]] = []
 
     def start(self) -> None:
-        """Starts the watch caches; each group and role is reconciled once its kind is first listed."""
+        """Starts the watch caches (each group and role is reconciled once its kind is first listed)
+        and the periodic resync."""
         self.cache.start()
+        threading.Thread(target=self._resync_forever, daemon=True, name="resync").start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.cache.stop()
 
     def _current(self, api_version: str, kind: str, namespace: str, name: str,
                  fresh: bool = False) -> dict[str, Any] | None:
@@ -326,19 +331,18 @@ class Reconciler:
             retry.daemon = True
             retry.start()
 
-    def on_group_timer(self, name: str, namespace: str, **_: Any) -> None:
-        """Periodic level-based resync of a group (repairs drift no event reported)."""
-        try:
-            self.reconcile_group(namespace, name)
-        except (InvalidSpec, kopf.TemporaryError) as exc:
-            log.debug("resync of ServingGroup %s/%s: %s", namespace, name, exc)
-
-    def on_role_timer(self, name: str, namespace: str, **_: Any) -> None:
-        """Periodic level-based resync of a role."""
-        try:
-            self.reconcile_role(namespace, name)
-        except (InvalidSpec, kopf.TemporaryError) as exc:
-            log.debug("resync of ServingRole %s/%s: %s", namespace, name, exc)
+    def _resync_forever(self) -> None:
+        """Reconciles every cached group and role once per ``--resync-seconds``, spread over the period
+        (a safety net for drift no event reported). Not kopf's per-object timers: kopf puts a finalizer
+        on every object that has one, a write per object and a deletion that waits for the operator."""
+        while not self._stopped.wait(self.config.resync_seconds / max(1, len(self._resync_queue) or 1)):
+            if not self._resync_queue:
+                self._resync_queue = [(kind, ns, name) for kind in (GROUP_KIND, ROLE_KIND)
+                                      for ns, name in self.cache.kinds[kind].names()]
+                if not self._resync_queue:
+                    continue
+            kind, namespace, name = self._resync_queue.pop()
+            self._trigger(namespace, {"kind": kind, "name": name})
 
 
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -353,42 +357,17 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_via_client(**kwargs)
 
 
-def register_handlers(registry: kopf.OperatorRegistry, reconciler: Reconciler, config: OperatorConfig) -> None:
-    """Registers the reconciler's handlers (and kopf's login) in ``registry``."""
+def register_handlers(registry: kopf.OperatorRegistry) -> None:
+    """Registers kopf's login in ``registry``. Nothing else: creations, changes and the first listing
+    of groups and roles, every event of their children and the periodic resync come from the
+    reconciler's watch caches (see :meth:`Reconciler.start`); kopf runs the process (login, signals,
+    the liveness endpoint)."""
     kopf.on.login(id="login", registry=registry)(login)
-    group = (API_GROUP, API_VERSION, GROUP_PLURAL)
-    role = (API_GROUP, API_VERSION, ROLE_PLURAL)
-    # Creations, changes and the first listing of groups and roles, and every event of their
-    # children, come from the reconciler's watch caches; kopf runs the periodic resync.
-    for resource, timer, kind in ((group, reconciler.on_group_timer, "group"),
-                                  (role, reconciler.on_role_timer, "role")):
-        kopf.timer(*resource, id=f"{kind}-resync", interval=config.resync_seconds,
-                   initial_delay=config.resync_seconds, registry=registry)(timer)
 
 
-# kopf's per-object success lines of the routine handlers: the resync timers (one line per
-# object per period).
-ROUTINE_SUCCESS = re.compile(r"^Timer '[^']+' succeeded\.$")
-
-
-class RoutineSuccessToDebug(logging.Filter):
-    """Demotes kopf's "succeeded" lines of routine handlers to debug: at info, a thousand groups
-    would log thousands of lines a minute, drowning the lines that say what changed."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.INFO and ROUTINE_SUCCESS.match(record.getMessage()):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
-        return True
-
-
-def operator_settings(workers: int = 16) -> kopf.OperatorSettings:
-    """kopf settings: progress in annotations only, so the status schema can stay strict."""
+def operator_settings() -> kopf.OperatorSettings:
+    """kopf settings: standalone (no peering objects), warnings only as Kubernetes events."""
     settings = kopf.OperatorSettings()
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage()
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage()
     settings.posting.level = logging.WARNING
     settings.peering.standalone = True
-    settings.execution.max_workers = workers  # the sync handlers' thread pool
-    logging.getLogger("kopf.objects").addFilter(RoutineSuccessToDebug())
     return settings

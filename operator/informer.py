@@ -110,6 +110,11 @@ class KindCache:
             text = self._objects.get((namespace, name))
         return True, (json.loads(text) if text is not None else None)
 
+    def names(self) -> list[tuple[str, str]]:
+        """(namespace, name) of every object held."""
+        with self._lock:
+            return list(self._objects)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._objects)

@@ -42,16 +42,16 @@ def main(argv: list[str]) -> int:
     if config.verbose:
         logging.getLogger().setLevel(logging.DEBUG)
     registry = kopf.OperatorRegistry()
-    # Reconciles run on kopf's threads and on the watch caches' dispatcher: two pools of --workers.
-    reconciler = Reconciler(Kube(api_client(config, 2 * config.workers)), config,
+    # Reconciles run on --workers threads, the resync's retries on timers: room for both.
+    reconciler = Reconciler(Kube(api_client(config, config.workers + 4)), config,
                             cache_api=api_client(config, len(CACHED_KINDS) + 2))
-    register_handlers(registry, reconciler, config)
+    register_handlers(registry)
     reconciler.start()
     liveness = (f"http://{config.liveness_host}:{config.liveness_port}/healthz"
                 if config.liveness_port else None)
     log.info("splitserve operator: %s, resync every %.0fs, default image %s",
              "cluster-wide" if config.cluster_wide else f"namespaces {', '.join(config.namespaces)}",
              config.resync_seconds, config.default_image)
-    kopf.run(registry=registry, settings=operator_settings(config.workers), standalone=True,
+    kopf.run(registry=registry, settings=operator_settings(), standalone=True,
              clusterwide=config.cluster_wide, namespaces=config.namespaces, liveness_endpoint=liveness)
     return 0
