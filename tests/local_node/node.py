@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from local_node.pod_dns import HostsFile, pod_dns_names
 from local_node.pod_worker import PodContext, PodWorker, rfc3339
 from splitserve.operator.kube import Kube, KubeError, collection_path
 
@@ -25,6 +26,9 @@ SITE = pathlib.Path(__file__).parent / "pod_site"
 LOCAL_SPLITSERVE = [sys.executable, "-P", "-m", "splitserve.cli"]
 # Host variables a process needs to run here at all (what the image would provide).
 IMAGE_ENV = ("PATH", "PYTHONPATH", "HOME", "LANG", "XDG_CACHE_HOME", "HF_HOME")
+# gRPC's default (c-ares) resolver asks DNS servers only; the native one reads /etc/hosts, where
+# the node puts the pods' cluster DNS names (pod_dns.py).
+POD_ENV = {"GRPC_DNS_RESOLVER": "native"}
 
 
 @dataclass
@@ -108,6 +112,7 @@ class LocalNode:
         self._watcher: threading.Thread | None = None
         self._writes: queue.Queue[tuple[str, Mapping[str, Any]] | None] = queue.Queue()
         self._writers: list[threading.Thread] = []
+        self.hosts: HostsFile | None = None
 
     # Node ------------------------------------------------------------------------------------
 
@@ -139,6 +144,7 @@ class LocalNode:
                           content_type="application/merge-patch+json")
         if self.run_pods:
             self.addresses.route_locally()
+            self.hosts = HostsFile(self.workdir / "hosts")
         else:
             self._writers = [threading.Thread(target=self._write_simulated, daemon=True, name=f"sim-writer-{i}")
                              for i in range(self.simulated_writers)]
@@ -235,13 +241,17 @@ class LocalNode:
         pod_ip = self.addresses.take()
         base = {k: os.environ[k] for k in IMAGE_ENV if k in os.environ}
         base["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [base.get("PYTHONPATH")])])
+        base.update(POD_ENV)
+        if self.hosts is not None:
+            self.hosts.add(meta["uid"], pod_ip, pod_dns_names(pod))
         base.update({"HOSTNAME": meta["name"], "LOCAL_NODE_POD_IP": pod_ip,
                      # What the kubelet tells every pod: the API server (its Service, here reached directly).
                      "KUBERNETES_SERVICE_HOST": self.api_host, "KUBERNETES_SERVICE_PORT": str(self.api_port),
                      "KUBERNETES_SERVICE_PORT_HTTPS": str(self.api_port)})
         return PodContext(pod_ip=pod_ip, host_ip="127.0.0.1", folder=folder, lookup=self._lookup, base_env=base,
                           entrypoints={"splitserve": LOCAL_SPLITSERVE}, known_images=self.known_images,
-                          restart_backoff_s=self.restart_backoff_s)
+                          restart_backoff_s=self.restart_backoff_s,
+                          hosts_file=self.hosts.path if self.hosts is not None else None)
 
     def _lookup(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self.kube.get("v1", kind, namespace, name)
@@ -259,6 +269,8 @@ class LocalNode:
     def _finish_deletion(self, pod: Mapping[str, Any], delete_object: bool = True) -> None:
         """The kubelet's last word on a deleted pod: its containers are gone, remove the object."""
         meta = pod["metadata"]
+        if self.hosts is not None:
+            self.hosts.remove(meta["uid"])  # before the object goes: a new pod of the name may follow
         try:
             if delete_object:
                 self.kube.request("DELETE", f"{collection_path('v1', 'Pod', meta['namespace'])}/{meta['name']}",

@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import pathlib
+import shlex
 import signal
 import subprocess
 import threading
@@ -61,6 +62,7 @@ class PodContext:
     entrypoints: Mapping[str, list[str]]
     known_images: frozenset[str]
     restart_backoff_s: float
+    hosts_file: pathlib.Path | None = None  # the node's, bind-mounted over /etc/hosts (pod_dns.py)
 
 
 @dataclass
@@ -102,7 +104,10 @@ class ContainerRun:
         try:
             env = container_env(pod, self.spec, ctx.lookup, ctx.pod_ip, ctx.host_ip, ctx.base_env)
             argv = container_argv(self.spec, env, ctx.entrypoints)
-            script = mount_script(self.spec, folders, ctx.folder) + f"\ncd {working_dir(self.spec)}"
+            script = mount_script(self.spec, folders, ctx.folder)
+            if ctx.hosts_file is not None:
+                script += f"\nmount --bind {shlex.quote(str(ctx.hosts_file))} /etc/hosts"
+            script += f"\ncd {working_dir(self.spec)}"
         except EnvError as exc:
             self.waiting = ("CreateContainerConfigError", str(exc))
             self.next_start_at = time.monotonic() + 1.0

@@ -83,14 +83,15 @@ class LocalCluster:
         return any(c["type"] == "Ready" and c["status"] == "True"
                    for c in (sg.get("status") or {}).get("conditions") or [])
 
-    def deploy(self, example: str) -> tuple[str, str, str]:
-        """`kubectl apply` of an example into its own namespace (once), until it is Ready:
-        (namespace, group, router URL)."""
+    def deploy(self, example: str, manifest: str | None = None) -> tuple[str, str, str]:
+        """`kubectl apply` of an example (or of ``manifest``, a variant of it) into its own
+        namespace (once), until it is Ready: (namespace, group, router URL)."""
         if example not in self.deployed:
             ns = f"e2e-{example}"
+            text = manifest if manifest is not None else (EXAMPLES / f"{example}.yaml").read_text()
             self.kubectl("create", "namespace", ns)
-            self.kubectl("apply", "-n", ns, "-f", str(EXAMPLES / f"{example}.yaml"))
-            group = yaml.safe_load((EXAMPLES / f"{example}.yaml").read_text())["metadata"]["name"]
+            self.kubectl("apply", "-n", ns, "-f", "-", input=text)
+            group = yaml.safe_load(text)["metadata"]["name"]
             self.wait_for(lambda: self.group_ready(ns, group), f"ServingGroup {group} Ready", timeout=150)
             router = self.wait_for(lambda: self.router_url(ns, group), "the router's endpoint")
             self.deployed[example] = (ns, group, router)
@@ -142,6 +143,8 @@ def completions(url: str, prompts: list[list[int]], max_tokens: int = 8) -> list
 
 
 PROMPTS = [[1, 2, 3], [7] * 20, list(range(40, 75)), [200, 13, 99, 4, 250]]
+# Examples that name GPUs and models this machine lacks, and the test that runs each on the CPU.
+CPU_VARIANTS = {"decode-drafter": "test_decode_drafter_example_speculates_on_the_cpu"}
 
 
 def example_params() -> list[Any]:
@@ -153,10 +156,10 @@ def example_params() -> list[Any]:
         reason = None
         if any(int((r.get("resources") or {}).get("gpus", 0)) for r in roles.values()):
             reason = "needs GPUs (resources.gpus)"
+            if path.stem in CPU_VARIANTS:
+                reason += f"; {CPU_VARIANTS[path.stem]} runs it on the CPU"
         if "encode" in roles:
             reason = "its 7B model on GPUs; run on CPUs with a small checkpoint by test_e2e_epd_k8s.py"
-        if "drafter" in roles:
-            reason = "the drafter role is not there yet"
         marks = [pytest.mark.skip(reason=reason)] if reason else []
         params.append(pytest.param(path.stem, marks=marks, id=path.stem))
     return params
@@ -294,3 +297,50 @@ def test_deleting_the_group_leaves_no_process(local: LocalCluster) -> None:
     assert [pid for pid in pids if alive(pid)] == []
     assert set(local.node.running_pids()) & set(pids) == set()
     assert local.kube.get("apps/v1", "Deployment", ns, f"{group}-router") is None
+
+
+def on_the_cpu(example: str, decode_args: list[str]) -> str:
+    """An example with every model the built-in tiny one and no GPUs (the roles' sizes kept)."""
+    doc = yaml.safe_load((EXAMPLES / f"{example}.yaml").read_text())
+    spec = doc["spec"]
+    spec["model"] = {"name": "tiny", "builtin": "tiny"}
+    for role in spec["roles"].values():
+        role.pop("resources", None)
+    if "draftModel" in (spec.get("speculative") or {}):
+        spec["speculative"]["draftModel"] = {"name": "tiny-draft", "builtin": "tiny"}
+    spec["roles"]["decode"]["engineArgs"] = decode_args
+    return yaml.safe_dump(doc)
+
+
+def metric_total(url: str, name: str) -> float:
+    """Sum of a Prometheus counter's samples on one engine."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith(f"{name}_created"))
+
+
+def test_decode_drafter_example_speculates_on_the_cpu(local: LocalCluster, start_server: Any) -> None:
+    """decode-drafter.yaml with tiny models: the decode pods find the drafter through its headless
+    Service's pod name (peers.json), verify its drafts, and answer exactly as the unified engine."""
+    # A drafter about as fast as its target drafts ahead only if a verify step waits a little.
+    manifest = on_the_cpu("decode-drafter", ["--draft-wait-ms=30"])
+    ns, group, router = local.deploy("decode-drafter", manifest)
+    decodes = [f"http://{p['status']['podIP']}:8000"
+               for p in local.pods(ns, f"splitserve.io/group={group},splitserve.io/role=decode")]
+    assert len(decodes) == 2
+
+    def joined(url: str) -> bool:
+        drafters = httpx.get(f"{url}/health", timeout=5).json().get("drafters") or {}
+        return bool(drafters) and all(d["state"] == "joined" for d in drafters.values())
+
+    for url in decodes:
+        local.wait_for(lambda url=url: joined(url), f"decode {url} joined to the drafter", timeout=60)
+    drafted_before = sum(metric_total(url, "splitserve_spec_draft_tokens") for url in decodes)
+    got = completions(router, PROMPTS, max_tokens=24)
+
+    port = free_port()
+    start_server(["serve", "--model", "tiny", "--port", str(port)], health_url=f"http://127.0.0.1:{port}/health")
+    assert got == completions(f"http://127.0.0.1:{port}", PROMPTS, max_tokens=24)
+    drafted = sum(metric_total(url, "splitserve_spec_draft_tokens") for url in decodes) - drafted_before
+    accepted = sum(metric_total(url, "splitserve_spec_accepted_tokens") for url in decodes)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
