@@ -29,6 +29,8 @@ class EngineMetrics:
                              registry=r).labels(model_name)
         self.kv_free = Gauge("splitserve_kv_pages_free", "KV pages free or evictable", labels,
                              registry=r).labels(model_name)
+        self.kv_fenced = Gauge("splitserve_kv_pages_fenced", "KV pages of failed transfers held until no write "
+                               "for them can land (decode)", labels, registry=r).labels(model_name)
         self.prefix_hit_rate = Gauge("splitserve_prefix_cache_hit_rate",
                                      "Prompt tokens served from the prefix cache / prompt tokens queried",
                                      labels, registry=r).labels(model_name)

@@ -41,6 +41,16 @@ class TransferConfig:
         "help": "seconds a room may stay WaitingForInput (prefill queued / computing the prompt)"})
     transfer_timeout_s: float = field(default=60.0, metadata={
         "help": "seconds a Transferring room may go without progress (a chunk landing)"})
+    transfer_write_window_s: float = field(default=360.0, metadata={
+        "help": "seconds from a room's metadata to its write-by deadline: the prefill starts no write "
+                "after it and the decode fails the room then"})
+    transfer_fence_grace_s: float = field(default=60.0, metadata={
+        "help": "seconds past the write-by deadline a write already started may still land: a failed "
+                "room's decode pages are held that long at most when its prefill neither acknowledges "
+                "the abort nor is seen gone"})
+    transfer_fence_max_fraction: float = field(default=0.25, metadata={
+        "help": "fraction of the decode's KV pages that may be fenced (held for failed rooms); past it "
+                "a new request from a prefill that holds fenced pages fails at once (others go on)"})
     transfer_heartbeat_interval_s: float = field(default=1.0, metadata={
         "help": "seconds between heartbeats to each peer with open rooms"})
     transfer_heartbeat_misses: int = field(default=5, metadata={
@@ -62,9 +72,11 @@ class TransferConfig:
         if self.transfer_protocol not in ("rdma", "tcp", "cuda_ipc"):
             raise ValueError(f"transfer_protocol must be rdma, tcp or cuda_ipc, got {self.transfer_protocol!r}")
         for name in ("transfer_bootstrap_timeout_s", "transfer_waiting_timeout_s", "transfer_timeout_s",
-                     "transfer_heartbeat_interval_s"):
+                     "transfer_heartbeat_interval_s", "transfer_write_window_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.transfer_fence_grace_s < 0 or not 0 < self.transfer_fence_max_fraction <= 1:
+            raise ValueError("transfer_fence_grace_s must be >= 0 and transfer_fence_max_fraction in (0, 1]")
         if self.transfer_heartbeat_misses < 1:
             raise ValueError(f"transfer_heartbeat_misses must be >= 1, got {self.transfer_heartbeat_misses}")
         if self.transfer_threads < 1:

@@ -9,7 +9,10 @@ frame is empty. ``decode_message`` validates every field's type, so garbage rais
 Direction and meaning:
 - ``KVMetadata`` decode rank -> prefill rank: where this room's pages go.
 - ``TransferStatus`` prefill rank -> decode rank: progress (Transferring), Success, Failed.
-- ``AbortRoom`` either way: the room is dead on the sending side.
+- ``AbortRoom`` either way: the room is dead on the sending side. Decode repeats it for a fenced
+  room (write_fence.py) until every prefill rank answered ``RoomFenced``.
+- ``RoomFenced`` prefill rank -> decode rank: no write of mine for this room is in flight, and
+  none will start.
 - ``Ping`` / ``Pong`` either way: heartbeats; ``instance`` reveals a restarted peer.
 """
 
@@ -19,6 +22,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -37,6 +41,9 @@ class KVMetadata:
     already holds, which are not sent). The prefill rank writes heads
     ``[head_start, head_start + head_count)``, and the aux slot when ``write_aux``.
     ``expected_dsts`` is how many decode ranks send metadata to this prefill rank for the room.
+    ``write_by`` (wall clock, seconds since the epoch) is the decode's deadline: the prefill starts
+    no write for the room after it, so a prefill that froze and resumes cannot write into pages
+    the decode gave to another request since.
     """
 
     kind: ClassVar[str] = "kv_metadata"
@@ -53,6 +60,7 @@ class KVMetadata:
     head_start: int
     head_count: int
     write_aux: bool
+    write_by: float
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,18 @@ class AbortRoom:
 
 
 @dataclass(frozen=True)
+class RoomFenced:
+    """Prefill rank -> decode rank, the answer to an ``AbortRoom``: this rank has no write for the
+    room in flight and will start none (the decode may reuse the room's pages)."""
+
+    kind: ClassVar[str] = "room_fenced"
+    room: int
+    bootstrap_addr: str
+    reply_to: str
+    instance: str
+
+
+@dataclass(frozen=True)
 class Ping:
     """Heartbeat request; answered by a ``Pong`` to ``reply_to``."""
 
@@ -102,8 +122,9 @@ class Pong:
     seq: int
 
 
-ControlMessage = KVMetadata | TransferStatus | AbortRoom | Ping | Pong
-MESSAGE_TYPES: dict[str, type] = {cls.kind: cls for cls in (KVMetadata, TransferStatus, AbortRoom, Ping, Pong)}
+ControlMessage = KVMetadata | TransferStatus | AbortRoom | RoomFenced | Ping | Pong
+MESSAGE_TYPES: dict[str, type] = {cls.kind: cls for cls in (KVMetadata, TransferStatus, AbortRoom, RoomFenced,
+                                                            Ping, Pong)}
 
 
 def encode_message(msg: ControlMessage, key: bytes = b"") -> list[bytes]:
@@ -144,7 +165,7 @@ def decode_message(frames: list[bytes], key: bytes = b"", types: dict[str, type]
         if not _has_type(value, hints[field.name]):
             raise ControlMessageError(f"{cls.kind}.{field.name}: expected {hints[field.name]}, "
                                       f"got {type(value).__name__}")
-        values[field.name] = value
+        values[field.name] = float(value) if hints[field.name] is float else value
     return cls(**values)
 
 
@@ -157,6 +178,6 @@ def _has_type(value: Any, annotation: Any) -> bool:
         return any(_has_type(value, a) for a in typing.get_args(annotation))
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+    if annotation is float:  # finite only: a NaN deadline would never pass
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     return isinstance(value, annotation)

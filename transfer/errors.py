@@ -99,6 +99,14 @@ class KVTimeoutError(KVTransferError):
         super().__init__(room, f"timed out after {timeout_s:g}s in state {state}")
 
 
+class KVWriteDeadlineError(KVTransferError):
+    """The decode's write-by deadline passed before a write could start: nothing more is written."""
+
+    def __init__(self, room: int, late_s: float) -> None:
+        self.late_s = late_s
+        super().__init__(room, f"the decode's write-by deadline passed {late_s:.1f}s ago: nothing more is written")
+
+
 class KVPeerLostError(KVTransferError):
     """The peer of a room stopped answering heartbeats or restarted."""
 

@@ -95,6 +95,13 @@ class BaseKVReceiver(ABC):
     def abort(self, reason: str = "") -> None:
         """Fails the room here and tells the prefill side at once."""
 
+    def no_write_can_land(self) -> bool:
+        """True once no write for this room can land in its pages any more, so they may be reused:
+        at once after Success or when no metadata went out; after a failure, once the prefill side
+        acknowledged it stopped, is known gone, or its write-by deadline passed (Mooncake backend:
+        write_fence.py). A backend that cannot tell says True once the room is final."""
+        return self.poll() in (KVPoll.Success, KVPoll.Failed)
+
     @abstractmethod
     def clear(self) -> None:
         """Forgets the room (aborting it first if it is not final)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -28,8 +29,15 @@ from prometheus_client import CollectorRegistry
 from .bootstrap_client import fetch_layouts, publish_layout
 from .config import TransferConfig
 from .control_channel import ControlChannel
-from .control_messages import AbortRoom, ControlMessage, KVMetadata, Ping, Pong, TransferStatus
-from .errors import BootstrapError, KVAbortedError, KVMetadataError, KVPeerLostError, RoomInUseError
+from .control_messages import AbortRoom, ControlMessage, KVMetadata, Ping, Pong, RoomFenced, TransferStatus
+from .errors import (
+    BootstrapError,
+    KVAbortedError,
+    KVMetadataError,
+    KVPeerLostError,
+    KVWriteDeadlineError,
+    RoomInUseError,
+)
 from .kv_contract import BaseKVManager
 from .kv_layout import KVLayout
 from .mooncake_engine import MooncakeEngine
@@ -37,7 +45,9 @@ from .peer_engines import PeerEngines
 from .peer_liveness import PeerLiveness
 from .peer_workers import PeerWorkers, TransferJob
 from .poll_state import KVPoll
+from .room_status import RoomStatus
 from .transfer_metrics import TransferMetrics, transfer_metrics
+from .write_fence import WriteFence
 
 if TYPE_CHECKING:
     from .kv_receiver import MooncakeKVReceiver
@@ -52,6 +62,11 @@ LOOKUP_RETRY_S = 0.2
 # its rooms fail now, not at their bootstrap deadline. One still starting answers 503 (retried).
 LOOKUP_UNREACHABLE_S = 1.0
 WORKER_IDLE_S = 5.0
+# A fenced room whose prefill ranks stay silent past a heartbeat timeout is checked this often:
+# is anything still listening at their control endpoints, and does their bootstrap server list them?
+FENCE_CHECK_S = 1.0
+FENCE_CONNECT_TIMEOUT_S = 0.5
+FENCE_QUERY = "fence: the room failed on decode; answer once no write for it is in flight"
 
 
 class MooncakeKVManager(BaseKVManager):
@@ -105,6 +120,12 @@ class MooncakeKVManager(BaseKVManager):
         self.workers = PeerWorkers(config.transfer_threads, WORKER_IDLE_S)
         # Mooncake sessions whose handshake was queued (False) or done (True): see MooncakeKVSender._shake_hands.
         self.sessions_opened: dict[str, bool] = {}
+        # Prefill side: writes in flight per room, and the fence answers owed once they end.
+        self._writing: dict[int, int] = {}
+        self._fence_owed: dict[int, dict[str, str]] = {}  # room -> {decode endpoint: bootstrap addr}
+        # Decode side: failed rooms whose pages are held until no write for them can land.
+        self._fences: dict[tuple[str, int], WriteFence] = {}
+        self._fence_checks: dict[str, threading.Thread] = {}  # bootstrap address -> its check thread
         key = config.transfer_control_key.encode()
         tick_s = min(0.05, config.transfer_heartbeat_interval_s / 4)
         try:
@@ -191,7 +212,10 @@ class MooncakeKVManager(BaseKVManager):
                 "dropped_messages": self.channel.dropped,
                 "worker_threads": self.workers.threads,
                 "lookup_threads": len(self._lookups),
+                "fence_check_threads": len(self._fence_checks),
                 "writer_engines": self.writers.engines,
+                "fences": len(self._fences),
+                "writes_in_flight": sum(self._writing.values()),
             }
 
     def close(self) -> None:
@@ -203,7 +227,7 @@ class MooncakeKVManager(BaseKVManager):
             for room in [*self._senders.values(), *self._receivers.values()]:
                 room.fail_locked(KVPeerLostError(room.room, "local", "transfer manager closed"), notify=True)
             self._lookup_cv.notify_all()
-            lookups = list(self._lookups.values())
+            lookups = [*self._lookups.values(), *self._fence_checks.values()]
         self.workers.close()
         for thread in lookups:
             thread.join(timeout=6)  # a lookup may be in its HTTP call (5 s at most)
@@ -276,6 +300,117 @@ class MooncakeKVManager(BaseKVManager):
         """Queues a write job on its peer's workers; one room's jobs to one peer share a worker (in order)."""
         self.workers.submit(job)
 
+    # ------------------------------------------------ write accounting (prefill)
+
+    def begin_write(self, room: int, status: RoomStatus, write_by: float) -> bool:
+        """A worker asks to start one Mooncake write for ``room``: refused once the room is final
+        or past the decode's write-by deadline (the room fails then); counted until ``end_write``."""
+        with self.lock:
+            if status.final:
+                return False
+            late = time.time() - write_by
+            if late >= 0:
+                sender = self._senders.get(room)
+                if sender is not None and sender.status is status:
+                    sender.fail_locked(KVWriteDeadlineError(room, late), notify=True)
+                return False
+            self._writing[room] = self._writing.get(room, 0) + 1
+            return True
+
+    def end_write(self, room: int) -> None:
+        """The write ``begin_write`` allowed returned; fence answers owed for the room go out."""
+        with self.lock:
+            left = self._writing[room] - 1
+            if left:
+                self._writing[room] = left
+                return
+            del self._writing[room]
+            for endpoint, addr in self._fence_owed.pop(room, {}).items():
+                self.channel.send(endpoint, RoomFenced(room, addr, self.endpoint, self.instance_id))
+
+    def _answer_fence(self, room: int, endpoint: str, bootstrap_addr: str) -> None:
+        """A decode rank asks whether a write of ours for ``room`` may still land (the room is dead
+        here by now): answered at once, or when the writes in flight return."""
+        if room in self._writing:
+            self._fence_owed.setdefault(room, {})[endpoint] = bootstrap_addr
+        else:
+            self.channel.send(endpoint, RoomFenced(room, bootstrap_addr, self.endpoint, self.instance_id))
+
+    # ------------------------------------------------------ fences (decode)
+
+    def fence_locked(self, room: int, bootstrap_addr: str, prefill: list[KVLayout], write_by: float) -> WriteFence:
+        """Holds a failed room's pages until no write of the ``prefill`` ranks can land
+        (``write_by`` is the room's deadline on this clock); asks every rank at once."""
+        now = time.monotonic()
+        fence = WriteFence(room, bootstrap_addr, {lay.control_endpoint: lay.instance_id for lay in prefill},
+                           now, write_by + self.config.transfer_fence_grace_s, now)
+        if self._fences.get((bootstrap_addr, room)) is None:
+            self.metrics.fenced_rooms.inc()
+        self._fences[(bootstrap_addr, room)] = fence
+        self._query_fence(fence, now)
+        return fence
+
+    def fence_lifted(self, fence: WriteFence) -> bool:
+        """Whether ``fence`` is over (its pages may be reused)."""
+        with self.lock:
+            lifted = fence.lifted(time.monotonic())
+            if lifted:
+                self._drop_fence(fence)
+            return lifted
+
+    def _drop_fence(self, fence: WriteFence) -> None:
+        key = (fence.bootstrap_addr, fence.room)
+        if self._fences.get(key) is fence:
+            del self._fences[key]
+            self.metrics.fenced_rooms.dec()
+            self.metrics.fences_total.labels(outcome=fence.outcome).inc()
+            log.log(logging.WARNING if fence.outcome == "deadline" else logging.DEBUG,
+                    "fence of room %d (%s) lifted after %.1fs: %s", fence.room, fence.bootstrap_addr,
+                    time.monotonic() - fence.created, fence.outcome)
+
+    def _query_fence(self, fence: WriteFence, now: float) -> None:
+        for endpoint in fence.pending:
+            self.channel.send(endpoint, AbortRoom(fence.room, fence.bootstrap_addr, self.endpoint,
+                                                  self.instance_id, FENCE_QUERY))
+        fence.next_query = now + self.config.transfer_heartbeat_interval_s
+
+    def _tend_fences(self, now: float) -> None:
+        for fence in list(self._fences.values()):
+            if fence.lifted(now):
+                self._drop_fence(fence)
+                continue
+            if now >= fence.next_query:
+                self._query_fence(fence, now)
+            if now - fence.created > self._liveness.timeout_s and now >= fence.next_lookup:
+                fence.next_lookup = now + FENCE_CHECK_S
+                self._start_fence_check_locked(fence.bootstrap_addr)
+
+    def _start_fence_check_locked(self, addr: str) -> None:
+        if addr in self._fence_checks or self._closed:
+            return
+        peers = {(e, i) for f in self._fences.values() if f.bootstrap_addr == addr for e, i in f.pending.items()}
+        thread = threading.Thread(target=self._check_fence_peers, args=(addr, peers), daemon=True,
+                                  name=f"transfer-fence-check-{addr}")
+        self._fence_checks[addr] = thread
+        thread.start()
+
+    def _check_fence_peers(self, addr: str, peers: set[tuple[str, str]]) -> None:
+        """Thread: which silent prefill ranks of fenced rooms are known gone (see write_fence.py)."""
+        gone = {(endpoint, instance) for endpoint, instance in peers if _nothing_listens(endpoint)}
+        try:
+            layouts: list[KVLayout] | None = fetch_layouts(addr, self.config.transfer_control_key, timeout_s=2.0)
+        except BootstrapError:
+            layouts = None  # unreachable, or ranks still registering: tells nothing
+        with self.lock:
+            self._fence_checks.pop(addr, None)
+            for fence in self._fences.values():
+                if fence.bootstrap_addr != addr:
+                    continue
+                for endpoint, instance in gone:
+                    fence.peer_gone(endpoint, instance)
+                if layouts is not None:
+                    fence.registered({(lay.control_endpoint, lay.instance_id) for lay in layouts})
+
     def request_layouts(self, receiver: MooncakeKVReceiver) -> None:
         """Hands ``receiver`` the prefill's layouts now (cached) or when the lookup succeeds."""
         with self.lock:
@@ -301,6 +436,8 @@ class MooncakeKVManager(BaseKVManager):
             old_instance = self._liveness.heard(msg.reply_to, msg.instance, now)
             if old_instance is not None:
                 self._peer_restarted(msg.reply_to, old_instance, msg.instance)
+            for fence in list(self._fences.values()):
+                fence.peer_seen(msg.reply_to, msg.instance)
             if isinstance(msg, Ping):
                 self.channel.send(msg.reply_to, Pong(self.endpoint, self.instance_id, msg.seq))
             elif isinstance(msg, Pong):
@@ -315,6 +452,10 @@ class MooncakeKVManager(BaseKVManager):
                     receiver.on_status_locked(msg, now)
             elif isinstance(msg, AbortRoom):
                 self._on_abort(msg)
+            elif isinstance(msg, RoomFenced):
+                fence = self._fences.get((msg.bootstrap_addr, msg.room))
+                if fence is not None:
+                    fence.acknowledged(msg.reply_to)
 
     def _on_metadata(self, msg: KVMetadata, now: float) -> None:
         tomb = self._tombstones.get(msg.room)
@@ -330,20 +471,21 @@ class MooncakeKVManager(BaseKVManager):
     def _on_abort(self, msg: AbortRoom) -> None:
         error = KVAbortedError(msg.room, f"peer {msg.reply_to}", msg.reason)
         sender = self._senders.get(msg.room)
-        if sender is not None and sender.has_peer(msg.reply_to):
-            sender.fail_locked(error, notify=True)
-            return
         receiver = self._receivers.get((msg.bootstrap_addr, msg.room))
-        if receiver is not None:
+        if receiver is not None and (sender is None or not sender.has_peer(msg.reply_to)):
             receiver.fail_locked(error, notify=False)
             return
+        if (msg.bootstrap_addr, msg.room) in self._fences:
+            return  # our own fenced room: the prefill's abort tells nothing new
         if sender is not None:
             sender.fail_locked(error, notify=True)
-            return
-        # Abort before the sender exists (decode gave up first): remember it.
-        self._early_metadata.pop(msg.room, None)
-        self._tombstones[msg.room] = (time.monotonic() + self.config.transfer_bootstrap_timeout_s,
-                                      f"aborted by peer {msg.reply_to}: {msg.reason}")
+        else:
+            # Abort before the sender exists (decode gave up first), or after it was cleared: remember
+            # it (a repeated one, the decode's fence query, keeps the first reason and extends it).
+            self._early_metadata.pop(msg.room, None)
+            reason = self._tombstones.get(msg.room, (0.0, f"aborted by peer {msg.reply_to}: {msg.reason}"))[1]
+            self._tombstones[msg.room] = (time.monotonic() + self.config.transfer_bootstrap_timeout_s, reason)
+        self._answer_fence(msg.room, msg.reply_to, msg.bootstrap_addr)
 
     def _peer_restarted(self, endpoint: str, old: str, new: str) -> None:
         log.warning("transfer peer %s restarted (instance %s -> %s)", endpoint, old, new)
@@ -370,6 +512,7 @@ class MooncakeKVManager(BaseKVManager):
                 error = room.status.expired(now)
                 if error is not None:
                     room.fail_locked(error, notify=True)
+            self._tend_fences(now)
             horizon = now - self.config.transfer_bootstrap_timeout_s
             for room_id, entries in list(self._early_metadata.items()):
                 if entries[-1][0] < horizon:
@@ -444,3 +587,17 @@ class MooncakeKVManager(BaseKVManager):
                 if self._closed:
                     self._lookups.pop(addr, None)
                     return
+
+
+def _nothing_listens(endpoint: str) -> bool:
+    """True when a TCP connection to the control ``endpoint`` (``tcp://host:port``) is refused: the
+    process that had it bound exited. A frozen process's kernel still accepts; a host that does not
+    answer at all tells nothing (False)."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=FENCE_CONNECT_TIMEOUT_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False

@@ -26,6 +26,7 @@ from .kv_manager import MooncakeKVManager
 from .mooncake_room import MooncakeRoom
 from .poll_state import KVPoll
 from .room_status import RoomStatus
+from .write_fence import WriteFence
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class MooncakeKVReceiver(MooncakeRoom, BaseKVReceiver):
         self._expected: list[int] = []
         self._metadata: tuple[list[int], int, int] | None = None
         self._metadata_sent_at: float | None = None
+        self._write_by: float | None = None  # monotonic; the wall-clock one went out in the metadata
+        self._fence: WriteFence | None = None
         self._succeeded_ranks: set[int] = set()
         self._recorded = False
         mgr.add_receiver(self)
@@ -133,13 +136,24 @@ class MooncakeKVReceiver(MooncakeRoom, BaseKVReceiver):
                 self._record(True)
 
     def fail_locked(self, error: KVTransferError, notify: bool) -> None:
-        """Fails the room (manager lock held) and, if ``notify``, tells the prefill ranks."""
+        """Fails the room (manager lock held) and, if ``notify``, tells the prefill ranks; once
+        the metadata went out, the room's pages are fenced (write_fence.py)."""
         if not self.status.fail(error):
             return
         log.info("receiver room %d (%s) failed: %s", self.room, self.bootstrap_addr, error)
         if notify:
             self._notify_sources(str(error))
+        if self._write_by is not None and self._prefill is not None:
+            self._fence = self.mgr.fence_locked(self.room, self.bootstrap_addr, self._prefill, self._write_by)
         self._record(False)
+
+    def no_write_can_land(self) -> bool:
+        with self.mgr.lock:
+            if self._write_by is None or self.status.state == KVPoll.Success:
+                return True
+            if not self.status.final:
+                return False
+        return self._fence is None or self.mgr.fence_lifted(self._fence)
 
     # --------------------------------------------------------------- internals
 
@@ -155,6 +169,10 @@ class MooncakeKVReceiver(MooncakeRoom, BaseKVReceiver):
         pages, aux_index, prefix_len = self._metadata
         local = self.mgr.layout
         layout_dict = local.to_dict()
+        window = self.mgr.config.transfer_write_window_s
+        write_by = time.time() + window
+        self._write_by = now + window
+        self.status.cap(self._write_by, window)
         for i, src in enumerate(self._sources):
             lay = self._prefill[src.prefill_rank]
             self.mgr.send(lay.control_endpoint, KVMetadata(
@@ -162,7 +180,7 @@ class MooncakeKVReceiver(MooncakeRoom, BaseKVReceiver):
                 instance=self.mgr.instance_id, decode_rank=local.tp_rank,
                 expected_dsts=self._expected[src.prefill_rank], dst_layout=layout_dict, dst_pages=pages,
                 dst_aux_index=aux_index, decode_prefix_len=prefix_len, head_start=src.head_start,
-                head_count=src.head_count, write_aux=i == 0,
+                head_count=src.head_count, write_aux=i == 0, write_by=write_by,
             ))
         self._metadata_sent_at = now
         self.status.move(KVPoll.WaitingForInput, now)

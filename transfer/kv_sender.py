@@ -182,7 +182,15 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         segment = aux_segment(self.mgr.layout, self._aux_index, dst.layout, dst.meta.dst_aux_index)
 
         def shake() -> None:
-            code = self.mgr.writers.write(session, segment.srcs.tolist(), segment.dsts.tolist(), segment.lens.tolist())
+            if not self.mgr.begin_write(self.room, self.status, dst.meta.write_by):
+                with self.mgr.lock:
+                    self.mgr.sessions_opened.pop(session, None)
+                return
+            try:
+                code = self.mgr.writers.write(session, segment.srcs.tolist(), segment.dsts.tolist(),
+                                              segment.lens.tolist())
+            finally:
+                self.mgr.end_write(self.room)
             with self.mgr.lock:
                 if code == 0:
                     self.mgr.sessions_opened[session] = True
@@ -265,9 +273,14 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         segments = self._segments(dst, chunk, aux_index)
         as_lists = not getattr(self.mgr.engine, "takes_arrays", False)  # Mooncake's binding takes lists
         for srcs, dsts, lens in segments.batches(self.mgr.config.transfer_max_batch_segments, as_lists):
-            if self.status.final:
+            # Checked and counted under the lock: once the room failed (or its write-by deadline
+            # passed) no write starts, and the decode's fence is answered when this one returns.
+            if not self.mgr.begin_write(self.room, self.status, dst.meta.write_by):
                 return
-            code = self.mgr.writers.write(dst.layout.session, srcs, dsts, lens)
+            try:
+                code = self.mgr.writers.write(dst.layout.session, srcs, dsts, lens)
+            finally:
+                self.mgr.end_write(self.room)
             if code != 0:
                 with self.mgr.lock:
                     self.fail_locked(KVWriteError(self.room, dst.layout.session, code, int(sum(lens))), notify=True)

@@ -19,6 +19,7 @@ class RoomStatus:
         self.error: KVTransferError | None = None
         self.history: list[KVPoll] = [KVPoll.Bootstrapping]
         self.deadline = now + timeouts[KVPoll.Bootstrapping]
+        self._window: tuple[float, float] | None = None  # (deadline, length) over every state
 
     @property
     def final(self) -> bool:
@@ -48,8 +49,16 @@ class RoomStatus:
         self.history.append(KVPoll.Failed)
         return True
 
+    def cap(self, deadline: float, window_s: float) -> None:
+        """The room must be final by ``deadline`` whatever its state (the write-by deadline)."""
+        self._window = (deadline, window_s)
+
     def expired(self, now: float) -> KVTimeoutError | None:
-        """The timeout error if the current state's deadline has passed."""
-        if self.final or now <= self.deadline:
+        """The timeout error if the current state's deadline, or the room's cap, has passed."""
+        if self.final:
+            return None
+        if self._window is not None and now > self._window[0]:
+            return KVTimeoutError(self.room, f"{self.state.name} (write window)", self._window[1])
+        if now <= self.deadline:
             return None
         return KVTimeoutError(self.room, self.state.name, self._timeouts[self.state])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -23,6 +23,8 @@ class TransferMetrics:
     rooms_total: Counter
     latency_seconds: Histogram
     wait_seconds: Histogram
+    fenced_rooms: Gauge
+    fences_total: Counter
 
     def room_done(self, side: str, success: bool, nbytes: int, latency_s: float | None,
                   wait_s: float | None) -> None:
@@ -61,6 +63,12 @@ def transfer_metrics(registry: CollectorRegistry | None = None) -> TransferMetri
                 "Sender: creation to the decode's metadata in hand (decode page allocation wait); "
                 "receiver: creation to metadata sent",
                 ["side"], buckets=_LATENCY_BUCKETS, registry=registry),
+            fenced_rooms=Gauge("splitserve_transfer_fenced_rooms",
+                               "Failed rooms whose decode pages are held until no write for them can land",
+                               registry=registry),
+            fences_total=Counter("splitserve_transfer_fences",
+                                 "Fences lifted, by how: acknowledged, peer gone, deadline",
+                                 ["outcome"], registry=registry),
         )
         _BY_REGISTRY[id(registry)] = (registry, metrics)
         return metrics

@@ -4,8 +4,12 @@ A request arrives with the prefill's bootstrap address and the room. Decode give
 and pages for the whole prompt (reusing its own prefix cache: those tokens are not sent
 again), starts a receiver, and parks the request. When the room reaches Success the first
 token is read from the aux slot and the request joins the running batch; if it fails, the
-client gets the reason and its pages, once the metadata went out, are held back for a heartbeat
-timeout (a late write must not land in another request's KV) before they are freed.
+client gets the reason and its pages and aux slot, once the metadata went out, are fenced: held
+until no write of the prefill for that room can land any more (transfer/write_fence.py: the prefill
+acknowledged, is known gone, or its write-by deadline passed), so a prefill that froze mid-transfer
+and resumes cannot write into another request's KV. Fenced pages are counted
+(`splitserve_kv_pages_fenced`) and bounded: past `transfer_fence_max_fraction` of the pool, a new
+request from a prefill that holds fenced pages here fails at once; requests from others go on.
 """
 
 from __future__ import annotations
@@ -13,14 +17,26 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from splitserve.engine.engine import Engine
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.role import Role
-from splitserve.engine.roles.kv_transfer_endpoint import KVTransferEndpoint
+from splitserve.engine.roles.kv_transfer_endpoint import KVTransferEndpoint, aux_slot_count
 from splitserve.transfer import KVPoll, KVReceiver, TransferConfig, unpack_aux
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Fenced:
+    """What a failed room held when its metadata had gone out: kept until its receiver says no
+    write can land any more."""
+
+    receiver: KVReceiver
+    bootstrap_addr: str
+    pages: list[int]
+    aux_slot: int
 
 
 class DecodeRole(Role):
@@ -31,14 +47,17 @@ class DecodeRole(Role):
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
         self.pending: deque[Request] = deque()  # waiting for a slot and pages
-        self.quarantine: deque[tuple[float, list[int]]] = deque()  # (free after, pages) of aborted transfers
+        self.fenced: list[Fenced] = []  # pages and aux slots of failed rooms a write may still reach
         self.receiving: dict[str, Request] = {}
         self.metadata_sent: set[str] = set()  # requests whose pages a prefill may write into
+        self.aux_of: dict[str, int] = {}  # request -> its aux slot (decode's own, fenced with its pages)
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
         self.endpoint = KVTransferEndpoint(engine, self.config)
         self.endpoint.start_worker_ranks(None)
+        self.free_aux = list(range(aux_slot_count(engine.cfg) - 1, -1, -1))
+        self.max_fenced_pages = int(self.config.transfer_fence_max_fraction * engine.kv.allocator.capacity)
 
     def on_arrival(self, req: Request) -> bool:
         if req.bootstrap_addr is None or req.bootstrap_room is None:
@@ -50,11 +69,34 @@ class DecodeRole(Role):
         return True
 
     def _admit_pending(self) -> None:
-        while self.pending and self.engine.kv.free_slots:
+        while self.pending and self.engine.kv.free_slots and self.free_aux:
             req = self.pending[0]
             with self.engine.request_fault(req, "reserving its pages and starting its KV receiver"):
+                if self._refused_for_fences(req):
+                    continue
                 if not self._admit(req):
                     return  # wait for pages to come back
+
+    def _refused_for_fences(self, req: Request) -> bool:
+        """Past the fenced-page bound, a prefill that holds fenced pages here (it neither answered
+        nor is known gone: frozen, or cut off) gets no new room: the request fails at once and the
+        router retries it elsewhere, instead of the stuck prefill taking the whole pool."""
+        fenced = self.fenced_pages
+        if fenced <= self.max_fenced_pages:
+            return False
+        held = sum(len(f.pages) for f in self.fenced if f.bootstrap_addr == req.bootstrap_addr)
+        if not held:
+            return False
+        # Still pending: on_finish takes it out and tells the prefill (abort_room) at once.
+        self.engine.finish(req, FinishReason.ERROR, f"the prefill at {req.bootstrap_addr} holds {held} KV pages of "
+                                                    f"failed transfers fenced on this decode ({fenced} in all, bound "
+                                                    f"{self.max_fenced_pages}): it has not confirmed it stopped "
+                                                    "writing; retry on another prefill")
+        return True
+
+    @property
+    def fenced_pages(self) -> int:
+        return sum(len(f.pages) for f in self.fenced)
 
     def _admit(self, req: Request) -> bool:
         kv = self.engine.kv
@@ -66,6 +108,7 @@ class DecodeRole(Role):
             return False
         self.pending.popleft()
         self.engine.park(req)
+        self.aux_of[req.request_id] = self.free_aux.pop()
         self._start_receiver(req, decode_prefix_len)
         return True
 
@@ -76,11 +119,11 @@ class DecodeRole(Role):
         self.receiving[req.request_id] = req
         receiver.init()
         self.metadata_sent.add(req.request_id)  # from here on the prefill may write into the pages
-        receiver.send_metadata(req.pages[: self.engine.kv.pages_for(len(req.prompt_ids))], req.slot,
-                               decode_prefix_len)
+        receiver.send_metadata(req.pages[: self.engine.kv.pages_for(len(req.prompt_ids))],
+                               self.aux_of[req.request_id], decode_prefix_len)
 
     def poll(self) -> None:
-        self._release_quarantine()
+        self._release_fenced()
         self._admit_pending()
         rids = list(self.receiving)
         states = self.endpoint.agree(rids, [self.receiving[rid].role_state for rid in rids])
@@ -94,7 +137,9 @@ class DecodeRole(Role):
         if status == KVPoll.Success:
             self.receiving.pop(req.request_id)
             self.metadata_sent.discard(req.request_id)  # every write landed: nothing more can
-            aux = unpack_aux(self.endpoint.aux, req.slot)
+            aux_slot = self.aux_of.pop(req.request_id)
+            aux = unpack_aux(self.endpoint.aux, aux_slot)
+            self.free_aux.append(aux_slot)
             receiver.clear()
             req.role_state = None
             req.kv_len = len(req.prompt_ids)
@@ -110,7 +155,7 @@ class DecodeRole(Role):
     def idle_poll_interval(self) -> float | None:
         if self.receiving or self.pending:
             return 0.002
-        return 0.05 if self.quarantine else None
+        return 0.05 if self.fenced else None
 
     def on_finish(self, req: Request) -> None:
         self.receiving.pop(req.request_id, None)
@@ -122,10 +167,13 @@ class DecodeRole(Role):
                                              bootstrap_addr=req.bootstrap_addr)
         receiver = req.role_state  # a KVReceiver, or its ReplicatedRoom on a tensor-parallel engine
         req.role_state = None
+        aux_slot = self.aux_of.pop(req.request_id, None)
         if req.request_id in self.metadata_sent:
             # Failed, aborted or timed out after the metadata went out: a write may still land.
             self.metadata_sent.discard(req.request_id)
-            self._quarantine_own_pages(req)
+            self._fence_own_pages(req, receiver, aux_slot)
+        elif aux_slot is not None:
+            self.free_aux.append(aux_slot)
         if receiver is not None:
             try:
                 if receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
@@ -133,20 +181,28 @@ class DecodeRole(Role):
             finally:
                 receiver.clear()
 
-    def _quarantine_own_pages(self, req: Request) -> None:
-        """The prefill may still be writing into this request's pages (a chunk already in flight
-        when the room failed, timed out or was aborted, or a peer declared dead that is only
-        frozen): keep them out of the allocator for a while rather than hand them to another
+    def _fence_own_pages(self, req: Request, receiver: KVReceiver, aux_slot: int) -> None:
+        """The prefill may still write into this request's pages and aux slot (a chunk in flight
+        when the room failed, or a prefill declared dead that is only frozen and resumes): they
+        stay out of use until the receiver says no write can land, rather than go to another
         request whose KV that late write would corrupt."""
         shared = req.kv_len // self.engine.kv.page_size  # the decode's own prefix-cache pages: never written
         own, req.pages = req.pages[shared:], req.pages[:shared]
-        if own:
-            self.quarantine.append((time.monotonic() + self.config.heartbeat_timeout_s, own))
+        self.fenced.append(Fenced(receiver, req.bootstrap_addr, own, aux_slot))
+        self.engine.metrics.kv_fenced.set(self.fenced_pages)
 
-    def _release_quarantine(self) -> None:
-        now = time.monotonic()
-        while self.quarantine and self.quarantine[0][0] <= now:
-            self.engine.kv.allocator.free(self.quarantine.popleft()[1])
+    def _release_fenced(self) -> None:
+        if not self.fenced:
+            return
+        kept = []
+        for entry in self.fenced:
+            if entry.receiver.no_write_can_land():
+                self.engine.kv.allocator.free(entry.pages)
+                self.free_aux.append(entry.aux_slot)
+            else:
+                kept.append(entry)
+        self.fenced = kept
+        self.engine.metrics.kv_fenced.set(self.fenced_pages)
 
     def close(self) -> None:
         self.endpoint.close()

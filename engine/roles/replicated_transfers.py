@@ -61,6 +61,11 @@ class ReplicatedRoom:
     def poll(self) -> KVPoll:
         return self.local.poll()
 
+    def no_write_can_land(self) -> bool:
+        # Rank 0's fence waits on every prefill rank of the replica, and a prefill rank's answer
+        # covers its writes to every decode rank: it speaks for the whole replica.
+        return self.local.no_write_can_land()
+
     def failure_exception(self) -> Exception | None:
         exc = self.local.failure_exception()
         if exc is None and self.local.poll() != KVPoll.Failed:

@@ -22,6 +22,7 @@ from splitserve.transfer.control_messages import (
     KVMetadata,
     Ping,
     Pong,
+    RoomFenced,
     TransferStatus,
     decode_message,
     encode_message,
@@ -36,7 +37,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                     max_leaves=10)
 TYPED = {int: st.integers(-5, 60) | st.integers(), str: st.text(max_size=30) | st.just("tcp://127.0.0.1:1"),
-         bool: st.booleans(), dict: st.dictionaries(st.text(max_size=8), JSON, max_size=4),
+         bool: st.booleans(), float: st.floats(allow_nan=False, allow_infinity=False),
+         dict: st.dictionaries(st.text(max_size=8), JSON, max_size=4),
          list[int]: st.lists(st.integers(-3, 200), max_size=8)}
 
 
@@ -95,12 +97,14 @@ MESSAGES = st.one_of(
               dst_layout=st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5), max_size=3),
               dst_pages=st.lists(st.integers(0, 10**6)), dst_aux_index=st.integers(0, 100),
               decode_prefix_len=st.integers(0, 100), head_start=st.integers(0, 8), head_count=st.integers(1, 8),
-              write_aux=st.booleans()),
+              write_aux=st.booleans(), write_by=st.floats(allow_nan=False, allow_infinity=False)),
     st.builds(TransferStatus, room=st.integers(0, 2**63 - 1), bootstrap_addr=st.text(), reply_to=st.text(),
               instance=st.text(), prefill_rank=st.integers(0, 8), state=st.integers(0, 4),
               pages_done=st.integers(0, 10**6), reason=st.text()),
     st.builds(AbortRoom, room=st.integers(0, 2**63 - 1), bootstrap_addr=st.text(), reply_to=st.text(),
               instance=st.text(), reason=st.text()),
+    st.builds(RoomFenced, room=st.integers(0, 2**63 - 1), bootstrap_addr=st.text(), reply_to=st.text(),
+              instance=st.text()),
     st.builds(Ping, reply_to=st.text(), instance=st.text(), seq=st.integers(0, 2**62)),
     st.builds(Pong, reply_to=st.text(), instance=st.text(), seq=st.integers(0, 2**62)),
 )

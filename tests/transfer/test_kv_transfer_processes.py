@@ -86,6 +86,10 @@ def test_kill9_sender_mid_transfer_fails_receivers_within_heartbeat_bound_then_r
         assert isinstance(receiver.failure_exception(), KVPeerLostError), receiver.failure_exception()
         assert list(receiver.state_history) == [1, 2, 3, 0]
         receiver.clear()
+    # Their pages were fenced (writes were in flight); nothing listens at the dead prefill's control
+    # endpoint any more, so it is known gone and the fences lift without waiting for the deadline.
+    assert wait_until(lambda: all(r.no_write_can_land() for r in receivers), DEAD_PEER_BOUND_S + 2)
+    assert decode.mgr.stats()["fences"] == 0
 
     restarted = spawn_peer({"role": "prefill", "seed": 8, "bootstrap_port": port})
     assert restarted.ready["bootstrap"] == prefill.ready["bootstrap"]
