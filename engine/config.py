@@ -22,6 +22,10 @@ class EngineConfig:
     served_model_name: str | None = field(default=None, metadata={"help": "name clients use (default: model)"})
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
     port: int = field(default=8000, metadata={"help": "HTTP port"})
+    gil_switch_interval_ms: float = field(default=1.0, metadata={
+        "help": "the interpreter's thread switch interval (sys.setswitchinterval) in the serving process: how "
+                "long the HTTP event loop may hold the GIL while the engine thread waits for it (Python's "
+                "default is 5)"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})
     dtype: str = field(default="auto", metadata={
         "help": "weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)", "choices": tuple(DTYPES)})
@@ -62,6 +66,8 @@ class EngineConfig:
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
+        if not 0 < self.gil_switch_interval_ms <= 1000:
+            raise ValueError(f"--gil-switch-interval-ms must be in (0, 1000], got {self.gil_switch_interval_ms}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:

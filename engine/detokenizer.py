@@ -82,9 +82,11 @@ def add_one_token_each(detokenizers: list[IncrementalDetokenizer], token_ids: li
     every window of the same kind instead of two calls per request: at a few hundred requests a
     step, per-call overhead was most of the engine thread's time between steps."""
     work = [(d, tid) for d, tid in zip(detokenizers, token_ids, strict=True) if d.stopped_on is None]
-    by_kind: dict[tuple[int, bool], list[tuple[IncrementalDetokenizer, tuple[list[int], list[int]]]]] = {}
+    # Keyed by the tokenizer object, not id(): id() raises an audit event, and an installed audit hook
+    # (filelock's, on the GPU image) then runs Python code for every request of every step.
+    by_kind: dict[tuple[TextTokenizer, bool], list[tuple[IncrementalDetokenizer, tuple[list[int], list[int]]]]] = {}
     for d, tid in work:
-        by_kind.setdefault((id(d.tokenizer), d.skip_special), []).append((d, d._windows(tid)))
+        by_kind.setdefault((d.tokenizer, d.skip_special), []).append((d, d._windows(tid)))
     for group in by_kind.values():
         tokenizer, skip = group[0][0].tokenizer, group[0][0].skip_special
         texts = tokenizer.decode_batch([w for _, pair in group for w in pair], skip)

@@ -52,6 +52,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
     logging.getLogger().setLevel(cfg.log_level.upper())
+    # The event loop and the engine thread share one interpreter: a shorter interval lets the engine
+    # thread back in sooner after each CUDA wait while the loop is busy streaming tokens.
+    sys.setswitchinterval(cfg.gil_switch_interval_ms / 1e3)
     role = None
     if cfg.role != "unified" or spec.drafter or spec.peers_file:
         from splitserve.engine.roles import build_role  # the roles need the transfer layer or the draft mesh

@@ -321,17 +321,28 @@ class ApiServer:
         }
 
     async def _sse(self, gen: GenerationRequest, streams) -> AsyncIterator[bytes]:
-        merged: asyncio.Queue[tuple[ChoiceResult, TokenOutput | None]] = asyncio.Queue()
+        if len(streams) == 1:  # one choice: read its stream here (no pump task, no second queue per token)
+            tasks: list[asyncio.Future] = []
+            choice, stream = streams[0]
 
-        async def pump(choice: ChoiceResult, stream: AsyncIterator[TokenOutput]) -> None:
-            try:
-                async for out in stream:
-                    await merged.put((choice, out))
-            finally:
-                await stream.aclose()  # type: ignore[attr-defined]
-                await merged.put((choice, None))
+            async def next_output() -> tuple[ChoiceResult, TokenOutput | None]:
+                try:
+                    return choice, await anext(stream)
+                except StopAsyncIteration:
+                    return choice, None
+        else:
+            merged: asyncio.Queue[tuple[ChoiceResult, TokenOutput | None]] = asyncio.Queue()
 
-        tasks = [asyncio.ensure_future(pump(c, s)) for c, s in streams]
+            async def pump(choice: ChoiceResult, stream: AsyncIterator[TokenOutput]) -> None:
+                try:
+                    async for out in stream:
+                        await merged.put((choice, out))
+                finally:
+                    await stream.aclose()  # type: ignore[attr-defined]
+                    await merged.put((choice, None))
+
+            tasks = [asyncio.ensure_future(pump(c, s)) for c, s in streams]
+            next_output = merged.get
         kind = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
         rid = ("chatcmpl-" if gen.kind == "chat" else "cmpl-") + gen.request_id
         try:
@@ -344,7 +355,7 @@ class ApiServer:
                                                    "logprobs": None, "finish_reason": None}]})
             open_streams = len(streams)
             while open_streams:
-                choice, out = await merged.get()
+                choice, out = await next_output()
                 if out is None:
                     open_streams -= 1
                     continue
@@ -365,6 +376,8 @@ class ApiServer:
         finally:
             for t in tasks:
                 t.cancel()
+            if not tasks:
+                await streams[0][1].aclose()  # aborts the request if the client left before its end
 
     def _chunk(self, gen: GenerationRequest, rid: str, kind: str, choice: ChoiceResult,
                out: TokenOutput) -> dict[str, Any]:
