@@ -1,66 +1,93 @@
-"""Whether a step should verify drafts at all, from what steps measurably cost (pure).
+"""Whether the verifier speculates at all right now, from the token rates it measured (pure).
 
 Each request's DraftPolicy (draft_mesh/draft_policy.py) says how many drafts it may take from how
-often its drafts were accepted. Whether verifying pays depends on the whole step: a verify step of
-B requests with R rows each costs more than a plain decode step of B rows (much more at large B,
-where the projections stop being a stream over the weights), and it pays only if the tokens it
-is expected to emit come faster than plain decoding's B per step. The gate keeps the wall time of
-recent steps of each kind (plain: per batch; verify: per batch and rows per request) and lets a
-step verify when
+often its drafts were accepted. Whether speculating pays is a property of the whole engine: while
+it speculates, the overlap scheduler is off, every step sends commits, the drafters run on (and,
+on one GPU, take turns with) the same device, steps wait for drafts, and a verify step of B
+requests costs more than a plain one; it pays only if the tokens come faster for all that. So the
+gate measures exactly that, per batch bucket: tokens emitted per second while speculating, and
+while not (no drafts, no commits, drafters told to rest, overlap back on), each over its latest
+stint, and keeps the mode that is faster.
 
-    expected tokens / time of a verify step  >=  B / time of a plain step.
-
-A kind not measured yet is tried. While the gate keeps verifying off, every `PROBE_EVERY`-th step
-still verifies, so that a drafter that became better (or cheaper) is noticed; while verifying is
-on, every `REFRESH_EVERY`-th step decodes plainly, so that the plain time stays current.
+A stint's first WARMUP_STEPS are not counted (the overlap pipeline refills; drafters catch up
+with the commits they missed and get ahead again). The mode that wins is kept for PROBE_EVERY
+steps, then the other is tried for MEASURE_STEPS: a drafter that got better (or a load under which
+it is cheaper) is found again. Each probe that loses doubles the wait before the next (up to
+MAX_PROBE_EVERY), so a mode that keeps losing costs less and less.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SMOOTHING = 0.3  # weight of the latest step in each time average
-PROBE_EVERY = 16
-REFRESH_EVERY = 64
+SPECULATE, PLAIN = "speculate", "plain"
+WARMUP_STEPS = 2
+MEASURE_STEPS = 4
+PROBE_EVERY = 32
+MAX_PROBE_EVERY = 1024
+
+
+@dataclass
+class Stint:
+    """Tokens and seconds counted in the current run of steps of one mode and batch bucket."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float | None:
+        counted = self.steps - WARMUP_STEPS
+        return self.tokens / self.seconds if counted >= MEASURE_STEPS and self.seconds > 0 else None
 
 
 @dataclass
 class SpeculationGate:
-    """Step-time averages by kind of step, and the decision for the next step."""
+    """The current mode, the stint in it, and each (bucket, mode)'s rate from its latest stint."""
 
-    plain_s: dict[int, float] = field(default_factory=dict)  # by batch
-    verify_s: dict[tuple[int, int], float] = field(default_factory=dict)  # by (batch, rows per request)
-    steps_since_verify: int = 0
-    steps_since_plain: int = 0
+    mode: str = SPECULATE
+    bucket: int = 0
+    stint: Stint = field(default_factory=Stint)
+    rates: dict[tuple[int, str], float] = field(default_factory=dict)
+    probe_every: dict[int, int] = field(default_factory=dict)
+    probing: bool = False
 
-    def observe(self, batch: int, rows: int, seconds: float) -> None:
-        """A step of `batch` requests took `seconds`; rows > 1: it verified drafts (R rows each)."""
-        if batch <= 0 or seconds <= 0:
-            return
-        table, key = (self.verify_s, (batch, rows)) if rows > 1 else (self.plain_s, batch)
-        old = table.get(key)  # type: ignore[call-overload]
-        table[key] = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds  # type: ignore[index]
-        if rows > 1:
-            self.steps_since_verify, self.steps_since_plain = 0, self.steps_since_plain + 1
-        else:
-            self.steps_since_verify, self.steps_since_plain = self.steps_since_verify + 1, 0
+    def observe(self, bucket: int, tokens: int, seconds: float) -> None:
+        """A step of the current mode emitted `tokens` in `seconds` with `bucket` decoding requests."""
+        if bucket != self.bucket:  # another load: every stint starts over
+            self.bucket, self.stint, self.probing = bucket, Stint(), False
+        self.stint.steps += 1
+        if self.stint.steps > WARMUP_STEPS and seconds > 0:
+            self.stint.tokens += tokens
+            self.stint.seconds += seconds
+        rate = self.stint.rate
+        if rate is not None:
+            self.rates[(bucket, self.mode)] = rate
 
-    def verify_pays(self, batch: int, rows: int, expected_tokens: float) -> bool:
-        """Whether the next step, `batch` requests of which drafts would make R = `rows` rows each and
-        emit `expected_tokens` in all, should verify them."""
-        plain, verify = self.plain_s.get(batch), self.verify_s.get((batch, rows))
-        if plain is None:  # plain decoding is what the gate compares with: measure it first
-            return False
-        if verify is None or self.steps_since_verify + 1 >= PROBE_EVERY:
-            return True
-        if self.steps_since_plain + 1 >= REFRESH_EVERY:
-            return False
-        return expected_tokens / verify >= batch / plain
+    def force(self, mode: str) -> None:
+        """Runs `mode` whatever the rates say (K = 0 means plain decoding); its rate is still measured."""
+        if mode != self.mode:
+            self.mode, self.stint, self.probing = mode, Stint(), False
 
-    def likely_off(self, batch: int, rows: int, expected_tokens: float) -> bool:
-        """Whether verifying is measured not to pay for this batch (drafters may then skip drafting
-        far ahead, except shortly before a probe)."""
-        plain, verify = self.plain_s.get(batch), self.verify_s.get((batch, rows))
-        if plain is None or verify is None or self.steps_since_verify + 2 >= PROBE_EVERY:
-            return False
-        return expected_tokens / verify < batch / plain
+    def decide(self) -> str:
+        """The mode of the next step (call once per step, after `observe`)."""
+        other = PLAIN if self.mode == SPECULATE else SPECULATE
+        mine, theirs = self.rates.get((self.bucket, self.mode)), self.rates.get((self.bucket, other))
+        if self.stint.rate is None:
+            return self.mode  # still measuring this stint
+        every = self.probe_every.get(self.bucket, PROBE_EVERY)
+        if theirs is not None and mine is not None and theirs > mine:
+            if self.probing:  # the probe lost: back, and probe less often
+                self.probe_every[self.bucket] = min(2 * every, MAX_PROBE_EVERY)
+            self._switch(other, probing=False)
+        elif theirs is None or self.stint.steps >= every + WARMUP_STEPS:
+            if self.probing:  # the probe won: it is the mode now
+                self.probe_every[self.bucket] = PROBE_EVERY
+            self._switch(other, probing=True)  # measure (again) the mode not running
+        elif self.probing:
+            self.probing = False
+            self.probe_every[self.bucket] = PROBE_EVERY
+        return self.mode
+
+    def _switch(self, mode: str, probing: bool) -> None:
+        self.mode, self.stint, self.probing = mode, Stint(), probing

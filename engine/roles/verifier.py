@@ -11,9 +11,11 @@ forward (engine/scheduler.py, engine/model_runner.py).
 
 It waits for drafts at most `--draft-wait-ms` (default: not at all): a request with no tail then
 decodes one token as usual. How many drafts a request is offered follows how many it had accepted
-(draft_mesh/draft_policy.py): a request whose drafts keep failing decodes on its own for a while;
-and a whole step verifies only while verify steps, as timed, emit tokens faster than plain decoding
-(draft_mesh/speculation_gate.py; --no-speculation-gate turns that off). A lost lease or
+(draft_mesh/draft_policy.py): a request whose drafts keep failing decodes on its own for a while.
+And the engine speculates only while that emits tokens faster than not speculating, as measured per
+batch (draft_mesh/speculation_gate.py; --no-speculation-gate turns the gate off): while it does not,
+no drafts are offered, no commits sent, drafters are paced to nothing and the overlap scheduler runs;
+a request's next commit then carries every token since (K = 0 is that mode too). A lost lease or
 a silent drafter (a failed or slow heartbeat) drops that drafter's requests to plain decoding at
 once; they re-sync to another drafter, or to the same one when it is joined again. Requests with
 repetition, frequency or presence penalties are not speculated (their verification would not be
@@ -38,7 +40,7 @@ from splitserve.draft_mesh.client import DrafterLink, LinkEvent
 from splitserve.draft_mesh.config import SpecConfig, default_verifier_rank, drafters_from_peers
 from splitserve.draft_mesh.draft_policy import DraftPolicy
 from splitserve.draft_mesh.fingerprint import model_fingerprint, tokenizer_fingerprint
-from splitserve.draft_mesh.speculation_gate import SpeculationGate
+from splitserve.draft_mesh.speculation_gate import PLAIN, SPECULATE, SpeculationGate
 from splitserve.draft_mesh.tail_buffer import TailBuffer
 from splitserve.draft_mesh.wire import WireError, decode_tails, encode_frames
 from splitserve.engine.cuda_graph_runner import DEFAULT_BUCKETS
@@ -112,11 +114,11 @@ class VerifierRole(Role):
         self.dropped_messages = 0
         self._stop = threading.Event()
         self._tail_arrived = threading.Event()
-        # Whether verifying pays for the whole step, from measured step times (draft_mesh/speculation_gate.py).
+        # Whether to speculate at all, from the token rates measured either way (draft_mesh/speculation_gate.py).
         self.gate = SpeculationGate()
+        self.speculating = True
         self._last_poll: float | None = None
-        self._last_step: tuple[int, int] | None = None  # (batch bucket, rows per request) of the step since
-        self._gate_off = False  # the last step found verifying not to pay: drafters need not draft far ahead
+        self._counted: tuple[int, dict[str, int]] | None = None  # (batch bucket, output lengths) at the last poll
         # Without --drafter the peers file lists the drafters; it is read again as drafters come and go.
         self.peers_file = "" if spec.drafter else spec.peers_file
         self._peers_read_at = 0.0
@@ -202,8 +204,8 @@ class VerifierRole(Role):
 
     def allows_overlap(self) -> bool:
         # Plain decoding keeps the overlap scheduler while no request has a drafter, or while the gate
-        # keeps verifying off (until shortly before its next probe, which needs every token on the host).
-        return not self.states or self._gate_off
+        # keeps speculation off (a draft needs the token it follows on the host).
+        return not self.states or not self.speculating
 
     # ---- the receive thread -----------------------------------------------------------------------
 
@@ -231,47 +233,35 @@ class VerifierRole(Role):
 
     def poll(self) -> None:
         self._refresh_peers()
-        now = time.monotonic()
-        if self._last_step is not None and self._last_poll is not None:
-            self.gate.observe(*self._last_step, now - self._last_poll)  # the loop's turn since: one step
-        self._last_poll, self._last_step = now, None
+        self._gate()
         self._take_link_events()
         self._take_tails()
         short = [req for req in self.engine.requests.values() if self._step_request(req)]
         for drafter in list(self.drafters.values()):
             self._flush(drafter)
-        if short and self.spec.draft_wait_ms > 0 and not self._gate_off:
+        if short and self.spec.draft_wait_ms > 0 and self.speculating:
             self._wait_for_drafts(short)
-        if self.spec.speculation_gate:
-            self._gate_step()
 
-    def _gate_step(self) -> None:
-        """Withdraws the step's drafts when verifying them is measured to be slower than plain
-        decoding; remembers the step's kind so that the next poll can time it."""
+    def _gate(self) -> None:
+        """Times the loop's last turn (one step) and picks whether this one speculates."""
+        now = time.monotonic()
         running = [r for r in self.engine.requests.values() if r.status is RequestStatus.RUNNING]
-        decoding = [r for r in running if r.output_ids and r.pending_len <= 1]  # 0: its token is in flight
-        if not decoding or len(decoding) != len(running):
-            self._gate_off = False
-            return  # a prompt chunk shares the step: its time says nothing
-        batch = step_bucket(len(decoding))
-        speculating = [self.states[r.request_id] for r in decoding if r.request_id in self.states]
-        drafted = [r for r in decoding if r.draft_tokens and r.request_id in self.states]
-        # What verifying would take and give: the drafts offered, else the drafts the policies allow.
-        lengths = ([len(r.draft_tokens) for r in drafted] if drafted else [s.step_k for s in speculating]) or [0]
-        rows = 1 + max(lengths)
-        policies = [self.states[r.request_id].policy for r in drafted] if drafted else [s.policy for s in speculating]
-        expected = len(decoding) + sum(p.acceptance * n for p, n in zip(policies, lengths, strict=False))
-        self._gate_off = rows > 1 and self.gate.likely_off(batch, rows, expected)
-        if not drafted:
-            self._last_step = (batch, 1)
-            return
-        if self.gate.verify_pays(batch, rows, expected):
-            self._last_step = (batch, rows)
-            return
-        for req in drafted:  # offered again next step if it pays then (the tail buffer keeps them)
-            req.draft_tokens = []
-            self.states[req.request_id].offered = []
-        self._last_step = (batch, 1)
+        if self._counted is not None and self._last_poll is not None:
+            bucket, lengths = self._counted
+            tokens = sum(len(r.output_ids) - lengths[r.request_id] for r in running if r.request_id in lengths)
+            self.gate.observe(bucket, tokens, now - self._last_poll)
+        self._last_poll = now
+        # Only turns of decoding alone are timed: a prompt chunk in the step would cost it its time.
+        decoding = all(r.output_ids and r.pending_len <= 1 for r in running) and bool(running)
+        self._counted = ((step_bucket(len(running)), {r.request_id: len(r.output_ids) for r in running})
+                         if decoding else None)
+        if self.num_draft_tokens <= 0:
+            self.gate.force(PLAIN)
+        elif not self.spec.speculation_gate:
+            self.gate.force(SPECULATE)
+        elif decoding:
+            self.gate.decide()
+        self.speculating = self.gate.mode == SPECULATE
 
     def _wait_for_drafts(self, short: list[Request]) -> None:
         """Waits (at most --draft-wait-ms) until the requests offered fewer than K drafts have them."""
@@ -343,6 +333,12 @@ class VerifierRole(Role):
             self._sync(req)
             return False
         drafter = self.drafters[state.drafter]
+        if not self.speculating:  # the drafter rests; the next commit carries every token since
+            req.draft_tokens, state.offered = [], []
+            if state.pace != 0:
+                drafter.items.append(pb.DraftControl(pace=pb.DraftPace(request_id=req.request_id, ahead=0)))
+                state.pace = 0
+            return False
         if req.total_len > state.sent_len:
             drafter.items.append(pb.DraftControl(commit=pb.VerifyCommit(
                 request_id=req.request_id, pre_verify_committed_len=state.sent_len,
@@ -359,7 +355,7 @@ class VerifierRole(Role):
             return False
         room = min(req.params.max_new_tokens - len(req.output_ids) - 1, self.engine.context_length - req.total_len)
         state.step_k = min(state.policy.draft_length(self.num_draft_tokens), room)
-        ahead = 0 if self._gate_off else min(state.policy.ahead(self.num_draft_tokens), max(room, 0))
+        ahead = min(state.policy.ahead(self.num_draft_tokens), max(room, 0))
         if ahead != state.pace:  # drafts the verifier will not take are compute the drafter can skip
             drafter.items.append(pb.DraftControl(pace=pb.DraftPace(request_id=req.request_id, ahead=ahead)))
             state.pace = ahead

@@ -1,39 +1,63 @@
-"""The speculation gate: a step verifies drafts only while timed verify steps beat plain decoding."""
+"""The speculation gate: the engine speculates only while that measurably emits tokens faster."""
 
 from __future__ import annotations
 
-from splitserve.draft_mesh.speculation_gate import PROBE_EVERY, REFRESH_EVERY, SpeculationGate
+import pytest
+
+from splitserve.draft_mesh.speculation_gate import (
+    MEASURE_STEPS,
+    PLAIN,
+    PROBE_EVERY,
+    SPECULATE,
+    WARMUP_STEPS,
+    SpeculationGate,
+)
+
+STINT = WARMUP_STEPS + MEASURE_STEPS
 
 
-def test_plain_decoding_is_timed_first_then_verifying_is_tried() -> None:
+def run(gate: SpeculationGate, steps: int, rates: dict[str, float], bucket: int = 8) -> list[str]:
+    """`steps` steps, each emitting `bucket` tokens at the current mode's rate; the modes chosen."""
+    modes = []
+    for _ in range(steps):
+        gate.observe(bucket, bucket, bucket / rates[gate.mode])
+        modes.append(gate.decide())
+    return modes
+
+
+def test_both_modes_are_measured_first_and_the_faster_is_kept() -> None:
     gate = SpeculationGate()
-    assert not gate.verify_pays(8, 5, expected_tokens=30)  # nothing to compare with yet
-    gate.observe(8, 1, 0.010)
-    assert gate.verify_pays(8, 5, expected_tokens=30)  # verify steps of this kind not timed yet: try one
+    modes = run(gate, STINT, {SPECULATE: 500.0, PLAIN: 1000.0})
+    assert modes[:-1] == [SPECULATE] * (STINT - 1) and modes[-1] == PLAIN  # measured; plain not yet: try it
+    modes = run(gate, STINT + 20, {SPECULATE: 500.0, PLAIN: 1000.0})
+    assert set(modes) == {PLAIN}  # slower speculation stays off
+    assert gate.rates == {(8, SPECULATE): pytest.approx(500.0), (8, PLAIN): pytest.approx(1000.0)}
 
 
-def test_verifying_pays_when_its_tokens_come_faster_and_not_otherwise() -> None:
+def test_speculation_that_pays_is_kept_and_plain_is_probed_less_and_less_often() -> None:
     gate = SpeculationGate()
-    gate.observe(8, 1, 0.010)  # plain: 800 tokens/s
-    gate.observe(8, 5, 0.020)
-    assert gate.verify_pays(8, 5, expected_tokens=24)  # 1,200 tokens/s
-    assert not gate.verify_pays(8, 5, expected_tokens=12)  # 600 tokens/s
-    assert gate.likely_off(8, 5, expected_tokens=12) and not gate.likely_off(8, 5, expected_tokens=24)
-    assert not gate.verify_pays(1, 5, expected_tokens=4)  # another batch: its plain time first
+    modes = run(gate, 2000, {SPECULATE: 1500.0, PLAIN: 1000.0})
+    assert modes[-1] == SPECULATE
+    assert modes.count(PLAIN) < 0.05 * len(modes)
+    first, later = modes[:200].count(PLAIN), modes[-1000:].count(PLAIN)
+    assert later < first * 5  # the probes thin out (1000 steps hold fewer probes than the first 200's rate)
 
 
-def test_an_off_gate_probes_and_an_on_gate_refreshes_the_plain_time() -> None:
+def test_a_probe_finds_a_drafter_that_got_better() -> None:
     gate = SpeculationGate()
-    gate.observe(8, 1, 0.010)
-    gate.observe(8, 5, 0.020)
-    for _ in range(PROBE_EVERY - 2):
-        gate.observe(8, 1, 0.010)
-        assert not gate.verify_pays(8, 5, expected_tokens=12)
-    assert not gate.likely_off(8, 5, expected_tokens=12)  # a probe is near: drafters draft again
-    gate.observe(8, 1, 0.010)
-    assert gate.verify_pays(8, 5, expected_tokens=12)  # the probe
-    gate.observe(8, 5, 0.005)  # the drafter got cheaper: verifying pays now
-    for _ in range(REFRESH_EVERY - 2):
-        assert gate.verify_pays(8, 5, expected_tokens=24)
-        gate.observe(8, 5, 0.005)
-    assert not gate.verify_pays(8, 5, expected_tokens=24)  # one plain step keeps the plain time current
+    run(gate, 3 * STINT, {SPECULATE: 500.0, PLAIN: 1000.0})
+    assert gate.mode == PLAIN
+    modes = run(gate, 4 * PROBE_EVERY, {SPECULATE: 2000.0, PLAIN: 1000.0})
+    switched = modes.index(SPECULATE)
+    assert switched <= PROBE_EVERY + WARMUP_STEPS  # at the next probe
+    assert modes[switched:].count(SPECULATE) >= 0.8 * len(modes[switched:])  # kept, but for short probes
+
+
+def test_another_batch_bucket_is_measured_on_its_own_and_k0_forces_plain() -> None:
+    gate = SpeculationGate()
+    run(gate, 3 * STINT, {SPECULATE: 500.0, PLAIN: 1000.0}, bucket=8)
+    run(gate, STINT, {SPECULATE: 4000.0, PLAIN: 1000.0}, bucket=1)
+    assert (1, PLAIN) in gate.rates and (1, SPECULATE) not in gate.rates  # the stint went on in plain
+    gate.force(PLAIN)
+    gate.observe(1, 1, 0.001)
+    assert gate.mode == PLAIN

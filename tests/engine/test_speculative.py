@@ -18,6 +18,7 @@ from servers import free_port
 from splitserve.draft_mesh import SpecConfig
 from splitserve.draft_mesh.client import MeshCaller
 from splitserve.draft_mesh.fingerprint import tokenizer_fingerprint
+from splitserve.draft_mesh.speculation_gate import PLAIN, SPECULATE
 from splitserve.draft_mesh.wire import decode_tails, encode_frames
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
@@ -51,9 +52,11 @@ def mesh_endpoint(drafter: Engine) -> str:
     return f"127.0.0.1:{drafter.role.health_info()['draft_mesh_port']}"
 
 
-def start_verifier(drafters: list[Engine], k: int = 4, rank: int = 0, wait_ms: float = WAIT_MS) -> Engine:
+def start_verifier(drafters: list[Engine], k: int = 4, rank: int = 0, wait_ms: float = WAIT_MS,
+                   gate: bool = False) -> Engine:
+    # Without the gate every draft offered is verified: the tests count them.
     spec = SpecConfig(drafter=[mesh_endpoint(d) for d in drafters], num_draft_tokens=k, verifier_rank=rank,
-                      draft_wait_ms=wait_ms, speculation_gate=False)  # the tests count drafts: verify them all
+                      draft_wait_ms=wait_ms, speculation_gate=gate)
     engine = Engine(EngineConfig(model="tiny", **ENGINE), role=ComposedRole("unified", [VerifierRole(spec, TRANSFER)]))
     engine.start()
     return engine
@@ -373,4 +376,30 @@ def test_drafters_added_to_the_peers_file_later_are_joined_and_removed_ones_left
         verifier.call_soon(lambda: None)
         time.sleep(0.05)
     assert generate_tokens(verifier, PROMPTS, GREEDY) == plain and spec_counts(verifier) == (drafted, accepted)
+    assert_idle_and_pages_back(verifier, drafter)
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_the_gate_keeps_the_faster_mode_and_switching_changes_no_token(seed, stopper) -> None:
+    # On the CPU a verify step that waits for the drafter (WAIT_MS) loses to plain decoding: the gate
+    # measures both, turns speculation off (commits held, the drafter paced to nothing) and probes it
+    # again later; the catch-up commits and re-drafts must leave greedy output exactly plain decoding's.
+    params = SamplingParams(max_new_tokens=70, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS * 2
+    plain_engine = Engine(EngineConfig(model="tiny", **ENGINE))
+    plain_engine.start()
+    try:
+        reference = generate_tokens(plain_engine, prompts, params)
+    finally:
+        plain_engine.stop()
+    drafter = start_drafter(seed=seed)
+    stopper.append(drafter)
+    verifier = start_verifier([drafter], k=3, gate=True)
+    stopper.append(verifier)
+    wait_joined(verifier, 1)
+    assert generate_tokens(verifier, prompts, params) == reference
+    (role,) = verifier.role.behaviours
+    rates = role.gate.rates
+    assert rates[(8, PLAIN)] > rates[(8, SPECULATE)] > 0  # both measured; plain faster here
+    assert spec_counts(verifier)[0] > 0  # it did speculate, then stopped
     assert_idle_and_pages_back(verifier, drafter)
