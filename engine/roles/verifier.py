@@ -244,6 +244,9 @@ class VerifierRole(Role):
 
     def _gate(self) -> None:
         """Times the loop's last turn (one step) and picks whether this one speculates."""
+        if not self.states:  # nothing speculates: nothing to compare
+            self._counted, self.speculating = None, True
+            return
         now = time.monotonic()
         running = [r for r in self.engine.requests.values() if r.status is RequestStatus.RUNNING]
         if self._counted is not None and self._last_poll is not None:
@@ -330,7 +333,8 @@ class VerifierRole(Role):
             return False  # still in its prompt, or parked (its KV on the way)
         state = self.states.get(req.request_id)
         if state is None:
-            self._sync(req)
+            if self.speculating and self.num_draft_tokens > 0:  # else the drafter need not hold it yet
+                self._sync(req)
             return False
         drafter = self.drafters[state.drafter]
         if not self.speculating:  # the drafter rests; the next commit carries every token since
