@@ -10,10 +10,12 @@ while not (no drafts, no commits, drafters told to rest, overlap back on), each 
 stint, and keeps the mode that is faster.
 
 A stint's first WARMUP_STEPS are not counted (the overlap pipeline refills; drafters catch up
-with the commits they missed and get ahead again). The mode that wins is kept for PROBE_EVERY
-steps, then the other is tried for MEASURE_STEPS: a drafter that got better (or a load under which
-it is cheaper) is found again. Each probe that loses doubles the wait before the next (up to
-MAX_PROBE_EVERY), so a mode that keeps losing costs less and less.
+with the commits they missed and get ahead again); a speculating stint counts from its first step
+that verified drafts (a drafter first takes the requests in, at most UNPRIMED_STEPS steps). The
+mode that wins is kept for PROBE_EVERY steps, then the other is tried for MEASURE_STEPS: a
+drafter that got better (or a load under which it is cheaper) is found again. Each probe that
+loses doubles the wait before the next (up to MAX_PROBE_EVERY), so a mode that keeps losing costs
+less and less.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ WARMUP_STEPS = 2
 MEASURE_STEPS = 4
 PROBE_EVERY = 32
 MAX_PROBE_EVERY = 1024
+UNPRIMED_STEPS = 8
 
 
 @dataclass
@@ -34,6 +37,7 @@ class Stint:
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    waited: int = 0  # steps before the stint started counting (speculating: before the first verify)
 
     @property
     def rate(self) -> float | None:
@@ -52,10 +56,14 @@ class SpeculationGate:
     probe_every: dict[int, int] = field(default_factory=dict)
     probing: bool = False
 
-    def observe(self, bucket: int, tokens: int, seconds: float) -> None:
-        """A step of the current mode emitted `tokens` in `seconds` with `bucket` decoding requests."""
+    def observe(self, bucket: int, tokens: int, seconds: float, verified: bool = False) -> None:
+        """A step of the current mode emitted `tokens` in `seconds` with `bucket` decoding requests
+        (`verified`: it verified drafts)."""
         if bucket != self.bucket:  # another load: every stint starts over
             self.bucket, self.stint, self.probing = bucket, Stint(), False
+        if self.mode == SPECULATE and self.stint.steps == 0 and not verified and self.stint.waited < UNPRIMED_STEPS:
+            self.stint.waited += 1  # no drafts yet: the drafter is still taking the requests in
+            return
         self.stint.steps += 1
         if self.stint.steps > WARMUP_STEPS and seconds > 0:
             self.stint.tokens += tokens

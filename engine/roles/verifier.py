@@ -119,6 +119,7 @@ class VerifierRole(Role):
         self.speculating = True
         self._last_poll: float | None = None
         self._counted: tuple[int, dict[str, int]] | None = None  # (batch bucket, output lengths) at the last poll
+        self._offered = False  # the last poll offered drafts (its step verified some)
         # Without --drafter the peers file lists the drafters; it is read again as drafters come and go.
         self.peers_file = "" if spec.drafter else spec.peers_file
         self._peers_read_at = 0.0
@@ -241,6 +242,7 @@ class VerifierRole(Role):
             self._flush(drafter)
         if short and self.spec.draft_wait_ms > 0 and self.speculating:
             self._wait_for_drafts(short)
+        self._offered = any(r.draft_tokens for r in self.engine.requests.values())
 
     def _gate(self) -> None:
         """Times the loop's last turn (one step) and picks whether this one speculates."""
@@ -252,7 +254,7 @@ class VerifierRole(Role):
         if self._counted is not None and self._last_poll is not None:
             bucket, lengths = self._counted
             tokens = sum(len(r.output_ids) - lengths[r.request_id] for r in running if r.request_id in lengths)
-            self.gate.observe(bucket, tokens, now - self._last_poll)
+            self.gate.observe(bucket, tokens, now - self._last_poll, verified=self._offered)
         self._last_poll = now
         # Only turns of decoding alone are timed: a prompt chunk in the step would cost it its time.
         decoding = all(r.output_ids and r.pending_len <= 1 for r in running) and bool(running)

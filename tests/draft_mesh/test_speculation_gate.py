@@ -9,6 +9,7 @@ from splitserve.draft_mesh.speculation_gate import (
     PLAIN,
     PROBE_EVERY,
     SPECULATE,
+    UNPRIMED_STEPS,
     WARMUP_STEPS,
     SpeculationGate,
 )
@@ -20,7 +21,7 @@ def run(gate: SpeculationGate, steps: int, rates: dict[str, float], bucket: int 
     """`steps` steps, each emitting `bucket` tokens at the current mode's rate; the modes chosen."""
     modes = []
     for _ in range(steps):
-        gate.observe(bucket, bucket, bucket / rates[gate.mode])
+        gate.observe(bucket, bucket, bucket / rates[gate.mode], verified=gate.mode == SPECULATE)
         modes.append(gate.decide())
     return modes
 
@@ -61,3 +62,17 @@ def test_another_batch_bucket_is_measured_on_its_own_and_k0_forces_plain() -> No
     gate.force(PLAIN)
     gate.observe(1, 1, 0.001)
     assert gate.mode == PLAIN
+
+
+def test_a_speculating_stint_counts_from_its_first_verify_step() -> None:
+    gate = SpeculationGate()
+    gate.observe(8, 8, 0.001)  # plain-fast steps while the drafter has no drafts yet: not speculation's rate
+    gate.observe(8, 8, 0.001)
+    assert gate.stint.steps == 0 and gate.stint.waited == 2
+    for _ in range(STINT):
+        gate.observe(8, 8, 0.004, verified=True)
+    assert gate.rates[(8, SPECULATE)] == pytest.approx(2000.0)
+    stuck = SpeculationGate()
+    for _ in range(UNPRIMED_STEPS + STINT):  # a drafter that never drafts still gets measured
+        stuck.observe(8, 8, 0.01)
+    assert stuck.rates[(8, SPECULATE)] == pytest.approx(800.0)
