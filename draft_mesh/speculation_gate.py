@@ -12,7 +12,7 @@ stint, and keeps the mode that is faster.
 A stint's first WARMUP_STEPS are not counted (the overlap pipeline refills; drafters catch up
 with the commits they missed and get ahead again); a speculating stint counts from its first step
 that verified drafts (a drafter first takes the requests in, at most UNPRIMED_STEPS steps). The
-mode that wins is kept for PROBE_EVERY steps, then the other is tried for MEASURE_STEPS: a
+mode that wins is kept for PROBE_EVERY steps, then the other is tried for MEASURE_STEPS (fewer when it is far behind): a
 drafter that got better (or a load under which it is cheaper) is found again. Each probe that
 loses doubles the wait before the next (up to MAX_PROBE_EVERY), so a mode that keeps losing costs
 less and less.
@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 SPECULATE, PLAIN = "speculate", "plain"
 WARMUP_STEPS = 2
 MEASURE_STEPS = 4
-PROBE_EVERY = 32
+PROBE_EVERY = 64
 MAX_PROBE_EVERY = 1024
-UNPRIMED_STEPS = 8
+UNPRIMED_STEPS = 4
+EARLY_STEPS = 2  # a stint this far below the other mode's rate ends before MEASURE_STEPS
+EARLY_GAP = 0.7
 
 
 @dataclass
@@ -41,8 +43,12 @@ class Stint:
 
     @property
     def rate(self) -> float | None:
+        return self.rate_after(MEASURE_STEPS)
+
+    def rate_after(self, steps: int) -> float | None:
+        """Tokens per second over the counted steps, once there are `steps` of them."""
         counted = self.steps - WARMUP_STEPS
-        return self.tokens / self.seconds if counted >= MEASURE_STEPS and self.seconds > 0 else None
+        return self.tokens / self.seconds if counted >= steps and self.seconds > 0 else None
 
 
 @dataclass
@@ -81,8 +87,12 @@ class SpeculationGate:
         """The mode of the next step (call once per step, after `observe`)."""
         other = PLAIN if self.mode == SPECULATE else SPECULATE
         mine, theirs = self.rates.get((self.bucket, self.mode)), self.rates.get((self.bucket, other))
+        early = self.stint.rate_after(EARLY_STEPS)
         if self.stint.rate is None:
-            return self.mode  # still measuring this stint
+            if early is not None and theirs is not None and early < EARLY_GAP * theirs:
+                mine = self.rates[(self.bucket, self.mode)] = early  # clearly slower: no need to finish
+            else:
+                return self.mode  # still measuring this stint
         every = self.probe_every.get(self.bucket, PROBE_EVERY)
         if theirs is not None and mine is not None and theirs > mine:
             if self.probing:  # the probe lost: back, and probe less often

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.draft_mesh.speculation_gate import (
+    EARLY_STEPS,
     MEASURE_STEPS,
     PLAIN,
     PROBE_EVERY,
@@ -76,3 +77,12 @@ def test_a_speculating_stint_counts_from_its_first_verify_step() -> None:
     for _ in range(UNPRIMED_STEPS + STINT):  # a drafter that never drafts still gets measured
         stuck.observe(8, 8, 0.01)
     assert stuck.rates[(8, SPECULATE)] == pytest.approx(800.0)
+
+
+def test_a_probe_far_behind_ends_early() -> None:
+    gate = SpeculationGate()
+    run(gate, 3 * STINT, {SPECULATE: 500.0, PLAIN: 1000.0})
+    modes = run(gate, 3 * PROBE_EVERY, {SPECULATE: 500.0, PLAIN: 1000.0})
+    probe = modes.index(SPECULATE)
+    assert modes[probe:probe + WARMUP_STEPS + EARLY_STEPS] == [SPECULATE] * (WARMUP_STEPS + EARLY_STEPS)
+    assert modes[probe + WARMUP_STEPS + EARLY_STEPS - 1] == SPECULATE and PLAIN in modes[probe:probe + STINT - 1]
