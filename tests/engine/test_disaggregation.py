@@ -257,7 +257,8 @@ def test_unreachable_bootstrap_fails_the_decode_request_and_frees_its_pages(clus
 def test_prefill_killed_mid_request_is_retried_on_another_or_fails_fast(checkpoint: Path, tmp_path: Path) -> None:
     d = new_deployment(tmp_path, checkpoint)
     try:
-        doomed, spare = d.engine("prefill"), d.engine("prefill")
+        # Chunks of 8: a 900-token prompt takes 113 steps, so the kill lands mid-prefill.
+        doomed, spare = d.engine("prefill", "--chunked-prefill-size", "8"), d.engine("prefill")
         decode = d.engine("decode")
         d.wait([doomed, spare, decode])
         router = d.router([doomed, spare], [decode])
@@ -269,7 +270,10 @@ def test_prefill_killed_mid_request_is_retried_on_another_or_fails_fast(checkpoi
         async def run() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=120) as client:
                 calls = [asyncio.ensure_future(client.post(f"{router}/v1/completions", json=body)) for _ in range(4)]
-                await asyncio.sleep(0.3)  # the prompts are being prefilled (900 tokens in chunks of 8)
+                deadline = time.monotonic() + 30
+                while engine_state(doomed)["running"] == 0:  # the router spreads the four over both prefills
+                    assert time.monotonic() < deadline, "no request reached the doomed prefill"
+                    await asyncio.sleep(0.005)
                 d.procs[doomed].kill()
                 return list(await asyncio.gather(*calls))
 
