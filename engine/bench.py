@@ -57,8 +57,11 @@ class BenchConfig:
                 "under load while random processes are killed and restarted; checkpoint: --model "
                 "(e.g. smollm2) generating in the engine and in transformers on the same chat prompts; epd: "
                 "encoder disaggregation vs unified (its own flags: bench --profile epd --help); structured: "
-                "decode tokens/s under a JSON schema vs unconstrained, on the same prompts",
-        "choices": ("http", "engine", "pd", "transfer", "serving", "chaos", "checkpoint", "epd", "structured")})
+                "decode tokens/s under a JSON schema vs unconstrained, on the same prompts; api-split: "
+                "--fixed-loads on a server of --shape, in one process and with --engine-process, against "
+                "the bare engine",
+        "choices": ("http", "engine", "pd", "transfer", "serving", "chaos", "checkpoint", "epd", "structured",
+                    "api-split")})
     model: str = field(default="tiny", metadata={"help": "model for the server/engine this command starts"})
     device: str = field(default="auto", metadata={"help": "device for the engine this command starts"})
     num_requests: int = field(default=64, metadata={"help": "requests to send"})
@@ -373,6 +376,10 @@ def main(argv: list[str]) -> int:
         print_serving_report(report["serving"])
         if cfg.plot:
             plot_serving_report(report["serving"], Path(cfg.plot))
+    elif cfg.profile == "api-split":
+        from splitserve.engine.bench_api_split import print_api_split_report, run_api_split_benchmark
+        report["api_split"] = run_api_split_benchmark(cfg)
+        print_api_split_report(report["api_split"])
     elif cfg.profile == "structured":
         from splitserve.engine.bench_structured import print_structured_report, run_structured_benchmark
         report["structured"] = run_structured_benchmark(cfg)
@@ -415,4 +422,6 @@ def main(argv: list[str]) -> int:
         return 0 if report["chaos"]["hung"] == 0 else 1
     failed = report.get("http", {}).get("failed", 0)
     failed += sum(r["requests"] - r["ok"] for r in report.get("serving", {}).get("loads", []))
+    failed += sum(r["requests"] - r["ok"] for e in report.get("api_split", {}).get("loads", [])
+                  for r in e["served"].values())
     return 0 if failed == 0 else 1

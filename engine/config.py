@@ -63,6 +63,9 @@ class EngineConfig:
     tool_call_parser: str = field(default="auto", metadata={
         "help": "how the model writes tool calls: hermes (<tool_call> JSON), llama3 (JSON), or auto (from the chat "
                 "template)", "choices": ("auto", "hermes", "llama3")})
+    engine_process: bool = field(default=False, metadata={
+        "help": "run the engine core in a process of its own (engine/engine_core.py), apart from the HTTP "
+                "server's (tokenizer, chat templates, SSE), talking over ZeroMQ IPC: no GIL shared between them"})
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:

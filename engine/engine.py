@@ -115,6 +115,9 @@ class Engine:
         # The overlap scheduler: on CUDA, step N+1 is queued before step N's tokens are read back.
         self.overlap = self.runner.device.type == "cuda" and cfg.tp_size == 1 and not cfg.disable_overlap
         self.failure: str | None = None  # set when the engine cannot run steps any more
+        # Called on the loop thread after every iteration and once the loop has ended: an output
+        # sink that batches (the engine core process) sends a whole step's outputs at once.
+        self.after_step: Callable[[], None] | None = None
         eos = set(self.model_cfg.eos_token_ids)
         tok_eos = self.tokenizer.token_id(self.tokenizer.eos_token)
         if tok_eos is not None:
@@ -185,6 +188,11 @@ class Engine:
         return self._state
 
     @property
+    def inbox_requests(self) -> int:
+        """Requests handed to the loop and not yet taken in."""
+        return self._inbox_adds
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.failure is None
 
@@ -201,9 +209,18 @@ class Engine:
             self._close_inbox()
             with contextlib.suppress(Exception):
                 self._fail_engine(self.failure)
+            self._after_step()
             return  # logged above; /health now reports the failure
         self._close_inbox()
+        self._after_step()
         logger.info("engine loop stopped")
+
+    def _after_step(self) -> None:
+        if self.after_step is not None:
+            try:
+                self.after_step()
+            except Exception:  # a broken sink must not take the loop down
+                logger.exception("the engine's after-step hook failed")
 
     def _close_inbox(self) -> None:
         """No more requests will be taken: those still in the inbox are answered with an error."""
@@ -239,6 +256,7 @@ class Engine:
                     self._complete(launched)
             self._state = self._snapshot()
             self._publish_gauges()
+            self._after_step()
             if not plan:
                 # Idle: sleep until a request arrives, but keep polling the role's transfers.
                 self._wake.wait(timeout=self.role.idle_poll_interval() or IDLE_WAIT_S)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import sys
+from dataclasses import dataclass
 from types import FrameType
 
 import uvicorn
@@ -14,8 +15,10 @@ from splitserve.config_flags import ConfigError, add_config_flags, config_from_a
 from splitserve.draft_mesh.config import SpecConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.engine_client import EngineClient
 from splitserve.engine.epd_config import EPDConfig
 from splitserve.engine.image_inputs import ImageInputConfig
+from splitserve.engine.role import Role
 from splitserve.engine.server import ApiServer
 from splitserve.transfer.config import TransferConfig
 from splitserve.transfer.errors import TransferEngineUnavailableError
@@ -40,38 +43,76 @@ def _exit_on_sigterm(_sig: int, _frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def main(argv: list[str]) -> int:
+@dataclass
+class ServeConfigs:
+    """Every configuration `serve` reads from its flags and env vars."""
+
+    engine: EngineConfig
+    transfer: TransferConfig
+    images: ImageInputConfig
+    spec: SpecConfig
+    epd: EPDConfig
+
+
+def parse_configs(argv: list[str]) -> ServeConfigs:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        cfg = config_from_args(EngineConfig, args, ENV_PREFIX)
-        transfer = config_from_args(TransferConfig, args, ENV_PREFIX)
-        images = config_from_args(ImageInputConfig, args, ENV_PREFIX)
-        spec = config_from_args(SpecConfig, args, ENV_PREFIX)
-        epd = config_from_args(EPDConfig, args, ENV_PREFIX)
+        return ServeConfigs(config_from_args(EngineConfig, args, ENV_PREFIX),
+                            config_from_args(TransferConfig, args, ENV_PREFIX),
+                            config_from_args(ImageInputConfig, args, ENV_PREFIX),
+                            config_from_args(SpecConfig, args, ENV_PREFIX),
+                            config_from_args(EPDConfig, args, ENV_PREFIX))
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
+
+
+def engine_role(configs: ServeConfigs) -> tuple[EngineConfig, Role | None]:
+    """The engine's configuration for the chosen role, and the role (raises ValueError or
+    FileNotFoundError on flags that do not fit together)."""
+    cfg = configs.engine
+    role = None
+    if cfg.role != "unified" or configs.spec.drafter or configs.spec.peers_file:
+        from splitserve.engine.roles import build_role  # the roles need the transfer layer or the draft mesh
+        role = build_role(cfg, configs.transfer, configs.spec, epd=configs.epd, images=configs.images)
+    if cfg.role == "drafter":
+        from splitserve.engine.roles.drafter import drafter_engine_config
+        cfg = drafter_engine_config(cfg)
+    return cfg, role
+
+
+def main(argv: list[str]) -> int:
+    configs = parse_configs(argv)
+    cfg = configs.engine
     logging.getLogger().setLevel(cfg.log_level.upper())
     # The event loop and the engine thread share one interpreter: a shorter interval lets the engine
     # thread back in sooner after each CUDA wait while the loop is busy streaming tokens.
     sys.setswitchinterval(cfg.gil_switch_interval_ms / 1e3)
-    role = None
-    if cfg.role != "unified" or spec.drafter or spec.peers_file:
-        from splitserve.engine.roles import build_role  # the roles need the transfer layer or the draft mesh
+    if cfg.engine_process:
+        from splitserve.engine.core_client import CoreClient, CoreStartFailed
+        # SIGTERM while the core starts must stop it too: SystemExit unwinds through spawn.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
-            role = build_role(cfg, transfer, spec, epd=epd, images=images)
+            client: EngineClient | CoreClient = CoreClient.spawn(argv, configs)
+        except CoreStartFailed as exc:
+            logger.error("cannot start the engine core: %s", exc)
+            return 1
+        stop = client.stop
+    else:
+        parser = build_parser()
+        try:
+            engine_cfg, role = engine_role(configs)
         except (ValueError, FileNotFoundError) as exc:
             parser.error(str(exc))
-    if cfg.role == "drafter":
-        from splitserve.engine.roles.drafter import drafter_engine_config
-        cfg = drafter_engine_config(cfg)
-    try:
-        engine = Engine(cfg, role=role)
-        engine.start()
-    except (FileNotFoundError, ValueError, MemoryError, OSError, TransferEngineUnavailableError) as exc:
-        logger.error("cannot start the engine: %s", exc)
-        return 1
-    server = ApiServer(engine, images, control_key=transfer.transfer_control_key)
+        try:
+            engine = Engine(engine_cfg, role=role)
+            engine.start()
+        except (FileNotFoundError, ValueError, MemoryError, OSError, TransferEngineUnavailableError) as exc:
+            logger.error("cannot start the engine: %s", exc)
+            return 1
+        client = EngineClient(engine)
+        stop = engine.stop
+    server = ApiServer(client, configs.images, control_key=configs.transfer.transfer_control_key)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal; as SystemExit it lets
     # the `finally` below stop the engine (and its tensor-parallel workers) before the process ends.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -79,7 +120,7 @@ def main(argv: list[str]) -> int:
     try:
         uvicorn.run(server.app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
-        engine.stop()
+        stop()
     return 0
 
 

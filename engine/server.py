@@ -14,15 +14,15 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from splitserve.engine.engine import Engine, EngineOverloaded
+from splitserve.engine.engine import EngineOverloaded
 from splitserve.engine.engine_client import EngineClient
 from splitserve.engine.grammar.compiler import InvalidGrammar
 from splitserve.engine.http_request import error_response, read_json, wait_for_disconnect
@@ -45,6 +45,9 @@ from splitserve.engine.tokenizer import ChatTemplateError
 from splitserve.engine.tools.formats import format_for, messages_for_template, template_renders_tools
 from splitserve.engine.tools.streaming import ToolCallStream, final_message
 from splitserve.transfer.bootstrap_grant import KEY_HEADER, SIGNATURE_FIELD, bootstrap_grant_valid
+
+if TYPE_CHECKING:
+    from splitserve.engine.core_client import CoreClient
 
 logger = logging.getLogger(__name__)
 
@@ -97,21 +100,22 @@ def check_bootstrap_grant(gen: GenerationRequest, key: str) -> None:
 
 
 class ApiServer:
-    """Builds the Starlette app around one engine."""
+    """Builds the Starlette app around one engine, reached through its client: an `EngineClient`
+    (the engine in this process) or a `CoreClient` (an engine core process)."""
 
-    def __init__(self, engine: Engine, images: ImageInputConfig | None = None, control_key: str = "") -> None:
-        self.engine = engine
+    def __init__(self, client: EngineClient | CoreClient, images: ImageInputConfig | None = None,
+                 control_key: str = "") -> None:
+        self.client = client
         self.control_key = control_key  # the group's transfer_control_key: bootstrap grants, /internal/*
         self.image_cfg = images or ImageInputConfig()
-        self.vision = engine.model_cfg.vision
-        self.image_processor = (ClipImageProcessor.from_folder(engine.model_folder)
+        self.vision = client.model_cfg.vision
+        self.image_processor = (ClipImageProcessor.from_folder(client.model_folder)
                                 if self.vision is not None else None)
-        self.client = EngineClient(engine)
-        self.model_name = engine.cfg.model_name
-        self.tokenizer = engine.tokenizer
-        self.vocab_size = engine.model_cfg.vocab_size
-        self.tool_format = format_for(engine.cfg.tool_call_parser, self.tokenizer.chat_template)
-        self.context_length = engine.context_length
+        self.model_name = client.model_name
+        self.tokenizer = client.tokenizer
+        self.vocab_size = client.model_cfg.vocab_size
+        self.tool_format = format_for(client.tool_call_parser, self.tokenizer.chat_template)
+        self.context_length = client.context_length
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -120,7 +124,7 @@ class ApiServer:
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/internal/state", self.internal_state, methods=["GET"]),
             Route("/internal/flush_cache", self.flush_cache, methods=["POST"]),
-            *engine.role.routes(),
+            *client.routes(),
         ], exception_handlers={ApiError: lambda _r, e: error_response(e)})
 
     # ---- endpoints ---------------------------------------------------------------------------
@@ -140,7 +144,7 @@ class ApiServer:
         items: list[ImageItem] = []
         if gen.images and self.vision is not None:  # every image is checked before any engine work
             items = await image_items(gen.images, self.image_cfg, self.image_processor, self.vision,
-                                      accept_refs=self.engine.role.name != "unified")
+                                      accept_refs=self.client.role_name != "unified")
         renders_tools = template_renders_tools(self.tokenizer.chat_template)
         tools = [f.as_openai() for f in gen.tools.tools] if gen.tools is not None and renders_tools else None
         try:
@@ -162,12 +166,11 @@ class ApiServer:
             "max_model_len": self.context_length}]})
 
     async def health(self, _request: HttpRequest) -> Response:
-        if not self.engine.alive:
-            return JSONResponse({"status": self.engine.failure or "engine loop not running"}, status_code=503)
-        return JSONResponse({"status": "ok", "role": self.engine.role.name, **self.engine.role.health_info()})
+        ok, body = await self.client.health()
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, _request: HttpRequest) -> Response:
-        return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await self.client.metrics(), media_type=CONTENT_TYPE_LATEST)
 
     def _check_internal_key(self, request: HttpRequest) -> None:
         """/internal/* is for the group's own processes (and tests): with a key, they must show it."""
@@ -177,24 +180,11 @@ class ApiServer:
 
     async def internal_state(self, request: HttpRequest) -> Response:
         self._check_internal_key(request)
-        s = self.engine.state()
-        kv = s.kv
-        return JSONResponse({
-            "running": s.running, "waiting": s.waiting, "parked": s.parked, "requests": len(self.engine.requests),
-            "kv_capacity": kv.capacity, "kv_free": kv.free, "kv_cached": kv.cached, "kv_locked": kv.locked,
-            "kv_available": kv.available, "kv_used_by_requests": kv.used_by_requests,
-            "slots_in_use": kv.slots_in_use, "steps": self.engine.steps,
-            "prefix_hit_tokens": self.engine.kv.prefix_cache.hit_tokens, "failure": self.engine.failure,
-            "tp_worker_pids": self.engine.tp_supervisor.pids() if self.engine.tp_supervisor is not None else {},
-        })
+        return JSONResponse(await self.client.internal_state())
 
     async def flush_cache(self, request: HttpRequest) -> Response:
         self._check_internal_key(request)
-        done = asyncio.get_running_loop().create_future()
-        loop = asyncio.get_running_loop()
-        self.engine.call_soon(lambda: loop.call_soon_threadsafe(
-            done.set_result, self.engine.kv.prefix_cache.flush()))
-        return JSONResponse({"freed_pages": await done})
+        return JSONResponse({"freed_pages": await self.client.flush_cache()})
 
     # ---- shared machinery --------------------------------------------------------------------
 
@@ -205,9 +195,9 @@ class ApiServer:
             raise ApiError(f"the prompt cannot be tokenized: {exc}", "prompt") from None
         if not ids:
             raise ApiError("the prompt encodes to no tokens", "prompt")
-        if len(ids) > self.engine.max_prompt_tokens:
+        if len(ids) > self.client.max_prompt_tokens:
             raise ApiError(f"the prompt has {len(ids)} tokens; this engine takes at most "
-                           f"{self.engine.max_prompt_tokens} (context {self.context_length}; the prompt and one "
+                           f"{self.client.max_prompt_tokens} (context {self.context_length}; the prompt and one "
                            "output token must fit in the context and in the KV cache)", "prompt",
                            code="context_length_exceeded")
         return ids
@@ -230,7 +220,7 @@ class ApiServer:
                     streams.append((ChoiceResult(index, ids), stream))
         except EngineOverloaded as exc:
             for rid in submitted:  # all choices or none
-                self.engine.abort(rid, "another choice of the request was refused (engine overloaded)")
+                self.client.abort(rid, "another choice of the request was refused (engine overloaded)")
             raise ApiError(f"engine overloaded: {exc}; retry later", status=503, kind="server_error",
                            code="overloaded", headers={"Retry-After": str(exc.retry_after_s)}) from None
         return streams
@@ -242,7 +232,7 @@ class ApiServer:
         if spec is None:
             return
         try:
-            await asyncio.to_thread(self.engine.grammar.compile, spec)
+            await self.client.compile_grammar(spec)
         except InvalidGrammar as exc:
             raise ApiError(str(exc), spec.source_field) from None
 

@@ -1,0 +1,76 @@
+"""The messages between the API server process and the engine core process (pure functions).
+
+Both directions carry batches, msgpack-encoded (no pickle: a message is data, never code):
+API -> core, one message per event-loop turn: a list of operations
+  ["add", key, request_id, prompt_ids, params, bootstrap_addr, bootstrap_room]  (key: the server's
+                                          handle of this submission; outputs carry it, not the id)
+  ["abort", request_id, reason]
+  ["rpc", call_id, name, arg]
+core -> API, one message per engine step (and per batch of operations the core answered):
+  ["out", [output, ...], inbox]  every output of the step; `inbox`: the core's admission figures
+  ["reply", call_id, ok, value]  an rpc's answer (`value` is the error text when not ok)
+  ["ready", info] / ["failed", reason]  once, when the core has started or could not
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from splitserve.engine.grammar.spec import GrammarSpec
+from splitserve.engine.request import FinishReason, TokenOutput
+from splitserve.engine.sampling_params import SamplingParams
+
+# Where the core's sockets live: the API server sets it in the core's environment.
+IPC_DIR_ENV = "SPLITSERVE_CORE_IPC_DIR"
+TO_CORE = "to-core"
+FROM_CORE = "from-core"
+
+
+def ipc_address(folder: str, name: str) -> str:
+    return f"ipc://{folder}/{name}"
+
+
+def pack(message: list[Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list[Any]:
+    # Integer map keys: a logit_bias maps token ids to biases.
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+@dataclass(frozen=True)
+class InboxFigures:
+    """What the API server needs to refuse requests as the in-process engine would: adds the core
+    has received, how many of them still sit in the engine's inbox, requests waiting to run."""
+
+    received: int
+    in_inbox: int
+    waiting: int
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return dataclasses.asdict(params)  # the grammar spec becomes a plain dict too
+
+
+def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
+    grammar = fields.pop("grammar", None)
+    return SamplingParams(**fields, grammar=GrammarSpec(**grammar) if grammar is not None else None)
+
+
+def output_to_wire(out: TokenOutput) -> list[Any]:
+    return [out.request_id, out.token_ids, out.text, out.logprobs, out.top_logprobs,
+            out.finish_reason.value if out.finish_reason is not None else None, out.error,
+            out.prompt_tokens, out.completion_tokens, out.cached_tokens]
+
+
+def output_from_wire(row: list[Any]) -> TokenOutput:
+    rid, token_ids, text, logprobs, top, finish, error, prompt_tokens, completion_tokens, cached = row
+    return TokenOutput(rid, token_ids, text, logprobs=logprobs,
+                       top_logprobs=[[(t, v) for t, v in step] for step in top] if top is not None else None,
+                       finish_reason=FinishReason(finish) if finish is not None else None, error=error,
+                       prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached)
