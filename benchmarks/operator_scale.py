@@ -87,6 +87,8 @@ def main() -> int:
     parser.add_argument("--changes", type=int, default=100, help="single-group changes timed after convergence")
     parser.add_argument("--idle-s", type=float, default=60.0, help="window of the idle CPU measurement")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="give up converging after this")
+    parser.add_argument("--operator-args", default="", help="more `splitserve operator` flags, e.g. "
+                        "'--resync-seconds 60' to see the resync's share of the idle CPU")
     parser.add_argument("--apply-chunk", type=int, default=50, help="groups per parallel `kubectl apply`")
     parser.add_argument("--py-spy", type=pathlib.Path, default=None,
                         help="record the operator with py-spy during convergence into this flame graph (SVG)")
@@ -112,8 +114,8 @@ def main() -> int:
         cp.kubectl("apply", "-f", str(REPO / "manifests" / "rbac.yaml"))  # the router ClusterRole
         operator_log = open(work / "operator.log", "wb")  # noqa: SIM115 (lives with the process)
         operator = subprocess.Popen([sys.executable, "-P", "-m", "splitserve.cli", "operator", "--kubeconfig",
-                                     str(cp.kubeconfig), "--liveness-port", "0"], stdout=operator_log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                     str(cp.kubeconfig), "--liveness-port", "0", *args.operator_args.split()],
+                                    stdout=operator_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         time.sleep(3)
         processes = {**{name: proc.pid for name, proc in cp.processes.items()}, "operator": operator.pid,
                      "node (this process)": os.getpid()}

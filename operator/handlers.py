@@ -50,7 +50,7 @@ from splitserve.operator.names import (
 )
 from splitserve.operator.role_builders import build_role_children, selector_labels
 from splitserve.operator.rollout import RoleProgress, group_revision, rollout_partitions
-from splitserve.operator.status import group_status, now_rfc3339, role_status
+from splitserve.operator.status import group_status, now_rfc3339, role_status, statefulset_settled
 from splitserve.operator.validation import InvalidSpec, group_spec_problems, role_spec_problems
 
 log = logging.getLogger(__name__)
@@ -282,12 +282,13 @@ class Reconciler:
                     log.info("%s %s %s/%s", result, obj["kind"], namespace, name)
                 if obj["kind"] == "StatefulSet":
                     statefulset = current
-            # From the API server's watch cache (resourceVersion 0), not etcd: the StatefulSet
+            # Settled (one revision, status current): its counts are the pods'. Else the pods, from
+            # the API server's watch cache (resourceVersion 0), not etcd: the StatefulSet
             # controller counted ready pods from that same cache, so it holds at least what the
             # StatefulSet's status says. (A list "not older than" the StatefulSet's version would
             # wait for a pod event: 1.20's cache of pods advances only with pod events.)
-            pods = self.kube.list("v1", "Pod", namespace, selector_labels(spec["group"], spec["role"]),
-                                  from_cache=True)
+            pods = None if statefulset_settled(statefulset) else self.kube.list(
+                "v1", "Pod", namespace, selector_labels(spec["group"], spec["role"]), from_cache=True)
         except KubeError as exc:
             if exc.status == 409:
                 raise Conflict(str(exc)) from exc

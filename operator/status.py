@@ -36,16 +36,33 @@ def condition(previous: Iterable[Mapping[str, Any]], type_: str, status: bool, r
             "lastTransitionTime": since or now, "observedGeneration": generation}
 
 
-def role_status(role_body: Body, statefulset: Body | None, pods: Iterable[Body], now: str) -> dict[str, Any]:
-    """Status of a ServingRole from its StatefulSet and pods."""
+def statefulset_settled(statefulset: Body | None) -> bool:
+    """Whether a StatefulSet's status covers its current spec and every pod is on one revision, its
+    update revision: its own counts then say how many pods are updated and ready, no pod list needed."""
+    if not statefulset:
+        return False
+    status, spec = statefulset.get("status") or {}, statefulset.get("spec") or {}
+    replicas = int(spec.get("replicas", 1))
+    return (status.get("observedGeneration") == statefulset.get("metadata", {}).get("generation")
+            and bool(status.get("updateRevision")) and status.get("updateRevision") == status.get("currentRevision")
+            and int(status.get("replicas", 0) or 0) == replicas
+            and int(status.get("updatedReplicas", 0) or 0) == replicas)
+
+
+def role_status(role_body: Body, statefulset: Body | None, pods: Iterable[Body] | None, now: str) -> dict[str, Any]:
+    """Status of a ServingRole from its StatefulSet and pods (``pods`` None: the StatefulSet is
+    settled, see :func:`statefulset_settled`, and its counts stand for them)."""
     spec, meta = role_body["spec"], role_body["metadata"]
     revision = role_revision(spec)
-    current = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
-    updated = [p for p in current if (p["metadata"].get("labels") or {}).get(LABEL_REVISION) == revision]
     sts_status = (statefulset or {}).get("status") or {}
     desired = int(spec.get("replicas", 1))
     ready = int(sts_status.get("readyReplicas", 0) or 0)
-    updated_ready = sum(1 for p in updated if pod_is_ready(p))
+    if pods is None:
+        updated_count, updated_ready = int(sts_status.get("updatedReplicas", 0) or 0), ready
+    else:
+        current = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
+        updated = [p for p in current if (p["metadata"].get("labels") or {}).get(LABEL_REVISION) == revision]
+        updated_count, updated_ready = len(updated), sum(1 for p in updated if pod_is_ready(p))
     generation = int(meta.get("generation", 0) or 0)
     previous = (role_body.get("status") or {}).get("conditions") or []
     is_ready = ready >= desired and updated_ready >= min(desired, max(0, desired - int(
@@ -55,7 +72,7 @@ def role_status(role_body: Body, statefulset: Body | None, pods: Iterable[Body],
         "observedGeneration": generation,
         "replicas": int(sts_status.get("replicas", 0) or 0),
         "readyReplicas": ready,
-        "updatedReplicas": len(updated),
+        "updatedReplicas": updated_count,
         "updatedReadyReplicas": updated_ready,
         "revision": revision,
         "selector": selector_string(spec["group"], spec["role"]),

@@ -28,7 +28,7 @@ from splitserve.operator.names import (
 )
 from splitserve.operator.role_builders import build_headless_service, build_statefulset
 from splitserve.operator.rollout import RoleProgress, group_revision, role_revision, rollout_partitions
-from splitserve.operator.status import condition, group_status, role_status
+from splitserve.operator.status import condition, group_status, role_status, statefulset_settled
 from splitserve.operator.validation import group_spec_problems, role_spec_problems
 
 IMAGE = "example.com/splitserve:test"
@@ -376,6 +376,20 @@ def test_role_status_counts_updated_ready_pods_and_exposes_the_selector() -> Non
     assert (status["updatedReplicas"], status["updatedReadyReplicas"]) == (2, 1)
     assert status["selector"] == "splitserve.io/group=g,splitserve.io/role=decode"
     assert status["conditions"][0]["status"] == "False"
+
+
+def test_a_settled_statefulset_stands_for_its_pods() -> None:
+    sr = role_body(group(), "decode")
+    sts = {"metadata": {"generation": 2}, "spec": {"replicas": 3},
+           "status": {"observedGeneration": 2, "replicas": 3, "readyReplicas": 2, "updatedReplicas": 3,
+                      "currentRevision": "r1", "updateRevision": "r1"}}
+    assert statefulset_settled(sts)
+    status = role_status(sr, sts, None, "2024-01-01T00:00:00Z")
+    assert (status["readyReplicas"], status["updatedReplicas"], status["updatedReadyReplicas"]) == (2, 3, 2)
+    # Not settled: status behind the spec, two revisions, or pods still being created.
+    for change in ({"observedGeneration": 1}, {"updateRevision": "r2"}, {"updatedReplicas": 2}, {"replicas": 2}):
+        assert not statefulset_settled({**sts, "status": {**sts["status"], **change}}), change
+    assert not statefulset_settled(None)
 
 
 def test_group_status_is_ready_only_when_every_role_and_the_router_are() -> None:
