@@ -66,9 +66,9 @@ def transfer_throughput(cfg: EPDBenchConfig) -> dict:
     rows, hidden, dtype = cfg.transfer_rows, cfg.transfer_hidden, torch.bfloat16
     nbytes = rows * hidden * 2
     config = TransferConfig()
-    src = EmbeddingSlots(2, rows, hidden, dtype, hold_s=0.0)
+    src = EmbeddingSlots(2, rows, hidden, dtype)
     src.buffer.normal_()
-    dst = EmbeddingSlots(2, rows, hidden, dtype, hold_s=0.0)
+    dst = EmbeddingSlots(2, rows, hidden, dtype)
     sender = EmbeddingSender(config, src, CollectorRegistry())
     receiver = EmbeddingReceiver(config, dst, timeout_s=30.0, metrics_registry=CollectorRegistry())
     try:

@@ -16,8 +16,6 @@ class EPDConfig:
         "help": "prefill role: image items receiving at once (each holds one image's rows)"})
     embedding_timeout_s: float = field(default=60.0, metadata={
         "help": "prefill role: seconds a request's image rows may take to arrive before it fails (408)"})
-    embedding_hold_s: float = field(default=10.0, metadata={
-        "help": "prefill role: seconds a failed item's slot is held back (a late write may still land)"})
     embedding_write_pause_s: float = field(default=0.0, metadata={
         "help": "encode role, tests only: pause this long halfway through each embedding write (so that a "
                 "killed encoder dies mid-write); 0 in production"})
@@ -25,6 +23,5 @@ class EPDConfig:
     def __post_init__(self) -> None:
         if self.encode_cache_size < 1 or self.embedding_slots < 1 or self.encode_batch_size < 1:
             raise ValueError("--encode-cache-size, --encode-batch-size and --embedding-slots must be >= 1")
-        if self.embedding_timeout_s <= 0 or self.embedding_hold_s < 0 or self.embedding_write_pause_s < 0:
-            raise ValueError("--embedding-timeout-s must be > 0, --embedding-hold-s and --embedding-write-pause-s "
-                             ">= 0")
+        if self.embedding_timeout_s <= 0 or self.embedding_write_pause_s < 0:
+            raise ValueError("--embedding-timeout-s must be > 0 and --embedding-write-pause-s >= 0")

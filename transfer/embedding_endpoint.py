@@ -93,6 +93,9 @@ class EmbeddingEndpoint:
     def on_tick_locked(self, now: float) -> None:
         """Deadlines, retries."""
 
+    def on_heard_locked(self, endpoint: str, instance: str) -> None:
+        """Any message from ``endpoint`` (Ping and Pong included), sent by process ``instance``."""
+
     def on_peer_dead_locked(self, endpoint: str) -> None:
         """Every item bound to ``endpoint`` fails."""
 
@@ -107,6 +110,7 @@ class EmbeddingEndpoint:
             restarted = self.liveness.heard(msg.reply_to, msg.instance, now)
             if restarted is not None:
                 self.on_peer_dead_locked(msg.reply_to)
+            self.on_heard_locked(msg.reply_to, msg.instance)
             if isinstance(msg, Ping):
                 self.channel.send(msg.reply_to, Pong(self.endpoint, self.instance_id, msg.seq))
             elif not isinstance(msg, Pong):

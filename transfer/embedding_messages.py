@@ -2,9 +2,13 @@
 (three frames, HMAC under the group's key, every field type-checked on arrival).
 
 - ``EmbeddingWanted`` prefill rank -> encoder: for ``room``, write ``rows`` x ``hidden`` of ``dtype``
-  (``nbytes``) at ``dst_ptr`` of Mooncake session ``session``; sent only once a slot is leased.
+  (``nbytes``) at ``dst_ptr`` of Mooncake session ``session``; sent only once a slot is leased. The
+  encoder starts no write for the room after ``write_by`` (wall clock, seconds since the epoch).
 - ``EmbeddingStatus`` encoder -> prefill rank: the rows landed (state 2) or the item failed (state 0).
-- ``EmbeddingAbort`` prefill rank -> encoder: the room is given up; write nothing more.
+- ``EmbeddingAbort`` prefill rank -> encoder: the room is given up; write nothing more. Repeated
+  every heartbeat interval while the room's slot is fenced (write_fence.py).
+- ``EmbeddingFenced`` encoder -> prefill rank, the answer to an abort: no write of mine for the
+  room is in flight and none will start (the slot may be reused).
 - ``Ping`` / ``Pong``: the KV heartbeats, unchanged.
 """
 
@@ -29,6 +33,7 @@ class EmbeddingWanted:
     hidden: int
     dtype: str
     digest: str
+    write_by: float
 
 
 @dataclass(frozen=True)
@@ -51,5 +56,14 @@ class EmbeddingAbort:
     reason: str
 
 
+@dataclass(frozen=True)
+class EmbeddingFenced:
+    kind: ClassVar[str] = "embedding_fenced"
+    room: int
+    reply_to: str
+    instance: str
+
+
 EMBEDDING_MESSAGE_TYPES: dict[str, type] = {
-    cls.kind: cls for cls in (EmbeddingWanted, EmbeddingStatus, EmbeddingAbort, Ping, Pong)}
+    cls.kind: cls for cls in (EmbeddingWanted, EmbeddingStatus, EmbeddingAbort, EmbeddingFenced,
+                              Ping, Pong)}

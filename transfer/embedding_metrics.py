@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -20,6 +20,8 @@ class EmbeddingMetrics:
     encode_seconds: Histogram
     cache_hits_total: Counter
     cache_misses_total: Counter
+    slots_fenced: Gauge
+    fences_total: Counter
 
     def item_done(self, side: str, success: bool, nbytes: int, seconds: float | None) -> None:
         self.items_total.labels(side=side, outcome="success" if success else "failed").inc()
@@ -53,6 +55,12 @@ def embedding_metrics(registry: CollectorRegistry | None = None) -> EmbeddingMet
                                      registry=registry),
             cache_misses_total=Counter("splitserve_embedding_cache_misses", "Images the encoder computed",
                                        registry=registry),
+            slots_fenced=Gauge("splitserve_embedding_slots_fenced",
+                               "Prefill: slots of failed items held until no write of their encoder can land",
+                               registry=registry),
+            fences_total=Counter("splitserve_embedding_fences",
+                                 "Prefill: slot fences lifted, by how: acknowledged, peer gone, deadline",
+                                 ["outcome"], registry=registry),
         )
         _BY_REGISTRY[id(registry)] = (registry, metrics)
         return metrics

@@ -8,6 +8,11 @@ hidden, dtype, bytes); a mismatch fails the item on both sides and writes nothin
 `fail(room, reason)` fails an item (e.g. the image did not decode); `concluded()` returns the
 rooms finished since the last call, so the caller can unpin their source slots.
 
+Fences (write_fence.py): every Mooncake write is counted per room while in flight, and none
+starts once the prefill aborted the room or past the ask's `write_by`; an `EmbeddingAbort` is
+answered `EmbeddingFenced` once no counted write for the room is in flight (at once, or when the
+write returns), so the prefill knows when the item's slot may be reused.
+
 `pause_halfway_s` (tests only) writes each item in two halves with a pause between, so that a
 test can kill the encoder while an item is partly written (`stats()["partly_written"]` says when).
 """
@@ -23,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from .config import TransferConfig
 from .control_messages import ControlMessage
 from .embedding_endpoint import EmbeddingEndpoint
-from .embedding_messages import EmbeddingAbort, EmbeddingStatus, EmbeddingWanted
+from .embedding_messages import EmbeddingAbort, EmbeddingFenced, EmbeddingStatus, EmbeddingWanted
 from .embedding_slots import EmbeddingSlots
 
 log = logging.getLogger(__name__)
@@ -84,6 +89,8 @@ class EmbeddingSender(EmbeddingEndpoint):
         self._early: dict[int, tuple[float, EmbeddingWanted]] = {}
         self._aborted: dict[int, float] = {}  # room -> until when an abort is remembered
         self._concluded: list[Concluded] = []
+        self._in_flight: dict[int, int] = {}  # room -> Mooncake writes in flight
+        self._fence_owed: dict[int, set[str]] = {}  # room -> prefill endpoints owed an EmbeddingFenced
         super().__init__(config, slots, "embedding-sender", metrics_registry)  # threads start here
 
     # ---- the encode role's API ------------------------------------------------------------
@@ -128,7 +135,8 @@ class EmbeddingSender(EmbeddingEndpoint):
         with self.lock:
             partly = sum(1 for r in self._rooms.values() if r.chunk is not None and 0 < r.written < r.chunk.nbytes)
             return {"rooms": len(self._rooms), "early": len(self._early), "concluded": len(self._concluded),
-                    "writing": sum(1 for r in self._rooms.values() if r.writing), "partly_written": partly}
+                    "writing": sum(1 for r in self._rooms.values() if r.writing), "partly_written": partly,
+                    "writes_in_flight": sum(self._in_flight.values())}
 
     # ---- internals (lock held) --------------------------------------------------------------
 
@@ -145,22 +153,29 @@ class EmbeddingSender(EmbeddingEndpoint):
 
     def _write(self, state: SendRoom, chunk: EmbeddingChunk, want: EmbeddingWanted) -> None:
         """Writer thread: the Mooncake write (in two halves with `pause_halfway_s`), then the status (off the lock)."""
-        with self.lock:
-            if state.done:
-                return
+        half = chunk.nbytes // 2 if self.pause_halfway_s > 0 else 0
+        pieces = [(0, half), (half, chunk.nbytes - half)] if half else [(0, chunk.nbytes)]
         code = 0
-        if self.pause_halfway_s > 0:  # tests: a kill during the pause lands mid-write
-            half = chunk.nbytes // 2
-            code = self.engine.write(want.session, [self.slots.slot_ptr(chunk.slot)], [want.dst_ptr], [half])
-            with self.lock:
-                state.written = half
-            log.info("embedding room %d: %d of %d bytes written, pausing %.1f s", state.room, half, chunk.nbytes,
-                     self.pause_halfway_s)
-            time.sleep(self.pause_halfway_s)
-        if code == 0:
-            start = state.written
-            code = self.engine.write(want.session, [self.slots.slot_ptr(chunk.slot) + start], [want.dst_ptr + start],
-                                     [chunk.nbytes - start])
+        for i, (start, length) in enumerate(pieces):
+            if i:  # tests: a kill or a freeze during the pause lands mid-write
+                log.info("embedding room %d: %d of %d bytes written, pausing %.1f s", state.room, start,
+                         chunk.nbytes, self.pause_halfway_s)
+                time.sleep(self.pause_halfway_s)
+            refused = self._begin_write(state, want)
+            if refused:
+                with self.lock:
+                    state.writing = False
+                    if not state.done:
+                        self._conclude_locked(state, False, refused)
+                return
+            code = -1
+            try:
+                code = self.engine.write(want.session, [self.slots.slot_ptr(chunk.slot) + start],
+                                         [want.dst_ptr + start], [length])
+            finally:
+                self._end_write(state, start + length if code == 0 else start)
+            if code != 0:
+                break
         with self.lock:
             state.writing = False
             if state.done:
@@ -171,6 +186,29 @@ class EmbeddingSender(EmbeddingEndpoint):
             seconds = time.monotonic() - state.ready_at if state.ready_at is not None else None
             self.metrics.item_done("encoder", True, chunk.nbytes, seconds)
             self._conclude_locked(state, True, "")
+
+    def _begin_write(self, state: SendRoom, want: EmbeddingWanted) -> str:
+        """Why no write may start for the room now ("" if one may: it is counted until `_end_write`)."""
+        with self.lock:
+            if state.done or state.room in self._aborted:
+                return "aborted by the prefill"
+            late = time.time() - want.write_by
+            if late >= 0:
+                return f"the prefill's write-by deadline passed {late:.1f}s ago: nothing more is written"
+            self._in_flight[state.room] = self._in_flight.get(state.room, 0) + 1
+            return ""
+
+    def _end_write(self, state: SendRoom, written: int) -> None:
+        """A counted write returned; the fence answers owed for its room go out once none is left."""
+        with self.lock:
+            state.written = written
+            left = self._in_flight[state.room] - 1
+            if left:
+                self._in_flight[state.room] = left
+                return
+            del self._in_flight[state.room]
+            for endpoint in self._fence_owed.pop(state.room, set()):
+                self.send_control(endpoint, EmbeddingFenced(state.room, self.endpoint, self.instance_id))
 
     def _conclude_locked(self, state: SendRoom, ok: bool, reason: str) -> None:
         state.done = True
@@ -204,6 +242,11 @@ class EmbeddingSender(EmbeddingEndpoint):
             if state is not None and not state.writing:
                 state.wanted = None  # no status back: the prefill gave up
                 self._conclude_locked(state, False, f"aborted by the prefill: {msg.reason}")
+            # No write for the room starts from now on; answer once the one in flight (if any) returned.
+            if msg.room in self._in_flight:
+                self._fence_owed.setdefault(msg.room, set()).add(msg.reply_to)
+            else:
+                self.send_control(msg.reply_to, EmbeddingFenced(msg.room, self.endpoint, self.instance_id))
 
     def on_tick_locked(self, now: float) -> None:
         horizon = now - self.config.transfer_bootstrap_timeout_s

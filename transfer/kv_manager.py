@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-import socket
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -47,7 +46,7 @@ from .peer_workers import PeerWorkers, TransferJob
 from .poll_state import KVPoll
 from .room_status import RoomStatus
 from .transfer_metrics import TransferMetrics, transfer_metrics
-from .write_fence import WriteFence
+from .write_fence import WriteFence, nothing_listens
 
 if TYPE_CHECKING:
     from .kv_receiver import MooncakeKVReceiver
@@ -65,7 +64,6 @@ WORKER_IDLE_S = 5.0
 # A fenced room whose prefill ranks stay silent past a heartbeat timeout is checked this often:
 # is anything still listening at their control endpoints, and does their bootstrap server list them?
 FENCE_CHECK_S = 1.0
-FENCE_CONNECT_TIMEOUT_S = 0.5
 FENCE_QUERY = "fence: the room failed on decode; answer once no write for it is in flight"
 
 
@@ -396,7 +394,7 @@ class MooncakeKVManager(BaseKVManager):
 
     def _check_fence_peers(self, addr: str, peers: set[tuple[str, str]]) -> None:
         """Thread: which silent prefill ranks of fenced rooms are known gone (see write_fence.py)."""
-        gone = {(endpoint, instance) for endpoint, instance in peers if _nothing_listens(endpoint)}
+        gone = {(endpoint, instance) for endpoint, instance in peers if nothing_listens(endpoint)}
         try:
             layouts: list[KVLayout] | None = fetch_layouts(addr, self.config.transfer_control_key, timeout_s=2.0)
         except BootstrapError:
@@ -588,16 +586,3 @@ class MooncakeKVManager(BaseKVManager):
                     self._lookups.pop(addr, None)
                     return
 
-
-def _nothing_listens(endpoint: str) -> bool:
-    """True when a TCP connection to the control ``endpoint`` (``tcp://host:port``) is refused: the
-    process that had it bound exited. A frozen process's kernel still accepts; a host that does not
-    answer at all tells nothing (False)."""
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=FENCE_CONNECT_TIMEOUT_S):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except (OSError, ValueError):
-        return False

@@ -1,6 +1,9 @@
-"""Write fences: a failed room's decode pages stay out of use until no write for it can land.
+"""Write fences: a failed room's buffers stay out of use until no write for it can land.
 
-Once a decode rank sent a room's metadata, the prefill may write into its pages at any time until
+One implementation for both transfers whose writer is remote: a decode's KV pages (written by the
+prefill ranks) and a prefill's embedding slots (written by an encoder, embedding_receiver.py;
+there ``bootstrap_addr`` is "" and the only writer is the encoder). In KV terms: once a decode
+rank sent a room's metadata, the prefill may write into its pages at any time until
 it stops, even long after the room failed here: a prefill frozen (SIGSTOP, a stalled host) in the
 middle of a transfer resumes where it was. So a room that fails after its metadata went out is
 fenced: its pages are held until every prefill rank of the replica
@@ -21,7 +24,10 @@ Pure bookkeeping on timestamps: the manager's control thread drives it under the
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
+
+CONNECT_TIMEOUT_S = 0.5
 
 
 @dataclass
@@ -54,7 +60,7 @@ class WriteFence:
     def peer_seen(self, endpoint: str, instance: str) -> None:
         """A message from ``endpoint`` by ``instance``: another process there means ours is gone."""
         expected = self.pending.get(endpoint)
-        if expected is not None and instance and instance != expected:
+        if expected and instance and instance != expected:  # "": the writer's instance was not known
             del self.pending[endpoint]
             if not self.pending and not self.outcome:
                 self.outcome = "peer gone"
@@ -74,3 +80,17 @@ class WriteFence:
                 del self.pending[endpoint]
                 if not self.pending and not self.outcome:
                     self.outcome = "peer gone"
+
+
+def nothing_listens(endpoint: str) -> bool:
+    """True when a TCP connection to the control ``endpoint`` (``tcp://host:port``) is refused: the
+    process that had it bound exited. A frozen process's kernel still accepts; a host that does not
+    answer at all tells nothing (False)."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False

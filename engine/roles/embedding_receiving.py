@@ -38,7 +38,7 @@ class EmbeddingReceivingRole(Role):
         vision = engine.model_cfg.vision
         assert vision is not None, "the embedding receiver is only built for multimodal models"
         self.slots = EmbeddingSlots(self.epd.embedding_slots, vision.tokens_per_image, engine.model_cfg.hidden_size,
-                                    engine.runner.dtype, hold_s=self.epd.embedding_hold_s)
+                                    engine.runner.dtype)
         self.receiver = EmbeddingReceiver(self.transfer, self.slots, self.epd.embedding_timeout_s,
                                           engine.metrics.registry)
 

@@ -83,7 +83,7 @@ class EncodeRole(Role):
         self.vision = vision
         self.processor = ClipImageProcessor.from_folder(engine.model_folder)
         self.slots = EmbeddingSlots(self.epd.encode_cache_size, vision.tokens_per_image, engine.model_cfg.hidden_size,
-                                    engine.runner.dtype, hold_s=0.0)
+                                    engine.runner.dtype)
         self.sender = EmbeddingSender(self.transfer, self.slots, engine.metrics.registry,
                                      pause_halfway_s=self.epd.embedding_write_pause_s)
         self.cache = EmbeddingCache(self.epd.encode_cache_size)

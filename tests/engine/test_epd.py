@@ -90,7 +90,7 @@ def deployment(tmp_path_factory):
         d.engine(name, "encode", "--embedding-write-pause-s", str(WRITE_PAUSE_S), *TRANSFER)
     bootstrap = free_port()
     d.engine("prefill", "prefill", "--bootstrap-port", str(bootstrap), "--chunked-prefill-size", "8",
-             "--embedding-timeout-s", "3", "--embedding-hold-s", "0.5", *TRANSFER)
+             "--embedding-timeout-s", "3", *TRANSFER)
     d.bootstrap_port = bootstrap
     d.engine("decode", "decode", *TRANSFER)
     pd = ["--prefill", d.url("prefill"), "--decode", d.url("decode"), "--health-interval-s", "0.3",
@@ -147,7 +147,7 @@ def assert_everything_back(d: Deployment, timeout: float = 10.0) -> None:
         alive = [n for n in ("encode-a", "encode-b") if d.procs[n][1].proc.poll() is None]
         encoders = [health(d.url(n))["embedding"] for n in alive]
         clean = (pre["waiting"] == 0 and pre["staged"] == 0 and pre["rooms"] == 0 and pre["leased"] == 0
-                 and pre["held"] == 0 and all(e["pinned_slots"] == 0 and e["rooms"] == 0 and e["queued"] == 0
+                 and pre["fenced"] == 0 and all(e["pinned_slots"] == 0 and e["rooms"] == 0 and e["queued"] == 0
                                              for e in encoders))
         if clean:
             return

@@ -1,5 +1,5 @@
-"""Embedding rows from an encoder's sender to a prefill's receiver over real Mooncake TCP on loopback:
-exact bytes, checks before any write, failures on both sides, slots held back, counts back to start."""
+"""Embedding rows from an encoder's sender to a prefill's receiver over real Mooncake TCP on loopback: exact
+bytes, checks before any write, failures on both sides, slots fenced until the encoder answers, counts back to start."""
 
 from __future__ import annotations
 
@@ -17,15 +17,20 @@ from splitserve.transfer.embedding_receiver import FAILED, LANDED, RECEIVING, Em
 from splitserve.transfer.embedding_sender import EmbeddingChunk, EmbeddingSender
 from splitserve.transfer.embedding_slots import EmbeddingSlots
 
+from .conftest import wait_until
+
 ROWS, HIDDEN = 16, 64
 CONFIG = TransferConfig(transfer_heartbeat_interval_s=0.2, transfer_heartbeat_misses=3,
                         transfer_bootstrap_timeout_s=5.0)
 
+IDLE_3 = {"staged": 0, "rooms": 0, "watched_peers": 0, "fence_checks": 0, "free": 3, "fenced": 0, "leased": 0}
+SENDER_IDLE = {"rooms": 0, "early": 0, "concluded": 0, "writing": 0, "partly_written": 0, "writes_in_flight": 0}
+
 
 @pytest.fixture
 def pair():
-    enc_slots = EmbeddingSlots(4, ROWS, HIDDEN, torch.float32, hold_s=0.3)
-    pre_slots = EmbeddingSlots(3, ROWS, HIDDEN, torch.float32, hold_s=0.3)
+    enc_slots = EmbeddingSlots(4, ROWS, HIDDEN, torch.float32)
+    pre_slots = EmbeddingSlots(3, ROWS, HIDDEN, torch.float32)
     sender = EmbeddingSender(CONFIG, enc_slots, CollectorRegistry())
     receiver = EmbeddingReceiver(CONFIG, pre_slots, timeout_s=3.0, metrics_registry=CollectorRegistry())
     yield sender, receiver
@@ -71,8 +76,8 @@ def test_rows_land_exactly_whichever_side_comes_first(pair) -> None:
     assert torch.equal(receiver.slots.rows(slots[0], ROWS), a) and torch.equal(receiver.slots.rows(slots[1], ROWS), b)
     receiver.release(slots)
     assert sorted(c.room for c in sender.concluded()) == [11, 12]
-    assert receiver.stats() == {"staged": 0, "rooms": 0, "watched_peers": 0, "free": 3, "held": 0, "leased": 0}
-    assert sender.stats() == {"rooms": 0, "early": 0, "concluded": 0, "writing": 0, "partly_written": 0}
+    assert receiver.stats() == IDLE_3
+    assert sender.stats() == SENDER_IDLE
 
 
 @pytest.mark.parametrize("bad", ["rows", "hidden", "dtype"])
@@ -90,14 +95,13 @@ def test_a_mismatch_fails_both_sides_and_writes_nothing(pair, bad: str) -> None:
     assert torch.count_nonzero(receiver.slots.buffer) == 0  # nothing was written
     (done,) = sender.concluded()
     assert not done.ok and "mismatch" in done.reason
-    assert receiver.stats()["held"] == 1  # held back, then free again
-    time.sleep(0.35)
-    assert receiver.stats()["free"] == 3
+    assert receiver.stats()["fenced"] == 1  # fenced until the encoder answers the abort, then free again
+    assert wait_until(lambda: receiver.stats()["free"] == 3, 2)
 
 
 def test_a_dead_encoder_fails_its_items_within_the_heartbeat_bound(pair) -> None:
     _, receiver = pair
-    other = EmbeddingSender(CONFIG, EmbeddingSlots(1, ROWS, HIDDEN, torch.float32, 0.1), CollectorRegistry())
+    other = EmbeddingSender(CONFIG, EmbeddingSlots(1, ROWS, HIDDEN, torch.float32), CollectorRegistry())
     endpoint = other.endpoint
     other.close()  # its control channel is gone: no pong ever comes back
     started = time.monotonic()
@@ -106,13 +110,14 @@ def test_a_dead_encoder_fails_its_items_within_the_heartbeat_bound(pair) -> None
     assert time.monotonic() - started < CONFIG.heartbeat_timeout_s + 0.5
     _, failed = receiver.settle({"r": FAILED})
     assert "stopped answering" in failed[0][1]
-    time.sleep(0.35)
-    assert receiver.stats() == {"staged": 0, "rooms": 0, "watched_peers": 0, "free": 3, "held": 0, "leased": 0}
+    assert receiver.stats()["fenced"] == 1  # until the encoder is known gone: nothing listens at its endpoint
+    assert wait_until(lambda: receiver.stats() == IDLE_3, CONFIG.heartbeat_timeout_s + 2), receiver.stats()
+    assert receiver.metrics.fences_total.labels(outcome="peer gone")._value.get() == 1
 
 
 def test_timeout_and_drop_tell_the_encoder_and_free_everything(pair) -> None:
     sender, _ = pair
-    quick = EmbeddingReceiver(CONFIG, EmbeddingSlots(2, ROWS, HIDDEN, torch.float32, 0.1), timeout_s=0.4,
+    quick = EmbeddingReceiver(CONFIG, EmbeddingSlots(2, ROWS, HIDDEN, torch.float32), timeout_s=0.4,
                               metrics_registry=CollectorRegistry())
     try:
         sender.begin(41)  # never sends its rows (the image is slow)
@@ -130,10 +135,10 @@ def test_timeout_and_drop_tell_the_encoder_and_free_everything(pair) -> None:
         quick.stage("gone", [WantedItem(42, sender.endpoint, ROWS, "f" * 64)])
         time.sleep(0.1)
         quick.drop("gone", "client disconnected")
-        time.sleep(0.3)
+        assert wait_until(lambda: quick.stats() == {**IDLE_3, "free": 2}, 2), quick.stats()  # the encoder answered
         assert [c.room for c in sender.concluded()] == [42]
-        assert quick.stats() == {"staged": 0, "rooms": 0, "watched_peers": 0, "free": 2, "held": 0, "leased": 0}
-        assert sender.stats() == {"rooms": 0, "early": 0, "concluded": 0, "writing": 0, "partly_written": 0}
+        assert quick.metrics.fences_total.labels(outcome="acknowledged")._value.get() == 2
+        assert sender.stats() == SENDER_IDLE
     finally:
         quick.close()
 
@@ -174,7 +179,7 @@ def test_a_fixed_embedding_control_port_from_the_env_is_where_peers_write(pair) 
                               "SPLITSERVE", environ={"SPLITSERVE_EMBEDDING_CONTROL_PORT": str(port)})
     config = config.replace(transfer_heartbeat_interval_s=0.2, transfer_heartbeat_misses=3)
     assert (config.embedding_control_port, config.transfer_control_port) == (port, kv_port)
-    fixed = EmbeddingReceiver(config, EmbeddingSlots(1, ROWS, HIDDEN, torch.float32, 0.1), timeout_s=3.0,
+    fixed = EmbeddingReceiver(config, EmbeddingSlots(1, ROWS, HIDDEN, torch.float32), timeout_s=3.0,
                               metrics_registry=CollectorRegistry())
     try:
         assert fixed.endpoint == f"tcp://127.0.0.1:{port}"
