@@ -86,7 +86,7 @@ def deployment(tmp_path_factory):
     d.engine("unified", "unified", "--chunked-prefill-size", "8")
     for name in ("encode-a", "encode-b", "encode-c"):
         d.engine(name, "encode", *TRANSFER)
-    for name in ("encode-slow-1", "encode-slow-2", "encode-slow-3"):
+    for name in ("encode-slow-1", "encode-slow-2", "encode-slow-3", "encode-slow-4"):
         d.engine(name, "encode", "--embedding-write-pause-s", str(WRITE_PAUSE_S), *TRANSFER)
     bootstrap = free_port()
     d.engine("prefill", "prefill", "--bootstrap-port", str(bootstrap), "--chunked-prefill-size", "8",
@@ -100,6 +100,7 @@ def deployment(tmp_path_factory):
     d.start("router-failover", ["router", *pd, "--encode", d.url("encode-b"), d.url("encode-c")])
     d.start("router-midwrite", ["router", *pd, "--encode", d.url("encode-slow-1"), d.url("encode-b")])
     d.start("router-lone-encoder", ["router", *pd, "--encode", d.url("encode-slow-3")])
+    d.start("router-frozen-encoder", ["router", *pd, "--encode", d.url("encode-slow-4")])
     try:
         d.wait()
         yield d
@@ -381,5 +382,59 @@ def test_the_only_encoder_killed_mid_write_gives_a_clear_503_and_frees_everythin
     assert r.headers["retry-after"]
     log.info("the only encoder killed mid-write: 503 %.2f s after the kill", answered_at - killed_at)
     assert answered_at - killed_at < 10
+    assert_everything_back(deployment)
+    assert embedding_slots_free(deployment) == free_at_start
+
+
+def test_a_frozen_encoder_s_slot_stays_fenced_while_others_equal_unified_and_lifts_after_sigcont(
+        deployment: Deployment) -> None:
+    """An encoder SIGSTOPped halfway through an item's write, past the heartbeat timeout: the
+    prefill fails the item, but its slot stays fenced while the encoder is frozen (a resumed write
+    could land in it); other image requests meanwhile equal the unified engine; after SIGCONT the
+    encoder answers the repeated abort and the slot is free again. The frozen request itself ends
+    either with the unified engine's tokens (retried on the resumed encoder) or a clear error."""
+    name = "encode-slow-4"
+    url, frozen = deployment.procs[name]
+    prefill = deployment.url("prefill")
+    free_at_start = embedding_slots_free(deployment)
+    case = body([image(png_url(47, 39, 99)), {"type": "text", "text": "frozen halfway"}])
+    done: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: done.append(httpx.post(
+        f"{deployment.url('router-frozen-encoder')}/v1/chat/completions", json=case, timeout=120)))
+    sender.start()
+    deadline = time.monotonic() + 60
+    while health(url)["embedding"]["partly_written"] == 0:
+        assert time.monotonic() < deadline, f"{name} never got an item partly written"
+        time.sleep(0.02)
+    os.kill(frozen.proc.pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        deadline = frozen_at + 10
+        while health(prefill)["embedding"]["fenced"] == 0:  # the item failed on heartbeat loss
+            assert time.monotonic() < deadline, health(prefill)["embedding"]
+            time.sleep(0.05)
+        others = [body(CASES[1]), body(CASES[3])]
+        want = [w.json()["choices"][0]["token_ids"] for w in chat_all(deployment.url("unified"), others)]
+        got = chat_all(deployment.url("router-1e"), others)
+        assert [g.json()["choices"][0]["token_ids"] for g in got] == want
+        time.sleep(max(0.0, frozen_at + 4 * 1.2 - time.monotonic()))  # 4 heartbeat timeouts frozen
+        pre = health(prefill)["embedding"]
+        assert pre["fenced"] == 1, f"the fence lifted while the encoder was frozen: {pre}"
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+    resumed_at = time.monotonic()
+    deadline = resumed_at + 10
+    while health(prefill)["embedding"]["fenced"] != 0:
+        assert time.monotonic() < deadline, health(prefill)["embedding"]
+        time.sleep(0.02)
+    log.info("frozen encoder: its slot's fence lifted %.2f s after SIGCONT", time.monotonic() - resumed_at)
+    sender.join(timeout=120)
+    (r,) = done
+    if r.status_code == 200:
+        unified = httpx.post(f"{deployment.url('unified')}/v1/chat/completions", json=case, timeout=120)
+        assert r.json()["choices"][0]["token_ids"] == unified.json()["choices"][0]["token_ids"]
+    else:
+        assert r.status_code in (503, 408) and r.json()["error"]["message"], r.text
+    log.info("the frozen encoder's request: %d", r.status_code)
     assert_everything_back(deployment)
     assert embedding_slots_free(deployment) == free_at_start
