@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import logging
 import secrets
@@ -142,8 +143,24 @@ class ImageEncoding:
         backend = group[0].encoder
         assert backend is not None
         items = [{"room": s.room, "where": s.where, "image_url": {"url": s.url}} for s in group]
+        call = asyncio.ensure_future(self.client.post(f"{backend.url}/v1/encode", json={"items": items},
+                                                      headers=self.headers))
+        ejected = asyncio.ensure_future(backend.ejected.wait())
         try:
-            r = await self.client.post(f"{backend.url}/v1/encode", json={"items": items}, headers=self.headers)
+            # An encoder that stops answering (frozen, partitioned) keeps its socket open, so the
+            # call would wait for the read timeout; its ejection (failed health probes) ends the wait.
+            await asyncio.wait({call, ejected}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ejected.cancel()
+        if not call.done():
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await call
+            logger.warning("encode call to %s abandoned: the encoder was ejected (%s)", backend.url,
+                           backend.last_error)
+            return False  # try another encoder
+        try:
+            r = call.result()
         except httpx.HTTPError as exc:
             self.pool.eject(backend, f"encode call: {type(exc).__name__}: {exc}")
             return False

@@ -438,3 +438,33 @@ def test_a_frozen_encoder_s_slot_stays_fenced_while_others_equal_unified_and_lif
     log.info("the frozen encoder's request: %d", r.status_code)
     assert_everything_back(deployment)
     assert embedding_slots_free(deployment) == free_at_start
+
+
+def test_an_encoder_frozen_before_its_call_answers_is_ejected_and_the_request_ends(deployment: Deployment) -> None:
+    """SIGSTOP keeps the encoder's socket open: without a bound the router's /v1/encode call would
+    wait for its 600 s read timeout. The prober ejects the encoder (its /health probes time out)
+    and that ends the call: the router's only encoder gone, a clear 503."""
+    name = "encode-slow-4"
+    url, frozen = deployment.procs[name]
+    router = deployment.url("router-frozen-encoder")
+    case = body([image(png_url(33, 45, 12)), {"type": "text", "text": "frozen before it answers"}])
+    os.kill(frozen.proc.pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        r = httpx.post(f"{router}/v1/chat/completions", json=case, timeout=60)
+        answered_at = time.monotonic()
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_encoder", r.text
+        log.info("encoder frozen before answering: 503 %.2f s later", answered_at - frozen_at)
+        assert answered_at - frozen_at < 10, "the call waited for something other than the encoder's ejection"
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+
+    def healthy_at_router() -> bool:
+        backends = httpx.get(f"{router}/health", timeout=5).json()["backends"]
+        return next(b for b in backends if b["url"] == url)["healthy"]
+
+    while not healthy_at_router():
+        assert time.monotonic() < deadline, "the encoder never came back after SIGCONT"
+        time.sleep(0.1)
+    assert_everything_back(deployment)
