@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,19 @@ def load_prompts(load, seed: int) -> list[list[int]]:
     return [torch.randint(1, 250, (n,), generator=gen).tolist() for n in load.prompt_lens]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def served_load(folder: Path, device: str, max_running: int, engine_args: str, load, seed: int) -> dict:
+    """The load over HTTP; also the CPU time the server process (and its engine core, if it has one)
+    spent per output token: the host work the HTTP path adds, which a faster device does not shrink."""
     from splitserve.engine.bench_serving import run_load, start_server
 
     proc, url = start_server(folder, device, max_running, engine_args)
@@ -63,7 +76,14 @@ def served_load(folder: Path, device: str, max_running: int, engine_args: str, l
         warm = asyncio.run(run_load(url, model, type(load)("warm-up", [4] * 2, [4] * 2, [0.0] * 2, load.rate), seed))
         if warm["ok"] != 2:
             raise RuntimeError(f"the server's warm-up requests failed: {warm['errors']}")
-        return asyncio.run(run_load(url, model, load, seed))
+        pids = [proc.pid, *child_pids(proc.pid)]  # the API server, then its engine core (if split)
+        before = [cpu_seconds(p) for p in pids]
+        result = asyncio.run(run_load(url, model, load, seed))
+        used = [cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)]
+        tokens = max(1, result["output_tokens"])
+        result["cpu_us_per_token"] = {"server": used[0] / tokens * 1e6,
+                                      **({"engine_core": sum(used[1:]) / tokens * 1e6} if used[1:] else {})}
+        return result
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -106,5 +126,8 @@ def print_api_split_report(report: dict[str, Any]) -> None:
             lines.append(f"{entry['name']:<15} | HTTP, {mode:<19} | {r['ok']:>3}/{r['requests']:<3} | "
                          f"{r['output_tok_s']:9.0f} | {r['over_bare_engine']:6.2f} | {t['p50'] * 1e3:6.0f} "
                          f"{t['p90'] * 1e3:7.0f} | {i['p50'] * 1e3:5.1f} {i['p90'] * 1e3:5.1f} {i['p99'] * 1e3:6.1f}")
+    lines.append("CPU time per output token (us): " + "; ".join(
+        f"{entry['name']} {mode}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["cpu_us_per_token"].items())
+        for entry in report["loads"] for mode, r in entry["served"].items()))
     for line in lines:
         print(line)  # the report is the command's output

@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 READ_POLL_MS = 100  # how often the reader thread checks that the core process still runs
 CALL_TIMEOUT_S = 30.0
+HEALTH_TIMEOUT_S = 5.0  # a core that does not answer /health in this long is reported unhealthy
 STOP_TIMEOUT_S = 30.0
 
 
@@ -177,9 +178,11 @@ class CoreClient:
         if self.failure is not None:
             return False, {"status": self.failure}
         try:
-            ok, body = await self._call("health")
-        except (CoreGone, TimeoutError) as exc:
-            return False, {"status": str(exc) or "the engine core does not answer"}
+            ok, body = await self._call("health", timeout=HEALTH_TIMEOUT_S)
+        except CoreGone as exc:
+            return False, {"status": str(exc)}
+        except TimeoutError:
+            return False, {"status": f"the engine core process ({self.proc.pid}) does not answer"}
         return ok, body
 
     async def metrics(self) -> bytes:
@@ -211,7 +214,7 @@ class CoreClient:
         if ops and self.failure is None:
             self._to_core.send(pack(ops))
 
-    async def _call(self, name: str, arg: Any = None) -> Any:
+    async def _call(self, name: str, arg: Any = None, timeout: float = CALL_TIMEOUT_S) -> Any:
         if self.failure is not None:
             raise CoreGone(self.failure)
         self._bind_loop()
@@ -220,7 +223,7 @@ class CoreClient:
         self._calls[call_id] = done
         self._send(["rpc", call_id, name, arg])
         try:
-            return await asyncio.wait_for(done, CALL_TIMEOUT_S)
+            return await asyncio.wait_for(done, timeout)
         finally:
             self._calls.pop(call_id, None)
 

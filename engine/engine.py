@@ -157,15 +157,16 @@ class Engine:
         if self._thread is None or not self._thread.is_alive():
             self.runner.close()  # the device memory goes back: another engine may start in this process
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: Request, admitted: bool = False) -> None:
         """Hands `req` to the loop; raises EngineOverloaded (taking nothing) when the inbox or the
         waiting queue is full. The waiting count is the loop's last snapshot, so at most
-        `max_waiting_requests + max_inbox` requests ever wait."""
+        `max_waiting_requests + max_inbox` requests ever wait. `admitted`: the caller has checked
+        the bounds already (the engine core's API server, which answers the 503 itself)."""
         with self._closing:  # the loop closes the inbox under this lock when it dies: no request is lost
             if not self._inbox_closed:
-                if self._inbox_adds >= self.cfg.max_inbox:
+                if not admitted and self._inbox_adds >= self.cfg.max_inbox:
                     raise EngineOverloaded(f"the engine's inbox is full ({self.cfg.max_inbox} requests)")
-                if self._state.waiting >= self.cfg.max_waiting_requests:
+                if not admitted and self._state.waiting >= self.cfg.max_waiting_requests:
                     raise EngineOverloaded(f"{self._state.waiting} requests are waiting already "
                                            f"(--max-waiting-requests {self.cfg.max_waiting_requests})")
                 self._inbox_adds += 1

@@ -32,12 +32,12 @@ from splitserve.engine.core_protocol import (
     params_from_wire,
     unpack,
 )
-from splitserve.engine.engine import Engine, EngineOverloaded
+from splitserve.engine.engine import Engine
 from splitserve.engine.engine_client import engine_health, engine_state_report
 from splitserve.engine.entrypoint import engine_role, parse_configs
 from splitserve.engine.grammar.compiler import InvalidGrammar
 from splitserve.engine.grammar.spec import GrammarSpec
-from splitserve.engine.request import FinishReason, Request, TokenOutput
+from splitserve.engine.request import Request, TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -105,18 +105,15 @@ class CoreBridge:
 
     def _add(self, key: int, request_id: str, prompt_ids: list[int], params: dict[str, Any],
              bootstrap_addr: str | None, bootstrap_room: int | None) -> None:
-        self.received += 1
-
         def deliver(out: TokenOutput) -> None:
             self.sink.put(key, out)
 
         req = Request(request_id=request_id, prompt_ids=prompt_ids, params=params_from_wire(params),
                       on_output=deliver, bootstrap_addr=bootstrap_addr, bootstrap_room=bootstrap_room)
-        try:
-            self.engine.submit(req)
-        except EngineOverloaded as exc:  # the server's figures were a step old: it refuses the next ones
-            deliver(TokenOutput(request_id, [], "", finish_reason=FinishReason.ERROR,
-                                error=f"engine overloaded: {exc}"))
+        # The server checked the bounds on figures that only overstate the inbox (it counts what it
+        # sent, the core what it took): refusing here too would answer a 503 without Retry-After.
+        self.engine.submit(req, admitted=True)
+        self.received += 1  # only once it is in the inbox: received - in_inbox never misses an add
 
     def _call(self, call_id: int, name: str, arg: Any) -> None:
         try:

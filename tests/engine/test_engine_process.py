@@ -171,6 +171,23 @@ def test_sigterm_stops_the_server_and_its_core(checkpoint: Path, tmp_path: Path)
         proc.stop()
 
 
+def test_a_server_killed_takes_its_core_with_it(checkpoint: Path, tmp_path: Path) -> None:
+    port = free_port()
+    proc = ServerProcess(["serve", "--model", str(checkpoint), *ENGINE_ARGS, "--engine-process", "--port", str(port)],
+                         tmp_path / "server.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(f"{url}/health", proc.proc, 120, proc.log)
+        core = engine_state(url, key="")["engine_core_pid"]
+        proc.kill()  # SIGKILL: no shutdown code runs in the server
+        deadline = time.monotonic() + 30
+        while alive(core):
+            assert time.monotonic() < deadline, f"the engine core {core} outlived its killed server"
+            time.sleep(0.05)
+    finally:
+        proc.stop()
+
+
 def test_a_core_killed_fails_its_requests_clearly_and_health_turns_503(checkpoint: Path, tmp_path: Path) -> None:
     port = free_port()
     proc = ServerProcess(["serve", "--model", str(checkpoint), *ENGINE_ARGS, "--engine-process", "--port", str(port)],
