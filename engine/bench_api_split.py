@@ -47,6 +47,8 @@ def bare_engine_load(folder: Path, device: str, max_running: int, engine_args: s
         engine.stop()
         del engine
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the servers that follow need the device's memory
 
 
 def load_prompts(load, seed: int) -> list[list[int]]:

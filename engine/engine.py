@@ -106,6 +106,7 @@ class Engine:
         self._closing = threading.Lock()
         self._inbox_closed = False
         self._inbox_adds = 0  # requests in the inbox (aborts and calls are never refused, never counted)
+        self._taken_since_snapshot = 0  # requests the loop took in after its last snapshot
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -159,15 +160,15 @@ class Engine:
 
     def submit(self, req: Request, admitted: bool = False) -> None:
         """Hands `req` to the loop; raises EngineOverloaded (taking nothing) when the inbox or the
-        waiting queue is full. The waiting count is the loop's last snapshot, so at most
-        `max_waiting_requests + max_inbox` requests ever wait. `admitted`: the caller has checked
+        waiting queue is full. The waiting count is the loop's last snapshot plus what it took in
+        since, so at most `max_waiting_requests + max_inbox` requests ever wait. `admitted`: the caller has checked
         the bounds already (the engine core's API server, which answers the 503 itself)."""
         with self._closing:  # the loop closes the inbox under this lock when it dies: no request is lost
             if not self._inbox_closed:
                 if not admitted and self._inbox_adds >= self.cfg.max_inbox:
                     raise EngineOverloaded(f"the engine's inbox is full ({self.cfg.max_inbox} requests)")
-                if not admitted and self._state.waiting >= self.cfg.max_waiting_requests:
-                    raise EngineOverloaded(f"{self._state.waiting} requests are waiting already "
+                if not admitted and self.waiting_requests >= self.cfg.max_waiting_requests:
+                    raise EngineOverloaded(f"{self.waiting_requests} requests are waiting already "
                                            f"(--max-waiting-requests {self.cfg.max_waiting_requests})")
                 self._inbox_adds += 1
                 self._inbox.put(("add", req))
@@ -192,6 +193,12 @@ class Engine:
     def inbox_requests(self) -> int:
         """Requests handed to the loop and not yet taken in."""
         return self._inbox_adds
+
+    @property
+    def waiting_requests(self) -> int:
+        """The last snapshot's waiting requests plus those taken in since (counted as waiting until the
+        next snapshot: a snapshot a step old let a burst past --max-waiting-requests)."""
+        return self._state.waiting + self._taken_since_snapshot
 
     @property
     def alive(self) -> bool:
@@ -255,7 +262,10 @@ class Engine:
                     self._inflight = launched
                 else:
                     self._complete(launched)
-            self._state = self._snapshot()
+            state = self._snapshot()
+            with self._closing:
+                self._state = state
+                self._taken_since_snapshot = 0
             self._publish_gauges()
             self._after_step()
             if not plan:
@@ -281,6 +291,7 @@ class Engine:
             if kind == "add":
                 with self._closing:
                     self._inbox_adds -= 1
+                    self._taken_since_snapshot += 1
                 self._admit(item)  # type: ignore[arg-type]
             elif kind == "abort":
                 rid, reason = item  # type: ignore[misc]

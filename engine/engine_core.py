@@ -85,7 +85,7 @@ class CoreBridge:
         engine.after_step = self.flush
 
     def figures(self) -> InboxFigures:
-        return InboxFigures(self.received, self.engine.inbox_requests, self.engine.state().waiting)
+        return InboxFigures(self.received, self.engine.inbox_requests, self.engine.waiting_requests)
 
     def flush(self) -> None:
         self.sink.flush(self.figures())
