@@ -189,7 +189,7 @@ class CoreClient:
         return await self._call("metrics")
 
     async def internal_state(self) -> dict[str, Any]:
-        return {**await self._call("state"), "engine_core_pid": self.proc.pid}
+        return {**await self._call("state"), "engine_core_pid": self.proc.pid, "engine_core_ipc_dir": self._folder}
 
     async def flush_cache(self) -> int:
         return await self._call("flush_cache")

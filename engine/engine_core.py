@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -194,6 +195,7 @@ def serve_core(argv: list[str], folder: str) -> int:
         bridge.flush()
         bridge.close()
         context.destroy(linger=5000)
+        shutil.rmtree(folder, ignore_errors=True)  # a server killed -9 could not remove it
     return 0
 
 

@@ -178,12 +178,15 @@ def test_a_server_killed_takes_its_core_with_it(checkpoint: Path, tmp_path: Path
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(f"{url}/health", proc.proc, 120, proc.log)
-        core = engine_state(url, key="")["engine_core_pid"]
+        state = engine_state(url, key="")
+        core, folder = state["engine_core_pid"], Path(state["engine_core_ipc_dir"])
+        assert folder.is_dir()
         proc.kill()  # SIGKILL: no shutdown code runs in the server
         deadline = time.monotonic() + 30
         while alive(core):
             assert time.monotonic() < deadline, f"the engine core {core} outlived its killed server"
             time.sleep(0.05)
+        assert not folder.exists()  # the core took its sockets' folder with it
     finally:
         proc.stop()
 
