@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from kubernetes.client import ApiClient
 
-from splitserve.operator.kube import PLURALS, KubeError
+from splitserve.operator.kube import PLURALS, KubeError, watch_events
 
 log = logging.getLogger(__name__)
 
@@ -212,30 +212,8 @@ class KindCache:
                  ("allowWatchBookmarks", "true")]
         if self.selector:
             query.append(("labelSelector", self.selector))
-        method, url, headers, body, post = self.api.param_serialize(
-            method="GET", resource_path=path, query_params=query, header_params={"Accept": "application/json"},
-            auth_settings=["BearerToken"])
-        response = self.api.call_api(method, url, header_params=headers, body=body, post_params=post,
-                                     _request_timeout=(10, READ_TIMEOUT_S)).response
-        try:
-            if response.status >= 400:
-                raise KubeError("WATCH", path, response.status, response.read().decode(errors="replace")[:300])
-            buffer = b""
-            for chunk in response.stream(64 * 1024, decode_content=True):
-                if self._stop.is_set():
-                    return
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    if not line.strip():
-                        continue
-                    event = json.loads(line)
-                    if event["type"] == "ERROR":
-                        raise KubeError("WATCH", path, int(event["object"].get("code", 500)),
-                                        event["object"].get("message", ""))
-                    yield event["type"], dict(event["object"], apiVersion=self.api_version, kind=self.kind)
-        finally:
-            response.release_conn()
+        for kind, obj in watch_events(self.api, path, query, self._stop, (10, READ_TIMEOUT_S)):
+            yield kind, dict(obj, apiVersion=self.api_version, kind=self.kind)
 
 
 def request_json(api: ApiClient, path: str, query: list[tuple[str, str]]) -> dict[str, Any]:

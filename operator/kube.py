@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,37 @@ def collection_path(api_version: str, kind: str, namespace: str) -> str:
     plural = PLURALS[(api_version, kind)]
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     return f"{prefix}/namespaces/{namespace}/{plural}"
+
+
+def watch_events(api: ApiClient, path: str, query: list[tuple[str, str]], stop: threading.Event,
+                 request_timeout: tuple[float, float]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(type, object) of one watch request (`query` holds watch=true, the resourceVersion, selectors
+    and timeoutSeconds); ends when the server closes it (after its timeout) or on `stop`; raises
+    :class:`KubeError` on a status >= 400 and on an ERROR event (410: the version is too old)."""
+    method, url, headers, body, post = api.param_serialize(
+        method="GET", resource_path=path, query_params=query, header_params={"Accept": "application/json"},
+        auth_settings=["BearerToken"])
+    response = api.call_api(method, url, header_params=headers, body=body, post_params=post,
+                            _request_timeout=request_timeout).response
+    try:
+        if response.status >= 400:
+            raise KubeError("WATCH", path, response.status, response.read().decode(errors="replace")[:300])
+        buffer = b""
+        for chunk in response.stream(64 * 1024, decode_content=True):
+            if stop.is_set():
+                return
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                if event["type"] == "ERROR":
+                    raise KubeError("WATCH", path, int(event["object"].get("code", 500)),
+                                    event["object"].get("message", ""))
+                yield event["type"], event["object"]
+    finally:
+        response.release_conn()
 
 
 @dataclass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import os
 import pathlib
@@ -18,7 +17,7 @@ from typing import Any
 
 from local_node.pod_dns import HostsFile, pod_dns_names
 from local_node.pod_worker import PodContext, PodWorker, rfc3339
-from splitserve.operator.kube import Kube, KubeError, collection_path
+from splitserve.operator.kube import Kube, KubeError, collection_path, watch_events
 
 log = logging.getLogger(__name__)
 SITE = pathlib.Path(__file__).parent / "pod_site"
@@ -195,7 +194,7 @@ class LocalNode:
                     self._on_pod("ADDED", pod)
                 version = listed["metadata"]["resourceVersion"]
                 while not self._stop.is_set():  # each watch ends after its timeout; go on from there
-                    for kind, pod in watch_events(self.kube, "/api/v1/pods", selector, version, self._stop):
+                    for kind, pod in watch_pods(self.kube, "/api/v1/pods", selector, version, self._stop):
                         version = pod["metadata"]["resourceVersion"]
                         if kind != "BOOKMARK":
                             self._on_pod(kind, pod)
@@ -323,33 +322,10 @@ class LocalNode:
                 log.warning("simulated pod %s: %s", pod["metadata"]["name"], exc)
 
 
-def watch_events(kube: Kube, path: str, field_selector: str, version: str,
-                 stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(type, object) of a watch from ``version`` on, bookmarks included; ends when the server closes it
+def watch_pods(kube: Kube, path: str, field_selector: str, version: str,
+               stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(type, pod) of a watch from ``version`` on, bookmarks included; ends when the server closes it
     (after its timeout) or on ``stop``; raises :class:`KubeError` when the version is too old (410)."""
     query = [("watch", "true"), ("fieldSelector", field_selector), ("resourceVersion", version),
              ("timeoutSeconds", "30"), ("allowWatchBookmarks", "true")]
-    method, url, headers, body, post = kube.api.param_serialize(
-        method="GET", resource_path=path, query_params=query, header_params={"Accept": "application/json"},
-        auth_settings=["BearerToken"])
-    response = kube.api.call_api(method, url, header_params=headers, body=body, post_params=post,
-                                 _request_timeout=(5, 45)).response
-    try:
-        if response.status >= 400:
-            raise KubeError("WATCH", path, response.status, response.read().decode(errors="replace")[:300])
-        buffer = b""
-        for chunk in response.stream(64 * 1024, decode_content=True):
-            if stop.is_set():
-                return
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                if event["type"] == "ERROR":
-                    raise KubeError("WATCH", path, int(event["object"].get("code", 500)),
-                                    event["object"].get("message", ""))
-                yield event["type"], event["object"]
-    finally:
-        response.release_conn()
+    return watch_events(kube.api, path, query, stop, (5, 45))
