@@ -280,6 +280,20 @@ def kill_mid_write(d: Deployment, name: str) -> float:
     return killed_at
 
 
+def answer_across_a_kill_mid_write(d: Deployment, router: str, case: dict,
+                                   encoder: str) -> tuple[httpx.Response, float, float]:
+    """Posts `case` to `router` and kills `encoder` -9 mid-write meanwhile: the answer, when it
+    came and when the encoder died."""
+    done: list[tuple[httpx.Response, float]] = []
+    sender = threading.Thread(target=lambda: done.append((httpx.post(
+        f"{d.url(router)}/v1/chat/completions", json=case, timeout=120), time.monotonic())))
+    sender.start()
+    killed_at = kill_mid_write(d, encoder)
+    sender.join(timeout=120)
+    (answer, answered_at), = done
+    return answer, answered_at, killed_at
+
+
 def router_retries(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -310,13 +324,7 @@ def test_an_encoder_killed_mid_write_is_retried_on_another_encoder(deployment: D
     retries_before = router_retries(deployment.url("router-midwrite"))
     prefill_errors, prefill_aborts = finished(deployment.url("prefill"), "error"), finished(deployment.url("prefill"),
                                                                                              "abort")
-    done: list[tuple[httpx.Response, float]] = []
-    sender = threading.Thread(target=lambda: done.append((httpx.post(
-        f"{deployment.url('router-midwrite')}/v1/chat/completions", json=case, timeout=120), time.monotonic())))
-    sender.start()
-    killed_at = kill_mid_write(deployment, "encode-slow-1")
-    sender.join(timeout=120)
-    (r, answered_at), = done
+    r, answered_at, killed_at = answer_across_a_kill_mid_write(deployment, "router-midwrite", case, "encode-slow-1")
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == want
     log.info("killed mid-write: the retried answer came %.2f s after the kill", answered_at - killed_at)
@@ -370,13 +378,8 @@ def test_an_encoder_killed_mid_write_fails_its_prefill_and_tells_the_decode_at_o
 def test_the_only_encoder_killed_mid_write_gives_a_clear_503_and_frees_everything(deployment: Deployment) -> None:
     case = body([image(png_url(52, 41, 88)), {"type": "text", "text": "nobody left to encode"}])
     free_at_start = embedding_slots_free(deployment)
-    done: list[tuple[httpx.Response, float]] = []
-    sender = threading.Thread(target=lambda: done.append((httpx.post(
-        f"{deployment.url('router-lone-encoder')}/v1/chat/completions", json=case, timeout=120), time.monotonic())))
-    sender.start()
-    killed_at = kill_mid_write(deployment, "encode-slow-3")
-    sender.join(timeout=120)
-    (r, answered_at), = done
+    r, answered_at, killed_at = answer_across_a_kill_mid_write(deployment, "router-lone-encoder", case,
+                                                               "encode-slow-3")
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "no_encoder" and "no encoder could take the images" in r.text, r.text
     assert r.headers["retry-after"]
