@@ -49,8 +49,10 @@ class TransferConfig:
                 "room's decode pages are held that long at most when its prefill neither acknowledges "
                 "the abort nor is seen gone"})
     transfer_fence_max_fraction: float = field(default=0.25, metadata={
-        "help": "fraction of the decode's KV pages that may be fenced (held for failed rooms); past it "
-                "a new request from a prefill that holds fenced pages fails at once (others go on)"})
+        "help": "fraction of this engine's receive buffers that may be fenced (held for failed transfers "
+                "a write may still reach): a decode's KV pages, a multimodal prefill's embedding slots; past "
+                "it a new request from a prefill (an image item for an encoder) that holds fenced ones "
+                "fails at once (others go on)"})
     transfer_heartbeat_interval_s: float = field(default=1.0, metadata={
         "help": "seconds between heartbeats to each peer with open rooms"})
     transfer_heartbeat_misses: int = field(default=5, metadata={

@@ -22,6 +22,7 @@ class EmbeddingMetrics:
     cache_misses_total: Counter
     slots_fenced: Gauge
     fences_total: Counter
+    items_refused: Counter
 
     def item_done(self, side: str, success: bool, nbytes: int, seconds: float | None) -> None:
         self.items_total.labels(side=side, outcome="success" if success else "failed").inc()
@@ -61,6 +62,9 @@ def embedding_metrics(registry: CollectorRegistry | None = None) -> EmbeddingMet
             fences_total=Counter("splitserve_embedding_fences",
                                  "Prefill: slot fences lifted, by how: acknowledged, peer gone, deadline",
                                  ["outcome"], registry=registry),
+            items_refused=Counter("splitserve_embedding_items_refused",
+                                  "Prefill: items failed before taking a slot: past the fenced-slot bound, "
+                                  "their encoder holds fenced slots", registry=registry),
         )
         _BY_REGISTRY[id(registry)] = (registry, metrics)
         return metrics

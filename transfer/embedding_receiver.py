@@ -15,6 +15,11 @@ second once the fence is older than a heartbeat timeout; another instance there)
 write-by deadline (its staging deadline, sent in `EmbeddingWanted`: the encoder starts no write
 after it) plus `--transfer-fence-grace-s` passed. An encoder frozen mid-write (SIGSTOP) that
 resumes can so never write into a slot given to another item.
+
+Fenced slots are bounded as the decode's fenced KV pages are (`--transfer-fence-max-fraction`, of
+the slots here): past it, an item whose encoder holds fenced slots fails before it takes a slot
+(`splitserve_embedding_items_refused`), so a frozen or cut-off encoder cannot end with every slot;
+items for other encoders go on.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class EmbeddingReceiver(EmbeddingEndpoint):
         self._by_room: dict[int, ItemState] = {}
         self._fences: dict[int, tuple[WriteFence, int]] = {}  # room -> its fence and fenced slot
         self._fence_check: threading.Thread | None = None
+        self.max_fenced_slots = int(config.transfer_fence_max_fraction * slots.buffer.shape[0])
         super().__init__(config, slots, "embedding-receiver", metrics_registry)  # threads start here
 
     # ---- the prefill role's API -------------------------------------------------------------
@@ -154,6 +160,11 @@ class EmbeddingReceiver(EmbeddingEndpoint):
         for st in self._by_room.values():
             if st.slot is not None or st.state != RECEIVING:
                 continue
+            refusal = self._fence_refusal_locked(st.item.encoder)
+            if refusal:
+                self._fail_item_locked(st, refusal)
+                self.metrics.items_refused.inc()
+                continue
             slot = self.slots.lease()
             if slot is None:
                 return  # the next tick tries again
@@ -163,6 +174,19 @@ class EmbeddingReceiver(EmbeddingEndpoint):
                 st.item.room, self.endpoint, self.instance_id, self.engine.session_id, self.slots.slot_ptr(slot),
                 nbytes, st.item.rows, self.slots.hidden, self.dtype_name, st.item.digest,
                 time.time() + (st.deadline - now)))
+
+    def _fence_refusal_locked(self, encoder: str) -> str:
+        """Why ``encoder`` gets no slot now ("" if it may): past the fenced-slot bound, an encoder
+        that holds fenced slots here (it neither answered the abort nor is known gone) gets no more."""
+        fenced = len(self._fences)
+        if fenced <= self.max_fenced_slots:
+            return ""
+        held = sum(encoder in fence.pending for fence, _ in self._fences.values())
+        if not held:
+            return ""
+        return (f"encoder {encoder} holds {held} embedding slots of failed items fenced on this prefill "
+                f"({fenced} in all, bound {self.max_fenced_slots} of {self.slots.buffer.shape[0]}): it has not "
+                "confirmed it stopped writing; retry later or with another encoder")
 
     def _fail_item_locked(self, st: ItemState, reason: str) -> None:
         if st.state == RECEIVING:
