@@ -36,17 +36,22 @@ from splitserve.engine.core_protocol import (
     IPC_DIR_ENV,
     TO_CORE,
     InboxFigures,
+    encode_jobs_to_wire,
+    image_to_wire,
     ipc_address,
     output_from_wire,
     pack,
     params_to_wire,
     unpack,
 )
+from splitserve.engine.encode_endpoint import EncodeJob, encode_route
 from splitserve.engine.engine import EngineOverloaded
 from splitserve.engine.grammar.compiler import InvalidGrammar
 from splitserve.engine.grammar.spec import GrammarSpec
 from splitserve.engine.image_items import ImageItem
+from splitserve.engine.image_processor import ClipImageProcessor
 from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.openai_protocol import ApiError
 from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import TextTokenizer
@@ -82,15 +87,15 @@ class CoreClient:
         self._folder = folder
         self.model_folder = Path(info["model_folder"])
         self.model_cfg = ModelConfig.from_checkpoint(self.model_folder)
-        if self.model_cfg.takes_images:
-            raise CoreStartFailed("--engine-process does not take multimodal models yet (image inputs do not "
-                                  "cross to the core process); serve them without it")
         self.tokenizer = TextTokenizer(self.model_folder)
         self.model_name: str = info["model_name"]
         self.context_length: int = info["context_length"]
         self.max_prompt_tokens: int = info["max_prompt_tokens"]
         self.tool_call_parser: str = info["tool_call_parser"]
         self.role_name: str = info["role_name"]
+        self.core_calls: list[str] = info["core_calls"]  # the core side of the role's endpoints
+        self._control_key = configs.transfer.transfer_control_key
+        self._image_cfg = configs.images
         self.max_inbox = configs.engine.max_inbox
         self.max_waiting = configs.engine.max_waiting_requests
         self.failure: str | None = None
@@ -110,9 +115,6 @@ class CoreClient:
     @classmethod
     def spawn(cls, argv: list[str], configs: ServeConfigs) -> CoreClient:
         """Starts the core process with `serve`'s own flags and waits until its engine runs."""
-        if configs.engine.role == "encode":
-            raise CoreStartFailed("--engine-process does not serve the encode role's /v1/encode yet; "
-                                  "serve it without --engine-process")
         folder = tempfile.mkdtemp(prefix="splitserve-core-")
         context = zmq.Context()
         to_core = context.socket(zmq.PUSH)
@@ -144,15 +146,26 @@ class CoreClient:
     # ---- the EngineClient interface ----------------------------------------------------------
 
     def routes(self) -> list[Route]:
-        return []  # a role with endpoints of its own (encode) is refused at spawn
+        """The role's endpoints: their HTTP side here, their engine side a call to the core."""
+        if "encode" not in self.core_calls:
+            return []
+        processor = ClipImageProcessor.from_folder(self.model_folder)
+        return [encode_route(self._control_key, self._image_cfg, processor, self._encode)]
+
+    async def _encode(self, jobs: list[EncodeJob]) -> tuple[int, dict[str, Any]]:
+        """/v1/encode's jobs, preprocessed here, taken by the core's encode role."""
+        try:
+            status, body = await self._call("encode", encode_jobs_to_wire(jobs))
+        except (TimeoutError, RuntimeError) as exc:  # CoreGone too
+            message = str(exc) or f"the engine core process ({self.proc.pid}) does not answer"
+            return 503, ApiError(message, status=503, kind="server_error").body()
+        return status, body
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  bootstrap_addr: str | None = None, bootstrap_room: int | None = None,
                  images: list[ImageItem] | None = None) -> AsyncIterator[TokenOutput]:
         """As EngineClient.generate: raises EngineOverloaded (taking nothing) when the core's inbox or
         waiting queue is full, by the figures of its last message."""
-        if images:
-            raise ValueError("image inputs do not cross to the engine core process")
         self._bind_loop()
         outputs: asyncio.Queue[TokenOutput] = asyncio.Queue()
         if self.failure is not None:
@@ -167,7 +180,8 @@ class CoreClient:
         key = next(self._keys)
         self._streams[key] = outputs
         self._sent_adds += 1
-        self._send(["add", key, request_id, prompt_ids, params_to_wire(params), bootstrap_addr, bootstrap_room])
+        self._send(["add", key, request_id, prompt_ids, params_to_wire(params), bootstrap_addr, bootstrap_room,
+                    [image_to_wire(item) for item in images or []]])
         return self._outputs(key, request_id, outputs)
 
     def abort(self, request_id: str, reason: str) -> None:

@@ -2,10 +2,11 @@
 
 Both directions carry batches, msgpack-encoded (no pickle: a message is data, never code):
 API -> core, one message per event-loop turn: a list of operations
-  ["add", key, request_id, prompt_ids, params, bootstrap_addr, bootstrap_room]  (key: the server's
-                                          handle of this submission; outputs carry it, not the id)
+  ["add", key, request_id, prompt_ids, params, bootstrap_addr, bootstrap_room, images]  (key: the
+                                          server's handle of this submission; outputs carry it, not the
+                                          id; images: `image_to_wire` rows, their tensors as raw bytes)
   ["abort", request_id, reason]
-  ["rpc", call_id, name, arg]
+  ["rpc", call_id, name, arg]          (also the role's `core_calls`: "encode", `encode_jobs_to_wire`)
 core -> API, one message per engine step (and per batch of operations the core answered):
   ["out", [output, ...], inbox]  every output of the step; `inbox`: the core's admission figures
   ["reply", call_id, ok, value]  an rpc's answer (`value` is the error text when not ok)
@@ -16,13 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from splitserve.engine.encode_endpoint import EncodeJob
 from splitserve.engine.grammar.spec import GrammarSpec
+from splitserve.engine.image_items import ImageItem
 from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 # Where the core's sockets live: the API server sets it in the core's environment.
 IPC_DIR_ENV = "SPLITSERVE_CORE_IPC_DIR"
@@ -74,3 +80,41 @@ def output_from_wire(row: list[Any]) -> TokenOutput:
                        top_logprobs=[[(t, v) for t, v in step] for step in top] if top is not None else None,
                        finish_reason=FinishReason(finish) if finish is not None else None, error=error,
                        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached)
+
+
+def tensor_to_wire(t: torch.Tensor) -> list[Any]:
+    """[dtype, shape, bytes]: the tensor's raw bytes (bfloat16 too, which numpy cannot hold)."""
+    import torch
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return [str(t.dtype).removeprefix("torch."), list(t.shape), flat.view(torch.uint8).numpy().tobytes()]
+
+
+def tensor_from_wire(row: list[Any]) -> torch.Tensor:
+    import torch
+    dtype_name, shape, data = row
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype on the wire: {dtype_name!r}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def image_to_wire(item: ImageItem) -> list[Any]:
+    """An image item as data: its description, and its pixels or rows when it has them."""
+    return [item.digest, item.offset, item.num_tokens, item.encoder_addr, item.room,
+            tensor_to_wire(item.pixels) if item.pixels is not None else None,
+            tensor_to_wire(item.embedding) if item.embedding is not None else None]
+
+
+def image_from_wire(row: list[Any]) -> ImageItem:
+    digest, offset, num_tokens, encoder_addr, room, pixels, embedding = row
+    return ImageItem(digest, offset, num_tokens, encoder_addr=encoder_addr, room=room,
+                     pixels=tensor_from_wire(pixels) if pixels is not None else None,
+                     embedding=tensor_from_wire(embedding) if embedding is not None else None)
+
+
+def encode_jobs_to_wire(jobs: list[EncodeJob]) -> list[list[Any]]:
+    return [[j.room, j.digest, tensor_to_wire(j.pixels)] for j in jobs]
+
+
+def encode_jobs_from_wire(rows: list[list[Any]]) -> list[EncodeJob]:
+    return [EncodeJob(room, digest, tensor_from_wire(pixels)) for room, digest, pixels in rows]

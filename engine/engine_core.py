@@ -2,10 +2,11 @@
 detokenizer, with no HTTP server competing for this process's GIL.
 
 The API server process spawns it with its own `serve` flags and the folder of two IPC sockets
-(core_protocol.py): requests and aborts come in batched, every output of one engine step goes
-out in one message. The main thread reads the inbound socket and answers the server's calls
-(health, metrics, state) from the engine's snapshots; the engine loop runs in its own thread as
-in-process. The core stops on SIGTERM and when the API server process is gone.
+(core_protocol.py): requests (with their image items: pixels or rows as bytes) and aborts come in
+batched, every output of one engine step goes out in one message. The main thread reads the
+inbound socket and answers the server's calls (health, metrics, state from the engine's
+snapshots, and the role's own `core_calls`: the encode role's jobs of /v1/encode); the engine
+loop runs in its own thread as in-process. The core stops on SIGTERM and when the API server process is gone.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from splitserve.engine.core_protocol import (
     IPC_DIR_ENV,
     TO_CORE,
     InboxFigures,
+    image_from_wire,
     ipc_address,
     output_to_wire,
     pack,
@@ -83,6 +85,7 @@ class CoreBridge:
         self.sink = sink
         self.received = 0
         self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._role_calls = engine.role.core_calls()  # the core side of the role's endpoints (/v1/encode)
         engine.after_step = self.flush
 
     def figures(self) -> InboxFigures:
@@ -105,12 +108,13 @@ class CoreBridge:
         self.flush()
 
     def _add(self, key: int, request_id: str, prompt_ids: list[int], params: dict[str, Any],
-             bootstrap_addr: str | None, bootstrap_room: int | None) -> None:
+             bootstrap_addr: str | None, bootstrap_room: int | None, images: list[list[Any]]) -> None:
         def deliver(out: TokenOutput) -> None:
             self.sink.put(key, out)
 
         req = Request(request_id=request_id, prompt_ids=prompt_ids, params=params_from_wire(params),
-                      on_output=deliver, bootstrap_addr=bootstrap_addr, bootstrap_room=bootstrap_room)
+                      on_output=deliver, bootstrap_addr=bootstrap_addr, bootstrap_room=bootstrap_room,
+                      images=[image_from_wire(row) for row in images])
         # The server checked the bounds on figures that only overstate the inbox (it counts what it
         # sent, the core what it took): refusing here too would answer a 503 without Retry-After.
         self.engine.submit(req, admitted=True)
@@ -123,6 +127,9 @@ class CoreBridge:
                 return
             if name == "compile_grammar":  # off the loop thread; the loop then finds it in the cache
                 self._compiles.submit(self._compile, call_id, GrammarSpec(**arg))
+                return
+            if name in self._role_calls:
+                self._reply(call_id, True, self._role_calls[name](arg))
                 return
             answers = {"health": lambda: list(engine_health(self.engine)),
                        "metrics": lambda: generate_latest(self.engine.metrics.registry),
@@ -153,7 +160,7 @@ def ready_info(engine: Engine) -> dict[str, Any]:
     """What the API server needs to know of the engine to serve it."""
     return {"model_folder": str(engine.model_folder), "model_name": engine.cfg.model_name,
             "context_length": engine.context_length, "max_prompt_tokens": engine.max_prompt_tokens,
-            "role_name": engine.role.name, "has_routes": bool(engine.role.routes()),
+            "role_name": engine.role.name, "core_calls": sorted(engine.role.core_calls()),
             "tool_call_parser": engine.cfg.tool_call_parser, "pid": os.getpid()}
 
 

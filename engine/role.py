@@ -16,6 +16,7 @@ the runner; and they take requests in and out of the batch through the engine (`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.routing import Route
@@ -61,6 +62,11 @@ class Role:
         """HTTP endpoints the role adds to the engine's API (e.g. the encode role's /v1/encode)."""
         return []
 
+    def core_calls(self) -> dict[str, Callable[[Any], Any]]:
+        """The core side of the role's endpoints under `serve --engine-process`: calls by name that
+        the engine core process answers for its API server (wire data in, wire data out; any thread)."""
+        return {}
+
     def idle_poll_interval(self) -> float | None:
         """How long the idle loop may sleep (None: the engine's default)."""
         return None
@@ -89,7 +95,7 @@ class ComposedRole(Role):
     - `poll`, `on_chunk_done`, `on_finish`: every behaviour (`on_finish` also for requests a behaviour
       never saw, when an earlier one refused them); `close`: every one, in reverse.
     - `health_info`: the behaviours' fields merged; `idle_poll_interval`: the shortest asked for;
-      `allows_overlap`: only if every behaviour allows it; `routes`: every behaviour's.
+      `allows_overlap`: only if every behaviour allows it; `routes`, `core_calls`: every behaviour's.
     """
 
     def __init__(self, name: str, behaviours: list[Role]) -> None:
@@ -143,6 +149,9 @@ class ComposedRole(Role):
 
     def routes(self) -> list[Route]:
         return [r for b in self.behaviours for r in b.routes()]
+
+    def core_calls(self) -> dict[str, Callable[[Any], Any]]:
+        return {name: call for b in self.behaviours for name, call in b.core_calls().items()}
 
     def idle_poll_interval(self) -> float | None:
         asked = [t for t in (b.idle_poll_interval() for b in self.behaviours) if t is not None]

@@ -1,67 +1,36 @@
 """The encode role: the vision tower + projector and an embedding sender, nothing else.
 
-The router posts each image item with its room to `/v1/encode`; the image is decoded and
-preprocessed there (a bad one is a 400 before any engine work), its room is opened on the sender
-(`begin`) and the item queued. The loop encodes queued items in batches on the loop thread (the
-only thread that runs the model) into slots of the sender's registered pool, which double as an
-LRU cache by image hash: a hit ships at once. The rows go to the prefill rank once it asks for
-the room; a slot stays pinned until its transfer concluded.
+The router posts each image item with its room to `/v1/encode` (engine/encode_endpoint.py: the
+image is decoded and preprocessed there, a bad one is a 400 before any engine work); `accept`
+opens its room on the sender (`begin`) and queues the item. With `serve --engine-process` the API
+server process does the HTTP side and the core's `accept` is reached over the wire (`core_calls`).
+The loop encodes queued items in batches on the loop thread (the only thread that runs the model)
+into slots of the sender's registered pool, which double as an LRU cache by image hash: a hit
+ships at once. The rows go to the prefill rank once it asks for the room; a slot stays pinned
+until its transfer concluded.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import hmac
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from splitserve.engine.encode_endpoint import EncodeJob, encode_route, room_taken
 from splitserve.engine.engine import Engine
 from splitserve.engine.epd_config import EPDConfig
-from splitserve.engine.image_inputs import ImageInputConfig, load_images
+from splitserve.engine.image_inputs import ImageInputConfig
 from splitserve.engine.image_processor import ClipImageProcessor
-from splitserve.engine.openai_protocol import ApiError, ImagePart
 from splitserve.engine.role import Role
 from splitserve.engine.roles.embedding_cache import EmbeddingCache
 from splitserve.transfer import TransferConfig
-from splitserve.transfer.bootstrap_grant import KEY_HEADER
 from splitserve.transfer.embedding_sender import EmbeddingChunk, EmbeddingSender
 from splitserve.transfer.embedding_slots import EmbeddingSlots
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EncodeJob:
-    room: int
-    digest: str
-    pixels: torch.Tensor
-
-
-def parse_encode_items(body: Any) -> list[tuple[int, ImagePart]]:
-    """`{"items": [{"room": int, "image_url": {"url": ...}, "where": str?}]}` -> (room, part) pairs."""
-    items = body.get("items") if isinstance(body, dict) else None
-    if not isinstance(items, list) or not items:
-        raise ApiError("'items' must be a non-empty array of {room, image_url}", "items")
-    out = []
-    for i, item in enumerate(items):
-        room = item.get("room") if isinstance(item, dict) else None
-        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63:
-            raise ApiError(f"'items[{i}].room' must be an integer in [0, 2^63)", f"items[{i}]")
-        spec = item.get("image_url")
-        url = spec.get("url") if isinstance(spec, dict) else spec
-        where = item.get("where") if isinstance(item.get("where"), str) else f"items[{i}]"
-        if not isinstance(url, str) or not url:
-            raise ApiError(f"{where}: an item needs 'image_url': {{'url': ...}}", where, code="invalid_image")
-        out.append((room, ImagePart(where, url=url)))
-    return out
 
 
 class EncodeRole(Role):
@@ -92,39 +61,28 @@ class EncodeRole(Role):
                     self.epd.encode_cache_size)
 
     def routes(self) -> list[Route]:
-        return [Route("/v1/encode", self.encode_endpoint, methods=["POST"])]
+        async def accept(jobs: list[EncodeJob]) -> tuple[int, dict[str, Any]]:
+            return self.accept(jobs)
+        return [encode_route(self.transfer.transfer_control_key, self.images, self.processor, accept)]
+
+    def core_calls(self) -> dict[str, Any]:
+        from splitserve.engine.core_protocol import encode_jobs_from_wire
+        return {"encode": lambda arg: list(self.accept(encode_jobs_from_wire(arg)))}
 
     def health_info(self) -> dict[str, Any]:
         return {"embedding_endpoint": self.sender.endpoint,
                 "embedding": {"cached_images": len(self.cache), "pinned_slots": self.cache.pinned,
                               "queued": len(self.jobs), **self.sender.stats()}}
 
-    async def encode_endpoint(self, request: HttpRequest) -> Response:
-        key = self.transfer.transfer_control_key
-        if key and not hmac.compare_digest(request.headers.get(KEY_HEADER, ""), key):
-            # Only the group's router may hand this encoder work: each call costs a tower forward.
-            err = ApiError(f"missing or wrong {KEY_HEADER}", status=401, kind="authentication_error")
-            return JSONResponse(err.body(), status_code=401)
-        try:
-            body = await request.json()
-        except ValueError:
-            return JSONResponse(ApiError("request body is not valid JSON").body(), status_code=400)
-        try:
-            pairs = parse_encode_items(body)
-            loaded = await load_images([p for _, p in pairs], self.images)
-        except ApiError as err:
-            return JSONResponse(err.body(), status_code=err.status)
-        pixels = await asyncio.to_thread(lambda: [self.processor(img.image) for img in loaded])
-        accepted = []
-        for (room, _), img, px in zip(pairs, loaded, pixels, strict=True):
-            if not self.sender.begin(room):
-                return JSONResponse(ApiError(f"room {room} is already open on this encoder", "items",
-                                             status=409).body(), status_code=409)
-            accepted.append(EncodeJob(room, img.digest, px))
-            # The loop thread takes the jobs; call_soon wakes it.
-        self.engine.call_soon(lambda: self.jobs.extend(accepted))
-        return JSONResponse({"endpoint": self.sender.endpoint, "items": [
-            {"room": j.room, "digest": j.digest, "rows": self.vision.tokens_per_image} for j in accepted]})
+    def accept(self, jobs: list[EncodeJob]) -> tuple[int, dict[str, Any]]:
+        """Opens each job's room and queues the jobs for the loop thread (any thread may call it):
+        (HTTP status, body) for /v1/encode."""
+        for job in jobs:
+            if not self.sender.begin(job.room):
+                return room_taken(job.room)
+        self.engine.call_soon(lambda: self.jobs.extend(jobs))  # the loop thread takes them; call_soon wakes it
+        return 200, {"endpoint": self.sender.endpoint, "items": [
+            {"room": j.room, "digest": j.digest, "rows": self.vision.tokens_per_image} for j in jobs]}
 
     def poll(self) -> None:
         for done in self.sender.concluded():

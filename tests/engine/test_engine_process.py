@@ -223,13 +223,3 @@ def test_a_core_killed_fails_its_requests_clearly_and_health_turns_503(checkpoin
         assert proc.proc.poll() is None  # the API server stays up to say so
     finally:
         proc.stop()
-
-
-def test_roles_it_cannot_serve_yet_are_refused_at_start(tmp_path: Path) -> None:
-    proc = ServerProcess(["serve", "--role", "encode", "--model", "tiny-llava", "--device", "cpu", "--engine-process",
-                          "--port", str(free_port())], tmp_path / "encode.log")
-    try:
-        assert proc.proc.wait(timeout=60) == 1
-    finally:
-        proc.stop()
-    assert "does not serve the encode role" in proc.log.read_text()

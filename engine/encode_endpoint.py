@@ -1,0 +1,88 @@
+"""`/v1/encode`'s HTTP side: the group's key, the items, the images decoded and preprocessed (a bad
+one is a 400 before any engine work); the jobs then go to `accept`: the encode role in this
+process, or, with `serve --engine-process`, the engine core process's over the wire.
+
+`{"items": [{"room": int, "image_url": {"url": ...}, "where": str?}]}` is answered with the encoder's
+embedding endpoint and each item's room, digest and rows, or 409 when a room is already open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from splitserve.engine.image_inputs import ImageInputConfig, load_images
+from splitserve.engine.image_processor import ClipImageProcessor
+from splitserve.engine.openai_protocol import ApiError, ImagePart
+from splitserve.transfer.bootstrap_grant import KEY_HEADER
+
+
+@dataclass
+class EncodeJob:
+    """One image to encode and ship to the prefill that asks for `room`."""
+
+    room: int
+    digest: str
+    pixels: torch.Tensor
+
+
+# Takes the jobs of one call; answers (HTTP status, JSON body).
+AcceptJobs = Callable[[list[EncodeJob]], Awaitable[tuple[int, dict[str, Any]]]]
+
+
+def parse_encode_items(body: Any) -> list[tuple[int, ImagePart]]:
+    """`{"items": [{"room": int, "image_url": {"url": ...}, "where": str?}]}` -> (room, part) pairs."""
+    items = body.get("items") if isinstance(body, dict) else None
+    if not isinstance(items, list) or not items:
+        raise ApiError("'items' must be a non-empty array of {room, image_url}", "items")
+    out = []
+    for i, item in enumerate(items):
+        room = item.get("room") if isinstance(item, dict) else None
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63:
+            raise ApiError(f"'items[{i}].room' must be an integer in [0, 2^63)", f"items[{i}]")
+        spec = item.get("image_url")
+        url = spec.get("url") if isinstance(spec, dict) else spec
+        where = item.get("where") if isinstance(item.get("where"), str) else f"items[{i}]"
+        if not isinstance(url, str) or not url:
+            raise ApiError(f"{where}: an item needs 'image_url': {{'url': ...}}", where, code="invalid_image")
+        out.append((room, ImagePart(where, url=url)))
+    return out
+
+
+def encode_route(control_key: str, images: ImageInputConfig, processor: ClipImageProcessor,
+                 accept: AcceptJobs) -> Route:
+    """The `/v1/encode` route: checks and preprocesses here, then hands the jobs to `accept`."""
+
+    async def endpoint(request: HttpRequest) -> Response:
+        if control_key and not hmac.compare_digest(request.headers.get(KEY_HEADER, ""), control_key):
+            # Only the group's router may hand this encoder work: each call costs a tower forward.
+            err = ApiError(f"missing or wrong {KEY_HEADER}", status=401, kind="authentication_error")
+            return JSONResponse(err.body(), status_code=401)
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse(ApiError("request body is not valid JSON").body(), status_code=400)
+        try:
+            pairs = parse_encode_items(body)
+            loaded = await load_images([p for _, p in pairs], images)
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        pixels = await asyncio.to_thread(lambda: [processor(img.image) for img in loaded])
+        jobs = [EncodeJob(room, img.digest, px) for (room, _), img, px in zip(pairs, loaded, pixels, strict=True)]
+        status, answer = await accept(jobs)
+        return JSONResponse(answer, status_code=status)
+
+    return Route("/v1/encode", endpoint, methods=["POST"])
+
+
+def room_taken(room: int) -> tuple[int, dict[str, Any]]:
+    """The answer when a job's room is already open on the encoder."""
+    return 409, ApiError(f"room {room} is already open on this encoder", "items", status=409).body()
