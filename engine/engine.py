@@ -181,6 +181,10 @@ class Engine:
         self._inbox.put(("abort", (request_id, reason)))
         self._wake.set()
 
+    def wake(self) -> None:
+        """Ends the loop's idle wait now (a transfer room changed state: no need to wait for the next poll)."""
+        self._wake.set()
+
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Runs `fn` on the loop thread before the next step (for roles' control messages)."""
         self._inbox.put(("call", fn))

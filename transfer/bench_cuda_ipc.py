@@ -1,25 +1,34 @@
-"""KV transfer between two processes on one GPU over CUDA IPC, against a device copy of the same bytes.
+"""KV rooms between two processes on one host, against a device copy of the same bytes.
 
   splitserve bench --profile transfer --transfer-protocol cuda_ipc [--kv-tokens 512,2048,8192]
+  python -m splitserve.transfer.bench_cuda_ipc --transfer-protocol tcp --layers 1 --kv-tokens 16
+      (no GPU: the same room pipeline over Mooncake TCP on loopback, host memory)
 
 This process is the prefill (sender); a child process is the decode (receiver), each with its own
 Llama-3-8B-like pool (32 layers, 8 KV heads of 128, bf16, 16-token pages: 128 KiB per token).
-For each prompt length, with the decode's pages contiguous and scattered:
 
-- ``device copy``: ``torch`` copy of one contiguous tensor of the same bytes, on this GPU (events);
-- ``ipc write``: the backend's data path alone (``CudaIpcEngine.write`` of the room's segments into
-  the decode's mapped pool, returning once they landed);
-- ``room``: a whole room through ``splitserve.transfer``: sender ``send`` to sender ``Success``
-  (segment planning, worker thread, copy, status message; the bytes are in the decode's memory
-  then), with the decode process polling its receiver as an engine would;
+One room at a time, for each prompt length, decode pages contiguous and scattered:
+- ``copy``: one contiguous ``torch`` copy of the same bytes on the same device (events);
+- ``kernel``: the IPC write's copy kernel alone (events); ``write``: ``CudaIpcEngine.write`` (plan,
+  table upload, launch, wait);
+- ``room``: sender ``send`` to the decode's receiver seeing ``Success`` (the bytes are in its pool),
+  taken apart: the ``send`` call, the hand-off to the worker thread, planning, the write, the
+  sender's bookkeeping, and the status message to the decode process. Both processes read
+  ``CLOCK_MONOTONIC`` (``time.perf_counter``), so their timestamps compare; both wait on rooms with
+  ``wait`` / state listeners (no sleep-polling).
 
-as GB/s (1e9 bytes/s, each byte counted once) and as ratios to the device copy, all in one run.
-The decode checks what arrived against the prefill's pages (a position-weighted checksum).
+Many rooms in flight (``--concurrent 512x256``: 256 rooms of 512 tokens sent at once, as 256
+prefills finishing together would): from the first ``send`` to the decode seeing the last room's
+``Success``, against the same number of back-to-back device copies of one room's bytes.
+
+GB/s = 1e9 bytes/s, each byte counted once; ratios to the copy in the same run. The decode checks
+every room's pages against the prefill's (a position-weighted checksum).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -30,12 +39,23 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-LAYERS, HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * 2
+HEADS, HEAD_DIM, PAGE = 8, 128, 16
+STAGES = ("send_call", "to_worker", "plan", "write", "bookkeeping", "to_decode")
 
 
-def _pool_shape(pages: int) -> tuple[int, ...]:
-    return (LAYERS, 2, pages, PAGE, HEADS, HEAD_DIM)
+def _pool_shape(layers: int, pages: int) -> tuple[int, ...]:
+    return (layers, 2, pages, PAGE, HEADS, HEAD_DIM)
+
+
+def _device(protocol: str) -> str:
+    return "cuda" if protocol == "cuda_ipc" else "cpu"
+
+
+def _new_manager(protocol: str, pool, aux, lanes: int):
+    from splitserve.transfer import TransferConfig, layout_for_pool, new_kv_manager
+
+    return new_kv_manager(TransferConfig(transfer_protocol=protocol, transfer_threads=lanes),
+                          layout_for_pool(pool, aux))
 
 
 def page_checksum(pool, pages: Sequence[int]) -> int:
@@ -48,53 +68,83 @@ def page_checksum(pool, pages: Sequence[int]) -> int:
     return int((per_page * weights).sum())
 
 
+class _LastChange:
+    """A manager's state listener: when a room last changed state (the bench runs its rooms in sets,
+    so after a set is final this is when its last room finished)."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def __call__(self) -> None:
+        self.at = time.perf_counter()
+
+
+def _wait_all(mgr, rooms: Sequence, done: Callable[[object], bool], timeout_s: float) -> None:
+    """Blocks (on the manager's state changes) until ``done(room)`` holds for every room. Looks only from
+    the first room not done yet: a check of every room on every change would hold the manager's lock
+    O(rooms^2) times and slow the very rooms it waits for (deadlines are the control thread's)."""
+    deadline = time.monotonic() + timeout_s
+    first = 0
+    with mgr.lock:
+        while True:
+            while first < len(rooms) and done(rooms[first]):
+                first += 1
+            if first == len(rooms):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rooms not done after {timeout_s:g}s: room {first} is {rooms[first].poll()!r}")
+            mgr.wait_locked(0.05)
+
+
 def _decode_child(cfg: dict) -> None:
-    """The decode process: a receiver per room asked for on stdin, polled until final."""
+    """The decode process: a set of receivers per line on stdin, answered once all are final."""
     import torch
 
-    from splitserve.transfer import (
-        CudaIpcKVManager,
-        KVPoll,
-        KVReceiver,
-        TransferConfig,
-        layout_for_pool,
-        make_aux_tensor,
-    )
+    from splitserve.transfer import KVPoll, KVReceiver, make_aux_tensor
 
-    pool = torch.zeros(_pool_shape(cfg["pages"]), dtype=torch.bfloat16, device="cuda")
-    aux = make_aux_tensor(4, device="cuda")
-    mgr = CudaIpcKVManager(TransferConfig(transfer_protocol="cuda_ipc"), layout_for_pool(pool, aux))
+    device = _device(cfg["protocol"])
+    pool = torch.zeros(_pool_shape(cfg["layers"], cfg["pages"]), dtype=torch.bfloat16, device=device)
+    aux = make_aux_tensor(cfg["aux_slots"], device=device)
+    mgr = _new_manager(cfg["protocol"], pool, aux, 2)
+    last = _LastChange()
+    mgr.add_state_listener(last)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("exit"):
             break
-        receiver = KVReceiver(mgr, cmd["bootstrap"], cmd["room"])
-        receiver.init()
-        receiver.send_metadata(cmd["pages"], 0)
-        while (state := receiver.poll()) not in (KVPoll.Success, KVPoll.Failed):
-            time.sleep(0.00005)
-        error = receiver.failure_exception()
-        checksum = page_checksum(pool, cmd["pages"]) if state == KVPoll.Success else None
-        receiver.clear()
-        print(json.dumps({"room": cmd["room"], "state": int(state), "checksum": checksum,
-                          "error": str(error) if error else None}), flush=True)
+        receivers = []
+        for i, (room, pages) in enumerate(zip(cmd["rooms"], cmd["pages"], strict=True)):
+            receiver = KVReceiver(mgr, cmd["bootstrap"], room)
+            receiver.init()
+            receiver.send_metadata(pages, i % cfg["aux_slots"])
+            receivers.append(receiver)
+        _wait_all(mgr, receivers, lambda r: r.poll() in (KVPoll.Success, KVPoll.Failed), 120)
+        done_at = last.at
+        states = [int(r.poll()) for r in receivers]
+        errors = [str(r.failure_exception()) for r in receivers if r.failure_exception() is not None]
+        checksums = [page_checksum(pool, p) if s == KVPoll.Success else None
+                     for p, s in zip(cmd["pages"], states, strict=True)]
+        for r in receivers:
+            r.clear()
+        print(json.dumps({"states": states, "errors": errors[:3], "checksums": checksums, "done_at": done_at}),
+              flush=True)
     mgr.close()
 
 
 class DecodeProcess:
-    """The child decode process, one JSON line per room each way."""
+    """The child decode process, one JSON line per set of rooms each way."""
 
-    def __init__(self, pages: int) -> None:
+    def __init__(self, cfg: dict) -> None:
         self.proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve.transfer.bench_cuda_ipc",
-                                      "--decode-child", json.dumps({"pages": pages})],
+                                      "--decode-child", json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if not self.read(120).get("ready"):
             raise RuntimeError("decode process did not start")
 
-    def ask(self, bootstrap: str, room: int, pages: list[int]) -> None:
+    def ask(self, bootstrap: str, rooms: list[int], pages: list[list[int]]) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"bootstrap": bootstrap, "room": room, "pages": pages}) + "\n")
+        self.proc.stdin.write(json.dumps({"bootstrap": bootstrap, "rooms": rooms, "pages": pages}) + "\n")
         self.proc.stdin.flush()
 
     def read(self, timeout_s: float) -> dict:
@@ -129,17 +179,20 @@ def _median_s(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-def device_copy_s(nbytes: int, repeats: int) -> float:
-    """Median seconds of one contiguous device-to-device copy of ``nbytes`` (events)."""
+def device_copy_s(nbytes: int, repeats: int, device: str, back_to_back: int = 1) -> float:
+    """Median seconds of ``back_to_back`` contiguous copies of ``nbytes`` in a row (events on a GPU)."""
     import torch
 
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
+    if device == "cpu":
+        return _median_s(lambda: [dst.copy_(src) for _ in range(back_to_back)], repeats)
     times = []
     for i in range(repeats + 2):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src)
+        for _ in range(back_to_back):
+            dst.copy_(src)
         end.record()
         end.synchronize()
         if i >= 2:
@@ -149,121 +202,174 @@ def device_copy_s(nbytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+class _StageClock:
+    """Timestamps of the prefill's side of one room at a time: the worker job's start and end (wrapping
+    the manager's ``submit``) and the write's (wrapping the engine's ``write``)."""
+
+    def __init__(self, mgr) -> None:
+        self.marks: dict[str, float] = {}
+        submit, write, self.engine_write = mgr.submit, mgr.writers.write, mgr.engine.write
+
+        def timed_submit(job) -> None:
+            def run() -> None:
+                self.marks.setdefault("job", time.perf_counter())
+                job.run()
+                self.marks["job_end"] = time.perf_counter()
+
+            submit(dataclasses.replace(job, run=run))
+
+        def timed_write(*args: object) -> int:
+            self.marks.setdefault("write", time.perf_counter())
+            code = write(*args)
+            self.marks["write_end"] = time.perf_counter()
+            return code
+
+        mgr.submit = timed_submit
+        mgr.writers.write = timed_write
+
+
 class _Prefill:
     """This process's side: a pool of random KV, its manager and bootstrap server, the decode child."""
 
-    def __init__(self, pages_total: int) -> None:
+    def __init__(self, protocol: str, layers: int, pages_total: int, aux_slots: int, lanes: int) -> None:
         import torch
 
-        from splitserve.transfer import (
-            BootstrapServer,
-            CudaIpcKVManager,
-            TransferConfig,
-            layout_for_pool,
-            make_aux_tensor,
-        )
+        from splitserve.transfer import BootstrapServer, make_aux_tensor
 
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        self.pool = torch.randn(_pool_shape(pages_total), device="cuda", generator=gen).to(torch.bfloat16)
-        self.aux = make_aux_tensor(4, device="cuda")
-        self.mgr = CudaIpcKVManager(TransferConfig(transfer_protocol="cuda_ipc"), layout_for_pool(self.pool, self.aux))
+        self.protocol, self.device, self.layers = protocol, _device(protocol), layers
+        self.pool = torch.empty(_pool_shape(layers, pages_total), dtype=torch.bfloat16, device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        self.pool.view(torch.int16).random_(generator=gen)  # in place: no float temporary of the pool's size
+        self.page_bytes = self.pool[0, 0, 0].numel() * self.pool.element_size() * 2 * layers  # every buffer's
+        self.aux = make_aux_tensor(aux_slots, device=self.device)
+        self.mgr = _new_manager(protocol, self.pool, self.aux, lanes)
+        self.last = _LastChange()
+        self.mgr.add_state_listener(self.last)
         self.server = BootstrapServer("127.0.0.1", 0).start()
         self.mgr.publish_layout(self.server.address)
-        self.decode = DecodeProcess(pages_total)
+        self.decode = DecodeProcess({"protocol": protocol, "layers": layers, "pages": pages_total,
+                                     "aux_slots": aux_slots})
         self.next_room = 1
-        # Time the data path inside rooms too (what a room adds around it is the protocol's cost).
-        self.writes_in_rooms: list[float] = []
-        engine_write = self.mgr.engine.write
+        self.clock = _StageClock(self.mgr)
 
-        def timed_write(*args: object) -> int:
-            t0 = time.perf_counter()
-            code = engine_write(*args)
-            self.writes_in_rooms.append(time.perf_counter() - t0)
-            return code
-
-        self.mgr.engine.write = timed_write  # type: ignore[method-assign]
-        self.engine_write = engine_write
-
-    def room(self, src_pages: list[int], dst_pages: list[int], want: int) -> tuple[float, object]:
-        """One room; returns (seconds from send to Success, the decode's layout)."""
+    def rooms(self, src: list[list[int]], dst: list[list[int]], want: list[int]) -> dict:
+        """One set of rooms sent at once; timestamps of the set (the stages when it is one room)."""
         from splitserve.transfer import KVPoll, KVSender
 
-        room_id, self.next_room = self.next_room, self.next_room + 1
-        sender = KVSender(self.mgr, self.server.address, room_id)
-        sender.init(len(src_pages), 0)
-        self.decode.ask(self.server.address, room_id, dst_pages)
-        while sender.poll() == KVPoll.Bootstrapping:
-            time.sleep(0.00005)
+        ids = list(range(self.next_room, self.next_room + len(src)))
+        self.next_room += len(src)
+        senders = [KVSender(self.mgr, self.server.address, i) for i in ids]
+        for k, (sender, pages) in enumerate(zip(senders, src, strict=True)):
+            sender.init(len(pages), k % self.aux.shape[0])
+        self.decode.ask(self.server.address, ids, dst)
+        _wait_all(self.mgr, senders, lambda s: s.poll() != KVPoll.Bootstrapping, 60)
+        time.sleep(0.002)  # a fresh peer's handshake write (first room only) is out of the way
+        self.clock.marks = {}
         t0 = time.perf_counter()
-        sender.send(src_pages, True)
-        while (state := sender.poll()) not in (KVPoll.Success, KVPoll.Failed):
-            time.sleep(0.00005)
-        elapsed = time.perf_counter() - t0
-        answer = self.decode.read(60)
-        dst_layout = next(iter(sender._dsts.values())).layout
-        error = sender.failure_exception()
-        sender.clear()
-        if state != KVPoll.Success or answer["state"] != KVPoll.Success:
-            raise RuntimeError(f"room {room_id} failed: {error} / {answer['error']}")
-        if answer["checksum"] != want:
+        for sender, pages in zip(senders, src, strict=True):
+            sender.send(pages, True)
+        t_sent = time.perf_counter()
+        _wait_all(self.mgr, senders, lambda s: s.poll() in (KVPoll.Success, KVPoll.Failed), 120)
+        t_sender = self.last.at
+        answer = self.decode.read(120)
+        errors = [s.failure_exception() for s in senders if s.poll() != KVPoll.Success]
+        self.dst_layout = next(iter(senders[0]._dsts.values())).layout  # the decode's, from its metadata
+        for sender in senders:
+            sender.clear()
+        if errors or any(s != KVPoll.Success for s in answer["states"]):
+            raise RuntimeError(f"rooms failed: {errors[:3]} / {answer['errors']}")
+        if answer["checksums"] != want:
             raise RuntimeError("the decode's pages differ from the prefill's")
-        return elapsed, dst_layout
+        return {"t0": t0, "sent": t_sent, "sender_success": t_sender, "decode_success": answer["done_at"],
+                **self.clock.marks}
 
     def measure(self, tokens: int, name: str, src_pages: list[int], dst_pages: list[int], repeats: int) -> dict:
         import numpy as np
 
         from splitserve.transfer.transfer_plan import page_segments
 
-        want = page_checksum(self.pool, src_pages)
-        self.room(src_pages, dst_pages, want)  # warm-up: the first room maps the decode's pool
-        self.writes_in_rooms.clear()
-        timed = [self.room(src_pages, dst_pages, want) for _ in range(repeats)]
-        room_s = statistics.median(t for t, _ in timed)
-        in_room_s = statistics.median(self.writes_in_rooms)
-        dst_layout = timed[-1][1]
-        segs = page_segments(self.mgr.layout, dst_layout, np.array(src_pages), np.array(dst_pages), 0, 0, HEADS)
-        copier = self.mgr.engine.copier
-        copier.timed = True
-        kernels: list[float] = []
+        want = [page_checksum(self.pool, src_pages)]
+        self.rooms([src_pages], [dst_pages], want)  # warm-up: the first room maps the decode's pool
+        marks = [self.rooms([src_pages], [dst_pages], want) for _ in range(repeats)]
 
-        def write() -> None:
-            self.engine_write(dst_layout.session, segs.srcs, segs.dsts, segs.lens)
-            kernels.append(copier.last_kernel_s)
+        def med(a: str, b: str) -> float:
+            return statistics.median(m[b] - m[a] for m in marks)
 
-        write_s = _median_s(write, repeats)
-        copier.timed = False
-        kernel_s = statistics.median(kernels[1:])
-        copy_s = device_copy_s(segs.nbytes, repeats)
-        nbytes = segs.nbytes
-        row = {"tokens": tokens, "pages": name, "bytes": nbytes, "segments": len(segs),
-               "device_copy_gbps": nbytes / copy_s / 1e9, "kernel_gbps": nbytes / kernel_s / 1e9,
-               "ipc_write_gbps": nbytes / write_s / 1e9, "room_gbps": nbytes / room_s / 1e9,
-               "kernel_over_copy": copy_s / kernel_s, "ipc_write_over_copy": copy_s / write_s,
-               "room_over_copy": copy_s / room_s, "room_ms": room_s * 1e3, "write_in_room_ms": in_room_s * 1e3,
-               "write_ms": write_s * 1e3, "kernel_ms": kernel_s * 1e3, "copy_ms": copy_s * 1e3}
-        if tokens == self.sweep_tokens:
-            row["kernel_sweep"] = self.sweep(dst_layout.session, segs, copy_s)
+        stages = {"send_call": med("t0", "sent"), "to_worker": med("sent", "job"), "plan": med("job", "write"),
+                  "write": med("write", "write_end"), "bookkeeping": med("write_end", "sender_success"),
+                  "to_decode": med("sender_success", "decode_success")}
+        room_s, sender_room_s = med("t0", "decode_success"), med("t0", "sender_success")
+        nbytes = len(src_pages) * self.page_bytes
+        row = {"tokens": tokens, "pages": name, "bytes": nbytes, "room_ms": room_s * 1e3,
+               "sender_room_ms": sender_room_s * 1e3, "stages_ms": {k: v * 1e3 for k, v in stages.items()}}
+        copy_s = device_copy_s(nbytes, repeats, self.device)
+        row.update(copy_ms=copy_s * 1e3, device_copy_gbps=nbytes / copy_s / 1e9, room_gbps=nbytes / room_s / 1e9,
+                   room_over_copy=copy_s / room_s, sender_room_over_copy=copy_s / sender_room_s)
+        if self.protocol == "cuda_ipc":
+            dst_session = self.dst_layout.session
+            segs = page_segments(self.mgr.layout, self.dst_layout, np.array(src_pages), np.array(dst_pages), 0, 0,
+                                 HEADS)
+            if segs.nbytes != nbytes:
+                raise RuntimeError(f"planned {segs.nbytes} bytes, expected {nbytes}")
+            copier = self.mgr.engine.copier
+            copier.timed = True
+            kernels: list[float] = []
+
+            def write() -> None:
+                self.clock.engine_write(dst_session, segs.srcs, segs.dsts, segs.lens)
+                kernels.append(copier.last_kernel_s)
+
+            write_s = _median_s(write, repeats)
+            copier.timed = False
+            kernel_s = statistics.median(kernels[1:])
+            row.update(segments=len(segs), write_ms=write_s * 1e3, kernel_ms=kernel_s * 1e3,
+                       kernel_gbps=nbytes / kernel_s / 1e9, ipc_write_gbps=nbytes / write_s / 1e9,
+                       kernel_over_copy=copy_s / kernel_s, ipc_write_over_copy=copy_s / write_s)
+            if tokens == self.sweep_tokens and name == "contiguous":
+                row["kernel_sweep"] = self.sweep(dst_session, segs, copy_s)
         return row
 
+    def concurrent(self, tokens: int, count: int, name: str, pages_total: int, repeats: int) -> dict:
+        """``count`` rooms of ``tokens`` sent at once; from the first send to the decode's last Success."""
+        import numpy as np
+
+        n = tokens // PAGE
+        rng = np.random.default_rng(tokens * count)
+        order = (np.arange(1, pages_total) if name == "contiguous" else rng.permutation(np.arange(1, pages_total)))
+        src = [order[i * n:(i + 1) * n].tolist() for i in range(count)]
+        dst_order = (np.arange(1, pages_total) if name == "contiguous" else rng.permutation(np.arange(1, pages_total)))
+        dst = [dst_order[i * n:(i + 1) * n].tolist() for i in range(count)]
+        want = [page_checksum(self.pool, p) for p in src]
+        runs = [self.rooms(src, dst, want) for _ in range(repeats)]
+        nbytes = count * n * self.page_bytes
+        total_s = statistics.median(m["decode_success"] - m["t0"] for m in runs)
+        sender_s = statistics.median(m["sender_success"] - m["t0"] for m in runs)
+        send_calls_s = statistics.median(m["sent"] - m["t0"] for m in runs)
+        copy_s = device_copy_s(nbytes // count, 3, self.device, back_to_back=count)
+        return {"tokens": tokens, "rooms": count, "pages": name, "lanes": self.mgr.workers.per_peer,
+                "bytes": nbytes, "total_ms": total_s * 1e3, "sender_ms": sender_s * 1e3,
+                "send_calls_ms": send_calls_s * 1e3, "per_room_us": total_s / count * 1e6,
+                "copy_ms": copy_s * 1e3, "gbps": nbytes / total_s / 1e9, "device_copy_gbps": nbytes / copy_s / 1e9,
+                "over_copy": copy_s / total_s, "sender_over_copy": copy_s / sender_s}
+
     sweep_tokens = 8192
-    SWEEP = ((2048, 4, 8, True), (2048, 4, 8, False), (1024, 8, 4, True), (1024, 2, 4, True), (4096, 2, 16, True),
-             (4096, 4, 8, True), (512, 8, 4, True))
+    SWEEP = ((2048, 4, 8), (1024, 8, 4), (4096, 2, 8), (2048, 8, 8), (1024, 4, 4))
 
     def sweep(self, session: str, segs, copy_s: float) -> list[dict]:
-        """The copy kernel alone at other block shapes, on the same segments into the mapped peer pool."""
+        """The copy kernel alone at other shapes, on the same segments into the mapped peer pool."""
         from splitserve.transfer.segment_copy import CopyShape, SegmentCopier
 
         local_dsts = self.mgr.engine.mapped_destinations(session, segs.dsts, segs.lens)
         out = []
-        for block, iters, warps, pairs in self.SWEEP:
-            copier = SegmentCopier(self.mgr.engine.device, CopyShape(block, iters, warps), pairs, timed=True)
+        for block, iters, warps in self.SWEEP:
+            copier = SegmentCopier(self.mgr.engine.device, CopyShape(block, iters, warps), timed=True)
             times = []
             for _ in range(6):
                 copier.copy(segs.srcs, local_dsts, segs.lens)
                 times.append(copier.last_kernel_s)
             kernel_s = statistics.median(times[1:])
-            out.append({"block": block, "iters": iters, "warps": warps, "pairs": pairs,
-                        "kernel_ms": kernel_s * 1e3, "kernel_over_copy": copy_s / kernel_s})
+            out.append({"block": block, "iters": iters, "warps": warps, "kernel_ms": kernel_s * 1e3,
+                        "kernel_over_copy": copy_s / kernel_s})
         return out
 
     def close(self) -> None:
@@ -272,12 +378,14 @@ class _Prefill:
         self.server.stop()
 
 
-def run(token_counts: Sequence[int], repeats: int) -> list[dict]:
+def run(protocol: str, token_counts: Sequence[int], concurrent: Sequence[tuple[int, int]], lanes: Sequence[int],
+        layers: int, repeats: int) -> dict:
     import numpy as np
 
-    pages_total = 2 * (max(token_counts) // PAGE) + 1
-    prefill = _Prefill(pages_total)
-    rows = []
+    pages_total = max([2 * (max(token_counts, default=0) // PAGE)] + [t // PAGE * c for t, c in concurrent]) + 1
+    aux_slots = max([c for _, c in concurrent] + [4])
+    prefill = _Prefill(protocol, layers, pages_total, aux_slots, lanes[0])
+    rows, sets = [], []
     try:
         for tokens in token_counts:
             n = tokens // PAGE
@@ -286,55 +394,81 @@ def run(token_counts: Sequence[int], repeats: int) -> list[dict]:
                                         repeats))
             rows.append(prefill.measure(tokens, "scattered", rng.permutation(np.arange(1, pages_total))[:n].tolist(),
                                         rng.permutation(np.arange(1, pages_total))[:n].tolist(), repeats))
+            log.info("%s", rows[-1])
+        for lane_count in lanes:
+            prefill.mgr.workers.per_peer = lane_count  # lanes are made on demand: this sets how many
+            for tokens, count in concurrent:
+                for name in ("contiguous", "scattered"):
+                    prefill.rooms([[1]], [[1]], [page_checksum(prefill.pool, [1])])  # lanes warm
+                    sets.append(prefill.concurrent(tokens, count, name, pages_total, max(1, repeats // 3)))
+                    log.info("%s", sets[-1])
     finally:
         prefill.close()
-    return rows
+    return {"protocol": protocol, "layers": layers, "rooms": rows, "concurrent": sets}
 
 
-def format_rows(rows: Sequence[dict]) -> str:
-    head = (f"{'KV tokens':>9} {'pages':<11}{'bytes':>12}{'segs':>7}{'copy GB/s':>10}{'kernel':>8}{'write':>8}"
-            f"{'room':>8}{'room ms':>9}{'in-room write ms':>17}  {'kernel/copy':>11}{'write/copy':>11}"
-            f"{'room/copy':>10}")
-    lines = ["GB/s = 1e9 bytes/s, each byte counted once; copy = one contiguous device copy of the same bytes;",
-             "kernel = the IPC write's copy kernels alone (events), write = the whole IPC write call, room = send to "
-             "Success", head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['tokens']:>9} {r['pages']:<11}{r['bytes']:>12}{r['segments']:>7}"
-                     f"{r['device_copy_gbps']:>10.0f}{r['kernel_gbps']:>8.0f}{r['ipc_write_gbps']:>8.0f}"
-                     f"{r['room_gbps']:>8.0f}{r['room_ms']:>9.3f}{r['write_in_room_ms']:>17.3f}  "
-                     f"{r['kernel_over_copy']:>11.2f}{r['ipc_write_over_copy']:>11.2f}{r['room_over_copy']:>10.2f}")
-    for r in rows:
+def format_report(report: dict) -> str:
+    lines = [f"{report['protocol']}: GB/s = 1e9 bytes/s, each byte counted once; copy = contiguous device copy of "
+             "the same bytes; room = sender send to the decode process seeing Success",
+             f"{'tokens':>6} {'pages':<11}{'bytes':>11}{'copy GB/s':>10}{'room GB/s':>10}{'room/copy':>10}"
+             f"{'kernel/copy':>12}{'write/copy':>11}{'room ms':>8}  stages ms: " + " ".join(STAGES)]
+    for r in report["rooms"]:
+        st = " ".join(f"{r['stages_ms'][k]:.3f}" for k in STAGES)
+        kern = f"{r['kernel_over_copy']:.2f}" if "kernel_over_copy" in r else "-"
+        wr = f"{r['ipc_write_over_copy']:.2f}" if "ipc_write_over_copy" in r else "-"
+        lines.append(f"{r['tokens']:>6} {r['pages']:<11}{r['bytes']:>11}{r['device_copy_gbps']:>10.1f}"
+                     f"{r['room_gbps']:>10.1f}{r['room_over_copy']:>10.3f}{kern:>12}{wr:>11}{r['room_ms']:>8.3f}  {st}")
         for k in r.get("kernel_sweep", []):
-            lines.append(f"  sweep {r['tokens']} {r['pages']}: block {k['block']} x{k['iters']} warps {k['warps']} "
-                         f"pairs {k['pairs']}: {k['kernel_ms']:.3f} ms, kernel/copy {k['kernel_over_copy']:.2f}")
+            lines.append(f"    sweep block {k['block']} x{k['iters']} warps {k['warps']}: {k['kernel_ms']:.3f} ms, "
+                         f"kernel/copy {k['kernel_over_copy']:.2f}")
+    if report["concurrent"]:
+        lines.append("rooms in flight at once: first send to the decode's last Success, against as many back-to-back "
+                     "device copies of one room's bytes")
+        lines.append(f"{'tokens':>6} {'rooms':>5} {'pages':<11}{'lanes':>5}{'total ms':>9}{'us/room':>8}{'GB/s':>8}"
+                     f"{'copy GB/s':>10}{'/copy':>7}{'sender/copy':>12}{'send calls ms':>14}")
+        for c in report["concurrent"]:
+            lines.append(f"{c['tokens']:>6} {c['rooms']:>5} {c['pages']:<11}{c['lanes']:>5}{c['total_ms']:>9.2f}"
+                         f"{c['per_room_us']:>8.0f}{c['gbps']:>8.1f}{c['device_copy_gbps']:>10.1f}{c['over_copy']:>7.3f}"
+                         f"{c['sender_over_copy']:>12.3f}{c['send_calls_ms']:>14.2f}")
     return "\n".join(lines)
 
 
+log = logging.getLogger(__name__)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark and prints the table; ``--json PATH`` also writes the rows."""
+    """Runs the benchmark and prints the table; ``--json PATH`` also writes the report."""
     parser = argparse.ArgumentParser(prog="splitserve bench --profile transfer --transfer-protocol cuda_ipc",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--transfer-protocol", choices=["cuda_ipc"], default="cuda_ipc")
-    parser.add_argument("--kv-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 8192],
-                        help="prompt lengths (multiples of 16; 128 KiB of KV per token)")
+    parser.add_argument("--transfer-protocol", choices=["cuda_ipc", "tcp"], default="cuda_ipc",
+                        help="cuda_ipc (a GPU), or tcp: the same rooms over Mooncake TCP in host memory")
+    parser.add_argument("--kv-tokens", type=lambda s: [int(x) for x in s.split(",") if x], default=[512, 2048, 8192],
+                        help="prompt lengths of the one-room-at-a-time rows (multiples of 16)")
+    parser.add_argument("--concurrent", type=lambda s: [tuple(int(v) for v in x.split("x")) for x in s.split(",") if x],
+                        default=[(512, 256), (2048, 64), (8192, 16)],
+                        help="TOKENSxROOMS sets sent at once, comma-separated ('' for none)")
+    parser.add_argument("--lanes", type=lambda s: [int(x) for x in s.split(",")], default=[2],
+                        help="worker lanes per decode peer (transfer_threads) for the concurrent sets")
+    parser.add_argument("--layers", type=int, default=32, help="layers of the KV layout (32: 128 KiB per token)")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats of each measurement (median)")
-    parser.add_argument("--json", default="", help="also write the rows as JSON to this path")
+    parser.add_argument("--json", default="", help="also write the report as JSON to this path")
     parser.add_argument("--decode-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    os.environ.setdefault("GLOG_minloglevel", "2")
     if args.decode_child:
         _decode_child(json.loads(args.decode_child))
         return 0
     import torch
 
-    if not torch.cuda.is_available():
+    if args.transfer_protocol == "cuda_ipc" and not torch.cuda.is_available():
         parser.error("--transfer-protocol cuda_ipc needs a CUDA device")
     logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    rows = run(args.kv_tokens, args.repeats)
-    print(format_rows(rows))
+    report = run(args.transfer_protocol, args.kv_tokens, args.concurrent, args.lanes, args.layers, args.repeats)
+    print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump(report, f, indent=2)
     return 0
 
 

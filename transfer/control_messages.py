@@ -19,6 +19,7 @@ Direction and meaning:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -127,9 +128,17 @@ MESSAGE_TYPES: dict[str, type] = {cls.kind: cls for cls in (KVMetadata, Transfer
                                                             Ping, Pong)}
 
 
+@functools.cache
+def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(name, type hint) of each field of a message class, worked out once: a room sends and
+    receives several messages, and ``get_type_hints`` costs more than the rest of decoding."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+
+
 def encode_message(msg: ControlMessage, key: bytes = b"") -> list[bytes]:
     """The frames of ``msg``; signed when ``key`` is set."""
-    body = dataclasses.asdict(msg)
+    body = {name: getattr(msg, name) for name, _ in _fields(type(msg))}  # JSON copies nested values itself
     body["kind"] = msg.kind
     raw = json.dumps(body, separators=(",", ":")).encode()
     mac = hmac.new(key, raw, hashlib.sha256).digest() if key else b""
@@ -156,16 +165,14 @@ def decode_message(frames: list[bytes], key: bytes = b"", types: dict[str, type]
     cls = (MESSAGE_TYPES if types is None else types).get(body.get("kind"))  # type: ignore[arg-type]
     if cls is None:
         raise ControlMessageError(f"unknown message kind {body.get('kind')!r}")
-    hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):
-        if field.name not in body:
-            raise ControlMessageError(f"{cls.kind}: missing field {field.name!r}")
-        value = body[field.name]
-        if not _has_type(value, hints[field.name]):
-            raise ControlMessageError(f"{cls.kind}.{field.name}: expected {hints[field.name]}, "
-                                      f"got {type(value).__name__}")
-        values[field.name] = float(value) if hints[field.name] is float else value
+    for name, hint in _fields(cls):
+        if name not in body:
+            raise ControlMessageError(f"{cls.kind}: missing field {name!r}")
+        value = body[name]
+        if not _has_type(value, hint):
+            raise ControlMessageError(f"{cls.kind}.{name}: expected {hint}, got {type(value).__name__}")
+        values[name] = float(value) if hint is float else value
     return cls(**values)
 
 

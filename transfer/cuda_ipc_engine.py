@@ -9,8 +9,8 @@ the rooms, control channel and bootstrap protocol stay the Mooncake backend's. W
 - a peer's regions are learnt from its layout (``learn_peer``, from the decode's metadata) and
   opened the first time something is written to that peer (the "handshake"), once per peer;
 - ``write`` translates the peer's addresses to the mapped ones, checks every segment lies in
-  memory the two sides registered / exported, copies all segments with one kernel launch per
-  element size (segment_copy.py) on the current stream and returns once the copy finished:
+  memory the two sides registered / exported, copies all segments with one kernel launch
+  (segment_copy.py) on the current stream and returns once the copy finished:
   like Mooncake's synchronous write, Success is reported only after the bytes are in place.
 
 Ordering with the engine: writes run on the worker thread's current stream, the legacy default
@@ -79,6 +79,12 @@ class _PeerMapping:
     local_bases: np.ndarray | None = None
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    bases: np.ndarray = field(init=False)
+    sizes: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.bases = np.array([r.base for r in self.regions], dtype=np.int64)
+        self.sizes = np.array([r.nbytes for r in self.regions], dtype=np.int64)
 
 
 class CudaIpcEngine:
@@ -100,6 +106,7 @@ class CudaIpcEngine:
         self.protocol = "cuda_ipc"
         self.session_id = session_name(self.host, self.pid, secrets.token_hex(4))
         self._own: dict[int, IpcRegion] = {}
+        self._own_arrays = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # bases, sizes: checked every write
         self._known: dict[str, tuple[IpcRegion, ...]] = {}
         self._peers: dict[str, _PeerMapping] = {}
         self._lock = threading.Lock()
@@ -123,6 +130,8 @@ class CudaIpcEngine:
         handle = self.driver.ipc_handle(base)
         with self._lock:
             self._own[base] = IpcRegion(base, size, handle.hex())
+            self._own_arrays = (np.array(sorted(self._own), dtype=np.int64),
+                                np.array([self._own[b].nbytes for b in sorted(self._own)], dtype=np.int64))
 
     @property
     def regions(self) -> tuple[IpcRegion, ...]:
@@ -168,7 +177,7 @@ class CudaIpcEngine:
     def _open_locked(self, session: str, mapping: _PeerMapping) -> np.ndarray:
         if mapping.local_bases is None:
             if mapping.same_process:
-                mapping.local_bases = np.array([r.base for r in mapping.regions], dtype=np.int64)
+                mapping.local_bases = mapping.bases
             else:
                 opened: list[int] = []
                 try:
@@ -215,26 +224,20 @@ class CudaIpcEngine:
             local_bases = self._open_locked(session, mapping)
             if len(length) == 0:
                 return 0
-            peer_dst = translate(dst, length, np.array([r.base for r in mapping.regions], dtype=np.int64),
-                                 np.array([r.nbytes for r in mapping.regions], dtype=np.int64), local_bases,
+            peer_dst = translate(dst, length, mapping.bases, mapping.sizes, local_bases,
                                  f"destination (peer {session})")
-            self._check_sources(src, length)
+            own_bases, own_sizes = self._own_arrays
+            translate(src, length, own_bases, own_sizes, own_bases, "source")
             self.copier.copy(src, peer_dst, length)
         return 0
-
-    def _check_sources(self, src: np.ndarray, length: np.ndarray) -> None:
-        own = self.regions
-        own_bases = np.array([r.base for r in own], dtype=np.int64)
-        translate(src, length, own_bases, np.array([r.nbytes for r in own], dtype=np.int64), own_bases, "source")
 
     def mapped_destinations(self, session: str, dsts: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Where a mapped peer's addresses are in this process (benchmarks time the copy kernel on them)."""
         mapping = self._mapping(session)
         with mapping.lock:
             local_bases = self._open_locked(session, mapping)
-            return translate(np.asarray(dsts, dtype=np.int64), np.asarray(lens, dtype=np.int64),
-                             np.array([r.base for r in mapping.regions], dtype=np.int64),
-                             np.array([r.nbytes for r in mapping.regions], dtype=np.int64), local_bases, "destination")
+            return translate(np.asarray(dsts, dtype=np.int64), np.asarray(lens, dtype=np.int64), mapping.bases,
+                             mapping.sizes, local_bases, "destination")
 
     def close(self) -> None:
         """Unmaps every peer. Idempotent."""

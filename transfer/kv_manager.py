@@ -21,6 +21,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -61,6 +62,7 @@ LOOKUP_RETRY_S = 0.2
 # its rooms fail now, not at their bootstrap deadline. One still starting answers 503 (retried).
 LOOKUP_UNREACHABLE_S = 1.0
 WORKER_IDLE_S = 5.0
+PEER_LAYOUTS_KEPT = 1024  # parsed decode layouts kept (one per decode rank; emptied when full)
 # A fenced room whose prefill ranks stay silent past a heartbeat timeout is checked this often:
 # is anything still listening at their control endpoints, and does their bootstrap server list them?
 FENCE_CHECK_S = 1.0
@@ -115,6 +117,10 @@ class MooncakeKVManager(BaseKVManager):
         self._lookups: dict[str, threading.Thread] = {}  # bootstrap address -> its lookup thread
         self._pending_aborts: dict[str, list[tuple[float, int, str]]] = {}
         self._lookup_cv = threading.Condition(self.lock)
+        self._rooms_changed = threading.Condition(self.lock)  # a room's state changed (see wait_locked)
+        self._state_listeners: list[Callable[[], None]] = []
+        self._layout_dict: tuple[KVLayout, dict] | None = None
+        self._peer_layouts: dict[str, tuple[dict, KVLayout]] = {}  # session -> (its raw layout, parsed)
         self.workers = PeerWorkers(config.transfer_threads, WORKER_IDLE_S)
         # Mooncake sessions whose handshake was queued (False) or done (True): see MooncakeKVSender._shake_hands.
         self.sessions_opened: dict[str, bool] = {}
@@ -239,7 +245,48 @@ class MooncakeKVManager(BaseKVManager):
             self._receivers.clear()
             self._peer_rooms.clear()
 
+    def layout_dict(self) -> dict:
+        """``self.layout.to_dict()``, made once (every room's metadata carries it)."""
+        cached = self._layout_dict
+        if cached is None or cached[0] is not self.layout:
+            cached = self._layout_dict = (self.layout, self.layout.to_dict())
+        return cached[1]
+
+    def peer_layout(self, raw: dict) -> KVLayout:
+        """A decode rank's layout from its metadata, parsed once per peer: the same dict again (a cheap
+        C-level comparison) gives the same object back. Raises ``ValueError`` if malformed."""
+        session = raw.get("session") if isinstance(raw, dict) else None
+        hit = self._peer_layouts.get(session) if isinstance(session, str) else None
+        if hit is not None and hit[0] == raw:
+            return hit[1]
+        layout = KVLayout.from_dict(raw)
+        with self.lock:
+            if len(self._peer_layouts) >= PEER_LAYOUTS_KEPT:
+                self._peer_layouts.clear()
+            self._peer_layouts[layout.session] = (raw, layout)
+        return layout
+
+    def add_state_listener(self, listener: Callable[[], None]) -> None:
+        """Calls ``listener()`` whenever a room of this manager changes state (Success, Failed, ...), so an
+        engine waiting idle for its transfers wakes at once instead of at its next poll. It runs under the
+        manager's lock on whichever thread made the change: it must only signal (set an event)."""
+        with self.lock:
+            self._state_listeners.append(listener)
+
     # ------------------------------------------------ rooms (called by rooms)
+
+    def room_changed_locked(self) -> None:
+        """A room's state changed (lock held): wakes ``wait_locked`` callers and the listeners."""
+        self._rooms_changed.notify_all()
+        for listener in self._state_listeners:
+            try:
+                listener()
+            except Exception:
+                log.exception("transfer state listener failed")
+
+    def wait_locked(self, timeout_s: float) -> None:
+        """Sleeps (lock held, released meanwhile) until some room changes state or ``timeout_s`` passes."""
+        self._rooms_changed.wait(timeout_s)
 
     def add_sender(self, sender: MooncakeKVSender) -> None:
         with self.lock:

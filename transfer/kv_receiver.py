@@ -39,7 +39,7 @@ class MooncakeKVReceiver(MooncakeRoom, BaseKVReceiver):
         self.bootstrap_addr = bootstrap_addr
         self.room = room
         now = time.monotonic()
-        self.status = RoomStatus(room, mgr.receiver_timeouts, now)
+        self.status = RoomStatus(room, mgr.receiver_timeouts, now, mgr.room_changed_locked)
         self._created = now
         self._started = False
         self._prefill: list[KVLayout] | None = None
@@ -168,7 +168,7 @@ class MooncakeKVReceiver(MooncakeRoom, BaseKVReceiver):
         assert self._prefill is not None and self._metadata is not None
         pages, aux_index, prefix_len = self._metadata
         local = self.mgr.layout
-        layout_dict = local.to_dict()
+        layout_dict = self.mgr.layout_dict()
         window = self.mgr.config.transfer_write_window_s
         write_by = time.time() + window
         self._write_by = now + window

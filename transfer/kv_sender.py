@@ -74,7 +74,7 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         self.bootstrap_addr = bootstrap_addr
         self.room = room
         now = time.monotonic()
-        self.status = RoomStatus(room, mgr.sender_timeouts, now)
+        self.status = RoomStatus(room, mgr.sender_timeouts, now, mgr.room_changed_locked)
         self._created = now
         self._ready_at: float | None = None
         self._first_send_at: float | None = None
@@ -148,7 +148,7 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
                              notify=True)
             return
         try:
-            dst_layout = KVLayout.from_dict(msg.dst_layout)
+            dst_layout = self.mgr.peer_layout(msg.dst_layout)
             self.mgr.layout.check_compatible(dst_layout, f"prefill rank {self.mgr.layout.tp_rank} vs decode "
                                                          f"rank {dst_layout.tp_rank}")
         except (ValueError, LayoutMismatchError) as exc:
@@ -260,33 +260,43 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         self.status.touch(now)
         aux_index = self._aux_index
         for key, dst in self._dsts.items():
-            if not dst.announced:
-                dst.announced = True
-                self.mgr.send(key[0], self._status_msg(dst, KVPoll.Transferring, ""))
             self.mgr.submit(TransferJob(key[0], self.room, lambda d=dst, c=chunk: self._write(d, c, aux_index),
                                         lambda exc, d=dst: self._job_failed(d, exc)))
 
     def _write(self, dst: Destination, chunk: Chunk, aux_index: int) -> None:
-        """Worker thread: writes one chunk to one decode rank, then reports (off the lock)."""
+        """Worker thread: writes one chunk to one decode rank, then reports (off the lock around the write;
+        one lock hold before each batch and one after, since every hold may wait for the engine's thread)."""
         if self.status.final:
             return
         segments = self._segments(dst, chunk, aux_index)
         as_lists = not getattr(self.mgr.engine, "takes_arrays", False)  # Mooncake's binding takes lists
-        for srcs, dsts, lens in segments.batches(self.mgr.config.transfer_max_batch_segments, as_lists):
-            # Checked and counted under the lock: once the room failed (or its write-by deadline
-            # passed) no write starts, and the decode's fence is answered when this one returns.
-            if not self.mgr.begin_write(self.room, self.status, dst.meta.write_by):
-                return
+        batches = segments.batches(self.mgr.config.transfer_max_batch_segments, as_lists)
+        for i, (srcs, dsts, lens) in enumerate(batches):
+            with self.mgr.lock:
+                if not dst.announced and not self.status.final:
+                    # Told from here, just before the first write, not from send() on the engine's thread.
+                    dst.announced = True
+                    self.mgr.send(dst.meta.reply_to, self._status_msg(dst, KVPoll.Transferring, ""))
+                # Checked and counted under the lock: once the room failed (or its write-by deadline
+                # passed) no write starts, and the decode's fence is answered when this one returns.
+                if not self.mgr.begin_write(self.room, self.status, dst.meta.write_by):
+                    return
+            code = None  # stays None if the write raises: the job fails the room then (KVWorkerError)
             try:
                 code = self.mgr.writers.write(dst.layout.session, srcs, dsts, lens)
             finally:
-                self.mgr.end_write(self.room)
-            if code != 0:
                 with self.mgr.lock:
-                    self.fail_locked(KVWriteError(self.room, dst.layout.session, code, int(sum(lens))), notify=True)
+                    self.mgr.end_write(self.room)
+                    if code == 0 and i == len(batches) - 1:
+                        self._chunk_written(dst, chunk, segments.nbytes, time.monotonic())
+                    elif code is not None and code != 0:
+                        self.fail_locked(KVWriteError(self.room, dst.layout.session, code, int(sum(lens))),
+                                         notify=True)
+            if code != 0:
                 return
-        with self.mgr.lock:
-            self._chunk_written(dst, chunk, segments.nbytes, time.monotonic())
+        if not batches:
+            with self.mgr.lock:
+                self._chunk_written(dst, chunk, segments.nbytes, time.monotonic())
 
     def _job_failed(self, dst: Destination, exc: Exception) -> None:
         """Worker thread: a write job raised; this room fails, the worker and other rooms go on."""

@@ -30,6 +30,21 @@ class MooncakeRoom:
                 self.fail_locked(error, notify=True)
             return self.status.state
 
+    def wait(self, timeout_s: float) -> KVPoll:
+        """Blocks until the room is final or ``timeout_s`` passed; its state then (for callers with
+        nothing else to do, like benchmarks: an engine polls)."""
+        deadline = time.monotonic() + timeout_s
+        with self.mgr.lock:
+            while not self.status.final:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.mgr.wait_locked(min(left, 0.05))  # deadlines expire through poll(): look again
+                error = self.status.expired(time.monotonic())
+                if error is not None:
+                    self.fail_locked(error, notify=True)
+            return self.status.state
+
     def failure_exception(self) -> KVTransferError | None:
         return self.status.error
 

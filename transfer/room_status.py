@@ -5,16 +5,22 @@ Not thread-safe by itself: the manager's lock guards it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .errors import KVTimeoutError, KVTransferError
 from .poll_state import KVPoll, advance, is_final
 
 
 class RoomStatus:
-    """State machine of one room: forward-only moves, a deadline per non-final state."""
+    """State machine of one room: forward-only moves, a deadline per non-final state.
 
-    def __init__(self, room: int, timeouts: dict[KVPoll, float], now: float) -> None:
+    ``on_change`` is called after every state change (the manager wakes whoever waits on rooms)."""
+
+    def __init__(self, room: int, timeouts: dict[KVPoll, float], now: float,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.room = room
         self._timeouts = timeouts
+        self._on_change = on_change
         self.state = KVPoll.Bootstrapping
         self.error: KVTransferError | None = None
         self.history: list[KVPoll] = [KVPoll.Bootstrapping]
@@ -33,6 +39,8 @@ class RoomStatus:
         self.state = new
         self.history.append(new)
         self.touch(now)
+        if self._on_change is not None:
+            self._on_change()
         return True
 
     def touch(self, now: float) -> None:
@@ -47,6 +55,8 @@ class RoomStatus:
         self.state = KVPoll.Failed
         self.error = error
         self.history.append(KVPoll.Failed)
+        if self._on_change is not None:
+            self._on_change()
         return True
 
     def cap(self, deadline: float, window_s: float) -> None:

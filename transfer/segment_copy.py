@@ -3,18 +3,19 @@
 The CUDA IPC backend moves a chunk's KV as the transfer plan's segments (page runs of every
 layer's K and V, a head slice per token, the aux slot), between this process's memory and a
 peer's allocation mapped into it. One ``cudaMemcpy`` per segment would pay a launch per page
-run and layer; instead the segments are cut into pieces of at most ``PIECE_BYTES`` (pure
-arithmetic, ``split_into_pieces``) and one Triton program copies each piece.
+run and layer; instead one Triton launch copies every segment of a chunk: program ``(s, p)``
+copies pieces ``p, p + P, p + 2P, ...`` of segment ``s`` (a piece is 64 KiB of 8-byte words).
 
-Addresses reach the kernel as element offsets from an anchor tensor's address (pointer
+The host hands the kernel one row per *segment*, not per piece (``plan_copy``, pure
+arithmetic): a 1 GiB chunk of 64 page runs is a 64-row table, so the host work does not grow
+with the bytes. Addresses travel as element offsets from an anchor tensor's address (pointer
 arithmetic from a real tensor argument, so Triton sees an aligned base): 8-byte words where
-every address and length is a multiple of 8 (KV pages are), bytes otherwise (the 12-byte aux
-slots). The piece tables travel through one pinned buffer, reused.
+address and length are multiples of 8 (KV pages are), bytes otherwise (the 12-byte aux slot,
+in the same launch). The table goes up through a pinned buffer, reused (one per concurrent copy).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -22,69 +23,62 @@ from typing import Any
 import numpy as np
 
 WORD_BYTES = 8
-WORD_BLOCK = 2048  # int64 elements per iteration of a program (16 KiB)
-WORD_ITERS = 4  # iterations per program: a piece is 64 KiB
+WORD_BLOCK = 2048  # int64 elements per access round of a program (16 KiB)
+WORD_ITERS = 4  # rounds per piece: a piece is 64 KiB
 BYTE_BLOCK = 1024
-BYTE_ITERS = 1
 PIECE_BYTES = WORD_BLOCK * WORD_ITERS * WORD_BYTES
-
-log = logging.getLogger(__name__)
+MAX_PARTS = 65535  # CUDA's limit on the grid's second dimension
+SPARE_PROGRAMS = 4096  # programs with nothing to copy the grid may hold before long segments loop instead
 
 
 @dataclass(frozen=True)
-class Pieces:
-    """Parallel arrays: source and destination offsets (in elements from the anchor) and lengths."""
+class CopyPlan:
+    """The kernel's input: ``table`` ``[3, n]`` int64 (source and destination offsets from the anchor,
+    lengths, each in its segment's element size; the ``words`` word segments first, then byte
+    segments), and ``parts``, the programs per segment (the grid is ``(n, parts)``)."""
 
-    src: np.ndarray
-    dst: np.ndarray
-    length: np.ndarray
+    table: np.ndarray
+    words: int
+    parts: int
 
-    def __len__(self) -> int:
-        return len(self.length)
-
-    def table(self) -> np.ndarray:
-        """``[3, n]`` int64, the kernel's input."""
-        return np.stack([self.src, self.dst, self.length]).astype(np.int64)
-
-
-def split_into_pieces(srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray, piece: int) -> Pieces:
-    """Cuts each segment into consecutive pieces of at most ``piece`` units (empty segments vanish)."""
-    srcs, dsts, lens = (np.asarray(a, dtype=np.int64) for a in (srcs, dsts, lens))
-    if piece < 1:
-        raise ValueError(f"piece must be >= 1, got {piece}")
-    if (lens < 0).any():
-        raise ValueError("negative segment length")
-    counts = (lens + piece - 1) // piece
-    seg = np.repeat(np.arange(len(lens)), counts)
-    first = np.cumsum(counts) - counts
-    off = (np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)) * piece
-    return Pieces(srcs[seg] + off, dsts[seg] + off, np.minimum(lens[seg] - off, piece))
+    @property
+    def segments(self) -> int:
+        return self.table.shape[1]
 
 
-def word_aligned(srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray, nbytes: int = WORD_BYTES) -> np.ndarray:
-    """Which segments start and end on ``nbytes`` boundaries on both sides."""
-    return ((np.asarray(srcs) | np.asarray(dsts) | np.asarray(lens)) % nbytes) == 0
-
-
-def plan_pieces(srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray, anchor: int,
-                word_piece_bytes: int = PIECE_BYTES) -> tuple[Pieces, Pieces]:
-    """(word pieces, byte pieces) of absolute-address segments, as offsets from ``anchor``
-    (16-byte aligned) in their own element size; word pieces hold at most ``word_piece_bytes``."""
+def plan_copy(srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray, anchor: int,
+              piece_bytes: int = PIECE_BYTES) -> CopyPlan:
+    """The copy of absolute-address segments as offsets from ``anchor`` (16-byte aligned); empty
+    segments are dropped. ``parts`` covers the longest segment's pieces with one program each unless
+    that leaves more than ``SPARE_PROGRAMS`` (and more than the pieces) idle: long segments then loop."""
     if anchor % 16:
         raise ValueError(f"anchor {anchor:#x} is not 16-byte aligned")
     srcs, dsts, lens = (np.asarray(a, dtype=np.int64) for a in (srcs, dsts, lens))
-    words = word_aligned(srcs, dsts, lens)
-    by_word = split_into_pieces((srcs[words] - anchor) // WORD_BYTES, (dsts[words] - anchor) // WORD_BYTES,
-                                lens[words] // WORD_BYTES, word_piece_bytes // WORD_BYTES)
-    rest = ~words
-    by_byte = split_into_pieces(srcs[rest] - anchor, dsts[rest] - anchor, lens[rest], BYTE_BLOCK * BYTE_ITERS)
-    return by_word, by_byte
-
-
-def pairs_of_words(pieces: Pieces) -> bool:
-    """Whether every word piece starts and ends on a 16-byte boundary (the kernel may then move 16 bytes
-    per access)."""
-    return not len(pieces) or bool((((pieces.src | pieces.dst | pieces.length) % 2) == 0).all())
+    if (lens < 0).any():
+        raise ValueError("negative segment length")
+    keep = lens > 0
+    srcs, dsts, lens = srcs[keep] - anchor, dsts[keep] - anchor, lens[keep]
+    words = ((srcs | dsts | lens) % WORD_BYTES) == 0
+    n_words = int(words.sum())
+    table = np.empty((3, len(lens)), dtype=np.int64)
+    if n_words == len(lens):  # the usual chunk: KV pages only
+        np.floor_divide(srcs, WORD_BYTES, out=table[0])
+        np.floor_divide(dsts, WORD_BYTES, out=table[1])
+        np.floor_divide(lens, WORD_BYTES, out=table[2])
+    else:
+        rest = ~words
+        table[:, :n_words] = np.stack([srcs[words], dsts[words], lens[words]]) // WORD_BYTES
+        table[:, n_words:] = np.stack([srcs[rest], dsts[rest], lens[rest]])
+    if not len(lens):
+        return CopyPlan(table, 0, 1)
+    unit = np.full(len(lens), BYTE_BLOCK, dtype=np.int64)
+    unit[:n_words] = piece_bytes // WORD_BYTES
+    pieces = (table[2] + unit - 1) // unit
+    total, longest = int(pieces.sum()), int(pieces.max())
+    parts = longest
+    if len(lens) * longest - total > max(SPARE_PROGRAMS, total):
+        parts = max(1, -(-2 * total // len(lens)))
+    return CopyPlan(table, n_words, min(parts, MAX_PARTS))
 
 
 _KERNEL: Any = None
@@ -97,29 +91,35 @@ def _kernel() -> Any:
         import triton
         import triton.language as tl
 
-        @triton.jit(do_not_specialize=["n"])  # one compiled kernel for any piece count
-        def copy_pieces(anchor, table, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, PAIRS: tl.constexpr):
-            pid = tl.program_id(0)
-            src = tl.load(table + pid)
-            dst = tl.load(table + n + pid)
-            length = tl.load(table + 2 * n + pid)
-            if PAIRS:  # offsets and lengths are even: 16-byte accesses
-                src = tl.multiple_of(src, 2)
-                dst = tl.multiple_of(dst, 2)
-                length = tl.multiple_of(length, 2)
-            for i in tl.static_range(ITERS):
-                offs = i * BLOCK + tl.arange(0, BLOCK)
-                mask = offs < length
-                tl.store(anchor + dst + offs, tl.load(anchor + src + offs, mask=mask), mask=mask)
+        @triton.jit(do_not_specialize=["n", "n_words"])  # one compiled kernel for any table
+        def copy_segments(words, raw, table, n, n_words, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                          BYTE_BLOCK: tl.constexpr):
+            seg = tl.program_id(0)
+            part = tl.program_id(1).to(tl.int64)
+            parts = tl.num_programs(1).to(tl.int64)
+            src = tl.load(table + seg)
+            dst = tl.load(table + n + seg)
+            length = tl.load(table + 2 * n + seg)
+            if seg < n_words:
+                for start in range(part * (BLOCK * ITERS), length, parts * (BLOCK * ITERS)):
+                    for i in tl.static_range(ITERS):
+                        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+                        mask = offs < length
+                        tl.store(words + dst + offs, tl.load(words + src + offs, mask=mask), mask=mask)
+            else:
+                for start in range(part * BYTE_BLOCK, length, parts * BYTE_BLOCK):
+                    offs = start + tl.arange(0, BYTE_BLOCK)
+                    mask = offs < length
+                    tl.store(raw + dst + offs, tl.load(raw + src + offs, mask=mask), mask=mask)
 
-        _KERNEL = copy_pieces
+        _KERNEL = copy_segments
     return _KERNEL
 
 
 @dataclass(frozen=True)
 class CopyShape:
-    """How the word kernel cuts work: ``block`` words per access round, ``iters`` rounds per program
-    (a piece is ``block * iters`` words), ``warps`` per program."""
+    """How the kernel cuts work: ``block`` words per access round, ``iters`` rounds per piece (a piece is
+    ``block * iters`` words), ``warps`` per program."""
 
     block: int = WORD_BLOCK
     iters: int = WORD_ITERS
@@ -130,15 +130,25 @@ class CopyShape:
         return self.block * self.iters * WORD_BYTES
 
 
+class _Staging:
+    """One copy's table on its way to the device: pinned host rows, their device copy, and the event that
+    says the kernel reading them finished (a staging buffer is reused only after that)."""
+
+    def __init__(self, torch: Any, device: Any, rows: int) -> None:
+        self.host = torch.empty(3 * rows, dtype=torch.int64).pin_memory()
+        self.host_np = self.host.numpy()
+        self.table = torch.empty(3 * rows, dtype=torch.int64, device=device)
+        self.done = torch.cuda.Event()
+
+
 class SegmentCopier:
-    """Copies absolute-address segments on one device: one launch per element size, on the current
-    stream, returning once they landed. Thread-safe (one copy at a time: they share the tables).
+    """Copies absolute-address segments on one device: one launch per call, on the calling thread's
+    current stream, returning once they landed. Thread-safe: concurrent calls (a worker per peer lane)
+    each take a staging buffer of their own, so one call's launch is queued while another's kernel runs.
 
-    ``timed=True`` also measures the kernels alone (device events): ``last_kernel_s``. ``pairs=True`` tells
-    Triton that 16-byte-aligned pieces are (``multiple_of``): on an H200 that made the kernel slower
-    (0.72 against 0.88 of a device copy for 1 GiB of KV pages), so 8-byte accesses are the default."""
+    ``timed=True`` also measures the kernel alone (device events): ``last_kernel_s``."""
 
-    def __init__(self, device: Any, shape: CopyShape = CopyShape(), pairs: bool = False, timed: bool = False) -> None:
+    def __init__(self, device: Any, shape: CopyShape = CopyShape(), timed: bool = False) -> None:
         import torch
 
         self._torch = torch
@@ -149,62 +159,57 @@ class SegmentCopier:
         self._lock = threading.Lock()
         # Kernel offsets count from this tensor's address; it also gives the warm-up its bytes.
         self._anchor = torch.zeros(8, dtype=torch.int64, device=device)
-        self._host = torch.empty(0, dtype=torch.int64).pin_memory()
-        self._table = torch.empty(0, dtype=torch.int64, device=device)
-        self._done = torch.cuda.Event()
+        self._anchor_bytes = self._anchor.view(torch.uint8)
+        self._anchor_ptr = self._anchor.data_ptr()
+        self._free: list[_Staging] = []
         self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self._pairs = pairs
         self._warm_up()
 
     def copy(self, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> None:
         """Copies every ``[src, src + len)`` to ``[dst, dst + len)`` (device addresses valid here)."""
+        plan = plan_copy(srcs, dsts, lens, self._anchor_ptr, self.shape.piece_bytes)
+        n = plan.segments
+        if not n:
+            return
         torch = self._torch
-        words, raw = plan_pieces(srcs, dsts, lens, self._anchor.data_ptr(), self.shape.piece_bytes)
-        raw_at = (3 * len(words) + 1) // 2 * 2  # the byte table starts 16-byte aligned, like the word table
-        size = raw_at + 3 * len(raw)
-        with self._lock, torch.cuda.device(self.device):
-            if size > self._host.numel():
-                capacity = max(size, 2 * self._host.numel(), 3 << 12)
-                self._host = torch.empty(capacity, dtype=torch.int64).pin_memory()
-                self._table = torch.empty(capacity, dtype=torch.int64, device=self.device)
-            host = self._host.numpy()
-            host[:3 * len(words)] = words.table().ravel()
-            host[raw_at:size] = raw.table().ravel()
-            self._table[:size].copy_(self._host[:size], non_blocking=True)
-            kernel = _kernel()
-            if self.timed:
-                self._start.record()
-            if len(words):
-                kernel[(len(words),)](self._anchor, self._table, len(words), BLOCK=self.shape.block,
-                                      ITERS=self.shape.iters, PAIRS=self._pairs and pairs_of_words(words),
-                                      num_warps=self.shape.warps)
-            if len(raw):
-                kernel[(len(raw),)](self._anchor.view(torch.uint8), self._table[raw_at:], len(raw), BLOCK=BYTE_BLOCK,
-                                    ITERS=BYTE_ITERS, PAIRS=False, num_warps=4)
-            if self.timed:
-                self._end.record()
-            self._done.record()
-            self._done.synchronize()  # the pinned table is reused by the next copy
-            if self.timed:
-                self.last_kernel_s = self._start.elapsed_time(self._end) / 1e3
+        staging = self._take(n)
+        try:
+            with torch.cuda.device(self.device):
+                staging.host_np[:3 * n] = plan.table.ravel()
+                staging.table[:3 * n].copy_(staging.host[:3 * n], non_blocking=True)
+                timed = self.timed
+                if timed:
+                    self._start.record()
+                _kernel()[(n, plan.parts)](self._anchor, self._anchor_bytes, staging.table, n, plan.words,
+                                           BLOCK=self.shape.block, ITERS=self.shape.iters, BYTE_BLOCK=BYTE_BLOCK,
+                                           num_warps=self.shape.warps)
+                if timed:
+                    self._end.record()
+                staging.done.record()
+                staging.done.synchronize()  # the GIL is released meanwhile
+                if timed:
+                    self.last_kernel_s = self._start.elapsed_time(self._end) / 1e3
+        finally:
+            with self._lock:
+                self._free.append(staging)
+
+    def _take(self, rows: int) -> _Staging:
+        with self._lock:
+            for i, staging in enumerate(self._free):
+                if staging.host.numel() >= 3 * rows:
+                    return self._free.pop(i)
+            if self._free:
+                self._free.pop(0)  # too small: replaced by a larger one
+        return _Staging(self._torch, self.device, max(rows, 1024))
 
     def _warm_up(self) -> None:
-        """Compiles every kernel variant now, not on the first room, and checks what they copy:
-        words 0-1 -> 2-3 (16-byte pairs), word 1 -> 5 (8-byte), bytes 0..4 -> 49..53."""
+        """Compiles the kernel now, not on the first room, and checks what it copies: word 1 -> 5
+        (8-byte) and bytes 0..4 -> 49..53, in one launch."""
         anchor = self._anchor
-        base = anchor.data_ptr()
+        base = self._anchor_ptr
         anchor[:2] = self._torch.tensor([7, 9])
-        segments = (np.array([base]), np.array([base + 16]), np.array([16]))
-        try:
-            self.copy(*segments)
-        except Exception as exc:  # a Triton without the alignment hints: 8-byte accesses only
-            if not self._pairs:
-                raise
-            log.warning("16-byte copy kernel unavailable (%s); using 8-byte accesses", exc)
-            self._pairs = False
-            self.copy(*segments)
         self.copy(np.array([base + 8, base]), np.array([base + 40, base + 49]), np.array([8, 5]))
         got = anchor.cpu()
-        raw = anchor.view(self._torch.uint8).cpu()
-        if got[2:4].tolist() != [7, 9] or int(got[5]) != 9 or raw[49:54].tolist() != raw[:5].tolist():
+        raw = self._anchor_bytes.cpu()
+        if int(got[5]) != 9 or raw[49:54].tolist() != raw[:5].tolist():
             raise RuntimeError(f"segment copy warm-up copied the wrong bytes: {got.tolist()}")

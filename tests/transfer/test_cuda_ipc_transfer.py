@@ -28,7 +28,7 @@ from splitserve.transfer import (
 from splitserve.transfer.cuda_ipc_engine import session_process, translate
 from splitserve.transfer.errors import CudaIpcError
 from splitserve.transfer.kv_layout import IpcRegion
-from splitserve.transfer.segment_copy import PIECE_BYTES, plan_pieces, split_into_pieces
+from splitserve.transfer.segment_copy import PIECE_BYTES, SPARE_PROGRAMS, plan_copy
 
 from .conftest import FAST, HEARTBEAT_MISSES, HEARTBEAT_S, SHAPE, fill_pool, poll_until_final, wait_until
 
@@ -43,24 +43,33 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # ------------------------------------------------------------------ everywhere
 
 
-def test_pieces_cover_every_byte_once_and_drop_empty_segments():
-    srcs, dsts, lens = np.array([0, 1000, 50]), np.array([5000, 9000, 7]), np.array([10, 0, 25])
-    p = split_into_pieces(srcs, dsts, lens, 8)
-    assert p.length.tolist() == [8, 2, 8, 8, 8, 1]
-    assert p.src.tolist() == [0, 8, 50, 58, 66, 74]
-    assert p.dst.tolist() == [5000, 5008, 7, 15, 23, 31]
-    assert int(p.length.sum()) == int(lens.sum())
-
-
-def test_plan_moves_aligned_segments_as_words_and_the_rest_as_bytes():
+def test_plan_has_one_row_per_segment_words_first_and_drops_empty_ones():
     anchor = 1 << 20
-    srcs = np.array([anchor + 64, anchor + 1000 + 4])
-    dsts = np.array([anchor + 4096, anchor + 8192])
-    lens = np.array([PIECE_BYTES + 16, 12])  # a KV run over two pieces, an aux slot
-    words, raw = plan_pieces(srcs, dsts, lens, anchor)
-    assert words.src.tolist() == [8, 8 + PIECE_BYTES // 8] and words.length.tolist() == [PIECE_BYTES // 8, 2]
-    assert words.dst.tolist() == [512, 512 + PIECE_BYTES // 8]
-    assert raw.src.tolist() == [1004] and raw.dst.tolist() == [8192] and raw.length.tolist() == [12]
+    srcs = np.array([anchor + 1000 + 4, anchor + 64, anchor + 5000])
+    dsts = np.array([anchor + 8192, anchor + 4096, anchor])
+    lens = np.array([12, 3 * PIECE_BYTES + 16, 0])  # an aux slot, a KV run over four pieces, nothing
+    plan = plan_copy(srcs, dsts, lens, anchor)
+    assert plan.words == 1 and plan.segments == 2
+    assert plan.table[:, 0].tolist() == [8, 512, (3 * PIECE_BYTES + 16) // 8]  # in words
+    assert plan.table[:, 1].tolist() == [1004, 8192, 12]  # in bytes
+    assert plan.parts == 4  # one program per piece of the longest segment
+    with pytest.raises(ValueError, match="aligned"):
+        plan_copy(srcs, dsts, lens, anchor + 8)
+
+
+def test_plan_loops_long_segments_rather_than_launch_idle_programs():
+    # One long run beside many one-page segments: a program per piece of the long one for every row
+    # would leave most of the grid idle, so the long one loops over fewer programs.
+    anchor = 0
+    lens = np.array([4096 * PIECE_BYTES] + [PIECE_BYTES] * 4000)
+    offs = np.concatenate([[0], 4096 * PIECE_BYTES + PIECE_BYTES * np.arange(4000)])
+    plan = plan_copy(offs, offs + (1 << 40), lens, anchor)
+    pieces = 4096 + 4000
+    assert 1 < plan.parts < 4096
+    assert plan.segments * plan.parts <= 2 * pieces + plan.segments  # about two programs per piece
+    small = plan_copy(offs[:2], offs[:2] + (1 << 40), lens[:2], anchor)
+    assert small.parts == 4096  # two rows: one program per piece, 4,095 idle (within SPARE_PROGRAMS)
+    assert small.segments * small.parts - (4096 + 1) <= SPARE_PROGRAMS
 
 
 def test_translation_refuses_segments_outside_the_exported_regions():
@@ -108,6 +117,34 @@ def test_cuda_ipc_with_the_pool_in_host_memory_is_a_clear_error():
     pool = torch.zeros(DIMS, dtype=torch.float16)
     with pytest.raises(CudaIpcUnavailableError, match="CUDA device memory"):
         new_kv_manager(IPC, layout_for_pool(pool, make_aux_tensor(4)))
+
+
+@needs_cuda
+def test_copy_kernel_moves_every_segment_exactly_and_nothing_else():
+    from splitserve.transfer.segment_copy import CopyShape, SegmentCopier
+
+    rng = np.random.default_rng(3)
+    src = torch.randint(-2**62, 2**62, (1 << 22,), dtype=torch.int64, device="cuda").view(torch.uint8)  # 32 MiB
+    dst = torch.zeros(1 << 25, dtype=torch.uint8, device="cuda")
+    for shape in (CopyShape(), CopyShape(block=256, iters=1, warps=4)):  # 64 KiB and 2 KiB pieces
+        dst.zero_()
+        copier = SegmentCopier(torch.device("cuda"), shape)
+        srcs, dsts, lens, at = [], [], [], 0
+        for i in range(300):
+            aligned = i % 7 != 0
+            length = int(rng.integers(1, 40_000)) * (8 if aligned else 1) if i % 50 else 3 * shape.piece_bytes + 8
+            offset = int(rng.integers(0, (len(src) - length) // 8)) * 8 + (0 if aligned else int(rng.integers(0, 8)))
+            at += 0 if aligned else int(rng.integers(1, 8))
+            srcs.append(offset)
+            dsts.append(at)
+            lens.append(length)
+            at = (at + length + 64) // 8 * 8
+        assert at < len(dst)
+        copier.copy(np.array(srcs) + src.data_ptr(), np.array(dsts) + dst.data_ptr(), np.array(lens))
+        want = torch.zeros_like(dst)
+        for s, d, n in zip(srcs, dsts, lens, strict=True):
+            want[d:d + n] = src[s:s + n]
+        assert torch.equal(dst, want)
 
 
 @needs_cuda
