@@ -208,6 +208,7 @@ class _StageClock:
 
     def __init__(self, mgr) -> None:
         self.marks: dict[str, float] = {}
+        self.writes = 0  # calls into the data path (merged writes count once)
         submit, write, self.engine_write = mgr.submit, mgr.writers.write, mgr.engine.write
 
         def timed_submit(job) -> None:
@@ -220,6 +221,7 @@ class _StageClock:
 
         def timed_write(*args: object) -> int:
             self.marks.setdefault("write", time.perf_counter())
+            self.writes += 1
             code = write(*args)
             self.marks["write_end"] = time.perf_counter()
             return code
@@ -265,12 +267,15 @@ class _Prefill:
         _wait_all(self.mgr, senders, lambda s: s.poll() != KVPoll.Bootstrapping, 60)
         time.sleep(0.002)  # a fresh peer's handshake write (first room only) is out of the way
         self.clock.marks = {}
+        writes = self.clock.writes
+        cpu0 = time.process_time()  # every thread of this process: what the prefill's Python spends
         t0 = time.perf_counter()
         for sender, pages in zip(senders, src, strict=True):
             sender.send(pages, True)
         t_sent = time.perf_counter()
         _wait_all(self.mgr, senders, lambda s: s.poll() in (KVPoll.Success, KVPoll.Failed), 120)
         t_sender = self.last.at
+        cpu = time.process_time() - cpu0
         answer = self.decode.read(120)
         errors = [s.failure_exception() for s in senders if s.poll() != KVPoll.Success]
         self.dst_layout = next(iter(senders[0]._dsts.values())).layout  # the decode's, from its metadata
@@ -281,7 +286,7 @@ class _Prefill:
         if answer["checksums"] != want:
             raise RuntimeError("the decode's pages differ from the prefill's")
         return {"t0": t0, "sent": t_sent, "sender_success": t_sender, "decode_success": answer["done_at"],
-                **self.clock.marks}
+                "cpu_s": cpu, "writes": self.clock.writes - writes, **self.clock.marks}
 
     def measure(self, tokens: int, name: str, src_pages: list[int], dst_pages: list[int], repeats: int) -> dict:
         import numpy as np
@@ -301,6 +306,7 @@ class _Prefill:
         room_s, sender_room_s = med("t0", "decode_success"), med("t0", "sender_success")
         nbytes = len(src_pages) * self.page_bytes
         row = {"tokens": tokens, "pages": name, "bytes": nbytes, "room_ms": room_s * 1e3,
+               "prefill_cpu_ms": statistics.median(m["cpu_s"] for m in marks) * 1e3,
                "sender_room_ms": sender_room_s * 1e3, "stages_ms": {k: v * 1e3 for k, v in stages.items()}}
         copy_s = device_copy_s(nbytes, repeats, self.device)
         row.update(copy_ms=copy_s * 1e3, device_copy_gbps=nbytes / copy_s / 1e9, room_gbps=nbytes / room_s / 1e9,
@@ -345,10 +351,13 @@ class _Prefill:
         total_s = statistics.median(m["decode_success"] - m["t0"] for m in runs)
         sender_s = statistics.median(m["sender_success"] - m["t0"] for m in runs)
         send_calls_s = statistics.median(m["sent"] - m["t0"] for m in runs)
+        cpu_s = statistics.median(m["cpu_s"] for m in runs)
+        writes = statistics.median(m["writes"] for m in runs)
         copy_s = device_copy_s(nbytes // count, 3, self.device, back_to_back=count)
         return {"tokens": tokens, "rooms": count, "pages": name, "lanes": self.mgr.workers.per_peer,
                 "bytes": nbytes, "total_ms": total_s * 1e3, "sender_ms": sender_s * 1e3,
                 "send_calls_ms": send_calls_s * 1e3, "per_room_us": total_s / count * 1e6,
+                "prefill_cpu_us_per_room": cpu_s / count * 1e6, "rooms_per_write": count / max(writes, 1),
                 "copy_ms": copy_s * 1e3, "gbps": nbytes / total_s / 1e9, "device_copy_gbps": nbytes / copy_s / 1e9,
                 "over_copy": copy_s / total_s, "sender_over_copy": copy_s / sender_s}
 
@@ -411,13 +420,14 @@ def format_report(report: dict) -> str:
     lines = [f"{report['protocol']}: GB/s = 1e9 bytes/s, each byte counted once; copy = contiguous device copy of "
              "the same bytes; room = sender send to the decode process seeing Success",
              f"{'tokens':>6} {'pages':<11}{'bytes':>11}{'copy GB/s':>10}{'room GB/s':>10}{'room/copy':>10}"
-             f"{'kernel/copy':>12}{'write/copy':>11}{'room ms':>8}  stages ms: " + " ".join(STAGES)]
+             f"{'kernel/copy':>12}{'write/copy':>11}{'room ms':>8}{'cpu ms':>7}  stages ms: " + " ".join(STAGES)]
     for r in report["rooms"]:
         st = " ".join(f"{r['stages_ms'][k]:.3f}" for k in STAGES)
         kern = f"{r['kernel_over_copy']:.2f}" if "kernel_over_copy" in r else "-"
         wr = f"{r['ipc_write_over_copy']:.2f}" if "ipc_write_over_copy" in r else "-"
         lines.append(f"{r['tokens']:>6} {r['pages']:<11}{r['bytes']:>11}{r['device_copy_gbps']:>10.1f}"
-                     f"{r['room_gbps']:>10.1f}{r['room_over_copy']:>10.3f}{kern:>12}{wr:>11}{r['room_ms']:>8.3f}  {st}")
+                     f"{r['room_gbps']:>10.1f}{r['room_over_copy']:>10.3f}{kern:>12}{wr:>11}{r['room_ms']:>8.3f}"
+                     f"{r['prefill_cpu_ms']:>7.3f}  {st}")
         for k in r.get("kernel_sweep", []):
             lines.append(f"    sweep block {k['block']} x{k['iters']} warps {k['warps']}: {k['kernel_ms']:.3f} ms, "
                          f"kernel/copy {k['kernel_over_copy']:.2f}")
@@ -425,11 +435,13 @@ def format_report(report: dict) -> str:
         lines.append("rooms in flight at once: first send to the decode's last Success, against as many back-to-back "
                      "device copies of one room's bytes")
         lines.append(f"{'tokens':>6} {'rooms':>5} {'pages':<11}{'lanes':>5}{'total ms':>9}{'us/room':>8}{'GB/s':>8}"
-                     f"{'copy GB/s':>10}{'/copy':>7}{'sender/copy':>12}{'send calls ms':>14}")
+                     f"{'copy GB/s':>10}{'/copy':>7}{'sender/copy':>12}{'send calls ms':>14}{'cpu us/room':>12}"
+                     f"{'rooms/write':>12}")
         for c in report["concurrent"]:
             lines.append(f"{c['tokens']:>6} {c['rooms']:>5} {c['pages']:<11}{c['lanes']:>5}{c['total_ms']:>9.2f}"
                          f"{c['per_room_us']:>8.0f}{c['gbps']:>8.1f}{c['device_copy_gbps']:>10.1f}{c['over_copy']:>7.3f}"
-                         f"{c['sender_over_copy']:>12.3f}{c['send_calls_ms']:>14.2f}")
+                         f"{c['sender_over_copy']:>12.3f}{c['send_calls_ms']:>14.2f}"
+                         f"{c['prefill_cpu_us_per_room']:>12.0f}{c['rooms_per_write']:>12.1f}")
     return "\n".join(lines)
 
 

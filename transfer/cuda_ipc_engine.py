@@ -208,6 +208,7 @@ class CudaIpcEngine:
     # ------------------------------------------------------------------ write
 
     takes_arrays = True  # write() takes the plan's numpy arrays as they are (no lists of ints)
+    merges_writes = True  # queued rooms to one peer share a write: one launch and one wait (peer_workers.py)
 
     def write(self, session: str, srcs: Sequence[int] | np.ndarray, dsts: Sequence[int] | np.ndarray,
               lens: Sequence[int] | np.ndarray) -> int:

@@ -121,7 +121,9 @@ class MooncakeKVManager(BaseKVManager):
         self._state_listeners: list[Callable[[], None]] = []
         self._layout_dict: tuple[KVLayout, dict] | None = None
         self._peer_layouts: dict[str, tuple[dict, KVLayout]] = {}  # session -> (its raw layout, parsed)
-        self.workers = PeerWorkers(config.transfer_threads, WORKER_IDLE_S)
+        # Merged writes go through the writers too (looked up at call time: benchmarks wrap them).
+        self.workers = PeerWorkers(config.transfer_threads, WORKER_IDLE_S,
+                                   write=lambda *args: self.writers.write(*args))
         # Mooncake sessions whose handshake was queued (False) or done (True): see MooncakeKVSender._shake_hands.
         self.sessions_opened: dict[str, bool] = {}
         # Prefill side: writes in flight per room, and the fence answers owed once they end.

@@ -35,7 +35,7 @@ from .kv_contract import BaseKVSender
 from .kv_layout import KVLayout
 from .kv_manager import MooncakeKVManager
 from .mooncake_room import MooncakeRoom
-from .peer_workers import TransferJob
+from .peer_workers import MergeableWrite, TransferJob
 from .poll_state import KVPoll
 from .room_status import RoomStatus
 from .transfer_plan import Segments, aux_segment, concat, page_segments
@@ -259,9 +259,11 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         self.status.move(KVPoll.Transferring, now)
         self.status.touch(now)
         aux_index = self._aux_index
+        merges = getattr(self.mgr.engine, "merges_writes", False)  # one copy for many rooms costs ~one copy
         for key, dst in self._dsts.items():
+            merge = (lambda d=dst, c=chunk: self._prepare_write(d, c, aux_index)) if merges else None
             self.mgr.submit(TransferJob(key[0], self.room, lambda d=dst, c=chunk: self._write(d, c, aux_index),
-                                        lambda exc, d=dst: self._job_failed(d, exc)))
+                                        lambda exc, d=dst: self._job_failed(d, exc), merge))
 
     def _write(self, dst: Destination, chunk: Chunk, aux_index: int) -> None:
         """Worker thread: writes one chunk to one decode rank, then reports (off the lock around the write;
@@ -297,6 +299,35 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         if not batches:
             with self.mgr.lock:
                 self._chunk_written(dst, chunk, segments.nbytes, time.monotonic())
+
+    def _prepare_write(self, dst: Destination, chunk: Chunk, aux_index: int) -> MergeableWrite | None:
+        """Worker thread: ``_write``'s steps up to the write itself, for a write merged with other rooms'
+        (peer_workers.py); ``None`` when there is nothing to write (done, or the room is over)."""
+        if self.status.final:
+            return None
+        segments = self._segments(dst, chunk, aux_index)
+        if len(segments) > self.mgr.config.transfer_max_batch_segments:
+            self._write(dst, chunk, aux_index)  # several batches: written on its own
+            return None
+        with self.mgr.lock:
+            if not len(segments):
+                self._chunk_written(dst, chunk, 0, time.monotonic())
+                return None
+            if not dst.announced and not self.status.final:
+                dst.announced = True
+                self.mgr.send(dst.meta.reply_to, self._status_msg(dst, KVPoll.Transferring, ""))
+            if not self.mgr.begin_write(self.room, self.status, dst.meta.write_by):
+                return None
+
+        def done(code: int | None) -> None:
+            with self.mgr.lock:
+                self.mgr.end_write(self.room)
+                if code == 0:
+                    self._chunk_written(dst, chunk, segments.nbytes, time.monotonic())
+                elif code is not None:
+                    self.fail_locked(KVWriteError(self.room, dst.layout.session, code, segments.nbytes), notify=True)
+
+        return MergeableWrite(dst.layout.session, segments.srcs, segments.dsts, segments.lens, done)
 
     def _job_failed(self, dst: Destination, exc: Exception) -> None:
         """Worker thread: a write job raised; this room fails, the worker and other rooms go on."""

@@ -5,6 +5,12 @@ Workers start on a peer's first job and end after ``idle_s`` without one, so the
 returns to its start once the peers go away (a worker stuck in a call to a dead peer ends when
 the call returns). One room's jobs to one peer always go to the same worker, in order. A job
 that raises fails its own room (``TransferJob.fail``); the worker carries on.
+
+Merged writes: where one copy of many segments costs about what one of few does (CUDA IPC: one
+kernel launch, one wait), a job may offer its write instead of running it (``TransferJob.merge``).
+A worker that finds several such jobs queued for the same peer prepares each (``MergeableWrite``:
+segments counted as begun by the manager), writes them all with one call and hands each its
+result, in queue order. A job alone in the queue simply runs.
 """
 
 from __future__ import annotations
@@ -15,18 +21,40 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 log = logging.getLogger(__name__)
+
+
+MAX_MERGED_JOBS = 256  # jobs one merged write takes at most
+
+
+@dataclass(frozen=True)
+class MergeableWrite:
+    """One job's write, begun and ready to share a copy: its segments to ``session``, and ``done``, called
+    with the merged write's return code (``None`` if it raised) once it returned."""
+
+    session: str
+    srcs: np.ndarray
+    dsts: np.ndarray
+    lens: np.ndarray
+    done: Callable[[int | None], None]
+
+
+WriteFn = Callable[[str, np.ndarray, np.ndarray, np.ndarray], int]
 
 
 @dataclass(frozen=True)
 class TransferJob:
     """Writes of one chunk of one room to one peer; ``run`` does the I/O, off the manager's lock;
-    ``fail`` is called with the exception if ``run`` raises."""
+    ``fail`` is called with the exception if ``run`` raises. ``merge``, where set, prepares the job's
+    write for a merged one instead (``None``: nothing to write, the job is done)."""
 
     peer: str
     room: int
     run: Callable[[], None]
     fail: Callable[[Exception], None]
+    merge: Callable[[], MergeableWrite | None] | None = None
 
 
 class _Worker:
@@ -38,8 +66,11 @@ class _Worker:
 class PeerWorkers:
     """``per_peer`` worker threads for each peer, started on demand, gone after ``idle_s`` idle."""
 
-    def __init__(self, per_peer: int, idle_s: float, name: str = "transfer-worker") -> None:
+    def __init__(self, per_peer: int, idle_s: float, name: str = "transfer-worker",
+                 write: WriteFn | None = None) -> None:
         self.per_peer = per_peer
+        self.write = write  # how merged writes go out (None: jobs always run one by one)
+        self.merged_writes = 0  # writes that took more than one job (benchmarks read it)
         self.idle_s = idle_s
         self.name = name
         self._cv = threading.Condition()
@@ -90,11 +121,65 @@ class PeerWorkers:
                     del self._workers[lane]
                     return
                 job = worker.jobs.popleft()
+                batch = [job]
+                if job.merge is not None and self.write is not None:
+                    while worker.jobs and worker.jobs[0].merge is not None and len(batch) < MAX_MERGED_JOBS:
+                        batch.append(worker.jobs.popleft())
+            if len(batch) == 1:
+                self._run_one(job)
+            else:
+                self._run_merged(batch)
+
+    @staticmethod
+    def _run_one(job: TransferJob) -> None:
+        try:
+            job.run()
+        except Exception as exc:
+            log.exception("transfer job of room %d to %s failed", job.room, job.peer)
+            PeerWorkers._fail(job, exc)
+
+    @staticmethod
+    def _fail(job: TransferJob, exc: Exception) -> None:
+        try:
+            job.fail(exc)
+        except Exception:
+            log.exception("failing room %d after its job raised failed too", job.room)
+
+    def _run_merged(self, batch: list[TransferJob]) -> None:
+        """Prepares every job's write, then one write per peer session for all of them."""
+        assert self.write is not None
+        by_session: dict[str, list[tuple[TransferJob, MergeableWrite]]] = {}
+        for job in batch:
+            assert job.merge is not None
             try:
-                job.run()
+                prepared = job.merge()
             except Exception as exc:
-                log.exception("transfer job of room %d to %s failed", job.room, job.peer)
+                log.exception("preparing the write of room %d to %s failed", job.room, job.peer)
+                self._fail(job, exc)
+                continue
+            if prepared is not None:
+                by_session.setdefault(prepared.session, []).append((job, prepared))
+        for session, group in by_session.items():
+            code: int | None = None
+            error: Exception | None = None
+            try:
+                if len(group) == 1:
+                    w = group[0][1]
+                    code = self.write(session, w.srcs, w.dsts, w.lens)
+                else:
+                    self.merged_writes += 1
+                    code = self.write(session, np.concatenate([w.srcs for _, w in group]),
+                                      np.concatenate([w.dsts for _, w in group]),
+                                      np.concatenate([w.lens for _, w in group]))
+            except Exception as exc:
+                log.exception("a merged write of %d rooms to %s failed", len(group), session)
+                error = exc
+            for job, prepared in group:
                 try:
-                    job.fail(exc)
-                except Exception:
-                    log.exception("failing room %d after its job raised failed too", job.room)
+                    prepared.done(code)
+                except Exception as exc:
+                    log.exception("finishing the write of room %d failed", job.room)
+                    self._fail(job, exc)
+                    continue
+                if error is not None:
+                    self._fail(job, error)
