@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/sp:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader > "$out/gpu.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$out/gpu.txt" 2>&1
 timeout ${BENCH_S:-85} python3 -P -m splitserve bench --profile transfer --transfer-protocol cuda_ipc \
-    --lanes ${LANES:-2,8} --json "$out/cuda_ipc_rooms_h200.json" > "$out/bench.txt" 2>&1
+    --lanes ${LANES:-1,2} --json "$out/cuda_ipc_rooms_h200.json" > "$out/bench.txt" 2>&1
 echo "bench rc=$?" >> "$out/bench.txt"
 grep -v "^WARNING: Logging\|^[IWE][0-9]" "$out/bench.txt" | tail -45
 timeout ${TEST_S:-110} python3 -P -m pytest -p no:cacheprovider -q -rs --tb=short tests/transfer/test_cuda_ipc_transfer.py \

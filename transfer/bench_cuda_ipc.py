@@ -36,8 +36,11 @@ import select
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+
+from .poll_state import KVPoll, is_final
 
 HEADS, HEAD_DIM, PAGE = 8, 128, 16
 STAGES = ("send_call", "to_worker", "plan", "write", "bookkeeping", "to_decode")
@@ -68,15 +71,32 @@ def page_checksum(pool, pages: Sequence[int]) -> int:
     return int((per_page * weights).sum())
 
 
-class _LastChange:
-    """A manager's state listener: when a room last changed state (the bench runs its rooms in sets,
-    so after a set is final this is when its last room finished)."""
+class _Finals:
+    """A manager's state listener: which of the watched rooms are final, when the last one got there, and
+    an event once all are (the waiting thread sleeps until then, instead of waking on every change and
+    taking the manager's lock from the rooms it waits for)."""
 
     def __init__(self) -> None:
         self.at = 0.0
+        self.done = threading.Event()
+        self._left: set[int] = set()
 
-    def __call__(self) -> None:
-        self.at = time.perf_counter()
+    def watch(self, rooms: Sequence[int]) -> None:
+        """Call before the rooms can finish (before their senders / receivers exist)."""
+        self._left = set(rooms)
+        self.done.clear()
+
+    def wait(self, timeout_s: float) -> float:
+        if not self.done.wait(timeout_s):
+            raise TimeoutError(f"{len(self._left)} rooms not final after {timeout_s:g}s")
+        return self.at
+
+    def __call__(self, room: int, state: KVPoll) -> None:
+        if is_final(state) and room in self._left:
+            self._left.discard(room)
+            self.at = time.perf_counter()
+            if not self._left:
+                self.done.set()
 
 
 def _wait_all(mgr, rooms: Sequence, done: Callable[[object], bool], timeout_s: float) -> None:
@@ -100,27 +120,27 @@ def _decode_child(cfg: dict) -> None:
     """The decode process: a set of receivers per line on stdin, answered once all are final."""
     import torch
 
-    from splitserve.transfer import KVPoll, KVReceiver, make_aux_tensor
+    from splitserve.transfer import KVReceiver, make_aux_tensor
 
     device = _device(cfg["protocol"])
     pool = torch.zeros(_pool_shape(cfg["layers"], cfg["pages"]), dtype=torch.bfloat16, device=device)
     aux = make_aux_tensor(cfg["aux_slots"], device=device)
     mgr = _new_manager(cfg["protocol"], pool, aux, 2)
-    last = _LastChange()
-    mgr.add_state_listener(last)
+    finals = _Finals()
+    mgr.add_state_listener(finals)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("exit"):
             break
         receivers = []
+        finals.watch(cmd["rooms"])
         for i, (room, pages) in enumerate(zip(cmd["rooms"], cmd["pages"], strict=True)):
             receiver = KVReceiver(mgr, cmd["bootstrap"], room)
             receiver.init()
             receiver.send_metadata(pages, i % cfg["aux_slots"])
             receivers.append(receiver)
-        _wait_all(mgr, receivers, lambda r: r.poll() in (KVPoll.Success, KVPoll.Failed), 120)
-        done_at = last.at
+        done_at = finals.wait(120)
         states = [int(r.poll()) for r in receivers]
         errors = [str(r.failure_exception()) for r in receivers if r.failure_exception() is not None]
         checksums = [page_checksum(pool, p) if s == KVPoll.Success else None
@@ -245,8 +265,8 @@ class _Prefill:
         self.page_bytes = self.pool[0, 0, 0].numel() * self.pool.element_size() * 2 * layers  # every buffer's
         self.aux = make_aux_tensor(aux_slots, device=self.device)
         self.mgr = _new_manager(protocol, self.pool, self.aux, lanes)
-        self.last = _LastChange()
-        self.mgr.add_state_listener(self.last)
+        self.finals = _Finals()
+        self.mgr.add_state_listener(self.finals)
         self.server = BootstrapServer("127.0.0.1", 0).start()
         self.mgr.publish_layout(self.server.address)
         self.decode = DecodeProcess({"protocol": protocol, "layers": layers, "pages": pages_total,
@@ -256,10 +276,11 @@ class _Prefill:
 
     def rooms(self, src: list[list[int]], dst: list[list[int]], want: list[int]) -> dict:
         """One set of rooms sent at once; timestamps of the set (the stages when it is one room)."""
-        from splitserve.transfer import KVPoll, KVSender
+        from splitserve.transfer import KVSender
 
         ids = list(range(self.next_room, self.next_room + len(src)))
         self.next_room += len(src)
+        self.finals.watch(ids)
         senders = [KVSender(self.mgr, self.server.address, i) for i in ids]
         for k, (sender, pages) in enumerate(zip(senders, src, strict=True)):
             sender.init(len(pages), k % self.aux.shape[0])
@@ -273,8 +294,7 @@ class _Prefill:
         for sender, pages in zip(senders, src, strict=True):
             sender.send(pages, True)
         t_sent = time.perf_counter()
-        _wait_all(self.mgr, senders, lambda s: s.poll() in (KVPoll.Success, KVPoll.Failed), 120)
-        t_sender = self.last.at
+        t_sender = self.finals.wait(120)
         cpu = time.process_time() - cpu0
         answer = self.decode.read(120)
         errors = [s.failure_exception() for s in senders if s.poll() != KVPoll.Success]

@@ -209,6 +209,7 @@ class CudaIpcEngine:
 
     takes_arrays = True  # write() takes the plan's numpy arrays as they are (no lists of ints)
     merges_writes = True  # queued rooms to one peer share a write: one launch and one wait (peer_workers.py)
+    quick_writes = True  # a write is a local copy of milliseconds: a last chunk needs no Transferring notice first
 
     def write(self, session: str, srcs: Sequence[int] | np.ndarray, dsts: Sequence[int] | np.ndarray,
               lens: Sequence[int] | np.ndarray) -> int:

@@ -118,7 +118,7 @@ class MooncakeKVManager(BaseKVManager):
         self._pending_aborts: dict[str, list[tuple[float, int, str]]] = {}
         self._lookup_cv = threading.Condition(self.lock)
         self._rooms_changed = threading.Condition(self.lock)  # a room's state changed (see wait_locked)
-        self._state_listeners: list[Callable[[], None]] = []
+        self._state_listeners: list[Callable[[int, KVPoll], None]] = []
         self._layout_dict: tuple[KVLayout, dict] | None = None
         self._peer_layouts: dict[str, tuple[dict, KVLayout]] = {}  # session -> (its raw layout, parsed)
         # Merged writes go through the writers too (looked up at call time: benchmarks wrap them).
@@ -268,21 +268,21 @@ class MooncakeKVManager(BaseKVManager):
             self._peer_layouts[layout.session] = (raw, layout)
         return layout
 
-    def add_state_listener(self, listener: Callable[[], None]) -> None:
-        """Calls ``listener()`` whenever a room of this manager changes state (Success, Failed, ...), so an
-        engine waiting idle for its transfers wakes at once instead of at its next poll. It runs under the
-        manager's lock on whichever thread made the change: it must only signal (set an event)."""
+    def add_state_listener(self, listener: Callable[[int, KVPoll], None]) -> None:
+        """Calls ``listener(room, state)`` whenever a room of this manager changes state (Success, Failed,
+        ...), so an engine waiting idle for its transfers wakes at once instead of at its next poll. It runs
+        under the manager's lock on whichever thread made the change: it must only signal (set an event)."""
         with self.lock:
             self._state_listeners.append(listener)
 
     # ------------------------------------------------ rooms (called by rooms)
 
-    def room_changed_locked(self) -> None:
+    def room_changed_locked(self, status: RoomStatus) -> None:
         """A room's state changed (lock held): wakes ``wait_locked`` callers and the listeners."""
         self._rooms_changed.notify_all()
         for listener in self._state_listeners:
             try:
-                listener()
+                listener(status.room, status.state)
             except Exception:
                 log.exception("transfer state listener failed")
 

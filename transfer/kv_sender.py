@@ -275,10 +275,7 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         batches = segments.batches(self.mgr.config.transfer_max_batch_segments, as_lists)
         for i, (srcs, dsts, lens) in enumerate(batches):
             with self.mgr.lock:
-                if not dst.announced and not self.status.final:
-                    # Told from here, just before the first write, not from send() on the engine's thread.
-                    dst.announced = True
-                    self.mgr.send(dst.meta.reply_to, self._status_msg(dst, KVPoll.Transferring, ""))
+                self._announce(dst, chunk)
                 # Checked and counted under the lock: once the room failed (or its write-by deadline
                 # passed) no write starts, and the decode's fence is answered when this one returns.
                 if not self.mgr.begin_write(self.room, self.status, dst.meta.write_by):
@@ -300,6 +297,18 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
             with self.mgr.lock:
                 self._chunk_written(dst, chunk, segments.nbytes, time.monotonic())
 
+    def _announce(self, dst: Destination, chunk: Chunk) -> None:
+        """Tells the decode rank the room is Transferring, once, just before the first write (from the worker,
+        not from send() on the engine's thread). Not before a last chunk where writes take milliseconds
+        (``quick_writes``: CUDA IPC): its Success follows at once and the message would only cost both sides
+        a control-thread wake-up per room (the receiver passes through Transferring on Success anyway)."""
+        if dst.announced or self.status.final:
+            return
+        dst.announced = True
+        if chunk.last and getattr(self.mgr.engine, "quick_writes", False):
+            return
+        self.mgr.send(dst.meta.reply_to, self._status_msg(dst, KVPoll.Transferring, ""))
+
     def _prepare_write(self, dst: Destination, chunk: Chunk, aux_index: int) -> MergeableWrite | None:
         """Worker thread: ``_write``'s steps up to the write itself, for a write merged with other rooms'
         (peer_workers.py); ``None`` when there is nothing to write (done, or the room is over)."""
@@ -313,9 +322,7 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
             if not len(segments):
                 self._chunk_written(dst, chunk, 0, time.monotonic())
                 return None
-            if not dst.announced and not self.status.final:
-                dst.announced = True
-                self.mgr.send(dst.meta.reply_to, self._status_msg(dst, KVPoll.Transferring, ""))
+            self._announce(dst, chunk)
             if not self.mgr.begin_write(self.room, self.status, dst.meta.write_by):
                 return None
 

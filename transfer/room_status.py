@@ -14,10 +14,10 @@ from .poll_state import KVPoll, advance, is_final
 class RoomStatus:
     """State machine of one room: forward-only moves, a deadline per non-final state.
 
-    ``on_change`` is called after every state change (the manager wakes whoever waits on rooms)."""
+    ``on_change(self)`` is called after every state change (the manager wakes whoever waits on rooms)."""
 
     def __init__(self, room: int, timeouts: dict[KVPoll, float], now: float,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[RoomStatus], None] | None = None) -> None:
         self.room = room
         self._timeouts = timeouts
         self._on_change = on_change
@@ -40,7 +40,7 @@ class RoomStatus:
         self.history.append(new)
         self.touch(now)
         if self._on_change is not None:
-            self._on_change()
+            self._on_change(self)
         return True
 
     def touch(self, now: float) -> None:
@@ -56,7 +56,7 @@ class RoomStatus:
         self.error = error
         self.history.append(KVPoll.Failed)
         if self._on_change is not None:
-            self._on_change()
+            self._on_change(self)
         return True
 
     def cap(self, deadline: float, window_s: float) -> None:

@@ -49,7 +49,7 @@ class KVTransferEndpoint:
         layout = layout_for_pool(pool, self.aux, tp_size=engine.runner.tp.size, tp_rank=engine.runner.tp.rank,
                                  num_kv_heads=engine.model_cfg.num_kv_heads)
         self.manager = new_kv_manager(config, layout, metrics_registry=engine.metrics.registry)
-        self.manager.add_state_listener(engine.wake)  # a room's Success wakes an idle loop at once
+        self.manager.add_state_listener(lambda _room, _state: engine.wake())  # an idle loop wakes at once
         self.config = config
         self.role_name = engine.cfg.role
         self.supervisor = engine.tp_supervisor
