@@ -44,7 +44,7 @@ class Segments:
         return out
 
 
-EMPTY = Segments(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+EMPTY = Segments(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
 _BASES: dict[int, tuple[KVLayout, np.ndarray]] = {}  # id(layout) -> (layout, its buffers' addresses)
@@ -88,10 +88,9 @@ def page_segments(src: KVLayout, dst: KVLayout, src_pages: np.ndarray, dst_pages
                                        first_token * src.token_bytes)
     else:
         offs, doffs, lens = _token_rows(src, dst, sp, dp, first_token, head_start, head_count)
-    srcs = (src_bases[:, None] + offs[None, :]).reshape(-1)
-    dsts = (dst_bases[:, None] + doffs[None, :]).reshape(-1)
-    lens = np.broadcast_to(lens, (len(src_bases), len(lens))).reshape(-1)
-    return Segments(srcs.astype(np.uint64), dsts.astype(np.uint64), lens.astype(np.uint64))
+    # Buffer-major: every run of buffer 0, then of buffer 1, ... (int64: addresses are below 2**63).
+    return Segments((src_bases[:, None] + offs).ravel(), (dst_bases[:, None] + doffs).ravel(),
+                    np.tile(lens, len(src_bases)))
 
 
 def _page_runs(sp: np.ndarray, dp: np.ndarray, src_page_bytes: int, dst_page_bytes: int,
@@ -136,9 +135,9 @@ def _token_rows(src: KVLayout, dst: KVLayout, sp: np.ndarray, dp: np.ndarray, fi
 def aux_segment(src: KVLayout, src_slot: int, dst: KVLayout, dst_slot: int) -> Segments:
     """The one segment copying aux slot ``src_slot`` into the peer's ``dst_slot``."""
     nbytes = min(src.aux.slot_bytes, dst.aux.slot_bytes)
-    return Segments(np.array([src.aux.ptr + src_slot * src.aux.slot_bytes], dtype=np.uint64),
-                    np.array([dst.aux.ptr + dst_slot * dst.aux.slot_bytes], dtype=np.uint64),
-                    np.array([nbytes], dtype=np.uint64))
+    return Segments(np.array([src.aux.ptr + src_slot * src.aux.slot_bytes], dtype=np.int64),
+                    np.array([dst.aux.ptr + dst_slot * dst.aux.slot_bytes], dtype=np.int64),
+                    np.array([nbytes], dtype=np.int64))
 
 
 def concat(parts: list[Segments]) -> Segments:
