@@ -58,7 +58,17 @@ def session_process(session: str) -> tuple[str, int]:
 def translate(addrs: np.ndarray, lens: np.ndarray, bases: np.ndarray, sizes: np.ndarray,
               local_bases: np.ndarray, what: str) -> np.ndarray:
     """Addresses inside the regions ``[bases, bases + sizes)`` moved to ``local_bases``; raises
-    ``CudaIpcError`` if any segment ``[addr, addr + len)`` is not inside one region."""
+    ``CudaIpcError`` if any segment ``[addr, addr + len)`` is not inside one region.
+
+    Usually one region (the KV pool) holds every segment of a write: then the lowest start and the
+    highest end prove it, and one shift moves them all (a merged write has ~2,000 segments per room;
+    a region lookup per segment cost more than planning the rest of the write)."""
+    if len(addrs) and (lens >= 0).all():
+        lo, hi = int(addrs.min()), int((addrs + lens).max())
+        inside = (bases <= lo) & (hi <= bases + sizes)
+        if inside.any():
+            i = int(np.flatnonzero(inside)[0])
+            return addrs + (int(local_bases[i]) - int(bases[i]))
     order = np.argsort(bases)
     bases, sizes, local_bases = bases[order], sizes[order], local_bases[order]
     idx = np.searchsorted(bases, addrs, side="right") - 1

@@ -50,30 +50,39 @@ def plan_copy(srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray, anchor: int,
               piece_bytes: int = PIECE_BYTES) -> CopyPlan:
     """The copy of absolute-address segments as offsets from ``anchor`` (16-byte aligned); empty
     segments are dropped. ``parts`` covers the longest segment's pieces with one program each unless
-    that leaves more than ``SPARE_PROGRAMS`` (and more than the pieces) idle: long segments then loop."""
+    that leaves more than ``SPARE_PROGRAMS`` (and more than the pieces) idle: long segments then loop.
+    Few passes over the arrays: a merged write of many rooms has hundreds of thousands of segments."""
     if anchor % 16:
         raise ValueError(f"anchor {anchor:#x} is not 16-byte aligned")
     srcs, dsts, lens = (np.asarray(a, dtype=np.int64) for a in (srcs, dsts, lens))
-    if (lens < 0).any():
-        raise ValueError("negative segment length")
-    keep = lens > 0
-    srcs, dsts, lens = srcs[keep] - anchor, dsts[keep] - anchor, lens[keep]
-    words = ((srcs | dsts | lens) % WORD_BYTES) == 0
-    n_words = int(words.sum())
-    table = np.empty((3, len(lens)), dtype=np.int64)
-    if n_words == len(lens):  # the usual chunk: KV pages only
-        np.floor_divide(srcs, WORD_BYTES, out=table[0])
-        np.floor_divide(dsts, WORD_BYTES, out=table[1])
-        np.floor_divide(lens, WORD_BYTES, out=table[2])
-    else:
-        rest = ~words
-        table[:, :n_words] = np.stack([srcs[words], dsts[words], lens[words]]) // WORD_BYTES
-        table[:, n_words:] = np.stack([srcs[rest], dsts[rest], lens[rest]])
     if not len(lens):
-        return CopyPlan(table, 0, 1)
-    unit = np.full(len(lens), BYTE_BLOCK, dtype=np.int64)
-    unit[:n_words] = piece_bytes // WORD_BYTES
-    pieces = (table[2] + unit - 1) // unit
+        return CopyPlan(np.empty((3, 0), dtype=np.int64), 0, 1)
+    if lens.min() <= 0:
+        if (lens < 0).any():
+            raise ValueError("negative segment length")
+        keep = lens > 0
+        srcs, dsts, lens = srcs[keep], dsts[keep], lens[keep]
+        if not len(lens):
+            return CopyPlan(np.empty((3, 0), dtype=np.int64), 0, 1)
+    table = np.empty((3, len(lens)), dtype=np.int64)
+    np.subtract(srcs, anchor, out=table[0])
+    np.subtract(dsts, anchor, out=table[1])
+    table[2] = lens
+    odd = np.bitwise_or(table[0], table[1])
+    np.bitwise_or(odd, lens, out=odd)
+    np.bitwise_and(odd, WORD_BYTES - 1, out=odd)
+    words = odd == 0
+    n_words = int(np.count_nonzero(words))
+    word_piece = piece_bytes // WORD_BYTES
+    if n_words == len(lens):  # the usual write: KV pages only, all in words
+        np.right_shift(table, 3, out=table)
+        pieces = table[2] + (word_piece - 1)  # one temporary: fresh arrays cost page faults at this size
+        pieces //= word_piece
+    else:
+        table = np.concatenate([table[:, words] // WORD_BYTES, table[:, ~words]], axis=1)
+        unit = np.full(len(lens), BYTE_BLOCK, dtype=np.int64)
+        unit[:n_words] = word_piece
+        pieces = (table[2] + unit - 1) // unit
     total, longest = int(pieces.sum()), int(pieces.max())
     parts = longest
     if len(lens) * longest - total > max(SPARE_PROGRAMS, total):

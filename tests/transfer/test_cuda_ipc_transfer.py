@@ -76,9 +76,14 @@ def test_translation_refuses_segments_outside_the_exported_regions():
     bases, sizes, local = np.array([1000, 100]), np.array([50, 20]), np.array([9000, 7000])
     got = translate(np.array([110, 1000, 1040]), np.array([10, 1, 10]), bases, sizes, local, "destination")
     assert got.tolist() == [7010, 9000, 9040]
+    # All in one region: one shift for every segment; a segment running past that region's end is refused.
+    assert translate(np.array([1000, 1010, 1049]), np.array([10, 0, 1]), bases, sizes, local,
+                     "destination").tolist() == [9000, 9010, 9049]
     for addr, length in ((1045, 10), (99, 2), (130, 1)):
         with pytest.raises(CudaIpcError, match="outside"):
             translate(np.array([addr]), np.array([length]), bases, sizes, local, "destination")
+        with pytest.raises(CudaIpcError, match="outside"):  # beside segments that are inside
+            translate(np.array([1000, addr]), np.array([5, length]), bases, sizes, local, "destination")
 
 
 def test_session_names_say_which_process_and_refuse_other_protocols():
