@@ -46,6 +46,10 @@ class EngineConfig:
     mem_fraction: float = field(default=0.85, metadata={
         "help": "fraction of device memory for weights + KV (GPU); of a 512 MiB KV budget on CPU"})
     chunked_prefill_size: int = field(default=2048, metadata={"help": "prefill tokens per step; <=0 disables"})
+    decode_first: bool = field(default=False, metadata={
+        "help": "run the decodes every step, prompt chunks in the rest of its budget (by default, while the "
+                "prompts to compute fill a whole step, the step is prompt chunks only and decodes wait: a "
+                "burst's prompts get their first tokens sooner)"})
     context_length: int | None = field(default=None, metadata={"help": "max tokens per request (default: model's)"})
     disable_prefix_cache: bool = field(default=False, metadata={"help": "turn off the radix prefix cache"})
     tp_size: int = field(default=1, metadata={

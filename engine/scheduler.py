@@ -1,8 +1,13 @@
 """Which requests run this step and how many of their tokens: returns a plan, runs nothing.
 
 Continuous batching with chunked prefill under one token budget per step (the chunked prefill
-size), shared by decodes and prompt chunks as vLLM and SGLang share theirs, in the order that
-keeps latency steady:
+size). While the prompts to compute would fill a whole step (a burst of arrivals, a long prompt),
+the step is prompt chunks only and the running decodes wait, as SGLang's default schedule does:
+a burst's last prompt, whose decode ends the burst, starts decoding sooner, every prompt's first
+token comes sooner, and the decodes that would have run beside the prompts shorten nothing (the
+burst still takes its last request's decode steps after its prefill). Otherwise (and always under
+`decode_first`) decodes and prompt chunks share the step's budget as vLLM shares it, in the order
+that keeps inter-token latency steady:
 1. every running request that is decoding gets its one token (preempting the newest running
    request when pages run out), or, when a behaviour offered draft tokens for it
    (`Request.draft_tokens`), one verify chunk over its last token and the draft (the draft is
@@ -19,6 +24,7 @@ inter-token latency) stays bounded by the budget, and the GPU gets full-size mat
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,6 +74,7 @@ class SchedulerConfig:
     max_running_requests: int
     chunked_prefill_size: int  # tokens per step, decodes included; <= 0 means whole prompts
     context_length: int
+    decode_first: bool = False  # decodes run every step, even while prompts would fill it
 
 
 def prefill_budget(step_budget: int, decode_tokens: int) -> int:
@@ -100,10 +107,36 @@ class Scheduler:
             self.waiting.remove(req)
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
         step_budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
+        if not self.config.decode_first and self._prompt_tokens_to_run(step_budget) >= step_budget:
+            plan = StepPlan()
+            self._schedule_prompts(plan, step_budget)
+            if plan:
+                return plan  # else no prompt could start (pages): the decodes run as usual
+        plan = StepPlan()
+        self._schedule_decodes(plan)
+        # Prompts in what the decodes left of the step's budget.
+        self._schedule_prompts(plan, prefill_budget(step_budget, plan.num_tokens))
+        return plan
 
-        # 1. Decodes first: each needs room for one more token.
+    def _prompt_tokens_to_run(self, enough: int) -> int:
+        """Prompt tokens the running prompts still have and the waiting requests that may start
+        bring (their whole prompts: prefix cache hits are known only once admitted), counted up to
+        `enough`."""
+        tokens = 0
+        for req in self.running:
+            if req.in_prefill and req.status is RequestStatus.RUNNING:
+                tokens += req.pending_len
+        slots = min(self.kv.free_slots, self.config.max_running_requests - len(self.running))
+        for req in itertools.islice(self.waiting, max(0, slots)):
+            if tokens >= enough:
+                break
+            tokens += req.total_len
+        return tokens
+
+    def _schedule_decodes(self, plan: StepPlan) -> None:
+        """Every running request that is decoding gets its one token (or its verify chunk); preempts
+        the newest running request when pages run out."""
         decoding = [r for r in self.running if not r.in_prefill]
         for req in list(decoding):
             if req.status is not RequestStatus.RUNNING:
@@ -129,15 +162,15 @@ class Scheduler:
             self.running.remove(req)
             plan.cache_full.append(req)
 
-        # 2. Prompts in progress continue, in what the decodes left of the step's budget.
-        budget = prefill_budget(step_budget, plan.num_tokens)
+    def _schedule_prompts(self, plan: StepPlan, budget: int) -> None:
+        """Prompts in progress continue, then waiting requests are admitted, within `budget` tokens."""
         for req in self.running:
             if budget <= 0:
                 break
             if req.in_prefill and req.status is RequestStatus.RUNNING:
                 budget -= self._schedule_prefill(req, budget, plan)
 
-        # 3. Admit waiting requests.
+        # Admit waiting requests.
         held: list[Request] = []  # waiting for a running request's prompt pages
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
@@ -157,7 +190,6 @@ class Scheduler:
             self.running.append(req)
             budget -= self._schedule_prefill(req, budget, plan)
         self.waiting.extendleft(reversed(held))
-        return plan
 
     def _awaits_shared_prefix(self, req: Request) -> bool:
         """True while a running request computes prompt pages `req` could take from the prefix

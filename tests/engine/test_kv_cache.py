@@ -110,9 +110,10 @@ def test_locked_pages_are_never_evicted() -> None:
     assert_all_back(kv)
 
 
-def scheduler(pages: int, page_size: int = 4, slots: int = 4, chunk: int = 8) -> Scheduler:
+def scheduler(pages: int, page_size: int = 4, slots: int = 4, chunk: int = 8, decode_first: bool = False) -> Scheduler:
     kv = kv_cache(pages, page_size, slots)
-    return Scheduler(SchedulerConfig(max_running_requests=slots, chunked_prefill_size=chunk, context_length=256), kv)
+    return Scheduler(SchedulerConfig(max_running_requests=slots, chunked_prefill_size=chunk, context_length=256,
+                                     decode_first=decode_first), kv)
 
 
 def run_plan(plan) -> None:
@@ -138,7 +139,7 @@ def test_chunked_prefill_splits_a_long_prompt_within_the_budget() -> None:
 
 
 def test_decodes_run_beside_a_new_prompt_chunk() -> None:
-    s = scheduler(pages=40, chunk=8)
+    s = scheduler(pages=40, chunk=8, decode_first=True)
     first = make_request("first", [1, 2, 3])
     s.add(first)
     run_plan(s.schedule())
@@ -149,15 +150,43 @@ def test_decodes_run_beside_a_new_prompt_chunk() -> None:
     assert [(c.request.request_id, c.length) for c in plan.chunks] == [("first", 1), ("second", 7)]
 
 
+def test_decodes_wait_while_prompts_fill_the_step_then_share_it() -> None:
+    s = scheduler(pages=40, chunk=8)
+    first = make_request("first", [1, 2, 3])
+    s.add(first)
+    run_plan(s.schedule())
+    second = make_request("second", list(range(30, 42)))  # 12 prompt tokens: more than a step's 8
+    s.add(second)
+    steps = []
+    for _ in range(3):
+        plan = s.schedule()
+        steps.append([(c.request.request_id, c.length) for c in plan.chunks])
+        run_plan(plan)
+    # A full step of prompt alone; its last 4 tokens no longer fill one, so the decode rides beside them.
+    assert steps == [[("second", 8)], [("first", 1), ("second", 4)], [("first", 1), ("second", 1)]]
+
+
+def test_a_prompt_step_that_cannot_start_lets_the_decodes_run() -> None:
+    s = scheduler(pages=6, page_size=4, chunk=8)  # 5 usable pages = 20 tokens
+    first = make_request("first", [1, 2, 3])
+    s.add(first)
+    run_plan(s.schedule())
+    big = make_request("big", list(range(30, 48)))  # 18 tokens: 5 pages, 4 are free
+    s.add(big)
+    plan = s.schedule()
+    assert [(c.request.request_id, c.length) for c in plan.chunks] == [("first", 1)]
+    assert list(s.waiting) == [big] and big.slot == -1 and big.pages == []
+
+
 def test_decodes_share_the_step_budget_and_leave_prompts_at_least_an_eighth() -> None:
-    s = scheduler(pages=200, page_size=4, slots=16, chunk=16)
+    s = scheduler(pages=200, page_size=4, slots=16, chunk=16, decode_first=True)
     for i in range(10):
         s.add(make_request(f"d{i}", [i + 1]))
     run_plan(s.schedule())  # ten one-token prompts: all prefilled in the first step
     s.add(make_request("late", list(range(40))))
     plan = s.schedule()
     assert [c.length for c in plan.chunks] == [1] * 10 + [6]  # 16 - 10 decodes
-    s2 = scheduler(pages=200, page_size=4, slots=16, chunk=16)
+    s2 = scheduler(pages=200, page_size=4, slots=16, chunk=16, decode_first=True)
     for i in range(14):
         s2.add(make_request(f"d{i}", [i + 1]))
     run_plan(s2.schedule())  # 14 decodes leave 2 tokens of 16, also the floor (an eighth)
