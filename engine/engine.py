@@ -8,6 +8,7 @@ cache and the scheduler are only ever touched by the loop thread.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import queue
 import threading
@@ -95,9 +96,9 @@ class Engine:
         if self.tp_supervisor is not None:
             self.tp_supervisor.attach(self.runner, self.kv.page_table, self.kv.padding_slot)
         self.runner.capture_decode_graphs(self.kv.page_table, self.kv.padding_slot)
-        self.runner.warm_up(self.kv.page_table)  # before /health can say ready
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_running_requests, cfg.chunked_prefill_size, self.context_length), self.kv
+            SchedulerConfig(cfg.max_running_requests, cfg.chunked_prefill_size, self.context_length,
+                            decode_first=cfg.decode_first), self.kv
         )
         self.metrics = metrics or EngineMetrics(cfg.model_name)
         self.role: Role = role or UnifiedRole()
@@ -110,6 +111,8 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._warmed = threading.Event()
+        self._warm_up_error: BaseException | None = None
         self._state = self._snapshot()
         self.steps = 0
         self._inflight: LaunchedStep | None = None
@@ -143,8 +146,17 @@ class Engine:
 
     def start(self) -> None:
         self.role.attach(self)
+        # Everything built so far (model, graphs, tokenizer, imports: hundreds of thousands of objects)
+        # lives as long as the engine: out of the cyclic collector's reach, a full collection under
+        # load takes milliseconds instead of the ~0.1-0.3 s that stalled a step (and the first request).
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
+        self._warmed.wait()  # /health says ready only once every step kind has run on the loop's thread
+        if self._warm_up_error is not None:
+            self._thread.join(timeout=30)
+            raise RuntimeError(f"the engine's warm-up failed: {self._warm_up_error!r}") from self._warm_up_error
 
     def stop(self) -> None:
         self._stop.set()
@@ -156,6 +168,7 @@ class Engine:
             # A loop thread still stuck in a collective must not race a stop message.
             self.tp_supervisor.stop(graceful=self._thread is None or not self._thread.is_alive())
         if self._thread is None or not self._thread.is_alive():
+            gc.unfreeze()  # the runner's cycles (its graphs) must be collectable again
             self.runner.close()  # the device memory goes back: another engine may start in this process
 
     def submit(self, req: Request, admitted: bool = False) -> None:
@@ -211,6 +224,16 @@ class Engine:
     # ---- the loop thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            # On this thread, not the one that built the engine: cuBLAS and cuDNN handles (and cuDNN's
+            # attention plans) are per thread, and making them cost the first request ~50 ms.
+            self.runner.warm_up(self.kv.page_table)
+        except BaseException as exc:
+            logger.exception("engine warm-up failed")
+            self._warm_up_error = exc
+            return
+        finally:
+            self._warmed.set()
         logger.info("engine loop started (role %s)", self.role.name)
         try:
             self._run_loop()
