@@ -74,14 +74,14 @@ def sweep_extend() -> None:
               f"{tflop / default[0] * 1e3:7.0f} | {default[0] / sdpa:.2f}  (SDPA {sdpa:.3f} ms)")
 
 
-def sweep_decode() -> None:
+def sweep_decode(cases: list[tuple[int, int]]) -> None:
     buf = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
     copy_ms = bench_ms(buf.clone)
     bandwidth = 2 * buf.numel() / (copy_ms / 1e3)
     del buf
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     print("decode batch x ctx | BLOCK_N warps stages | us     | KV GB/s | / copy bandwidth")
-    for batch, ctx in ((1, 1024), (1, 8192), (64, 1024), (256, 1024)):
+    for batch, ctx in cases:
         table, k, v = paged_kv(batch, ctx)
         q = torch.randn(batch, HEADS, DIM, device=DEV, dtype=torch.bfloat16)
         slots = torch.arange(batch, device=DEV)
@@ -105,11 +105,13 @@ def sweep_decode() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--what", nargs="+", default=["extend", "decode"], choices=["extend", "decode"])
+    parser.add_argument("--decode-cases", nargs="+", default=["1x1024", "1x8192", "64x1024", "256x640", "256x1024"],
+                        help="decode shapes, BATCHxCONTEXT")
     args = parser.parse_args()
     if "extend" in args.what:
         sweep_extend()
     if "decode" in args.what:
-        sweep_decode()
+        sweep_decode([tuple(int(v) for v in c.split("x")) for c in args.decode_cases])
 
 
 if __name__ == "__main__":

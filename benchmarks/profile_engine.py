@@ -32,7 +32,7 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 def runner_profile(shape: str, batch_size: int, prefill: int) -> None:
     """The model runner alone: graph replay vs eager decode, and the top kernels of each phase."""
-    eut = EngineUnderTest(shape, "cuda", max(batch_size, 8), 65536)
+    eut = EngineUnderTest(shape, "cuda", max(batch_size, 8), max(65536, batch_size * (1024 + 64 + 16)))
     reqs = eut._requests(batch_size, 1024, 64)
     for r in reqs:
         r.kv_len, r.output_ids = 1024, [1]

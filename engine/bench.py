@@ -215,6 +215,7 @@ def run_engine_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
     prefill_end = max(first_times)
     decode_steps = max(1, output_len - 1)
     return {"batch": len(prompts), "prefill_s": prefill_end - start, "decode_s": end - prefill_end,
+            "ttft_p50_s": statistics.median(first_times) - start,
             "decode_step_s": (end - prefill_end) / decode_steps, "steps": engine.steps - steps_before,
             "output_tokens_per_s": len(prompts) * output_len / (end - start)}
 
