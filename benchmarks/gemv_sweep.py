@@ -1,6 +1,7 @@
 """Skinny GEMMs (decode: a few rows times a weight matrix) in Triton vs cuBLAS, per Llama shape.
 
   python3 -P benchmarks/gemv_sweep.py [--sweep]
+  python3 -P benchmarks/gemv_sweep.py --rows 8 16 32 40 64 128 160 288 [--json OUT]   # row-invariant cost
 Each candidate is timed inside a CUDA graph over enough weight copies to defeat the L2 cache,
 so the figures are HBM-bound kernel times, not launch or cache effects. Prints, per shape and
 row count, the engine's skinny kernel against cuBLAS (F.linear); with --sweep, also the best of
@@ -82,8 +83,45 @@ def engine_kernels(m: int) -> None:
                     name, m, ours, n * k * 2 / ours / 1e3, theirs, n * k * 2 / theirs / 1e3, ours / theirs)
 
 
+def row_invariant_cost(rows: list[int], layers: int = 32) -> list[dict]:
+    """Per row count, the skinny kernel (row-invariant: a verifier's projections up to 288 rows) against
+    cuBLAS for each shape, and one step's projections of the 8B model: `layers` x (qkv, o_proj,
+    gate_up, down) + the LM head, in ms."""
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    report = []
+    for m in rows:
+        step = {"skinny": 0.0, "cublas": 0.0}
+        for name, n, k in SHAPES:
+            copies = max(2, -(-(512 << 20) // (n * k * 2)))
+            weights = [torch.randn(n, k, device=dev, dtype=bf16) for _ in range(copies)]
+            x = torch.randn(m, k, device=dev, dtype=bf16)
+            ours = graph_time_us(lambda i, x=x, weights=weights: skinny_gemm(x, weights[i]), copies)
+            theirs = graph_time_us(lambda i, x=x, weights=weights: torch.nn.functional.linear(x, weights[i]), copies)
+            times = 1 if name == "lm_head" else layers
+            step["skinny"] += times * ours / 1e3
+            step["cublas"] += times * theirs / 1e3
+            report.append({"rows": m, "shape": name, "skinny_us": ours, "cublas_us": theirs})
+            logger.info("rows %-3d %-8s skinny %8.2f us | cuBLAS %8.2f us | ratio %.3f", m, name, ours, theirs,
+                        ours / theirs)
+            del weights
+        report.append({"rows": m, "shape": "8b_step_ms", "skinny_us": step["skinny"], "cublas_us": step["cublas"]})
+        logger.info("rows %-3d one 8B step's projections: skinny %.3f ms | cuBLAS %.3f ms | ratio %.3f", m,
+                    step["skinny"], step["cublas"], step["skinny"] / step["cublas"])
+    return report
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if "--rows" in sys.argv:  # python3 -P benchmarks/gemv_sweep.py --rows 8 16 32 ... [--json OUT]
+        args = sys.argv[sys.argv.index("--rows") + 1:]
+        rows = [int(a) for a in itertools.takewhile(str.isdigit, args)]
+        report = row_invariant_cost(rows)
+        if "--json" in sys.argv:
+            import json
+
+            with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:
+                json.dump(report, f, indent=1)
+        return
     for m in (1, 8, 16):
         engine_kernels(m)
     if "--sweep" in sys.argv:

@@ -37,14 +37,20 @@ class SpecConfig:
     speculation_gate: bool = field(default=True, metadata={
         "help": "verify a step's drafts only while verify steps, as measured, emit tokens faster than plain "
                 "decoding at that batch (off: verify whatever the drafters offer)"})
+    row_invariant_rows: int | None = field(default=None, metadata={
+        "help": "16-bit projections of up to this many rows take the row-invariant Triton kernel, in plain "
+                "decode and verify steps alike, so greedy output with drafts is plain decoding's (default: "
+                "288, 32 requests x 9 rows); verify steps with more rows go to cuBLAS, which rounds by row "
+                "count, and may differ in late tokens; 16: cuBLAS past one tile (faster where cuBLAS is)"})
     draft_rpc_timeout_s: float = field(default=0.5, metadata={
         "help": "seconds a Join/Heartbeat call may take before the drafter counts as silent"})
     # ---- drafter (--role drafter) --------------------------------------------------------------
     draft_mesh_port: int = field(default=50061, metadata={"help": "gRPC port of this drafter's DraftMesh service"})
     draft_data_port: int = field(default=0, metadata={
         "help": "ZeroMQ port this drafter receives DraftControl batches on (0: any free port)"})
-    max_draft_ahead: int = field(default=8, metadata={
-        "help": "tokens a drafter drafts past a request's last commit before it waits for the next"})
+    max_draft_ahead: int = field(default=17, metadata={
+        "help": "most tokens a drafter drafts past a request's last commit before it waits for the next "
+                "(the verifier asks for 2K+1 at most)"})
     max_verifiers: int = field(default=64, metadata={"help": "leases a drafter grants at once (then: full)"})
     draft_lease_ttl_s: float = field(default=1.5, metadata={
         "help": "seconds a lease lives after its last heartbeat (then its requests are closed)"})
@@ -56,6 +62,8 @@ class SpecConfig:
             raise ValueError(f"--max-draft-ahead must be >= 1, got {self.max_draft_ahead}")
         if self.verifier_rank is not None and self.verifier_rank < 0:
             raise ValueError(f"--verifier-rank must be >= 0, got {self.verifier_rank}")
+        if self.row_invariant_rows is not None and self.row_invariant_rows < 1:
+            raise ValueError(f"--row-invariant-rows must be >= 1, got {self.row_invariant_rows}")
         if self.draft_wait_ms < 0:
             raise ValueError(f"--draft-wait-ms must be >= 0, got {self.draft_wait_ms}")
         for name in ("draft_heartbeat_interval_s", "draft_rpc_timeout_s", "draft_lease_ttl_s"):

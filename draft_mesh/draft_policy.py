@@ -52,13 +52,15 @@ class DraftPolicy:
         return max(1, round(k * self.acceptance / FULL_FROM))
 
     def ahead(self, k: int) -> int:
-        """How far past the last commit the drafter should draft for this request: twice the drafts
-        it would be offered (they arrive while the verifier works), nothing while paused."""
+        """How far past the last commit the drafter should draft for this request: for j drafts a
+        step, 2j + 1, nothing while paused. A step that accepts all j commits j + 1 tokens; the
+        drafter, which knew only the commit before it, then still holds the next step's j drafts
+        (with 2j it held j - 1, and every step waited for the last one)."""
         if k <= 0 or self.paused_steps > 0 or self.acceptance < OFF_BELOW:
             return 0
         if self.acceptance >= FULL_FROM:
-            return 2 * k
-        return 2 * max(1, round(k * self.acceptance / FULL_FROM))
+            return 2 * k + 1
+        return 2 * max(1, round(k * self.acceptance / FULL_FROM)) + 1
 
     @property
     def worth_waiting(self) -> bool:

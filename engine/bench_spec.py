@@ -30,7 +30,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +42,13 @@ from safetensors.torch import load_file, save_file
 
 from splitserve.config_flags import add_config_flags, config_from_args
 from splitserve.draft_mesh import SpecConfig
+from splitserve.draft_mesh.speculation_gate import PLAIN, SPECULATE
 from splitserve.engine.bench import random_prompts
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_runner import ModelRunner, build_forward_batch
+from splitserve.engine.model_runner import ROW_INVARIANT_ROWS, ModelRunner, build_forward_batch
 from splitserve.engine.model_shapes import SHAPES
 from splitserve.engine.offline import generate_tokens
 from splitserve.engine.request import Request
@@ -82,6 +85,10 @@ class SpecBenchConfig:
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens per request"})
     output_len: int = field(default=128, metadata={"help": "output tokens per request"})
     draft_wait_ms: float = field(default=2.0, metadata={"help": "the verifier's --draft-wait-ms"})
+    row_invariant_rows: int | None = field(default=None, metadata={
+        "help": "the verifier's --row-invariant-rows (default: the engine's, 288)"})
+    cublas_plain: bool = field(default=True, metadata={
+        "help": "also measure plain decoding with 16-bit rows past 16 on cuBLAS (as without a verifier)"})
     max_total_tokens: int = field(default=65536, metadata={"help": "KV cache tokens of each engine"})
     seed: int = field(default=0, metadata={"help": "weights seed"})
     workdir: str | None = field(default=None, metadata={"help": "where checkpoints go (default: a temp dir)"})
@@ -208,25 +215,60 @@ def calibrate_perturbation(exact: Path, device: str, rate: float, prompts: list[
 # ---- measuring ---------------------------------------------------------------------------------
 
 
-def decode_run(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+def drafter_drafted(http_port: int | None) -> int | None:
+    """Tokens the drafter process has drafted so far (its /health), None without one."""
+    if http_port is None:
+        return None
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5) as resp:
+        return int(json.loads(resp.read())["drafted"])
+
+
+def decode_run(engine: Engine, prompts: list[list[int]], output_len: int, verifier: VerifierRole | None = None,
+               drafter_port: int | None = None) -> dict[str, Any]:
+    """One greedy run of `prompts`: tokens/s, steps, drafts verified and accepted; with the verifier,
+    its steps per gate mode, verify steps and seconds waited for drafts, and the drafter's drafted
+    tokens (those not verified were drafted past a rejection or past the run's end)."""
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     m = engine.metrics
     drafted0, accepted0, steps0 = m.spec_draft_tokens._value.get(), m.spec_accepted_tokens._value.get(), engine.steps
+    gate0 = (dict(verifier.mode_steps), verifier.verify_steps, verifier.waited_s) if verifier else None
+    made0 = drafter_drafted(drafter_port)
     start = time.perf_counter()
     outs = generate_tokens(engine, prompts, params)
     elapsed = time.perf_counter() - start
     drafted, accepted = m.spec_draft_tokens._value.get() - drafted0, m.spec_accepted_tokens._value.get() - accepted0
     tokens = sum(len(o) for o in outs)
-    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "steps": engine.steps - steps0,
-            "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else 0.0,
-            "outputs": outs}
+    run = {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "steps": engine.steps - steps0,
+           "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else 0.0,
+           "outputs": outs}
+    if verifier is not None and gate0 is not None:
+        run.update(speculating_steps=verifier.mode_steps[SPECULATE] - gate0[0][SPECULATE],
+                   plain_steps=verifier.mode_steps[PLAIN] - gate0[0][PLAIN],
+                   verify_steps=verifier.verify_steps - gate0[1], waited_s=verifier.waited_s - gate0[2])
+    if made0 is not None:
+        run["drafter_drafted"] = drafter_drafted(drafter_port) - made0
+    return run
+
+
+def set_row_invariant_rows(engine: Engine, rows: int) -> None:
+    """Changes the engine's row-invariant row count on its loop thread (its decode graphs are captured
+    again there) and waits for it."""
+    done = threading.Event()
+
+    def change() -> None:
+        engine.use_row_invariant_rows(rows)
+        done.set()
+
+    engine.call_soon(change)
+    if not done.wait(300):
+        raise TimeoutError("the engine did not change its row-invariant rows")
 
 
 def start_drafter(folder: Path, device: str, mesh_port: int, http_port: int, cfg: SpecBenchConfig,
                   log: Path) -> subprocess.Popen:
     args = [sys.executable, "-P", "-m", "splitserve", "serve", "--role", "drafter", "--model", str(folder),
             "--device", device, "--port", str(http_port), "--draft-mesh-port", str(mesh_port),
-            "--max-total-tokens", str(cfg.max_total_tokens), "--max-draft-ahead", str(2 * max(cfg.ks)),
+            "--max-total-tokens", str(cfg.max_total_tokens), "--max-draft-ahead", str(2 * max(cfg.ks) + 1),
             "--max-running-requests", str(max(cfg.batch_sizes))]
     env = {**os.environ, "SPLITSERVE_TRANSFER_CONTROL_KEY": KEY, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
@@ -268,24 +310,44 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
     logger.info("checkpoints written to %s in %.0f s", work, time.monotonic() - started)
     mesh_port = free_port()
     spec = SpecConfig(drafter=[f"127.0.0.1:{mesh_port}"], num_draft_tokens=max(cfg.ks),
-                      draft_wait_ms=cfg.draft_wait_ms)
+                      draft_wait_ms=cfg.draft_wait_ms, row_invariant_rows=cfg.row_invariant_rows)
     verifier = VerifierRole(spec, TransferConfig(transfer_control_key=KEY))
     engine = Engine(EngineConfig(model=str(folders["target"]), device=cfg.device, max_total_tokens=cfg.max_total_tokens,
                                  max_running_requests=max(cfg.batch_sizes)), role=ComposedRole("unified", [verifier]))
     engine.start()
     report: dict[str, Any] = {"config": asdict(cfg), "plain": {}, "runs": []}
     try:
-        generate_tokens(engine, prompts[cfg.batch_sizes[0]][:1], SamplingParams(max_new_tokens=4))  # warm-up
+        def warm_up() -> None:
+            # Each batch once: its prompts go into the prefix cache, as for every later run (the first
+            # run of a batch otherwise pays the only full prefill, and its kernels' first launches).
+            for b in cfg.batch_sizes:
+                generate_tokens(engine, prompts[b], SamplingParams(max_new_tokens=4))
+
+        warm_up()
         plain_outputs = {}
+        if cfg.cublas_plain:  # plain decoding as without a verifier: 16-bit rows past 16 on cuBLAS
+            report["plain_cublas"] = {}
+            set_row_invariant_rows(engine, 16)
+            warm_up()
+            for b in cfg.batch_sizes:
+                r = decode_run(engine, prompts[b], cfg.output_len)
+                r.pop("outputs")
+                report["plain_cublas"][b] = r
+                logger.info("plain batch %d, cuBLAS past 16 rows: %.1f tok/s", b, r["tokens_per_s"])
+            set_row_invariant_rows(engine, verifier.spec.row_invariant_rows or ROW_INVARIANT_ROWS)
+            warm_up()
         for b in cfg.batch_sizes:
             r = decode_run(engine, prompts[b], cfg.output_len)
             plain_outputs[b] = r.pop("outputs")
             report["plain"][b] = r
-            logger.info("plain batch %d: %.1f tok/s", b, r["tokens_per_s"])
+            logger.info("plain batch %d: %.1f tok/s%s", b, r["tokens_per_s"],
+                        f" ({r['tokens_per_s'] / report['plain_cublas'][b]['tokens_per_s']:.3f}x of cuBLAS past 16 "
+                        "rows)" if cfg.cublas_plain else "")
         drafters = [("exact", folders["exact"])] + ([("perturbed", folders["perturbed"])] if "perturbed" in folders
                                                     else [])
         for name, folder in drafters:
-            proc = start_drafter(folder, cfg.device, mesh_port, free_port(), cfg, work / f"drafter-{name}.log")
+            http_port = free_port()
+            proc = start_drafter(folder, cfg.device, mesh_port, http_port, cfg, work / f"drafter-{name}.log")
             try:
                 wait_joined(verifier, proc)
                 generate_tokens(engine, prompts[cfg.batch_sizes[0]][:1], SamplingParams(max_new_tokens=8))
@@ -297,7 +359,7 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
                         verifier.num_draft_tokens = 0
                         peer = decode_run(engine, prompts[b], cfg.output_len)
                         verifier.num_draft_tokens = k
-                        r = decode_run(engine, prompts[b], cfg.output_len)
+                        r = decode_run(engine, prompts[b], cfg.output_len, verifier, http_port)
                         same = r.pop("outputs") == plain_outputs[b] == peer.pop("outputs")
                         r.update(drafter=name, k=k, batch=b, identical_to_plain=same,
                                  speedup=r["tokens_per_s"] / report["plain"][b]["tokens_per_s"],
@@ -305,8 +367,12 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
                                  speedup_vs_peer=r["tokens_per_s"] / peer["tokens_per_s"])
                         report["runs"].append(r)
                         logger.info("%s K=%d batch %d: %.1f tok/s (x%.2f of plain, x%.2f of the K=0 peer), "
-                                    "acceptance %.2f%s", name, k, b, r["tokens_per_s"], r["speedup"],
-                                    r["speedup_vs_peer"], r["acceptance"], "" if same else " OUTPUT DIFFERS")
+                                    "acceptance %.2f, %d steps: %d speculating (%d verified), %d plain, "
+                                    "%.1f ms waiting for drafts; drafter drafted %s, verified %d%s",
+                                    name, k, b, r["tokens_per_s"], r["speedup"], r["speedup_vs_peer"],
+                                    r["acceptance"], r["steps"], r["speculating_steps"], r["verify_steps"],
+                                    r["plain_steps"], 1e3 * r["waited_s"], r.get("drafter_drafted"), r["drafted"],
+                                    "" if same else " OUTPUT DIFFERS")
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)

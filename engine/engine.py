@@ -25,7 +25,7 @@ from splitserve.engine.kv_cache import KVCache, KVUsage
 from splitserve.engine.metrics import EngineMetrics
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_names import resolve_model_path
-from splitserve.engine.model_runner import ModelRunner, PendingStep, StepOutput, VerifiedChunk
+from splitserve.engine.model_runner import ROW_INVARIANT_ROWS, ModelRunner, PendingStep, StepOutput, VerifiedChunk
 from splitserve.engine.parallel_state import SINGLE, TensorParallel, check_tp_size
 from splitserve.engine.request import FinishReason, Request, RequestStatus, TokenOutput
 from splitserve.engine.role import Role, UnifiedRole
@@ -139,10 +139,21 @@ class Engine:
 
     # ---- called from any thread -------------------------------------------------------------
 
-    def prepare_speculation(self, max_draft_tokens: int) -> None:
-        """Captures the verify step's CUDA graphs for drafts of up to `max_draft_tokens` (a behaviour that
-        offers drafts calls it before the loop starts; without it verify steps run eagerly)."""
+    def prepare_speculation(self, max_draft_tokens: int, row_invariant_rows: int | None = None) -> None:
+        """Readies verify steps for drafts of up to `max_draft_tokens` (a behaviour that offers drafts calls
+        it before the loop starts): 16-bit projections of up to `row_invariant_rows` rows (default
+        ROW_INVARIANT_ROWS; 16: cuBLAS past one tile), plain decode
+        steps' too, take the row-invariant kernel (a verify row then has plain decoding's bits), and
+        the verify step's CUDA graphs are captured (without them verify steps run eagerly)."""
+        self.use_row_invariant_rows(row_invariant_rows)
         self.runner.capture_verify_graphs(self.kv.page_table, self.kv.padding_slot, max_draft_tokens)
+
+    def use_row_invariant_rows(self, rows: int | None = None) -> None:
+        """16-bit projections of up to `rows` rows (default ROW_INVARIANT_ROWS) take the row-invariant
+        kernel: a row's bits then do not depend on the batch (before the loop starts: decode graphs
+        are captured again)."""
+        self.runner.set_row_invariant_rows(ROW_INVARIANT_ROWS if rows is None else rows, self.kv.page_table,
+                                           self.kv.padding_slot)
 
     def start(self) -> None:
         self.role.attach(self)

@@ -16,6 +16,7 @@ from splitserve.engine.cuda_graph_runner import DecodeGraphs
 from splitserve.engine.forward_batch import ForwardBatch, decode_batch
 from splitserve.engine.host_to_device import to_device
 from splitserve.engine.kv_pool import KVPool, KVPoolShape
+from splitserve.engine.layers import skinny
 from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, wide_tiles
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models import build_model
@@ -171,6 +172,10 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
 # Rows per request (K+1) of the verify graphs: a step's longest draft is padded up to the next.
 VERIFY_ROWS = (2, 3, 5, 9, 17)
 MAX_VERIFY_GRAPH_ROWS = 1024  # graphs up to this many rows; bigger verify steps run eagerly
+# 16-bit projections of up to this many rows take the row-invariant kernel on a verifier: 32 requests x
+# (K=8 + 1). Bigger steps go to cuBLAS, whose rounding depends on the row count (their verify rows may
+# then differ from plain decoding's in late tokens).
+ROW_INVARIANT_ROWS = 288
 
 
 def verify_shaped(chunks: list[ScheduledChunk]) -> bool:
@@ -471,6 +476,25 @@ class ModelRunner:
                               self.next_tokens)
         graphs.capture()
         self.decode_graphs = graphs
+
+    def set_row_invariant_rows(self, rows: int, page_table: torch.Tensor, padding_slot: int) -> None:
+        """16-bit projections of up to `rows` rows (at least 16) take the row-invariant skinny kernel
+        (engine/layers/skinny_gemm_triton.py) instead of cuBLAS, in plain decode and verify steps alike:
+        a verifier's rows then have plain decoding's bits at every batch that fits. Decode graphs
+        already captured with cuBLAS for batches over 16 are captured again."""
+        if self.device.type != "cuda" or self.step_broadcaster is not None:
+            return  # CPU has no skinny kernel; tensor-parallel ranks keep their own kernels
+        rows = max(rows, skinny.MAX_ROWS)
+        layers = [m for m in self.model.modules() if hasattr(m, "skinny_rows")]
+        if all(m.skinny_rows == rows for m in layers):
+            return
+        before = max((m.skinny_rows for m in layers), default=skinny.MAX_ROWS)
+        for m in layers:
+            m.skinny_rows = rows
+        buckets = self.decode_graphs.buckets if self.decode_graphs is not None else []
+        if any(min(before, rows) < b <= max(before, rows) for b in buckets):
+            self.decode_graphs = None  # their memory goes back before the new capture
+            self.capture_decode_graphs(page_table, padding_slot)
 
     @torch.inference_mode()
     def capture_verify_graphs(self, page_table: torch.Tensor, padding_slot: int, max_draft_tokens: int) -> None:

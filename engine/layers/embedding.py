@@ -45,8 +45,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary (each rank computes its slice, then gathers)."""
 
+    skinny_rows = skinny.MAX_ROWS
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = (skinny.skinny_linear(hidden, self.weight) if skinny.fits(hidden)
+        logits = (skinny.skinny_linear(hidden, self.weight) if skinny.fits(hidden, self.skinny_rows)
                   else nn.functional.linear(hidden, self.weight))
         logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

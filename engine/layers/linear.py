@@ -30,6 +30,8 @@ class ColumnParallelLinear(nn.Module):
     its shard of every one of them, so `load(weight, shard_index)` fills one sub-projection.
     """
 
+    skinny_rows = skinny.MAX_ROWS  # 16-bit rows up to this take the row-invariant kernel (a verifier raises it)
+
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
                  tp: TensorParallel = SINGLE, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -53,13 +55,15 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Decode-sized rows through the skinny kernel too: cuBLAS picks its kernel (and its rounding)
         # by the row count, so a verify step's rows would differ from plain decoding's.
-        if skinny.fits(x):
+        if skinny.fits(x, self.skinny_rows):
             return skinny.skinny_linear(x, self.weight, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """y = x W^T (+ b) with W's columns (input features) split; partial sums all-reduced."""
+
+    skinny_rows = skinny.MAX_ROWS
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  tp: TensorParallel = SINGLE, dtype: torch.dtype | None = None) -> None:
@@ -83,7 +87,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Long K (o_proj, down_proj): at decode sizes cuBLAS splits it and adds a reduction kernel.
-        y = skinny.skinny_linear(x, self.weight) if skinny.fits(x) else nn.functional.linear(x, self.weight)
+        if skinny.fits(x, self.skinny_rows):
+            y = skinny.skinny_linear(x, self.weight)
+        else:
+            y = nn.functional.linear(x, self.weight)
         y = self.tp.all_reduce(y)
         # The bias is added once, after the reduction, not once per rank.
         return y if self.bias is None else y + self.bias

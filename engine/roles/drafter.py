@@ -101,6 +101,9 @@ class DrafterRole(Role):
         if engine.kv.prefix_cache.enabled:
             raise ValueError("a drafter engine needs the prefix cache off (drafter_engine_config)")
         self.vocab_size = engine.model_cfg.vocab_size
+        # The verifier's kernels: a draft does not depend on how many requests share the drafter's step
+        # (a drafter that is a prefix of the target then agrees with it bit for bit at every batch).
+        engine.use_row_invariant_rows(self.spec.row_invariant_rows)
         self.zmq = zmq.Context()
         self.control = self.zmq.socket(zmq.PULL)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -202,7 +205,7 @@ class DrafterRole(Role):
                                     f"{self.engine.max_prompt_tokens}")
         params = SamplingParams(max_new_tokens=self.engine.context_length, temperature=0.0, ignore_eos=True)
         req = Request(key, sequence, params, lambda out, k=key: self._on_output(k, out))
-        ahead = min(self.spec.max_draft_ahead, max(lease.draft_tokens, 1) * 2)
+        ahead = min(self.spec.max_draft_ahead, max(lease.draft_tokens, 1) * 2 + 1)  # as DraftPolicy.ahead
         self.states[key] = DraftState(key, sync.request_id, lease.lease_id, req, len(sequence), ahead)
         self.engine.submit(req)  # admitted in this same inbox drain, before the next step
 

@@ -120,6 +120,10 @@ class VerifierRole(Role):
         self._last_poll: float | None = None
         self._counted: tuple[int, dict[str, int]] | None = None  # (batch bucket, output lengths) at the last poll
         self._offered = False  # the last poll offered drafts (its step verified some)
+        # What the benchmark reads: decoding steps per mode, steps that verified drafts, seconds waited.
+        self.mode_steps = {SPECULATE: 0, PLAIN: 0}
+        self.verify_steps = 0
+        self.waited_s = 0.0
         # Without --drafter the peers file lists the drafters; it is read again as drafters come and go.
         self.peers_file = "" if spec.drafter else spec.peers_file
         self._peers_read_at = 0.0
@@ -130,7 +134,7 @@ class VerifierRole(Role):
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
-        engine.prepare_speculation(self.spec.num_draft_tokens)
+        engine.prepare_speculation(self.spec.num_draft_tokens, self.spec.row_invariant_rows)
         self.metrics = engine.metrics
         self.zmq = zmq.Context()
         self.tail_socket = self.zmq.socket(zmq.PULL)
@@ -243,6 +247,7 @@ class VerifierRole(Role):
         if short and self.spec.draft_wait_ms > 0 and self.speculating:
             self._wait_for_drafts(short)
         self._offered = any(r.draft_tokens for r in self.engine.requests.values())
+        self.verify_steps += self._offered
 
     def _gate(self) -> None:
         """Times the loop's last turn (one step) and picks whether this one speculates."""
@@ -267,16 +272,20 @@ class VerifierRole(Role):
         elif decoding:
             self.gate.decide()
         self.speculating = self.gate.mode == SPECULATE
+        if decoding:
+            self.mode_steps[self.gate.mode] += 1
 
     def _wait_for_drafts(self, short: list[Request]) -> None:
         """Waits (at most --draft-wait-ms) until the requests offered fewer than K drafts have them."""
-        deadline = time.monotonic() + self.spec.draft_wait_ms / 1000
+        started = time.monotonic()
+        deadline = started + self.spec.draft_wait_ms / 1000
         while short and (left := deadline - time.monotonic()) > 0:
             self._tail_arrived.wait(left)
             self._tail_arrived.clear()
             self._take_tails()
             short = [req for req in short if req.request_id in self.states
                      and self._offer(req, self.states[req.request_id])]
+        self.waited_s += time.monotonic() - started
 
     def _take_link_events(self) -> None:
         while True:
@@ -288,6 +297,7 @@ class VerifierRole(Role):
                 continue  # a link being stopped (its drafter left the peers file)
             if event.kind == "joined":
                 self._drop_drafter(event.endpoint, "rejoined")
+                self.gate.forget_speculation()
                 sock = self.zmq.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 10000)
@@ -301,6 +311,7 @@ class VerifierRole(Role):
         drafter = self.drafters.pop(endpoint, None)
         if drafter is None:
             return
+        self.gate.forget_speculation()
         for rid in drafter.requests:
             if self.states.pop(rid, None) is not None:
                 self.metrics.spec_fallbacks.inc()

@@ -104,10 +104,10 @@ def test_a_request_whose_drafts_are_rejected_pauses_then_probes_and_recovers() -
 
 def test_the_drafter_is_asked_to_draft_less_far_ahead_as_acceptance_falls() -> None:
     policy = DraftPolicy()
-    assert policy.ahead(4) == 8 and policy.ahead(0) == 0
+    assert policy.ahead(4) == 9 and policy.ahead(0) == 0  # the next step's 4 drafts after 5 committed
     for _ in range(5):
         policy.observe(4, 1)
-    assert 2 <= policy.ahead(4) < 8
+    assert 3 <= policy.ahead(4) < 9
     while policy.acceptance >= 0.15:
         policy.observe(4, 0)
     assert policy.ahead(4) == 0

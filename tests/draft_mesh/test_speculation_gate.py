@@ -86,3 +86,42 @@ def test_a_probe_far_behind_ends_early() -> None:
     probe = modes.index(SPECULATE)
     assert modes[probe:probe + WARMUP_STEPS + EARLY_STEPS] == [SPECULATE] * (WARMUP_STEPS + EARLY_STEPS)
     assert modes[probe + WARMUP_STEPS + EARLY_STEPS - 1] == SPECULATE and PLAIN in modes[probe:probe + STINT - 1]
+
+
+def test_another_drafter_is_measured_again_before_either_mode_is_trusted() -> None:
+    gate = SpeculationGate()
+    run(gate, 3 * STINT, {SPECULATE: 3000.0, PLAIN: 1000.0})  # a drafter that paid
+    assert gate.mode == SPECULATE
+    gate.force(PLAIN)  # K = 0 for a while (or a gate that went plain)
+    run(gate, STINT, {SPECULATE: 3000.0, PLAIN: 1000.0})
+    gate.forget_speculation()  # it left; a worse one joined
+    assert (8, SPECULATE) not in gate.rates and (8, PLAIN) in gate.rates
+    modes = run(gate, 3 * STINT, {SPECULATE: 300.0, PLAIN: 1000.0})
+    assert modes[0] == SPECULATE  # measured at once, not trusted from the old drafter's rate
+    assert modes[-1] == PLAIN and modes.count(SPECULATE) <= STINT
+
+
+def test_speculating_that_lost_at_a_smaller_batch_waits_for_its_probe_at_a_larger_one() -> None:
+    gate = SpeculationGate()
+    run(gate, 3 * STINT, {SPECULATE: 500.0, PLAIN: 1000.0}, bucket=1)
+    assert gate.mode == PLAIN
+    modes = run(gate, PROBE_EVERY, {SPECULATE: 500.0, PLAIN: 1000.0}, bucket=8)
+    assert set(modes) == {PLAIN}  # not tried at once at batch 8
+    modes = run(gate, 2 * PROBE_EVERY + 2 * STINT, {SPECULATE: 500.0, PLAIN: 1000.0}, bucket=8)
+    assert SPECULATE in modes and modes[-1] == PLAIN  # but probed when due, and lost
+    assert (8, SPECULATE) in gate.rates
+    winner = SpeculationGate()
+    run(winner, 3 * STINT, {SPECULATE: 2000.0, PLAIN: 1000.0}, bucket=1)
+    modes = run(winner, 2 * STINT, {SPECULATE: 2000.0, PLAIN: 1000.0}, bucket=8)
+    assert modes[0] == SPECULATE  # it paid at batch 1: measured at once at batch 8
+
+
+def test_steps_forced_plain_do_not_bring_the_next_probe_closer() -> None:
+    gate = SpeculationGate()
+    run(gate, 3 * STINT, {SPECULATE: 500.0, PLAIN: 1000.0})
+    assert gate.mode == PLAIN
+    for _ in range(3 * PROBE_EVERY):  # K = 0 for a long time
+        gate.observe(8, 8, 0.008)
+        gate.force(PLAIN)
+    modes = run(gate, PROBE_EVERY - STINT, {SPECULATE: 500.0, PLAIN: 1000.0})
+    assert set(modes) == {PLAIN}  # no probe as soon as K is back: the interval starts again

@@ -194,7 +194,7 @@ def test_triton_argmax_matches_torch_with_ties_to_the_first_index() -> None:
     assert argmax_rows(logits[:0]).shape == (0,)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 40, 160])
 @pytest.mark.parametrize("n,k", [(96, 64), (6144, 4096), (4096, 14336)])
 def test_skinny_gemm_matches_torch_and_a_row_does_not_depend_on_the_others(rows: int, n: int, k: int) -> None:
     from splitserve.engine.layers import skinny
