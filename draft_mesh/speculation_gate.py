@@ -32,7 +32,7 @@ PROBE_EVERY = 64
 MAX_PROBE_EVERY = 1024
 UNPRIMED_STEPS = 4
 EARLY_STEPS = 2  # a stint this far below the other mode's rate ends before MEASURE_STEPS
-EARLY_GAP = 0.7
+EARLY_GAP = 0.8
 
 
 @dataclass

@@ -84,9 +84,9 @@ class SpecBenchConfig:
     ks: list[int] = field(default_factory=lambda: [2, 4, 8], metadata={"help": "draft tokens per step (K)"})
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens per request"})
     output_len: int = field(default=128, metadata={"help": "output tokens per request"})
-    draft_wait_ms: float = field(default=2.0, metadata={"help": "the verifier's --draft-wait-ms"})
+    draft_wait_ms: float = field(default=4.0, metadata={"help": "the verifier's --draft-wait-ms"})
     row_invariant_rows: int | None = field(default=None, metadata={
-        "help": "the verifier's --row-invariant-rows (default: the engine's, 288)"})
+        "help": "the verifier's and drafters' --row-invariant-rows (default: the engine's, 32)"})
     cublas_plain: bool = field(default=True, metadata={
         "help": "also measure plain decoding with 16-bit rows past 16 on cuBLAS (as without a verifier)"})
     max_total_tokens: int = field(default=65536, metadata={"help": "KV cache tokens of each engine"})
@@ -270,6 +270,8 @@ def start_drafter(folder: Path, device: str, mesh_port: int, http_port: int, cfg
             "--device", device, "--port", str(http_port), "--draft-mesh-port", str(mesh_port),
             "--max-total-tokens", str(cfg.max_total_tokens), "--max-draft-ahead", str(2 * max(cfg.ks) + 1),
             "--max-running-requests", str(max(cfg.batch_sizes))]
+    if cfg.row_invariant_rows is not None:
+        args += ["--row-invariant-rows", str(cfg.row_invariant_rows)]
     env = {**os.environ, "SPLITSERVE_TRANSFER_CONTROL_KEY": KEY, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 

@@ -250,8 +250,10 @@ class VerifierRole(Role):
         self.verify_steps += self._offered
 
     def _gate(self) -> None:
-        """Times the loop's last turn (one step) and picks whether this one speculates."""
-        if not self.states:  # nothing speculates: nothing to compare
+        """Times the loop's last turn (one step) and picks whether this one speculates. It runs while a
+        drafter is joined, whether or not a request is synced: in plain mode new requests are not
+        synced (a drafter would prefill them for nothing) until the gate tries speculating."""
+        if not self.drafters:  # nothing can speculate: nothing to compare
             self._counted, self.speculating = None, True
             return
         now = time.monotonic()
