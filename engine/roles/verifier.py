@@ -19,7 +19,9 @@ a request's next commit then carries every token since (K = 0 is that mode too).
 a silent drafter (a failed or slow heartbeat) drops that drafter's requests to plain decoding at
 once; they re-sync to another drafter, or to the same one when it is joined again. Requests with
 repetition, frequency or presence penalties are not speculated (their verification would not be
-exact), nor are requests a drafter quarantined.
+exact), nor are requests a drafter quarantined. 16-bit projections of up to --row-invariant-rows rows
+(default 32) run on a row-invariant kernel, plain decode steps' too, so those verify steps' rows have
+plain decoding's bits (engine/layers/skinny_gemm_triton.py).
 """
 
 from __future__ import annotations
