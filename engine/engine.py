@@ -92,7 +92,8 @@ class Engine:
         self.runner = ModelRunner(cfg, self.model_folder, self.model_cfg, tp)
         self.context_length = self.runner.context_length
         self.kv = KVCache(self.runner.kv_shape.num_pages, cfg.page_size, cfg.max_running_requests,
-                          self.context_length, self.runner.device, prefix_caching=not cfg.disable_prefix_cache)
+                          self.context_length, self.runner.device, prefix_caching=not cfg.disable_prefix_cache,
+                          copy_page=self.runner.copy_kv_page)
         if self.tp_supervisor is not None:
             self.tp_supervisor.attach(self.runner, self.kv.page_table, self.kv.padding_slot)
         self.runner.capture_decode_graphs(self.kv.page_table, self.kv.padding_slot)

@@ -5,17 +5,26 @@ the scheduler and the roles take and give back KV resources in one place. Every 
 request holds is either shared from the prefix cache (locked) or its own; `release` returns
 its own full pages to the cache and frees the rest, so after every request the pages are
 back: free + cached == capacity, locked == 0.
+
+Partial pages: admission shares whole pages only, and keeps one token to run. The tokens past the
+shared pages (fewer than a page) are copied, with `copy_page` (one device copy of a page), from a
+page that holds them already: the next cached page (a prompt that ends on a page boundary), or the
+partial last page of a running request's computed prompt, which `publish_prompt` lists on its
+path while the request holds it (the n samples of one prompt), or such a page the prefix cache
+kept when its request ended with no output in it (`release`: a prefill engine's request). Only
+the last token then runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from splitserve.engine.host_to_device import to_device
 from splitserve.engine.page_allocator import OutOfPagesError, PageAllocator
-from splitserve.engine.prefix_cache import PrefixCache
+from splitserve.engine.prefix_cache import PrefixCache, PrefixMatch, TreeNode
 from splitserve.engine.request import Request
 
 
@@ -43,8 +52,12 @@ class KVCache:
     """Slots, pages and prefix sharing for the requests of one engine."""
 
     def __init__(self, num_pages: int, page_size: int, max_slots: int, max_context: int,
-                 device: torch.device, prefix_caching: bool = True) -> None:
+                 device: torch.device, prefix_caching: bool = True,
+                 copy_page: Callable[[int, int], None] | None = None) -> None:
         self.page_size = page_size
+        self.copy_page = copy_page  # (src, dst): the runner's copy of one KV page (None: never copy)
+        # Request id -> its computed prompt's tail (path node, tokens, page); one holder's is listed.
+        self._tails: dict[str, tuple[TreeNode, tuple[int, ...], int]] = {}
         self.max_slots = max_slots
         self.max_pages_per_request = -(-max_context // page_size)
         self.allocator = PageAllocator(num_pages)
@@ -76,8 +89,14 @@ class KVCache:
     def available_pages(self) -> int:
         return self.usage().available
 
-    def admit(self, req: Request, max_prefix_tokens: int) -> None:
-        """Gives `req` a slot and the pages of its longest cached prefix (at most the given tokens)."""
+    @property
+    def copies_partial_pages(self) -> bool:
+        """Whether admission may copy the tokens past the shared pages (see the module docstring)."""
+        return self.copy_page is not None and self.prefix_cache.enabled
+
+    def admit(self, req: Request, max_prefix_tokens: int, copy_partial: bool = False) -> None:
+        """Gives `req` a slot and the pages of its longest cached prefix (at most the given tokens);
+        with `copy_partial`, also a copy of the page that holds the tokens after them, if one does."""
         if not self._free_slots:
             raise OutOfPagesError("no free request slot")
         match = self.prefix_cache.match(req.cache_ids, max_prefix_tokens)
@@ -88,6 +107,27 @@ class KVCache:
         req.kv_len = req.cached_len = req.published_len = match.num_pages * self.page_size
         if match.pages:
             self.page_table[req.slot, : match.num_pages] = to_device(match.pages, torch.int32, self.page_table.device)
+        if copy_partial and self.copies_partial_pages:
+            self._copy_partial_page(req, match, max_prefix_tokens)
+
+    def _copy_partial_page(self, req: Request, match: PrefixMatch, max_prefix_tokens: int) -> None:
+        """The tokens past the matched pages, up to `max_prefix_tokens` (fewer than a page), copied
+        from a page that holds their KV already into a page of `req`'s own."""
+        start = match.num_pages * self.page_size
+        key = req.cache_ids
+        take = min(max_prefix_tokens, len(key)) - start
+        if not 0 < take < self.page_size:
+            return
+        src = self.prefix_cache.next_page(match.node, key[start:min(len(key), start + self.page_size)])
+        if src is None:
+            return
+        pages = self.take_pages(1)
+        if pages is None:
+            return
+        self.copy_page(src, pages[0])  # type: ignore[misc]  (copies_partial_pages: set)
+        req.pages.append(pages[0])
+        self.page_table[req.slot, match.num_pages] = to_device(pages, torch.int32, self.page_table.device)
+        req.kv_len = req.cached_len = start + take
 
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Makes room for `req`'s KV to reach `num_tokens` tokens; False if pages ran out."""
@@ -126,6 +166,9 @@ class KVCache:
         if keep < len(self._shared_pages(req)):
             raise ValueError(f"request {req.request_id}: cannot shrink to {num_tokens} tokens, into the "
                              "pages it shares with the prefix cache")
+        tail = self._tails.get(req.request_id)
+        if tail is not None and tail[2] in req.pages[keep:]:
+            self._unlist_tail(req)
         self.allocator.free(req.pages[keep:])
         del req.pages[keep:]
 
@@ -133,26 +176,60 @@ class KVCache:
         """Puts the full pages of `req`'s prompt computed so far (`computed_len` tokens of KV
         written) in the prefix cache at once, locked by `req`, instead of when it ends: a request
         with the same prompt (the n samples of one) then finds them instead of computing them."""
+        if req.prefix_node is None or not self.prefix_cache.enabled:
+            return
         full = min(computed_len, len(req.prompt_ids)) // self.page_size
         done = req.published_len // self.page_size
-        if full <= done or req.prefix_node is None or not self.prefix_cache.enabled:
+        if full > done:
+            key = req.cache_ids
+            chunks = [tuple(key[i * self.page_size:(i + 1) * self.page_size]) for i in range(done, full)]
+            node = self.prefix_cache.extend(req.prefix_node, chunks, req.pages[done:full])
+            self.prefix_cache.lock(node)
+            self.prefix_cache.unlock(req.prefix_node)
+            req.prefix_node = node
+            # A chunk cached by another request stops the path: the rest of this prompt stays its own.
+            req.published_len = full * self.page_size if len(self._shared_pages(req)) == full else len(req.prompt_ids)
+        prompt_done = computed_len >= len(req.prompt_ids) and req.published_len < len(req.prompt_ids)
+        if prompt_done and self.copies_partial_pages:
+            self._list_tail(req)
+
+    def _list_tail(self, req: Request) -> None:
+        """The computed prompt's partial last page, listed on its path while `req` holds it; the
+        whole prompt then counts as published (the scheduler's samples stop waiting for it)."""
+        n = len(req.prompt_ids)
+        full = n // self.page_size
+        if n % self.page_size == 0 or len(req.pages) <= full or req.prefix_node is None:
+            return  # no partial last page
+        if req.published_len != full * self.page_size:
+            return  # the path stopped short of the prompt's full pages
+        tail = (req.prefix_node, tuple(req.cache_ids[full * self.page_size:n]), req.pages[full])
+        self._tails[req.request_id] = tail  # every holder is known: one listed, the others its successors
+        self.prefix_cache.add_tail(*tail)  # unless another holder's page is listed for these tokens
+        req.published_len = n
+
+    def _unlist_tail(self, req: Request) -> None:
+        """`req` gives its tail page back: if it was the listed one, another holder's takes its place."""
+        tail = self._tails.pop(req.request_id, None)
+        if tail is None:
             return
-        key = req.cache_ids
-        chunks = [tuple(key[i * self.page_size:(i + 1) * self.page_size]) for i in range(done, full)]
-        node = self.prefix_cache.extend(req.prefix_node, chunks, req.pages[done:full])
-        self.prefix_cache.lock(node)
-        self.prefix_cache.unlock(req.prefix_node)
-        req.prefix_node = node
-        # A chunk cached by another request stops the path: the rest of this prompt stays its own.
-        req.published_len = full * self.page_size if len(self._shared_pages(req)) == full else len(req.prompt_ids)
+        node, tokens, _ = tail
+        self.prefix_cache.remove_tail(*tail)
+        if tokens not in node.tails:
+            successor = next((t for t in self._tails.values() if t[0] is node and t[1] == tokens), None)
+            if successor is not None:
+                self.prefix_cache.add_tail(*successor)
 
     def release(self, req: Request, cache_prefix: bool = True) -> None:
         """Gives back everything `req` holds; its computed full pages go to the prefix cache."""
         if req.slot < 0:
             return
+        self._unlist_tail(req)  # before its page is freed: nobody may copy it any more
         own_tokens = req.cache_ids[: req.kv_len] if cache_prefix else []
         if cache_prefix:
-            leftover, _ = self.prefix_cache.insert(own_tokens, req.pages)
+            # A partial last page holding just the prompt's tail (a prefill engine's request) stays for
+            # the prompt's other samples to copy; one with output tokens in it would serve no prompt.
+            keep = self.copies_partial_pages and req.kv_len == len(req.prompt_ids)
+            leftover, _ = self.prefix_cache.insert(own_tokens, req.pages, keep_partial=keep)
         else:
             # Pages shared from the cache stay there; the request's own pages are freed.
             shared = len(self._shared_pages(req))

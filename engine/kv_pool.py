@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 SCRATCH_PAGE = 0
+COPY_PAGE_OP = "copy_kv_page"  # the tensor-parallel op that repeats `copy_page` on a worker's pool
 
 
 @dataclass(frozen=True)
@@ -61,3 +62,8 @@ class KVPool:
 
     def v_cache(self, layer: int) -> torch.Tensor:
         return self._v[layer]
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copies page `src` of every layer's keys and values into page `dst` (queued on the device
+        in order with the forward passes, so a later step reads it written)."""
+        self.buffer[:, :, dst].copy_(self.buffer[:, :, src])

@@ -15,7 +15,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graph_runner import DecodeGraphs
 from splitserve.engine.forward_batch import ForwardBatch, decode_batch
 from splitserve.engine.host_to_device import to_device
-from splitserve.engine.kv_pool import KVPool, KVPoolShape
+from splitserve.engine.kv_pool import COPY_PAGE_OP, KVPool, KVPoolShape
 from splitserve.engine.layers import skinny
 from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, wide_tiles
 from splitserve.engine.model_config import ModelConfig
@@ -296,6 +296,13 @@ class ModelRunner:
         self.full = FullSampler(max_slots, model_cfg.vocab_size, self.device)
 
     @torch.inference_mode()
+    def copy_kv_page(self, src: int, dst: int) -> None:
+        """Copies one KV page on this rank and, with tensor parallelism, on every worker's pool too
+        (the op travels with the next message, ahead of the forward pass that reads the page)."""
+        self.kv_pool.copy_page(src, dst)
+        if self.step_broadcaster is not None:
+            self.step_broadcaster.queue_op((COPY_PAGE_OP, src, dst))
+
     def run(self, chunks: list[ScheduledChunk], page_table: torch.Tensor) -> StepOutput:
         """Runs one step and waits for its tokens."""
         return self.launch(chunks, page_table).result()

@@ -5,7 +5,10 @@ spells a prefix. The tree owns its pages. A request that matches a prefix locks 
 reference count per node), so those pages are not evicted while it runs; when it finishes, its
 full pages are inserted and the lock is released. Unlocked leaves are evicted least recently
 used first when the allocator runs dry. A request's prompt pages also go in as soon as they
-are computed (`extend`), so a request with the same prompt arriving meanwhile shares them.
+are computed (`extend`), so a request with the same prompt arriving meanwhile shares them, and
+the partial last page of a computed prompt is listed as a *tail* of its path while its request
+holds it, and may stay in the tree after it (a leaf keyed by fewer than a page of tokens), so
+that such a request can copy that page instead of computing it again.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ class TreeNode:
     page: int
     parent: TreeNode | None
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    # Partial last pages of running requests' prompts that continue this path (tokens -> page):
+    # owned by those requests, not the tree; another prompt may copy one (`next_page`).
+    tails: dict[tuple[int, ...], int] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
 
@@ -94,11 +100,14 @@ class PrefixCache:
                 self.locked_pages -= 1
             node = node.parent  # type: ignore[assignment]
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[list[int], TreeNode]:
-        """Adds the full pages of `tokens` (KV in `pages`) to the tree.
+    def insert(self, tokens: Sequence[int], pages: Sequence[int],
+               keep_partial: bool = False) -> tuple[list[int], TreeNode]:
+        """Adds the full pages of `tokens` (KV in `pages`) to the tree; with `keep_partial`, the
+        partial last page too, as a leaf keyed by its fewer tokens: `match` never takes it (it walks
+        whole pages), `next_page` finds it for a prompt that ends there, to copy.
 
         Returns the pages the caller still owns and must free (pages whose tokens were already
-        cached by someone else, and the partial last page) and the deepest node inserted.
+        cached by someone else, the partial last page unless kept) and the deepest full node.
         """
         if not self.enabled:
             return list(pages), self.root
@@ -114,7 +123,12 @@ class PrefixCache:
                 leftover.append(pages[i])
             child.last_access = now
             node = child
-        leftover.extend(pages[len(chunks):])
+        rest = list(pages[len(chunks):])
+        partial = tuple(tokens[len(chunks) * self.page_size:])
+        if keep_partial and rest and 0 < len(partial) < self.page_size and partial not in node.children:
+            node.children[partial] = TreeNode(key=partial, page=rest.pop(0), parent=node, last_access=now)
+            self.cached_pages += 1
+        leftover.extend(rest)
         return leftover, node
 
     def extend(self, node: TreeNode, chunks: Sequence[tuple[int, ...]], pages: Sequence[int]) -> TreeNode:
@@ -135,6 +149,24 @@ class PrefixCache:
             child.last_access = now
             node = child
         return node
+
+    def add_tail(self, node: TreeNode, tokens: tuple[int, ...], page: int) -> None:
+        """Lists `page` (KV of `tokens`, fewer than a page, after `node`'s path) while its owner holds it."""
+        if self.enabled:
+            node.tails.setdefault(tokens, page)
+
+    def remove_tail(self, node: TreeNode, tokens: tuple[int, ...], page: int) -> None:
+        if node.tails.get(tokens) == page:
+            del node.tails[tokens]
+
+    def next_page(self, node: TreeNode, tokens: Sequence[int]) -> int | None:
+        """A page holding the KV of `tokens` (the page after `node`'s path: a whole page of them, or
+        fewer for a prompt's last page): a cached page, or a listed tail; None if there is none."""
+        if not self.enabled:
+            return None
+        key = tuple(tokens)
+        child = node.children.get(key)
+        return child.page if child is not None else node.tails.get(key)
 
     def evict(self, num_pages: int) -> int:
         """Frees up to `num_pages` unlocked pages, least recently used leaves first."""

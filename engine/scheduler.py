@@ -17,7 +17,8 @@ that keeps inter-token latency steady:
 3. waiting requests are admitted in arrival order while a slot, the budget and the pages for
    their whole prompt are there; one whose prompt shares full pages with a prompt still being
    computed (the n samples of one request, or the same prompt sent twice) waits for those pages
-   to reach the prefix cache instead of computing them again.
+   to reach the prefix cache instead of computing them again, and, when the KV cache copies
+   partial pages, for the page with its last tokens too (then only its last token runs).
 A step then costs about the same whatever its mix: a decode's wait behind a prompt (its
 inter-token latency) stays bounded by the budget, and the GPU gets full-size matmuls.
 """
@@ -180,7 +181,7 @@ class Scheduler:
             if not self.kv.free_slots:
                 break
             # Keep at least one token to run, so the step yields logits to sample from.
-            self.kv.admit(req, max_prefix_tokens=req.total_len - 1)
+            self.kv.admit(req, max_prefix_tokens=req.total_len - 1, copy_partial=True)
             need = self.kv.pages_for(req.total_len) - len(req.pages)
             if need > self.kv.available_pages():
                 self.kv.release(req)
@@ -193,15 +194,21 @@ class Scheduler:
 
     def _awaits_shared_prefix(self, req: Request) -> bool:
         """True while a running request computes prompt pages `req` could take from the prefix
-        cache once they are there (more than it has published so far)."""
+        cache once they are there (more than it has published so far), or, when the KV cache
+        copies partial pages, the page that holds `req`'s last token (`_ends_in_the_prompt_of`)."""
         page = self.kv.page_size
         usable = (req.total_len - 1) // page  # admission keeps one token to run
-        if usable == 0 or not self.kv.prefix_cache.enabled:
+        copies = self.kv.copies_partial_pages
+        if (usable == 0 and not copies) or not self.kv.prefix_cache.enabled:
             return False
         key = None
         for other in self.running:
             if other.status is not RequestStatus.RUNNING or not (other.in_prefill or other.publishing):
                 continue
+            if copies and self._ends_in_the_prompt_of(req, other) and other.published_len < req.total_len:
+                key = key if key is not None else req.cache_ids
+                if key[:req.total_len] == other.cache_ids[:req.total_len]:
+                    return True  # the same tokens: the page with our last ones is theirs
             published = other.published_len // page
             pages = min(usable, len(other.prompt_ids) // page)
             if pages <= published:
@@ -211,6 +218,13 @@ class Scheduler:
             if key[: (published + 1) * page] == theirs[: (published + 1) * page]:
                 return True  # at least the next page they publish is one of ours
         return False
+
+    def _ends_in_the_prompt_of(self, req: Request, other: Request) -> bool:
+        """Whether `req`'s last page could be a copy of a page of `other`'s prompt (if their tokens
+        agree): `req` ends where that prompt does (its partial last page, listed once computed) or
+        on a page boundary inside it (a full page, cached once computed)."""
+        total, theirs = req.total_len, len(other.prompt_ids)
+        return 2 <= total <= theirs and (total == theirs or total % self.kv.page_size == 0)
 
     def _take_draft(self, req: Request) -> list[int]:
         """The request's offered draft, cut to what it may still emit (context and max_tokens keep

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.kv_pool import COPY_PAGE_OP, KVPool
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.parallel_state import TensorParallel, join_tensor_parallel
@@ -109,7 +109,9 @@ def run_steps(runner: ModelRunner, tp: TensorParallel, control: dist.ProcessGrou
                 msg = receive_step(control, runner.device, persistent)
                 role_ops = []
                 for op in msg.ops:
-                    if op[0] == "setup":
+                    if op[0] == COPY_PAGE_OP:  # rank 0 copied a KV page: so does this rank, before the step
+                        runner.kv_pool.copy_page(op[1], op[2])
+                    elif op[0] == "setup":
                         from splitserve.engine.roles.rank_transfers import RankTransfers  # imports Mooncake
                         _, role, transfer_config, bootstrap_addr = op
                         transfers = RankTransfers(runner, tp, role, transfer_config, bootstrap_addr)

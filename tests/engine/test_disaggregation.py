@@ -178,14 +178,17 @@ def prompt_tokens_computed(urls: list[str]) -> float:
                for u in urls)
 
 
+@pytest.mark.parametrize("prompt_len", [18, 16])
 @pytest.mark.parametrize("shape", ["unified", "1p1d", "2p2d"])
-def test_the_n_samples_of_a_request_compute_its_prompt_once(cluster, shape: str) -> None:
+def test_the_n_samples_of_a_request_compute_its_prompt_once(cluster, shape: str, prompt_len: int) -> None:
     """n = 4 on an 18-token prompt (pages of 4): the first sample computes the prompt, the others
-    wait for its 4 full pages in the prefix cache and compute only the last 2 tokens (the router
-    sends all four to one prefill), 18 + 3 * 2 prompt tokens instead of 72; decodes compute none.
+    wait for its 4 full pages in the prefix cache and a copy of its partial last page, and compute
+    only the last token (the router sends all four to one prefill): 18 + 3 * 1 prompt tokens
+    instead of 72 (18 + 3 * 2 when the last page was computed again); on a 16-token prompt the
+    last page is a cached full page, copied: 16 + 3 * 1 (16 + 3 * 4 before). Decodes compute none.
     Greedy samples equal n = 1; seeded sample j equals n = 1 with seed + j, as before."""
-    seed = ["unified", "1p1d", "2p2d"].index(shape) + 40  # a prompt no other test (or shape) cached
-    prompt = torch.randint(0, 256, (18,), generator=torch.Generator().manual_seed(seed)).tolist()
+    seed = ["unified", "1p1d", "2p2d"].index(shape) + 40 + prompt_len  # a prompt no other test (or shape) cached
+    prompt = torch.randint(0, 256, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     computing = [cluster["unified"]] if shape == "unified" else cluster["prefill"]
     body = {"model": "m", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
 
@@ -196,7 +199,7 @@ def test_the_n_samples_of_a_request_compute_its_prompt_once(cluster, shape: str)
 
     before, decode_before = prompt_tokens_computed(computing), prompt_tokens_computed(cluster["decode"])
     greedy = tokens(n=4, temperature=0)
-    assert prompt_tokens_computed(computing) - before == 18 + 3 * 2
+    assert prompt_tokens_computed(computing) - before == prompt_len + 3 * 1
     assert prompt_tokens_computed(cluster["decode"]) == decode_before
     assert greedy == [tokens(temperature=0)[0]] * 4
     seeded = tokens(n=4, temperature=1.0, seed=21)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_pool import KVPool, KVPoolShape
 from splitserve.engine.page_allocator import DoubleFreeError, OutOfPagesError, PageAllocator
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
@@ -284,4 +285,88 @@ def test_requests_with_the_prompt_of_one_being_computed_wait_for_its_pages() -> 
     for r in [*samples, other]:
         s.running.remove(r)
         s.kv.release(r)
+    assert_all_back(kv=s.kv)
+
+
+def copying_scheduler(pages: int, page_size: int, slots: int, chunk: int) -> tuple[Scheduler, KVPool]:
+    """A scheduler whose KV cache copies partial pages in a real (CPU) KV pool."""
+    pool = KVPool(KVPoolShape(num_layers=2, num_pages=pages, page_size=page_size, num_kv_heads=1, head_dim=2,
+                              dtype=torch.float32), torch.device("cpu"))
+    kv = KVCache(pages, page_size, slots, max_context=256, device=torch.device("cpu"), copy_page=pool.copy_page)
+    return Scheduler(SchedulerConfig(max_running_requests=slots, chunked_prefill_size=chunk, context_length=256),
+                     kv), pool
+
+
+def write_kv(pool: KVPool, req: Request, start: int, length: int) -> None:
+    """What a forward pass writes: a value per (position, token) into the request's pages."""
+    for pos in range(start, start + length):
+        page, off = req.pages[pos // pool.shape.page_size], pos % pool.shape.page_size
+        pool.buffer[:, :, page, off] = float(1000 * pos + req.all_ids[pos])
+
+
+@pytest.mark.parametrize("prompt_len", [14, 12, 3])
+def test_samples_of_a_computed_prompt_copy_its_last_page_and_run_only_their_last_token(prompt_len: int) -> None:
+    """Four samples of one prompt (pages of 4, chunks of 8): the first computes it; the others
+    share its full pages and take a copy of the page with their last tokens (its partial last page,
+    a cached full page when the prompt ends on a page boundary), so each runs one token; the copied
+    KV is the first sample's, and every page comes back."""
+    s, pool = copying_scheduler(pages=40, page_size=4, slots=8, chunk=8)
+    prompt = list(range(50, 50 + prompt_len))
+    samples = [make_request(f"s{j}", prompt) for j in range(4)]
+    other = make_request("other", list(range(100, 106)))
+    for r in [*samples, other]:
+        s.add(r)
+    computed: dict[str, int] = {}
+    for _ in range(5):
+        plan = s.schedule()
+        for c in plan.chunks:
+            if c.start < len(c.request.prompt_ids):
+                computed[c.request.request_id] = computed.get(c.request.request_id, 0) + c.length
+                write_kv(pool, c.request, c.start, c.length)
+        run_plan(plan)
+        for c in plan.chunks:
+            if c.start < len(c.request.prompt_ids):
+                s.kv.publish_prompt(c.request, c.start + c.length)
+    assert computed == {"s0": prompt_len, "other": 6, "s1": 1, "s2": 1, "s3": 1}
+    assert [r.cached_len for r in samples] == [0] + [prompt_len - 1] * 3
+    first = samples[0]
+    for r in samples[1:]:
+        for pos in range(prompt_len):
+            page, off = r.pages[pos // 4], pos % 4
+            assert pool.buffer[0, 1, page, off, 0, 0].item() == 1000 * pos + prompt[pos]
+        assert r.pages[prompt_len // 4 if prompt_len % 4 else prompt_len // 4 - 1] not in first.pages
+    for r in [*samples, other]:
+        s.running.remove(r)
+        s.kv.release(r)
+    assert_all_back(kv=s.kv)
+    assert all(not n.tails for n in [s.kv.prefix_cache.root, *s.kv.prefix_cache._leaves()])
+
+
+def test_a_prompt_s_partial_last_page_stays_cached_after_its_request_and_a_failed_one_s_does_not() -> None:
+    """Released normally, a computed prompt's partial last page stays in the prefix cache (a leaf no
+    match takes) and a later same prompt copies it; released after a failure it is unlisted and
+    freed, and the next one computes it again. Every page comes back."""
+    s, _ = copying_scheduler(pages=20, page_size=4, slots=4, chunk=64)
+    prompt = list(range(10, 16))  # one full page, a tail of 2
+
+    def computed_by(rid: str, cache_prefix: bool = True) -> list[tuple[int, int]]:
+        req = make_request(rid, prompt)
+        s.add(req)
+        plan = s.schedule()
+        run_plan(plan)
+        s.kv.publish_prompt(req, len(prompt))
+        assert req.published_len == len(prompt)  # its tail is listed
+        s.running.remove(req)
+        s.kv.release(req, cache_prefix=cache_prefix)
+        assert not s.kv.prefix_cache.root.children[tuple(prompt[:4])].tails
+        return [(c.start, c.length) for c in plan.chunks]
+
+    assert computed_by("first") == [(0, 6)]
+    assert s.kv.usage().cached == 2  # the full page and the kept partial one
+    assert computed_by("late") == [(5, 1)]  # the kept page, copied: only the last token runs
+    assert s.kv.usage().cached == 2  # late's copy was not kept twice
+    assert s.kv.prefix_cache.flush() == 2
+    assert computed_by("failing", cache_prefix=False) == [(0, 6)]
+    assert s.kv.usage().cached == 1  # its full page was published when computed; its tail page freed
+    assert computed_by("after") == [(4, 2)]
     assert_all_back(kv=s.kv)

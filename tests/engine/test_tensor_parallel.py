@@ -129,6 +129,12 @@ def start(checkpoint: Path, tmp: Path, tp_size: int, name: str) -> tuple[ServerP
     return proc, url
 
 
+def prompt_tokens_computed(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("splitserve_prompt_tokens_computed_total"))
+
+
 async def greedy_all(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     async with httpx.AsyncClient(timeout=120) as client:
         calls = [client.post(f"{url}/v1/completions", json={
@@ -145,11 +151,24 @@ def test_greedy_output_of_tp2_server_equals_tp1_for_concurrent_requests(checkpoi
     shared = torch.randint(0, 256, (10,), generator=gen).tolist()
     prompts = [shared + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 6, 17)]
     prompts += [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 25)]
-    outputs = {}
+    sampled = torch.randint(0, 256, (14,), generator=gen).tolist()  # n = 3: samples 2, 3 copy its last page
+    outputs, samples = {}, {}
     for tp_size in (1, 2):
         proc, url = start(checkpoint, tmp_path, tp_size, f"tp{tp_size}")
         try:
             outputs[tp_size] = asyncio.run(greedy_all(url, prompts, max_tokens=16))
+            before = prompt_tokens_computed(url)
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": sampled, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "n": 3, "logprobs": 1})
+            assert r.status_code == 200, r.text
+            samples[tp_size] = [c["token_ids"] for c in r.json()["choices"]]
+            # Every rank copied the page: the copies' logprobs are the first sample's (a rank that
+            # read a stale page would move them, if not the tokens).
+            first, *copies = [c["logprobs"]["token_logprobs"] for c in r.json()["choices"]]
+            for lps in copies:
+                assert lps == pytest.approx(first, abs=1e-4)
+            assert prompt_tokens_computed(url) - before == 14 + 2 * 1
             assert_kv_back_to_start(url)
             state = engine_state(url)
             assert len(state["tp_worker_pids"]) == tp_size - 1
@@ -157,6 +176,7 @@ def test_greedy_output_of_tp2_server_equals_tp1_for_concurrent_requests(checkpoi
             proc.stop()
         assert proc.proc.returncode == 0, proc.log.read_text()[-3000:]
     assert outputs[2] == outputs[1]
+    assert samples[2] == samples[1] == [samples[1][0]] * 3
 
 
 def pid_alive(pid: int) -> bool:
