@@ -5,6 +5,7 @@ Runs only where CUDA is (the lent H200s); CI has no GPU and skips it.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -307,3 +308,39 @@ def test_a_stopped_engine_gives_its_gpu_memory_back_and_a_second_one_starts(tmp_
         del engine
         assert torch.cuda.memory_allocated() - before < 64 << 20
     assert outputs[0] == outputs[1]
+
+
+def test_samples_that_copy_their_prompt_s_last_page_on_the_gpu_match_computing_it(tmp_path: Path) -> None:
+    # Same prompts four times each, all at once: with the prefix cache on, samples 2..4 share the
+    # first one's full pages and take its partial last page (or, on a page boundary, the last full
+    # page) by a device copy on the engine's stream, running only their last token; float32 so a
+    # cached prefix changes no bit. Graphs and the overlap scheduler stay on (the GPU default).
+    folder = write("llama-gqa-llama3rope", tmp_path)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (14, 12, 3)]
+    repeated = [p for p in prompts for _ in range(4)]
+
+    def run(**cfg) -> tuple[list[list[int]], float]:
+        engine = Engine(EngineConfig(model=str(folder), device="cuda", dtype="float32", page_size=4,
+                                     max_total_tokens=4096, max_running_requests=16, **cfg))
+        engine.start()
+        try:
+            out = generate_tokens(engine, repeated, SamplingParams(max_new_tokens=16, temperature=0.0,
+                                                                   ignore_eos=True), timeout=120)
+            computed = engine.metrics.registry.get_sample_value("splitserve_prompt_tokens_computed_total",
+                                                                {"model": engine.metrics.model_name})
+            deadline = time.monotonic() + 10  # the last release runs on the engine thread after the output
+            while engine.kv.usage().used_by_requests and time.monotonic() < deadline:
+                time.sleep(0.01)
+            usage = engine.kv.usage()
+            assert (usage.used_by_requests, usage.locked, usage.slots_in_use) == (0, 0, 0)
+            return out, computed
+        finally:
+            engine.stop()
+
+    copied, copied_computed = run()
+    computed, computed_computed = run(disable_prefix_cache=True)
+    assert computed_computed == 4 * (14 + 12 + 3)
+    assert copied_computed == 14 + 12 + 3 + 3 * 3  # later samples ran one token each
+    assert copied == computed
+    assert all(copied[i] == copied[i - i % 4] for i in range(len(copied)))
