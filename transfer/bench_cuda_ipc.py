@@ -21,6 +21,12 @@ Many rooms in flight (``--concurrent 512x256``: 256 rooms of 512 tokens sent at 
 prefills finishing together would): from the first ``send`` to the decode seeing the last room's
 ``Success``, against the same number of back-to-back device copies of one room's bytes.
 
+Prefill CPU, from the rooms' creation (their metadata's arrival included) to the last ``Success``:
+``cpu`` is the whole process's (every thread, Mooncake's too), ``ctl`` its Python threads'
+outside the write calls (what the room pipeline costs besides moving bytes), ``thr`` its control
+thread's (decoding every control message). ``--head-dim 8`` keeps the 64 buffers but few bytes, so
+the pipeline's CPU shows over ``tcp`` on a CPU box.
+
 GB/s = 1e9 bytes/s, each byte counted once; ratios to the copy in the same run. The decode checks
 every room's pages against the prefill's (a position-weighted checksum).
 """
@@ -28,6 +34,7 @@ every room's pages against the prefill's (a position-weighted checksum).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -46,8 +53,8 @@ HEADS, HEAD_DIM, PAGE = 8, 128, 16
 STAGES = ("send_call", "to_worker", "plan", "write", "bookkeeping", "to_decode")
 
 
-def _pool_shape(layers: int, pages: int) -> tuple[int, ...]:
-    return (layers, 2, pages, PAGE, HEADS, HEAD_DIM)
+def _pool_shape(layers: int, pages: int, head_dim: int = HEAD_DIM) -> tuple[int, ...]:
+    return (layers, 2, pages, PAGE, HEADS, head_dim)
 
 
 def _device(protocol: str) -> str:
@@ -123,7 +130,7 @@ def _decode_child(cfg: dict) -> None:
     from splitserve.transfer import KVReceiver, make_aux_tensor
 
     device = _device(cfg["protocol"])
-    pool = torch.zeros(_pool_shape(cfg["layers"], cfg["pages"]), dtype=torch.bfloat16, device=device)
+    pool = torch.zeros(_pool_shape(cfg["layers"], cfg["pages"], cfg["head_dim"]), dtype=torch.bfloat16, device=device)
     aux = make_aux_tensor(cfg["aux_slots"], device=device)
     mgr = _new_manager(cfg["protocol"], pool, aux, 2)
     finals = _Finals()
@@ -222,6 +229,27 @@ def device_copy_s(nbytes: int, repeats: int, device: str, back_to_back: int = 1)
     return statistics.median(times)
 
 
+def python_threads_cpu() -> dict[int, tuple[str, float]]:
+    """(name, CPU seconds so far) of each live Python thread of this process (Mooncake's own excluded)."""
+    out = {}
+    for thread in threading.enumerate():
+        with contextlib.suppress(OSError, TypeError):  # ended meanwhile
+            out[thread.ident] = (thread.name, time.clock_gettime(time.pthread_getcpuclockid(thread.ident)))
+    return out
+
+
+def cpu_since(before: dict[int, tuple[str, float]]) -> tuple[float, float]:
+    """CPU the Python threads spent since ``before`` (threads started since count whole): all of them, and
+    the control thread's (it decodes every control message)."""
+    total = control = 0.0
+    for ident, (name, cpu) in python_threads_cpu().items():
+        spent = cpu - before.get(ident, ("", 0.0))[1]
+        total += spent
+        if name.startswith("transfer-control"):
+            control += spent
+    return total, control
+
+
 class _StageClock:
     """Timestamps of the prefill's side of one room at a time: the worker job's start and end (wrapping
     the manager's ``submit``) and the write's (wrapping the engine's ``write``)."""
@@ -229,6 +257,8 @@ class _StageClock:
     def __init__(self, mgr) -> None:
         self.marks: dict[str, float] = {}
         self.writes = 0  # calls into the data path (merged writes count once)
+        self.write_cpu_s = 0.0  # CPU of the calling threads inside those calls (Mooncake TCP spins in them)
+        lock = threading.Lock()
         submit, write, self.engine_write = mgr.submit, mgr.writers.write, mgr.engine.write
 
         def timed_submit(job) -> None:
@@ -241,9 +271,12 @@ class _StageClock:
 
         def timed_write(*args: object) -> int:
             self.marks.setdefault("write", time.perf_counter())
-            self.writes += 1
+            cpu0 = time.thread_time()
             code = write(*args)
             self.marks["write_end"] = time.perf_counter()
+            with lock:
+                self.writes += 1
+                self.write_cpu_s += time.thread_time() - cpu0
             return code
 
         mgr.submit = timed_submit
@@ -253,13 +286,14 @@ class _StageClock:
 class _Prefill:
     """This process's side: a pool of random KV, its manager and bootstrap server, the decode child."""
 
-    def __init__(self, protocol: str, layers: int, pages_total: int, aux_slots: int, lanes: int) -> None:
+    def __init__(self, protocol: str, layers: int, pages_total: int, aux_slots: int, lanes: int,
+                 head_dim: int = HEAD_DIM) -> None:
         import torch
 
         from splitserve.transfer import BootstrapServer, make_aux_tensor
 
         self.protocol, self.device, self.layers = protocol, _device(protocol), layers
-        self.pool = torch.empty(_pool_shape(layers, pages_total), dtype=torch.bfloat16, device=self.device)
+        self.pool = torch.empty(_pool_shape(layers, pages_total, head_dim), dtype=torch.bfloat16, device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(0)
         self.pool.view(torch.int16).random_(generator=gen)  # in place: no float temporary of the pool's size
         self.page_bytes = self.pool[0, 0, 0].numel() * self.pool.element_size() * 2 * layers  # every buffer's
@@ -270,7 +304,7 @@ class _Prefill:
         self.server = BootstrapServer("127.0.0.1", 0).start()
         self.mgr.publish_layout(self.server.address)
         self.decode = DecodeProcess({"protocol": protocol, "layers": layers, "pages": pages_total,
-                                     "aux_slots": aux_slots})
+                                     "aux_slots": aux_slots, "head_dim": head_dim})
         self.next_room = 1
         self.clock = _StageClock(self.mgr)
 
@@ -281,6 +315,10 @@ class _Prefill:
         ids = list(range(self.next_room, self.next_room + len(src)))
         self.next_room += len(src)
         self.finals.watch(ids)
+        writes, write_cpu = self.clock.writes, self.clock.write_cpu_s
+        # The prefill's CPU from its rooms' creation, through their metadata's arrival, to the last Success.
+        cpu0 = time.process_time()  # every thread of this process, Mooncake's too
+        threads0 = python_threads_cpu()
         senders = [KVSender(self.mgr, self.server.address, i) for i in ids]
         for k, (sender, pages) in enumerate(zip(senders, src, strict=True)):
             sender.init(len(pages), k % self.aux.shape[0])
@@ -288,14 +326,14 @@ class _Prefill:
         _wait_all(self.mgr, senders, lambda s: s.poll() != KVPoll.Bootstrapping, 60)
         time.sleep(0.002)  # a fresh peer's handshake write (first room only) is out of the way
         self.clock.marks = {}
-        writes = self.clock.writes
-        cpu0 = time.process_time()  # every thread of this process: what the prefill's Python spends
         t0 = time.perf_counter()
         for sender, pages in zip(senders, src, strict=True):
             sender.send(pages, True)
         t_sent = time.perf_counter()
         t_sender = self.finals.wait(120)
         cpu = time.process_time() - cpu0
+        threads_cpu, control_thread_cpu = cpu_since(threads0)
+        control_cpu = threads_cpu - (self.clock.write_cpu_s - write_cpu)
         answer = self.decode.read(120)
         errors = [s.failure_exception() for s in senders if s.poll() != KVPoll.Success]
         self.dst_layout = next(iter(senders[0]._dsts.values())).layout  # the decode's, from its metadata
@@ -306,7 +344,8 @@ class _Prefill:
         if answer["checksums"] != want:
             raise RuntimeError("the decode's pages differ from the prefill's")
         return {"t0": t0, "sent": t_sent, "sender_success": t_sender, "decode_success": answer["done_at"],
-                "cpu_s": cpu, "writes": self.clock.writes - writes, **self.clock.marks}
+                "cpu_s": cpu, "control_cpu_s": control_cpu,
+                "control_thread_cpu_s": control_thread_cpu, "writes": self.clock.writes - writes, **self.clock.marks}
 
     def measure(self, tokens: int, name: str, src_pages: list[int], dst_pages: list[int], repeats: int) -> dict:
         import numpy as np
@@ -327,6 +366,8 @@ class _Prefill:
         nbytes = len(src_pages) * self.page_bytes
         row = {"tokens": tokens, "pages": name, "bytes": nbytes, "room_ms": room_s * 1e3,
                "prefill_cpu_ms": statistics.median(m["cpu_s"] for m in marks) * 1e3,
+               "control_cpu_ms": statistics.median(m["control_cpu_s"] for m in marks) * 1e3,
+               "control_thread_cpu_ms": statistics.median(m["control_thread_cpu_s"] for m in marks) * 1e3,
                "sender_room_ms": sender_room_s * 1e3, "stages_ms": {k: v * 1e3 for k, v in stages.items()}}
         copy_s = device_copy_s(nbytes, repeats, self.device)
         row.update(copy_ms=copy_s * 1e3, device_copy_gbps=nbytes / copy_s / 1e9, room_gbps=nbytes / room_s / 1e9,
@@ -372,12 +413,16 @@ class _Prefill:
         sender_s = statistics.median(m["sender_success"] - m["t0"] for m in runs)
         send_calls_s = statistics.median(m["sent"] - m["t0"] for m in runs)
         cpu_s = statistics.median(m["cpu_s"] for m in runs)
+        control_cpu_s = statistics.median(m["control_cpu_s"] for m in runs)
+        thread_cpu_s = statistics.median(m["control_thread_cpu_s"] for m in runs)
         writes = statistics.median(m["writes"] for m in runs)
         copy_s = device_copy_s(nbytes // count, 3, self.device, back_to_back=count)
         return {"tokens": tokens, "rooms": count, "pages": name, "lanes": self.mgr.workers.per_peer,
                 "bytes": nbytes, "total_ms": total_s * 1e3, "sender_ms": sender_s * 1e3,
                 "send_calls_ms": send_calls_s * 1e3, "per_room_us": total_s / count * 1e6,
-                "prefill_cpu_us_per_room": cpu_s / count * 1e6, "rooms_per_write": count / max(writes, 1),
+                "prefill_cpu_us_per_room": cpu_s / count * 1e6,
+                "control_cpu_us_per_room": control_cpu_s / count * 1e6,
+                "control_thread_us_per_room": thread_cpu_s / count * 1e6, "rooms_per_write": count / max(writes, 1),
                 "copy_ms": copy_s * 1e3, "gbps": nbytes / total_s / 1e9, "device_copy_gbps": nbytes / copy_s / 1e9,
                 "over_copy": copy_s / total_s, "sender_over_copy": copy_s / sender_s}
 
@@ -408,12 +453,12 @@ class _Prefill:
 
 
 def run(protocol: str, token_counts: Sequence[int], concurrent: Sequence[tuple[int, int]], lanes: Sequence[int],
-        layers: int, repeats: int) -> dict:
+        layers: int, repeats: int, head_dim: int = HEAD_DIM) -> dict:
     import numpy as np
 
     pages_total = max([2 * (max(token_counts, default=0) // PAGE)] + [t // PAGE * c for t, c in concurrent]) + 1
     aux_slots = max([c for _, c in concurrent] + [4])
-    prefill = _Prefill(protocol, layers, pages_total, aux_slots, lanes[0])
+    prefill = _Prefill(protocol, layers, pages_total, aux_slots, lanes[0], head_dim)
     rows, sets = [], []
     try:
         for tokens in token_counts:
@@ -433,21 +478,24 @@ def run(protocol: str, token_counts: Sequence[int], concurrent: Sequence[tuple[i
                     log.info("%s", sets[-1])
     finally:
         prefill.close()
-    return {"protocol": protocol, "layers": layers, "rooms": rows, "concurrent": sets}
+    return {"protocol": protocol, "layers": layers, "head_dim": head_dim, "rooms": rows, "concurrent": sets}
 
 
 def format_report(report: dict) -> str:
     lines = [f"{report['protocol']}: GB/s = 1e9 bytes/s, each byte counted once; copy = contiguous device copy of "
-             "the same bytes; room = sender send to the decode process seeing Success",
+             "the same bytes; room = sender send to the decode process seeing Success; cpu = the prefill "
+             "process's CPU from the rooms' creation to the last Success, ctl = its Python threads' CPU outside the "
+             "data path's write calls, thr = its control thread's",
              f"{'tokens':>6} {'pages':<11}{'bytes':>11}{'copy GB/s':>10}{'room GB/s':>10}{'room/copy':>10}"
-             f"{'kernel/copy':>12}{'write/copy':>11}{'room ms':>8}{'cpu ms':>7}  stages ms: " + " ".join(STAGES)]
+             f"{'kernel/copy':>12}{'write/copy':>11}{'room ms':>8}{'cpu ms':>7}{'ctl ms':>7}{'thr ms':>7}  stages ms: "
+             + " ".join(STAGES)]
     for r in report["rooms"]:
         st = " ".join(f"{r['stages_ms'][k]:.3f}" for k in STAGES)
         kern = f"{r['kernel_over_copy']:.2f}" if "kernel_over_copy" in r else "-"
         wr = f"{r['ipc_write_over_copy']:.2f}" if "ipc_write_over_copy" in r else "-"
         lines.append(f"{r['tokens']:>6} {r['pages']:<11}{r['bytes']:>11}{r['device_copy_gbps']:>10.1f}"
                      f"{r['room_gbps']:>10.1f}{r['room_over_copy']:>10.3f}{kern:>12}{wr:>11}{r['room_ms']:>8.3f}"
-                     f"{r['prefill_cpu_ms']:>7.3f}  {st}")
+                     f"{r['prefill_cpu_ms']:>7.3f}{r['control_cpu_ms']:>7.3f}{r['control_thread_cpu_ms']:>7.3f}  {st}")
         for k in r.get("kernel_sweep", []):
             lines.append(f"    sweep block {k['block']} x{k['iters']} warps {k['warps']}: {k['kernel_ms']:.3f} ms, "
                          f"kernel/copy {k['kernel_over_copy']:.2f}")
@@ -456,12 +504,14 @@ def format_report(report: dict) -> str:
                      "device copies of one room's bytes")
         lines.append(f"{'tokens':>6} {'rooms':>5} {'pages':<11}{'lanes':>5}{'total ms':>9}{'us/room':>8}{'GB/s':>8}"
                      f"{'copy GB/s':>10}{'/copy':>7}{'sender/copy':>12}{'send calls ms':>14}{'cpu us/room':>12}"
-                     f"{'rooms/write':>12}")
+                     f"{'ctl us/room':>12}{'thr us/room':>12}{'rooms/write':>12}")
         for c in report["concurrent"]:
             lines.append(f"{c['tokens']:>6} {c['rooms']:>5} {c['pages']:<11}{c['lanes']:>5}{c['total_ms']:>9.2f}"
                          f"{c['per_room_us']:>8.0f}{c['gbps']:>8.1f}{c['device_copy_gbps']:>10.1f}{c['over_copy']:>7.3f}"
                          f"{c['sender_over_copy']:>12.3f}{c['send_calls_ms']:>14.2f}"
-                         f"{c['prefill_cpu_us_per_room']:>12.0f}{c['rooms_per_write']:>12.1f}")
+                         f"{c['prefill_cpu_us_per_room']:>12.0f}{c['control_cpu_us_per_room']:>12.0f}"
+                         f"{c['control_thread_us_per_room']:>12.0f}"
+                         f"{c['rooms_per_write']:>12.1f}")
     return "\n".join(lines)
 
 
@@ -482,6 +532,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lanes", type=lambda s: [int(x) for x in s.split(",")], default=[2],
                         help="worker lanes per decode peer (transfer_threads) for the concurrent sets")
     parser.add_argument("--layers", type=int, default=32, help="layers of the KV layout (32: 128 KiB per token)")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM,
+                        help="head size of the KV layout (small: the same 2 x layers buffers with few bytes, so the "
+                             "prefill's CPU per room shows without the copy; tcp on a CPU box)")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats of each measurement (median)")
     parser.add_argument("--json", default="", help="also write the report as JSON to this path")
     parser.add_argument("--decode-child", default="", help=argparse.SUPPRESS)
@@ -496,7 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.transfer_protocol == "cuda_ipc" and not torch.cuda.is_available():
         parser.error("--transfer-protocol cuda_ipc needs a CUDA device")
     logging.basicConfig(level=logging.WARNING)
-    report = run(args.transfer_protocol, args.kv_tokens, args.concurrent, args.lanes, args.layers, args.repeats)
+    report = run(args.transfer_protocol, args.kv_tokens, args.concurrent, args.lanes, args.layers, args.repeats,
+                 args.head_dim)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

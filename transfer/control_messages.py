@@ -42,6 +42,9 @@ class KVMetadata:
     already holds, which are not sent). The prefill rank writes heads
     ``[head_start, head_start + head_count)``, and the aux slot when ``write_aux``.
     ``expected_dsts`` is how many decode ranks send metadata to this prefill rank for the room.
+    ``dst_layout_digest`` names the decode rank's layout (``kv_layout.layout_digest``); the layout
+    itself (``dst_layout``) comes only with the first room to a prefill instance (and again after
+    a room to it failed), ``{}`` otherwise: the prefill keeps the layouts it was sent by digest.
     ``write_by`` (wall clock, seconds since the epoch) is the decode's deadline: the prefill starts
     no write for the room after it, so a prefill that froze and resumes cannot write into pages
     the decode gave to another request since.
@@ -55,6 +58,7 @@ class KVMetadata:
     decode_rank: int
     expected_dsts: int
     dst_layout: dict
+    dst_layout_digest: str
     dst_pages: list[int]
     dst_aux_index: int
     decode_prefix_len: int

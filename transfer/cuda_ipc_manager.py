@@ -6,8 +6,9 @@ the data path differs: ``CudaIpcEngine`` (see cuda_ipc_engine.py) instead of Moo
 ``--transfer-protocol cuda_ipc``.
 
 - Every rank exports its KV pool and aux allocations; its layout carries their IPC handles
-  (``KVLayout.ipc_regions``), so the decode's layout in each ``KVMetadata`` tells the prefill
-  where to write. The aux tensor must be in device memory too (``make_aux_tensor(..., device)``).
+  (``KVLayout.ipc_regions``), so the decode's layout (sent in its first ``KVMetadata`` to a prefill,
+  named by its digest after that) tells the prefill where to write. The aux tensor must be in
+  device memory too (``make_aux_tensor(..., device)``).
 - The prefill learns a decode's regions from its metadata and maps them on the first write to
   it; they are unmapped when that peer is declared dead or restarted, once it has had no room
   for a heartbeat timeout (the next room maps it again), and at close.
@@ -26,7 +27,8 @@ from prometheus_client import CollectorRegistry
 from .config import TransferConfig
 from .control_messages import KVMetadata
 from .cuda_ipc_engine import CudaIpcEngine
-from .kv_layout import KVLayout, ipc_regions_from_list
+from .errors import LayoutMismatchError
+from .kv_layout import KVLayout
 from .kv_manager import MooncakeKVManager
 
 IPC_BATCH_SEGMENTS = 1 << 20
@@ -51,21 +53,19 @@ class CudaIpcKVManager(MooncakeKVManager):
         return CudaIpcEngine(config.transfer_host)
 
     def _on_metadata(self, msg: KVMetadata, now: float) -> None:
-        session = msg.dst_layout.get("session") if isinstance(msg.dst_layout, dict) else None
-        if isinstance(session, str) and session:
-            try:
-                regions = ipc_regions_from_list(msg.dst_layout.get("ipc_regions", ()))
-            except (ValueError, TypeError):
-                regions = None  # the sender checks the layout and fails the room with the reason
-            if regions is not None:
-                old = self._peer_sessions.get(msg.reply_to)
-                if old != session:
-                    # One process per control endpoint: a new session there means the old one is gone
-                    # (restarted while no room was open, so no heartbeat noticed).
-                    if old is not None:
-                        self.engine.forget(old)
-                    self._peer_sessions[msg.reply_to] = session
-                self.engine.learn_peer(session, regions)
+        try:
+            session, regions = (layout := self.peer_layout(msg)).session, layout.ipc_regions
+        except (ValueError, LayoutMismatchError):
+            session = ""  # the sender fails the room with the reason
+        if session:
+            old = self._peer_sessions.get(msg.reply_to)
+            if old != session:
+                # One process per control endpoint: a new session there means the old one is gone
+                # (restarted while no room was open, so no heartbeat noticed).
+                if old is not None:
+                    self.engine.forget(old)
+                self._peer_sessions[msg.reply_to] = session
+            self.engine.learn_peer(session, regions)
         super()._on_metadata(msg, now)
 
     def _forget_peer_sessions(self, endpoint: str) -> None:

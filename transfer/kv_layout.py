@@ -18,6 +18,8 @@ two sides have different TP sizes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -181,6 +183,16 @@ class KVLayout:
                 raise LayoutMismatchError(name, getattr(self, name), getattr(other, name), where)
         if len(self.buffers) != len(other.buffers):
             raise LayoutMismatchError("number of buffers", len(self.buffers), len(other.buffers), where)
+
+
+LAYOUT_DIGEST_VERSION = "v1"  # how layout_digest is computed; a digest of another version is refused
+
+
+def layout_digest(data: dict[str, Any]) -> str:
+    """``v1:`` and the SHA-256 of a layout's wire form (``to_dict``, keys sorted): names a decode rank's
+    layout in its metadata, so the layout itself travels once per peer, not in every room's."""
+    body = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return f"{LAYOUT_DIGEST_VERSION}:{hashlib.sha256(body).hexdigest()}"
 
 
 def ipc_regions_from_list(items: Sequence[Sequence[Any]]) -> tuple[IpcRegion, ...]:

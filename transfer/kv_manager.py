@@ -16,11 +16,13 @@ I/O; the scheduler's ``poll()`` takes it only to read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -36,10 +38,11 @@ from .errors import (
     KVMetadataError,
     KVPeerLostError,
     KVWriteDeadlineError,
+    LayoutMismatchError,
     RoomInUseError,
 )
 from .kv_contract import BaseKVManager
-from .kv_layout import KVLayout
+from .kv_layout import LAYOUT_DIGEST_VERSION, KVLayout, layout_digest
 from .mooncake_engine import MooncakeEngine
 from .peer_engines import PeerEngines
 from .peer_liveness import PeerLiveness
@@ -62,7 +65,7 @@ LOOKUP_RETRY_S = 0.2
 # its rooms fail now, not at their bootstrap deadline. One still starting answers 503 (retried).
 LOOKUP_UNREACHABLE_S = 1.0
 WORKER_IDLE_S = 5.0
-PEER_LAYOUTS_KEPT = 1024  # parsed decode layouts kept (one per decode rank; emptied when full)
+PEER_LAYOUTS_KEPT = 1024  # decode layouts kept by digest (one per decode rank; the least recently used goes)
 # A fenced room whose prefill ranks stay silent past a heartbeat timeout is checked this often:
 # is anything still listening at their control endpoints, and does their bootstrap server list them?
 FENCE_CHECK_S = 1.0
@@ -119,8 +122,11 @@ class MooncakeKVManager(BaseKVManager):
         self._lookup_cv = threading.Condition(self.lock)
         self._rooms_changed = threading.Condition(self.lock)  # a room's state changed (see wait_locked)
         self._state_listeners: list[Callable[[int, KVPoll], None]] = []
-        self._layout_dict: tuple[KVLayout, dict] | None = None
-        self._peer_layouts: dict[str, tuple[dict, KVLayout]] = {}  # session -> (its raw layout, parsed)
+        self._layout_dict: tuple[KVLayout, dict, str] | None = None
+        # Prefill side: decode layouts by digest (their raw form, parsed). Decode side: the prefill
+        # (endpoint, instance) pairs our layout went to in a room's metadata (later rooms send its digest).
+        self._peer_layouts: OrderedDict[str, tuple[dict, KVLayout]] = OrderedDict()
+        self._layout_sent: set[tuple[str, str]] = set()
         # Merged writes go through the writers too (looked up at call time: benchmarks wrap them).
         self.workers = PeerWorkers(config.transfer_threads, WORKER_IDLE_S,
                                    write=lambda *args: self.writers.write(*args))
@@ -247,25 +253,53 @@ class MooncakeKVManager(BaseKVManager):
             self._receivers.clear()
             self._peer_rooms.clear()
 
-    def layout_dict(self) -> dict:
-        """``self.layout.to_dict()``, made once (every room's metadata carries it)."""
+    def layout_dict(self) -> tuple[dict, str]:
+        """``self.layout.to_dict()`` and its ``layout_digest``, made once (every room's metadata names it)."""
         cached = self._layout_dict
         if cached is None or cached[0] is not self.layout:
-            cached = self._layout_dict = (self.layout, self.layout.to_dict())
-        return cached[1]
+            raw = self.layout.to_dict()
+            cached = self._layout_dict = (self.layout, raw, layout_digest(raw))
+        return cached[1], cached[2]
 
-    def peer_layout(self, raw: dict) -> KVLayout:
-        """A decode rank's layout from its metadata, parsed once per peer: the same dict again (a cheap
-        C-level comparison) gives the same object back. Raises ``ValueError`` if malformed."""
-        session = raw.get("session") if isinstance(raw, dict) else None
-        hit = self._peer_layouts.get(session) if isinstance(session, str) else None
-        if hit is not None and hit[0] == raw:
-            return hit[1]
+    def layout_due(self, endpoint: str, instance: str) -> bool:
+        """Decode side (lock held): whether a room's metadata to the prefill rank at ``endpoint`` (that
+        instance of it) carries our layout; after this the ones to it carry only the digest. Control
+        messages to one endpoint arrive in order, so a room's metadata sent after the one carrying the
+        layout finds it there."""
+        key = (endpoint, instance)
+        if key in self._layout_sent:
+            return False
+        self._layout_sent.add(key)
+        return True
+
+    def layout_lost(self, endpoint: str) -> None:
+        """Decode side (lock held): a room at ``endpoint`` failed there, gone, or restarted: perhaps it does
+        not hold our layout (message lost, its cache full, a new instance), so the next room sends it."""
+        self._layout_sent = {key for key in self._layout_sent if key[0] != endpoint}
+
+    def peer_layout(self, msg: KVMetadata) -> KVLayout:
+        """Prefill side: the layout of the decode rank that sent ``msg``, by its digest: parsed, checked
+        against the digest and kept when the message carries it, else the one it carried before. Raises
+        ``ValueError`` with the reason (malformed, digest of another version or not matching, unknown)."""
+        digest, raw = msg.dst_layout_digest, msg.dst_layout
+        if not digest.startswith(LAYOUT_DIGEST_VERSION + ":"):
+            raise ValueError(f"decode layout digest {digest[:80]!r} is not of version {LAYOUT_DIGEST_VERSION} "
+                             "(a peer of another splitserve version?)")
+        with self.lock:
+            hit = self._peer_layouts.get(digest)
+            if hit is not None and (not raw or hit[0] == raw):
+                self._peer_layouts.move_to_end(digest)
+                return hit[1]
+        if not raw:
+            raise ValueError(f"decode layout {digest} is not known here (the metadata that carried it was lost, "
+                             "or this prefill restarted or forgot it); the decode sends it with its next room")
+        if layout_digest(raw) != digest:
+            raise ValueError(f"decode layout does not match its digest {digest} (corrupt metadata)")
         layout = KVLayout.from_dict(raw)
         with self.lock:
-            if len(self._peer_layouts) >= PEER_LAYOUTS_KEPT:
-                self._peer_layouts.clear()
-            self._peer_layouts[layout.session] = (raw, layout)
+            self._peer_layouts[digest] = (raw, layout)
+            if len(self._peer_layouts) > PEER_LAYOUTS_KEPT:
+                self._peer_layouts.popitem(last=False)
         return layout
 
     def add_state_listener(self, listener: Callable[[int, KVPoll], None]) -> None:
@@ -505,6 +539,11 @@ class MooncakeKVManager(BaseKVManager):
                     fence.acknowledged(msg.reply_to)
 
     def _on_metadata(self, msg: KVMetadata, now: float) -> None:
+        if msg.dst_layout:
+            # Kept now, in arrival order, not when the room's sender takes it: a later room naming only the
+            # digest may get its sender first. A bad layout fails its room there, with the reason.
+            with contextlib.suppress(ValueError, LayoutMismatchError):
+                self.peer_layout(msg)
         tomb = self._tombstones.get(msg.room)
         sender = self._senders.get(msg.room)
         if sender is not None:
@@ -541,6 +580,7 @@ class MooncakeKVManager(BaseKVManager):
                 room.fail_locked(KVPeerLostError(room.room, endpoint, f"peer restarted (instance {old})"),
                                  notify=True)
         self._forget_layouts_of(endpoint)
+        self.layout_lost(endpoint)
 
     def _forget_layouts_of(self, endpoint: str) -> None:
         """Drops the cached layouts of the replica ``endpoint`` belongs to: the next room looks them up."""
@@ -593,6 +633,7 @@ class MooncakeKVManager(BaseKVManager):
         self._peer_idle_since.pop(endpoint, None)
         self.channel.forget(endpoint)
         self._forget_layouts_of(endpoint)
+        self.layout_lost(endpoint)
 
     # ------------------------------------------------------------- lookups
 

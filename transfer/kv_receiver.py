@@ -123,6 +123,7 @@ class MooncakeKVReceiver(MooncakeRoom, BaseKVReceiver):
         if self.status.final:
             return
         if msg.state == KVPoll.Failed:
+            self.mgr.layout_lost(msg.reply_to)  # perhaps it lacked our layout: the next room carries it
             self.fail_locked(KVPeerFailedError(self.room, msg.reply_to, msg.reason), notify=False)
         elif msg.state == KVPoll.Transferring:
             self.status.move(KVPoll.Transferring, now)
@@ -168,7 +169,7 @@ class MooncakeKVReceiver(MooncakeRoom, BaseKVReceiver):
         assert self._prefill is not None and self._metadata is not None
         pages, aux_index, prefix_len = self._metadata
         local = self.mgr.layout
-        layout_dict = self.mgr.layout_dict()
+        layout_dict, digest = self.mgr.layout_dict()
         window = self.mgr.config.transfer_write_window_s
         write_by = time.time() + window
         self._write_by = now + window
@@ -178,7 +179,9 @@ class MooncakeKVReceiver(MooncakeRoom, BaseKVReceiver):
             self.mgr.send(lay.control_endpoint, KVMetadata(
                 room=self.room, bootstrap_addr=self.bootstrap_addr, reply_to=self.mgr.endpoint,
                 instance=self.mgr.instance_id, decode_rank=local.tp_rank,
-                expected_dsts=self._expected[src.prefill_rank], dst_layout=layout_dict, dst_pages=pages,
+                expected_dsts=self._expected[src.prefill_rank],
+                dst_layout=layout_dict if self.mgr.layout_due(lay.control_endpoint, lay.instance_id) else {},
+                dst_layout_digest=digest, dst_pages=pages,
                 dst_aux_index=aux_index, decode_prefix_len=prefix_len, head_start=src.head_start,
                 head_count=src.head_count, write_aux=i == 0, write_by=write_by,
             ))

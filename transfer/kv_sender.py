@@ -148,7 +148,7 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
                              notify=True)
             return
         try:
-            dst_layout = self.mgr.peer_layout(msg.dst_layout)
+            dst_layout = self.mgr.peer_layout(msg)
             self.mgr.layout.check_compatible(dst_layout, f"prefill rank {self.mgr.layout.tp_rank} vs decode "
                                                          f"rank {dst_layout.tp_rank}")
         except (ValueError, LayoutMismatchError) as exc:

@@ -95,6 +95,7 @@ MESSAGES = st.one_of(
     st.builds(KVMetadata, room=st.integers(0, 2**63 - 1), bootstrap_addr=st.text(), reply_to=st.text(),
               instance=st.text(), decode_rank=st.integers(0, 8), expected_dsts=st.integers(1, 8),
               dst_layout=st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5), max_size=3),
+              dst_layout_digest=st.text(max_size=80),
               dst_pages=st.lists(st.integers(0, 10**6)), dst_aux_index=st.integers(0, 100),
               decode_prefix_len=st.integers(0, 100), head_start=st.integers(0, 8), head_count=st.integers(1, 8),
               write_aux=st.booleans(), write_by=st.floats(allow_nan=False, allow_infinity=False)),
