@@ -26,6 +26,7 @@ import json
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -133,16 +134,16 @@ MESSAGE_TYPES: dict[str, type] = {cls.kind: cls for cls in (KVMetadata, Transfer
 
 
 @functools.cache
-def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
-    """(name, type hint) of each field of a message class, worked out once: a room sends and
+def _fields(cls: type) -> tuple[tuple[str, Any, Callable[[Any], bool]], ...]:
+    """(name, type hint, its checker) of each field of a message class, worked out once: a room sends and
     receives several messages, and ``get_type_hints`` costs more than the rest of decoding."""
     hints = typing.get_type_hints(cls)
-    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+    return tuple((f.name, hints[f.name], _checker(hints[f.name])) for f in dataclasses.fields(cls))
 
 
 def encode_message(msg: ControlMessage, key: bytes = b"") -> list[bytes]:
     """The frames of ``msg``; signed when ``key`` is set."""
-    body = {name: getattr(msg, name) for name, _ in _fields(type(msg))}  # JSON copies nested values itself
+    body = {name: getattr(msg, name) for name, _, _ in _fields(type(msg))}  # JSON copies nested values itself
     body["kind"] = msg.kind
     raw = json.dumps(body, separators=(",", ":")).encode()
     mac = hmac.new(key, raw, hashlib.sha256).digest() if key else b""
@@ -170,25 +171,32 @@ def decode_message(frames: list[bytes], key: bytes = b"", types: dict[str, type]
     if cls is None:
         raise ControlMessageError(f"unknown message kind {body.get('kind')!r}")
     values: dict[str, Any] = {}
-    for name, hint in _fields(cls):
+    for name, hint, has_type in _fields(cls):
         if name not in body:
             raise ControlMessageError(f"{cls.kind}: missing field {name!r}")
         value = body[name]
-        if not _has_type(value, hint):
+        if not has_type(value):
             raise ControlMessageError(f"{cls.kind}.{name}: expected {hint}, got {type(value).__name__}")
         values[name] = float(value) if hint is float else value
     return cls(**values)
 
 
-def _has_type(value: Any, annotation: Any) -> bool:
+def _checker(annotation: Any) -> Callable[[Any], bool]:
+    """A test of whether a decoded JSON value has type ``annotation``, built once per field: a room's page
+    list is checked element by element, and walking ``typing`` per element cost most of a message's decode.
+    JSON gives exact ``int`` / ``float`` / ``str`` (never subclasses); ``bool`` is not an ``int`` here."""
     origin = typing.get_origin(annotation)
     if origin is list:
         (item,) = typing.get_args(annotation)
-        return isinstance(value, list) and all(_has_type(v, item) for v in value)
+        if item is int:
+            return lambda v: type(v) is list and all(type(x) is int for x in v)
+        check = _checker(item)
+        return lambda v: isinstance(v, list) and all(check(x) for x in v)
     if origin in (typing.Union, types.UnionType):
-        return any(_has_type(value, a) for a in typing.get_args(annotation))
+        checks = [_checker(a) for a in typing.get_args(annotation)]
+        return lambda v: any(c(v) for c in checks)
     if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
     if annotation is float:  # finite only: a NaN deadline would never pass
-        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    return isinstance(value, annotation)
+        return lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    return lambda v: isinstance(v, annotation)
