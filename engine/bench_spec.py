@@ -87,6 +87,8 @@ class SpecBenchConfig:
     draft_wait_ms: float = field(default=4.0, metadata={"help": "the verifier's --draft-wait-ms"})
     row_invariant_rows: int | None = field(default=None, metadata={
         "help": "the verifier's and drafters' --row-invariant-rows (default: the engine's, 32)"})
+    batch_invariant_attention: bool = field(default=False, metadata={
+        "help": "the verifier's --batch-invariant-attention (one decode split count at every batch)"})
     cublas_plain: bool = field(default=True, metadata={
         "help": "also measure plain decoding with 16-bit rows past 16 on cuBLAS (as without a verifier)"})
     max_total_tokens: int = field(default=65536, metadata={"help": "KV cache tokens of each engine"})
@@ -312,7 +314,8 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
     logger.info("checkpoints written to %s in %.0f s", work, time.monotonic() - started)
     mesh_port = free_port()
     spec = SpecConfig(drafter=[f"127.0.0.1:{mesh_port}"], num_draft_tokens=max(cfg.ks),
-                      draft_wait_ms=cfg.draft_wait_ms, row_invariant_rows=cfg.row_invariant_rows)
+                      draft_wait_ms=cfg.draft_wait_ms, row_invariant_rows=cfg.row_invariant_rows,
+                      batch_invariant_attention=cfg.batch_invariant_attention)
     verifier = VerifierRole(spec, TransferConfig(transfer_control_key=KEY))
     engine = Engine(EngineConfig(model=str(folders["target"]), device=cfg.device, max_total_tokens=cfg.max_total_tokens,
                                  max_running_requests=max(cfg.batch_sizes)), role=ComposedRole("unified", [verifier]))

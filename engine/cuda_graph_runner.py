@@ -12,8 +12,9 @@ write of that argmax. So a greedy step costs one copy in, one replay and one cop
 Verify steps (issue 13) have graphs of their own: `rows_per_request` R = K+1 rows per request
 (a request's last token and its drafts, each a decode row at its own position; requests with
 fewer drafts pad with scratch rows), one graph per bucket of requests and per R. Their rows attend
-with the split count plain decoding of that bucket uses, so each row's logits are the ones a
-plain decode step would compute at that position. Verification itself runs after the replay.
+with the split count plain decoding of that bucket uses (in batch-invariant mode, one count for
+every bucket: engine/layers/decode_splits.py), so each row's logits are the ones a plain decode step
+would compute at that position. Verification itself runs after the replay.
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ class DecodeGraphs:
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], page_table: torch.Tensor, page_size: int,
                  padding_slot: int, max_batch: int, device: torch.device, relay: torch.Tensor,
-                 rows_per_request: int = 1, decode_splits: Callable[[int], int] | None = None) -> None:
-        """`rows_per_request` > 1: verify graphs (see the module docstring); `decode_splits(bucket)`:
-        the paged decode kernel's split count for a bucket's rows (None: the kernel's default)."""
+                 rows_per_request: int = 1, decode_splits: Callable[[int, int], int | None] | None = None
+                 ) -> None:
+        """`rows_per_request` > 1: verify graphs (see the module docstring); `decode_splits(bucket, rows)`:
+        the paged decode kernel's split count for a bucket of requests in `rows` rows (None: the kernel's
+        default for the rows)."""
         self.forward = forward
         self.rows_per_request = rows_per_request
         self.decode_splits = decode_splits
@@ -89,7 +92,7 @@ class DecodeGraphs:
         """What each graph runs: the whole decode step of a bucket, from its input rows."""
         ids, positions, slots = self.inputs[bucket]
         verify = self.rows_per_request > 1
-        splits = self.decode_splits(bucket) if self.decode_splits is not None else None
+        splits = self.decode_splits(bucket, bucket * self.rows_per_request) if self.decode_splits else None
         logits = self.forward(decode_batch(ids, positions, slots, self.page_table, self.page_size, self.relay,
                                            rows_share_slots=verify, decode_splits=splits))
         argmax = argmax_tokens(logits)

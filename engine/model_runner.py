@@ -17,6 +17,7 @@ from splitserve.engine.forward_batch import ForwardBatch, decode_batch
 from splitserve.engine.host_to_device import to_device
 from splitserve.engine.kv_pool import COPY_PAGE_OP, KVPool, KVPoolShape
 from splitserve.engine.layers import skinny
+from splitserve.engine.layers.decode_splits import step_splits
 from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, wide_tiles
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models import build_model
@@ -286,6 +287,9 @@ class ModelRunner:
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
         self.decode_graphs: DecodeGraphs | None = None
+        # Decode and verify steps attend with one split count at every batch (engine/layers/decode_splits.py).
+        self.batch_invariant_attention = False
+        self.row_invariant_rows = skinny.MAX_ROWS  # 16-bit projections of up to this many rows are row-invariant
         self.verify_graphs: dict[int, DecodeGraphs] = {}  # by rows per request (K+1)
         self.padding_slot = max_slots  # KVCache's padding slot: its page-table row is all scratch
         # The relay: each slot's latest sampled token, on the device, read by the next decode step.
@@ -366,7 +370,7 @@ class ModelRunner:
             ids_t, positions_t, slots_t = (to_device(x, torch.int64, self.device) for x in (ids, positions, slots))
             logits = self.forward(decode_batch(ids_t, positions_t, slots_t, page_table, self.cfg.page_size,
                                                self.next_tokens, rows_share_slots=True,
-                                               decode_splits=self.decode_splits_for(len(chunks))))
+                                               decode_splits=self.decode_splits_for(len(chunks), len(ids))))
         if all(c.request.params.wants_argmax_only for c in chunks):
             # One greedy verification for all: a shorter draft's missing candidates (-1) never match,
             # and a request without a draft takes its first row's argmax, as a plain decode would.
@@ -383,13 +387,15 @@ class ModelRunner:
         rows_of = [i * rows + j for i, c in enumerate(chunks) for j in range(c.length if c.draft else 1)]
         return self._sample_and_verify(logits[to_device(rows_of, torch.int64, self.device)], chunks)
 
-    def decode_splits_for(self, requests: int) -> int | None:
-        """The paged decode kernel's splits for a step of `requests` decoding requests (None on CPU)."""
+    def decode_splits_for(self, requests: int, rows: int) -> int | None:
+        """The paged decode kernel's splits for a step of `requests` decoding requests in `rows` rows
+        (None on CPU, whose reference attention has no splits): plain decoding's count for that batch,
+        or in batch-invariant mode, where the rows' projections are row-invariant, one count for all."""
         if self.device.type != "cuda":
             return None
-        from splitserve.engine.layers.paged_decode_triton import num_splits_for
-
-        return num_splits_for(requests, self.model.layers[0].self_attn.num_kv_heads)
+        rows_invariant = self.dtype == torch.float32 or rows <= self.row_invariant_rows
+        return step_splits(requests, self.model.layers[0].self_attn.num_kv_heads, self.batch_invariant_attention,
+                           rows_invariant)
 
     def _sample_and_verify(self, logits: torch.Tensor, sampled: list[ScheduledChunk]) -> PendingStep:
         """A step with verify chunks: plain chunks sample their token, verify chunks (grouped by
@@ -448,7 +454,8 @@ class ModelRunner:
             return graphs.replay(ids, positions, slots)
         ids_t, positions_t, slots_t = (to_device(x, torch.int64, self.device) for x in (ids, positions, slots))
         return self.forward(decode_batch(ids_t, positions_t, slots_t, page_table, self.cfg.page_size,
-                                         self.next_tokens)), None
+                                         self.next_tokens,
+                                         decode_splits=self.decode_splits_for(len(chunks), len(chunks)))), None
 
     def _record_done(self) -> torch.cuda.Event | None:
         """An event that completes with the work queued so far (None on CPU, where work is done)."""
@@ -481,7 +488,7 @@ class ModelRunner:
             return
         graphs = DecodeGraphs(lambda b: self.model(b, self.kv_pool), page_table, self.cfg.page_size, padding_slot,
                               min(self.cfg.max_running_requests, self.cfg.cuda_graph_max_batch), self.device,
-                              self.next_tokens)
+                              self.next_tokens, decode_splits=self.decode_splits_for)
         graphs.capture()
         self.decode_graphs = graphs
 
@@ -494,6 +501,7 @@ class ModelRunner:
             return  # CPU has no skinny kernel; tensor-parallel ranks keep their own kernels
         rows = max(rows, skinny.MAX_ROWS)
         layers = [m for m in self.model.modules() if hasattr(m, "skinny_rows")]
+        self.row_invariant_rows = rows
         if all(m.skinny_rows == rows for m in layers):
             return
         before = max((m.skinny_rows for m in layers), default=skinny.MAX_ROWS)
@@ -503,6 +511,21 @@ class ModelRunner:
         if any(min(before, rows) < b <= max(before, rows) for b in buckets):
             self.decode_graphs = None  # their memory goes back before the new capture
             self.capture_decode_graphs(page_table, padding_slot)
+
+    def set_batch_invariant_attention(self, on: bool, page_table: torch.Tensor, padding_slot: int) -> None:
+        """Decode and verify steps whose projections are row-invariant attend with one split count at
+        every batch (engine/layers/decode_splits.py), so a row's bits depend on its own sequence only.
+        Graphs already captured with the batch's count are captured again (before the loop starts)."""
+        if self.device.type != "cuda" or self.step_broadcaster is not None or on == self.batch_invariant_attention:
+            return  # the CPU reference attention has no splits; tensor-parallel ranks keep the default
+        self.batch_invariant_attention = on
+        if self.decode_graphs is not None:
+            self.decode_graphs = None  # their memory goes back before the new capture
+            self.capture_decode_graphs(page_table, padding_slot)
+        if self.verify_graphs:
+            most = max(self.verify_graphs) - 1
+            self.verify_graphs = {}
+            self.capture_verify_graphs(page_table, padding_slot, most)
 
     @torch.inference_mode()
     def capture_verify_graphs(self, page_table: torch.Tensor, padding_slot: int, max_draft_tokens: int) -> None:

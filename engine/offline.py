@@ -15,14 +15,19 @@ class GenerationFailed(RuntimeError):
     """A request ended with an error instead of its tokens."""
 
 
-def generate_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams, timeout: float = 300.0,
-                    stagger_s: float = 0.0, observe: Callable[[TokenOutput], None] | None = None) -> list[list[int]]:
+def generate_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                    timeout: float = 300.0, stagger_s: float = 0.0,
+                    observe: Callable[[TokenOutput], None] | None = None) -> list[list[int]]:
     """Output token ids of every prompt, submitted together (or `stagger_s` apart) to a started engine.
 
     The engine's inbox and waiting queue are bounded: a prompt that finds them full is submitted again
     once the loop has taken some in, so any number of prompts can be passed at once.
     `observe`, if given, sees every output as it arrives, on the engine's thread (for timings).
+    `params`: one for every prompt, or a list with each prompt's own.
     """
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    if len(each) != len(prompts):
+        raise ValueError(f"{len(each)} sampling params for {len(prompts)} prompts")
     outs: dict[str, list[int]] = {}
     errors: list[str] = []
     finished: set[str] = set()
@@ -41,7 +46,7 @@ def generate_tokens(engine: Engine, prompts: list[list[int]], params: SamplingPa
                 done.set()
 
     for i, prompt in enumerate(prompts):
-        submit_when_taken(engine, Request(f"offline-{id(outs)}-{i}", list(prompt), params, collect), deadline)
+        submit_when_taken(engine, Request(f"offline-{id(outs)}-{i}", list(prompt), each[i], collect), deadline)
         if stagger_s:
             done.wait(stagger_s)
     if not done.wait(max(0.0, deadline - time.monotonic())):

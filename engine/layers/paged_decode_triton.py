@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.layers.decode_splits import num_splits_for
 from splitserve.engine.layers.fused_triton import merge_splits
 
 
@@ -169,12 +170,6 @@ def store_rotated_kv(new: NewTokenKV, positions: torch.Tensor, k_cache: torch.Te
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), HEAD_DIM=head_dim,
     )
-
-
-def num_splits_for(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
-    """Enough programs to fill the GPU twice over, at most 32 splits per sequence."""
-    want = -(-2 * num_sms // max(1, batch * num_kv_heads))
-    return max(1, min(32, want))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

@@ -136,7 +136,8 @@ class VerifierRole(Role):
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
-        engine.prepare_speculation(self.spec.num_draft_tokens, self.spec.row_invariant_rows)
+        engine.prepare_speculation(self.spec.num_draft_tokens, self.spec.row_invariant_rows,
+                                   self.spec.batch_invariant_attention)
         self.metrics = engine.metrics
         self.zmq = zmq.Context()
         self.tail_socket = self.zmq.socket(zmq.PULL)

@@ -1,0 +1,38 @@
+"""How many splits of a sequence the paged decode kernel runs (engine/layers/paged_decode_triton.py).
+
+By default the count depends on the batch: enough programs to fill the GPU, so a sequence decoded
+alone takes 32 splits and one among 32 others 2. Each split's online softmax and the merge of the
+splits round differently for every count, so a row's bits depend on the batch it is in.
+
+In batch-invariant mode (`--batch-invariant-attention`, for a verifier whose greedy output must be
+plain decoding's bit for bit) every step takes the same count, the one a sequence alone takes: a
+split's keys are then fixed by the sequence's own KV length (ceil(len / count), rounded up to the
+kernel's block), splits past its end are empty and weigh nothing, and the merge reduces the same
+number of partial results in the same order whatever else the step holds. The CUDA graphs of every
+bucket then launch that many splits; at batch 1 nothing changes. Only steps whose projections are
+row-invariant too (`rows_invariant`) take it: past that limit cuBLAS rounds by row count anyway.
+"""
+
+from __future__ import annotations
+
+MAX_SPLITS = 32
+
+
+def num_splits_for(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """Enough programs to fill the GPU twice over, at most MAX_SPLITS splits per sequence."""
+    want = -(-2 * num_sms // max(1, batch * num_kv_heads))
+    return max(1, min(MAX_SPLITS, want))
+
+
+def batch_invariant_splits(num_kv_heads: int) -> int:
+    """The split count of every step in batch-invariant mode: a lone sequence's."""
+    return num_splits_for(1, num_kv_heads)
+
+
+def step_splits(requests: int, num_kv_heads: int, batch_invariant: bool, rows_invariant: bool) -> int:
+    """Splits per row for a decode or verify step of `requests` requests: plain decoding's count for
+    that batch, or the batch-invariant count where the mode is on and the step's projections are
+    row-invariant (its rows fit the row-invariant kernel)."""
+    if batch_invariant and rows_invariant:
+        return batch_invariant_splits(num_kv_heads)
+    return num_splits_for(requests, num_kv_heads)
