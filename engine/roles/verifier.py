@@ -336,6 +336,7 @@ class VerifierRole(Role):
                 state = self.states.get(tail.request_id)
                 if state is not None and state.lease_id == batch.lease_id:
                     state.buffer.add(tail.token, tail.base_committed_len, tail.position)
+                    state.policy.primed = True
             for q in batch.quarantined:
                 state = self.states.get(q.request_id)
                 if state is not None and state.lease_id == batch.lease_id:

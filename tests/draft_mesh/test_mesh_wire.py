@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.draft_mesh.commit_segments import ProtocolViolation, apply_commit
+from splitserve.draft_mesh.config import SpecConfig
 from splitserve.draft_mesh.draft_policy import DraftPolicy
 from splitserve.draft_mesh.tail_buffer import TailBuffer
 from splitserve.draft_mesh.wire import WireError, decode_control, decode_tails, encode_frames
@@ -84,7 +85,7 @@ def test_the_tail_buffer_reads_committed_tokens_past_an_offset() -> None:
 
 
 def test_a_request_whose_drafts_are_rejected_pauses_then_probes_and_recovers() -> None:
-    policy = DraftPolicy()
+    policy = DraftPolicy(primed=True)  # the drafter has drafted for it before
     assert policy.draft_length(4) == 4 and policy.worth_waiting
     for _ in range(5):
         policy.observe(4, 1)  # a quarter accepted: fewer drafts
@@ -100,6 +101,38 @@ def test_a_request_whose_drafts_are_rejected_pauses_then_probes_and_recovers() -
         offered = max(policy.draft_length(4), 1)
         policy.observe(offered, offered)
     assert policy.draft_length(4) == 4 and policy.backoff == 4  # agreeing again: all K, backoff reset
+
+
+def test_drafts_are_waited_for_only_once_the_drafter_has_drafted_for_the_request() -> None:
+    # A probe of speculation syncs a whole batch at once; while the drafter takes the requests in
+    # (it prefills them), their first drafts are not milliseconds away: no step waits for them.
+    policy = DraftPolicy()
+    assert policy.draft_length(4) == 4 and not policy.worth_waiting
+    policy.primed = True  # its first drafts arrived
+    assert policy.worth_waiting
+
+
+def test_the_verifier_waits_for_a_requests_drafts_once_its_first_have_come() -> None:
+    from splitserve.engine.request import Request
+    from splitserve.engine.roles.verifier import JoinedDrafter, SpecState, VerifierRole
+    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.transfer import TransferConfig
+
+    role = VerifierRole(SpecConfig(draft_wait_ms=4.0), TransferConfig(transfer_control_key="ab" * 16))
+    role.drafters["127.0.0.1:1"] = JoinedDrafter("127.0.0.1:1", pb.JoinReply(lease_id="lease-1"), socket=None)
+    req = Request("r", [1, 2, 3], SamplingParams(max_new_tokens=16, temperature=0.0), on_output=lambda _out: None)
+    req.output_ids = [5]  # committed: 4 tokens
+    state = SpecState("127.0.0.1:1", "lease-1", 4, TailBuffer(start=4, floor=4), step_k=4)
+    role.states["r"] = state
+    assert not role._offer(req, state) and req.draft_tokens == []  # synced, nothing drafted: no wait
+    role.tails.append(pb.TailBatch(lease_id="lease-1", tokens=[
+        pb.TailToken(request_id="r", token=9, base_committed_len=4, position=4)]))
+    role._take_tails()
+    assert role._offer(req, state) and req.draft_tokens == [9]  # 1 of 4 so far: the rest is worth a wait
+    role.tails.append(pb.TailBatch(lease_id="lease-1", tokens=[
+        pb.TailToken(request_id="r", token=t, base_committed_len=4, position=5 + i) for i, t in enumerate((8, 7, 6))]))
+    role._take_tails()
+    assert not role._offer(req, state) and req.draft_tokens == [9, 8, 7, 6]  # all 4: nothing to wait for
 
 
 def test_the_drafter_is_asked_to_draft_less_far_ahead_as_acceptance_falls() -> None:
