@@ -9,6 +9,7 @@ frame is empty. ``decode_message`` validates every field's type, so garbage rais
 Direction and meaning:
 - ``KVMetadata`` decode rank -> prefill rank: where this room's pages go.
 - ``TransferStatus`` prefill rank -> decode rank: progress (Transferring), Success, Failed.
+- ``RoomsDone`` prefill rank -> decode rank: Success of the rooms one merged write finished.
 - ``AbortRoom`` either way: the room is dead on the sending side. Decode repeats it for a fenced
   room (write_fence.py) until every prefill rank answered ``RoomFenced``.
 - ``RoomFenced`` prefill rank -> decode rank: no write of mine for this room is in flight, and
@@ -85,6 +86,25 @@ class TransferStatus:
 
 
 @dataclass(frozen=True)
+class RoomsDone:
+    """Prefill rank -> decode rank: ``Success`` of several rooms at once (one merged write's), as one
+    ``TransferStatus`` each would say, with each room's pages."""
+
+    kind: ClassVar[str] = "rooms_done"
+    rooms: list[int]
+    pages_done: list[int]
+    bootstrap_addr: str
+    reply_to: str
+    instance: str
+    prefill_rank: int
+
+    def statuses(self) -> list[TransferStatus]:
+        """The ``TransferStatus`` (Success) of each room."""
+        return [TransferStatus(room, self.bootstrap_addr, self.reply_to, self.instance, self.prefill_rank, 4,
+                               pages, "") for room, pages in zip(self.rooms, self.pages_done, strict=False)]
+
+
+@dataclass(frozen=True)
 class AbortRoom:
     """Either side: this room failed or was aborted here; fail it on your side too."""
 
@@ -128,9 +148,9 @@ class Pong:
     seq: int
 
 
-ControlMessage = KVMetadata | TransferStatus | AbortRoom | RoomFenced | Ping | Pong
-MESSAGE_TYPES: dict[str, type] = {cls.kind: cls for cls in (KVMetadata, TransferStatus, AbortRoom, RoomFenced,
-                                                            Ping, Pong)}
+ControlMessage = KVMetadata | TransferStatus | RoomsDone | AbortRoom | RoomFenced | Ping | Pong
+MESSAGE_TYPES: dict[str, type] = {cls.kind: cls for cls in (KVMetadata, TransferStatus, RoomsDone, AbortRoom,
+                                                            RoomFenced, Ping, Pong)}
 
 
 @functools.cache

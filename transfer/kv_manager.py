@@ -23,7 +23,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -31,7 +31,16 @@ from prometheus_client import CollectorRegistry
 from .bootstrap_client import fetch_layouts, publish_layout
 from .config import TransferConfig
 from .control_channel import ControlChannel
-from .control_messages import AbortRoom, ControlMessage, KVMetadata, Ping, Pong, RoomFenced, TransferStatus
+from .control_messages import (
+    AbortRoom,
+    ControlMessage,
+    KVMetadata,
+    Ping,
+    Pong,
+    RoomFenced,
+    RoomsDone,
+    TransferStatus,
+)
 from .errors import (
     BootstrapError,
     KVAbortedError,
@@ -129,7 +138,9 @@ class MooncakeKVManager(BaseKVManager):
         self._layout_sent: set[tuple[str, str]] = set()
         # Merged writes go through the writers too (looked up at call time: benchmarks wrap them).
         self.workers = PeerWorkers(config.transfer_threads, WORKER_IDLE_S,
-                                   write=lambda *args: self.writers.write(*args))
+                                   write=lambda *args: self.writers.write(*args),
+                                   finish_together=self.finishing_together)
+        self._done_batch = threading.local()  # see finishing_together
         # Mooncake sessions whose handshake was queued (False) or done (True): see MooncakeKVSender._shake_hands.
         self.sessions_opened: dict[str, bool] = {}
         # Prefill side: writes in flight per room, and the fence answers owed once they end.
@@ -377,6 +388,35 @@ class MooncakeKVManager(BaseKVManager):
     def send(self, endpoint: str, msg: ControlMessage) -> None:
         self.channel.send(endpoint, msg)
 
+    @contextlib.contextmanager
+    def finishing_together(self) -> Iterator[None]:
+        """Rooms whose last write finishes inside this (on this thread: one merged write's rooms) tell each
+        decode rank their Success in one ``RoomsDone``, not a message each: one encode, one send and one
+        decode for them all, instead of one per room on both sides."""
+        batch: list[tuple[str, TransferStatus]] = []
+        self._done_batch.rooms = batch
+        try:
+            yield
+        finally:
+            self._done_batch.rooms = None
+            groups: dict[tuple[str, str], list[TransferStatus]] = {}
+            for endpoint, status in batch:
+                groups.setdefault((endpoint, status.bootstrap_addr), []).append(status)
+            for (endpoint, addr), statuses in groups.items():
+                if len(statuses) == 1:
+                    self.send(endpoint, statuses[0])
+                else:
+                    self.send(endpoint, RoomsDone([s.room for s in statuses], [s.pages_done for s in statuses],
+                                                  addr, self.endpoint, self.instance_id, self.layout.tp_rank))
+
+    def report_success(self, endpoint: str, status: TransferStatus) -> None:
+        """Sends a room's Success to a decode rank: now, or with the others of ``finishing_together``."""
+        batch = getattr(self._done_batch, "rooms", None)
+        if batch is None:
+            self.send(endpoint, status)
+        else:
+            batch.append((endpoint, status))
+
     def submit(self, job: TransferJob) -> None:
         """Queues a write job on its peer's workers; one room's jobs to one peer share a worker (in order)."""
         self.workers.submit(job)
@@ -526,17 +566,27 @@ class MooncakeKVManager(BaseKVManager):
             elif isinstance(msg, KVMetadata):
                 self._on_metadata(msg, now)
             elif isinstance(msg, TransferStatus):
-                receiver = self._receivers.get((msg.bootstrap_addr, msg.room))
-                if receiver is None:
-                    log.debug("status for unknown room %d from %s", msg.room, msg.reply_to)
-                else:
-                    receiver.on_status_locked(msg, now)
+                self._on_status(msg, now)
+            elif isinstance(msg, RoomsDone):
+                if len(msg.rooms) != len(msg.pages_done):
+                    log.warning("dropped rooms_done from %s: %d rooms, %d page counts", msg.reply_to,
+                                len(msg.rooms), len(msg.pages_done))
+                    return
+                for status in msg.statuses():
+                    self._on_status(status, now)
             elif isinstance(msg, AbortRoom):
                 self._on_abort(msg)
             elif isinstance(msg, RoomFenced):
                 fence = self._fences.get((msg.bootstrap_addr, msg.room))
                 if fence is not None:
                     fence.acknowledged(msg.reply_to)
+
+    def _on_status(self, msg: TransferStatus, now: float) -> None:
+        receiver = self._receivers.get((msg.bootstrap_addr, msg.room))
+        if receiver is None:
+            log.debug("status for unknown room %d from %s", msg.room, msg.reply_to)
+        else:
+            receiver.on_status_locked(msg, now)
 
     def _on_metadata(self, msg: KVMetadata, now: float) -> None:
         if msg.dst_layout:

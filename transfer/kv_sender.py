@@ -38,7 +38,7 @@ from .mooncake_room import MooncakeRoom
 from .peer_workers import MergeableWrite, TransferJob
 from .poll_state import KVPoll
 from .room_status import RoomStatus
-from .transfer_plan import Segments, aux_segment, concat, page_segments
+from .transfer_plan import EMPTY, PageCopy, Segments, aux_segment, concat, page_segments
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
                    f"{local.head_start}..{local.head_start + local.head_count}"
         if not (dst.head_start <= msg.head_start and end <= dst.head_start + dst.head_count):
             return f"heads {msg.head_start}..{end} are not in the decode rank's range"
-        if any(p < 0 or p >= dst.num_pages for p in msg.dst_pages):
+        if msg.dst_pages and (min(msg.dst_pages) < 0 or max(msg.dst_pages) >= dst.num_pages):
             return f"decode page index outside 0..{dst.num_pages - 1}"
         if not 0 <= msg.dst_aux_index < dst.aux.num_slots:
             return f"decode aux index {msg.dst_aux_index} outside 0..{dst.aux.num_slots - 1}"
@@ -314,12 +314,15 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         (peer_workers.py); ``None`` when there is nothing to write (done, or the room is over)."""
         if self.status.final:
             return None
-        segments = self._segments(dst, chunk, aux_index)
-        if len(segments) > self.mgr.config.transfer_max_batch_segments:
+        pages = self._page_copy(dst, chunk, aux_index)  # planned with the merged write's other rooms
+        segments = EMPTY if pages is not None else self._segments(dst, chunk, aux_index)
+        nbytes = pages.nbytes if pages is not None else segments.nbytes
+        most = len(chunk.pages) * len(self.mgr.layout.buffers) + 1 if pages is not None else len(segments)
+        if most > self.mgr.config.transfer_max_batch_segments:
             self._write(dst, chunk, aux_index)  # several batches: written on its own
             return None
         with self.mgr.lock:
-            if not len(segments):
+            if not nbytes:
                 self._chunk_written(dst, chunk, 0, time.monotonic())
                 return None
             self._announce(dst, chunk)
@@ -330,11 +333,23 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
             with self.mgr.lock:
                 self.mgr.end_write(self.room)
                 if code == 0:
-                    self._chunk_written(dst, chunk, segments.nbytes, time.monotonic())
+                    self._chunk_written(dst, chunk, nbytes, time.monotonic())
                 elif code is not None:
-                    self.fail_locked(KVWriteError(self.room, dst.layout.session, code, segments.nbytes), notify=True)
+                    self.fail_locked(KVWriteError(self.room, dst.layout.session, code, nbytes), notify=True)
 
-        return MergeableWrite(dst.layout.session, segments.srcs, segments.dsts, segments.lens, done)
+        return MergeableWrite(dst.layout.session, segments.srcs, segments.dsts, segments.lens, done, pages)
+
+    def _page_copy(self, dst: Destination, chunk: Chunk, aux_index: int) -> PageCopy | None:
+        """The chunk as whole pages, unplanned, where it is (every head both sides hold, none of its tokens
+        already on the decode); ``None`` where it needs ``_segments``' general plan."""
+        local, meta = self.mgr.layout, dst.meta
+        whole = (meta.head_start == local.head_start == dst.layout.head_start
+                 and meta.head_count == local.head_count == dst.layout.head_count)
+        if not whole or meta.decode_prefix_len > chunk.start * local.page_size:
+            return None
+        aux = (aux_segment(local, aux_index, dst.layout, meta.dst_aux_index) if chunk.last and meta.write_aux
+               else EMPTY)
+        return PageCopy(local, dst.layout, chunk.pages, dst.dst_pages[chunk.start:chunk.start + len(chunk.pages)], aux)
 
     def _job_failed(self, dst: Destination, exc: Exception) -> None:
         """Worker thread: a write job raised; this room fails, the worker and other rooms go on."""
@@ -363,7 +378,7 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         self.status.touch(now)
         if chunk.last and dst.chunks_done == len(self._chunks):
             dst.done = True
-            self.mgr.send(dst.meta.reply_to, self._status_msg(dst, KVPoll.Success, ""))
+            self.mgr.report_success(dst.meta.reply_to, self._status_msg(dst, KVPoll.Success, ""))
             if all(d.done for d in self._dsts.values()):
                 self.status.move(KVPoll.Success, now)
                 self._record(True)

@@ -10,18 +10,22 @@ Merged writes: where one copy of many segments costs about what one of few does 
 kernel launch, one wait), a job may offer its write instead of running it (``TransferJob.merge``).
 A worker that finds several such jobs queued for the same peer prepares each (``MergeableWrite``:
 segments counted as begun by the manager), writes them all with one call and hands each its
-result, in queue order. A job alone in the queue simply runs.
+result, in queue order, inside ``finish_together`` (the manager sends their Success messages as
+one per decode rank then). A job alone in the queue simply runs.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from .transfer_plan import PageCopy, Segments, concat, plan_page_copies
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +35,16 @@ MAX_MERGED_JOBS = 256  # jobs one merged write takes at most
 
 @dataclass(frozen=True)
 class MergeableWrite:
-    """One job's write, begun and ready to share a copy: its segments to ``session``, and ``done``, called
-    with the merged write's return code (``None`` if it raised) once it returned."""
+    """One job's write, begun and ready to share a copy: its segments to ``session`` (or ``pages``, whole
+    pages planned with the other jobs' in one pass), and ``done``, called with the merged write's return
+    code (``None`` if it raised) once it returned."""
 
     session: str
     srcs: np.ndarray
     dsts: np.ndarray
     lens: np.ndarray
     done: Callable[[int | None], None]
+    pages: PageCopy | None = None
 
 
 WriteFn = Callable[[str, np.ndarray, np.ndarray, np.ndarray], int]
@@ -57,6 +63,19 @@ class TransferJob:
     merge: Callable[[], MergeableWrite | None] | None = None
 
 
+def _segments_of(writes: list[MergeableWrite]) -> Segments:
+    """Every write's segments, the whole-page ones planned together (one pass per pair of layouts)."""
+    paged: dict[tuple[int, int], list[PageCopy]] = {}
+    parts = []
+    for w in writes:
+        if w.pages is None:
+            parts.append(Segments(w.srcs, w.dsts, w.lens))
+        else:
+            paged.setdefault((id(w.pages.src), id(w.pages.dst)), []).append(w.pages)
+    parts.extend(plan_page_copies(copies) for copies in paged.values())
+    return parts[0] if len(parts) == 1 else concat(parts)
+
+
 class _Worker:
     def __init__(self) -> None:
         self.jobs: collections.deque[TransferJob] = collections.deque()
@@ -67,9 +86,12 @@ class PeerWorkers:
     """``per_peer`` worker threads for each peer, started on demand, gone after ``idle_s`` idle."""
 
     def __init__(self, per_peer: int, idle_s: float, name: str = "transfer-worker",
-                 write: WriteFn | None = None) -> None:
+                 write: WriteFn | None = None,
+                 finish_together: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         self.per_peer = per_peer
         self.write = write  # how merged writes go out (None: jobs always run one by one)
+        # Held while a merged write's jobs finish (the manager: their Success messages go out as one).
+        self.finish_together = finish_together or contextlib.nullcontext
         self.merged_writes = 0  # writes that took more than one job (benchmarks read it)
         self.idle_s = idle_s
         self.name = name
@@ -163,23 +185,20 @@ class PeerWorkers:
             code: int | None = None
             error: Exception | None = None
             try:
-                if len(group) == 1:
-                    w = group[0][1]
-                    code = self.write(session, w.srcs, w.dsts, w.lens)
-                else:
+                if len(group) > 1:
                     self.merged_writes += 1
-                    code = self.write(session, np.concatenate([w.srcs for _, w in group]),
-                                      np.concatenate([w.dsts for _, w in group]),
-                                      np.concatenate([w.lens for _, w in group]))
+                segments = _segments_of([w for _, w in group])
+                code = self.write(session, segments.srcs, segments.dsts, segments.lens)
             except Exception as exc:
                 log.exception("a merged write of %d rooms to %s failed", len(group), session)
                 error = exc
-            for job, prepared in group:
-                try:
-                    prepared.done(code)
-                except Exception as exc:
-                    log.exception("finishing the write of room %d failed", job.room)
-                    self._fail(job, exc)
-                    continue
-                if error is not None:
-                    self._fail(job, error)
+            with self.finish_together():
+                for job, prepared in group:
+                    try:
+                        prepared.done(code)
+                    except Exception as exc:
+                        log.exception("finishing the write of room %d failed", job.room)
+                        self._fail(job, exc)
+                        continue
+                    if error is not None:
+                        self._fail(job, error)

@@ -147,7 +147,9 @@ class _Staging:
         self.host = torch.empty(3 * rows, dtype=torch.int64).pin_memory()
         self.host_np = self.host.numpy()
         self.table = torch.empty(3 * rows, dtype=torch.int64, device=device)
-        self.done = torch.cuda.Event()
+        # Blocking: the waiting thread sleeps until the kernel ends instead of spinning a core (a merged write
+        # waits milliseconds, and the prefill's other threads, the engine's too, want that CPU).
+        self.done = torch.cuda.Event(blocking=True)
 
 
 class SegmentCopier:
@@ -195,7 +197,7 @@ class SegmentCopier:
                 if timed:
                     self._end.record()
                 staging.done.record()
-                staging.done.synchronize()  # the GIL is released meanwhile
+                staging.done.synchronize()  # asleep, the GIL released
                 if timed:
                     self.last_kernel_s = self._start.elapsed_time(self._end) / 1e3
         finally:

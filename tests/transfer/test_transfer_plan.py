@@ -56,3 +56,35 @@ def test_head_slice_from_a_wider_source():
     src, dst, sl, dl = pools(4, 1, 4, dst_rank=1)
     apply(page_segments(sl, dl, torch.tensor([2]).numpy(), torch.tensor([6]).numpy(), 0, 1, 1))
     assert torch.equal(dst[:, :, 6, :, 0], src[:, :, 2, :, 1])
+
+
+def test_rooms_planned_in_one_pass_equal_each_planned_alone():
+    """plan_page_copies over several rooms: the same segments as page_segments room by room plus each
+    aux slot (runs never span two rooms, even where one room's pages continue the last's), and they
+    copy the right bytes."""
+    import numpy as np
+
+    from splitserve.transfer.transfer_plan import EMPTY, PageCopy, aux_segment, plan_page_copies
+
+    src = torch.randn((2, 2, 16, 4, 2, 3))
+    dst = torch.full((2, 2, 16, 4, 2, 3), -1.0)
+    src_aux, dst_aux = make_aux_tensor(4), make_aux_tensor(4)
+    src_aux.random_(0, 255)
+    sl, dl = layout_for_pool(src, src_aux), layout_for_pool(dst, dst_aux)
+    rooms = [([0, 1, 2], [5, 6, 7]), ([3, 4], [8, 9]), ([], []), ([9, 12, 13], [0, 1, 15])]
+    copies = [PageCopy(sl, dl, np.array(s, dtype=np.int64), np.array(d, dtype=np.int64),
+                       aux_segment(sl, i, dl, 3 - i) if i != 1 else EMPTY) for i, (s, d) in enumerate(rooms)]
+    together = plan_page_copies(copies)
+    alone = [page_segments(sl, dl, c.src_pages, c.dst_pages, 0, 0, 2) for c in copies if len(c.src_pages)]
+    alone += [c.aux for c in copies]
+
+    def rows(segments):
+        return sorted(zip(segments.srcs.tolist(), segments.dsts.tolist(), segments.lens.tolist(), strict=True))
+
+    assert rows(together) == sorted(r for seg in alone for r in rows(seg))
+    assert together.nbytes == sum(c.nbytes for c in copies)
+    apply(together)
+    for s_pages, d_pages in rooms:
+        assert torch.equal(dst[:, :, d_pages], src[:, :, s_pages])
+    assert torch.equal(dst_aux[3], src_aux[0]) and torch.equal(dst_aux[0], src_aux[3])
+    assert (dst_aux[2] == 0).all()  # room 1 had no aux segment
