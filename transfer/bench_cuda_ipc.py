@@ -465,13 +465,19 @@ class _Prefill:
 
 
 def run(protocol: str, token_counts: Sequence[int], concurrent: Sequence[tuple[int, int]], lanes: Sequence[int],
-        layers: int, repeats: int, head_dim: int = HEAD_DIM, merge_writes: bool = False) -> dict:
+        layers: int, repeats: int, head_dim: int = HEAD_DIM, merge_writes: bool = False, kernel_sweep: bool = True,
+        on_row: Callable[[dict], None] | None = None) -> dict:
+    """The report; ``on_row`` gets the report so far after each row (a run cut short keeps what it measured)."""
     import numpy as np
 
     pages_total = max([2 * (max(token_counts, default=0) // PAGE)] + [t // PAGE * c for t, c in concurrent]) + 1
     aux_slots = max([c for _, c in concurrent] + [4])
     prefill = _Prefill(protocol, layers, pages_total, aux_slots, lanes[0], head_dim, merge_writes)
+    if not kernel_sweep:
+        prefill.sweep_tokens = -1
     rows, sets = [], []
+    report = {"protocol": protocol, "layers": layers, "head_dim": head_dim, "rooms": rows, "concurrent": sets}
+    on_row = on_row or (lambda report: None)
     try:
         for tokens in token_counts:
             n = tokens // PAGE
@@ -481,6 +487,7 @@ def run(protocol: str, token_counts: Sequence[int], concurrent: Sequence[tuple[i
             rows.append(prefill.measure(tokens, "scattered", rng.permutation(np.arange(1, pages_total))[:n].tolist(),
                                         rng.permutation(np.arange(1, pages_total))[:n].tolist(), repeats))
             log.info("%s", rows[-1])
+            on_row(report)
         for lane_count in lanes:
             prefill.mgr.workers.per_peer = lane_count  # lanes are made on demand: this sets how many
             for tokens, count in concurrent:
@@ -488,9 +495,10 @@ def run(protocol: str, token_counts: Sequence[int], concurrent: Sequence[tuple[i
                     prefill.rooms([[1]], [[1]], [page_checksum(prefill.pool, [1])])  # lanes warm
                     sets.append(prefill.concurrent(tokens, count, name, pages_total, max(1, repeats // 3)))
                     log.info("%s", sets[-1])
+                    on_row(report)
     finally:
         prefill.close()
-    return {"protocol": protocol, "layers": layers, "head_dim": head_dim, "rooms": rows, "concurrent": sets}
+    return report
 
 
 def format_report(report: dict) -> str:
@@ -549,6 +557,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "prefill's CPU per room shows without the copy; tcp on a CPU box)")
     parser.add_argument("--merge-writes", action="store_true",
                         help="tcp: rooms queued for the decode share one Mooncake write, as cuda_ipc's share a copy")
+    parser.add_argument("--no-kernel-sweep", action="store_true",
+                        help="skip timing the copy kernel at other block shapes (8,192-token contiguous row)")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats of each measurement (median)")
     parser.add_argument("--json", default="", help="also write the report as JSON to this path")
     parser.add_argument("--decode-child", default="", help=argparse.SUPPRESS)
@@ -563,12 +573,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.transfer_protocol == "cuda_ipc" and not torch.cuda.is_available():
         parser.error("--transfer-protocol cuda_ipc needs a CUDA device")
     logging.basicConfig(level=logging.WARNING)
+
+    def write_json(report: dict) -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+
+    def progress(report: dict) -> None:
+        write_json(report)
+        last = (report["concurrent"] or report["rooms"])[-1]
+        print(f"measured: {last['tokens']} tokens x {last.get('rooms', 1)} rooms, {last['pages']}", flush=True)
+
     report = run(args.transfer_protocol, args.kv_tokens, args.concurrent, args.lanes, args.layers, args.repeats,
-                 args.head_dim, args.merge_writes)
+                 args.head_dim, args.merge_writes, not args.no_kernel_sweep, progress)
     print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(report)
     return 0
 
 
