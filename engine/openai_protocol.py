@@ -371,6 +371,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def samples_usage(prompts: dict[int, tuple[int, list[int]]], completion_tokens: int) -> dict[str, Any]:
+    """Usage of an answer with n samples per prompt: prompt index -> (its length, its samples'
+    cached tokens). Each prompt counts once, its cached tokens the fewest any sample found: samples
+    after the first to arrive copy its pages, and which one arrives first (a router sends them as
+    separate requests) is a race; the fewest is the same in every deployment."""
+    return usage(sum(length for length, _ in prompts.values()), completion_tokens,
+                 sum(min(cached) for _, cached in prompts.values()))
+
+
 def completion_logprobs(tokens: list[str], logprobs: list[float],
                         top: list[list[tuple[str, float]]] | None) -> dict[str, Any]:
     return {"tokens": tokens, "token_logprobs": logprobs,

@@ -37,7 +37,7 @@ from splitserve.engine.openai_protocol import (
     completion_logprobs,
     parse_chat,
     parse_completion,
-    usage,
+    samples_usage,
 )
 from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
@@ -301,13 +301,11 @@ class ApiServer:
                 entry["prompt_token_ids"] = c.prompt_ids
                 entry["token_ids"] = c.token_ids
             out_choices.append(entry)
-        prompt_tokens = sum(len(c.prompt_ids) for c in choices[:: gen.n])
         return {
             "id": ("chatcmpl-" if gen.kind == "chat" else "cmpl-") + gen.request_id,
             "object": "chat.completion" if gen.kind == "chat" else "text_completion",
             "created": gen.created, "model": gen.model, "choices": out_choices,
-            "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices),
-                           sum(c.cached_tokens for c in choices[:: gen.n])),
+            "usage": _choices_usage(choices, gen.n),
         }
 
     async def _sse(self, gen: GenerationRequest, streams) -> AsyncIterator[bytes]:
@@ -360,8 +358,7 @@ class ApiServer:
             if gen.include_usage:
                 choices = [c for c, _ in streams]
                 yield _sse_event({"id": rid, "object": kind, "created": gen.created, "model": gen.model,
-                                  "choices": [], "usage": usage(sum(len(c.prompt_ids) for c in choices[:: gen.n]),
-                                                                sum(len(c.token_ids) for c in choices))})
+                                  "choices": [], "usage": _choices_usage(choices, gen.n)})
             yield b"data: [DONE]\n\n"
         finally:
             for t in tasks:
@@ -410,6 +407,13 @@ def _tool_finish(gen: GenerationRequest, finish: str | None) -> str | None:
         return finish
     assert gen.tools is not None
     return "tool_calls" if gen.tools.choice in ("auto", "required") else "stop"
+
+
+def _choices_usage(choices: list[ChoiceResult], n: int) -> dict[str, Any]:
+    """Usage of choices that come n per prompt, in prompt order."""
+    prompts = {i // n: (len(c.prompt_ids), [x.cached_tokens for x in choices[i:i + n]])
+               for i, c in enumerate(choices) if i % n == 0}
+    return samples_usage(prompts, sum(len(c.token_ids) for c in choices))
 
 
 def _sse_event(payload: dict[str, Any]) -> bytes:

@@ -24,7 +24,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from splitserve.engine.openai_protocol import MAX_N, ApiError, usage
+from splitserve.engine.openai_protocol import MAX_N, ApiError, samples_usage
 
 MAX_SEQUENCES = 256  # choices of one fanned-out request (prompts x n)
 
@@ -105,15 +105,15 @@ def merge_bodies(sequences: list[Sequence], bodies: list[dict[str, Any]]) -> dic
 
 
 def summed_usage(sequences: list[Sequence], usages: list[dict[str, Any] | None]) -> dict[str, Any]:
-    prompt = cached = completion = 0
+    prompts: dict[int, tuple[int, list[int]]] = {}
+    completion = 0
     for seq, u in zip(sequences, usages, strict=True):
         if u is None:
             continue
         completion += u.get("completion_tokens", 0)
-        if seq.sample == 0:  # the n samples of a prompt share it: count it once, as the engine does
-            prompt += u.get("prompt_tokens", 0)
-            cached += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return usage(prompt, completion, cached)
+        _, cached = prompts.setdefault(seq.prompt_index, (u.get("prompt_tokens", 0), []))
+        cached.append((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    return samples_usage(prompts, completion)
 
 
 async def _merged_stream(sequences: list[Sequence], responses: list[Response],

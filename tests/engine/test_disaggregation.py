@@ -140,8 +140,10 @@ def test_direct_request_to_prefill_or_decode_without_room_is_refused(cluster) ->
 @pytest.mark.parametrize("stream", [False, True])
 def test_router_fans_out_n_and_prompt_lists_like_the_unified_engine(cluster, stream: bool) -> None:
     """n > 1 and a list of prompts through 2P2D: choices in the unified engine's order, its greedy
-    tokens, its usage; seeded samples of one prompt differ (seed + j)."""
-    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    tokens, its usage (a prompt's cached tokens: the fewest its samples found, however they
+    arrived); seeded samples of one prompt differ (seed + j). Prompts new to every engine per
+    case, so that the cache holds none of them from the other case."""
+    prompts = [[t + 20 * stream for t in p] for p in ([5, 6, 7, 8], [9, 10], [11, 12, 13])]
     body = {"model": "m", "prompt": prompts, "n": 2, "max_tokens": 6, "return_token_ids": True, "ignore_eos": True,
             "temperature": 0}
     greedy = body

@@ -26,14 +26,17 @@ def test_split_is_prompt_major_with_seed_plus_j() -> None:
 
 
 def test_merge_renumbers_choices_and_counts_a_prompt_once() -> None:
+    # A prompt's cached tokens are the fewest its samples found: whichever sample reached the
+    # prefill first computed it (a's second, b's first) and the other copied its pages.
     seqs = split_sequences({"prompt": ["a", "b"], "n": 2})
+    cached = [3, 0, 1, 5]
     bodies = [{"id": f"c{i}", "choices": [{"index": 0, "text": f"t{i}"}],
                "usage": {"prompt_tokens": 3 + s.prompt_index, "completion_tokens": 2,
-                         "prompt_tokens_details": {"cached_tokens": 1}}} for i, s in enumerate(seqs)]
+                         "prompt_tokens_details": {"cached_tokens": cached[i]}}} for i, s in enumerate(seqs)]
     merged = merge_bodies(seqs, bodies)
     assert [(c["index"], c["text"]) for c in merged["choices"]] == [(0, "t0"), (1, "t1"), (2, "t2"), (3, "t3")]
     assert merged["usage"]["prompt_tokens"] == 3 + 4 and merged["usage"]["completion_tokens"] == 8
-    assert merged["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
+    assert merged["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 + 1
 
 
 def test_streams_interleave_with_one_usage_chunk_and_one_done() -> None:

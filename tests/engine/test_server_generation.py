@@ -177,6 +177,18 @@ def test_streaming_chat_sends_role_then_content(server: str) -> None:
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def test_streamed_usage_counts_cached_prompt_tokens_as_the_answer_does(server: str) -> None:
+    prompt = list(range(60, 90))
+    complete(server, prompt=prompt, max_tokens=1, temperature=0)  # now cached
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    answered = complete(server, **{k: v for k, v in body.items() if k != "model"})["usage"]
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert answered["prompt_tokens_details"]["cached_tokens"] >= 16
+    assert events[-1]["usage"] == answered
+
+
 def test_logprobs_are_reported_for_top_n(server: str) -> None:
     out = complete(server, prompt="abc", max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
     lp = out["choices"][0]["logprobs"]
