@@ -1,12 +1,12 @@
 """The encoder's side: ship each image item's rows to the prefill rank waiting for its room.
 
-`begin(room)` opens the room (False if it is taken); `send(chunk)` hands over where the rows are
-(a slot of this encoder's registered pool), their rows, hidden size, dtype and bytes; the rows go
-out once the prefill rank's `EmbeddingWanted` for the room is in hand (it may come before or
-after). Before any write, the chunk is checked against what the prefill rank expects (rows,
-hidden, dtype, bytes); a mismatch fails the item on both sides and writes nothing.
-`fail(room, reason)` fails an item (e.g. the image did not decode); `concluded()` returns the
-rooms finished since the last call, so the caller can unpin their source slots.
+`begin(room)` opens the room (False if it is taken), `begin_all(rooms)` one call's rooms, all or
+none; `send(chunk)` hands over where the rows are (a slot of this encoder's registered pool), their
+rows, hidden size, dtype and bytes; the rows go out once the prefill rank's `EmbeddingWanted` for
+the room is in hand (it may come before or after). Before any write, the chunk is checked against
+what the prefill rank expects (rows, hidden, dtype, bytes); a mismatch fails the item on both sides
+and writes nothing. `fail(room, reason)` fails an item (e.g. the image did not decode); `concluded()`
+returns the rooms finished since the last call, so the caller can unpin their source slots.
 
 Fences (write_fence.py): every Mooncake write is counted per room while in flight, and none
 starts once the prefill aborted the room or past the ask's `write_by`; an `EmbeddingAbort` is
@@ -96,18 +96,21 @@ class EmbeddingSender(EmbeddingEndpoint):
     # ---- the encode role's API ------------------------------------------------------------
 
     def begin(self, room: int) -> bool:
+        return self.begin_all([room]) is None
+
+    def begin_all(self, rooms: list[int]) -> int | None:
+        """Opens every room of one call, or none: the first room already open (or twice in `rooms`),
+        or None once all are open. Checked before anything opens, so a refused call leaves nothing behind."""
         now = time.monotonic()
         with self.lock:
-            if room in self._rooms:
-                return False
-            self._rooms[room] = SendRoom(room, now)
-            if room in self._aborted:
-                self._conclude_locked(self._rooms[room], False, "aborted by the prefill")
-                return True
-            early = self._early.pop(room, None)
-            if early is not None:
-                self._rooms[room].wanted = early[1]
-            return True
+            seen: set[int] = set()
+            for room in rooms:
+                if room in self._rooms or room in seen:
+                    return room
+                seen.add(room)
+            for room in rooms:
+                self._open_locked(room, now)
+            return None
 
     def send(self, chunk: EmbeddingChunk) -> bool:
         """False if the room is gone (failed, aborted): the chunk's slot is the caller's again."""
@@ -139,6 +142,15 @@ class EmbeddingSender(EmbeddingEndpoint):
                     "writes_in_flight": sum(self._in_flight.values())}
 
     # ---- internals (lock held) --------------------------------------------------------------
+
+    def _open_locked(self, room: int, now: float) -> None:
+        self._rooms[room] = SendRoom(room, now)
+        if room in self._aborted:
+            self._conclude_locked(self._rooms[room], False, "aborted by the prefill")
+            return
+        early = self._early.pop(room, None)
+        if early is not None:
+            self._rooms[room].wanted = early[1]
 
     def _maybe_write_locked(self, state: SendRoom) -> None:
         want, chunk = state.wanted, state.chunk

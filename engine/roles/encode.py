@@ -2,8 +2,9 @@
 
 The router posts each image item with its room to `/v1/encode` (engine/encode_endpoint.py: the
 image is decoded and preprocessed there, a bad one is a 400 before any engine work); `accept`
-opens its room on the sender (`begin`) and queues the item. With `serve --engine-process` the API
-server process does the HTTP side and the core's `accept` is reached over the wire (`core_calls`).
+opens the call's rooms on the sender (`begin_all`: all, or none and a 409) and queues the items.
+With `serve --engine-process` the API server process does the HTTP side and the core's `accept` is
+reached over the wire (`core_calls`).
 The loop encodes queued items in batches on the loop thread (the only thread that runs the model)
 into slots of the sender's registered pool, which double as an LRU cache by image hash: a hit
 ships at once. The rows go to the prefill rank once it asks for the room; a slot stays pinned
@@ -75,11 +76,11 @@ class EncodeRole(Role):
                               "queued": len(self.jobs), **self.sender.stats()}}
 
     def accept(self, jobs: list[EncodeJob]) -> tuple[int, dict[str, Any]]:
-        """Opens each job's room and queues the jobs for the loop thread (any thread may call it):
+        """Opens every job's room (or none: 409) and queues the jobs for the loop thread (any thread may call it):
         (HTTP status, body) for /v1/encode."""
-        for job in jobs:
-            if not self.sender.begin(job.room):
-                return room_taken(job.room)
+        taken = self.sender.begin_all([job.room for job in jobs])  # all or none: a 409 leaves no room open
+        if taken is not None:
+            return room_taken(taken)
         self.engine.call_soon(lambda: self.jobs.extend(jobs))  # the loop thread takes them; call_soon wakes it
         return 200, {"endpoint": self.sender.endpoint, "items": [
             {"room": j.room, "digest": j.digest, "rows": self.vision.tokens_per_image} for j in jobs]}

@@ -204,6 +204,39 @@ def test_only_the_group_may_hand_an_encoder_work(deployment: Deployment) -> None
     assert health(deployment.url("encode-a"))["embedding"]["queued"] == 0  # nothing was taken
 
 
+def encode_call(d: Deployment, encoder: str, rooms: list[int]) -> httpx.Response:
+    items = [{"room": room, "image_url": {"url": png_url(20, 20 + i, 40 + i)}} for i, room in enumerate(rooms)]
+    return httpx.post(f"{d.url(encoder)}/v1/encode", json={"items": items}, headers={KEY_HEADER: TEST_CONTROL_KEY},
+                      timeout=30)
+
+
+def failed_items(d: Deployment, encoder: str) -> float:
+    line = 'splitserve_embedding_items_total{side="encoder",outcome="failed"} '
+    found = [x for x in httpx.get(f"{d.url(encoder)}/metrics", timeout=5).text.splitlines() if x.startswith(line)]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+def test_a_call_with_a_taken_room_opens_none_of_its_rooms(deployment: Deployment) -> None:
+    """All or nothing: a 409 for the second item leaves the first item's room closed (not open until
+    the bootstrap timeout, 60 s here) and counts no failed item; the taken room still serves its request."""
+    start, failed = health(deployment.url("encode-a"))["embedding"], failed_items(deployment, "encode-a")
+    taken, fresh = secrets.randbits(63), secrets.randbits(63)
+    first = encode_call(deployment, "encode-a", [taken])
+    assert first.status_code == 200, first.text
+    for rooms in ([fresh, taken], [fresh, fresh]):  # taken by an earlier call, or twice in this one
+        r = encode_call(deployment, "encode-a", rooms)
+        assert r.status_code == 409 and f"room {rooms[1]} is already open" in r.text, r.text
+        now = health(deployment.url("encode-a"))["embedding"]
+        assert now["rooms"] == start["rooms"] + 1 and now["early"] == start["early"], (start, now)  # `taken` only
+        assert failed_items(deployment, "encode-a") == failed  # a refused call is no failed item
+    # The open room's request is served as the router would send it, and then everything is back.
+    ref = {"type": "image_ref", "image_ref": {"digest": first.json()["items"][0]["digest"],
+                                              "encoder_addr": first.json()["endpoint"], "room": taken}}
+    pre, dec = prefill_and_decode(deployment, [ref, {"type": "text", "text": "x"}])
+    assert pre.status_code == 200 and dec.status_code == 200, (pre.text, dec.text)
+    assert_everything_back(deployment)
+
+
 def test_bad_images_are_400s_before_any_prefill_work(deployment: Deployment) -> None:
     steps = engine_state(deployment.url('prefill'))["steps"]
     bad = [("data:image/png;base64,@@@", "invalid_image"), ("data:image/gif;base64,R0lGODlh", "unsupported_image_type"),

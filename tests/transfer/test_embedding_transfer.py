@@ -62,11 +62,13 @@ def test_rows_land_exactly_whichever_side_comes_first(pair) -> None:
     sender, receiver = pair
     a, b = put_rows(sender, 0, 1), put_rows(sender, 1, 2)
     assert sender.begin(11) and not sender.begin(11)  # a room is taken once
+    assert sender.begin_all([13, 11]) == 11 and sender.stats()["rooms"] == 1  # all or none: 13 was not opened
     sender.send(chunk(11, 0))  # rows ready before the prefill asks
     receiver.stage("r", [WantedItem(11, sender.endpoint, ROWS, "a" * 64),
                          WantedItem(12, sender.endpoint, ROWS, "b" * 64)])
     time.sleep(0.2)
     assert receiver.poll()["r"] == RECEIVING  # room 12's image has not reached the encoder yet
+    assert sender.begin_all([12, 12]) == 12 and sender.stats()["early"] == 1  # refused whole: the ask still waits
     assert sender.begin(12)  # the prefill's ask for 12 arrived first and waited
     sender.send(chunk(12, 1))
     assert wait_codes(receiver, "r") == LANDED
