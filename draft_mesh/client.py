@@ -12,6 +12,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -23,11 +24,15 @@ from splitserve.proto import draft_mesh_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
+# Joins start at most this often (a refusal or an error the drafter answered is not retried at once).
 REJOIN_BACKOFF_S = 0.5
-# gRPC backs a failed channel's reconnects off exponentially (to minutes, by default); a returning
-# drafter must be found within about a second of its start.
+# gRPC backs a failed channel's reconnects off exponentially (to minutes, by default) with +-20%
+# jitter; a returning drafter must be found within about a second of its start, so the channel
+# tries again at least every 0.6 s, and the Join waits on the channel (wait_for_ready), not on a poll.
+MAX_RECONNECT_BACKOFF_MS = 500
+RECONNECT_JITTER = 0.2
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                   ("grpc.max_reconnect_backoff_ms", 1000))
+                   ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS))
 
 
 @dataclass(frozen=True)
@@ -50,9 +55,12 @@ class MeshCaller:
         self.channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.DraftMeshStub(self.channel)
 
-    def call(self, method: str, request):
+    def call(self, method: str, request, wait_for_ready: bool = False):
+        """``wait_for_ready``: while the drafter is unreachable the call waits (up to the timeout) for
+        the channel to connect and goes out the moment it does, instead of failing at once."""
         metadata = signed_metadata(self.key, SERVICE + method, request.SerializeToString())
-        return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=metadata)
+        return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=metadata,
+                                          wait_for_ready=wait_for_ready)
 
     def close(self) -> None:
         self.channel.close()
@@ -81,8 +89,10 @@ class DrafterLink:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self.lease is None:
-                self._try_join()
-                wait = self.interval_s if self.lease is not None else REJOIN_BACKOFF_S
+                started = time.monotonic()
+                self._try_join()  # while the drafter is unreachable, this waits on the channel
+                spent = time.monotonic() - started
+                wait = self.interval_s if self.lease is not None else max(0.0, REJOIN_BACKOFF_S - spent)
             else:
                 self._heartbeat()
                 wait = self.interval_s if self.lease is not None else 0.0
@@ -90,9 +100,11 @@ class DrafterLink:
 
     def _try_join(self) -> None:
         try:
-            reply = self.caller.call("Join", self.join_request)
+            reply = self.caller.call("Join", self.join_request, wait_for_ready=True)
         except grpc.RpcError as exc:
-            self._set_state("unreachable", f"{exc.code().name}: {exc.details()}")
+            waited = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            why = f"no answer within {self.caller.timeout_s:g}s" if waited else f"{exc.code().name}: {exc.details()}"
+            self._set_state("unreachable", why)
             return
         if not reply.accepted:
             self._set_state("refused", f"{pb.Refusal.Name(reply.refusal)}: {reply.reason}")
