@@ -10,25 +10,18 @@ prefill and decode engines behind a router; Mooncake TCP on loopback."""
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import io
 import time
-from pathlib import Path
 
 import httpx
 import msgpack
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from server_group import ServerGroup, chat_all, image, png_url
 from servers import (
     TEST_CONTROL_KEY,
-    ServerProcess,
     assert_kv_back_to_start,
     engine_state,
     free_port,
-    wait_http_ok,
 )
 
 from splitserve.engine.core_protocol import image_from_wire, image_to_wire
@@ -42,17 +35,6 @@ ENGINE = ["--served-model-name", "m", "--device", "cpu", "--page-size", "4", "--
           "--max-running-requests", "8", "--chunked-prefill-size", "8"]
 TRANSFER = ["--transfer-heartbeat-interval-s", "0.3", "--transfer-heartbeat-misses", "4",
             "--transfer-control-key", TEST_CONTROL_KEY]
-
-
-def png_url(w: int, h: int, seed: int, fmt: str = "PNG") -> str:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def image(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def body(parts: list[dict], **extra) -> dict:
@@ -69,36 +51,10 @@ CASES = [
 ]
 
 
-class Processes:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.checkpoint = write_llava_checkpoint(tmp / "ckpt", seed=7)
-        self.procs: dict[str, tuple[str, ServerProcess]] = {}
-
-    def start(self, name: str, args: list[str]) -> str:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        self.procs[name] = (url, ServerProcess([*args, "--port", str(port)], self.tmp / f"{name}.log"))
-        return url
-
-    def engine(self, name: str, role: str, *extra: str) -> str:
-        return self.start(name, ["serve", "--role", role, "--model", str(self.checkpoint), *ENGINE, *extra])
-
-    def url(self, name: str) -> str:
-        return self.procs[name][0]
-
-    def wait(self) -> None:
-        for name, (url, proc) in self.procs.items():
-            wait_http_ok(f"{url}/ready" if name == "router" else f"{url}/health", proc.proc, 180, proc.log)
-
-    def stop(self) -> None:
-        for _, proc in self.procs.values():
-            proc.stop()
-
-
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    p = Processes(tmp_path_factory.mktemp("engine-process-images"))
+    tmp = tmp_path_factory.mktemp("engine-process-images")
+    p = ServerGroup(tmp, write_llava_checkpoint(tmp / "ckpt", seed=7), ENGINE)
     p.engine("one-process", "unified")
     p.engine("unified", "unified", "--engine-process")
     # A room no prefill asks for (the 409 test's) is closed after the bootstrap timeout.
@@ -115,13 +71,6 @@ def group(tmp_path_factory):
         yield p
     finally:
         p.stop()
-
-
-def chat_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
-    async def run() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json=b) for b in bodies))
-    return asyncio.run(run())
 
 
 def choices(responses: list[httpx.Response]) -> list[list[list[int]]]:
@@ -148,7 +97,7 @@ def test_an_image_item_round_trips_the_wire_as_bytes() -> None:
     assert back[2].pixels is None and back[2].embedding is None
 
 
-def test_a_unified_split_engine_equals_the_one_process_engine_token_for_token(group: Processes) -> None:
+def test_a_unified_split_engine_equals_the_one_process_engine_token_for_token(group: ServerGroup) -> None:
     bodies = [body(c) for c in CASES] + [body(CASES[1], n=2, temperature=0.8, seed=3)]
     want = choices(chat_all(group.url("one-process"), bodies))
     got = choices(chat_all(group.url("unified"), bodies))
@@ -156,7 +105,7 @@ def test_a_unified_split_engine_equals_the_one_process_engine_token_for_token(gr
     assert_kv_back_to_start(group.url("unified"), key="")
 
 
-def test_encode_prefill_and_decode_split_engines_equal_the_one_process_engine(group: Processes) -> None:
+def test_encode_prefill_and_decode_split_engines_equal_the_one_process_engine(group: ServerGroup) -> None:
     bodies = [body(c) for c in CASES]
     want = choices(chat_all(group.url("one-process"), bodies))
     got = choices(chat_all(group.url("router"), bodies))
@@ -170,7 +119,7 @@ def test_encode_prefill_and_decode_split_engines_equal_the_one_process_engine(gr
     assert enc["pinned_slots"] == 0 and enc["rooms"] == 0 and enc["queued"] == 0, enc
 
 
-def test_the_split_encoder_checks_key_items_and_images_before_the_core(group: Processes) -> None:
+def test_the_split_encoder_checks_key_items_and_images_before_the_core(group: ServerGroup) -> None:
     url = f"{group.url('encode')}/v1/encode"
     item = {"items": [{"room": 5, "image_url": {"url": png_url(20, 20, 5)}}]}
     r = httpx.post(url, json=item, timeout=30)
@@ -192,7 +141,7 @@ def test_the_split_encoder_checks_key_items_and_images_before_the_core(group: Pr
         time.sleep(0.1)
 
 
-def test_a_split_encoder_call_with_a_taken_room_opens_none_of_its_rooms(group: Processes) -> None:
+def test_a_split_encoder_call_with_a_taken_room_opens_none_of_its_rooms(group: ServerGroup) -> None:
     """All or nothing in the core too: the 409 for the second item leaves the first item's room closed."""
     url = f"{group.url('encode')}/v1/encode"
 
@@ -211,7 +160,7 @@ def test_a_split_encoder_call_with_a_taken_room_opens_none_of_its_rooms(group: P
     assert embedding_idle(group.url("encode"))["rooms"] <= start["rooms"] + 1
 
 
-def test_bad_images_are_400s_in_the_split(group: Processes) -> None:
+def test_bad_images_are_400s_in_the_split(group: ServerGroup) -> None:
     r = httpx.post(f"{group.url('unified')}/v1/chat/completions", timeout=30,
                    json=body([image("data:image/png;base64,@@@"), {"type": "text", "text": "x"}]))
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image", r.text

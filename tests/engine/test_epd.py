@@ -14,27 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import logging
 import os
 import secrets
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
-from PIL import Image
+from server_group import ServerGroup, chat_all, image, png_bytes, png_url
 from servers import (
     TEST_CONTROL_KEY,
-    ServerProcess,
     assert_kv_back_to_start,
     bootstrap_grant,
     engine_state,
     free_port,
-    wait_http_ok,
 )
 
 from splitserve.engine.image_items import image_digest
@@ -54,35 +49,10 @@ HEARTBEAT_TIMEOUT_S = 0.3 * 4
 WRITE_PAUSE_S = 20.0  # far longer than any bound asserted below: the kill always lands in the pause
 
 
-class Deployment:
-    def __init__(self, tmp: Path, checkpoint: Path) -> None:
-        self.tmp, self.checkpoint, self.procs = tmp, checkpoint, {}
-
-    def start(self, name: str, args: list[str]) -> str:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        self.procs[name] = (url, ServerProcess([*args, "--port", str(port)], self.tmp / f"{name}.log"))
-        return url
-
-    def engine(self, name: str, role: str, *extra: str) -> str:
-        return self.start(name, ["serve", "--role", role, "--model", str(self.checkpoint), *ENGINE, *extra])
-
-    def url(self, name: str) -> str:
-        return self.procs[name][0]
-
-    def wait(self) -> None:
-        for name, (url, proc) in self.procs.items():
-            wait_http_ok(f"{url}/ready" if name.startswith("router") else f"{url}/health", proc.proc, 180, proc.log)
-
-    def stop(self) -> None:
-        for _, proc in self.procs.values():
-            proc.stop()
-
-
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("epd")
-    d = Deployment(tmp, write_llava_checkpoint(tmp / "ckpt", seed=7))
+    d = ServerGroup(tmp, write_llava_checkpoint(tmp / "ckpt", seed=7), ENGINE)
     d.engine("unified", "unified", "--chunked-prefill-size", "8")
     for name in ("encode-a", "encode-b", "encode-c"):
         d.engine(name, "encode", *TRANSFER)
@@ -108,21 +78,6 @@ def deployment(tmp_path_factory):
         d.stop()
 
 
-def png_bytes(w: int, h: int, seed: int, fmt: str = "PNG") -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, fmt)
-    return buf.getvalue()
-
-
-def png_url(w: int, h: int, seed: int, fmt: str = "PNG") -> str:
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(png_bytes(w, h, seed, fmt)).decode()
-
-
-def image(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
 def body(parts: list[dict], max_tokens: int = 10) -> dict:
     return {"model": "m", "messages": [{"role": "user", "content": parts}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -132,14 +87,7 @@ def health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=5).json()
 
 
-def chat_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
-    async def run() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json=b) for b in bodies))
-    return asyncio.run(run())
-
-
-def assert_everything_back(d: Deployment, timeout: float = 10.0) -> None:
+def assert_everything_back(d: ServerGroup, timeout: float = 10.0) -> None:
     assert_kv_back_to_start(d.url("prefill"))
     assert_kv_back_to_start(d.url("decode"))
     deadline = time.monotonic() + timeout
@@ -168,7 +116,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("router", ["router-1e", "router-2e"])
-def test_epd_equals_unified_token_for_token(deployment: Deployment, router: str) -> None:
+def test_epd_equals_unified_token_for_token(deployment: ServerGroup, router: str) -> None:
     bodies = [body(c) for c in CASES]
     want = [r.json()["choices"][0] for r in chat_all(deployment.url("unified"), bodies)]
     got = chat_all(deployment.url(router), bodies)
@@ -186,7 +134,7 @@ def test_epd_equals_unified_token_for_token(deployment: Deployment, router: str)
         assert b > 0  # the second encoder took its share by image hash
 
 
-def test_text_only_requests_skip_the_encoders(deployment: Deployment) -> None:
+def test_text_only_requests_skip_the_encoders(deployment: ServerGroup) -> None:
     before = httpx.get(f"{deployment.url('encode-a')}/metrics").text.count("splitserve_embedding_items_total{")
     r = httpx.post(f"{deployment.url('router-1e')}/v1/chat/completions", json=body([{"type": "text", "text": "hi"}]),
                    timeout=60)
@@ -195,7 +143,7 @@ def test_text_only_requests_skip_the_encoders(deployment: Deployment) -> None:
     assert after == before
 
 
-def test_only_the_group_may_hand_an_encoder_work(deployment: Deployment) -> None:
+def test_only_the_group_may_hand_an_encoder_work(deployment: ServerGroup) -> None:
     items = {"items": [{"room": secrets.randbits(63), "image_url": {"url": png_url(20, 20, 5)}}]}
     for headers in ({}, {KEY_HEADER: "not-the-key"}):
         r = httpx.post(f"{deployment.url('encode-a')}/v1/encode", json=items, headers=headers, timeout=30)
@@ -204,19 +152,19 @@ def test_only_the_group_may_hand_an_encoder_work(deployment: Deployment) -> None
     assert health(deployment.url("encode-a"))["embedding"]["queued"] == 0  # nothing was taken
 
 
-def encode_call(d: Deployment, encoder: str, rooms: list[int]) -> httpx.Response:
+def encode_call(d: ServerGroup, encoder: str, rooms: list[int]) -> httpx.Response:
     items = [{"room": room, "image_url": {"url": png_url(20, 20 + i, 40 + i)}} for i, room in enumerate(rooms)]
     return httpx.post(f"{d.url(encoder)}/v1/encode", json={"items": items}, headers={KEY_HEADER: TEST_CONTROL_KEY},
                       timeout=30)
 
 
-def failed_items(d: Deployment, encoder: str) -> float:
+def failed_items(d: ServerGroup, encoder: str) -> float:
     line = 'splitserve_embedding_items_total{side="encoder",outcome="failed"} '
     found = [x for x in httpx.get(f"{d.url(encoder)}/metrics", timeout=5).text.splitlines() if x.startswith(line)]
     return float(found[0].split()[-1]) if found else 0.0
 
 
-def test_a_call_with_a_taken_room_opens_none_of_its_rooms(deployment: Deployment) -> None:
+def test_a_call_with_a_taken_room_opens_none_of_its_rooms(deployment: ServerGroup) -> None:
     """All or nothing: a 409 for the second item leaves the first item's room closed (not open until
     the bootstrap timeout, 60 s here) and counts no failed item; the taken room still serves its request."""
     start, failed = health(deployment.url("encode-a"))["embedding"], failed_items(deployment, "encode-a")
@@ -237,7 +185,7 @@ def test_a_call_with_a_taken_room_opens_none_of_its_rooms(deployment: Deployment
     assert_everything_back(deployment)
 
 
-def test_bad_images_are_400s_before_any_prefill_work(deployment: Deployment) -> None:
+def test_bad_images_are_400s_before_any_prefill_work(deployment: ServerGroup) -> None:
     steps = engine_state(deployment.url('prefill'))["steps"]
     bad = [("data:image/png;base64,@@@", "invalid_image"), ("data:image/gif;base64,R0lGODlh", "unsupported_image_type"),
            ("data:image/png;base64," + base64.b64encode(b"not a png at all").decode(), "invalid_image"),
@@ -251,7 +199,7 @@ def test_bad_images_are_400s_before_any_prefill_work(deployment: Deployment) -> 
     assert_everything_back(deployment)
 
 
-def prefill_and_decode(d: Deployment, parts: list[dict]) -> tuple[httpx.Response, httpx.Response]:
+def prefill_and_decode(d: ServerGroup, parts: list[dict]) -> tuple[httpx.Response, httpx.Response]:
     """One request sent to the prefill and the decode directly, as the router would (no encoder call)."""
     pd = {**body(parts), **bootstrap_grant("127.0.0.1", d.bootstrap_port, secrets.randbits(63))}
 
@@ -268,7 +216,7 @@ def image_ref(encoder: str) -> dict:
                                                "room": secrets.randbits(63)}}
 
 
-def test_rows_that_never_come_give_408_and_free_everything(deployment: Deployment) -> None:
+def test_rows_that_never_come_give_408_and_free_everything(deployment: ServerGroup) -> None:
     """A room the encoder never got: prefill times out (408) and its decode is told at once."""
     encoder = health(deployment.url("encode-a"))["embedding_endpoint"]
     started = time.monotonic()
@@ -279,7 +227,7 @@ def test_rows_that_never_come_give_408_and_free_everything(deployment: Deploymen
     assert_everything_back(deployment)
 
 
-def test_a_killed_encoder_is_retried_around_or_fails_cleanly(deployment: Deployment) -> None:
+def test_a_killed_encoder_is_retried_around_or_fails_cleanly(deployment: ServerGroup) -> None:
     cases = [body([image(png_url(30 + i, 20, 100 + i)), {"type": "text", "text": f"img {i}"}]) for i in range(4)]
     want = [r.json()["choices"][0]["token_ids"] for r in chat_all(deployment.url("unified"), cases)]
     _, victim = deployment.procs["encode-c"]
@@ -299,7 +247,7 @@ def test_a_killed_encoder_is_retried_around_or_fails_cleanly(deployment: Deploym
     assert_everything_back(deployment)
 
 
-def kill_mid_write(d: Deployment, name: str) -> float:
+def kill_mid_write(d: ServerGroup, name: str) -> float:
     """Waits until encoder `name` has an item partly written (it pauses there), kills it -9 and
     returns when it died."""
     url, victim = d.procs[name]
@@ -313,7 +261,7 @@ def kill_mid_write(d: Deployment, name: str) -> float:
     return killed_at
 
 
-def answer_across_a_kill_mid_write(d: Deployment, router: str, case: dict,
+def answer_across_a_kill_mid_write(d: ServerGroup, router: str, case: dict,
                                    encoder: str) -> tuple[httpx.Response, float, float]:
     """Posts `case` to `router` and kills `encoder` -9 mid-write meanwhile: the answer, when it
     came and when the encoder died."""
@@ -340,11 +288,11 @@ def finished(url: str, reason: str) -> float:
                if line.startswith("splitserve_requests_finished_total") and f'reason="{reason}"' in line)
 
 
-def embedding_slots_free(d: Deployment) -> int:
+def embedding_slots_free(d: ServerGroup) -> int:
     return health(d.url("prefill"))["embedding"]["free"]
 
 
-def test_an_encoder_killed_mid_write_is_retried_on_another_encoder(deployment: Deployment) -> None:
+def test_an_encoder_killed_mid_write_is_retried_on_another_encoder(deployment: ServerGroup) -> None:
     """The router watches the encoders of an attempt: the one killed mid-write is ejected, the
     attempt dropped (prefill and decode free its room) and the retry encodes on the other encoder."""
     slow, other = deployment.url("encode-slow-1"), deployment.url("encode-b")
@@ -371,7 +319,7 @@ def test_an_encoder_killed_mid_write_is_retried_on_another_encoder(deployment: D
     assert embedding_slots_free(deployment) == free_at_start
 
 
-def test_an_encoder_killed_mid_write_fails_its_prefill_and_tells_the_decode_at_once(deployment: Deployment) -> None:
+def test_an_encoder_killed_mid_write_fails_its_prefill_and_tells_the_decode_at_once(deployment: ServerGroup) -> None:
     """No router: prefill's receiver sees the encoder die within the heartbeat bound, and the prefill
     aborts the KV room, so the decode (whose own transfer timeouts are 60 and 300 s) fails at once."""
     enc = deployment.url("encode-slow-2")
@@ -408,7 +356,7 @@ def test_an_encoder_killed_mid_write_fails_its_prefill_and_tells_the_decode_at_o
     assert embedding_slots_free(deployment) == free_at_start
 
 
-def test_the_only_encoder_killed_mid_write_gives_a_clear_503_and_frees_everything(deployment: Deployment) -> None:
+def test_the_only_encoder_killed_mid_write_gives_a_clear_503_and_frees_everything(deployment: ServerGroup) -> None:
     case = body([image(png_url(52, 41, 88)), {"type": "text", "text": "nobody left to encode"}])
     free_at_start = embedding_slots_free(deployment)
     r, answered_at, killed_at = answer_across_a_kill_mid_write(deployment, "router-lone-encoder", case,
@@ -423,7 +371,7 @@ def test_the_only_encoder_killed_mid_write_gives_a_clear_503_and_frees_everythin
 
 
 def test_a_frozen_encoder_s_slot_stays_fenced_while_others_equal_unified_and_lifts_after_sigcont(
-        deployment: Deployment) -> None:
+        deployment: ServerGroup) -> None:
     """An encoder SIGSTOPped halfway through an item's write, past the heartbeat timeout: the
     prefill fails the item, but its slot stays fenced while the encoder is frozen (a resumed write
     could land in it); other image requests meanwhile equal the unified engine; after SIGCONT the
@@ -476,7 +424,7 @@ def test_a_frozen_encoder_s_slot_stays_fenced_while_others_equal_unified_and_lif
     assert embedding_slots_free(deployment) == free_at_start
 
 
-def test_an_encoder_frozen_before_its_call_answers_is_ejected_and_the_request_ends(deployment: Deployment) -> None:
+def test_an_encoder_frozen_before_its_call_answers_is_ejected_and_the_request_ends(deployment: ServerGroup) -> None:
     """SIGSTOP keeps the encoder's socket open: without a bound the router's /v1/encode call would
     wait for its 600 s read timeout. The prober ejects the encoder (its /health probes time out)
     and that ends the call: the router's only encoder gone, a clear 503."""

@@ -13,27 +13,21 @@ freeze) and a healthy one; Mooncake TCP on loopback.
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import os
 import re
 import secrets
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
-from PIL import Image
+from server_group import ServerGroup, png_url
 from servers import (
     TEST_CONTROL_KEY,
-    ServerProcess,
     assert_kv_back_to_start,
     bootstrap_grant,
     free_port,
-    wait_http_ok,
 )
 
 from splitserve.engine.tiny_llava import write_llava_checkpoint
@@ -48,13 +42,6 @@ TRANSFER = ["--transfer-heartbeat-interval-s", "0.3", "--transfer-heartbeat-miss
 HEARTBEAT_TIMEOUT_S = 0.3 * 4
 SLOTS, MAX_FRACTION = 4, "0.25"  # at most 1 slot fenced before a holding encoder is refused
 WRITE_PAUSE_S = 3.0  # the freeze lands in this pause; the resumed encoder's later items take it too
-
-
-def png_url(w: int, h: int, seed: int) -> str:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def body(parts: list[dict]) -> dict:
@@ -73,36 +60,6 @@ def metric(url: str, name: str) -> float:
     return float(match.group(1))
 
 
-class Group:
-    """The processes of the test, by name."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.checkpoint = write_llava_checkpoint(tmp / "ckpt", seed=7)
-        self.procs: dict[str, tuple[str, ServerProcess]] = {}
-
-    def engine(self, name: str, role: str, *extra: str) -> str:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        args = ["serve", "--role", role, "--model", str(self.checkpoint), *ENGINE, *extra, "--port", str(port)]
-        self.procs[name] = (url, ServerProcess(args, self.tmp / f"{name}.log"))
-        return url
-
-    def url(self, name: str) -> str:
-        return self.procs[name][0]
-
-    def pid(self, name: str) -> int:
-        return self.procs[name][1].proc.pid
-
-    def wait(self) -> None:
-        for url, proc in self.procs.values():
-            wait_http_ok(f"{url}/health", proc.proc, 180, proc.log)
-
-    def stop(self) -> None:
-        for _, proc in self.procs.values():
-            proc.stop()
-
-
 def encode(encoder: str, url: str) -> dict:
     """Hands the encoder one image for a fresh room, as the router does: the prompt's image_ref."""
     room = secrets.randbits(63)
@@ -119,7 +76,7 @@ def unasked_ref(encoder_endpoint: str) -> dict:
                                                "room": secrets.randbits(63)}}
 
 
-def split(g: Group, bootstrap_port: int, parts: list[dict]) -> tuple[httpx.Response, httpx.Response, float]:
+def split(g: ServerGroup, bootstrap_port: int, parts: list[dict]) -> tuple[httpx.Response, httpx.Response, float]:
     """The request sent to the prefill and the decode at once, as the router would: both answers and
     how long the prefill's took."""
     req = {**body(parts), **bootstrap_grant("127.0.0.1", bootstrap_port, secrets.randbits(63))}
@@ -146,7 +103,7 @@ def wait_fenced(prefill: str, n: int, timeout: float = 10.0) -> dict:
 
 
 def test_past_the_fence_bound_a_frozen_encoder_s_new_items_fail_at_once_and_others_go_on(tmp_path) -> None:
-    g = Group(tmp_path)
+    g = ServerGroup(tmp_path, write_llava_checkpoint(tmp_path / "ckpt", seed=7), ENGINE)
     bootstrap_port = free_port()
     try:
         g.engine("unified", "unified")

@@ -1,0 +1,69 @@
+"""Named server processes of one test on loopback ports, and the images multimodal tests send."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+from servers import ServerProcess, free_port, wait_http_ok
+
+
+class ServerGroup:
+    """Engines (one per name, a role each) and routers of one test, started on free ports; `wait` waits
+    for every one (routers on /ready, engines on /health), `stop` stops them all."""
+
+    def __init__(self, tmp: Path, checkpoint: Path, engine_args: list[str]) -> None:
+        self.tmp, self.checkpoint, self.engine_args = tmp, checkpoint, engine_args
+        self.procs: dict[str, tuple[str, ServerProcess]] = {}
+
+    def start(self, name: str, args: list[str]) -> str:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        self.procs[name] = (url, ServerProcess([*args, "--port", str(port)], self.tmp / f"{name}.log"))
+        return url
+
+    def engine(self, name: str, role: str, *extra: str) -> str:
+        return self.start(name, ["serve", "--role", role, "--model", str(self.checkpoint), *self.engine_args,
+                                 *extra])
+
+    def url(self, name: str) -> str:
+        return self.procs[name][0]
+
+    def pid(self, name: str) -> int:
+        return self.procs[name][1].proc.pid
+
+    def wait(self) -> None:
+        for name, (url, proc) in self.procs.items():
+            wait_http_ok(f"{url}/ready" if name.startswith("router") else f"{url}/health", proc.proc, 180, proc.log)
+
+    def stop(self) -> None:
+        for _, proc in self.procs.values():
+            proc.stop()
+
+
+def png_bytes(w: int, h: int, seed: int, fmt: str = "PNG") -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, fmt)
+    return buf.getvalue()
+
+
+def png_url(w: int, h: int, seed: int, fmt: str = "PNG") -> str:
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(png_bytes(w, h, seed, fmt)).decode()
+
+
+def image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def chat_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    """Posts every chat body at once; the answers in order."""
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json=b) for b in bodies))
+    return asyncio.run(run())
