@@ -5,11 +5,13 @@ leaves no process behind, and a core killed -9 fails its requests with an error 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -152,13 +154,21 @@ def alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_sigterm_stops_the_server_and_its_core(checkpoint: Path, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def split_server(checkpoint: Path, tmp_path: Path) -> Iterator[tuple[str, ServerProcess]]:
+    """A server with its engine core process, ready; its URL and process (the tests signal and kill it)."""
     port = free_port()
     proc = ServerProcess(["serve", "--model", str(checkpoint), *ENGINE_ARGS, "--engine-process", "--port", str(port)],
                          tmp_path / "server.log")
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_http_ok(f"{url}/health", proc.proc, 120, proc.log)
+        wait_http_ok(f"http://127.0.0.1:{port}/health", proc.proc, 120, proc.log)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        proc.stop()
+
+
+def test_sigterm_stops_the_server_and_its_core(checkpoint: Path, tmp_path: Path) -> None:
+    with split_server(checkpoint, tmp_path) as (url, proc):
         core = engine_state(url, key="")["engine_core_pid"]
         assert alive(core)
         proc.proc.send_signal(signal.SIGTERM)
@@ -167,17 +177,10 @@ def test_sigterm_stops_the_server_and_its_core(checkpoint: Path, tmp_path: Path)
         while alive(core):
             assert time.monotonic() < deadline, f"the engine core {core} outlived its server"
             time.sleep(0.05)
-    finally:
-        proc.stop()
 
 
 def test_a_server_killed_takes_its_core_with_it(checkpoint: Path, tmp_path: Path) -> None:
-    port = free_port()
-    proc = ServerProcess(["serve", "--model", str(checkpoint), *ENGINE_ARGS, "--engine-process", "--port", str(port)],
-                         tmp_path / "server.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(f"{url}/health", proc.proc, 120, proc.log)
+    with split_server(checkpoint, tmp_path) as (url, proc):
         state = engine_state(url, key="")
         core, folder = state["engine_core_pid"], Path(state["engine_core_ipc_dir"])
         assert folder.is_dir()
@@ -187,17 +190,10 @@ def test_a_server_killed_takes_its_core_with_it(checkpoint: Path, tmp_path: Path
             assert time.monotonic() < deadline, f"the engine core {core} outlived its killed server"
             time.sleep(0.05)
         assert not folder.exists()  # the core took its sockets' folder with it
-    finally:
-        proc.stop()
 
 
 def test_a_core_killed_fails_its_requests_clearly_and_health_turns_503(checkpoint: Path, tmp_path: Path) -> None:
-    port = free_port()
-    proc = ServerProcess(["serve", "--model", str(checkpoint), *ENGINE_ARGS, "--engine-process", "--port", str(port)],
-                         tmp_path / "server.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(f"{url}/health", proc.proc, 120, proc.log)
+    with split_server(checkpoint, tmp_path) as (url, proc):
         core = engine_state(url, key="")["engine_core_pid"]
         waiting: dict = {}
         non_streamed = threading.Thread(target=lambda: waiting.update(r=post(url, body([4, 5], 5000), 60)))
@@ -221,5 +217,3 @@ def test_a_core_killed_fails_its_requests_clearly_and_health_turns_503(checkpoin
         later = post(url, body([1, 2], 2))
         assert later.status_code == 503 and "engine core process" in later.text, later.text
         assert proc.proc.poll() is None  # the API server stays up to say so
-    finally:
-        proc.stop()
