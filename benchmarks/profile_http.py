@@ -18,7 +18,6 @@ one line per stack: ``frames count``). A benchmark for the device, not a test.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from splitserve.engine.bench_client import client_line, default_client_processes
 
 logger = logging.getLogger("profile_http")
 
@@ -53,22 +54,22 @@ def start_server(folder: Path, root: Path, switch_ms: float, extra_path: str, ma
     return proc, url
 
 
-def run_load(url: str, spec: str, seed: int) -> dict:
+def run_load(url: str, spec: str, seed: int, client_processes: int) -> dict:
     from splitserve.engine.bench_serving import fixed_load
     from splitserve.engine.bench_serving import run_load as serving_load
 
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    return asyncio.run(serving_load(url, model, fixed_load(spec), seed))
+    return serving_load(url, model, fixed_load(spec), seed, client_processes)
 
 
-def sampled(py_spy: str, pid: int, out: Path, gil: bool, url: str, spec: str, seed: int) -> dict:
+def sampled(py_spy: str, pid: int, out: Path, gil: bool, url: str, spec: str, seed: int, client_processes: int) -> dict:
     cmd = [py_spy, "record", "--pid", str(pid), "--threads", "--rate", "200", "--format", "raw", "--output", str(out),
            "--nonblocking"]
     if gil:
         cmd.append("--gil")
     spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)
-    result = run_load(url, spec, seed)
+    result = run_load(url, spec, seed, client_processes)
     spy.send_signal(2)  # SIGINT: py-spy writes what it has
     try:
         _, err = spy.communicate(timeout=60)
@@ -90,6 +91,8 @@ def main() -> int:
     parser.add_argument("--py-spy", default="py-spy")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--profile-index", type=int, default=0, help="which variant's server py-spy samples")
+    parser.add_argument("--client-processes", type=int, default=default_client_processes(),
+                        help="client worker processes the load is spread over (default min(8, CPUs))")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from splitserve.engine.model_shapes import write_shape_folder
@@ -103,15 +106,16 @@ def main() -> int:
         proc, url = start_server(folder, Path(root), float(switch_ms), extra_path, args.max_running_requests,
                                  args.out / f"server_{i}.log")
         try:
-            run_load(url, "32x512:32", 1)  # warm-up
-            plain = run_load(url, args.load, 2)
+            run_load(url, "32x512:32", 1, args.client_processes)  # warm-up
+            plain = run_load(url, args.load, 2, args.client_processes)
             entry = {"variant": label, "root": root, "switch_ms": float(switch_ms), "plain": plain}
             logger.info("%s: %.0f output tok/s, TTFT p50 %.2f s, ITL p50 %.1f ms", variant, plain["output_tok_s"],
                         plain["ttft_s"]["p50"], plain["itl_s"]["p50"] * 1e3)
             report["runs"].append(entry)
             (args.out / "profile_http.json").write_text(json.dumps(report, indent=2))
             if args.profile and i == args.profile_index:
-                entry["gil"] = sampled(args.py_spy, proc.pid, args.out / "pyspy_gil.txt", True, url, args.load, 4)
+                entry["gil"] = sampled(args.py_spy, proc.pid, args.out / "pyspy_gil.txt", True, url, args.load, 4,
+                                      args.client_processes)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -121,6 +125,7 @@ def main() -> int:
         print(f"{entry['variant']} (switch {entry['switch_ms']:g} ms): {p['output_tok_s']:.0f} output tok/s, "
               f"TTFT p50 {p['ttft_s']['p50']:.2f} s, ITL p50 {p['itl_s']['p50'] * 1e3:.1f} ms "
               f"({p['ok']}/{p['requests']})")
+        print(f"  {client_line(p['client'])}")
     return 0
 
 

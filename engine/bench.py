@@ -26,7 +26,6 @@ roofline measured on this machine; both against transformers on the same shape.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import statistics
@@ -40,6 +39,7 @@ import httpx
 import torch
 
 from splitserve.config_flags import add_config_flags, config_from_args
+from splitserve.engine.bench_client import client_line, default_client_processes
 from splitserve.engine.chaos import print_chaos_report
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,9 @@ class BenchConfig:
         "help": "chaos profile: mean seconds between SIGKILLs of a random process"})
     chaos_roles: list[str] = field(default_factory=lambda: ["prefill", "decode", "router"], metadata={
         "help": "chaos profile: roles whose processes may be killed"})
+    client_processes: int = field(default_factory=default_client_processes, metadata={
+        "help": "http, pd, serving and api-split profiles: client worker processes the load is spread over "
+                "(one process reading every stream can be the bound; default min(8, CPUs))"})
     output: str | None = field(default=None, metadata={"help": "write the figures as JSON here"})
 
 
@@ -117,69 +120,15 @@ def random_prompts(n: int, length: int, seed: int, vocab: int = 250) -> list[lis
 
 # ---- HTTP load ------------------------------------------------------------------------------
 
-@dataclass
-class RequestTiming:
-    ttft: float
-    itls: list[float]
-    latency: float
-    output_tokens: int
-    ok: bool
-    error: str = ""
+def http_load(url: str, cfg: BenchConfig) -> dict:
+    """`cfg.num_requests` prompts, at most `cfg.concurrency` in flight (closed loop), from
+    `cfg.client_processes` client workers."""
+    from splitserve.engine.bench_client import StreamRequest, client_summary, run_requests
 
-
-async def _one_streamed(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                        output_len: int) -> RequestTiming:
-    start = time.perf_counter()
-    first = last = None
-    itls: list[float] = []
-    tokens = 0
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return RequestTiming(0, [], 0, 0, False, (await r.aread()).decode()[:200])
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return RequestTiming(0, [], 0, tokens, False, chunk["error"]["message"])
-                n = len(chunk["choices"][0].get("token_ids", []))
-                if not n:
-                    continue
-                now = time.perf_counter()
-                if first is None:
-                    first = now
-                else:
-                    itls.append((now - last) / n)
-                last = now
-                tokens += n
-    except httpx.HTTPError as exc:
-        return RequestTiming(0, [], 0, tokens, False, repr(exc))
-    end = time.perf_counter()
-    return RequestTiming((first or end) - start, itls, end - start, tokens, tokens == output_len)
-
-
-async def http_load(url: str, cfg: BenchConfig) -> dict:
-    async with httpx.AsyncClient(timeout=600) as client:
-        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        prompts = random_prompts(cfg.num_requests, cfg.input_len, cfg.seed)
-        gate = asyncio.Semaphore(cfg.concurrency)
-        done = 0
-
-        async def run(p: list[int]) -> RequestTiming:
-            nonlocal done
-            async with gate:
-                t = await _one_streamed(client, url, model, p, cfg.output_len)
-            done += 1
-            if done % max(1, cfg.num_requests // 10) == 0:
-                logger.info("bench: %d/%d requests done", done, cfg.num_requests)
-            return t
-
-        start = time.perf_counter()
-        timings = await asyncio.gather(*(run(p) for p in prompts))
-        wall = time.perf_counter() - start
+    model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+    requests = [StreamRequest(p, cfg.output_len) for p in random_prompts(cfg.num_requests, cfg.input_len, cfg.seed)]
+    run = run_requests(url, model, requests, cfg.client_processes, concurrency=cfg.concurrency, timeout_s=600)
+    timings, wall = run.timings, run.wall_s
     ok = [t for t in timings if t.ok]
     out_tokens = sum(t.output_tokens for t in ok)
     return {
@@ -191,6 +140,7 @@ async def http_load(url: str, cfg: BenchConfig) -> dict:
         "ttft_s": percentiles([t.ttft for t in ok]),
         "itl_s": percentiles([x for t in ok for x in t.itls]),
         "latency_s": percentiles([t.latency for t in ok]),
+        "client": client_summary(run),
     }
 
 
@@ -258,6 +208,7 @@ def print_report(report: dict) -> None:
             p = h[key]
             lines.append(f"  {key[:-2]:>8}: p50 {p['p50'] * 1e3:8.1f} ms  p90 {p['p90'] * 1e3:8.1f} ms  "
                          f"p99 {p['p99'] * 1e3:8.1f} ms")
+        lines.append(client_line(h["client"]))
     if "bare_engine" in report:
         e = report["bare_engine"]
         lines.append(f"bare engine, same prompts at concurrency {e['batch']}: {e['output_tokens_per_s']:.1f} output "
@@ -283,7 +234,7 @@ def pd_ttft(cfg: BenchConfig) -> dict:
             url = deployment.start()
             for level in cfg.concurrency_levels:
                 run_cfg = dataclasses.replace(cfg, concurrency=level, num_requests=max(cfg.num_requests, level))
-                results[name][level] = asyncio.run(http_load(url, run_cfg))
+                results[name][level] = http_load(url, run_cfg)
                 if name == "1p1d":
                     totals = scrape_metric_totals(deployment, "splitserve_transfer_")
                     results.setdefault("transfer_metrics", {})[level] = totals
@@ -325,6 +276,7 @@ def print_pd_report(r: dict) -> None:
                   f"p90 {h['ttft_s']['p90'] * 1e3:8.1f} ms | ITL p50 {h['itl_s']['p50'] * 1e3:6.2f} ms "
                   f"p90 {h['itl_s']['p90'] * 1e3:6.2f} ms | {h['output_tokens_per_s']:.1f} output tok/s "
                   f"({h['ok']}/{h['requests']} ok)")
+            print(f"concurrency {level:>3} {name:>8}: {client_line(h['client'])}")
         ratio = r["ratios"][level]
         print(f"concurrency {level:>3} 1P1D / unified: TTFT p50 {ratio['ttft_p50_1p1d_over_unified']:.2f}, "
               f"ITL p50 {ratio['itl_p50_1p1d_over_unified']:.2f}, "
@@ -407,7 +359,7 @@ def main(argv: list[str]) -> int:
         if url is None:
             proc, url = start_local_server(cfg)
         try:
-            report["http"] = asyncio.run(http_load(url, cfg))
+            report["http"] = http_load(url, cfg)
         finally:
             if proc is not None:
                 proc.terminate()

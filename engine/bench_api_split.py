@@ -10,7 +10,6 @@ Each prints output tok/s, TTFT and ITL percentiles, and its output tok/s over th
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 import os
@@ -67,7 +66,8 @@ def child_pids(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-def served_load(folder: Path, device: str, max_running: int, engine_args: str, load, seed: int) -> dict:
+def served_load(folder: Path, device: str, max_running: int, engine_args: str, load, seed: int,
+                client_processes: int) -> dict:
     """The load over HTTP; also the CPU time the server process (and its engine core, if it has one)
     spent per output token: the host work the HTTP path adds, which a faster device does not shrink."""
     from splitserve.engine.bench_serving import run_load, start_server
@@ -75,12 +75,12 @@ def served_load(folder: Path, device: str, max_running: int, engine_args: str, l
     proc, url = start_server(folder, device, max_running, engine_args)
     try:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        warm = asyncio.run(run_load(url, model, type(load)("warm-up", [4] * 2, [4] * 2, [0.0] * 2, load.rate), seed))
+        warm = run_load(url, model, type(load)("warm-up", [4] * 2, [4] * 2, [0.0] * 2, load.rate), seed, 1)
         if warm["ok"] != 2:
             raise RuntimeError(f"the server's warm-up requests failed: {warm['errors']}")
         pids = [proc.pid, *child_pids(proc.pid)]  # the API server, then its engine core (if split)
         before = [cpu_seconds(p) for p in pids]
-        result = asyncio.run(run_load(url, model, load, seed))
+        result = run_load(url, model, load, seed, client_processes)
         used = [cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)]
         tokens = max(1, result["output_tokens"])
         result["cpu_us_per_token"] = {"server": used[0] / tokens * 1e6,
@@ -106,7 +106,8 @@ def run_api_split_benchmark(cfg) -> dict[str, Any]:
         entry: dict[str, Any] = {"name": load.name, "bare_engine": bare, "served": {}}
         logger.info("%s bare engine: %.0f output tok/s", load.name, bare["output_tokens_per_s"])
         for mode, flags in MODES.items():
-            result = served_load(folder, device, cfg.max_running_requests, f"{cfg.engine_args} {flags}", load, seed)
+            result = served_load(folder, device, cfg.max_running_requests, f"{cfg.engine_args} {flags}", load, seed,
+                                 cfg.client_processes)
             result["over_bare_engine"] = result["output_tok_s"] / bare["output_tokens_per_s"]
             entry["served"][mode] = result
             logger.info("%s %s: %.0f output tok/s, %.2f of the bare engine", load.name, mode,
@@ -116,6 +117,8 @@ def run_api_split_benchmark(cfg) -> dict[str, Any]:
 
 
 def print_api_split_report(report: dict[str, Any]) -> None:
+    from splitserve.engine.bench_client import client_line
+
     lines = [f"{report['shape']} on {report['device']}",
              "load            | path                      | ok      | out tok/s | / bare | TTFT p50/p90 ms | "
              "ITL p50/p90/p99 ms"]
@@ -128,6 +131,7 @@ def print_api_split_report(report: dict[str, Any]) -> None:
             lines.append(f"{entry['name']:<15} | HTTP, {mode:<19} | {r['ok']:>3}/{r['requests']:<3} | "
                          f"{r['output_tok_s']:9.0f} | {r['over_bare_engine']:6.2f} | {t['p50'] * 1e3:6.0f} "
                          f"{t['p90'] * 1e3:7.0f} | {i['p50'] * 1e3:5.1f} {i['p90'] * 1e3:5.1f} {i['p99'] * 1e3:6.1f}")
+            lines.append(f"{'':<15}   {client_line(r['client'])}")
     lines.append("CPU time per output token (us): " + "; ".join(
         f"{entry['name']} {mode}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["cpu_us_per_token"].items())
         for entry in report["loads"] for mode, r in entry["served"].items()))

@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,38 +133,35 @@ def start_server(folder: Path, device: str, max_running: int, engine_args: str) 
     return proc, url
 
 
-async def run_load(url: str, model: str, load: Load, seed: int) -> dict[str, Any]:
-    """Sends every request at its arrival time (open loop) and measures what each client saw."""
-    from splitserve.engine.bench import _one_streamed, percentiles
+def run_load(url: str, model: str, load: Load, seed: int, client_processes: int) -> dict[str, Any]:
+    """Sends every request at its arrival time (open loop) from `client_processes` client workers and
+    measures what each request's client saw, and how busy the busiest worker was."""
+    from splitserve.engine.bench import percentiles
+    from splitserve.engine.bench_client import StreamRequest, client_summary, run_requests
 
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, 250, (n,), generator=gen).tolist() for n in load.prompt_lens]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # no client-side queue
-    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
-        start = time.perf_counter()
-
-        async def one(i: int):
-            await asyncio.sleep(max(0.0, start + load.arrivals[i] - time.perf_counter()))
-            return await _one_streamed(client, url, model, prompts[i], load.output_lens[i])
-
-        timings = await asyncio.gather(*(one(i) for i in range(len(prompts))))
-        wall = time.perf_counter() - start
+    requests = [StreamRequest(p, o, a) for p, o, a in zip(prompts, load.output_lens, load.arrivals, strict=True)]
+    run = run_requests(url, model, requests, client_processes)
+    timings, wall = run.timings, run.wall_s
     ok = [t for t in timings if t.ok]
     out_tokens = sum(t.output_tokens for t in ok)
     return {"requests": len(timings), "ok": len(ok), "errors": sorted({t.error for t in timings if not t.ok})[:3],
             "wall_s": wall, "output_tokens": out_tokens, "output_tok_s": out_tokens / wall,
             "ttft_s": percentiles([t.ttft for t in ok]), "itl_s": percentiles([x for t in ok for x in t.itls]),
-            "latency_s": percentiles([t.latency for t in ok])}
+            "latency_s": percentiles([t.latency for t in ok]), "client": client_summary(run)}
 
 
 async def first_request_after_ready(url: str, model: str, prompt_len: int) -> dict[str, float]:
     """The first request a fresh server serves, then the same one warm (each alone)."""
-    from splitserve.engine.bench import _one_streamed
+    from splitserve.engine.bench_stream import completion_body, http_post, stream_completion
 
-    prompt = list(range(1, prompt_len + 1))
-    async with httpx.AsyncClient(timeout=600) as client:
-        cold = await _one_streamed(client, url, model, [p % 250 + 1 for p in prompt], 16)
-        warm = [await _one_streamed(client, url, model, [p % 250 + 1 for p in prompt], 16) for _ in range(3)]
+    prompt = [p % 250 + 1 for p in range(1, prompt_len + 1)]
+    post = http_post(url, "/v1/completions", completion_body(model, prompt, 16))
+    cold = await stream_completion(url, post, 16, timeout_s=600)
+    warm = [await stream_completion(url, post, 16, timeout_s=600) for _ in range(3)]
+    if not cold.ok or not all(t.ok for t in warm):
+        raise RuntimeError(f"the first requests failed: {[t.error for t in (cold, *warm) if not t.ok]}")
     warm_s = statistics.median(t.latency for t in warm)
     return {"cold_s": cold.latency, "warm_s": warm_s, "cold_over_warm": cold.latency / warm_s}
 
@@ -191,7 +187,7 @@ def run_serving_benchmark(cfg) -> dict[str, Any]:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         report["first_request"] = asyncio.run(first_request_after_ready(url, model, median_prompt))
         for i, load in enumerate(loads):
-            result = asyncio.run(run_load(url, model, load, cfg.seed + 100 + i))
+            result = run_load(url, model, load, cfg.seed + 100 + i, cfg.client_processes)
             bound_s = limits.load_seconds(load)
             result.update(name=load.name, rate=load.rate, input_tokens=sum(load.prompt_lens), bound_s=bound_s,
                           bound_output_tok_s=sum(load.output_lens) / bound_s)
@@ -217,6 +213,8 @@ def chunk_size(engine_args: str) -> int:
 
 
 def print_serving_report(report: dict[str, Any]) -> None:
+    from splitserve.engine.bench_client import client_line
+
     fr = report["first_request"]
     lines = [f"{report['shape']} on {report['device']}: first request after ready {fr['cold_s'] * 1e3:.0f} ms, "
              f"warm {fr['warm_s'] * 1e3:.0f} ms ({fr['cold_over_warm']:.2f}x)",
@@ -228,6 +226,7 @@ def print_serving_report(report: dict[str, Any]) -> None:
                      f"{r['bound_output_tok_s']:11.0f} | {r['output_over_bound']:7.2f} | "
                      f"{t['p50'] * 1e3:6.0f} {t['p90'] * 1e3:6.0f} {t['p99'] * 1e3:7.0f} | "
                      f"{i['p50'] * 1e3:5.1f} {i['p90'] * 1e3:5.1f} {i['p99'] * 1e3:6.1f}")
+        lines.append(f"{'':<25}   {client_line(r['client'])}")
     for line in lines:
         print(line)  # the report is the command's output
 

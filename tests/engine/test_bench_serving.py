@@ -51,6 +51,7 @@ def test_serving_profile_runs_on_the_cpu_with_the_tiny_model(tmp_path: Path) -> 
         assert r["output_tokens"] > 0 and r["output_tok_s"] > 0
         assert r["bound_s"] > 0 and 0 < r["output_over_bound"] < math.inf
         assert 0 < r["ttft_s"]["p50"] <= r["latency_s"]["p99"]
+        assert r["client"]["processes"] >= 1 and r["client"]["events"] >= r["output_tokens"]
     assert report["loads"][0]["output_tokens"] == 9  # 3 requests x 3 tokens, ignore_eos
     assert report["first_request"]["cold_s"] > 0 and report["first_request"]["warm_s"] > 0
     assert "2048" in report["limits"]["prefill_tok_s"]  # the runner alone at the step budget
