@@ -197,7 +197,7 @@ def client_line(client: dict) -> str:
     """One report line on the client; a warning in it when a worker was too busy to be trusted."""
     line = (f"client: {client['processes']} processes, busy max {client['busy_max']:.0%} "
             f"(each {' '.join(f'{b:.0%}' for b in client['busy'])}), {client['cpu_us_per_event']:.0f} us CPU "
-            f"per SSE event, {client['events_per_s']:.0f} events/s ({client['events_per_read']:.1f} a socket read), "
+            f"per SSE event, {client['events_per_s']:.0f} events/s ({client['events_per_read']:.1f} per socket read), "
             f"loop lag p99 {client['loop_lag_p99_ms']:.1f} ms")
     if client["client_bound"]:
         line += (f"\nWARNING: a client worker was over {CLIENT_BUSY_LIMIT:.0%} busy: these figures are set by the "
