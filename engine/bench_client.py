@@ -7,6 +7,9 @@ event loop); all of them wait for one start time on the system-wide monotonic cl
 (`time.perf_counter` is CLOCK_MONOTONIC on Linux), so open-loop arrival times stay exact across
 workers, and their timings are merged in request order. Each worker reports its CPU time over its
 wall time: a worker above `CLIENT_BUSY_LIMIT` means the figures are client-bound.
+
+Spawned workers import the caller's main module again, as multiprocessing's spawn does: a script
+that uses this must keep its work under `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def run_requests(url: str, model: str, requests: list[StreamRequest], processes:
     ctx = multiprocessing.get_context("spawn")  # the parent may hold CUDA or engine threads: no fork
     conns: list[Connection] = []
     procs = []
+    results = None
     try:
         for w, share in enumerate(shares):
             gate = None if concurrency is None else concurrency // n + (w < concurrency % n)
@@ -104,6 +108,8 @@ def run_requests(url: str, model: str, requests: list[StreamRequest], processes:
         results = [_receive(conn, proc, None) for proc, conn in zip(procs, conns, strict=True)]
     finally:
         for proc in procs:
+            if results is None:  # failed or interrupted: the others may wait for a start that never comes
+                proc.kill()
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
@@ -126,7 +132,11 @@ def _receive(conn: Connection, proc, timeout_s: float | None):
             raise RuntimeError(f"client worker {proc.name} exited with code {proc.exitcode} before reporting")
         if deadline is not None and time.monotonic() > deadline:
             raise RuntimeError(f"client worker {proc.name} sent nothing for {timeout_s:.0f} s")
-    message = conn.recv()
+    try:
+        message = conn.recv()
+    except EOFError:  # it closed its end: it died
+        proc.join(timeout=5)
+        raise RuntimeError(f"client worker {proc.name} exited with code {proc.exitcode} before reporting") from None
     if isinstance(message, BaseException):
         raise RuntimeError(f"client worker {proc.name} failed: {message!r}") from message
     return message

@@ -72,6 +72,11 @@ def test_a_refused_connection_is_an_error_not_a_hang() -> None:
     assert all("ConnectionRefusedError" in t.error for t in run.timings)
 
 
+def test_a_worker_that_fails_stops_the_run_with_its_error() -> None:
+    with pytest.raises(RuntimeError, match=r"client worker bench-client-0 failed: .*Port could not be cast"):
+        run_requests("http://127.0.0.1:notaport", "m", requests_of([3, 3, 3]), processes=3)
+
+
 def test_open_loop_arrivals_hold_across_workers(server: tuple[str, str]) -> None:
     url, model = server
     arrivals = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25]
