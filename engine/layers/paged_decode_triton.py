@@ -7,9 +7,10 @@ log-sum-exp afterwards. Every shape is fixed by the batch size, so it replays in
 
 With `new_kv`, the step's own token arrives unrotated, straight from the QKV projection: each
 program applies RoPE to its query heads, the cached tokens are the sequence's earlier ones,
-and one extra split attends to the new key and value from registers and writes them (rotated)
-to the cache. That saves a decode step one kernel per layer (and its gap) at batch 1, where
-launches are a tenth of the step.
+and the last split also attends to the new key and value from registers and writes them
+(rotated) to the cache. That saves a decode step one kernel per layer (and its gap) at batch 1,
+where launches are a tenth of the step. With one split per sequence (large batches) there is
+nothing to merge: the program writes the final output, and no float32 partials go through memory.
 
 A verify step runs as decode rows too: each of a request's K+1 positions is a row of its own,
 with its own KV length over the same pages, so its attention is computed exactly as plain
@@ -65,23 +66,27 @@ def _load_rotated(Ptr, Cos, Sin, pos, stride_cos, rows_mask, HEAD_DIM: tl.conste
 
 @triton.jit
 def _paged_decode_split(
-    Q, K, V, PageTable, Slots, SeqLens, OutAcc, OutLse,
+    Q, K, V, PageTable, Slots, SeqLens, OutAcc, OutLse, Out,
     KNew, VNew, Cos, Sin, Loc,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pt,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos,
     sm_scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_NEW: tl.constexpr, NEW_STORED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # a sequence's KV heads in neighbouring programs: they read the same pages' rows
+        kv_head = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     slot = tl.load(Slots + b)
     seq_len = tl.load(SeqLens + b)
     # With FUSE_NEW the cache holds the earlier tokens only; the new one is in registers, and
-    # an extra last split (index NUM_SPLITS) takes it alone, in parallel with the others.
+    # the last split takes it after its share of the cache.
     cached = seq_len - 1 if FUSE_NEW else seq_len
     per_split = tl.cdiv(tl.cdiv(cached, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = tl.minimum(split * per_split, cached)
@@ -118,8 +123,8 @@ def _paged_decode_split(
 
     has_tokens = start < end
     if FUSE_NEW:
-        has_tokens = has_tokens | (split == NUM_SPLITS)
-        if split == NUM_SPLITS:  # the new token: stored once, attended from registers
+        has_tokens = has_tokens | (split == NUM_SPLITS - 1)
+        if split == NUM_SPLITS - 1:  # the new token: stored once, attended from registers
             one = tl.full([1], 1, dtype=tl.int1)
             k_new = _load_rotated(KNew + b * stride_knb + kv_head * stride_knh + tl.zeros([1, 1], dtype=tl.int32),
                                   Cos, Sin, seq_len - 1, stride_cos, one[:, None], HEAD_DIM).to(K.dtype.element_ty)
@@ -138,10 +143,14 @@ def _paged_decode_split(
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
-    lse = tl.where(has_tokens, m_i + tl.log(safe_l), float("-inf"))
-    tl.store(OutAcc + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
-             mask=in_group[:, None])
-    tl.store(OutLse + b * stride_lb + heads * stride_lh + split, lse, mask=in_group)
+    if NUM_SPLITS == 1:  # the whole sequence: the final output (the bits the merge of one split gives)
+        tl.store(Out + b * stride_fb + heads[:, None] * stride_fh + d[None, :], out.to(Out.dtype.element_ty),
+                 mask=in_group[:, None])
+    else:
+        lse = tl.where(has_tokens, m_i + tl.log(safe_l), float("-inf"))
+        tl.store(OutAcc + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+                 mask=in_group[:, None])
+        tl.store(OutLse + b * stride_lb + heads * stride_lh + split, lse, mask=in_group)
 
 
 @triton.jit
@@ -172,37 +181,56 @@ def store_rotated_kv(new: NewTokenKV, positions: torch.Tensor, k_cache: torch.Te
     )
 
 
+# One split per sequence (large batches), heads of up to 128: measured on an H200 at 256 rows x 512-1024
+# tokens (benchmarks/attention_sweep.py).
+ONE_SPLIT_LAUNCH = (64, 2, 3, False)
+
+
+def decode_launch(splits: int, head_dim: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, warps, stages, heads first) for a split count: a function of the split count alone,
+    so that batch-invariant mode (one count at every batch) also runs one tiling at every batch."""
+    if splits == 1 and head_dim <= 128:
+        return ONE_SPLIT_LAUNCH
+    return (64 if head_dim <= 128 else 32, 4, 2, False)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                            slots: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
-                           new_kv: NewTokenKV | None = None, launch: tuple[int, int, int] | None = None,
+                           new_kv: NewTokenKV | None = None, launch: tuple[int, int, int, bool] | None = None,
                            splits: int | None = None, new_kv_stored: bool = False) -> torch.Tensor:
     """q: [B, H, D]; caches: [tokens, Hkv, D]; returns [B, H, D] in q's dtype.
 
     Without `new_kv`, q is rotated and the new token's KV is already in the cache. With it, q
     is not rotated yet and the kernel rotates it, and writes and attends the new key and value.
-    `launch` (BLOCK_N, warps, stages) overrides the measured choice (the sweep tries them). `splits`
-    fixes the number of splits per sequence (each count is its own compile; eager steps of any
-    batch size pass one, so that they compile once). `new_kv_stored`: the new keys and values are
-    in the cache already (store_rotated_kv; verify rows), the kernel only attends them.
+    `launch` (BLOCK_N, warps, stages, heads first) overrides `decode_launch` (the sweep tries them).
+    `splits` fixes the number of splits per sequence (each count is its own compile; eager steps of
+    any batch size pass one, so that they compile once). `new_kv_stored`: the new keys and values
+    are in the cache already (store_rotated_kv; verify rows), the kernel only attends them.
     """
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     splits = splits or num_splits_for(bsz, num_kv_heads)
-    grid_splits = splits + (new_kv is not None)
-    acc = torch.empty(bsz, num_heads, grid_splits, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(bsz, num_heads, grid_splits, dtype=torch.float32, device=q.device)
-    block_n, warps, stages = launch or (64 if head_dim <= 128 else 32, 4, 2)
+    out = torch.empty(bsz, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if splits == 1:  # the kernel writes `out` itself; the partials' slots take any tensors of the right rank
+        acc, lse = out.unsqueeze(2), out
+    else:
+        acc = torch.empty(bsz, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(bsz, num_heads, splits, dtype=torch.float32, device=q.device)
+    block_n, warps, stages, heads_first = launch or decode_launch(splits, head_dim)
     # Without new_kv the kernel reads none of these; any tensors of the right rank fill the slots.
     new = new_kv or NewTokenKV(k=k_cache, v=v_cache, cos=q, sin=q, out_cache_loc=slots)
-    _paged_decode_split[(bsz, num_kv_heads, grid_splits)](
-        q, k_cache, v_cache, page_table, slots, seq_lens, acc, lse,
+    grid = (num_kv_heads, bsz, splits) if heads_first else (bsz, num_kv_heads, splits)
+    _paged_decode_split[grid](
+        q, k_cache, v_cache, page_table, slots, seq_lens, acc, lse, out,
         new.k, new.v, new.cos, new.sin, new.out_cache_loc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos.stride(0),
         scale, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=splits, FUSE_NEW=new_kv is not None,
-        NEW_STORED=new_kv_stored, DOT_PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        NEW_STORED=new_kv_stored, HEADS_FIRST=heads_first, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
     )
-    return merge_splits(acc, lse, q.dtype)  # splits with no tokens weigh 0
+    return out if splits == 1 else merge_splits(acc, lse, q.dtype)  # splits with no tokens weigh 0

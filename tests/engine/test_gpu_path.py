@@ -22,9 +22,16 @@ from splitserve.engine.sampling_params import SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
+# Splits: the batch's default (7 or 17 here), one (the kernel writes the output itself, no merge), three;
+# programs ordered by sequence or by KV head first.
+SPLIT_LAUNCHES = [(None, None), (1, None), (1, (64, 4, 3, True)), (3, (32, 4, 2, True))]
+
+
+@pytest.mark.parametrize("splits,launch", SPLIT_LAUNCHES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(32, 8, 128, 16), (6, 2, 16, 4), (28, 4, 128, 16),
                                                                (8, 8, 64, 1)])
-def test_triton_paged_decode_matches_reference(heads: int, kv_heads: int, head_dim: int, page_size: int) -> None:
+def test_triton_paged_decode_matches_reference(heads: int, kv_heads: int, head_dim: int, page_size: int,
+                                               splits: int | None, launch: tuple | None) -> None:
     from splitserve.engine.layers.paged_decode_triton import paged_decode_attention
 
     torch.manual_seed(0)
@@ -38,7 +45,8 @@ def test_triton_paged_decode_matches_reference(heads: int, kv_heads: int, head_d
     seq_lens = torch.tensor([1, 7, min(100, cap), min(1000, cap), min(2500, cap)], device=dev)
     q = torch.randn(bsz, heads, head_dim, device=dev, dtype=torch.bfloat16)
     scale = head_dim ** -0.5
-    got = paged_decode_attention(q, k_cache, v_cache, page_table, slots, seq_lens, page_size, scale)
+    got = paged_decode_attention(q, k_cache, v_cache, page_table, slots, seq_lens, page_size, scale, launch=launch,
+                                 splits=splits)
     want = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), page_table, slots, seq_lens,
                                       page_size, scale)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
@@ -145,9 +153,11 @@ def test_graphs_with_seeded_sampling_and_one_token_prompt_chunks_match_eager(tmp
     assert run() == run(disable_cuda_graph=True, disable_overlap=True)
 
 
+@pytest.mark.parametrize("splits,launch", SPLIT_LAUNCHES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(32, 8, 128, 16), (6, 2, 16, 4), (8, 8, 64, 1)])
 def test_decode_kernel_with_the_new_token_matches_rope_store_then_reference(heads: int, kv_heads: int, head_dim: int,
-                                                                            page_size: int) -> None:
+                                                                            page_size: int, splits: int | None,
+                                                                            launch: tuple | None) -> None:
     from splitserve.engine.layers.attention import store_kv
     from splitserve.engine.layers.paged_decode_triton import NewTokenKV, paged_decode_attention
     from splitserve.engine.layers.rotary import RotaryEmbedding
@@ -176,7 +186,7 @@ def test_decode_kernel_with_the_new_token_matches_rope_store_then_reference(head
     want = decode_attention_reference(q_ref.float(), k_want.float(), v_want.float(), page_table, slots, seq_lens,
                                       page_size, scale)
     got = paged_decode_attention(q, k_cache, v_cache, page_table, slots, seq_lens, page_size, scale,
-                                 NewTokenKV(k, v, rope.cos, rope.sin, loc))
+                                 NewTokenKV(k, v, rope.cos, rope.sin, loc), launch=launch, splits=splits)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(k_cache, k_want, atol=2e-2, rtol=2e-2)
     assert torch.equal(v_cache, v_want)
