@@ -6,8 +6,9 @@ A load NxI:O submits N prompts of I tokens at once, each asking for O tokens. Pe
 time (to the last first token), engine-loop prefill tok/s over the runner's own prefill rate at
 that prompt length (one prompt alone, measured here), and output tok/s over the bound: all
 prompts at the runner's best prefill rate plus ceil(N*O / batch) - 1 decode steps at the HBM
-roofline. Also the first request after the engine is built (what a client sees after /health)
-against the same request warm.
+roofline. Beside that bound, clearly apart, the same with decode steps at the roofline that counts
+compute (engine/step_roofline.py: at 256 rows the projections are compute-bound). Also the first
+request after the engine is built (what a client sees after /health) against the same request warm.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch
 from splitserve.engine.bench import random_prompts, run_engine_batch
 from splitserve.engine.bench_engine import EngineUnderTest, device_limits, loop_bench_config
 from splitserve.engine.engine import Engine
-from splitserve.engine.model_shapes import write_shape_folder
+from splitserve.engine.model_shapes import SHAPES, write_shape_folder
+from splitserve.engine.step_roofline import decode_step_rooflines
 
 logger = logging.getLogger("engine_loads")
 
@@ -46,21 +48,47 @@ def runner_rates(shape: str, device: str, lengths: list[int], batch: int) -> dic
         for n in lengths:
             rates[n] = max(rates.get(n, 0.0), n / eut.prefill_seconds(n))
     out = {"limits": limits, "prefill_tok_s": rates, "weight_bytes": eut.weight_bytes,
-           "kv_bytes_per_token": eut.kv_bytes_per_token}
+           "kv_bytes_per_token": eut.kv_bytes_per_token, "dtype_bytes": eut.runner.dtype.itemsize}
     del eut
     gc.collect()  # the runner's graphs hold it in a cycle
     torch.cuda.empty_cache()
     return out
 
 
-def load_bound(n: int, prompt: int, output: int, batch: int, runner: dict) -> float:
-    """Seconds at least: every prompt at the runner's best prefill rate, then the decode steps at the roofline."""
+def load_bound(n: int, prompt: int, output: int, batch: int, runner: dict, shape_cfg: dict | None = None) -> float:
+    """Seconds at least: every prompt at the runner's best prefill rate, then the decode steps at the HBM
+    roofline (the issue's bound), or with `shape_cfg` at the roofline that counts compute."""
     best_prefill = max(runner["prefill_tok_s"].values())
-    steps = max(0, -(-n * output // min(n, batch)) - 1)
+    rows = min(n, batch)
+    steps = max(0, -(-n * output // rows) - 1)
     context = prompt + output / 2
-    step_s = (runner["weight_bytes"] + min(n, batch) * context * runner["kv_bytes_per_token"]) \
-        / runner["limits"]["copy_bandwidth_Bps"]
+    bandwidth = runner["limits"]["copy_bandwidth_Bps"]
+    if shape_cfg is None:
+        step_s = (runner["weight_bytes"] + rows * context * runner["kv_bytes_per_token"]) / bandwidth
+    else:
+        step_s = decode_step_rooflines(shape_cfg, rows, context, runner["weight_bytes"], bandwidth,
+                                       runner["limits"]["matmul_flops"], runner["dtype_bytes"])["compute_s"]
     return n * prompt / best_prefill + steps * step_s
+
+
+DECODE_STEPS = 64
+
+
+def decode_row(engine: Engine, batch: int, context: int, runner: dict, shape_cfg: dict) -> dict:
+    """Decode step time of `batch` prompts of `context` tokens through the loop (after their prefill;
+    every request decodes through every timed step), against both rooflines at the mean context."""
+    r = run_engine_batch(engine, random_prompts(batch, context, 7 + batch), DECODE_STEPS)
+    mean_context = context + DECODE_STEPS / 2
+    bandwidth = runner["limits"]["copy_bandwidth_Bps"]
+    roofs = decode_step_rooflines(shape_cfg, batch, mean_context, runner["weight_bytes"], bandwidth,
+                                  runner["limits"]["matmul_flops"], runner["dtype_bytes"])
+    row = {"batch": batch, "context": context, "step_s": r["decode_step_s"], "hbm_roofline_s": roofs["hbm_s"],
+           "step_over_hbm_roofline": r["decode_step_s"] / roofs["hbm_s"],
+           "compute_counting_roofline_s": roofs["compute_s"],
+           "step_over_compute_counting_roofline": r["decode_step_s"] / roofs["compute_s"], "roofline_ops": roofs["ops"]}
+    logger.info("decode %d x %d: %.2f ms a step, %.2fx HBM roofline, %.2fx compute-counting", batch, context,
+                row["step_s"] * 1e3, row["step_over_hbm_roofline"], row["step_over_compute_counting_roofline"])
+    return row
 
 
 def main() -> None:
@@ -71,6 +99,9 @@ def main() -> None:
                                                        "4x8192:1", "256x512:64"])
     parser.add_argument("--chunk", type=int, default=2048, help="chunked prefill size (tokens per step)")
     parser.add_argument("--max-running", type=int, default=256)
+    parser.add_argument("--decode", nargs="*", default=[], metavar="BxC",
+                        help="also decode B prompts of C tokens for 64 steps on the same engine: step time against "
+                             "the HBM roofline and the one that counts compute")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
@@ -79,8 +110,9 @@ def main() -> None:
     runner = runner_rates(args.shape, args.device, lengths, args.max_running)
     logger.info("runner prefill tok/s: %s", {k: round(v) for k, v in runner["prefill_tok_s"].items()})
     folder = write_shape_folder(args.shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{args.shape}-")))
-    per_request = max(p + o for _, p, o in loads)
-    kv_tokens = max(n * (p + o + 32) for n, p, o in loads)
+    decodes = [tuple(int(v) for v in d.split("x")) for d in args.decode]
+    per_request = max([p + o for _, p, o in loads] + [c + DECODE_STEPS for _, c in decodes])
+    kv_tokens = max([n * (p + o + 32) for n, p, o in loads] + [b * (c + DECODE_STEPS + 32) for b, c in decodes])
     cfg = dataclasses.replace(loop_bench_config(folder, args.device, args.max_running, per_request),
                               chunked_prefill_size=args.chunk, max_total_tokens=kv_tokens)
     started = time.perf_counter()
@@ -97,24 +129,33 @@ def main() -> None:
             r = run_engine_batch(engine, random_prompts(n, prompt, n * 7 + prompt), output)
             total = r["prefill_s"] + r["decode_s"]
             bound = load_bound(n, prompt, output, args.max_running, runner)
+            compute_bound = load_bound(n, prompt, output, args.max_running, runner, SHAPES[args.shape])
             row = {"load": f"{n}x{prompt}:{output}", "prefill_s": r["prefill_s"], "total_s": total,
                    "prefill_tok_s": n * prompt / r["prefill_s"],
                    "prefill_over_runner": n * prompt / r["prefill_s"] / runner["prefill_tok_s"][prompt],
                    "output_tok_s": n * output / total, "bound_s": bound, "output_over_bound": bound / total,
-                   "steps": r["steps"]}
+                   "compute_counting_bound_s": compute_bound,
+                   "output_over_compute_counting_bound": compute_bound / total,
+                   "ttft_p50_s": r.get("ttft_p50_s"), "steps": r["steps"]}
             report["loads"].append(row)
             logger.info("%s", json.dumps(row))
+        report["decode"] = [decode_row(engine, b, c, runner, SHAPES[args.shape]) for b, c in decodes]
     finally:
         engine.stop()
     fr = report["first_request"]
     print(f"{args.shape}, chunk {args.chunk}, max running {args.max_running}; engine built in "
           f"{report['engine_build_s']:.1f} s; first request {fr['cold_s'] * 1e3:.0f} ms, warm "
           f"{fr['warm_s'] * 1e3:.0f} ms ({fr['cold_over_warm']:.2f}x)")
-    print("load          | prefill s | prefill tok/s | / runner | output tok/s | / bound | steps")
+    print("load          | prefill s | prefill tok/s | / runner | output tok/s | / bound (HBM) | "
+          "/ bound (compute-counting) | steps")
     for row in report["loads"]:
         print(f"{row['load']:<13} | {row['prefill_s']:9.2f} | {row['prefill_tok_s']:13.0f} | "
-              f"{row['prefill_over_runner']:8.2f} | {row['output_tok_s']:12.0f} | {row['output_over_bound']:7.2f} | "
-              f"{row['steps']}")
+              f"{row['prefill_over_runner']:8.2f} | {row['output_tok_s']:12.0f} | {row['output_over_bound']:13.2f} | "
+              f"{row['output_over_compute_counting_bound']:26.2f} | {row['steps']}")
+    for row in report.get("decode", []):
+        print(f"decode {row['batch']} x {row['context']}: {row['step_s'] * 1e3:.2f} ms a step; HBM roofline "
+              f"{row['hbm_roofline_s'] * 1e3:.2f} ms ({row['step_over_hbm_roofline']:.2f}x); roofline counting compute "
+              f"{row['compute_counting_roofline_s'] * 1e3:.2f} ms ({row['step_over_compute_counting_roofline']:.2f}x)")
     if args.output:
         args.output.write_text(json.dumps(report, indent=1, default=str))
 

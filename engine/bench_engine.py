@@ -5,7 +5,8 @@ Prints and writes (JSON, and a PNG plot when matplotlib is there):
 - the measured limits: device copy bandwidth and dense matmul throughput;
 - prefill tokens/s at several prompt lengths and the MFU against the measured matmul peak;
 - decode step time at several batch sizes against that step's memory roofline
-  ((weights + KV read) / measured bandwidth);
+  ((weights + KV read) / measured bandwidth), and beside it the roofline that counts compute
+  (engine/step_roofline.py: per operation, the longer of its bytes and its FLOPs at the measured peak);
 - transformers on the same shape: prefill time and `generate` tokens/s, and ours beside it.
 """
 
@@ -28,6 +29,7 @@ from splitserve.engine.model_shapes import SHAPES, matmul_params, write_shape_fo
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledChunk
+from splitserve.engine.step_roofline import decode_step_rooflines
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +150,10 @@ def loop_bench_config(folder: Path, device: str, max_batch: int, tokens_per_requ
 
 
 def engine_loop_decode(folder: Path, device: str, batches: list[int], context: int, bandwidth: float,
-                       weight_bytes: int, kv_bytes_per_token: int, output_len: int = 64) -> list[dict[str, Any]]:
-    """Decode step time through the Engine itself: the figure a served request sees."""
+                       weight_bytes: int, kv_bytes_per_token: int, output_len: int = 64,
+                       shape_cfg: dict[str, Any] | None = None, peak_flops: float = 0.0) -> list[dict[str, Any]]:
+    """Decode step time through the Engine itself: the figure a served request sees (with `shape_cfg`
+    and `peak_flops`, also against the roofline that counts compute)."""
     from splitserve.engine.bench import random_prompts, run_engine_batch
     from splitserve.engine.engine import Engine
 
@@ -163,6 +167,10 @@ def engine_loop_decode(folder: Path, device: str, batches: list[int], context: i
             roofline = (weight_bytes + b * (context + output_len / 2) * kv_bytes_per_token) / bandwidth
             rows.append({"batch": b, "context": context, "step_s": r["decode_step_s"], "roofline_s": roofline,
                          "step_over_roofline": r["decode_step_s"] / roofline, "overlap": engine.overlap})
+            if shape_cfg is not None and peak_flops > 0:
+                compute = decode_step_rooflines(shape_cfg, b, context + output_len / 2, weight_bytes, bandwidth,
+                                                peak_flops, engine.runner.dtype.itemsize)["compute_s"]
+                rows[-1].update(compute_roofline_s=compute, step_over_compute_roofline=r["decode_step_s"] / compute)
             logger.info("engine loop decode batch %d: %.2f ms/step, %.2fx the roofline (overlap %s)", b,
                         r["decode_step_s"] * 1e3, r["decode_step_s"] / roofline, engine.overlap)
     finally:
@@ -242,8 +250,11 @@ def run_engine_benchmark(shape: str, device: str, prefill_lens: list[int], decod
     for b in decode_batches:
         seconds = eut.decode_step_seconds(b, decode_context)
         roofline = (eut.weight_bytes + b * (decode_context + 10) * eut.kv_bytes_per_token) / bw
+        compute = decode_step_rooflines(cfg, b, decode_context + 10, eut.weight_bytes, bw, peak, dtype.itemsize)
         row = {"batch": b, "context": decode_context, "step_s": seconds, "roofline_s": roofline,
-               "step_over_roofline": seconds / roofline, "tokens_per_s": b / seconds}
+               "step_over_roofline": seconds / roofline, "tokens_per_s": b / seconds,
+               "compute_roofline_s": compute["compute_s"], "step_over_compute_roofline": seconds / compute["compute_s"],
+               "compute_roofline_ops": compute["ops"]}
         report["decode"].append(row)
         logger.info("decode batch %d: %.2f ms/step, %.2fx the roofline", b, seconds * 1e3, seconds / roofline)
     # Ours at HF's generate batches and lengths (decode steps at the mid-generation context).
@@ -256,7 +267,8 @@ def run_engine_benchmark(shape: str, device: str, prefill_lens: list[int], decod
         torch.cuda.empty_cache()
     # The whole engine loop (scheduler, sampling, outputs; the overlap scheduler on GPUs), steady state.
     report["engine_decode"] = engine_loop_decode(folder, device, decode_batches, decode_context, bw,
-                                                 report["weight_bytes"], report["kv_bytes_per_token"])
+                                                 report["weight_bytes"], report["kv_bytes_per_token"],
+                                                 shape_cfg=cfg, peak_flops=peak)
     if hf:
         peer = hf_peer(shape, dev, dtype, prefill_lens, gen_batches, gen_prompt, gen_new)
         report["transformers"] = peer
@@ -276,14 +288,18 @@ def print_engine_report(report: dict[str, Any]) -> None:
     for r in report["prefill"]:
         lines.append(f"{r['tokens']:>14} | {r['tokens_per_s']:10.0f} | {r['tflops']:7.1f} | "
                      f"{r['mfu_vs_measured_matmul']:14.2f} | {r.get('speedup_vs_transformers', float('nan')):.2f}x")
-    lines.append("decode batch | ctx  | step ms | roofline ms | step/roofline | tok/s")
+    nan = float("nan")
+    lines.append("decode batch | ctx  | step ms | HBM roofline ms | step/HBM | compute-counting roofline ms | "
+                 "step/compute-counting | tok/s")
     for r in report["decode"]:
         lines.append(f"{r['batch']:>12} | {r['context']:4d} | {r['step_s'] * 1e3:7.2f} | "
-                     f"{r['roofline_s'] * 1e3:11.2f} | "
-                     f"{r['step_over_roofline']:13.2f} | {r['tokens_per_s']:.0f}")
-    lines.append("engine loop (scheduler, sampling, overlap) decode batch | step ms | step/roofline")
+                     f"{r['roofline_s'] * 1e3:15.2f} | {r['step_over_roofline']:8.2f} | "
+                     f"{r.get('compute_roofline_s', nan) * 1e3:28.2f} | "
+                     f"{r.get('step_over_compute_roofline', nan):21.2f} | {r['tokens_per_s']:.0f}")
+    lines.append("engine loop (scheduler, sampling, overlap) decode batch | step ms | step/HBM | step/compute-counting")
     for r in report.get("engine_decode", []):
-        lines.append(f"{r['batch']:>54} | {r['step_s'] * 1e3:7.2f} | {r['step_over_roofline']:.2f}")
+        lines.append(f"{r['batch']:>54} | {r['step_s'] * 1e3:7.2f} | {r['step_over_roofline']:8.2f} | "
+                     f"{r.get('step_over_compute_roofline', nan):.2f}")
     for b, r in report["ours_generate_equivalent"].items():
         extra = r.get("decode_speedup_vs_transformers_generate")
         lines.append(f"batch {b}: ours {r['tokens_per_s']:.0f} tok/s" +
