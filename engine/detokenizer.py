@@ -3,9 +3,16 @@
 Decoding token by token breaks multi-byte characters and merges; like vLLM we decode a short
 window of recent tokens and emit only what a longer window confirms. Text that might be the
 start of a stop string is held back until it is known not to be one.
+
+Tokens the tokenizer's decode drops before decoding (ids it does not know, and special tokens when
+they are skipped) never enter the windows and cost no decode: the windows' text is the same
+without them, and a window of nothing but such tokens no longer grows with the output (random
+weights of a real model's shape emit ids past a small tokenizer's vocabulary at every step).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from splitserve.engine.tokenizer import TextTokenizer
 
@@ -21,7 +28,10 @@ class IncrementalDetokenizer:
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.skip_special = skip_special_tokens
-        self.ids: list[int] = []
+        self.kind = (tokenizer, skip_special_tokens)  # detokenizers of one kind decode in one call
+        self.decodes = tokenizer.decoded_ids(skip_special_tokens)  # which ids decode keeps: a 0/1 per id
+        self.ids: list[int] = []  # the output's ids that decode keeps (the offsets index this list)
+        self._recent: deque[bool] = deque(maxlen=CONTEXT_TOKENS)  # whether each of the last tokens is in `ids`
         self.text = ""  # all text decoded so far (cut at a stop string once one is found)
         self.emitted = 0  # characters of `text` already handed out
         self.prefix_offset = 0
@@ -33,13 +43,21 @@ class IncrementalDetokenizer:
         for tid in token_ids:
             if self.stopped_on is not None:
                 return
-            before, after = self._windows(tid)
-            self._confirm(self.tokenizer.decode(before, self.skip_special),
-                          self.tokenizer.decode(after, self.skip_special))
+            if self._push(tid):
+                before, after = self._windows()
+                self._confirm(self.tokenizer.decode(before, self.skip_special),
+                              self.tokenizer.decode(after, self.skip_special))
 
-    def _windows(self, tid: int) -> tuple[list[int], list[int]]:
-        """Appends a token; the token windows to decode before and after it."""
-        self.ids.append(tid)
+    def _push(self, tid: int) -> bool:
+        """Appends a token; False if decode drops it (nothing to decode: the windows' text is unchanged)."""
+        kept = 0 <= tid < len(self.decodes) and self.decodes[tid] == 1
+        self._recent.append(kept)
+        if kept:
+            self.ids.append(tid)
+        return kept
+
+    def _windows(self) -> tuple[list[int], list[int]]:
+        """The token windows to decode before and after the newest token."""
         return self.ids[self.prefix_offset:self.read_offset], self.ids[self.prefix_offset:]
 
     def _confirm(self, before: str, after: str) -> None:
@@ -48,7 +66,8 @@ class IncrementalDetokenizer:
             return  # an incomplete character: wait for the next token
         search_from = max(0, len(self.text) - self.hold)
         self.text += after[len(before):]
-        self.prefix_offset = max(0, len(self.ids) - CONTEXT_TOKENS)
+        # The last CONTEXT_TOKENS output tokens (of which `sum(self._recent)` are in `ids`) stay as context.
+        self.prefix_offset = len(self.ids) - sum(self._recent)
         # Re-anchor so that `before` next time decodes exactly the confirmed tail.
         self.read_offset = len(self.ids)
         self._check_stop(search_from)
@@ -80,15 +99,29 @@ class IncrementalDetokenizer:
 def add_one_token_each(detokenizers: list[IncrementalDetokenizer], token_ids: list[int]) -> None:
     """`detokenizers[i].add([token_ids[i]])` for a whole step's requests, with one tokenizer call for
     every window of the same kind instead of two calls per request: at a few hundred requests a
-    step, per-call overhead was most of the engine thread's time between steps."""
-    work = [(d, tid) for d, tid in zip(detokenizers, token_ids, strict=True) if d.stopped_on is None]
+    step, per-call overhead was most of the engine thread's time between steps (so `_push` and
+    `_windows` are written out here: a method call per row costs as much as their work)."""
     # Keyed by the tokenizer object, not id(): id() raises an audit event, and an installed audit hook
     # (filelock's, on the GPU image) then runs Python code for every request of every step.
-    by_kind: dict[tuple[TextTokenizer, bool], list[tuple[IncrementalDetokenizer, tuple[list[int], list[int]]]]] = {}
-    for d, tid in work:
-        by_kind.setdefault((d.tokenizer, d.skip_special), []).append((d, d._windows(tid)))
-    for group in by_kind.values():
-        tokenizer, skip = group[0][0].tokenizer, group[0][0].skip_special
-        texts = tokenizer.decode_batch([w for _, pair in group for w in pair], skip)
-        for i, (d, _) in enumerate(group):
+    by_kind: dict[tuple[TextTokenizer, bool], list[IncrementalDetokenizer]] = {}
+    for d, tid in zip(detokenizers, token_ids, strict=True):
+        if d.stopped_on is not None:
+            continue
+        decodes = d.decodes
+        kept = 0 <= tid < len(decodes) and decodes[tid] == 1
+        d._recent.append(kept)
+        if kept:
+            d.ids.append(tid)
+            group = by_kind.get(d.kind)
+            if group is None:
+                group = by_kind[d.kind] = []
+            group.append(d)
+    for (tokenizer, skip), group in by_kind.items():
+        windows = []
+        for d in group:
+            ids, start = d.ids, d.prefix_offset
+            windows.append(ids[start:d.read_offset])
+            windows.append(ids[start:])
+        texts = tokenizer.decode_batch(windows, skip)
+        for i, d in enumerate(group):
             d._confirm(texts[2 * i], texts[2 * i + 1])

@@ -34,6 +34,7 @@ class TextTokenizer:
         self.eos_token = eos
         self.chat_template = template
         self._template: jinja2.Template | None = None
+        self._decoded_ids: dict[bool, bytearray] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -51,6 +52,19 @@ class TextTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decoded_ids(self, skip_special_tokens: bool = True) -> bytearray:
+        """1 for each id `decode` keeps, 0 for one it drops before decoding (not in the vocabulary, or a
+        special token when they are skipped); ids past the end are dropped too. Built once per setting."""
+        flags = self._decoded_ids.get(skip_special_tokens)
+        if flags is None:
+            vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+            special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special}
+            flags = bytearray(max(vocab.values(), default=-1) + 1)
+            for token, tid in vocab.items():
+                flags[tid] = 0 if skip_special_tokens and token in special else 1
+            self._decoded_ids[skip_special_tokens] = flags
+        return flags
 
     def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
         """`decode` of each sequence, in one call into the tokenizer."""
