@@ -22,13 +22,13 @@ from splitserve.engine.detokenizer import IncrementalDetokenizer, add_one_token_
 from splitserve.engine.grammar.compiler import GrammarCompiler
 from splitserve.engine.grammar.slots import GrammarSlots
 from splitserve.engine.kv_cache import KVCache, KVUsage
-from splitserve.engine.metrics import EngineMetrics
+from splitserve.engine.metrics import EngineMetrics, observe_times
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_names import resolve_model_path
 from splitserve.engine.model_runner import ROW_INVARIANT_ROWS, ModelRunner, PendingStep, StepOutput, VerifiedChunk
 from splitserve.engine.parallel_state import SINGLE, TensorParallel, check_tp_size
 from splitserve.engine.request import FinishReason, Request, RequestStatus, TokenOutput
-from splitserve.engine.role import Role, UnifiedRole
+from splitserve.engine.role import ComposedRole, Role, UnifiedRole
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from splitserve.engine.tokenizer import TextTokenizer
 from splitserve.engine.tp_supervisor import TensorParallelSupervisor
@@ -55,6 +55,13 @@ def start_tp_workers(cfg: EngineConfig, model_folder: Path, model_cfg: ModelConf
         supervisor.stop(graceful=False)
         raise
     return supervisor
+
+
+def overrides_hook(role: Role, hook: str) -> bool:
+    """Whether `role` (or one of its behaviours) has its own `hook`, not Role's empty default."""
+    if isinstance(role, ComposedRole):
+        return any(overrides_hook(b, hook) for b in role.behaviours)
+    return getattr(type(role), hook) is not getattr(Role, hook)
 
 
 @dataclass
@@ -103,6 +110,10 @@ class Engine:
         )
         self.metrics = metrics or EngineMetrics(cfg.model_name)
         self.role: Role = role or UnifiedRole()
+        # Whether the role does anything with computed chunks and tokens (the unified role does not: no
+        # call per row).
+        self._role_sees_chunks = overrides_hook(self.role, "on_chunk_done")
+        self._role_sees_tokens = overrides_hook(self.role, "on_token")
         self.requests: dict[str, Request] = {}
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._closing = threading.Lock()
@@ -360,6 +371,7 @@ class Engine:
             self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR, error=error))
             return
         self.requests[req.request_id] = req
+        req.argmax_only = req.params.wants_argmax_only  # its params are final now; read every step
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         with self.request_fault(req, "admitting the request"):
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
@@ -371,7 +383,7 @@ class Engine:
         needs the previous token committed on the host before the next step samples), and no verify
         chunk (the next step is planned from how many drafts were accepted)."""
         return (self.overlap and bool(step.chunks) and self.role.allows_overlap()
-                and all(c.request.params.wants_argmax_only and not c.draft for c in step.chunks))
+                and all(c.request.argmax_only and not c.draft for c in step.chunks))
 
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
         try:
@@ -396,17 +408,20 @@ class Engine:
         except Exception as exc:
             self._step_failed(step.chunks, exc)
             return
-        live = {id(c.request) for c, slot in zip(step.chunks, step.slots, strict=True)
+        # Requests hash by identity (no id(): under an audit hook each call runs Python code).
+        live = {c.request for c, slot in zip(step.chunks, step.slots, strict=True)
                 if c.request.slot == slot and c.request.status is RequestStatus.RUNNING}
         # Only now is the step's KV written on the device (a transfer may read it, and requests
         # with the same prompt may take its full pages from the prefix cache).
         for c in step.chunks:
-            c.request.publishing = False
-            if id(c.request) in live:
-                if c.start < len(c.request.prompt_ids):
-                    self.kv.publish_prompt(c.request, c.start + c.length)
-                with self.request_fault(c.request, "the role's handling of a computed chunk"):
-                    self.role.on_chunk_done(c.request, c.start + c.length)
+            req = c.request
+            req.publishing = False
+            if req in live:
+                if c.start < len(req.prompt_ids):
+                    self.kv.publish_prompt(req, c.start + c.length)
+                if self._role_sees_chunks:
+                    with self.request_fault(req, "the role's handling of a computed chunk"):
+                        self.role.on_chunk_done(req, c.start + c.length)
         self._process_samples(out, live)
 
     def _step_failed(self, chunks, exc: Exception) -> None:
@@ -421,27 +436,59 @@ class Engine:
         for c in chunks:
             self.finish(c.request, FinishReason.ERROR, error)
 
-    def _process_samples(self, out: StepOutput, live: set[int]) -> None:
-        rows = [(c, t) for c, t in zip(out.sampled_chunks, out.tokens, strict=True) if id(c.request) in live]
-        self.runner.commit([c for c, _ in rows], [t for _, t in rows])
-        # The step's text in one tokenizer call, not two per request (a token that ends a request is not text).
-        texts = [(c.request, t) for c, t in rows if not c.request.finished and not self._stops_on_token(c.request, t)]
-        add_one_token_each([r.detokenizer for r, _ in texts], [t for _, t in texts])
-        detokenized = {id(r) for r, _ in texts}
+    def _process_samples(self, out: StepOutput, live: set[Request]) -> None:
+        rows = [(i, c.request, t) for i, (c, t) in enumerate(zip(out.sampled_chunks, out.tokens, strict=True))
+                if c.request in live]
+        self.runner.commit([out.sampled_chunks[i] for i, _, _ in rows], [t for _, _, t in rows])
         now = time.monotonic()
-        for i, (chunk, token) in enumerate(zip(out.sampled_chunks, out.tokens, strict=True)):
-            req = chunk.request
-            if req.finished or id(req) not in live:
-                continue  # finished (or preempted) while this step ran: its token is not wanted
-            lp = [out.logprobs[i]] if out.logprobs is not None and req.params.logprobs is not None else None
-            top = out.top_logprobs[i] if out.top_logprobs is not None and lp is not None else None
-            with self.request_fault(req, "processing a sampled token"):
-                self.append_token(req, token, now, lp, top, detokenized=id(req) in detokenized)
-        verified = [v for v in out.verified if id(v.chunk.request) in live and not v.chunk.request.finished]
+        self._append_sampled(rows, out, now)
+        verified = [v for v in out.verified if v.chunk.request in live and not v.chunk.request.finished]
         self.runner.commit_verified(verified)
         for v in verified:
             with self.request_fault(v.chunk.request, "processing verified draft tokens"):
                 self._append_verified(v, now)
+
+    def _append_sampled(self, rows: list[tuple[int, Request, int]], out: StepOutput, now: float) -> None:
+        """`append_token` for each (row, request, token) of a step, in three passes over the batch so
+        the per-row work is a few list and set operations: the tokens and their timings, then the
+        step's text in one tokenizer call (a token that ends a request is not text), then the stop
+        checks and outputs. Same outputs, in the same order, as one `append_token` per row."""
+        logprobs = out.logprobs
+        top_logprobs = out.top_logprobs
+        gaps: dict[float, int] = {}  # inter-token gaps of this step, counted (one histogram update each)
+        texts: list[tuple[IncrementalDetokenizer, int]] = []
+        stopped: set[Request] = set()
+        taken: list[tuple[int, Request, int]] = []
+        for row in rows:
+            _, req, token = row
+            if req.finished:
+                continue  # finished (or preempted) while this step ran: its token is not wanted
+            if req.first_token_time is None:
+                self._first_token(req, now, [logprobs[row[0]]] if logprobs is not None and req.params.logprobs
+                                  is not None else None)
+            else:
+                gap = now - (req.last_token_time or now)
+                gaps[gap] = gaps.get(gap, 0) + 1
+            req.last_token_time = now
+            req.output_ids.append(token)
+            if token in (req.stop_ids if req.stop_ids is not None else self._stop_ids(req)):
+                stopped.add(req)
+            elif req.detokenizer.stopped_on is None:
+                texts.append((req.detokenizer, token))
+            taken.append(row)
+        self.metrics.generation_tokens.inc(len(taken))
+        for gap, count in gaps.items():
+            observe_times(self.metrics.itl, gap, count)
+        add_one_token_each([d for d, _ in texts], [t for _, t in texts])
+        for i, req, token in taken:
+            if req.finished:
+                continue  # ended by a role hook of an earlier row
+            lp = [logprobs[i]] if logprobs is not None and req.params.logprobs is not None else None
+            top = top_logprobs[i] if top_logprobs is not None and lp is not None else None
+            try:
+                self._token_appended(req, token, lp, top, FinishReason.STOP if req in stopped else None)
+            except Exception as exc:
+                self._request_failed(req, "processing a sampled token", exc)
 
     def _append_verified(self, v: VerifiedChunk, now: float) -> None:
         """Appends a verify chunk's tokens one by one, with every stop check plain decoding makes;
@@ -462,41 +509,50 @@ class Engine:
                 return  # finished (its pages went back with it) or taken over
         self.kv.shrink(req, req.total_len)
 
-    def _stops_on_token(self, req: Request, token: int) -> bool:
+    def _stop_ids(self, req: Request) -> frozenset[int]:
+        """The tokens that end `req` (its stop tokens, and EOS unless it ignores EOS), kept on it."""
         params = req.params
-        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        req.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        return req.stop_ids
+
+    def _first_token(self, req: Request, now: float, logprobs: list[float] | None) -> None:
+        req.first_token_time = now
+        req.first_token_logprob = logprobs[0] if logprobs else 0.0
+        self.metrics.ttft.observe(now - req.arrival_time)
 
     def append_token(self, req: Request, token: int, now: float, logprobs: list[float] | None = None,
-                     top: list[list[tuple[int, float]]] | None = None, detokenized: bool = False) -> None:
-        """Adds one output token, checks the stop conditions and emits the delta (`detokenized`: the
-        detokenizer has the token already)."""
+                     top: list[list[tuple[int, float]]] | None = None) -> None:
+        """Adds one output token, checks the stop conditions and emits the delta."""
         if req.first_token_time is None:
-            req.first_token_time = now
-            req.first_token_logprob = logprobs[0] if logprobs else 0.0
-            self.metrics.ttft.observe(now - req.arrival_time)
+            self._first_token(req, now, logprobs)
         else:
             self.metrics.itl.observe(now - (req.last_token_time or now))
         req.last_token_time = now
         req.output_ids.append(token)
         self.metrics.generation_tokens.inc()
-        params = req.params
-        finish = None
-        if self._stops_on_token(req, token):
-            finish = FinishReason.STOP
-        else:
-            if not detokenized:
-                req.detokenizer.add([token])
+        stop_ids = req.stop_ids if req.stop_ids is not None else self._stop_ids(req)
+        if token in stop_ids:
+            self._token_appended(req, token, logprobs, top, FinishReason.STOP)
+            return
+        req.detokenizer.add([token])
+        self._token_appended(req, token, logprobs, top, None)
+
+    def _token_appended(self, req: Request, token: int, logprobs: list[float] | None,
+                        top: list[list[tuple[int, float]]] | None, finish: FinishReason | None) -> None:
+        """The rest of `append_token` once the token is in `req.output_ids` and its text in the
+        detokenizer (`finish`: STOP when it is a stop token): the stop string and length checks, the
+        role's hook, the output."""
+        if finish is None:
             if req.detokenizer.stopped_on is not None:
                 finish = FinishReason.STOP
-        if finish is None and (len(req.output_ids) >= params.max_new_tokens
-                               or req.total_len >= self.context_length):
-            finish = FinishReason.LENGTH
-        if self.role.on_token(req, finish):
+            elif (len(req.output_ids) >= req.params.max_new_tokens
+                  or len(req.prompt_ids) + len(req.output_ids) >= self.context_length):
+                finish = FinishReason.LENGTH
+        if self._role_sees_tokens and self.role.on_token(req, finish):
             return  # the role took the request over (e.g. prefill hands it to decode)
         text = req.detokenizer.take_delta(final=finish is not None)
-        self._emit(req, TokenOutput(req.request_id, [token], text, logprobs=logprobs, top_logprobs=top,
-                                    finish_reason=finish, prompt_tokens=len(req.prompt_ids),
-                                    completion_tokens=len(req.output_ids), cached_tokens=req.cached_len))
+        self._emit(req, TokenOutput(req.request_id, [token], text, logprobs, top, finish, None,
+                                    len(req.prompt_ids), len(req.output_ids), req.cached_len))
         if finish is not None:
             self._retire(req, finish)
 
@@ -532,9 +588,14 @@ class Engine:
         try:
             yield
         except Exception as exc:
-            logger.exception("request %s: %s failed", req.request_id, what)
-            if not req.finished:
-                self.finish(req, FinishReason.ERROR, f"{what} failed: {exc}")
+            self._request_failed(req, what, exc)
+
+    def _request_failed(self, req: Request, what: str, exc: Exception) -> None:
+        """`request_fault`'s handling, for loops that catch per row themselves (no context manager
+        per row): ends `req` with the error, logged."""
+        logger.error("request %s: %s failed", req.request_id, what, exc_info=exc)
+        if not req.finished:
+            self.finish(req, FinishReason.ERROR, f"{what} failed: {exc}")
 
     def _retire(self, req: Request, reason: FinishReason, cache_prefix: bool = True) -> None:
         self.scheduler.remove(req)
@@ -556,9 +617,9 @@ class Engine:
             logger.exception("output callback of request %s failed", req.request_id)
 
     def _snapshot(self) -> EngineState:
-        parked = sum(1 for r in self.requests.values() if r.status is RequestStatus.PARKED)
-        waiting = sum(1 for r in self.requests.values() if r.status is RequestStatus.WAITING)
-        return EngineState(running=len(self.scheduler.running), waiting=waiting, parked=parked, kv=self.kv.usage())
+        statuses = [r.status for r in self.requests.values()]
+        return EngineState(running=len(self.scheduler.running), waiting=statuses.count(RequestStatus.WAITING),
+                           parked=statuses.count(RequestStatus.PARKED), kv=self.kv.usage())
 
     def _publish_gauges(self) -> None:
         s = self._state

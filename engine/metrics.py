@@ -61,3 +61,19 @@ class EngineMetrics:
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
+
+
+def observe_times(histogram: Histogram, amount: float, times: int) -> None:
+    """`histogram.observe(amount)` `times` times over, as one update of its sum and bucket (a step's
+    inter-token gaps are mostly one value: a few hundred observations cost one). Falls back to
+    observing one by one if the client library's histogram is not laid out as expected."""
+    bounds, buckets, total = (getattr(histogram, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for _ in range(times):
+            histogram.observe(amount)
+        return
+    total.inc(amount * times)
+    for i, bound in enumerate(bounds):
+        if amount <= bound:
+            buckets[i].inc(times)
+            break

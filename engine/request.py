@@ -27,7 +27,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # failed (transfer failure, ...): `error` says why
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenOutput:
     """What the engine emits for a request after a step: new tokens, new text, maybe the end."""
 
@@ -80,6 +80,10 @@ class Request:
     # Speculative decoding: draft tokens for the positions after the last one, offered by a
     # behaviour (the verifier) for the next step; the scheduler takes them (and clears this).
     draft_tokens: list[int] = field(default_factory=list)
+    # The token ids that end it (stop tokens, EOS unless ignored): set by the engine on first use.
+    stop_ids: frozenset[int] | None = None
+    # `params.wants_argmax_only`, read once at admission (the overlap check asks it every step).
+    argmax_only: bool = False
 
     @property
     def all_ids(self) -> list[int]:
