@@ -36,7 +36,7 @@ from splitserve.engine.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """Run `length` tokens of `request` starting at its `kv_len`; sample after if `sample`.
 
@@ -109,25 +109,28 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         step_budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
-        if not self.config.decode_first and self._prompt_tokens_to_run(step_budget) >= step_budget:
+        prefilling = self._prefilling()
+        if not self.config.decode_first and self._prompt_tokens_to_run(prefilling, step_budget) >= step_budget:
             plan = StepPlan()
-            self._schedule_prompts(plan, step_budget)
+            self._schedule_prompts(plan, step_budget, prefilling)
             if plan:
                 return plan  # else no prompt could start (pages): the decodes run as usual
+            prefilling = self._prefilling()  # it may have admitted requests that could not run yet
         plan = StepPlan()
         self._schedule_decodes(plan)
         # Prompts in what the decodes left of the step's budget.
-        self._schedule_prompts(plan, prefill_budget(step_budget, plan.num_tokens))
+        self._schedule_prompts(plan, prefill_budget(step_budget, plan.num_tokens), prefilling)
         return plan
 
-    def _prompt_tokens_to_run(self, enough: int) -> int:
+    def _prefilling(self) -> list[Request]:
+        """The running requests part-way through their prompt (or recomputing it), in batch order."""
+        return [r for r in self.running if r.status is RequestStatus.RUNNING and r.in_prefill]
+
+    def _prompt_tokens_to_run(self, prefilling: list[Request], enough: int) -> int:
         """Prompt tokens the running prompts still have and the waiting requests that may start
         bring (their whole prompts: prefix cache hits are known only once admitted), counted up to
         `enough`."""
-        tokens = 0
-        for req in self.running:
-            if req.in_prefill and req.status is RequestStatus.RUNNING:
-                tokens += req.pending_len
+        tokens = sum(req.pending_len for req in prefilling)
         slots = min(self.kv.free_slots, self.config.max_running_requests - len(self.running))
         for req in itertools.islice(self.waiting, max(0, slots)):
             if tokens >= enough:
@@ -137,38 +140,49 @@ class Scheduler:
 
     def _schedule_decodes(self, plan: StepPlan) -> None:
         """Every running request that is decoding gets its one token (or its verify chunk); preempts
-        the newest running request when pages run out."""
-        decoding = [r for r in self.running if not r.in_prefill]
-        for req in list(decoding):
-            if req.status is not RequestStatus.RUNNING:
+        the newest running request when pages run out. One pass, each request's fields read once
+        (a few hundred rows every step)."""
+        context, page = self.config.context_length, self.kv.page_size
+        running = RequestStatus.RUNNING
+        for req in list(self.running):
+            kv_len, prompt_len = req.kv_len, len(req.prompt_ids)
+            pending = prompt_len + len(req.output_ids) - kv_len
+            if kv_len < prompt_len or pending > 1:
+                continue  # in prefill: the prompt pass schedules it
+            if req.status is not running:
                 continue  # preempted below while making room for an older request
-            if req.kv_len >= self.config.context_length:
+            if kv_len >= context:
                 continue  # at the context limit: the step in flight (overlap) ends it
-            if req.pending_len == 0 and len(req.output_ids) + 1 >= req.params.max_new_tokens:
+            if pending == 0 and len(req.output_ids) + 1 >= req.params.max_new_tokens:
                 continue  # its last token is in flight (overlap): nothing more to run for it
-            draft = self._take_draft(req)
-            while not self.kv.grow(req, req.kv_len + 1 + len(draft)):
+            draft = self._take_draft(req) if req.draft_tokens else []
+            length = 1 + len(draft)
+            if kv_len + length <= len(req.pages) * page:  # its pages hold it already: nothing to grow
+                plan.chunks.append(ScheduledChunk(req, kv_len, length, True, draft))
+                continue
+            while not self.kv.grow(req, kv_len + length):
                 if draft:
                     draft = []  # no pages for the draft: decode one token as usual
+                    length = 1
                     continue
                 victim = self._newest_running(exclude=req)
                 if victim is None:
                     break
                 self._preempt(victim, plan)
             else:
-                plan.chunks.append(ScheduledChunk(req, req.kv_len, 1 + len(draft), sample=True, draft=draft))
+                plan.chunks.append(ScheduledChunk(req, kv_len, length, True, draft))
                 continue
             # Alone and still no page: the whole cache is this request's. It ends here (length).
             logger.warning("request %s fills the KV cache (%d tokens); ending it", req.request_id, req.kv_len)
             self.running.remove(req)
             plan.cache_full.append(req)
 
-    def _schedule_prompts(self, plan: StepPlan, budget: int) -> None:
+    def _schedule_prompts(self, plan: StepPlan, budget: int, prefilling: list[Request]) -> None:
         """Prompts in progress continue, then waiting requests are admitted, within `budget` tokens."""
-        for req in self.running:
+        for req in prefilling:
             if budget <= 0:
                 break
-            if req.in_prefill and req.status is RequestStatus.RUNNING:
+            if req.status is RequestStatus.RUNNING:  # not preempted by the decodes
                 budget -= self._schedule_prefill(req, budget, plan)
 
         # Admit waiting requests.
