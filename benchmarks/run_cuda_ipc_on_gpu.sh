@@ -1,20 +1,41 @@
 #!/usr/bin/env bash
-# Issue 16, transfer side, on a lent H200: the room benchmark (one room at a time by size, taken apart by
-# stage, and many rooms in flight), then the CUDA IPC GPU tests. No network there: wheels travel along.
-#   benchmarks/run_cuda_ipc_on_gpu.sh OUT_DIR WHEEL_DIR
+# Issue 16's KV transfer between two processes on one GPU: the CUDA IPC GPU tests, then the rooms benchmark
+# (`bench --profile transfer --transfer-protocol cuda_ipc`) of this tree and, where BEFORE names another
+# tree (main's checkout, say), of that tree too, each a ratio to a device copy of the same bytes in its run.
+#   benchmarks/run_cuda_ipc_on_gpu.sh OUT_DIR
+# Run from the repository root (or a copy of it). Environment:
+#   CIPC_WHEELS    folder of the grpcio/protobuf/pyzmq/... wheels (default .gpuwt/wl), into /tmp/cipc-site
+#   BEFORE         another splitserve tree to benchmark first (same bench flags; its JSON: rooms_before.json)
+#   CIPC_TESTS=0   skip tests/transfer/test_cuda_ipc_transfer.py and tests/engine/test_disaggregation_cuda_ipc.py
+#   ROOMS          the bench's --kv-tokens / --concurrent (default "512,8192 512x256,8192x16")
+#   CIPC_*_S       seconds for each part (TESTS 150, BENCH 75)
 set -uo pipefail
-out=${1:?output folder}; wheels=${2:?wheel folder}
-mkdir -p "$out" /tmp/site /tmp/sp
-python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/*.whl > "$out/pip.txt" 2>&1
-ln -sfn "$PWD" /tmp/sp/splitserve
-export PYTHONPATH=/tmp/sp:/tmp/site PYTHONUNBUFFERED=1
+out=${1:?output folder}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --target /tmp/cipc-site "${CIPC_WHEELS:-.gpuwt/wl}"/*.whl \
+    > "$out/pip.txt" 2>&1
+mkdir -p /tmp/cipc-after && ln -sfn "$PWD" /tmp/cipc-after/splitserve
+export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader > "$out/gpu.txt"
-python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$out/gpu.txt" 2>&1
-timeout ${BENCH_S:-85} python3 -P -m splitserve bench --profile transfer --transfer-protocol cuda_ipc \
-    --lanes ${LANES:-1,2} --json "$out/cuda_ipc_rooms_h200.json" > "$out/bench.txt" 2>&1
-echo "bench rc=$?" >> "$out/bench.txt"
-grep -v "^WARNING: Logging\|^[IWE][0-9]" "$out/bench.txt" | tail -45
-timeout ${TEST_S:-110} python3 -P -m pytest -p no:cacheprovider -q -rs --tb=short tests/transfer/test_cuda_ipc_transfer.py \
-    tests/engine/test_disaggregation_cuda_ipc.py > "$out/tests.txt" 2>&1
-echo "pytest rc=$?" >> "$out/tests.txt"
-tail -12 "$out/tests.txt"
+PYTHONPATH=/tmp/cipc-site python3 -P -c "import torch, triton; print(torch.__version__, triton.__version__)" \
+    >> "$out/gpu.txt" 2>&1
+read -r tokens sets <<< "${ROOMS:-512,8192 512x256,8192x16}"
+rooms() {  # tree label
+    PYTHONPATH="$1:/tmp/cipc-site" timeout "${CIPC_BENCH_S:-75}" python3 -P -m splitserve bench --profile transfer \
+        --transfer-protocol cuda_ipc --kv-tokens "$tokens" --concurrent "$sets" --lanes 1 --repeats 6 \
+        --no-kernel-sweep --json "$out/rooms_$2.json" > "$out/rooms_$2.txt" 2>&1
+    echo "rooms $2 rc=$?" >> "$out/rooms_$2.txt"
+    grep -v "^WARNING: Logging\|^[IWE][0-9]\|^measured\|INFO" "$out/rooms_$2.txt" | tail -30
+}
+if [[ -n "${BEFORE:-}" ]]; then
+    mkdir -p /tmp/cipc-before && ln -sfn "$BEFORE" /tmp/cipc-before/splitserve
+    rooms /tmp/cipc-before before
+fi
+rooms /tmp/cipc-after after
+if [[ "${CIPC_TESTS:-1}" == 1 ]]; then
+    PYTHONPATH=/tmp/cipc-after:/tmp/cipc-site timeout "${CIPC_TESTS_S:-150}" python3 -P -m pytest -p no:cacheprovider \
+        -q -rs -rf --tb=short --durations=8 tests/transfer/test_cuda_ipc_transfer.py \
+        tests/engine/test_disaggregation_cuda_ipc.py > "$out/gpu_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$out/gpu_tests.txt"
+    tail -22 "$out/gpu_tests.txt"
+fi

@@ -252,45 +252,72 @@ def cpu_since(before: dict[int, tuple[str, float]]) -> tuple[float, float]:
 
 
 class _StageClock:
-    """Timestamps of the prefill's side of one room at a time: the worker job's start and end (wrapping
-    the manager's ``submit``) and the write's (wrapping the engine's ``write``)."""
+    """Timestamps of the prefill's side of one room at a time (``stages`` on): the worker job's start and end
+    (wrapping the manager's ``submit``) and the write's (wrapping the data path's ``write`` and
+    ``write_pages``); and, always, what the data path's calls cost: their count, the calling threads' CPU
+    inside them, and (CUDA IPC, one lane) the copier's host part, wait and kernel."""
 
     def __init__(self, mgr) -> None:
         self.marks: dict[str, float] = {}
+        self.stages = False
         self.writes = 0  # calls into the data path (merged writes count once)
         self.write_cpu_s = 0.0  # CPU of the calling threads inside those calls (Mooncake TCP spins in them)
+        self.copier_s = {"host": 0.0, "wait": 0.0, "kernel": 0.0}
+        copier = getattr(mgr.engine, "copier", None)
         lock = threading.Lock()
         submit, write, self.engine_write = mgr.submit, mgr.writers.write, mgr.engine.write
 
         def timed_submit(job) -> None:
+            if not self.stages:  # sets of rooms: no wrapper per job (it would cost the rooms it measures)
+                submit(job)
+                return
+
             def run() -> None:
                 self.marks.setdefault("job", time.perf_counter())
                 job.run()
                 self.marks["job_end"] = time.perf_counter()
 
-            submit(dataclasses.replace(job, run=run))
+            def merge():
+                self.marks.setdefault("job", time.perf_counter())
+                return job.merge()
+
+            submit(dataclasses.replace(job, run=run, merge=merge if job.merge is not None else None))
 
         lists = not getattr(mgr.engine, "takes_arrays", False)  # Mooncake with --merge-writes gets arrays
 
-        def timed_write(*args) -> int:
-            self.marks.setdefault("write", time.perf_counter())
-            cpu0 = time.thread_time()
-            if lists:  # in Mooncake-sized batches
-                session, *arrays = args
-                step = mgr.config.transfer_max_batch_segments
-                code = 0
-                for i in range(0, len(arrays[0]), step):
-                    code = code or write(session, *(list(a[i:i + step]) for a in arrays))
-            else:
-                code = write(*args)
-            self.marks["write_end"] = time.perf_counter()
-            with lock:
-                self.writes += 1
-                self.write_cpu_s += time.thread_time() - cpu0
+        def timed(call):
+            def wrapped(*args) -> int:
+                if self.stages:
+                    self.marks.setdefault("write", time.perf_counter())
+                cpu0 = time.thread_time()
+                code = call(*args)
+                if self.stages:
+                    self.marks["write_end"] = time.perf_counter()
+                with lock:
+                    self.writes += 1
+                    self.write_cpu_s += time.thread_time() - cpu0
+                    if copier is not None:
+                        self.copier_s["host"] += copier.last_host_s
+                        self.copier_s["wait"] += copier.last_wait_s
+                        self.copier_s["kernel"] += copier.last_kernel_s if copier.timed else 0.0
+                return code
+            return wrapped
+
+        def batched_write(session, *arrays) -> int:
+            if not lists:
+                return write(session, *arrays)
+            step = mgr.config.transfer_max_batch_segments  # in Mooncake-sized batches
+            code = 0
+            for i in range(0, len(arrays[0]), step):
+                code = code or write(session, *(list(a[i:i + step]) for a in arrays))
             return code
 
         mgr.submit = timed_submit
-        mgr.writers.write = timed_write
+        mgr.writers.write = timed(batched_write)
+        if mgr.workers.write_pages is not None:
+            write_pages = mgr.writers.write_pages
+            self.engine_write_pages = mgr.engine.write_pages
+            mgr.writers.write_pages = timed(write_pages)
 
 
 class _Prefill:
@@ -328,6 +355,7 @@ class _Prefill:
         self.next_room += len(src)
         self.finals.watch(ids)
         writes, write_cpu = self.clock.writes, self.clock.write_cpu_s
+        copier0 = dict(self.clock.copier_s)
         # The prefill's CPU from its rooms' creation, through their metadata's arrival, to the last Success.
         cpu0 = time.process_time()  # every thread of this process, Mooncake's too
         threads0 = python_threads_cpu()
@@ -338,6 +366,9 @@ class _Prefill:
         _wait_all(self.mgr, senders, lambda s: s.poll() != KVPoll.Bootstrapping, 60)
         time.sleep(0.002)  # a fresh peer's handshake write (first room only) is out of the way
         self.clock.marks = {}
+        write_cpu_sent = self.clock.write_cpu_s
+        threads_sent = python_threads_cpu()
+        cpu_sent = time.process_time()
         t0 = time.perf_counter()
         for sender, pages in zip(senders, src, strict=True):
             sender.send(pages, True)
@@ -346,6 +377,8 @@ class _Prefill:
         cpu = time.process_time() - cpu0
         threads_cpu, control_thread_cpu = cpu_since(threads0)
         control_cpu = threads_cpu - (self.clock.write_cpu_s - write_cpu)
+        cpu_from_send = time.process_time() - cpu_sent
+        control_cpu_from_send = cpu_since(threads_sent)[0] - (self.clock.write_cpu_s - write_cpu_sent)
         answer = self.decode.read(120)
         errors = [s.failure_exception() for s in senders if s.poll() != KVPoll.Success]
         self.dst_layout = next(iter(senders[0]._dsts.values())).layout  # the decode's, from its metadata
@@ -356,8 +389,10 @@ class _Prefill:
         if answer["checksums"] != want:
             raise RuntimeError("the decode's pages differ from the prefill's")
         return {"t0": t0, "sent": t_sent, "sender_success": t_sender, "decode_success": answer["done_at"],
-                "cpu_s": cpu, "control_cpu_s": control_cpu,
-                "control_thread_cpu_s": control_thread_cpu, "writes": self.clock.writes - writes, **self.clock.marks}
+                "cpu_s": cpu, "control_cpu_s": control_cpu, "cpu_from_send_s": cpu_from_send,
+                "control_cpu_from_send_s": control_cpu_from_send,
+                "control_thread_cpu_s": control_thread_cpu, "writes": self.clock.writes - writes,
+                "copier_s": {k: v - copier0[k] for k, v in self.clock.copier_s.items()}, **self.clock.marks}
 
     def measure(self, tokens: int, name: str, src_pages: list[int], dst_pages: list[int], repeats: int) -> dict:
         import numpy as np
@@ -366,7 +401,11 @@ class _Prefill:
 
         want = [page_checksum(self.pool, src_pages)]
         self.rooms([src_pages], [dst_pages], want)  # warm-up: the first room maps the decode's pool
-        marks = [self.rooms([src_pages], [dst_pages], want) for _ in range(repeats)]
+        self.clock.stages = True
+        try:
+            marks = [self.rooms([src_pages], [dst_pages], want) for _ in range(repeats)]
+        finally:
+            self.clock.stages = False
 
         def med(a: str, b: str) -> float:
             return statistics.median(m[b] - m[a] for m in marks)
@@ -392,18 +431,42 @@ class _Prefill:
                 raise RuntimeError(f"planned {segs.nbytes} bytes, expected {nbytes}")
             copier = self.mgr.engine.copier
             copier.timed = True
-            kernels: list[float] = []
+            row.update(segments=len(segs))
 
-            def write() -> None:
-                self.clock.engine_write(dst_session, segs.srcs, segs.dsts, segs.lens)
-                kernels.append(copier.last_kernel_s)
+            def timed_write(label: str, call: Callable[[], None]) -> None:
+                kernels: list[float] = []
 
-            write_s = _median_s(write, repeats)
+                def write() -> None:
+                    call()
+                    kernels.append(copier.last_kernel_s)
+
+                write_s = _median_s(write, repeats)
+                kernel_s = statistics.median(kernels[1:])
+                row.update({f"{label}write_ms": write_s * 1e3, f"{label}kernel_ms": kernel_s * 1e3,
+                            f"{label}kernel_over_copy": copy_s / kernel_s, f"{label}write_over_copy": copy_s / write_s})
+
+            # The segment table (one row per page run per buffer), then page runs expanded by the kernel (what
+            # rooms use where the engine has write_pages), with each of the copier's waits.
+            timed_write("segments_", lambda: self.clock.engine_write(dst_session, segs.srcs, segs.dsts, segs.lens))
+            if hasattr(self.mgr.engine, "write_pages"):
+                from splitserve.transfer.transfer_plan import EMPTY, PageCopy, plan_page_runs
+
+                runs = plan_page_runs([PageCopy(self.mgr.layout, self.dst_layout, np.array(src_pages),
+                                                np.array(dst_pages), EMPTY)])
+                row.update(runs=len(runs.lens))
+                wait = copier.wait
+                for mode in ("poll", "block"):
+                    copier.wait = mode
+                    copier._free.clear()  # staging buffers carry an event of their wait's kind
+                    timed_write(f"runs_{mode}_", lambda: self.clock.engine_write_pages(dst_session, runs))
+                copier.wait = wait
+                copier._free.clear()
             copier.timed = False
-            kernel_s = statistics.median(kernels[1:])
-            row.update(segments=len(segs), write_ms=write_s * 1e3, kernel_ms=kernel_s * 1e3,
-                       kernel_gbps=nbytes / kernel_s / 1e9, ipc_write_gbps=nbytes / write_s / 1e9,
-                       kernel_over_copy=copy_s / kernel_s, ipc_write_over_copy=copy_s / write_s)
+            # The old keys (the rows before page runs): the write rooms use.
+            label = "runs_" + copier.wait + "_" if "runs" in row else "segments_"
+            row.update(write_ms=row[label + "write_ms"], kernel_ms=row[label + "kernel_ms"],
+                       kernel_over_copy=row[label + "kernel_over_copy"],
+                       ipc_write_over_copy=row[label + "write_over_copy"])
             if tokens == self.sweep_tokens and name == "contiguous":
                 row["kernel_sweep"] = self.sweep(dst_session, segs, copy_s)
         return row
@@ -419,7 +482,14 @@ class _Prefill:
         dst_order = (np.arange(1, pages_total) if name == "contiguous" else rng.permutation(np.arange(1, pages_total)))
         dst = [dst_order[i * n:(i + 1) * n].tolist() for i in range(count)]
         want = [page_checksum(self.pool, p) for p in src]
-        runs = [self.rooms(src, dst, want) for _ in range(repeats)]
+        copier = getattr(self.mgr.engine, "copier", None)
+        if copier is not None:
+            copier.timed = True  # the kernels' device time, summed per set (one lane: one copy at a time)
+        try:
+            runs = [self.rooms(src, dst, want) for _ in range(repeats)]
+        finally:
+            if copier is not None:
+                copier.timed = False
         nbytes = count * n * self.page_bytes
         total_s = statistics.median(m["decode_success"] - m["t0"] for m in runs)
         sender_s = statistics.median(m["sender_success"] - m["t0"] for m in runs)
@@ -436,7 +506,13 @@ class _Prefill:
                 "control_cpu_us_per_room": control_cpu_s / count * 1e6,
                 "control_thread_us_per_room": thread_cpu_s / count * 1e6, "rooms_per_write": count / max(writes, 1),
                 "copy_ms": copy_s * 1e3, "gbps": nbytes / total_s / 1e9, "device_copy_gbps": nbytes / copy_s / 1e9,
-                "over_copy": copy_s / total_s, "sender_over_copy": copy_s / sender_s}
+                "over_copy": copy_s / total_s, "sender_over_copy": copy_s / sender_s,
+                "cpu_from_send_us_per_room": statistics.median(m["cpu_from_send_s"] for m in runs) / count * 1e6,
+                "control_cpu_from_send_us_per_room": min(m["control_cpu_from_send_s"] for m in runs) / count * 1e6,
+                **({} if copier is None else {
+                    "copier_ms": {k: statistics.median(m["copier_s"][k] for m in runs) * 1e3
+                                  for k in ("host", "wait", "kernel")},
+                    "kernel_over_copy": copy_s / max(statistics.median(m["copier_s"]["kernel"] for m in runs), 1e-12)})}
 
     sweep_tokens = 8192
     SWEEP = ((2048, 4, 8), (1024, 8, 4), (4096, 2, 8), (2048, 8, 8), (1024, 4, 4))
@@ -519,6 +595,18 @@ def format_report(report: dict) -> str:
         for k in r.get("kernel_sweep", []):
             lines.append(f"    sweep block {k['block']} x{k['iters']} warps {k['warps']}: {k['kernel_ms']:.3f} ms, "
                          f"kernel/copy {k['kernel_over_copy']:.2f}")
+    ipc_rows = [r for r in report["rooms"] if "segments_write_ms" in r]
+    if ipc_rows:
+        lines.append("the write alone (one room's pages, no aux), kernel / copy and write / copy: the segment table, "
+                     "page runs with a polled wait, page runs with a blocking wait")
+        for r in ipc_rows:
+            parts = [f"segments ({r['segments']} rows) {r['segments_kernel_over_copy']:.2f} / "
+                     f"{r['segments_write_over_copy']:.2f}"]
+            for mode in ("poll", "block"):
+                if f"runs_{mode}_write_ms" in r:
+                    parts.append(f"runs ({r['runs']}) {mode} {r[f'runs_{mode}_kernel_over_copy']:.2f} / "
+                                 f"{r[f'runs_{mode}_write_over_copy']:.2f} ({r[f'runs_{mode}_write_ms']:.3f} ms)")
+            lines.append(f"{r['tokens']:>6} {r['pages']:<11}" + "; ".join(parts))
     if report["concurrent"]:
         lines.append("rooms in flight at once: first send to the decode's last Success, against as many back-to-back "
                      "device copies of one room's bytes")
@@ -532,6 +620,16 @@ def format_report(report: dict) -> str:
                          f"{c['prefill_cpu_us_per_room']:>12.0f}{c['control_cpu_us_per_room']:>12.0f}"
                          f"{c['control_thread_us_per_room']:>12.0f}"
                          f"{c['rooms_per_write']:>12.1f}")
+        lines.append("the same sets from the first send: prefill CPU us/room (process; Python outside the write "
+                     "calls), the copier's host part / wait / kernel ms per set, kernel / copy")
+        for c in report["concurrent"]:
+            if "cpu_from_send_us_per_room" in c:
+                cm = c.get("copier_ms", {"host": 0.0, "wait": 0.0, "kernel": 0.0})
+                lines.append(f"{c['tokens']:>6} {c['rooms']:>5} {c['pages']:<11} "
+                             f"cpu {c['cpu_from_send_us_per_room']:.0f}, "
+                             f"ctl {c['control_cpu_from_send_us_per_room']:.0f}; copier {cm['host']:.2f} / "
+                             f"{cm['wait']:.2f} / {cm['kernel']:.2f} ms; "
+                             f"kernel/copy {c.get('kernel_over_copy', 0.0):.2f}")
     return "\n".join(lines)
 
 

@@ -11,7 +11,10 @@ the rooms, control channel and bootstrap protocol stay the Mooncake backend's. W
 - ``write`` translates the peer's addresses to the mapped ones, checks every segment lies in
   memory the two sides registered / exported, copies all segments with one kernel launch
   (segment_copy.py) on the current stream and returns once the copy finished:
-  like Mooncake's synchronous write, Success is reported only after the bytes are in place.
+  like Mooncake's synchronous write, Success is reported only after the bytes are in place;
+- ``write_pages`` does the same for whole pages given as runs (``PageRuns``): the two layouts' buffer
+  bases are checked and translated once per layout, each write checks only that its runs lie inside
+  a buffer, and the kernel expands runs x buffers on the device.
 
 Ordering with the engine: writes run on the worker thread's current stream, the legacy default
 stream, which the engine's forward passes and CUDA-graph replays also use: a copy enqueued after
@@ -35,8 +38,9 @@ import numpy as np
 
 from .cuda_driver import CudaDriver, CudaDriverError
 from .errors import CudaIpcError, CudaIpcUnavailableError
-from .kv_layout import IpcRegion
+from .kv_layout import IpcRegion, KVLayout
 from .segment_copy import SegmentCopier
+from .transfer_plan import PageRuns, buffer_bases
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,19 @@ def translate(addrs: np.ndarray, lens: np.ndarray, bases: np.ndarray, sizes: np.
     return addrs - bases[idx] + local_bases[idx]
 
 
+def check_runs(runs: PageRuns, src_extent: int, dst_extent: int) -> None:
+    """Raises ``CudaIpcError`` unless every run lies inside a buffer of ``src_extent`` bytes on our side and
+    of ``dst_extent`` on the peer's (then, with the buffers inside the exported regions, so does every
+    segment the kernel expands them to)."""
+    if not len(runs.lens):
+        return
+    if min(int(runs.src_offs.min()), int(runs.dst_offs.min()), int(runs.lens.min())) < 0:
+        raise CudaIpcError("a page run starts before its buffer or has a negative length")
+    for offs, extent, what in ((runs.src_offs, src_extent, "source"), (runs.dst_offs, dst_extent, "destination")):
+        if int((offs + runs.lens).max()) > extent:
+            raise CudaIpcError(f"a {what} page run ends past its buffer ({extent} bytes)")
+
+
 @dataclass
 class _PeerMapping:
     """A peer's regions and, once opened, where they are mapped here."""
@@ -91,6 +108,8 @@ class _PeerMapping:
     lock: threading.Lock = field(default_factory=threading.Lock)
     bases: np.ndarray = field(init=False)
     sizes: np.ndarray = field(init=False)
+    # id(layout) -> (layout, its buffers' bases mapped here, its smallest buffer's bytes): checked once
+    buffers: dict[int, tuple[KVLayout, np.ndarray, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.bases = np.array([r.base for r in self.regions], dtype=np.int64)
@@ -118,6 +137,7 @@ class CudaIpcEngine:
         self._own: dict[int, IpcRegion] = {}
         self._own_arrays = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # bases, sizes: checked every write
         self._known: dict[str, tuple[IpcRegion, ...]] = {}
+        self._own_buffers: dict[int, tuple[KVLayout, np.ndarray, int]] = {}  # as _PeerMapping.buffers
         self._peers: dict[str, _PeerMapping] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -242,6 +262,50 @@ class CudaIpcEngine:
             translate(src, length, own_bases, own_sizes, own_bases, "source")
             self.copier.copy(src, peer_dst, length)
         return 0
+
+    def write_pages(self, session: str, runs: PageRuns) -> int:
+        """Copies whole pages (``runs``: our layout's pages into the peer's) and their aux segments; returns 0
+        once they landed. The host checks that every run lies inside a buffer and each layout's buffers inside
+        what the two sides exported (once per layout); the kernel expands runs x buffers. Raises as ``write``."""
+        mapping = self._mapping(session)
+        with mapping.lock:
+            if mapping.closed:
+                raise CudaIpcError(f"peer session {session!r} was unmapped (peer lost or restarted)")
+            local_bases = self._open_locked(session, mapping)
+            src_bases, src_extent = self._buffers(self._own_buffers, runs.src, *self._own_arrays, self._own_arrays[0],
+                                                  "source")
+            dst_bases, dst_extent = self._buffers(mapping.buffers, runs.dst, mapping.bases, mapping.sizes, local_bases,
+                                                  f"destination (peer {session})")
+            check_runs(runs, src_extent, dst_extent)
+            aux = runs.aux
+            aux_dsts = translate(aux.dsts, aux.lens, mapping.bases, mapping.sizes, local_bases,
+                                 f"destination (peer {session})")
+            own_bases, own_sizes = self._own_arrays
+            translate(aux.srcs, aux.lens, own_bases, own_sizes, own_bases, "source")
+            try:
+                self.copier.copy_runs(src_bases, dst_bases, runs.src_offs, runs.dst_offs, runs.lens,
+                                      (aux.srcs, aux_dsts, aux.lens))
+            except ValueError:  # not in 8-byte words (no KV pool of ours): one segment per run and buffer
+                segments = runs.segments()
+                peer_dst = translate(segments.dsts, segments.lens, mapping.bases, mapping.sizes, local_bases,
+                                     f"destination (peer {session})")
+                self.copier.copy(segments.srcs, peer_dst, segments.lens)
+        return 0
+
+    @staticmethod
+    def _buffers(cache: dict[int, tuple[KVLayout, np.ndarray, int]], layout: KVLayout, bases: np.ndarray,
+                 sizes: np.ndarray, local_bases: np.ndarray, what: str) -> tuple[np.ndarray, int]:
+        """``layout``'s buffer bases translated to where they are mapped here, and the bytes every buffer holds
+        at least; each buffer checked to lie inside an exported region, once per layout."""
+        hit = cache.get(id(layout))
+        if hit is None or hit[0] is not layout:
+            extent = min((b.nbytes for b in layout.buffers), default=0)
+            mapped = translate(buffer_bases(layout), np.full(len(layout.buffers), extent, dtype=np.int64), bases,
+                               sizes, local_bases, what)
+            if len(cache) >= 64:
+                cache.clear()
+            hit = cache[id(layout)] = (layout, mapped, extent)
+        return hit[1], hit[2]
 
     def mapped_destinations(self, session: str, dsts: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Where a mapped peer's addresses are in this process (benchmarks time the copy kernel on them)."""

@@ -103,9 +103,15 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
             self._maybe_ready(time.monotonic())
 
     def send(self, kv_page_indices: Sequence[int], last_chunk: bool) -> None:
-        pages = np.asarray(list(kv_page_indices), dtype=np.int64)
         local_pages = self.mgr.layout.num_pages
-        if len(pages) and (pages.min() < 0 or pages.max() >= local_pages):
+        if isinstance(kv_page_indices, np.ndarray):
+            pages = kv_page_indices.astype(np.int64, copy=False)
+            lo, hi = (int(pages.min()), int(pages.max())) if len(pages) else (0, 0)
+        else:  # a list (the engine's): Python's min / max over a room's pages cost less than numpy's calls
+            indices = list(kv_page_indices)
+            lo, hi = (min(indices), max(indices)) if indices else (0, 0)
+            pages = np.array(indices, dtype=np.int64)
+        if len(pages) and (lo < 0 or hi >= local_pages):
             raise TransferUsageError(f"room {self.room}: page index outside 0..{local_pages - 1}")
         with self.mgr.lock:
             if self._num_pages is None:

@@ -18,6 +18,7 @@ import logging
 import threading
 
 from .mooncake_engine import MooncakeEngine
+from .transfer_plan import PageRuns
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,10 @@ class PeerEngines:
     def write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
         """Mooncake's synchronous batch write to ``session`` through its own engine (0 = ok)."""
         return self._engine_for(session).write(session, srcs, dsts, lens)
+
+    def write_pages(self, session: str, runs: PageRuns) -> int:
+        """Whole pages as runs (``PageRuns``), for a transport that takes them (CUDA IPC: ``write_pages``)."""
+        return self._engine_for(session).write_pages(session, runs)  # type: ignore[attr-defined]
 
     def _engine_for(self, session: str) -> MooncakeEngine:
         with self._lock:

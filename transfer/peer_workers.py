@@ -11,7 +11,9 @@ kernel launch, one wait), a job may offer its write instead of running it (``Tra
 A worker that finds several such jobs queued for the same peer prepares each (``MergeableWrite``:
 segments counted as begun by the manager), writes them all with one call and hands each its
 result, in queue order, inside ``finish_together`` (the manager sends their Success messages as
-one per decode rank then). A job alone in the queue simply runs.
+one per decode rank then). Where the transport takes whole pages as runs (``write_pages``: CUDA IPC),
+the jobs' pages go as one ``PageRuns`` (its kernel expands them per buffer), and a job alone in the
+queue takes that path too; otherwise a job alone simply runs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .transfer_plan import PageCopy, Segments, concat, plan_page_copies
+from .transfer_plan import PageCopy, PageRuns, Segments, concat, plan_page_copies, plan_page_runs
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class MergeableWrite:
 
 
 WriteFn = Callable[[str, np.ndarray, np.ndarray, np.ndarray], int]
+WritePagesFn = Callable[[str, PageRuns], int]
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,16 @@ class TransferJob:
     run: Callable[[], None]
     fail: Callable[[Exception], None]
     merge: Callable[[], MergeableWrite | None] | None = None
+
+
+def _page_runs_of(writes: list[MergeableWrite]) -> PageRuns | None:
+    """The writes as one ``PageRuns`` where every one is whole pages between one pair of layouts (a peer
+    session is one decode rank: always, but for a room with a decode prefix or another TP size), else None."""
+    pages = [w.pages for w in writes]
+    first = pages[0]
+    if first is None or any(p is None or p.src is not first.src or p.dst is not first.dst for p in pages):
+        return None
+    return plan_page_runs(pages)  # type: ignore[arg-type]
 
 
 def _segments_of(writes: list[MergeableWrite]) -> Segments:
@@ -86,10 +99,11 @@ class PeerWorkers:
     """``per_peer`` worker threads for each peer, started on demand, gone after ``idle_s`` idle."""
 
     def __init__(self, per_peer: int, idle_s: float, name: str = "transfer-worker",
-                 write: WriteFn | None = None,
+                 write: WriteFn | None = None, write_pages: WritePagesFn | None = None,
                  finish_together: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         self.per_peer = per_peer
         self.write = write  # how merged writes go out (None: jobs always run one by one)
+        self.write_pages = write_pages  # how whole pages go out as runs, where the transport takes them
         # Held while a merged write's jobs finish (the manager: their Success messages go out as one).
         self.finish_together = finish_together or contextlib.nullcontext
         self.merged_writes = 0  # writes that took more than one job (benchmarks read it)
@@ -147,7 +161,7 @@ class PeerWorkers:
                 if job.merge is not None and self.write is not None:
                     while worker.jobs and worker.jobs[0].merge is not None and len(batch) < MAX_MERGED_JOBS:
                         batch.append(worker.jobs.popleft())
-            if len(batch) == 1:
+            if len(batch) == 1 and (job.merge is None or self.write is None or self.write_pages is None):
                 self._run_one(job)
             else:
                 self._run_merged(batch)
@@ -187,8 +201,13 @@ class PeerWorkers:
             try:
                 if len(group) > 1:
                     self.merged_writes += 1
-                segments = _segments_of([w for _, w in group])
-                code = self.write(session, segments.srcs, segments.dsts, segments.lens)
+                writes = [w for _, w in group]
+                runs = _page_runs_of(writes) if self.write_pages is not None else None
+                if runs is not None:
+                    code = self.write_pages(session, runs)  # type: ignore[misc]
+                else:
+                    segments = _segments_of(writes)
+                    code = self.write(session, segments.srcs, segments.dsts, segments.lens)
             except Exception as exc:
                 log.exception("a merged write of %d rooms to %s failed", len(group), session)
                 error = exc

@@ -12,11 +12,21 @@ with the bytes. Addresses travel as element offsets from an anchor tensor's addr
 arithmetic from a real tensor argument, so Triton sees an aligned base): 8-byte words where
 address and length are multiples of 8 (KV pages are), bytes otherwise (the 12-byte aux slot,
 in the same launch). The table goes up through a pinned buffer, reused (one per concurrent copy).
+
+Whole pages (``copy_runs``): a merged write of many rooms' pages is the same runs of pages in each of
+the pool's buffers (64 for Llama-3-8B), so the host sends the runs once and the buffers' bases once
+(``plan_runs``) and the kernel expands them: program ``(r, b, p)`` copies pieces ``p, p + P, ...`` of
+run ``r`` in buffer ``b``, and programs ``(a, 0, 0)`` copy aux slot ``a`` bytewise. Host work and the
+table grow with the runs, not with runs x buffers (a scattered 8,192-token room: 512 rows, not 32,768).
+
+The wait: ``wait="poll"`` (default) sleeps in short steps between queries of the copy's event (the
+GIL and the core are free meanwhile); ``wait="block"``, a blocking-sync event (the driver wakes the thread).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +39,8 @@ BYTE_BLOCK = 1024
 PIECE_BYTES = WORD_BLOCK * WORD_ITERS * WORD_BYTES
 MAX_PARTS = 65535  # CUDA's limit on the grid's second dimension
 SPARE_PROGRAMS = 4096  # programs with nothing to copy the grid may hold before long segments loop instead
+POLL_S = 20e-6  # between queries of a copy's event (Linux sleeps ~50 us more: its timer slack)
+WAITS = ("poll", "block")
 
 
 @dataclass(frozen=True)
@@ -83,11 +95,74 @@ def plan_copy(srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray, anchor: int,
         unit = np.full(len(lens), BYTE_BLOCK, dtype=np.int64)
         unit[:n_words] = word_piece
         pieces = (table[2] + unit - 1) // unit
+    return CopyPlan(table, n_words, _parts(pieces, len(lens)))
+
+
+def _parts(pieces: np.ndarray, rows: int) -> int:
+    """Programs per row: one per piece of the longest row, unless that leaves more than ``SPARE_PROGRAMS``
+    (and more than the pieces) idle: long rows then loop over fewer."""
     total, longest = int(pieces.sum()), int(pieces.max())
     parts = longest
-    if len(lens) * longest - total > max(SPARE_PROGRAMS, total):
-        parts = max(1, -(-2 * total // len(lens)))
-    return CopyPlan(table, n_words, min(parts, MAX_PARTS))
+    if rows * longest - total > max(SPARE_PROGRAMS, total):
+        parts = max(1, -(-2 * total // rows))
+    return min(parts, MAX_PARTS)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """``copy_runs``' kernel input, one flat int64 ``table``: the ``buffers`` source bases, the ``buffers``
+    destination bases, then the ``runs`` source offsets, destination offsets and lengths (words: bases
+    from the anchor, offsets within a buffer), then the ``aux`` source and destination addresses and
+    lengths (bytes from the anchor). The grid is ``(max(runs, aux), buffers, parts)``."""
+
+    table: np.ndarray
+    buffers: int
+    runs: int
+    aux: int
+    parts: int
+
+
+def plan_runs(src_bases: np.ndarray, dst_bases: np.ndarray, src_offs: np.ndarray, dst_offs: np.ndarray,
+              lens: np.ndarray, aux: tuple[np.ndarray, np.ndarray, np.ndarray], anchor: int,
+              piece_bytes: int = PIECE_BYTES) -> RunPlan:
+    """The copy of runs ``[off, off + len)`` of every buffer (absolute bases) plus byte segments ``aux``
+    (absolute addresses), as the kernel's table; empty runs are dropped. Raises ``ValueError`` where a
+    base, offset or length is not a multiple of 8 bytes (the caller copies segments instead)."""
+    if anchor % 16:
+        raise ValueError(f"anchor {anchor:#x} is not 16-byte aligned")
+    src_bases, dst_bases, src_offs, dst_offs, lens = (np.asarray(a, dtype=np.int64) for a in
+                                                      (src_bases, dst_bases, src_offs, dst_offs, lens))
+    if len(src_bases) != len(dst_bases):
+        raise ValueError(f"{len(src_bases)} source buffers for {len(dst_bases)} destination buffers")
+    if len(lens) and lens.min() <= 0:
+        if (lens < 0).any():
+            raise ValueError("negative run length")
+        keep = lens > 0
+        src_offs, dst_offs, lens = src_offs[keep], dst_offs[keep], lens[keep]
+    aux_srcs, aux_dsts, aux_lens = (np.asarray(a, dtype=np.int64) for a in aux)
+    keep = aux_lens > 0
+    if not keep.all():
+        aux_srcs, aux_dsts, aux_lens = aux_srcs[keep], aux_dsts[keep], aux_lens[keep]
+    b, r, a = len(src_bases), len(lens), len(aux_lens)
+    if not b:
+        r = 0
+    table = np.empty(2 * b + 3 * r + 3 * a, dtype=np.int64)
+    np.subtract(src_bases, anchor, out=table[:b])
+    np.subtract(dst_bases, anchor, out=table[b:2 * b])
+    runs = table[2 * b:2 * b + 3 * r]
+    if r:
+        runs[:r], runs[r:2 * r], runs[2 * r:] = src_offs, dst_offs, lens
+    odd = np.bitwise_or.reduce(table[:2 * b + 3 * r]) if b + r else 0
+    if int(odd) & (WORD_BYTES - 1):
+        raise ValueError("a buffer base, run offset or run length is not a multiple of 8 bytes")
+    np.right_shift(table[:2 * b + 3 * r], 3, out=table[:2 * b + 3 * r])
+    at = 2 * b + 3 * r
+    table[at:at + a], table[at + a:at + 2 * a], table[at + 2 * a:] = aux_srcs - anchor, aux_dsts - anchor, aux_lens
+    parts = 1
+    if r:
+        word_piece = piece_bytes // WORD_BYTES
+        parts = _parts((runs[2 * r:] + (word_piece - 1)) // word_piece, r)
+    return RunPlan(table, b, r, a, parts)
 
 
 _KERNEL: Any = None
@@ -125,6 +200,48 @@ def _kernel() -> Any:
     return _KERNEL
 
 
+_RUN_KERNEL: Any = None
+
+
+def _run_kernel() -> Any:
+    """The page-runs kernel (see ``RunPlan``), compiled on first use."""
+    global _RUN_KERNEL
+    if _RUN_KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit(do_not_specialize=["n_runs", "n_aux"])
+        def copy_runs(words, raw, table, n_runs, n_aux, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                      BYTE_BLOCK: tl.constexpr):
+            row = tl.program_id(0)
+            buf = tl.program_id(1)
+            part = tl.program_id(2).to(tl.int64)
+            parts = tl.num_programs(2).to(tl.int64)
+            n_buf = tl.num_programs(1)
+            if row < n_runs:
+                runs = table + 2 * n_buf
+                src = tl.load(table + buf) + tl.load(runs + row)
+                dst = tl.load(table + n_buf + buf) + tl.load(runs + n_runs + row)
+                length = tl.load(runs + 2 * n_runs + row)
+                for start in range(part * (BLOCK * ITERS), length, parts * (BLOCK * ITERS)):
+                    for i in tl.static_range(ITERS):
+                        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+                        mask = offs < length
+                        tl.store(words + dst + offs, tl.load(words + src + offs, mask=mask), mask=mask)
+            if (row < n_aux) & (buf == 0) & (part == 0):
+                aux = table + 2 * n_buf + 3 * n_runs
+                src = tl.load(aux + row)
+                dst = tl.load(aux + n_aux + row)
+                length = tl.load(aux + 2 * n_aux + row)
+                for start in range(0, length, BYTE_BLOCK):
+                    offs = start + tl.arange(0, BYTE_BLOCK)
+                    mask = offs < length
+                    tl.store(raw + dst + offs, tl.load(raw + src + offs, mask=mask), mask=mask)
+
+        _RUN_KERNEL = copy_runs
+    return _RUN_KERNEL
+
+
 @dataclass(frozen=True)
 class CopyShape:
     """How the kernel cuts work: ``block`` words per access round, ``iters`` rounds per piece (a piece is
@@ -143,13 +260,13 @@ class _Staging:
     """One copy's table on its way to the device: pinned host rows, their device copy, and the event that
     says the kernel reading them finished (a staging buffer is reused only after that)."""
 
-    def __init__(self, torch: Any, device: Any, rows: int) -> None:
-        self.host = torch.empty(3 * rows, dtype=torch.int64).pin_memory()
+    def __init__(self, torch: Any, device: Any, words: int, blocking: bool) -> None:
+        self.host = torch.empty(words, dtype=torch.int64).pin_memory()
         self.host_np = self.host.numpy()
-        self.table = torch.empty(3 * rows, dtype=torch.int64, device=device)
-        # Blocking: the waiting thread sleeps until the kernel ends instead of spinning a core (a merged write
-        # waits milliseconds, and the prefill's other threads, the engine's too, want that CPU).
-        self.done = torch.cuda.Event(blocking=True)
+        self.table = torch.empty(words, dtype=torch.int64, device=device)
+        # Never a spin in the driver: a merged write waits milliseconds, and the prefill's other threads
+        # (the engine's too) want that core and the GIL. Blocking: the driver wakes the thread; else polled.
+        self.done = torch.cuda.Event(blocking=blocking)
 
 
 class SegmentCopier:
@@ -157,16 +274,21 @@ class SegmentCopier:
     current stream, returning once they landed. Thread-safe: concurrent calls (a worker per peer lane)
     each take a staging buffer of their own, so one call's launch is queued while another's kernel runs.
 
-    ``timed=True`` also measures the kernel alone (device events): ``last_kernel_s``."""
+    ``timed=True`` also measures the kernel alone (device events): ``last_kernel_s``. Every call records
+    ``last_host_s`` (planning and the table's upload, up to the launch) and ``last_wait_s`` (launch to landed).
+    """
 
-    def __init__(self, device: Any, shape: CopyShape = CopyShape(), timed: bool = False) -> None:
+    def __init__(self, device: Any, shape: CopyShape = CopyShape(), timed: bool = False, wait: str = "poll") -> None:
         import torch
 
+        if wait not in WAITS:
+            raise ValueError(f"wait {wait!r} is not one of {WAITS}")
         self._torch = torch
         self.device = device
         self.shape = shape
         self.timed = timed
-        self.last_kernel_s = 0.0
+        self.wait = wait
+        self.last_kernel_s = self.last_host_s = self.last_wait_s = 0.0
         self._lock = threading.Lock()
         # Kernel offsets count from this tensor's address; it also gives the warm-up its bytes.
         self._anchor = torch.zeros(8, dtype=torch.int64, device=device)
@@ -178,49 +300,78 @@ class SegmentCopier:
 
     def copy(self, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> None:
         """Copies every ``[src, src + len)`` to ``[dst, dst + len)`` (device addresses valid here)."""
+        t0 = time.perf_counter()
         plan = plan_copy(srcs, dsts, lens, self._anchor_ptr, self.shape.piece_bytes)
         n = plan.segments
-        if not n:
-            return
+        if n:
+            self._launch(t0, plan.table.ravel(), lambda table: _kernel()[(n, plan.parts)](
+                self._anchor, self._anchor_bytes, table, n, plan.words, BLOCK=self.shape.block,
+                ITERS=self.shape.iters, BYTE_BLOCK=BYTE_BLOCK, num_warps=self.shape.warps))
+
+    def copy_runs(self, src_bases: np.ndarray, dst_bases: np.ndarray, src_offs: np.ndarray, dst_offs: np.ndarray,
+                  lens: np.ndarray, aux: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """Copies runs ``[src_base + off, +len)`` -> ``[dst_base + dst_off, +len)`` of every buffer ``(src_base,
+        dst_base)`` and the byte segments ``aux`` (see ``plan_runs``), in one launch."""
+        t0 = time.perf_counter()
+        plan = plan_runs(src_bases, dst_bases, src_offs, dst_offs, lens, aux, self._anchor_ptr,
+                         self.shape.piece_bytes)
+        rows = max(plan.runs, plan.aux)
+        if rows:
+            self._launch(t0, plan.table, lambda table: _run_kernel()[(rows, max(plan.buffers, 1), plan.parts)](
+                self._anchor, self._anchor_bytes, table, plan.runs, plan.aux, BLOCK=self.shape.block,
+                ITERS=self.shape.iters, BYTE_BLOCK=BYTE_BLOCK, num_warps=self.shape.warps))
+
+    def _launch(self, t0: float, table: np.ndarray, kernel: Any) -> None:
         torch = self._torch
+        n = len(table)
         staging = self._take(n)
         try:
             with torch.cuda.device(self.device):
-                staging.host_np[:3 * n] = plan.table.ravel()
-                staging.table[:3 * n].copy_(staging.host[:3 * n], non_blocking=True)
+                staging.host_np[:n] = table
+                device_table = staging.table[:n]
+                device_table.copy_(staging.host[:n], non_blocking=True)
                 timed = self.timed
                 if timed:
                     self._start.record()
-                _kernel()[(n, plan.parts)](self._anchor, self._anchor_bytes, staging.table, n, plan.words,
-                                           BLOCK=self.shape.block, ITERS=self.shape.iters, BYTE_BLOCK=BYTE_BLOCK,
-                                           num_warps=self.shape.warps)
+                kernel(device_table)
                 if timed:
                     self._end.record()
                 staging.done.record()
-                staging.done.synchronize()  # asleep, the GIL released
+                t1 = time.perf_counter()
+                if self.wait == "block":
+                    staging.done.synchronize()  # asleep, the GIL released
+                else:
+                    while not staging.done.query():
+                        time.sleep(POLL_S)
+                self.last_host_s, self.last_wait_s = t1 - t0, time.perf_counter() - t1
                 if timed:
                     self.last_kernel_s = self._start.elapsed_time(self._end) / 1e3
         finally:
             with self._lock:
                 self._free.append(staging)
 
-    def _take(self, rows: int) -> _Staging:
+    def _take(self, words: int) -> _Staging:
         with self._lock:
             for i, staging in enumerate(self._free):
-                if staging.host.numel() >= 3 * rows:
+                if staging.host.numel() >= words:
                     return self._free.pop(i)
             if self._free:
                 self._free.pop(0)  # too small: replaced by a larger one
-        return _Staging(self._torch, self.device, max(rows, 1024))
+        # Twice what is asked (merged writes vary in size: a new pinned buffer per size would cost ms each).
+        return _Staging(self._torch, self.device, max(2 * words, 3 * 1024), self.wait == "block")
 
     def _warm_up(self) -> None:
-        """Compiles the kernel now, not on the first room, and checks what it copies: word 1 -> 5
-        (8-byte) and bytes 0..4 -> 49..53, in one launch."""
+        """Compiles both kernels now, not on the first room, and checks what they copy: word 1 -> 5 (8-byte)
+        and bytes 0..4 -> 49..53 in one launch; then words 0 -> 2 and 1 -> 3 as one run of two buffers
+        (bases +0 and +8) and bytes 0..2 -> 57..59 as an aux segment, in one launch."""
         anchor = self._anchor
         base = self._anchor_ptr
         anchor[:2] = self._torch.tensor([7, 9])
         self.copy(np.array([base + 8, base]), np.array([base + 40, base + 49]), np.array([8, 5]))
+        self.copy_runs(np.array([base, base + 8]), np.array([base + 16, base + 24]), np.array([0]), np.array([0]),
+                       np.array([8]), (np.array([base]), np.array([base + 57]), np.array([3])))
         got = anchor.cpu()
         raw = self._anchor_bytes.cpu()
-        if int(got[5]) != 9 or raw[49:54].tolist() != raw[:5].tolist():
+        if (int(got[5]) != 9 or raw[49:54].tolist() != raw[:5].tolist() or got[2:4].tolist() != [7, 9]
+                or raw[57:60].tolist() != raw[:3].tolist()):
             raise RuntimeError(f"segment copy warm-up copied the wrong bytes: {got.tolist()}")

@@ -148,33 +148,70 @@ class PageCopy:
         return len(self.src_pages) * self.src.buffers[0].page_bytes * len(self.src.buffers) + self.aux.nbytes
 
 
-def plan_page_copies(copies: list[PageCopy]) -> Segments:
-    """The segments of several rooms' ``PageCopy`` s with the same two layouts, in one pass: their pages
-    laid end to end, runs consecutive on both sides merged (never across two rooms), then the aux slots.
-    Each room's chunk costs a few numpy calls when planned alone; a merged write of 256 rooms, ~30 calls."""
+@dataclass(frozen=True)
+class PageRuns:
+    """Several rooms' whole pages between one pair of layouts, not yet expanded per buffer: runs of pages
+    consecutive on both sides as byte offsets within *every* buffer (``src_offs``, ``dst_offs``, ``lens``),
+    plus the rooms' aux segments. The same copy as ``segments()`` (one segment per run per buffer), in
+    O(runs) numbers instead of O(runs x buffers): the CUDA IPC kernel expands it on the device."""
+
+    src: KVLayout
+    dst: KVLayout
+    src_offs: np.ndarray
+    dst_offs: np.ndarray
+    lens: np.ndarray
+    aux: Segments
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lens.sum()) * len(self.src.buffers) + self.aux.nbytes
+
+    def segments(self) -> Segments:
+        """Every run of every buffer (buffer-major: buffer 0's runs, then buffer 1's, ...), then the aux."""
+        if not len(self.lens):
+            return self.aux
+        src_bases, dst_bases = buffer_bases(self.src), buffer_bases(self.dst)
+        pages = Segments((src_bases[:, None] + self.src_offs).ravel(), (dst_bases[:, None] + self.dst_offs).ravel(),
+                         np.tile(self.lens, len(src_bases)))
+        return concat([pages, self.aux])
+
+
+def plan_page_runs(copies: list[PageCopy]) -> PageRuns:
+    """Several rooms' ``PageCopy`` s with the same two layouts in one pass: their pages laid end to end,
+    runs consecutive on both sides merged (never across two rooms), and the aux slots. A few numpy calls
+    for a whole merged write (each room planned alone costs about as many)."""
     src, dst = copies[0].src, copies[0].dst
     if any(c.src is not src or c.dst is not dst for c in copies):
-        raise ValueError("plan_page_copies takes copies between one pair of layouts")
+        raise ValueError("plan_page_runs takes copies between one pair of layouts")
+    page_bytes = src.buffers[0].page_bytes
+    if dst.buffers[0].page_bytes != page_bytes:
+        raise ValueError(f"page bytes differ: {page_bytes} vs {dst.buffers[0].page_bytes}")
     copies_with_pages = [c for c in copies if len(c.src_pages)]
-    parts = []
-    if copies_with_pages:
+    aux = concat([c.aux for c in copies])
+    if not copies_with_pages:
+        empty = np.zeros(0, np.int64)
+        return PageRuns(src, dst, empty, empty, empty, aux)
+    if len(copies_with_pages) == 1:
+        sp = np.asarray(copies_with_pages[0].src_pages, dtype=np.int64)
+        dp = np.asarray(copies_with_pages[0].dst_pages, dtype=np.int64)
+    else:
         sp = np.concatenate([c.src_pages for c in copies_with_pages]).astype(np.int64, copy=False)
         dp = np.concatenate([c.dst_pages for c in copies_with_pages]).astype(np.int64, copy=False)
-        room_starts = np.cumsum([0] + [len(c.src_pages) for c in copies_with_pages[:-1]])
-        page_bytes = src.buffers[0].page_bytes
-        if dst.buffers[0].page_bytes != page_bytes:
-            raise ValueError(f"page bytes differ: {page_bytes} vs {dst.buffers[0].page_bytes}")
-        cut = np.zeros(len(sp), dtype=bool)
-        cut[room_starts] = True
-        cut[1:] |= (np.diff(sp) != 1) | (np.diff(dp) != 1)
-        starts = np.flatnonzero(cut)
-        lens = np.diff(np.append(starts, len(sp))) * page_bytes
-        offs, doffs = sp[starts] * page_bytes, dp[starts] * page_bytes
-        src_bases, dst_bases = buffer_bases(src), buffer_bases(dst)
-        parts.append(Segments((src_bases[:, None] + offs).ravel(), (dst_bases[:, None] + doffs).ravel(),
-                              np.tile(lens, len(src_bases))))
-    parts.extend(c.aux for c in copies)
-    return concat(parts)
+    cut = np.empty(len(sp), dtype=bool)
+    cut[0] = True
+    np.not_equal(np.diff(sp), 1, out=cut[1:])
+    cut[1:] |= np.diff(dp) != 1
+    if len(copies_with_pages) > 1:
+        cut[np.cumsum([len(c.src_pages) for c in copies_with_pages[:-1]])] = True
+    starts = np.flatnonzero(cut)
+    lens = np.diff(np.append(starts, len(sp))) * page_bytes
+    return PageRuns(src, dst, sp[starts] * page_bytes, dp[starts] * page_bytes, lens, aux)
+
+
+def plan_page_copies(copies: list[PageCopy]) -> Segments:
+    """The segments of several rooms' ``PageCopy`` s with the same two layouts (``plan_page_runs``
+    expanded per buffer): what a transport without page runs (Mooncake) writes."""
+    return plan_page_runs(copies).segments()
 
 
 def aux_segment(src: KVLayout, src_slot: int, dst: KVLayout, dst_slot: int) -> Segments:

@@ -25,10 +25,11 @@ from splitserve.transfer import (
     new_kv_manager,
     unpack_aux,
 )
-from splitserve.transfer.cuda_ipc_engine import session_process, translate
+from splitserve.transfer.cuda_ipc_engine import check_runs, session_process, translate
 from splitserve.transfer.errors import CudaIpcError
 from splitserve.transfer.kv_layout import IpcRegion
-from splitserve.transfer.segment_copy import PIECE_BYTES, SPARE_PROGRAMS, plan_copy
+from splitserve.transfer.segment_copy import PIECE_BYTES, SPARE_PROGRAMS, plan_copy, plan_runs
+from splitserve.transfer.transfer_plan import EMPTY, PageRuns, Segments
 
 from .conftest import FAST, HEARTBEAT_MISSES, HEARTBEAT_S, SHAPE, fill_pool, poll_until_final, wait_until
 
@@ -70,6 +71,60 @@ def test_plan_loops_long_segments_rather_than_launch_idle_programs():
     small = plan_copy(offs[:2], offs[:2] + (1 << 40), lens[:2], anchor)
     assert small.parts == 4096  # two rows: one program per piece, 4,095 idle (within SPARE_PROGRAMS)
     assert small.segments * small.parts - (4096 + 1) <= SPARE_PROGRAMS
+
+
+def _expand_run_table(plan, anchor: int) -> list[tuple[int, int, int]]:
+    """What the page-runs kernel copies, read off its table as it does: (src, dst, bytes) per run per buffer,
+    then per aux segment."""
+    t, b, r, a = plan.table.tolist(), plan.buffers, plan.runs, plan.aux
+    runs = t[2 * b:2 * b + 3 * r]
+    aux = t[2 * b + 3 * r:]
+    out = [(anchor + 8 * (t[k] + runs[i]), anchor + 8 * (t[b + k] + runs[r + i]), 8 * runs[2 * r + i])
+           for k in range(b) for i in range(r)]
+    return out + [(anchor + aux[i], anchor + aux[a + i], aux[2 * a + i]) for i in range(a)]
+
+
+def test_page_runs_table_holds_runs_once_and_expands_to_every_run_of_every_buffer():
+    anchor = 1 << 30
+    src_bases = np.array([anchor + 4096, anchor + 8 * 4096, anchor - 3 * 4096])  # below the anchor too
+    dst_bases = np.array([anchor + (1 << 20), anchor + (2 << 20), anchor + (3 << 20)])
+    src_offs, dst_offs = np.array([0, 1024, 512]), np.array([2048, 0, 4096])
+    lens = np.array([1024, 0, 3 * PIECE_BYTES + 8])  # the empty run is dropped
+    aux = (np.array([anchor + 5]), np.array([anchor + 77]), np.array([12]))
+    plan = plan_runs(src_bases, dst_bases, src_offs, dst_offs, lens, aux, anchor)
+    assert (plan.buffers, plan.runs, plan.aux) == (3, 2, 1)
+    assert len(plan.table) == 2 * 3 + 3 * 2 + 3 * 1  # O(runs + buffers), not O(runs x buffers)
+    assert plan.parts == 4  # one program per piece of the longest run
+    keep = lens > 0
+    want = [(int(sb + so), int(db + do), int(n)) for sb, db in zip(src_bases, dst_bases, strict=True)
+            for so, do, n in zip(src_offs[keep], dst_offs[keep], lens[keep], strict=True)]
+    want.append((anchor + 5, anchor + 77, 12))
+    assert _expand_run_table(plan, anchor) == want
+    with pytest.raises(ValueError, match="multiple of 8"):
+        plan_runs(src_bases + 4, dst_bases, src_offs, dst_offs, lens, aux, anchor)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        plan_runs(src_bases, dst_bases, src_offs, dst_offs, lens + 2, aux, anchor)
+    with pytest.raises(ValueError, match="aligned"):
+        plan_runs(src_bases, dst_bases, src_offs, dst_offs, lens, aux, anchor + 8)
+    only_aux = plan_runs(src_bases, dst_bases, src_offs[:0], dst_offs[:0], lens[:0], aux, anchor)
+    assert (only_aux.runs, only_aux.aux) == (0, 1) and _expand_run_table(only_aux, anchor) == want[-1:]
+
+
+def test_page_runs_past_a_buffer_are_refused():
+    from splitserve.transfer.kv_layout import AuxBuffer, KVBuffer
+
+    lay = KVLayout(tp_size=1, tp_rank=0, head_start=0, head_count=1, num_kv_heads=1, head_dim=16, page_size=4,
+                   dtype="float16", num_layers=1, buffers=(KVBuffer(1 << 20, 128, 10), KVBuffer(2 << 20, 128, 10)),
+                   aux=AuxBuffer(3 << 20, 12, 4))
+    runs = PageRuns(lay, lay, np.array([0, 1152]), np.array([128, 0]), np.array([128, 128]), EMPTY)
+    check_runs(runs, 1280, 1280)  # the last page of each side: inside
+    with pytest.raises(CudaIpcError, match="source page run ends past"):
+        check_runs(runs, 1279, 1280)
+    with pytest.raises(CudaIpcError, match="destination page run ends past"):
+        check_runs(PageRuns(lay, lay, runs.dst_offs, runs.src_offs, runs.lens, EMPTY), 1280, 1279)
+    with pytest.raises(CudaIpcError, match="before its buffer"):
+        check_runs(PageRuns(lay, lay, np.array([-128]), np.array([0]), np.array([128]), EMPTY), 1280, 1280)
+    assert isinstance(runs.segments(), Segments) and len(runs.segments()) == 4  # 2 runs x 2 buffers
 
 
 def test_translation_refuses_segments_outside_the_exported_regions():
@@ -150,6 +205,42 @@ def test_copy_kernel_moves_every_segment_exactly_and_nothing_else():
         for s, d, n in zip(srcs, dsts, lens, strict=True):
             want[d:d + n] = src[s:s + n]
         assert torch.equal(dst, want)
+
+
+@needs_cuda
+def test_page_runs_kernel_copies_every_run_of_every_buffer_and_the_aux_exactly():
+    from splitserve.transfer.segment_copy import CopyShape, SegmentCopier
+
+    rng = np.random.default_rng(4)
+    buffers, page, pages = 6, 4096, 64
+    src = torch.randint(-2**62, 2**62, (buffers * pages * page // 8 + 8,), dtype=torch.int64, device="cuda")
+    src_bytes = src.view(torch.uint8)
+    dst = torch.zeros(buffers * pages * page + 4096, dtype=torch.uint8, device="cuda")
+    src_offs = 64 + np.arange(buffers) * pages * page  # byte offsets of each buffer in the tensors
+    dst_offs = 4096 + rng.permutation(buffers) * pages * page
+    # 64 KiB pieces with the polled wait, 512-byte pieces (runs over many programs) with the blocking one
+    for shape, wait in ((CopyShape(), "poll"), (CopyShape(block=64, iters=1, warps=4), "block")):
+        dst.zero_()
+        copier = SegmentCopier(torch.device("cuda"), shape, wait=wait)
+        sp, dp = rng.permutation(pages)[:40], rng.permutation(pages)[:40]
+        sp[10:20], dp[10:20] = np.arange(20, 30), np.arange(40, 50)  # one run of 10 pages
+        cut = np.ones(40, dtype=bool)
+        cut[1:] = (np.diff(sp) != 1) | (np.diff(dp) != 1)
+        starts = np.flatnonzero(cut)
+        lens = np.diff(np.append(starts, 40)) * page
+        aux_src, aux_dst = np.array([3, 21, 40]), np.array([1, 100, 2000])  # bytes, unaligned
+        copier.copy_runs(src_bytes.data_ptr() + src_offs, dst.data_ptr() + dst_offs, sp[starts] * page,
+                         dp[starts] * page, lens, (src_bytes.data_ptr() + aux_src, dst.data_ptr() + aux_dst,
+                                                   np.full(3, 12)))
+        want = torch.zeros_like(dst)
+        for b in range(buffers):
+            for so, do, n in zip(sp[starts] * page, dp[starts] * page, lens, strict=True):
+                at = int(dst_offs[b] + do)
+                want[at:at + n] = src_bytes[int(src_offs[b] + so):int(src_offs[b] + so) + n]
+        for s_, d_ in zip(aux_src, aux_dst, strict=True):
+            want[d_:d_ + 12] = src_bytes[s_:s_ + 12]
+        assert torch.equal(dst, want)
+        assert copier.last_wait_s > 0 and copier.last_host_s > 0
 
 
 @needs_cuda

@@ -9,8 +9,11 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import torch
 
+from splitserve.transfer import layout_for_pool, make_aux_tensor
 from splitserve.transfer.peer_workers import MergeableWrite, PeerWorkers, TransferJob
+from splitserve.transfer.transfer_plan import EMPTY, PageCopy, aux_segment
 
 from .conftest import wait_until
 
@@ -75,3 +78,53 @@ def test_a_merged_write_that_raises_fails_every_room_in_it():
         workers.close()
     assert done == [(1, None), (2, None)]  # each learns the write did not return (its write count ends)
     assert failures == [1, 2]
+
+
+def test_whole_pages_go_as_one_page_runs_write_where_the_transport_takes_them():
+    """With ``write_pages`` (CUDA IPC), queued jobs of whole pages reach it as one ``PageRuns`` (runs once,
+    not per buffer), a job alone takes it too, and a batch with a job of general segments falls back to
+    ``write`` with every job's segments."""
+    src, dst = torch.zeros((2, 2, 16, 4, 2, 3)), torch.zeros((2, 2, 16, 4, 2, 3))
+    sl, dl = layout_for_pool(src, make_aux_tensor(4)), layout_for_pool(dst, make_aux_tensor(4))
+    gate = threading.Event()
+    page_calls, calls, results = [], [], []
+
+    def write(session, srcs, dsts, lens) -> int:
+        calls.append(len(lens))
+        return 0
+
+    def write_pages(session, runs) -> int:
+        page_calls.append((runs.src_offs.tolist(), runs.dst_offs.tolist(), runs.lens.tolist(), len(runs.aux)))
+        return 0
+
+    def job(room: int, pages: tuple[list[int], list[int]] | None) -> TransferJob:
+        def merge() -> MergeableWrite:
+            copy = None if pages is None else PageCopy(sl, dl, np.array(pages[0]), np.array(pages[1]),
+                                                       aux_segment(sl, room % 4, dl, room % 4))
+            segs = _segments(room) if pages is None else (EMPTY.srcs, EMPTY.dsts, EMPTY.lens)
+            return MergeableWrite("s", *segs, lambda code: results.append((room, code)), copy)
+
+        return TransferJob("p", room, lambda: results.append((room, "ran")), lambda exc: None, merge)
+
+    workers = PeerWorkers(1, idle_s=5.0, write=write, write_pages=write_pages)
+    try:
+        workers.submit(TransferJob("p", 0, gate.wait, lambda exc: None))
+        workers.submit(job(1, ([0, 1, 2], [5, 6, 7])))
+        workers.submit(job(2, ([3, 9], [8, 1])))
+        gate.set()
+        assert wait_until(lambda: len(results) == 2, 10)
+        workers.submit(job(3, ([4], [4])))  # alone
+        assert wait_until(lambda: len(results) == 3, 10)
+        gate.clear()
+        workers.submit(TransferJob("p", 0, gate.wait, lambda exc: None))
+        workers.submit(job(4, ([10], [11])))
+        workers.submit(job(5, None))  # a room with general segments (a decode prefix): no page runs
+        gate.set()
+        assert wait_until(lambda: len(results) == 5, 10)
+    finally:
+        workers.close()
+    page = sl.buffers[0].page_bytes
+    assert page_calls == [([0, 3 * page, 9 * page], [5 * page, 8 * page, page], [3 * page, page, page], 2),
+                          ([4 * page], [4 * page], [page], 1)]
+    assert calls == [len(sl.buffers) * 1 + 1 + 1]  # room 4's run per buffer and aux, room 5's one segment
+    assert results == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0)]

@@ -88,3 +88,30 @@ def test_rooms_planned_in_one_pass_equal_each_planned_alone():
         assert torch.equal(dst[:, :, d_pages], src[:, :, s_pages])
     assert torch.equal(dst_aux[3], src_aux[0]) and torch.equal(dst_aux[0], src_aux[3])
     assert (dst_aux[2] == 0).all()  # room 1 had no aux segment
+
+
+def test_page_runs_hold_each_run_once_and_expand_to_the_per_buffer_segments():
+    """plan_page_runs: runs of pages consecutive on both sides (never across rooms) once for all buffers;
+    expanded, exactly plan_page_copies' segments."""
+    import numpy as np
+
+    from splitserve.transfer.transfer_plan import EMPTY, PageCopy, aux_segment, plan_page_copies, plan_page_runs
+
+    src, dst = torch.randn((2, 2, 16, 4, 2, 3)), torch.zeros((2, 2, 16, 4, 2, 3))
+    sl, dl = layout_for_pool(src, make_aux_tensor(4)), layout_for_pool(dst, make_aux_tensor(4))
+    rooms = [([0, 1, 2], [5, 6, 7]), ([3, 4], [8, 9]), ([], []), ([9, 12, 13], [0, 1, 15])]
+    copies = [PageCopy(sl, dl, np.array(s, dtype=np.int64), np.array(d, dtype=np.int64),
+                       aux_segment(sl, i, dl, i) if i != 1 else EMPTY) for i, (s, d) in enumerate(rooms)]
+    runs = plan_page_runs(copies)
+    page = sl.buffers[0].page_bytes
+    # 2 -> 3 continues on the source but is another room; 12 -> 13 continues on the source, not on the decode
+    assert runs.src_offs.tolist() == [0, 3 * page, 9 * page, 12 * page, 13 * page]
+    assert runs.dst_offs.tolist() == [5 * page, 8 * page, 0, page, 15 * page]
+    assert runs.lens.tolist() == [3 * page, 2 * page, page, page, page]
+    assert len(runs.aux) == 3 and runs.nbytes == sum(c.nbytes for c in copies)
+    expanded, flat = runs.segments(), plan_page_copies(copies)
+    assert [a.tolist() for a in (expanded.srcs, expanded.dsts, expanded.lens)] == \
+        [a.tolist() for a in (flat.srcs, flat.dsts, flat.lens)]
+    assert len(expanded) == len(sl.buffers) * 5 + 3
+    empty = plan_page_runs([PageCopy(sl, dl, np.zeros(0, np.int64), np.zeros(0, np.int64), EMPTY)])
+    assert len(empty.lens) == 0 and len(empty.segments()) == 0
