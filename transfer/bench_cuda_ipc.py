@@ -507,6 +507,8 @@ class _Prefill:
                 "control_thread_us_per_room": thread_cpu_s / count * 1e6, "rooms_per_write": count / max(writes, 1),
                 "copy_ms": copy_s * 1e3, "gbps": nbytes / total_s / 1e9, "device_copy_gbps": nbytes / copy_s / 1e9,
                 "over_copy": copy_s / total_s, "sender_over_copy": copy_s / sender_s,
+                "repeats_ms": [{"total": (m["decode_success"] - m["t0"]) * 1e3,
+                                "send_calls": (m["sent"] - m["t0"]) * 1e3, "writes": m["writes"]} for m in runs],
                 "cpu_from_send_us_per_room": statistics.median(m["cpu_from_send_s"] for m in runs) / count * 1e6,
                 "control_cpu_from_send_us_per_room": min(m["control_cpu_from_send_s"] for m in runs) / count * 1e6,
                 **({} if copier is None else {
@@ -569,7 +571,7 @@ def run(protocol: str, token_counts: Sequence[int], concurrent: Sequence[tuple[i
             for tokens, count in concurrent:
                 for name in ("contiguous", "scattered"):
                     prefill.rooms([[1]], [[1]], [page_checksum(prefill.pool, [1])])  # lanes warm
-                    sets.append(prefill.concurrent(tokens, count, name, pages_total, max(1, repeats // 3)))
+                    sets.append(prefill.concurrent(tokens, count, name, pages_total, max(3, repeats // 2)))
                     log.info("%s", sets[-1])
                     on_row(report)
     finally:

@@ -222,8 +222,13 @@ def test_page_runs_kernel_copies_every_run_of_every_buffer_and_the_aux_exactly()
     for shape, wait in ((CopyShape(), "poll"), (CopyShape(block=64, iters=1, warps=4), "block")):
         dst.zero_()
         copier = SegmentCopier(torch.device("cuda"), shape, wait=wait)
-        sp, dp = rng.permutation(pages)[:40], rng.permutation(pages)[:40]
-        sp[10:20], dp[10:20] = np.arange(20, 30), np.arange(40, 50)  # one run of 10 pages
+        # Distinct pages on each side (a page written twice would make the order of the writes matter), with a
+        # run of 10 pages consecutive on both sides among them.
+        sp = np.concatenate([(rest := rng.permutation(np.setdiff1d(np.arange(pages), np.arange(20, 30))))[:10],
+                             np.arange(20, 30), rest[10:30]])
+        dp = np.concatenate([(rest := rng.permutation(np.setdiff1d(np.arange(pages), np.arange(40, 50))))[:10],
+                             np.arange(40, 50), rest[10:30]])
+        assert len(set(sp.tolist())) == len(set(dp.tolist())) == 40
         cut = np.ones(40, dtype=bool)
         cut[1:] = (np.diff(sp) != 1) | (np.diff(dp) != 1)
         starts = np.flatnonzero(cut)
