@@ -36,7 +36,7 @@ from splitserve.engine.core_protocol import (
     IPC_DIR_ENV,
     TO_CORE,
     InboxFigures,
-    encode_jobs_to_wire,
+    encode_call_to_wire,
     image_to_wire,
     ipc_address,
     output_from_wire,
@@ -44,7 +44,7 @@ from splitserve.engine.core_protocol import (
     params_to_wire,
     unpack,
 )
-from splitserve.engine.encode_endpoint import EncodeJob, encode_route
+from splitserve.engine.encode_endpoint import EncodeCall, encode_route
 from splitserve.engine.engine import EngineOverloaded
 from splitserve.engine.grammar.compiler import InvalidGrammar
 from splitserve.engine.grammar.spec import GrammarSpec
@@ -96,6 +96,7 @@ class CoreClient:
         self.core_calls: list[str] = info["core_calls"]  # the core side of the role's endpoints
         self._control_key = configs.transfer.transfer_control_key
         self._image_cfg = configs.images
+        self._encode_timeout = configs.epd.encode_call_timeout_s
         self.max_inbox = configs.engine.max_inbox
         self.max_waiting = configs.engine.max_waiting_requests
         self.failure: str | None = None
@@ -150,16 +151,23 @@ class CoreClient:
         if "encode" not in self.core_calls:
             return []
         processor = ClipImageProcessor.from_folder(self.model_folder)
-        return [encode_route(self._control_key, self._image_cfg, processor, self._encode)]
+        return [encode_route(self._control_key, self._image_cfg, processor, self._encode, self._close_encode)]
 
-    async def _encode(self, jobs: list[EncodeJob]) -> tuple[int, dict[str, Any]]:
+    async def _encode(self, call: EncodeCall) -> tuple[int, dict[str, Any]]:
         """/v1/encode's jobs, preprocessed here, taken by the core's encode role."""
         try:
-            status, body = await self._call("encode", encode_jobs_to_wire(jobs))
+            status, body = await self._call("encode", encode_call_to_wire(call), timeout=self._encode_timeout)
         except (TimeoutError, RuntimeError) as exc:  # CoreGone too
             message = str(exc) or f"the engine core process ({self.proc.pid}) does not answer"
             return 503, ApiError(message, status=503, kind="server_error").body()
         return status, body
+
+    def _close_encode(self, call: EncodeCall) -> None:
+        """The call failed here (timed out, its client left, not a 200): the core closes the rooms it
+        opened for it, if any. Sent after the call itself, so the core has seen the call first; not
+        waited for (no future: its reply is dropped)."""
+        if self.failure is None:
+            self._send(["rpc", next(self._keys), "encode_close", [call.key, call.rooms]])
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  bootstrap_addr: str | None = None, bootstrap_room: int | None = None,

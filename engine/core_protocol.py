@@ -6,7 +6,9 @@ API -> core, one message per event-loop turn: a list of operations
                                           server's handle of this submission; outputs carry it, not the
                                           id; images: `image_to_wire` rows, their tensors as raw bytes)
   ["abort", request_id, reason]
-  ["rpc", call_id, name, arg]          (also the role's `core_calls`: "encode", `encode_jobs_to_wire`)
+  ["rpc", call_id, name, arg]          (also the role's `core_calls`: "encode", `encode_call_to_wire`;
+                                        "encode_close", [call key, rooms]: a failed call's rooms closed,
+                                        sent without waiting, its reply dropped)
 core -> API, one message per engine step (and per batch of operations the core answered):
   ["out", [output, ...], inbox]  every output of the step; `inbox`: the core's admission figures
   ["reply", call_id, ok, value]  an rpc's answer (`value` is the error text when not ok)
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from splitserve.engine.encode_endpoint import EncodeJob
+from splitserve.engine.encode_endpoint import EncodeCall, EncodeJob
 from splitserve.engine.grammar.spec import GrammarSpec
 from splitserve.engine.image_items import ImageItem
 from splitserve.engine.request import FinishReason, TokenOutput
@@ -112,9 +114,10 @@ def image_from_wire(row: list[Any]) -> ImageItem:
                      embedding=tensor_from_wire(embedding) if embedding is not None else None)
 
 
-def encode_jobs_to_wire(jobs: list[EncodeJob]) -> list[list[Any]]:
-    return [[j.room, j.digest, tensor_to_wire(j.pixels)] for j in jobs]
+def encode_call_to_wire(call: EncodeCall) -> list[Any]:
+    return [call.key, [[j.room, j.digest, tensor_to_wire(j.pixels)] for j in call.jobs]]
 
 
-def encode_jobs_from_wire(rows: list[list[Any]]) -> list[EncodeJob]:
-    return [EncodeJob(room, digest, tensor_from_wire(pixels)) for room, digest, pixels in rows]
+def encode_call_from_wire(row: list[Any]) -> EncodeCall:
+    key, jobs = row
+    return EncodeCall(key, [EncodeJob(room, digest, tensor_from_wire(pixels)) for room, digest, pixels in jobs])

@@ -1,12 +1,15 @@
 """The encoder's side: ship each image item's rows to the prefill rank waiting for its room.
 
-`begin(room)` opens the room (False if it is taken), `begin_all(rooms)` one call's rooms, all or
-none; `send(chunk)` hands over where the rows are (a slot of this encoder's registered pool), their
-rows, hidden size, dtype and bytes; the rows go out once the prefill rank's `EmbeddingWanted` for
-the room is in hand (it may come before or after). Before any write, the chunk is checked against
-what the prefill rank expects (rows, hidden, dtype, bytes); a mismatch fails the item on both sides
-and writes nothing. `fail(room, reason)` fails an item (e.g. the image did not decode); `concluded()`
-returns the rooms finished since the last call, so the caller can unpin their source slots.
+`begin(room)` opens the room (False if it is taken), `begin_all(rooms, owner)` one call's rooms, all
+or none, marked as the call's; `close_rooms(owner, rooms, reason)` closes those of them still open
+and not being written, once the call failed before its answer reached the router (no prefill will
+ask for them); `send(chunk)` hands over where the rows are (a slot of this encoder's registered
+pool), their rows, hidden size, dtype and bytes; the rows go out once the prefill rank's
+`EmbeddingWanted` for the room is in hand (it may come before or after). Before any write, the
+chunk is checked against what the prefill rank expects (rows, hidden, dtype, bytes); a mismatch
+fails the item on both sides and writes nothing. `fail(room, reason)` fails an item (e.g. the
+image did not decode); `concluded()` returns the rooms finished since the last call, so the caller
+can unpin their source slots.
 
 Fences (write_fence.py): every Mooncake write is counted per room while in flight, and none
 starts once the prefill aborted the room or past the ask's `write_by`; an `EmbeddingAbort` is
@@ -60,6 +63,7 @@ class Concluded:
 class SendRoom:
     room: int
     created: float
+    owner: int | None = None  # the call that opened it (closing a call closes only its own rooms)
     chunk: EmbeddingChunk | None = None
     wanted: EmbeddingWanted | None = None
     ready_at: float | None = None
@@ -98,9 +102,10 @@ class EmbeddingSender(EmbeddingEndpoint):
     def begin(self, room: int) -> bool:
         return self.begin_all([room]) is None
 
-    def begin_all(self, rooms: list[int]) -> int | None:
-        """Opens every room of one call, or none: the first room already open (or twice in `rooms`),
-        or None once all are open. Checked before anything opens, so a refused call leaves nothing behind."""
+    def begin_all(self, rooms: list[int], owner: int | None = None) -> int | None:
+        """Opens every room of one call (`owner`), or none: the first room already open (or twice in
+        `rooms`), or None once all are open. Checked before anything opens, so a refused call leaves
+        nothing behind."""
         now = time.monotonic()
         with self.lock:
             seen: set[int] = set()
@@ -109,8 +114,20 @@ class EmbeddingSender(EmbeddingEndpoint):
                     return room
                 seen.add(room)
             for room in rooms:
-                self._open_locked(room, now)
+                self._open_locked(room, now, owner)
             return None
+
+    def close_rooms(self, owner: int, rooms: list[int], reason: str) -> list[int]:
+        """Closes the rooms of `rooms` that call `owner` opened and that are still open (a room being
+        written is left to its write): the rooms closed. A prefill that already asked for one is told it failed."""
+        with self.lock:
+            closed = []
+            for room in rooms:
+                state = self._rooms.get(room)
+                if state is not None and state.owner == owner and not state.done and not state.writing:
+                    self._conclude_locked(state, False, reason)
+                    closed.append(room)
+            return closed
 
     def send(self, chunk: EmbeddingChunk) -> bool:
         """False if the room is gone (failed, aborted): the chunk's slot is the caller's again."""
@@ -143,8 +160,8 @@ class EmbeddingSender(EmbeddingEndpoint):
 
     # ---- internals (lock held) --------------------------------------------------------------
 
-    def _open_locked(self, room: int, now: float) -> None:
-        self._rooms[room] = SendRoom(room, now)
+    def _open_locked(self, room: int, now: float, owner: int | None) -> None:
+        self._rooms[room] = SendRoom(room, now, owner)
         if room in self._aborted:
             self._conclude_locked(self._rooms[room], False, "aborted by the prefill")
             return

@@ -2,9 +2,10 @@
 
 The router posts each image item with its room to `/v1/encode` (engine/encode_endpoint.py: the
 image is decoded and preprocessed there, a bad one is a 400 before any engine work); `accept`
-opens the call's rooms on the sender (`begin_all`: all, or none and a 409) and queues the items.
-With `serve --engine-process` the API server process does the HTTP side and the core's `accept` is
-reached over the wire (`core_calls`).
+opens the call's rooms on the sender (`begin_all`: all, or none and a 409) and queues the items;
+`close_call` closes them again when the call fails before its answer reached the router (its
+client left, the core answered too late). With `serve --engine-process` the API server process
+does the HTTP side and the core's `accept` and `close_call` are reached over the wire (`core_calls`).
 The loop encodes queued items in batches on the loop thread (the only thread that runs the model)
 into slots of the sender's registered pool, which double as an LRU cache by image hash: a hit
 ships at once. The rows go to the prefill rank once it asks for the room; a slot stays pinned
@@ -13,6 +14,7 @@ until its transfer concluded.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -20,7 +22,7 @@ from typing import Any
 
 from starlette.routing import Route
 
-from splitserve.engine.encode_endpoint import EncodeJob, encode_route, room_taken
+from splitserve.engine.encode_endpoint import EncodeCall, EncodeJob, encode_route, room_taken
 from splitserve.engine.engine import Engine
 from splitserve.engine.epd_config import EPDConfig
 from splitserve.engine.image_inputs import ImageInputConfig
@@ -62,28 +64,56 @@ class EncodeRole(Role):
                     self.epd.encode_cache_size)
 
     def routes(self) -> list[Route]:
-        async def accept(jobs: list[EncodeJob]) -> tuple[int, dict[str, Any]]:
-            return self.accept(jobs)
-        return [encode_route(self.transfer.transfer_control_key, self.images, self.processor, accept)]
+        async def accept(call: EncodeCall) -> tuple[int, dict[str, Any]]:
+            answer = self.accept(call)
+            await asyncio.sleep(self.epd.encode_answer_delay_s)  # tests only: a late answer (0 in production)
+            return answer
+        return [encode_route(self.transfer.transfer_control_key, self.images, self.processor, accept,
+                             lambda call: self.close_call(call.key, call.rooms))]
 
     def core_calls(self) -> dict[str, Any]:
-        from splitserve.engine.core_protocol import encode_jobs_from_wire
-        return {"encode": lambda arg: list(self.accept(encode_jobs_from_wire(arg)))}
+        from splitserve.engine.core_protocol import encode_call_from_wire
+
+        def encode(arg: list[Any]) -> list[Any]:
+            answer = list(self.accept(encode_call_from_wire(arg)))
+            time.sleep(self.epd.encode_answer_delay_s)  # tests only: the core's late answer (0 in production)
+            return answer
+        return {"encode": encode, "encode_close": lambda arg: len(self.close_call(arg[0], arg[1]))}
 
     def health_info(self) -> dict[str, Any]:
         return {"embedding_endpoint": self.sender.endpoint,
                 "embedding": {"cached_images": len(self.cache), "pinned_slots": self.cache.pinned,
                               "queued": len(self.jobs), **self.sender.stats()}}
 
-    def accept(self, jobs: list[EncodeJob]) -> tuple[int, dict[str, Any]]:
+    def accept(self, call: EncodeCall) -> tuple[int, dict[str, Any]]:
         """Opens every job's room (or none: 409) and queues the jobs for the loop thread (any thread may call it):
         (HTTP status, body) for /v1/encode."""
-        taken = self.sender.begin_all([job.room for job in jobs])  # all or none: a 409 leaves no room open
+        taken = self.sender.begin_all(call.rooms, owner=call.key)  # all or none: a 409 leaves no room open
         if taken is not None:
             return room_taken(taken)
-        self.engine.call_soon(lambda: self.jobs.extend(jobs))  # the loop thread takes them; call_soon wakes it
+        try:
+            self.engine.call_soon(lambda: self.jobs.extend(call.jobs))  # the loop thread takes them; call_soon wakes it
+        except BaseException:  # the engine is gone: nothing will take the jobs, nothing may hold their rooms
+            self.sender.close_rooms(call.key, call.rooms, "the encode engine could not take the call")
+            raise
         return 200, {"endpoint": self.sender.endpoint, "items": [
-            {"room": j.room, "digest": j.digest, "rows": self.vision.tokens_per_image} for j in jobs]}
+            {"room": j.room, "digest": j.digest, "rows": self.vision.tokens_per_image} for j in call.jobs]}
+
+    def close_call(self, key: int, rooms: list[int]) -> list[int]:
+        """The call `key` failed before its answer reached the router: its rooms still open close now
+        (their queued jobs are dropped, their slots unpinned) rather than at the bootstrap timeout."""
+        closed = self.sender.close_rooms(key, rooms, "its /v1/encode call failed before the router had the answer")
+        if closed:
+            logger.info("closed %d room(s) of the failed /v1/encode call %d", len(closed), key)
+            gone = set(closed)
+            # On the loop thread, after the call's own `extend` (call_soon keeps the order).
+            self.engine.call_soon(lambda: self._drop_jobs(gone))
+        return closed
+
+    def _drop_jobs(self, rooms: set[int]) -> None:
+        kept = [job for job in self.jobs if job.room not in rooms]
+        self.jobs.clear()
+        self.jobs.extend(kept)
 
     def poll(self) -> None:
         for done in self.sender.concluded():

@@ -117,6 +117,24 @@ def test_a_dead_encoder_fails_its_items_within_the_heartbeat_bound(pair) -> None
     assert receiver.metrics.fences_total.labels(outcome="peer gone")._value.get() == 1
 
 
+def test_closing_a_failed_call_closes_its_own_open_rooms_only(pair) -> None:
+    """/v1/encode's failure path: the call's rooms close at once (the prefill that already asked is
+    told it failed), another call's room with them stays open."""
+    sender, receiver = pair
+    receiver.stage("asked", [WantedItem(52, sender.endpoint, ROWS, "f" * 64)])
+    assert wait_until(lambda: sender.stats()["early"] == 1, 2)  # the prefill asked before the call came
+    assert sender.begin_all([51, 52], owner=1) is None and sender.begin_all([53], owner=2) is None
+    assert sender.close_rooms(2, [51, 52], "not call 2's") == [] and sender.stats()["rooms"] == 3
+    assert sender.close_rooms(1, [51, 52, 99], "its call failed") == [51, 52]
+    assert sender.stats() == {**SENDER_IDLE, "rooms": 1, "concluded": 2}  # 53 (call 2's) is still open
+    assert wait_codes(receiver, "asked") == FAILED
+    _, failed = receiver.settle({"asked": FAILED})
+    assert "its call failed" in failed[0][1]
+    assert sorted((c.room, c.ok) for c in sender.concluded()) == [(51, False), (52, False)]
+    assert sender.send(chunk(51, 0)) is False  # a job of the closed call that ran anyway: its slot is the caller's
+    assert wait_until(lambda: receiver.stats() == IDLE_3, 2), receiver.stats()
+
+
 def test_timeout_and_drop_tell_the_encoder_and_free_everything(pair) -> None:
     sender, _ = pair
     quick = EmbeddingReceiver(CONFIG, EmbeddingSlots(2, ROWS, HIDDEN, torch.float32), timeout_s=0.4,
