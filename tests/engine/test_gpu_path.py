@@ -221,6 +221,26 @@ def test_skinny_gemm_matches_torch_and_a_row_does_not_depend_on_the_others(rows:
     assert torch.equal(skinny.skinny_linear(x[:1], weight, bias), y[:1])
 
 
+# Wide-tile launches: 64-row tiles, 128-row tiles with K in two slices, narrow tiles with K in two slices.
+WIDE_LAUNCHES = [(64, 128, 64, 4, 4, 1), (128, 64, 64, 4, 4, 2), (64, 64, 128, 4, 4, 2)]
+
+
+@pytest.mark.parametrize("launch", WIDE_LAUNCHES)
+@pytest.mark.parametrize("rows", [33, 200, 512])
+@pytest.mark.parametrize("n,k", [(96, 256), (4096, 14336)])
+def test_wide_gemm_matches_torch_and_gives_the_same_bits_every_run(rows: int, n: int, k: int, launch: tuple) -> None:
+    from splitserve.engine.layers.wide_gemm_triton import WideLaunch, wide_gemm
+
+    torch.manual_seed(0)
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    weight = torch.randn(n, k, **bf16) / k**0.5
+    bias = torch.randn(n, **bf16)
+    x = torch.randn(rows, k, **bf16)
+    y = wide_gemm(x, weight, bias, WideLaunch(*launch))
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, weight, bias), atol=3e-2, rtol=2e-2)
+    assert torch.equal(wide_gemm(x, weight, bias, WideLaunch(*launch)), y)  # the slices summed in one order
+
+
 def causal_chunk_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                            slot: int, kv_len: int, page_size: int, scale: float) -> torch.Tensor:
     """One chunk's queries q [L, H, D] (the last L of its kv_len tokens) over its paged KV, in float64."""
