@@ -23,6 +23,7 @@ plain decode steps do; the verifier's speculation gate (draft_mesh/speculation_g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,7 +113,12 @@ def _save(folder: Path, config: dict[str, Any], weights: dict[str, torch.Tensor]
 
 
 def spec_checkpoints(shape: dict[str, Any], folder: Path, draft_layers: int, seed: int, device: str) -> dict[str, Path]:
-    """The target and the exact drafter, as checkpoint folders."""
+    """The target and the exact drafter, as checkpoint folders (kept from an earlier run into the same
+    folder with the same shape, drafter layers and seed: writing the 8B target takes a while)."""
+    made = {"target": folder / "target", "exact": folder / "drafter-exact"}
+    stamp = json.dumps({"shape": shape, "draft_layers": draft_layers, "seed": seed}, sort_keys=True)
+    if (folder / "made.json").is_file() and (folder / "made.json").read_text() == stamp:
+        return made
     dtype = getattr(torch, shape.get("torch_dtype", "float32"))
     gen = torch.Generator(device=device).manual_seed(seed)
     hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -139,8 +146,10 @@ def spec_checkpoints(shape: dict[str, Any], folder: Path, draft_layers: int, see
     draft_cfg = {**shape, "num_hidden_layers": draft_layers}
     drafter = {k: v for k, v in target.items()
                if not k.startswith("model.layers.") or int(k.split(".")[2]) < draft_layers}
-    return {"target": _save(folder / "target", shape, target),
-            "exact": _save(folder / "drafter-exact", draft_cfg, drafter)}
+    _save(made["target"], shape, target)
+    _save(made["exact"], draft_cfg, drafter)
+    (folder / "made.json").write_text(stamp)
+    return made
 
 
 def with_noise(weight: torch.Tensor, scale: float, gen: torch.Generator) -> torch.Tensor:
@@ -252,18 +261,29 @@ def decode_run(engine: Engine, prompts: list[list[int]], output_len: int, verifi
     return run
 
 
-def set_row_invariant_rows(engine: Engine, rows: int) -> None:
-    """Changes the engine's row-invariant row count on its loop thread (its decode graphs are captured
-    again there) and waits for it."""
+def on_loop_thread(engine: Engine, change: Callable[[], None], what: str) -> None:
+    """Runs `change` on the engine's loop thread (graphs are captured again there) and waits for it."""
     done = threading.Event()
 
-    def change() -> None:
-        engine.use_row_invariant_rows(rows)
+    def run() -> None:
+        change()
         done.set()
 
-    engine.call_soon(change)
+    engine.call_soon(run)
     if not done.wait(300):
-        raise TimeoutError("the engine did not change its row-invariant rows")
+        raise TimeoutError(f"the engine did not change its {what}")
+
+
+def set_row_invariant_rows(engine: Engine, rows: int) -> None:
+    """Changes the engine's row-invariant row count (its decode graphs are captured again)."""
+    on_loop_thread(engine, lambda: engine.use_row_invariant_rows(rows), "row-invariant rows")
+
+
+def set_batch_invariant_attention(engine: Engine, on: bool) -> None:
+    """Turns batch-invariant decode attention on or off (decode and verify graphs are captured again)."""
+    on_loop_thread(engine, lambda: engine.runner.set_batch_invariant_attention(on, engine.kv.page_table,
+                                                                               engine.kv.padding_slot),
+                   "batch-invariant attention")
 
 
 def start_drafter(folder: Path, device: str, mesh_port: int, http_port: int, cfg: SpecBenchConfig,
@@ -355,7 +375,16 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
             proc = start_drafter(folder, cfg.device, mesh_port, http_port, cfg, work / f"drafter-{name}.log")
             try:
                 wait_joined(verifier, proc)
-                generate_tokens(engine, prompts[cfg.batch_sizes[0]][:1], SamplingParams(max_new_tokens=8))
+                # Each batch once with the drafter, K = max, every step speculating: the drafter process's
+                # first prefills and catch-ups at these shapes, and the verifier's first verify steps, cost
+                # far more than later ones (on the H200 a drafter's first prefill of a 129-token request
+                # took ~100 ms); then the gate forgets what speculating measured meanwhile.
+                gated, verifier.spec = verifier.spec, dataclasses.replace(verifier.spec, speculation_gate=False)
+                verifier.num_draft_tokens = max(cfg.ks)
+                for b in cfg.batch_sizes:
+                    generate_tokens(engine, prompts[b], SamplingParams(max_new_tokens=16, ignore_eos=True))
+                verifier.spec = gated
+                verifier.gate.forget_speculation()
                 for k in cfg.ks:
                     for b in cfg.batch_sizes:
                         # The peer under the same load: K=0 (no drafts offered, the drafter paced to
