@@ -25,6 +25,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.offline import generate_tokens
 from splitserve.engine.request import Request, TokenOutput
 from splitserve.engine.role import ComposedRole
+from splitserve.engine.roles import drafter as drafter_module
 from splitserve.engine.roles.drafter import DrafterRole, drafter_engine_config
 from splitserve.engine.roles.verifier import VerifierRole
 from splitserve.engine.sampling_params import SamplingParams
@@ -114,7 +115,11 @@ def stopper() -> Iterator[list[Engine]]:
 
 
 @pytest.mark.parametrize(("k", "overlap"), [(2, False), (5, False), (2, True), (5, True)])
-def test_a_drafter_equal_to_the_target_has_nearly_every_draft_accepted(plain, stopper, k, overlap) -> None:
+def test_a_drafter_equal_to_the_target_has_nearly_every_draft_accepted(plain, stopper, k, overlap,
+                                                                       monkeypatch) -> None:
+    if overlap:  # a verifier slower than its drafter, as on a GPU (see the next test but one)
+        poll = VerifierRole.poll
+        monkeypatch.setattr(VerifierRole, "poll", lambda self: (time.sleep(0.01), poll(self)))
     drafter = start_drafter(overlap=overlap)
     stopper.append(drafter)
     verifier = start_verifier([drafter], k=k)
@@ -149,9 +154,12 @@ def test_every_token_a_drafter_streams_continues_its_base_under_the_overlap_sche
     token at that position after the committed tokens it names as its base (a token drafted after
     what a commit replaced is dropped, not sent)."""
     sent: list[pb.TailToken] = []
-    send = DrafterRole._send
+    send, poll = DrafterRole._send, VerifierRole.poll
     monkeypatch.setattr(DrafterRole, "_send", lambda self, lease_id, box: (sent.extend(box.tokens),
                                                                             send(self, lease_id, box)))
+    # A verifier slower than its drafter, as on a GPU (the tiny drafter is the target's size here: one
+    # that never gets ahead of the commits streams nothing, every token it computes already committed).
+    monkeypatch.setattr(VerifierRole, "poll", lambda self: (time.sleep(0.01), poll(self)))
     drafter = start_drafter(seed=7, overlap=True)
     stopper.append(drafter)
     verifier = start_verifier([drafter], k=3)
@@ -159,7 +167,8 @@ def test_every_token_a_drafter_streams_continues_its_base_under_the_overlap_sche
     wait_joined(verifier, 1)
     assert generate_tokens(verifier, PROMPTS, GREEDY) == plain
     assert_idle_and_pages_back(verifier, drafter)
-    assert drafter.role.health_info()["stale_dropped"] >= 3  # the case under test happened
+    health = drafter.role.health_info()
+    assert health["stale_dropped"] >= 3, health  # the case under test happened
     # The drafter model's own greedy continuation of each (request, base) the drafts name
     # (generate_tokens names prompt i's request "offline-<run>-<i>").
     sequences = [p + o for p, o in zip(PROMPTS, plain, strict=True)]
@@ -274,6 +283,38 @@ def test_join_is_refused_on_a_tokenizer_mismatch_with_the_reason(tmp_path, stopp
     assert drafter.role.health_info()["leases"] == 0
     assert generate_tokens(verifier, PROMPTS[:1], GREEDY)  # it serves, without speculation
     assert spec_counts(verifier) == (0, 0)
+
+
+def test_a_drafter_sends_its_last_draft_before_resting_at_once_under_the_overlap_scheduler(stopper,
+                                                                                         monkeypatch) -> None:
+    """Under the overlap scheduler the last draft before a request's limit is taken in by a loop turn
+    that planned no step; it must go out then, not after the loop's idle sleep (made 5 s here)."""
+    monkeypatch.setattr(drafter_module, "IDLE_POLL_S", 5.0)
+    drafter = start_drafter(overlap=True)
+    stopper.append(drafter)
+    ctx = zmq.Context()
+    tails = ctx.socket(zmq.PULL)
+    tail_port = tails.bind_to_random_port("tcp://127.0.0.1")
+    caller = MeshCaller(mesh_endpoint(drafter), KEY, timeout_s=5)
+    try:
+        lease = caller.call("Join", pb.JoinRequest(
+            verifier_rank=3, verifier_instance="test", tokenizer_fingerprint=tokenizer_fingerprint(drafter.tokenizer),
+            vocab_size=drafter.model_cfg.vocab_size, draft_tokens=1, tail_endpoint=f"tcp://127.0.0.1:{tail_port}"))
+        assert lease.accepted
+        control = ctx.socket(zmq.PUSH)
+        control.connect(lease.control_endpoint)
+        time.sleep(0.2)  # the engine loop is idle, asleep
+        started = time.monotonic()
+        control.send_multipart(encode_frames(pb.DraftControlBatch(lease_id=lease.lease_id, items=[pb.DraftControl(
+            sync=pb.DraftSync(request_id="r", prompt_ids=PROMPTS[0]))]), KEY))
+        got: list[pb.TailToken] = []
+        while len(got) < 3 and time.monotonic() - started < 1.0:  # 2K + 1 drafts for K = 1, within the lease
+            if tails.poll(50):
+                got.extend(decode_tails(tails.recv_multipart(), KEY).tokens)
+        assert [t.position for t in got] == [5, 6, 7], f"{len(got)} drafts in {time.monotonic() - started:.2f} s"
+    finally:
+        caller.close()
+        ctx.destroy(linger=0)
 
 
 def test_corrupt_messages_quarantine_one_request_each(stopper) -> None:
