@@ -168,7 +168,7 @@ def drafter_alone(folder: Path, device: str, prompt_len: int, output_len: int, t
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     base = EngineConfig(model=str(folder), device=device, max_total_tokens=8192, max_running_requests=8)
     for name, cfg in (("no_overlap", drafter_engine_config(dataclasses.replace(base, disable_overlap=True))),
-                      ("drafter_settings", drafter_engine_config(base))):
+                      ("drafter_overlap", drafter_engine_config(base, overlap=True))):
         engine = Engine(cfg)
         engine.use_row_invariant_rows(None)  # as a drafter does
         engine.start()

@@ -77,7 +77,7 @@ def engine_role(configs: ServeConfigs) -> tuple[EngineConfig, Role | None]:
         role = build_role(cfg, configs.transfer, configs.spec, epd=configs.epd, images=configs.images)
     if cfg.role == "drafter":
         from splitserve.engine.roles.drafter import drafter_engine_config
-        cfg = drafter_engine_config(cfg)
+        cfg = drafter_engine_config(cfg, overlap=configs.spec.drafter_overlap)
     return cfg, role
 
 
