@@ -254,8 +254,9 @@ def cpu_since(before: dict[int, tuple[str, float]]) -> tuple[float, float]:
 class _StageClock:
     """Timestamps of the prefill's side of one room at a time (``stages`` on): the worker job's start and end
     (wrapping the manager's ``submit``) and the write's (wrapping the data path's ``write`` and
-    ``write_pages``); and, always, what the data path's calls cost: their count, the calling threads' CPU
-    inside them, and (CUDA IPC, one lane) the copier's host part, wait and kernel."""
+    ``launch_pages``, to the copy landed); and, always, what the data path's calls cost: their count, the
+    calling threads' CPU inside them, and (CUDA IPC, one lane) the copier's host part, wait and kernel (summed
+    per copy: with pipelined copies the waits overlap the host's work)."""
 
     def __init__(self, mgr) -> None:
         self.marks: dict[str, float] = {}
@@ -286,7 +287,7 @@ class _StageClock:
         lists = not getattr(mgr.engine, "takes_arrays", False)  # Mooncake with --merge-writes gets arrays
 
         def timed(call):
-            def wrapped(*args) -> int:
+            def wrapped(*args, launch_cpu: float = 0.0) -> int:
                 if self.stages:
                     self.marks.setdefault("write", time.perf_counter())
                 cpu0 = time.thread_time()
@@ -295,7 +296,7 @@ class _StageClock:
                     self.marks["write_end"] = time.perf_counter()
                 with lock:
                     self.writes += 1
-                    self.write_cpu_s += time.thread_time() - cpu0
+                    self.write_cpu_s += time.thread_time() - cpu0 + launch_cpu
                     if copier is not None:
                         self.copier_s["host"] += copier.last_host_s
                         self.copier_s["wait"] += copier.last_wait_s
@@ -312,12 +313,21 @@ class _StageClock:
                 code = code or write(session, *(list(a[i:i + step]) for a in arrays))
             return code
 
+        def timed_launch(launch):
+            def wrapped(*args):
+                cpu0 = time.thread_time()
+                if self.stages:
+                    self.marks.setdefault("write", time.perf_counter())
+                landed = launch(*args)
+                launch_cpu = time.thread_time() - cpu0
+                return lambda: timed(lambda: landed())(launch_cpu=launch_cpu)
+            return wrapped
+
         mgr.submit = timed_submit
         mgr.writers.write = timed(batched_write)
-        if mgr.workers.write_pages is not None:
-            write_pages = mgr.writers.write_pages
+        if mgr.workers.launch_pages is not None:
             self.engine_write_pages = mgr.engine.write_pages
-            mgr.writers.write_pages = timed(write_pages)
+            mgr.writers.launch_pages = timed_launch(mgr.writers.launch_pages)
 
 
 class _Prefill:
@@ -369,10 +379,10 @@ class _Prefill:
         write_cpu_sent = self.clock.write_cpu_s
         threads_sent = python_threads_cpu()
         cpu_sent = time.process_time()
-        t0 = time.perf_counter()
+        t0, send_cpu0 = time.perf_counter(), time.thread_time()
         for sender, pages in zip(senders, src, strict=True):
             sender.send(pages, True)
-        t_sent = time.perf_counter()
+        t_sent, send_cpu = time.perf_counter(), time.thread_time() - send_cpu0
         t_sender = self.finals.wait(120)
         cpu = time.process_time() - cpu0
         threads_cpu, control_thread_cpu = cpu_since(threads0)
@@ -390,7 +400,7 @@ class _Prefill:
             raise RuntimeError("the decode's pages differ from the prefill's")
         return {"t0": t0, "sent": t_sent, "sender_success": t_sender, "decode_success": answer["done_at"],
                 "cpu_s": cpu, "control_cpu_s": control_cpu, "cpu_from_send_s": cpu_from_send,
-                "control_cpu_from_send_s": control_cpu_from_send,
+                "control_cpu_from_send_s": control_cpu_from_send, "send_calls_cpu_s": send_cpu,
                 "control_thread_cpu_s": control_thread_cpu, "writes": self.clock.writes - writes,
                 "copier_s": {k: v - copier0[k] for k, v in self.clock.copier_s.items()}, **self.clock.marks}
 
@@ -508,7 +518,9 @@ class _Prefill:
                 "copy_ms": copy_s * 1e3, "gbps": nbytes / total_s / 1e9, "device_copy_gbps": nbytes / copy_s / 1e9,
                 "over_copy": copy_s / total_s, "sender_over_copy": copy_s / sender_s,
                 "repeats_ms": [{"total": (m["decode_success"] - m["t0"]) * 1e3,
-                                "send_calls": (m["sent"] - m["t0"]) * 1e3, "writes": m["writes"]} for m in runs],
+                                "send_calls": (m["sent"] - m["t0"]) * 1e3,
+                                "send_calls_cpu": m["send_calls_cpu_s"] * 1e3, "writes": m["writes"],
+                                "cpu_from_send": m["cpu_from_send_s"] * 1e3} for m in runs],
                 "cpu_from_send_us_per_room": statistics.median(m["cpu_from_send_s"] for m in runs) / count * 1e6,
                 "control_cpu_from_send_us_per_room": min(m["control_cpu_from_send_s"] for m in runs) / count * 1e6,
                 **({} if copier is None else {

@@ -14,7 +14,9 @@ the rooms, control channel and bootstrap protocol stay the Mooncake backend's. W
   like Mooncake's synchronous write, Success is reported only after the bytes are in place;
 - ``write_pages`` does the same for whole pages given as runs (``PageRuns``): the two layouts' buffer
   bases are checked and translated once per layout, each write checks only that its runs lie inside
-  a buffer, and the kernel expands runs x buffers on the device.
+  a buffer, and the kernel expands runs x buffers on the device; ``launch_pages`` returns once the copy
+  is queued, with the call that waits for it (a worker prepares the next rooms meanwhile). Unmapping a
+  peer first waits for its copies still in flight.
 
 Ordering with the engine: writes run on the worker thread's current stream, the legacy default
 stream, which the engine's forward passes and CUDA-graph replays also use: a copy enqueued after
@@ -31,7 +33,7 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +41,7 @@ import numpy as np
 from .cuda_driver import CudaDriver, CudaDriverError
 from .errors import CudaIpcError, CudaIpcUnavailableError
 from .kv_layout import IpcRegion, KVLayout
-from .segment_copy import SegmentCopier
+from .segment_copy import PendingCopy, SegmentCopier
 from .transfer_plan import PageRuns, buffer_bases
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,7 @@ class _PeerMapping:
     sizes: np.ndarray = field(init=False)
     # id(layout) -> (layout, its buffers' bases mapped here, its smallest buffer's bytes): checked once
     buffers: dict[int, tuple[KVLayout, np.ndarray, int]] = field(default_factory=dict)
+    in_flight: list[PendingCopy] = field(default_factory=list)  # launched into this mapping, not yet waited for
 
     def __post_init__(self) -> None:
         self.bases = np.array([r.base for r in self.regions], dtype=np.int64)
@@ -227,6 +230,8 @@ class CudaIpcEngine:
     def _unmap(self, session: str, mapping: _PeerMapping) -> None:
         with mapping.lock:
             mapping.closed = True
+            for pending in mapping.in_flight:  # its worker may not wait for it soon: no unmapping under a copy
+                pending.done.synchronize()
             if mapping.local_bases is not None and not mapping.same_process:
                 for ptr in mapping.local_bases.tolist():
                     try:
@@ -265,8 +270,14 @@ class CudaIpcEngine:
 
     def write_pages(self, session: str, runs: PageRuns) -> int:
         """Copies whole pages (``runs``: our layout's pages into the peer's) and their aux segments; returns 0
-        once they landed. The host checks that every run lies inside a buffer and each layout's buffers inside
-        what the two sides exported (once per layout); the kernel expands runs x buffers. Raises as ``write``."""
+        once they landed. Raises as ``write``."""
+        return self.launch_pages(session, runs)()
+
+    def launch_pages(self, session: str, runs: PageRuns) -> Callable[[], int]:
+        """``write_pages`` up to the launch: returns once the copy is queued, with the call that returns 0 once
+        it landed (call it, from any thread; until then a write to this peer is in flight). The host checks
+        that every run lies inside a buffer and each layout's buffers inside what the two sides exported
+        (once per layout); the kernel expands runs x buffers. Raises as ``write``."""
         mapping = self._mapping(session)
         with mapping.lock:
             if mapping.closed:
@@ -283,14 +294,26 @@ class CudaIpcEngine:
             own_bases, own_sizes = self._own_arrays
             translate(aux.srcs, aux.lens, own_bases, own_sizes, own_bases, "source")
             try:
-                self.copier.copy_runs(src_bases, dst_bases, runs.src_offs, runs.dst_offs, runs.lens,
-                                      (aux.srcs, aux_dsts, aux.lens))
+                pending = self.copier.launch_runs(src_bases, dst_bases, runs.src_offs, runs.dst_offs, runs.lens,
+                                                  (aux.srcs, aux_dsts, aux.lens))
             except ValueError:  # not in 8-byte words (no KV pool of ours): one segment per run and buffer
                 segments = runs.segments()
                 peer_dst = translate(segments.dsts, segments.lens, mapping.bases, mapping.sizes, local_bases,
                                      f"destination (peer {session})")
                 self.copier.copy(segments.srcs, peer_dst, segments.lens)
-        return 0
+                pending = None
+            if pending is not None:
+                mapping.in_flight.append(pending)
+
+        def landed() -> int:
+            if pending is not None:
+                self.copier.finish(pending)
+                with mapping.lock:
+                    if pending in mapping.in_flight:
+                        mapping.in_flight.remove(pending)
+            return 0
+
+        return landed
 
     @staticmethod
     def _buffers(cache: dict[int, tuple[KVLayout, np.ndarray, int]], layout: KVLayout, bases: np.ndarray,

@@ -139,8 +139,8 @@ class MooncakeKVManager(BaseKVManager):
         # Merged writes go through the writers too (looked up at call time: benchmarks wrap them).
         self.workers = PeerWorkers(config.transfer_threads, WORKER_IDLE_S,
                                    write=lambda *args: self.writers.write(*args),
-                                   write_pages=(lambda *args: self.writers.write_pages(*args))
-                                   if hasattr(self.engine, "write_pages") else None,
+                                   launch_pages=(lambda *args: self.writers.launch_pages(*args))
+                                   if hasattr(self.engine, "launch_pages") else None,
                                    finish_together=self.finishing_together)
         self._done_batch = threading.local()  # see finishing_together
         # Mooncake sessions whose handshake was queued (False) or done (True): see MooncakeKVSender._shake_hands.

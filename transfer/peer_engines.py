@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from .mooncake_engine import MooncakeEngine
 from .transfer_plan import PageRuns
@@ -51,6 +52,10 @@ class PeerEngines:
     def write_pages(self, session: str, runs: PageRuns) -> int:
         """Whole pages as runs (``PageRuns``), for a transport that takes them (CUDA IPC: ``write_pages``)."""
         return self._engine_for(session).write_pages(session, runs)  # type: ignore[attr-defined]
+
+    def launch_pages(self, session: str, runs: PageRuns) -> Callable[[], int]:
+        """``write_pages`` returning once the copy is queued, with the call that waits for it (CUDA IPC)."""
+        return self._engine_for(session).launch_pages(session, runs)  # type: ignore[attr-defined]
 
     def _engine_for(self, session: str) -> MooncakeEngine:
         with self._lock:

@@ -11,9 +11,11 @@ kernel launch, one wait), a job may offer its write instead of running it (``Tra
 A worker that finds several such jobs queued for the same peer prepares each (``MergeableWrite``:
 segments counted as begun by the manager), writes them all with one call and hands each its
 result, in queue order, inside ``finish_together`` (the manager sends their Success messages as
-one per decode rank then). Where the transport takes whole pages as runs (``write_pages``: CUDA IPC),
-the jobs' pages go as one ``PageRuns`` (its kernel expands them per buffer), and a job alone in the
-queue takes that path too; otherwise a job alone simply runs.
+one per decode rank then). Where the transport takes whole pages as runs (``launch_pages``: CUDA IPC),
+the jobs' pages go as ``PageRuns`` (its kernel expands them per buffer), a job alone in the queue takes
+that path too, and a long batch is pipelined: ``PIPELINE_JOBS`` jobs at a time are prepared and their copy
+launched, then the previous part's copy is waited for and its jobs finished, so the host's work per room
+runs while the device copies. Otherwise a job alone simply runs.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ log = logging.getLogger(__name__)
 
 
 MAX_MERGED_JOBS = 256  # jobs one merged write takes at most
+# Jobs per launched copy in a pipelined batch: 32 rooms of 512 tokens are ~2 GiB of Llama-3-8B KV (~1 ms of copy),
+# about what preparing and finishing 32 rooms costs the host, so each hides the other.
+PIPELINE_JOBS = 32
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class MergeableWrite:
 
 
 WriteFn = Callable[[str, np.ndarray, np.ndarray, np.ndarray], int]
-WritePagesFn = Callable[[str, PageRuns], int]
+LaunchPagesFn = Callable[[str, PageRuns], Callable[[], int]]
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,9 @@ class TransferJob:
     run: Callable[[], None]
     fail: Callable[[Exception], None]
     merge: Callable[[], MergeableWrite | None] | None = None
+
+
+Prepared = list[tuple[TransferJob, MergeableWrite]]
 
 
 def _page_runs_of(writes: list[MergeableWrite]) -> PageRuns | None:
@@ -99,11 +107,13 @@ class PeerWorkers:
     """``per_peer`` worker threads for each peer, started on demand, gone after ``idle_s`` idle."""
 
     def __init__(self, per_peer: int, idle_s: float, name: str = "transfer-worker",
-                 write: WriteFn | None = None, write_pages: WritePagesFn | None = None,
+                 write: WriteFn | None = None, launch_pages: LaunchPagesFn | None = None,
                  finish_together: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         self.per_peer = per_peer
         self.write = write  # how merged writes go out (None: jobs always run one by one)
-        self.write_pages = write_pages  # how whole pages go out as runs, where the transport takes them
+        # How whole pages go out as runs, where the transport takes them: returns once the copy is queued, with
+        # the call that waits for it.
+        self.launch_pages = launch_pages
         # Held while a merged write's jobs finish (the manager: their Success messages go out as one).
         self.finish_together = finish_together or contextlib.nullcontext
         self.merged_writes = 0  # writes that took more than one job (benchmarks read it)
@@ -161,7 +171,7 @@ class PeerWorkers:
                 if job.merge is not None and self.write is not None:
                     while worker.jobs and worker.jobs[0].merge is not None and len(batch) < MAX_MERGED_JOBS:
                         batch.append(worker.jobs.popleft())
-            if len(batch) == 1 and (job.merge is None or self.write is None or self.write_pages is None):
+            if len(batch) == 1 and (job.merge is None or self.write is None or self.launch_pages is None):
                 self._run_one(job)
             else:
                 self._run_merged(batch)
@@ -182,10 +192,38 @@ class PeerWorkers:
             log.exception("failing room %d after its job raised failed too", job.room)
 
     def _run_merged(self, batch: list[TransferJob]) -> None:
-        """Prepares every job's write, then one write per peer session for all of them."""
+        """Prepares the jobs' writes and makes one write per peer session of them: for whole pages where the
+        transport takes runs, ``PIPELINE_JOBS`` jobs at a time, each part's copy launched before the previous
+        part is waited for and finished; otherwise all of them, written at once."""
         assert self.write is not None
-        by_session: dict[str, list[tuple[TransferJob, MergeableWrite]]] = {}
-        for job in batch:
+        step = PIPELINE_JOBS if self.launch_pages is not None else len(batch)
+        in_flight: collections.deque[tuple[Prepared, Callable[[], int] | None, Exception | None]] = collections.deque()
+        try:
+            for start in range(0, len(batch), step):
+                for session, group in self._prepare(batch[start:start + step]).items():
+                    if len(group) > 1:
+                        self.merged_writes += 1
+                    writes = [w for _, w in group]
+                    runs = _page_runs_of(writes) if self.launch_pages is not None else None
+                    if runs is None:
+                        while in_flight:  # jobs finish in queue order
+                            self._land(*in_flight.popleft())
+                        self._finish(group, *self._write_segments(session, writes))
+                        continue
+                    try:
+                        in_flight.append((group, self.launch_pages(session, runs), None))  # type: ignore[misc]
+                    except Exception as exc:
+                        log.exception("a merged write of %d rooms to %s failed", len(group), session)
+                        in_flight.append((group, None, exc))
+                while len(in_flight) > 1:  # the copy just launched runs while the one before it is finished
+                    self._land(*in_flight.popleft())
+        finally:
+            while in_flight:
+                self._land(*in_flight.popleft())
+
+    def _prepare(self, jobs: list[TransferJob]) -> dict[str, Prepared]:
+        by_session: dict[str, Prepared] = {}
+        for job in jobs:
             assert job.merge is not None
             try:
                 prepared = job.merge()
@@ -195,29 +233,36 @@ class PeerWorkers:
                 continue
             if prepared is not None:
                 by_session.setdefault(prepared.session, []).append((job, prepared))
-        for session, group in by_session.items():
-            code: int | None = None
-            error: Exception | None = None
+        return by_session
+
+    def _write_segments(self, session: str, writes: list[MergeableWrite]) -> tuple[int | None, Exception | None]:
+        assert self.write is not None
+        try:
+            segments = _segments_of(writes)
+            return self.write(session, segments.srcs, segments.dsts, segments.lens), None
+        except Exception as exc:
+            log.exception("a merged write of %d rooms to %s failed", len(writes), session)
+            return None, exc
+
+    def _land(self, group: Prepared, landed: Callable[[], int] | None, error: Exception | None) -> None:
+        """Waits for a launched copy (``landed``; or its launch's ``error``), then finishes its jobs."""
+        code: int | None = None
+        if landed is not None:
             try:
-                if len(group) > 1:
-                    self.merged_writes += 1
-                writes = [w for _, w in group]
-                runs = _page_runs_of(writes) if self.write_pages is not None else None
-                if runs is not None:
-                    code = self.write_pages(session, runs)  # type: ignore[misc]
-                else:
-                    segments = _segments_of(writes)
-                    code = self.write(session, segments.srcs, segments.dsts, segments.lens)
+                code = landed()
             except Exception as exc:
-                log.exception("a merged write of %d rooms to %s failed", len(group), session)
+                log.exception("a merged write of %d rooms failed", len(group))
                 error = exc
-            with self.finish_together():
-                for job, prepared in group:
-                    try:
-                        prepared.done(code)
-                    except Exception as exc:
-                        log.exception("finishing the write of room %d failed", job.room)
-                        self._fail(job, exc)
-                        continue
-                    if error is not None:
-                        self._fail(job, error)
+        self._finish(group, code, error)
+
+    def _finish(self, group: Prepared, code: int | None, error: Exception | None) -> None:
+        with self.finish_together():
+            for job, prepared in group:
+                try:
+                    prepared.done(code)
+                except Exception as exc:
+                    log.exception("finishing the write of room %d failed", job.room)
+                    self._fail(job, exc)
+                    continue
+                if error is not None:
+                    self._fail(job, error)

@@ -258,7 +258,8 @@ class CopyShape:
 
 class _Staging:
     """One copy's table on its way to the device: pinned host rows, their device copy, and the event that
-    says the kernel reading them finished (a staging buffer is reused only after that)."""
+    says the kernel reading them finished (a staging buffer is reused only after that); ``start`` / ``end``
+    time the kernel where the copier is ``timed``."""
 
     def __init__(self, torch: Any, device: Any, words: int, blocking: bool) -> None:
         self.host = torch.empty(words, dtype=torch.int64).pin_memory()
@@ -267,15 +268,34 @@ class _Staging:
         # Never a spin in the driver: a merged write waits milliseconds, and the prefill's other threads
         # (the engine's too) want that core and the GIL. Blocking: the driver wakes the thread; else polled.
         self.done = torch.cuda.Event(blocking=blocking)
+        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+@dataclass(eq=False)
+class PendingCopy:
+    """A launched copy: ``SegmentCopier.finish`` waits for it (``done`` is its event) and frees its staging."""
+
+    staging: _Staging
+    t0: float
+    t1: float
+    timed: bool
+    finished: bool = False
+
+    @property
+    def done(self) -> Any:
+        return self.staging.done
 
 
 class SegmentCopier:
     """Copies absolute-address segments on one device: one launch per call, on the calling thread's
-    current stream, returning once they landed. Thread-safe: concurrent calls (a worker per peer lane)
-    each take a staging buffer of their own, so one call's launch is queued while another's kernel runs.
+    current stream, returning once they landed (``copy``, ``copy_runs``), or returning the launched copy
+    to finish later (``launch_runs``, ``finish``: a worker prepares the next copy while this one runs).
+    Thread-safe: concurrent calls (a worker per peer lane) each take a staging buffer of their own, so one
+    call's launch is queued while another's kernel runs.
 
-    ``timed=True`` also measures the kernel alone (device events): ``last_kernel_s``. Every call records
-    ``last_host_s`` (planning and the table's upload, up to the launch) and ``last_wait_s`` (launch to landed).
+    ``timed=True`` also measures the kernel alone (device events): ``last_kernel_s``. Every finished copy
+    records ``last_host_s`` (planning and the table's upload, up to the launch) and ``last_wait_s`` (launch to
+    landed).
     """
 
     def __init__(self, device: Any, shape: CopyShape = CopyShape(), timed: bool = False, wait: str = "poll") -> None:
@@ -295,7 +315,6 @@ class SegmentCopier:
         self._anchor_bytes = self._anchor.view(torch.uint8)
         self._anchor_ptr = self._anchor.data_ptr()
         self._free: list[_Staging] = []
-        self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self._warm_up()
 
     def copy(self, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> None:
@@ -304,24 +323,51 @@ class SegmentCopier:
         plan = plan_copy(srcs, dsts, lens, self._anchor_ptr, self.shape.piece_bytes)
         n = plan.segments
         if n:
-            self._launch(t0, plan.table.ravel(), lambda table: _kernel()[(n, plan.parts)](
+            self.finish(self._launch(t0, plan.table.ravel(), lambda table: _kernel()[(n, plan.parts)](
                 self._anchor, self._anchor_bytes, table, n, plan.words, BLOCK=self.shape.block,
-                ITERS=self.shape.iters, BYTE_BLOCK=BYTE_BLOCK, num_warps=self.shape.warps))
+                ITERS=self.shape.iters, BYTE_BLOCK=BYTE_BLOCK, num_warps=self.shape.warps)))
 
     def copy_runs(self, src_bases: np.ndarray, dst_bases: np.ndarray, src_offs: np.ndarray, dst_offs: np.ndarray,
                   lens: np.ndarray, aux: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
         """Copies runs ``[src_base + off, +len)`` -> ``[dst_base + dst_off, +len)`` of every buffer ``(src_base,
         dst_base)`` and the byte segments ``aux`` (see ``plan_runs``), in one launch."""
+        pending = self.launch_runs(src_bases, dst_bases, src_offs, dst_offs, lens, aux)
+        if pending is not None:
+            self.finish(pending)
+
+    def launch_runs(self, src_bases: np.ndarray, dst_bases: np.ndarray, src_offs: np.ndarray, dst_offs: np.ndarray,
+                    lens: np.ndarray, aux: tuple[np.ndarray, np.ndarray, np.ndarray]) -> PendingCopy | None:
+        """``copy_runs`` up to the launch: the copy is queued on the stream; ``finish`` it (None: nothing to copy)."""
         t0 = time.perf_counter()
         plan = plan_runs(src_bases, dst_bases, src_offs, dst_offs, lens, aux, self._anchor_ptr,
                          self.shape.piece_bytes)
         rows = max(plan.runs, plan.aux)
-        if rows:
-            self._launch(t0, plan.table, lambda table: _run_kernel()[(rows, max(plan.buffers, 1), plan.parts)](
-                self._anchor, self._anchor_bytes, table, plan.runs, plan.aux, BLOCK=self.shape.block,
-                ITERS=self.shape.iters, BYTE_BLOCK=BYTE_BLOCK, num_warps=self.shape.warps))
+        if not rows:
+            return None
+        return self._launch(t0, plan.table, lambda table: _run_kernel()[(rows, max(plan.buffers, 1), plan.parts)](
+            self._anchor, self._anchor_bytes, table, plan.runs, plan.aux, BLOCK=self.shape.block,
+            ITERS=self.shape.iters, BYTE_BLOCK=BYTE_BLOCK, num_warps=self.shape.warps))
 
-    def _launch(self, t0: float, table: np.ndarray, kernel: Any) -> None:
+    def finish(self, pending: PendingCopy) -> None:
+        """Returns once ``pending`` landed (idempotent); its staging buffer goes back to be reused."""
+        if pending.finished:
+            return
+        staging = pending.staging
+        try:
+            if self.wait == "block":
+                staging.done.synchronize()  # asleep, the GIL released
+            else:
+                while not staging.done.query():
+                    time.sleep(POLL_S)
+            self.last_host_s, self.last_wait_s = pending.t1 - pending.t0, time.perf_counter() - pending.t1
+            if pending.timed:
+                self.last_kernel_s = staging.start.elapsed_time(staging.end) / 1e3
+        finally:
+            pending.finished = True
+            with self._lock:
+                self._free.append(staging)
+
+    def _launch(self, t0: float, table: np.ndarray, kernel: Any) -> PendingCopy:
         torch = self._torch
         n = len(table)
         staging = self._take(n)
@@ -332,23 +378,16 @@ class SegmentCopier:
                 device_table.copy_(staging.host[:n], non_blocking=True)
                 timed = self.timed
                 if timed:
-                    self._start.record()
+                    staging.start.record()
                 kernel(device_table)
                 if timed:
-                    self._end.record()
+                    staging.end.record()
                 staging.done.record()
-                t1 = time.perf_counter()
-                if self.wait == "block":
-                    staging.done.synchronize()  # asleep, the GIL released
-                else:
-                    while not staging.done.query():
-                        time.sleep(POLL_S)
-                self.last_host_s, self.last_wait_s = t1 - t0, time.perf_counter() - t1
-                if timed:
-                    self.last_kernel_s = self._start.elapsed_time(self._end) / 1e3
-        finally:
+        except BaseException:
             with self._lock:
                 self._free.append(staging)
+            raise
+        return PendingCopy(staging, t0, time.perf_counter(), timed)
 
     def _take(self, words: int) -> _Staging:
         with self._lock:

@@ -81,9 +81,9 @@ def test_a_merged_write_that_raises_fails_every_room_in_it():
 
 
 def test_whole_pages_go_as_one_page_runs_write_where_the_transport_takes_them():
-    """With ``write_pages`` (CUDA IPC), queued jobs of whole pages reach it as one ``PageRuns`` (runs once,
-    not per buffer), a job alone takes it too, and a batch with a job of general segments falls back to
-    ``write`` with every job's segments."""
+    """With ``launch_pages`` (CUDA IPC), queued jobs of whole pages reach it as one ``PageRuns`` (runs once,
+    not per buffer), a job alone takes it too, and a job of general segments (a decode prefix) goes to
+    ``write`` after the copies launched before it landed."""
     src, dst = torch.zeros((2, 2, 16, 4, 2, 3)), torch.zeros((2, 2, 16, 4, 2, 3))
     sl, dl = layout_for_pool(src, make_aux_tensor(4)), layout_for_pool(dst, make_aux_tensor(4))
     gate = threading.Event()
@@ -93,9 +93,9 @@ def test_whole_pages_go_as_one_page_runs_write_where_the_transport_takes_them():
         calls.append(len(lens))
         return 0
 
-    def write_pages(session, runs) -> int:
+    def launch_pages(session, runs):
         page_calls.append((runs.src_offs.tolist(), runs.dst_offs.tolist(), runs.lens.tolist(), len(runs.aux)))
-        return 0
+        return lambda: 0
 
     def job(room: int, pages: tuple[list[int], list[int]] | None) -> TransferJob:
         def merge() -> MergeableWrite:
@@ -106,7 +106,7 @@ def test_whole_pages_go_as_one_page_runs_write_where_the_transport_takes_them():
 
         return TransferJob("p", room, lambda: results.append((room, "ran")), lambda exc: None, merge)
 
-    workers = PeerWorkers(1, idle_s=5.0, write=write, write_pages=write_pages)
+    workers = PeerWorkers(1, idle_s=5.0, write=write, launch_pages=launch_pages)
     try:
         workers.submit(TransferJob("p", 0, gate.wait, lambda exc: None))
         workers.submit(job(1, ([0, 1, 2], [5, 6, 7])))
@@ -128,3 +128,55 @@ def test_whole_pages_go_as_one_page_runs_write_where_the_transport_takes_them():
                           ([4 * page], [4 * page], [page], 1)]
     assert calls == [len(sl.buffers) * 1 + 1 + 1]  # room 4's run per buffer and aux, room 5's one segment
     assert results == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0)]
+
+
+def test_a_long_batch_is_pipelined_each_part_launched_before_the_last_is_waited_for():
+    """``PIPELINE_JOBS`` jobs per launched copy: part k+1 is prepared and launched before part k is waited for
+    and its jobs finished, every job finishes in queue order, and a copy that fails to land fails its part's
+    jobs only."""
+    from splitserve.transfer.peer_workers import PIPELINE_JOBS
+
+    src, dst = torch.zeros((1, 2, 200, 4, 2, 3)), torch.zeros((1, 2, 200, 4, 2, 3))
+    sl, dl = layout_for_pool(src, make_aux_tensor(4)), layout_for_pool(dst, make_aux_tensor(4))
+    gate = threading.Event()
+    events: list[str] = []
+    done: list[tuple[int, int | None]] = []
+    failed: list[int] = []
+    rooms = 2 * PIPELINE_JOBS + 5
+
+    def launch_pages(session, runs):
+        part = len([e for e in events if e.startswith("launch")])
+        events.append(f"launch {part} ({len(runs.lens)} rooms)")
+
+        def landed() -> int:
+            events.append(f"landed {part}")
+            if part == 1:
+                raise RuntimeError("peer unmapped")
+            return 0
+
+        return landed
+
+    def job(room: int) -> TransferJob:
+        def merge() -> MergeableWrite:
+            events.append(f"prepare {room}") if room % PIPELINE_JOBS == 0 else None
+            return MergeableWrite("s", EMPTY.srcs, EMPTY.dsts, EMPTY.lens, lambda code: done.append((room, code)),
+                                  PageCopy(sl, dl, np.array([room]), np.array([room]), EMPTY))
+
+        return TransferJob("p", room, lambda: None, lambda exc: failed.append(room), merge)
+
+    workers = PeerWorkers(1, idle_s=5.0, write=lambda *a: 0, launch_pages=launch_pages)
+    try:
+        workers.submit(TransferJob("p", -1, gate.wait, lambda exc: None))
+        for room in range(rooms):
+            workers.submit(job(room))
+        gate.set()
+        assert wait_until(lambda: len(done) == rooms, 10)
+    finally:
+        workers.close()
+    p = PIPELINE_JOBS
+    assert events == ["prepare 0", f"launch 0 ({p} rooms)", f"prepare {p}", f"launch 1 ({p} rooms)", "landed 0",
+                      f"prepare {2 * p}", "launch 2 (5 rooms)", "landed 1", "landed 2"]
+    assert [r for r, _ in done] == list(range(rooms))  # queue order
+    assert failed == list(range(p, 2 * p))  # the part whose copy failed, only
+    assert {code for r, code in done if p <= r < 2 * p} == {None}
+    assert {code for r, code in done if not p <= r < 2 * p} == {0}
