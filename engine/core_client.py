@@ -3,7 +3,9 @@
 `CoreClient` offers what `EngineClient` offers (generate, abort, health, metrics, state), so the
 HTTP server does not know where the engine runs. Requests submitted in one event-loop turn go
 out in one message; a step's outputs come back in one, which a reader thread hands to the loop
-in one callback. The tokenizer and the chat template run here, the engine's detokenizer there.
+in one callback. The tokenizer and the chat template run here, and the detokenizer of every request
+without stop strings (engine/server_detokenizer.py: the core sends their token ids); the core
+detokenizes the others, which must stop at a stop string.
 
 If the core process dies, every request in flight ends with an error that says so, /health turns
 503, and new requests fail the same way: the server never waits on a core that is gone.
@@ -54,6 +56,7 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.openai_protocol import ApiError
 from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.server_detokenizer import ServerDetokenizers, detokenized_by_server
 from splitserve.engine.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
@@ -88,6 +91,7 @@ class CoreClient:
         self.model_folder = Path(info["model_folder"])
         self.model_cfg = ModelConfig.from_checkpoint(self.model_folder)
         self.tokenizer = TextTokenizer(self.model_folder)
+        self._detokenizers = ServerDetokenizers(self.tokenizer)  # used by the reader thread
         self.model_name: str = info["model_name"]
         self.context_length: int = info["context_length"]
         self.max_prompt_tokens: int = info["max_prompt_tokens"]
@@ -187,6 +191,8 @@ class CoreClient:
                                    f"(--max-waiting-requests {self.max_waiting})")
         key = next(self._keys)
         self._streams[key] = outputs
+        if detokenized_by_server(params):
+            self._detokenizers.open(key)  # before the add goes out: its outputs find it
         self._sent_adds += 1
         self._send(["add", key, request_id, prompt_ids, params_to_wire(params), bootstrap_addr, bootstrap_room,
                     [image_to_wire(item) for item in images or []]])
@@ -260,6 +266,7 @@ class CoreClient:
         finally:
             self._streams.pop(key, None)
             if not finished:
+                self._detokenizers.close(key)
                 self.abort(request_id, "client disconnected")
 
     def _dispatch(self, message: list[Any]) -> None:
@@ -287,6 +294,7 @@ class CoreClient:
         """On the loop: every request and call still waiting on the core ends with its failure."""
         failure = self.failure or "the engine core process is gone"
         streams, self._streams = self._streams, {}
+        self._detokenizers.clear()
         for queue in streams.values():
             queue.put_nowait(_error("", failure))
         for done in self._calls.values():
@@ -315,6 +323,7 @@ class CoreClient:
             self._figures = InboxFigures(*message[2])
             if not message[1]:
                 return  # the figures alone
+            self._detokenizers.fill(message[1])  # here, not on the event loop
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop has closed (shutting down)

@@ -10,7 +10,8 @@ API -> core, one message per event-loop turn: a list of operations
                                         "encode_close", [call key, rooms]: a failed call's rooms closed,
                                         sent without waiting, its reply dropped)
 core -> API, one message per engine step (and per batch of operations the core answered):
-  ["out", [output, ...], inbox]  every output of the step; `inbox`: the core's admission figures
+  ["out", [output, ...], inbox]  every output of the step (its text "" for a request the API server
+                                 detokenizes: server_detokenizer.py); `inbox`: the core's admission figures
   ["reply", call_id, ok, value]  an rpc's answer (`value` is the error text when not ok)
   ["ready", info] / ["failed", reason]  once, when the core has started or could not
 """

@@ -23,6 +23,8 @@ CONTEXT_TOKENS = 6
 class IncrementalDetokenizer:
     """Turns one request's output tokens into text deltas and finds its stop strings."""
 
+    makes_text = True
+
     def __init__(self, tokenizer: TextTokenizer, stop: list[str], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
@@ -94,6 +96,20 @@ class IncrementalDetokenizer:
         delta = self.text[self.emitted:end]
         self.emitted = end
         return delta
+
+
+class TextElsewhere:
+    """The detokenizer of a request whose text another process makes from its token ids (the API
+    server of `serve --engine-process`, for a request without stop strings): none made here."""
+
+    makes_text = False
+    stopped_on: str | None = None
+
+    def add(self, token_ids: list[int]) -> None:
+        """Nothing to do: the text is made where the tokens go."""
+
+    def take_delta(self, final: bool) -> str:
+        return ""
 
 
 def add_one_token_each(detokenizers: list[IncrementalDetokenizer], token_ids: list[int]) -> None:

@@ -374,7 +374,8 @@ class Engine:
         req.argmax_only = req.params.wants_argmax_only  # its params are final now; read every step
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         with self.request_fault(req, "admitting the request"):
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+            if req.detokenizer is None:  # (the engine core gives one whose text its API server makes)
+                req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.stop)
             if not self.role.on_arrival(req) and not req.finished:
                 self.scheduler.add(req)
 
@@ -473,7 +474,7 @@ class Engine:
             req.output_ids.append(token)
             if token in (req.stop_ids if req.stop_ids is not None else self._stop_ids(req)):
                 stopped.add(req)
-            elif req.detokenizer.stopped_on is None:
+            elif req.detokenizer.makes_text and req.detokenizer.stopped_on is None:
                 texts.append((req.detokenizer, token))
             taken.append(row)
         self.metrics.generation_tokens.inc(len(taken))

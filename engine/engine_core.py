@@ -1,5 +1,6 @@
-"""The engine core process (`serve --engine-process`): the engine loop, its role and its
-detokenizer, with no HTTP server competing for this process's GIL.
+"""The engine core process (`serve --engine-process`): the engine loop, its role and the
+detokenizer of requests with stop strings (the API server makes the others' text from their token
+ids: engine/server_detokenizer.py), with no HTTP server competing for this process's GIL.
 
 The API server process spawns it with its own `serve` flags and the folder of two IPC sockets
 (core_protocol.py): requests (with their image items: pixels or rows as bytes) and aborts come in
@@ -35,12 +36,14 @@ from splitserve.engine.core_protocol import (
     params_from_wire,
     unpack,
 )
+from splitserve.engine.detokenizer import TextElsewhere
 from splitserve.engine.engine import Engine
 from splitserve.engine.engine_client import engine_health, engine_state_report
 from splitserve.engine.entrypoint import engine_role, parse_configs
 from splitserve.engine.grammar.compiler import InvalidGrammar
 from splitserve.engine.grammar.spec import GrammarSpec
 from splitserve.engine.request import Request, TokenOutput
+from splitserve.engine.server_detokenizer import detokenized_by_server
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +118,8 @@ class CoreBridge:
         req = Request(request_id=request_id, prompt_ids=prompt_ids, params=params_from_wire(params),
                       on_output=deliver, bootstrap_addr=bootstrap_addr, bootstrap_room=bootstrap_room,
                       images=[image_from_wire(row) for row in images])
+        if detokenized_by_server(req.params):
+            req.detokenizer = TextElsewhere()  # its outputs carry no text: the API server makes it
         # The server checked the bounds on figures that only overstate the inbox (it counts what it
         # sent, the core what it took): refusing here too would answer a 503 without Retry-After.
         self.engine.submit(req, admitted=True)

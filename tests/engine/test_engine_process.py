@@ -82,12 +82,15 @@ def test_greedy_output_equals_the_in_process_engine_token_for_token(checkpoint: 
                                                                     tmp_path: Path) -> None:
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [40, 41]]
     with served(["--model", str(checkpoint), *ENGINE_ARGS], tmp_path / "one.log") as one:
-        expected = [post(one, body(p, 12)).json()["choices"][0]["token_ids"] for p in prompts]
+        expected = [post(one, body(p, 12)).json()["choices"][0] for p in prompts]
         expected_text = post(one, body([5, 6], 12, stop=["\n"], ignore_eos=False)).json()["choices"][0]
-    got = [post(split, body(p, 12)).json()["choices"][0]["token_ids"] for p in prompts]
-    assert got == expected
-    streamed, _ = stream_tokens(split, body(prompts[1], 12))
-    assert streamed == expected[1]
+    got = [post(split, body(p, 12)).json()["choices"][0] for p in prompts]
+    assert [c["token_ids"] for c in got] == [c["token_ids"] for c in expected]
+    # No stop strings: the API server made the text from the token ids, the same text.
+    assert [c["text"] for c in got] == [c["text"] for c in expected]
+    streamed, events = stream_tokens(split, body(prompts[1], 12))
+    assert streamed == expected[1]["token_ids"]
+    assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == expected[1]["text"]
     text = post(split, body([5, 6], 12, stop=["\n"], ignore_eos=False)).json()["choices"][0]
     assert (text["text"], text["finish_reason"]) == (expected_text["text"], expected_text["finish_reason"])
     assert_kv_back_to_start(split)

@@ -1,0 +1,75 @@
+"""The API server's detokenizers (`serve --engine-process`): the text they put in the core's output
+rows is the text the engine makes itself from the same tokens."""
+
+from __future__ import annotations
+
+from splitserve.engine.core_protocol import output_to_wire
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.request import FinishReason, TokenOutput
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.server_detokenizer import ServerDetokenizers, detokenized_by_server
+from splitserve.engine.tiny_model import tiny_model_folder
+from splitserve.engine.tokenizer import TextTokenizer
+
+
+def engine_outputs(tokenizer: TextTokenizer, tokens: list[int], eos: int, last: FinishReason | None
+                   ) -> list[TokenOutput]:
+    """What the engine emits for a request given `tokens` one per step: its own detokenizer's deltas;
+    EOS ends it (no text), `last` ends it on its last token (None: the stream is aborted after it)."""
+    detok, outs = IncrementalDetokenizer(tokenizer, []), []
+    for i, token in enumerate(tokens):
+        finish = FinishReason.STOP if token == eos else (last if i == len(tokens) - 1 else None)
+        if token != eos:
+            detok.add([token])
+        outs.append(TokenOutput("r", [token], detok.take_delta(final=finish is not None), finish_reason=finish))
+        if finish is not None:
+            return outs
+    outs.append(TokenOutput("r", [], detok.take_delta(final=True), finish_reason=FinishReason.ABORT))
+    return outs
+
+
+def test_the_server_makes_the_engines_text_from_the_token_ids() -> None:
+    tokenizer = TextTokenizer(tiny_model_folder())
+    eos = tokenizer.token_id(tokenizer.eos_token)
+    snow = tokenizer.encode("☃ naïve", add_special_tokens=False)
+    requests = {  # key: (tokens, how it ends)
+        0: (tokenizer.encode("plain text", add_special_tokens=False), FinishReason.LENGTH),
+        1: ([*snow, 100000, eos], None),  # an id past the vocabulary, then EOS ends it
+        2: ([snow[0], snow[1]], None),  # aborted inside a character: the replacement at the end
+        3: (snow, FinishReason.LENGTH),
+    }
+    engine = {key: engine_outputs(tokenizer, tokens, eos, last) for key, (tokens, last) in requests.items()}
+    server = ServerDetokenizers(tokenizer)
+    for key in engine:
+        server.open(key)
+    rows_of = {key: [] for key in engine}
+    messages = []  # one per step; request 3 sends two rows in some steps (verified drafts)
+    cursor = dict.fromkeys(engine, 0)
+    while any(cursor[k] < len(engine[k]) for k in engine):
+        message = []
+        for key, outs in engine.items():
+            for _ in range(2 if key == 3 else 1):
+                if cursor[key] < len(outs):
+                    row = output_to_wire(outs[cursor[key]])
+                    row[0], row[2] = key, ""  # the core sends no text for these requests
+                    message.append(row)
+                    rows_of[key].append(row)
+                    cursor[key] += 1
+        messages.append(message)
+    for message in messages:
+        server.fill(message)
+    for key, outs in engine.items():
+        assert [row[2] for row in rows_of[key]] == [out.text for out in outs], key
+    assert "".join(out.text for out in engine[3]) == "☃ naïve"
+    assert len(server) == 0  # every request ended: none kept
+
+
+def test_requests_with_stop_strings_keep_their_text_in_the_core() -> None:
+    assert detokenized_by_server(SamplingParams())
+    assert detokenized_by_server(SamplingParams(stop=[""]))  # an empty stop string stops nothing
+    assert not detokenized_by_server(SamplingParams(stop=["\n"]))
+    server = ServerDetokenizers(TextTokenizer(tiny_model_folder()))
+    row = output_to_wire(TokenOutput("r", [72], "H"))
+    row[0] = 7  # a key never opened here: the core's text stays
+    server.fill([row])
+    assert row[2] == "H"
