@@ -395,9 +395,8 @@ class Engine:
         self.steps += 1
         for c in chunks:
             req = c.request
-            prompt_tokens = min(c.start + c.length, len(req.prompt_ids)) - c.start
-            if prompt_tokens > 0:
-                self.metrics.prompt_tokens_computed.inc(prompt_tokens)
+            if c.start < len(req.prompt_ids):  # a prompt chunk
+                self.metrics.prompt_tokens_computed.inc(min(c.start + c.length, len(req.prompt_ids)) - c.start)
                 req.publishing = True
             req.kv_len += c.length
         # A request's slot is its identity in the step: one preempted meanwhile gets its token discarded.

@@ -124,7 +124,9 @@ class Scheduler:
 
     def _prefilling(self) -> list[Request]:
         """The running requests part-way through their prompt (or recomputing it), in batch order."""
-        return [r for r in self.running if r.status is RequestStatus.RUNNING and r.in_prefill]
+        running = RequestStatus.RUNNING
+        return [r for r in self.running if r.status is running  # `in_prefill`, without two property calls a row
+                and (r.kv_len < len(r.prompt_ids) or len(r.prompt_ids) + len(r.output_ids) - r.kv_len > 1)]
 
     def _prompt_tokens_to_run(self, prefilling: list[Request], enough: int) -> int:
         """Prompt tokens the running prompts still have and the waiting requests that may start
