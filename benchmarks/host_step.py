@@ -146,12 +146,19 @@ def shape_folder(shape: str, vocab: int | None) -> Path:
 
 
 def core_sink(engine: Engine):
-    """Sends every output the way the engine core does (OutputSink over ZeroMQ, flushed after each
-    step) to a PULL socket that a thread here drains and unpacks; returns (observe, close)."""
+    """Sends every output as the engine core process does (OutputSink over ZeroMQ, flushed after each
+    step; requests without stop strings get no text there) to a PULL socket that a thread here reads
+    as the API server's reader thread does (unpacks, makes those requests' text); returns (observe,
+    close, reader CPU seconds)."""
     import zmq
 
     from splitserve.engine.core_protocol import InboxFigures, unpack
     from splitserve.engine.engine_core import OutputSink
+    try:
+        from splitserve.engine.detokenizer import TextElsewhere
+        from splitserve.engine.server_detokenizer import ServerDetokenizers, detokenized_by_server
+    except ImportError:  # code from before the API server made text: the core detokenizes every request
+        TextElsewhere = ServerDetokenizers = None
 
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
@@ -161,28 +168,46 @@ def core_sink(engine: Engine):
     sink = OutputSink(push)
     figures = InboxFigures(0, 0, 0)
     engine.after_step = lambda: sink.flush(figures)
-    stop = threading.Event()
+    detokenizers = ServerDetokenizers(engine.tokenizer) if ServerDetokenizers is not None else None
+    keys: dict[str, int] = {}
+    admit = engine._admit
 
-    def drain() -> None:
+    def admit_as_the_core(req) -> None:
+        keys.setdefault(req.request_id, len(keys))
+        if detokenizers is not None and detokenized_by_server(req.params):
+            req.detokenizer = TextElsewhere()
+            detokenizers.open(keys[req.request_id])
+        admit(req)
+
+    engine._admit = admit_as_the_core
+    stop = threading.Event()
+    reader_cpu = [0.0]
+
+    def read() -> None:
         while not stop.is_set():
             if pull.poll(50):
-                unpack(pull.recv())
+                t = time.thread_time()
+                message = unpack(pull.recv())
+                if detokenizers is not None:
+                    detokenizers.fill(message[1])
+                reader_cpu[0] += time.thread_time() - t
 
-    reader = threading.Thread(target=drain, daemon=True)
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
 
     def close() -> None:
         stop.set()
         reader.join()
         context.destroy(linger=0)
+        del engine._admit
 
-    return (lambda out: sink.put(0, out)), close
+    return (lambda out: sink.put(keys.get(out.request_id, -1), out)), close, reader_cpu
 
 
 def burst(engine: Engine, timer: PhaseTimer, args: argparse.Namespace, sink: str, prompts: list[list[int]]) -> dict:
     """One burst of `prompts` with outputs going to `sink`: throughput, process CPU per output
     token, and the decode steps' phases."""
-    observe, close = core_sink(engine) if sink == "core" else (None, None)
+    observe, close, reader_cpu = core_sink(engine) if sink == "core" else (None, None, [0.0])
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     profiler = cProfile.Profile() if args.profile else None
     if profiler is not None:
@@ -206,7 +231,8 @@ def burst(engine: Engine, timer: PhaseTimer, args: argparse.Namespace, sink: str
     cpu_s = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     tokens = len(prompts) * args.output_len
     return {"sink": sink, "wall_s": wall, "output_tok_s": tokens / wall,
-            "process_cpu_us_per_token": cpu_s * 1e6 / tokens, "decode_steps": timer.take(len(prompts))}
+            "process_cpu_us_per_token": cpu_s * 1e6 / tokens, "reader_cpu_us_per_token": reader_cpu[0] * 1e6 / tokens,
+            "decode_steps": timer.take(len(prompts))}
 
 
 def run(args: argparse.Namespace) -> dict:
