@@ -9,8 +9,10 @@ Llama-3-8B-like pool (32 layers, 8 KV heads of 128, bf16, 16-token pages: 128 Ki
 
 One room at a time, for each prompt length, decode pages contiguous and scattered:
 - ``copy``: one contiguous ``torch`` copy of the same bytes on the same device (events);
-- ``kernel``: the IPC write's copy kernel alone (events); ``write``: ``CudaIpcEngine.write`` (plan,
-  table upload, launch, wait);
+- ``kernel``: the IPC write's copy kernel alone (events); ``write``: the write alone (plan, table upload,
+  launch, wait), three ways: ``CudaIpcEngine.write`` of the segment table (``segments_*``), and
+  ``write_pages`` of page runs with the polled and the blocking wait (``runs_poll_*``, ``runs_block_*``;
+  ``write_ms`` / ``kernel_ms`` are the path rooms take);
 - ``room``: sender ``send`` to the decode's receiver seeing ``Success`` (the bytes are in its pool),
   taken apart: the ``send`` call, the hand-off to the worker thread, planning, the write, the
   sender's bookkeeping, and the status message to the decode process. Both processes read
