@@ -209,9 +209,14 @@ def binned_counts(a: Counter, b: Counter, min_count: int) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_seeded_sampling_keeps_the_target_distribution(stopper) -> None:
-    """Two-sample chi-squared tests on the tokens at output positions 1..3 (position 0 comes from
-    the prefill): plain sampling against sampling through verification of greedy drafts."""
-    params = [SamplingParams(max_new_tokens=4, temperature=0.8, seed=seed, ignore_eos=True) for seed in range(400)]
+    """Two-sample chi-squared tests on the tokens at output positions 1..7 (position 0 comes from
+    the prefill): plain sampling against sampling through verification of greedy drafts. A request's
+    first decode steps often run before its drafter has taken it in (they wait for no drafts then:
+    DraftPolicy.primed), so how many of positions 1..3 were verified is a race (62-269 drafts under
+    load); positions 4..7 come after the drafter has drafted for the request, so most are verified."""
+    positions = range(1, 8)
+    params = [SamplingParams(max_new_tokens=len(positions) + 1, temperature=0.8, seed=seed, ignore_eos=True)
+              for seed in range(400)]
     prompt = [5, 6, 7]
 
     def sample(engine: Engine) -> list[list[int]]:
@@ -241,19 +246,22 @@ def test_seeded_sampling_keeps_the_target_distribution(stopper) -> None:
     wait_joined(verifier, 1)
     speculative = sample(verifier)
     drafted, accepted = spec_counts(verifier)
-    assert drafted > 100 and 0 < accepted < drafted  # both acceptance and rejection took place
-    for position in (1, 2, 3):
+    # Most of positions 4..7 went through verification (2,641-2,656 drafts in 8 runs, 3 of them beside
+    # three busy processes), with both acceptance and rejection.
+    assert drafted > 1000 and 0 < accepted < drafted, (drafted, accepted)
+    for position in positions:
         a, b = Counter(o[position] for o in reference), Counter(o[position] for o in speculative)
         _, p_value, _, _ = chi2_contingency(binned_counts(a, b, min_count=10))
         assert p_value > 0.001, f"position {position}: {a.most_common(5)} vs {b.most_common(5)}"
     # The sharper test: how often the sampled token is the target's argmax given its prefix (what
     # a greedy drafter proposes, so what a biased accept/resample rule would over- or under-produce).
     greedy_one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-    prefixes = [prompt + o[:j] for o in reference + speculative for j in (1, 2, 3)]
+    prefixes = [prompt + o[:j] for o in reference + speculative for j in positions]
     # In windows: 2,400 prompts at once would be over the engine's bounded inbox (--max-inbox).
     argmax = [t for i in range(0, len(prefixes), 400)
               for t in generate_tokens(plain_engine, prefixes[i:i + 400], greedy_one)]
-    hits = [argmax[i][0] == (reference + speculative)[i // 3][1 + i % 3] for i in range(len(prefixes))]
+    n = len(positions)
+    hits = [argmax[i][0] == (reference + speculative)[i // n][1 + i % n] for i in range(len(prefixes))]
     half = len(hits) // 2
     table = [[sum(hits[:half]), half - sum(hits[:half])], [sum(hits[half:]), half - sum(hits[half:])]]
     _, p_value, _, _ = chi2_contingency(table)
