@@ -93,8 +93,8 @@ class SpecBenchConfig:
         "help": "the verifier's --batch-invariant-attention (one decode split count at every batch)"})
     cublas_plain: bool = field(default=True, metadata={
         "help": "also measure plain decoding with 16-bit rows past 16 on cuBLAS (as without a verifier)"})
-    drafter_overlap: bool = field(default=False, metadata={
-        "help": "the drafters' --drafter-overlap (off, as by default: each draft step read back before the next)"})
+    drafter_overlap: bool = field(default=True, metadata={
+        "help": "the drafters' overlap scheduler (--no-drafter-overlap: each draft step read back before the next)"})
     max_total_tokens: int = field(default=65536, metadata={"help": "KV cache tokens of each engine"})
     seed: int = field(default=0, metadata={"help": "weights seed"})
     workdir: str | None = field(default=None, metadata={"help": "where checkpoints go (default: a temp dir)"})
@@ -296,8 +296,8 @@ def start_drafter(folder: Path, device: str, mesh_port: int, http_port: int, cfg
             "--max-running-requests", str(max(cfg.batch_sizes))]
     if cfg.row_invariant_rows is not None:
         args += ["--row-invariant-rows", str(cfg.row_invariant_rows)]
-    if cfg.drafter_overlap:
-        args.append("--drafter-overlap")
+    if not cfg.drafter_overlap:
+        args.append("--no-drafter-overlap")
     env = {**os.environ, "SPLITSERVE_TRANSFER_CONTROL_KEY": KEY, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 

@@ -11,10 +11,10 @@ freed) and drafting continues from there.
 A gap, an overlap or a malformed item quarantines that one request: it is closed and reported.
 
 The drafter runs with the prefix cache off (a commit may cut any drafted token: no drafted KV may
-be shared), and with `--drafter-overlap` on the overlap scheduler (off by default until it is measured
-faster on a GPU: see SpecConfig.drafter_overlap): its next step is queued on the device before the last
-one's token is read back, so on a GPU it shares with a verifier it holds work whenever it gets the
-device (sharing it by time slices, a drafter that queued one step at a time got one step per slice
+be shared), and on the overlap scheduler (`--no-drafter-overlap` turns it off: see
+SpecConfig.drafter_overlap): its next step is queued on the device before the last one's token is
+read back, so on a GPU it shares with a verifier it holds work whenever it gets the device (sharing
+it by time slices, a drafter that queued one step at a time got one step per slice
 of the verifier's: 2.8 ms a draft against 0.9 ms alone). Its requests' output limit is the drafting
 limit (`max_new_tokens` = committed + ahead), so no step is queued past it. A commit that cuts a
 request while its next token is on the device makes that token stale: it is dropped when it arrives
@@ -56,7 +56,7 @@ IDLE_POLL_S = 0.05  # how long the idle loop sleeps while verifiers hold leases 
 SEND_NOW_S = 1e-6  # ... and while drafted tokens wait in an outbox: go round to the next poll at once
 
 
-def drafter_engine_config(cfg: EngineConfig, overlap: bool = False) -> EngineConfig:
+def drafter_engine_config(cfg: EngineConfig, overlap: bool = True) -> EngineConfig:
     """The engine settings a drafter needs (see the module docstring); `overlap` is
     SpecConfig.drafter_overlap (the engine's own --disable-overlap still turns it off)."""
     return dataclasses.replace(cfg, disable_prefix_cache=True, disable_overlap=cfg.disable_overlap or not overlap)
