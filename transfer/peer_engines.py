@@ -49,12 +49,9 @@ class PeerEngines:
         """Mooncake's synchronous batch write to ``session`` through its own engine (0 = ok)."""
         return self._engine_for(session).write(session, srcs, dsts, lens)
 
-    def write_pages(self, session: str, runs: PageRuns) -> int:
-        """Whole pages as runs (``PageRuns``), for a transport that takes them (CUDA IPC: ``write_pages``)."""
-        return self._engine_for(session).write_pages(session, runs)  # type: ignore[attr-defined]
-
     def launch_pages(self, session: str, runs: PageRuns) -> Callable[[], int]:
-        """``write_pages`` returning once the copy is queued, with the call that waits for it (CUDA IPC)."""
+        """Whole pages as runs (``PageRuns``), for a transport that takes them (CUDA IPC's ``launch_pages``):
+        returns once the copy is queued, with the call that waits for it."""
         return self._engine_for(session).launch_pages(session, runs)  # type: ignore[attr-defined]
 
     def _engine_for(self, session: str) -> MooncakeEngine:
