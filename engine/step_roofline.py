@@ -14,11 +14,16 @@ from __future__ import annotations
 from typing import Any
 
 
+def attention_dims(cfg: dict[str, Any]) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) of a model config."""
+    heads = cfg["num_attention_heads"]
+    return heads, cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+
 def projection_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
     """(input features, output features, times per step) of each projection of a decode step."""
     hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or hidden // heads
+    heads, kv_heads, head_dim = attention_dims(cfg)
     return {"qkv": (hidden, (heads + 2 * kv_heads) * head_dim, layers), "o": (heads * head_dim, hidden, layers),
             "gate_up": (hidden, 2 * inter, layers), "down": (inter, hidden, layers),
             "lm_head": (hidden, cfg["vocab_size"], 1)}
@@ -30,9 +35,7 @@ def decode_step_rooflines(cfg: dict[str, Any], batch: int, context: float, weigh
     KV at the bandwidth, the issue's figure) and `compute_s` (per operation max(bytes / bandwidth,
     FLOPs / peak), so never below `hbm_s`), with the per-operation terms and which bound each hit.
     `dtype_bytes`: the weights' and the KV cache's element size."""
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    heads, kv_heads, head_dim = attention_dims(cfg)
     layers = cfg["num_hidden_layers"]
     ops: dict[str, tuple[float, float]] = {}  # name -> (bytes, flops) per step
     for name, (k, n, times) in projection_shapes(cfg).items():
