@@ -157,7 +157,8 @@ def summarize(records: list[tuple[float, str, float]], t0: float, t1: float) -> 
 
 
 def drafter_alone(folder: Path, device: str, prompt_len: int, output_len: int, trace: StepTrace) -> dict[str, Any]:
-    """The drafter model at batch 1 on its own: with the drafter's settings, then with overlap on."""
+    """The drafter model at batch 1 on its own: without the overlap scheduler, then with the drafter's
+    settings (overlap on, its default)."""
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.offline import generate_tokens
     from splitserve.engine.roles.drafter import drafter_engine_config
