@@ -3,6 +3,7 @@ verifier engines in this process, each with its own sockets, as separate pods wo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -94,6 +95,29 @@ def assert_idle_and_pages_back(*engines: Engine, timeout: float = 10.0) -> None:
 def spec_counts(verifier: Engine) -> tuple[float, float]:
     m = verifier.metrics
     return m.spec_draft_tokens._value.get(), m.spec_accepted_tokens._value.get()
+
+
+@contextlib.contextmanager
+def joined_by_hand(drafter: Engine, verifier_rank: int, draft_tokens: int
+                   ) -> Iterator[tuple[MeshCaller, pb.JoinReply, zmq.Socket, zmq.Socket]]:
+    """A lease on `drafter` joined by the test itself, as a verifier would: (its mesh caller, the lease,
+    the PUSH socket of the lease's control channel, the PULL socket its drafted tokens come to)."""
+    ctx = zmq.Context()
+    tails = ctx.socket(zmq.PULL)
+    tail_port = tails.bind_to_random_port("tcp://127.0.0.1")
+    caller = MeshCaller(mesh_endpoint(drafter), KEY, timeout_s=5)
+    try:
+        lease = caller.call("Join", pb.JoinRequest(
+            verifier_rank=verifier_rank, verifier_instance="test",
+            tokenizer_fingerprint=tokenizer_fingerprint(drafter.tokenizer), vocab_size=drafter.model_cfg.vocab_size,
+            draft_tokens=draft_tokens, tail_endpoint=f"tcp://127.0.0.1:{tail_port}"))
+        assert lease.accepted
+        control = ctx.socket(zmq.PUSH)
+        control.connect(lease.control_endpoint)
+        yield caller, lease, control, tails
+    finally:
+        caller.close()
+        ctx.destroy(linger=0)
 
 
 @pytest.fixture(scope="module")
@@ -310,17 +334,7 @@ def test_a_drafter_sends_its_last_draft_before_resting_at_once_under_the_overlap
     monkeypatch.setattr(drafter_module, "IDLE_POLL_S", 5.0)
     drafter = start_drafter(overlap=True)
     stopper.append(drafter)
-    ctx = zmq.Context()
-    tails = ctx.socket(zmq.PULL)
-    tail_port = tails.bind_to_random_port("tcp://127.0.0.1")
-    caller = MeshCaller(mesh_endpoint(drafter), KEY, timeout_s=5)
-    try:
-        lease = caller.call("Join", pb.JoinRequest(
-            verifier_rank=3, verifier_instance="test", tokenizer_fingerprint=tokenizer_fingerprint(drafter.tokenizer),
-            vocab_size=drafter.model_cfg.vocab_size, draft_tokens=1, tail_endpoint=f"tcp://127.0.0.1:{tail_port}"))
-        assert lease.accepted
-        control = ctx.socket(zmq.PUSH)
-        control.connect(lease.control_endpoint)
+    with joined_by_hand(drafter, verifier_rank=3, draft_tokens=1) as (_, lease, control, tails):
         time.sleep(0.2)  # the engine loop is idle, asleep
         started = time.monotonic()
         control.send_multipart(encode_frames(pb.DraftControlBatch(lease_id=lease.lease_id, items=[pb.DraftControl(
@@ -330,26 +344,13 @@ def test_a_drafter_sends_its_last_draft_before_resting_at_once_under_the_overlap
             if tails.poll(50):
                 got.extend(decode_tails(tails.recv_multipart(), KEY).tokens)
         assert [t.position for t in got] == [5, 6, 7], f"{len(got)} drafts in {time.monotonic() - started:.2f} s"
-    finally:
-        caller.close()
-        ctx.destroy(linger=0)
 
 
 def test_corrupt_messages_quarantine_one_request_each(stopper) -> None:
     drafter = start_drafter()
     stopper.append(drafter)
     start = drafter.kv.usage()
-    ctx = zmq.Context()
-    tails = ctx.socket(zmq.PULL)
-    tail_port = tails.bind_to_random_port("tcp://127.0.0.1")
-    caller = MeshCaller(mesh_endpoint(drafter), KEY, timeout_s=5)
-    try:
-        lease = caller.call("Join", pb.JoinRequest(
-            verifier_rank=4, verifier_instance="test", tokenizer_fingerprint=tokenizer_fingerprint(drafter.tokenizer),
-            vocab_size=drafter.model_cfg.vocab_size, draft_tokens=4, tail_endpoint=f"tcp://127.0.0.1:{tail_port}"))
-        assert lease.accepted
-        control = ctx.socket(zmq.PUSH)
-        control.connect(lease.control_endpoint)
+    with joined_by_hand(drafter, verifier_rank=4, draft_tokens=4) as (caller, lease, control, tails):
 
         def send(*items: pb.DraftControl, key: str = KEY) -> None:
             control.send_multipart(encode_frames(pb.DraftControlBatch(lease_id=lease.lease_id, items=items), key))
@@ -386,11 +387,6 @@ def test_corrupt_messages_quarantine_one_request_each(stopper) -> None:
         assert_idle_and_pages_back(drafter)
         assert drafter.kv.usage() == start
         caller.call("Leave", pb.LeaveRequest(lease_id=lease.lease_id))
-        control.close(linger=0)
-    finally:
-        caller.close()
-        tails.close(linger=0)
-        ctx.term()
 
 
 def test_structured_output_through_verification_equals_plain(stopper) -> None:
