@@ -36,6 +36,7 @@ from starlette.routing import Route
 from splitserve.engine.core_protocol import (
     FROM_CORE,
     IPC_DIR_ENV,
+    ROW_KEY,
     TO_CORE,
     InboxFigures,
     encode_call_to_wire,
@@ -273,12 +274,12 @@ class CoreClient:
         kind = message[0]
         if kind == "out":
             for row in message[1]:
-                queue = self._streams.get(row[0])
+                queue = self._streams.get(row[ROW_KEY])
                 if queue is not None:
                     out = output_from_wire(row)
                     queue.put_nowait(out)
                     if out.finish_reason is not None:
-                        del self._streams[row[0]]
+                        del self._streams[row[ROW_KEY]]
         elif kind == "reply":
             _, call_id, ok, value = message
             done = self._calls.get(call_id)

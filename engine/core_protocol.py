@@ -71,6 +71,11 @@ def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**fields, grammar=GrammarSpec(**grammar) if grammar is not None else None)
 
 
+# An output row's fields that are read or set in place (engine_core.py sets the key, the API server's
+# detokenizers read the tokens and the finish reason and set the text: server_detokenizer.py).
+ROW_KEY, ROW_TOKENS, ROW_TEXT, ROW_FINISH = 0, 1, 2, 5
+
+
 def output_to_wire(out: TokenOutput) -> list[Any]:
     return [out.request_id, out.token_ids, out.text, out.logprobs, out.top_logprobs,
             out.finish_reason.value if out.finish_reason is not None else None, out.error,

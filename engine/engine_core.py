@@ -27,6 +27,7 @@ from prometheus_client import generate_latest
 from splitserve.engine.core_protocol import (
     FROM_CORE,
     IPC_DIR_ENV,
+    ROW_KEY,
     TO_CORE,
     InboxFigures,
     image_from_wire,
@@ -62,7 +63,7 @@ class OutputSink:
 
     def put(self, key: int, out: TokenOutput) -> None:
         row = output_to_wire(out)
-        row[0] = key  # the API server's handle of the request (request ids may repeat)
+        row[ROW_KEY] = key  # the API server's handle of the request (request ids may repeat)
         with self._lock:
             self._rows.append(row)
 

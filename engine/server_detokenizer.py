@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from splitserve.engine.core_protocol import ROW_FINISH, ROW_KEY, ROW_TEXT, ROW_TOKENS
 from splitserve.engine.detokenizer import IncrementalDetokenizer, add_one_token_each
 from splitserve.engine.request import FinishReason
 from splitserve.engine.sampling_params import SamplingParams
@@ -53,17 +54,19 @@ class ServerDetokenizers:
         batch: list[tuple[list[Any], IncrementalDetokenizer, list[int]]] = []
         keys: set[int] = set()
         for row in rows:
-            key = row[0]
+            key = row[ROW_KEY]
             detokenizer = self._by_key.get(key)
             if detokenizer is None:
                 continue
             if key in keys:  # a request's second row in this message: its first must be taken first
                 _take_deltas(batch)
                 batch, keys = [], set()
-            tokens = row[1][:-1] if row[5] == STOP and row[1] else row[1]
+            tokens = row[ROW_TOKENS]
+            if row[ROW_FINISH] == STOP and tokens:
+                tokens = tokens[:-1]  # the stop token is not text
             batch.append((row, detokenizer, tokens))
             keys.add(key)
-            if row[5] is not None:
+            if row[ROW_FINISH] is not None:
                 del self._by_key[key]
         _take_deltas(batch)
 
@@ -74,4 +77,4 @@ def _take_deltas(batch: list[tuple[list[Any], IncrementalDetokenizer, list[int]]
     for row, detokenizer, tokens in batch:
         if len(tokens) > 1:
             detokenizer.add(tokens)
-        row[2] = detokenizer.take_delta(final=row[5] is not None)
+        row[ROW_TEXT] = detokenizer.take_delta(final=row[ROW_FINISH] is not None)

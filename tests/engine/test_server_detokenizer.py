@@ -3,7 +3,7 @@ rows is the text the engine makes itself from the same tokens."""
 
 from __future__ import annotations
 
-from splitserve.engine.core_protocol import output_to_wire
+from splitserve.engine.core_protocol import ROW_KEY, ROW_TEXT, output_to_wire
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
@@ -51,7 +51,7 @@ def test_the_server_makes_the_engines_text_from_the_token_ids() -> None:
             for _ in range(2 if key == 3 else 1):
                 if cursor[key] < len(outs):
                     row = output_to_wire(outs[cursor[key]])
-                    row[0], row[2] = key, ""  # the core sends no text for these requests
+                    row[ROW_KEY], row[ROW_TEXT] = key, ""  # the core sends no text for these requests
                     message.append(row)
                     rows_of[key].append(row)
                     cursor[key] += 1
@@ -59,7 +59,7 @@ def test_the_server_makes_the_engines_text_from_the_token_ids() -> None:
     for message in messages:
         server.fill(message)
     for key, outs in engine.items():
-        assert [row[2] for row in rows_of[key]] == [out.text for out in outs], key
+        assert [row[ROW_TEXT] for row in rows_of[key]] == [out.text for out in outs], key
     assert "".join(out.text for out in engine[3]) == "☃ naïve"
     assert len(server) == 0  # every request ended: none kept
 
@@ -70,6 +70,6 @@ def test_requests_with_stop_strings_keep_their_text_in_the_core() -> None:
     assert not detokenized_by_server(SamplingParams(stop=["\n"]))
     server = ServerDetokenizers(TextTokenizer(tiny_model_folder()))
     row = output_to_wire(TokenOutput("r", [72], "H"))
-    row[0] = 7  # a key never opened here: the core's text stays
+    row[ROW_KEY] = 7  # a key never opened here: the core's text stays
     server.fill([row])
-    assert row[2] == "H"
+    assert row[ROW_TEXT] == "H"
