@@ -67,7 +67,7 @@ class ServerDetokenizers:
             batch.append((row, detokenizer, tokens))
             keys.add(key)
             if row[ROW_FINISH] is not None:
-                del self._by_key[key]
+                self._by_key.pop(key, None)  # (the event loop's `close` may have taken it since the lookup)
         _take_deltas(batch)
 
 

@@ -73,3 +73,24 @@ def test_requests_with_stop_strings_keep_their_text_in_the_core() -> None:
     row[ROW_KEY] = 7  # a key never opened here: the core's text stays
     server.fill([row])
     assert row[ROW_TEXT] == "H"
+
+
+def test_a_stream_closed_while_its_last_row_is_filled_does_not_stop_the_reader() -> None:
+    """`close` runs on the event loop (the client left), `fill` on the reader thread: a close that lands
+    between the reader's lookup of a request and the end of its last row must not raise there (the
+    exception would end the reader thread, and no output of any request would arrive after it)."""
+
+    class ClosedAfterLookup(dict):
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            self.pop(key, None)  # the event loop's close(key), just after the reader's lookup
+            return found
+
+    tokenizer = TextTokenizer(tiny_model_folder())
+    server = ServerDetokenizers(tokenizer)
+    server.open(5)
+    server._by_key = ClosedAfterLookup(server._by_key)
+    row = output_to_wire(TokenOutput("r", [72], "", finish_reason=FinishReason.LENGTH))
+    row[ROW_KEY] = 5
+    server.fill([row])
+    assert row[ROW_TEXT] == tokenizer.decode([72]) and len(server) == 0
