@@ -21,6 +21,8 @@ import os
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 from splitserve.engine.bench_stream import RequestTiming, completion_body, http_post, stream_completion
 
@@ -33,6 +35,7 @@ LAG_PROBE_S = 0.005
 
 
 def default_client_processes() -> int:
+    """--client-processes' default: one worker per CPU, up to 8."""
     return min(8, os.cpu_count() or 1)
 
 
@@ -124,7 +127,7 @@ def run_requests(url: str, model: str, requests: list[StreamRequest], processes:
     return ClientRun(timings, start, wall, [stats for _, _, stats in results])  # type: ignore[arg-type]
 
 
-def _receive(conn: Connection, proc, timeout_s: float | None):
+def _receive(conn: Connection, proc: BaseProcess, timeout_s: float | None) -> Any:
     """The worker's next message; a clear error if it died or went silent for `timeout_s`."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not conn.poll(0.2):
