@@ -551,6 +551,8 @@ class Engine:
         if self._role_sees_tokens and self.role.on_token(req, finish):
             return  # the role took the request over (e.g. prefill hands it to decode)
         text = req.detokenizer.take_delta(final=finish is not None)
+        # By position (once per row): request id, token ids, text, logprobs, top logprobs, finish, error (none),
+        # prompt tokens, completion tokens, cached tokens.
         self._emit(req, TokenOutput(req.request_id, [token], text, logprobs, top, finish, None,
                                     len(req.prompt_ids), len(req.output_ids), req.cached_len))
         if finish is not None:
