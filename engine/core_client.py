@@ -314,6 +314,9 @@ class CoreClient:
                 if self._stopping.is_set():
                     return
                 raise
+            except Exception as exc:  # a message this thread cannot take: no output would reach any stream again
+                self._reader_failed(exc)
+                return
             code = self.proc.poll()
             if code is not None and not self._stopping.is_set():
                 self._core_died(code)
@@ -329,6 +332,17 @@ class CoreClient:
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop has closed (shutting down)
                 loop.call_soon_threadsafe(self._dispatch, message)
+
+    def _reader_failed(self, exc: Exception) -> None:
+        """The reader cannot go on (a message it cannot decode or take): the requests in flight fail
+        with the reason, /health turns 503, and the core, which nothing reads any more, is stopped."""
+        self.failure = f"the API server could not read the engine core process's output ({exc!r})"
+        logger.exception("%s: failing the requests in flight and stopping the core (%d)", self.failure, self.proc.pid)
+        self.proc.terminate()
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._fail_in_flight)
 
     def _core_died(self, code: int) -> None:
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"

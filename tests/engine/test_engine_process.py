@@ -16,10 +16,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 from engine_checkpoints import write
 from servers import ServerProcess, assert_kv_back_to_start, engine_state, free_port, served, wait_http_ok
 
-from splitserve.engine.core_protocol import output_from_wire, output_to_wire, params_from_wire, params_to_wire
+from splitserve.engine.core_protocol import (
+    FROM_CORE,
+    ipc_address,
+    output_from_wire,
+    output_to_wire,
+    params_from_wire,
+    params_to_wire,
+)
 from splitserve.engine.grammar.spec import GrammarSpec
 from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
@@ -219,4 +227,41 @@ def test_a_core_killed_fails_its_requests_clearly_and_health_turns_503(checkpoin
         assert health.status_code == 503 and "killed by signal 9" in health.json()["status"], health.text
         later = post(url, body([1, 2], 2))
         assert later.status_code == 503 and "engine core process" in later.text, later.text
+        assert proc.proc.poll() is None  # the API server stays up to say so
+
+
+def test_a_message_the_api_server_cannot_read_fails_its_requests_clearly(checkpoint: Path, tmp_path: Path) -> None:
+    """A corrupt message on the core's output socket must not end the reader thread silently
+    (every stream would then hang): the requests in flight end with the reason, /health turns 503,
+    and the core that nothing reads any more is stopped."""
+    with split_server(checkpoint, tmp_path) as (url, proc):
+        state = engine_state(url, key="")
+        core, folder = state["engine_core_pid"], state["engine_core_ipc_dir"]
+        context = zmq.Context()
+        intruder = context.socket(zmq.PUSH)
+        intruder.setsockopt(zmq.LINGER, 1000)
+        intruder.connect(ipc_address(folder, FROM_CORE))
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body([1, 2], 5000), "stream": True},
+                              timeout=60) as r:
+                lines = r.iter_lines()
+                for line in lines:
+                    if '"token_ids":[' in line and '"token_ids":[]' not in line:
+                        break
+                sent = time.monotonic()
+                intruder.send(b"\xc1 not msgpack")  # 0xc1 is never used by msgpack
+                rest = list(lines)  # the stream must end, with an error event
+        finally:
+            context.destroy(linger=0)
+        assert time.monotonic() - sent < 5
+        errors = [json.loads(x[6:])["error"]["message"] for x in rest if x.startswith('data: {"error"')]
+        assert errors and "could not read the engine core" in errors[0], rest[-3:]
+        health = httpx.get(f"{url}/health", timeout=5)
+        assert health.status_code == 503 and "could not read the engine core" in health.json()["status"], health.text
+        later = post(url, body([1, 2], 2))
+        assert later.status_code == 503 and "could not read the engine core" in later.text, later.text
+        deadline = time.monotonic() + 30
+        while alive(core):
+            assert time.monotonic() < deadline, f"the engine core {core} still runs with nothing reading it"
+            time.sleep(0.05)
         assert proc.proc.poll() is None  # the API server stays up to say so
