@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from splitserve.engine.cuda_graph_timing import graph_time_us
 from splitserve.engine.layers.skinny_gemm_triton import skinny_gemm
 
 logger = logging.getLogger("gemv_sweep")
@@ -23,25 +24,6 @@ logger = logging.getLogger("gemv_sweep")
 # (name, out_features N, in_features K) of a Llama-3.1-8B layer and its LM head
 SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
           ("lm_head", 128256, 4096)]
-
-
-def graph_time_us(fn_per_copy, copies: int, reps: int = 10) -> float:
-    for i in range(copies):  # compile and warm
-        fn_per_copy(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn_per_copy(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * copies)
 
 
 def sweep_shape(name: str, n: int, k: int, m: int, configs: list[tuple[int, int, int, int]]) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from splitserve.engine.cuda_graph_timing import graph_time_us
 from splitserve.engine.layers.wide_gemm_triton import WideLaunch, launch_fits, wide_gemm
 
 logger = logging.getLogger("wide_gemm_sweep")
@@ -65,26 +66,6 @@ def compile_in_parallel(launches: list[WideLaunch], workers: int) -> None:
     logger.info("compiled %d launches in %d processes in %.1f s", len(launches), workers, time.perf_counter() - started)
 
 
-def graph_time_us(fn_per_copy, copies: int, reps: int = 8) -> float:
-    for i in range(copies):  # warm (and compile, if the cache missed)
-        fn_per_copy(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn_per_copy(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del graph
-    return start.elapsed_time(end) * 1e3 / (reps * copies)
-
-
 def sweep_shape(name: str, n: int, k: int, rows: list[int], launches: list[WideLaunch]) -> list[dict]:
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     copies = max(2, -(-(512 << 20) // (n * k * 2)))
@@ -94,7 +75,7 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], launches: list[WideL
         x = torch.randn(m, k, device=dev, dtype=bf16)
         ref = torch.nn.functional.linear(x, weights[0]).float()
         flops = 2 * m * n * k
-        cublas = graph_time_us(lambda i, x=x: torch.nn.functional.linear(x, weights[i]), copies)
+        cublas = graph_time_us(lambda i, x=x: torch.nn.functional.linear(x, weights[i]), copies, reps=8)
         row = {"shape": name, "n": n, "k": k, "rows": m, "cublas_us": cublas, "cublas_tflops": flops / cublas / 1e6,
                "launches": []}
         for launch in launches:
@@ -104,7 +85,7 @@ def sweep_shape(name: str, n: int, k: int, rows: list[int], launches: list[WideL
                 got = wide_gemm(x, weights[0], None, launch).float()
                 err = (got - ref).abs().max().item()
                 torch.testing.assert_close(got, ref, atol=3e-2, rtol=2e-2)
-                us = graph_time_us(lambda i, x=x, launch=launch: wide_gemm(x, weights[i], None, launch), copies)
+                us = graph_time_us(lambda i, x=x, launch=launch: wide_gemm(x, weights[i], None, launch), copies, reps=8)
             except Exception as exc:  # a launch that does not compile, fit or match: skipped, said so
                 logger.info("  %s m=%d %s: %s", name, m, tuple(launch), str(exc).splitlines()[0][:120])
                 continue

@@ -1,0 +1,33 @@
+"""Kernel time with no launch gaps: calls captured into one CUDA graph, replayed and timed by events.
+
+Used by the GEMM sweeps (benchmarks/gemv_sweep.py, benchmarks/wide_gemm_sweep.py). Each call reads
+its own copy of the weights, so that a sweep times reads from HBM rather than from L2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def graph_time_us(fn_per_copy: Callable[[int], object], copies: int, reps: int = 10) -> float:
+    """Microseconds per call of `fn_per_copy(i)` for i in range(copies), all captured into one graph
+    (after one eager pass that compiles and warms), averaged over `reps` replays."""
+    for i in range(copies):
+        fn_per_copy(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn_per_copy(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph  # its memory back before the next shape's weights are made
+    return start.elapsed_time(end) * 1e3 / (reps * copies)
