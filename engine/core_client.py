@@ -336,18 +336,19 @@ class CoreClient:
     def _reader_failed(self, exc: Exception) -> None:
         """The reader cannot go on (a message it cannot decode or take): the requests in flight fail
         with the reason, /health turns 503, and the core, which nothing reads any more, is stopped."""
-        self.failure = f"the API server could not read the engine core process's output ({exc!r})"
+        self._fail(f"the API server could not read the engine core process's output ({exc!r})")
         logger.exception("%s: failing the requests in flight and stopping the core (%d)", self.failure, self.proc.pid)
         self.proc.terminate()
-        loop = self._loop
-        if loop is not None:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._fail_in_flight)
 
     def _core_died(self, code: int) -> None:
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        self.failure = f"the engine core process ({self.proc.pid}) {how}"
+        self._fail(f"the engine core process ({self.proc.pid}) {how}")
         logger.error("%s: failing the requests in flight; /health reports it", self.failure)
+
+    def _fail(self, failure: str) -> None:
+        """From the reader thread: `failure` is what /health and every request from now on report,
+        and the requests in flight end with it (on the loop)."""
+        self.failure = failure
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):
