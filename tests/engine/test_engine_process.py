@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -203,23 +203,28 @@ def test_a_server_killed_takes_its_core_with_it(checkpoint: Path, tmp_path: Path
         assert not folder.exists()  # the core took its sockets' folder with it
 
 
+def stream_errors_after(url: str, interrupt: Callable[[], object]) -> tuple[list[str], list[str]]:
+    """Streams a long completion, calls `interrupt()` once its first token has arrived, and returns
+    the error messages among the lines after it, and those lines: the stream must end within 5 s."""
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body([1, 2], 5000), "stream": True},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if '"token_ids":[' in line and '"token_ids":[]' not in line:
+                break
+        interrupted = time.monotonic()
+        interrupt()
+        rest = list(lines)
+    assert time.monotonic() - interrupted < 5
+    return [json.loads(x[6:])["error"]["message"] for x in rest if x.startswith('data: {"error"')], rest
+
 def test_a_core_killed_fails_its_requests_clearly_and_health_turns_503(checkpoint: Path, tmp_path: Path) -> None:
     with split_server(checkpoint, tmp_path) as (url, proc):
         core = engine_state(url, key="")["engine_core_pid"]
         waiting: dict = {}
         non_streamed = threading.Thread(target=lambda: waiting.update(r=post(url, body([4, 5], 5000), 60)))
         non_streamed.start()
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body([1, 2], 5000), "stream": True},
-                          timeout=60) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if '"token_ids":[' in line and '"token_ids":[]' not in line:
-                    break
-            killed = time.monotonic()
-            os.kill(core, signal.SIGKILL)
-            rest = list(lines)  # the stream must end, with an error event
-        assert time.monotonic() - killed < 5
-        errors = [json.loads(x[6:])["error"]["message"] for x in rest if x.startswith('data: {"error"')]
+        errors, rest = stream_errors_after(url, lambda: os.kill(core, signal.SIGKILL))
         assert errors and "engine core process" in errors[0] and "killed by signal 9" in errors[0], rest[-3:]
         non_streamed.join(30)
         assert waiting["r"].status_code == 503 and "engine core process" in waiting["r"].text, waiting["r"].text
@@ -242,19 +247,9 @@ def test_a_message_the_api_server_cannot_read_fails_its_requests_clearly(checkpo
         intruder.setsockopt(zmq.LINGER, 1000)
         intruder.connect(ipc_address(folder, FROM_CORE))
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", json={**body([1, 2], 5000), "stream": True},
-                              timeout=60) as r:
-                lines = r.iter_lines()
-                for line in lines:
-                    if '"token_ids":[' in line and '"token_ids":[]' not in line:
-                        break
-                sent = time.monotonic()
-                intruder.send(b"\xc1 not msgpack")  # 0xc1 is never used by msgpack
-                rest = list(lines)  # the stream must end, with an error event
+            errors, rest = stream_errors_after(url, lambda: intruder.send(b"\xc1 not msgpack"))  # 0xc1: never msgpack
         finally:
             context.destroy(linger=0)
-        assert time.monotonic() - sent < 5
-        errors = [json.loads(x[6:])["error"]["message"] for x in rest if x.startswith('data: {"error"')]
         assert errors and "could not read the engine core" in errors[0], rest[-3:]
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 503 and "could not read the engine core" in health.json()["status"], health.text
