@@ -18,7 +18,6 @@ batch-invariant attention.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -168,7 +167,7 @@ def drafter_alone(folder: Path, device: str, prompt_len: int, output_len: int, t
     prompts = bench_spec.random_prompts(1, prompt_len, seed=7)
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     base = EngineConfig(model=str(folder), device=device, max_total_tokens=8192, max_running_requests=8)
-    for name, cfg in (("no_overlap", drafter_engine_config(dataclasses.replace(base, disable_overlap=True))),
+    for name, cfg in (("no_overlap", drafter_engine_config(base, overlap=False)),
                       ("drafter_overlap", drafter_engine_config(base, overlap=True))):
         engine = Engine(cfg)
         engine.use_row_invariant_rows(None)  # as a drafter does
