@@ -37,6 +37,13 @@ class SpecConfig:
     speculation_gate: bool = field(default=True, metadata={
         "help": "verify a step's drafts only while verify steps, as measured, emit tokens faster than plain "
                 "decoding at that batch (off: verify whatever the drafters offer)"})
+    speculation_margin: float = field(default=0.01, metadata={
+        "help": "the gate's budget: of decoding time at each batch, what speculating may lose against plain "
+                "decoding's measured rate (probes and stints that do not pay, their first steps included); "
+                "speculating stops while it is spent (draft_mesh/speculation_budget.py)"})
+    speculation_budget_steps: float = field(default=2.0, metadata={
+        "help": "the gate's budget: most headroom saved, in plain steps of the batch (what a batch's first "
+                "probe, or a stint that turns bad, may lose beyond --speculation-margin)"})
     row_invariant_rows: int | None = field(default=None, metadata={
         "help": "16-bit projections of up to this many rows take the row-invariant Triton kernel, in plain "
                 "decode and verify steps alike (a verify row then has plain decoding's bits); steps with more "
@@ -71,6 +78,9 @@ class SpecConfig:
             raise ValueError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
         if self.max_draft_ahead < 1:
             raise ValueError(f"--max-draft-ahead must be >= 1, got {self.max_draft_ahead}")
+        if not 0.0 <= self.speculation_margin < 1.0 or self.speculation_budget_steps < 0:
+            raise ValueError("--speculation-margin must be in [0, 1) and --speculation-budget-steps >= 0, got "
+                             f"{self.speculation_margin} and {self.speculation_budget_steps}")
         if self.verifier_rank is not None and self.verifier_rank < 0:
             raise ValueError(f"--verifier-rank must be >= 0, got {self.verifier_rank}")
         if self.row_invariant_rows is not None and self.row_invariant_rows < 1:

@@ -19,11 +19,19 @@ less and less. A bucket that has not measured speculating yet tries it at once, 
 the nearest smaller bucket: then it waits for that bucket's probe interval. Steps of a mode forced
 on the gate (K = 0) do not count towards the next probe, and a change of drafters forgets what
 speculating measured.
+
+What speculating may cost on top of that is bounded by measurement (draft_mesh/speculation_budget.py):
+a bucket decodes plainly until plain decoding's rate there is measured, each speculating step is
+charged what it lost against that rate, every step included, and speculating stops (and waits for
+the headroom before it starts again) once the bucket's budget is spent.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.draft_mesh.speculation_budget import CAP_STEPS, MARGIN, LossBudget
 
 SPECULATE, PLAIN = "speculate", "plain"
 WARMUP_STEPS = 2
@@ -43,6 +51,8 @@ class Stint:
     tokens: int = 0
     seconds: float = 0.0
     waited: int = 0  # steps before the stint started counting (speculating: before the first verify)
+    all_tokens: int = 0  # every step of the stint, the uncounted ones too
+    all_seconds: float = 0.0
 
     @property
     def rate(self) -> float | None:
@@ -58,19 +68,32 @@ class Stint:
 class SpeculationGate:
     """The current mode, the stint in it, and each (bucket, mode)'s rate from its latest stint."""
 
-    mode: str = SPECULATE
+    mode: str = PLAIN  # plain decoding's rate is measured first: speculating is charged against it
     bucket: int = 0
     stint: Stint = field(default_factory=Stint)
     rates: dict[tuple[int, str], float] = field(default_factory=dict)
     probe_every: dict[int, int] = field(default_factory=dict)
     probing: bool = False
     forced: bool = False  # the last steps ran a mode forced on the gate (K = 0), not one it chose
+    margin: float = MARGIN  # the loss budget's (draft_mesh/speculation_budget.py)
+    cap_steps: float = CAP_STEPS
+    budgets: dict[int, LossBudget] = field(default_factory=dict)
+    switches: dict[str, int] = field(default_factory=dict)  # "mode/why": switches the gate made
+    switched: list[tuple[str, str]] = field(default_factory=list)  # (mode, why) since the caller last took them
 
     def observe(self, bucket: int, tokens: int, seconds: float, verified: bool = False) -> None:
         """A step of the current mode emitted `tokens` in `seconds` with `bucket` decoding requests
         (`verified`: it verified drafts)."""
         if bucket != self.bucket:  # another load: every stint starts over
             self.bucket, self.stint, self.probing = bucket, Stint(), False
+        budget = self._budget(bucket)
+        plain_rate = self.rates.get((bucket, PLAIN))
+        if self.mode == PLAIN:
+            budget.step(seconds)
+        elif not self.forced and plain_rate:  # a speculating step the gate chose: charged, the first ones too
+            budget.step(seconds, tokens, plain_rate)
+        self.stint.all_tokens += tokens
+        self.stint.all_seconds += seconds
         if self.mode == SPECULATE and self.stint.steps == 0 and not verified and self.stint.waited < UNPRIMED_STEPS:
             self.stint.waited += 1  # no drafts yet: the drafter is still taking the requests in
             return
@@ -81,12 +104,16 @@ class SpeculationGate:
         rate = self.stint.rate
         if rate is not None:
             self.rates[(bucket, self.mode)] = rate
+            if self.mode == PLAIN:
+                budget.plain_step(self.stint.seconds / (self.stint.steps - WARMUP_STEPS))
 
     def forget_speculation(self) -> None:
         """The drafters changed (one joined or left): speculating rates measured with the others say
         nothing about them, so each bucket measures speculation again before it trusts either mode."""
         self.rates = {key: rate for key, rate in self.rates.items() if key[1] != SPECULATE}
         self.probe_every.clear()
+        if self.mode == SPECULATE:  # the stint so far ran with the drafters before
+            self.stint = Stint()
 
     def force(self, mode: str) -> None:
         """Runs `mode` whatever the rates say (K = 0 means plain decoding); its rate is still measured."""
@@ -99,6 +126,18 @@ class SpeculationGate:
         if self.forced:  # steps the gate did not choose do not bring its next probe closer
             self.forced = False
             self.stint.steps = min(self.stint.steps, WARMUP_STEPS + MEASURE_STEPS)
+        budget = self._budget(self.bucket)
+        if self.mode == SPECULATE and (self.bucket, PLAIN) not in self.rates:
+            self._switch(PLAIN, probing=False, why="unmeasured")  # what speculating is charged against, first
+            return self.mode
+        if self.mode == SPECULATE and not budget.can_continue:  # its loss spent the bucket's budget
+            spent = self.stint.all_tokens / self.stint.all_seconds if self.stint.all_seconds > 0 else 0.0
+            self.rates[(self.bucket, SPECULATE)] = min(self.rates.get((self.bucket, SPECULATE), spent), spent)
+            if self.probing:
+                self.probe_every[self.bucket] = min(2 * self.probe_every.get(self.bucket, PROBE_EVERY),
+                                                    MAX_PROBE_EVERY)
+            self._switch(PLAIN, probing=False, why="budget")
+            return self.mode
         other = PLAIN if self.mode == SPECULATE else SPECULATE
         mine, theirs = self.rates.get((self.bucket, self.mode)), self.rates.get((self.bucket, other))
         early = self.stint.rate_after(EARLY_STEPS)
@@ -107,19 +146,21 @@ class SpeculationGate:
                 mine = self.rates[(self.bucket, self.mode)] = early  # clearly slower: no need to finish
             else:
                 return self.mode  # still measuring this stint
+        if other == SPECULATE and not budget.can_start:
+            return self.mode  # plain until its steps have saved the headroom to try speculating
         every = self.probe_every.get(self.bucket, PROBE_EVERY)
         lost_below = self._lost_below() if theirs is None and other == SPECULATE else None
         if theirs is not None and mine is not None and theirs > mine:
             if self.probing:  # the probe lost: back, and probe less often
                 self.probe_every[self.bucket] = min(2 * every, MAX_PROBE_EVERY)
-            self._switch(other, probing=False)
+            self._switch(other, probing=False, why="probe lost" if self.probing else "faster")
         elif lost_below is not None:  # speculating lost at a smaller batch: it is probed here when due
             if self.stint.steps >= lost_below + WARMUP_STEPS:
-                self._switch(other, probing=True)
+                self._switch(other, probing=True, why="probe")
         elif theirs is None or self.stint.steps >= every + WARMUP_STEPS:
             if self.probing:  # the probe won: it is the mode now
                 self.probe_every[self.bucket] = PROBE_EVERY
-            self._switch(other, probing=True)  # measure (again) the mode not running
+            self._switch(other, probing=True, why="probe")  # measure (again) the mode not running
         elif self.probing:
             self.probing = False
             self.probe_every[self.bucket] = PROBE_EVERY
@@ -138,5 +179,31 @@ class SpeculationGate:
             return None
         return self.probe_every.get(nearest, PROBE_EVERY)
 
-    def _switch(self, mode: str, probing: bool) -> None:
+    def summary(self) -> dict[str, Any]:
+        """What the gate decided and why, for /health: the mode, each bucket's rates, budget and
+        probe interval, and the switches made so far by reason."""
+        buckets: dict[str, dict[str, Any]] = {}
+        for bucket in sorted({b for b, _ in self.rates} | set(self.budgets)):
+            budget = self.budgets.get(bucket, LossBudget())
+            speculate, plain = self.rates.get((bucket, SPECULATE)), self.rates.get((bucket, PLAIN))
+            buckets[str(bucket)] = {
+                "speculate_tokens_per_s": round(speculate, 1) if speculate else None,
+                "plain_tokens_per_s": round(plain, 1) if plain else None,
+                "headroom_ms": None if budget.headroom_s is None else round(1e3 * budget.headroom_s, 3),
+                "cap_ms": round(1e3 * budget.cap_s, 3), "saved_ms": round(1e3 * budget.saved_s, 3),
+                "probe_every": self.probe_every.get(bucket, PROBE_EVERY)}
+        return {"mode": self.mode, "bucket": self.bucket, "probing": self.probing, "buckets": buckets,
+                "switches": dict(self.switches)}
+
+    def _budget(self, bucket: int) -> LossBudget:
+        if bucket not in self.budgets:
+            self.budgets[bucket] = LossBudget(margin=self.margin, cap_steps=self.cap_steps)
+        return self.budgets[bucket]
+
+    def _switch(self, mode: str, probing: bool, why: str) -> None:
         self.mode, self.stint, self.probing = mode, Stint(), probing
+        if mode == SPECULATE:
+            self._budget(self.bucket).started()
+        key = f"{mode}/{why}"
+        self.switches[key] = self.switches.get(key, 0) + 1
+        self.switched.append((mode, why))

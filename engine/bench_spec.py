@@ -87,6 +87,10 @@ class SpecBenchConfig:
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens per request"})
     output_len: int = field(default=128, metadata={"help": "output tokens per request"})
     draft_wait_ms: float = field(default=4.0, metadata={"help": "the verifier's --draft-wait-ms"})
+    speculation_margin: float = field(default=SpecConfig.speculation_margin, metadata={
+        "help": "the verifier's --speculation-margin (the gate's budget)"})
+    speculation_budget_steps: float = field(default=SpecConfig.speculation_budget_steps, metadata={
+        "help": "the verifier's --speculation-budget-steps"})
     row_invariant_rows: int | None = field(default=None, metadata={
         "help": "the verifier's and drafters' --row-invariant-rows (default: the engine's, 32)"})
     batch_invariant_attention: bool = field(default=False, metadata={
@@ -236,6 +240,11 @@ def drafter_drafted(http_port: int | None) -> int | None:
         return int(json.loads(resp.read())["drafted"])
 
 
+def gate_saved_s(verifier: VerifierRole) -> float:
+    """Seconds the verifier's speculating saved against plain decoding's measured rate so far (all buckets)."""
+    return sum(budget.saved_s for budget in verifier.gate.budgets.values())
+
+
 def decode_run(engine: Engine, prompts: list[list[int]], output_len: int, verifier: VerifierRole | None = None,
                drafter_port: int | None = None) -> dict[str, Any]:
     """One greedy run of `prompts`: tokens/s, steps, drafts verified and accepted; with the verifier,
@@ -244,7 +253,8 @@ def decode_run(engine: Engine, prompts: list[list[int]], output_len: int, verifi
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     m = engine.metrics
     drafted0, accepted0, steps0 = m.spec_draft_tokens._value.get(), m.spec_accepted_tokens._value.get(), engine.steps
-    gate0 = (dict(verifier.mode_steps), verifier.verify_steps, verifier.waited_s) if verifier else None
+    gate0 = (dict(verifier.mode_steps), verifier.verify_steps, verifier.waited_s, dict(verifier.gate.switches),
+             gate_saved_s(verifier)) if verifier else None
     made0 = drafter_drafted(drafter_port)
     start = time.perf_counter()
     outs = generate_tokens(engine, prompts, params)
@@ -257,7 +267,10 @@ def decode_run(engine: Engine, prompts: list[list[int]], output_len: int, verifi
     if verifier is not None and gate0 is not None:
         run.update(speculating_steps=verifier.mode_steps[SPECULATE] - gate0[0][SPECULATE],
                    plain_steps=verifier.mode_steps[PLAIN] - gate0[0][PLAIN],
-                   verify_steps=verifier.verify_steps - gate0[1], waited_s=verifier.waited_s - gate0[2])
+                   verify_steps=verifier.verify_steps - gate0[1], waited_s=verifier.waited_s - gate0[2],
+                   gate_switches={k: n - gate0[3].get(k, 0) for k, n in verifier.gate.switches.items()
+                                  if n > gate0[3].get(k, 0)},
+                   gate_saved_s=gate_saved_s(verifier) - gate0[4])
     if made0 is not None:
         run["drafter_drafted"] = drafter_drafted(drafter_port) - made0
     return run
@@ -339,6 +352,7 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
     mesh_port = free_port()
     spec = SpecConfig(drafter=[f"127.0.0.1:{mesh_port}"], num_draft_tokens=max(cfg.ks),
                       draft_wait_ms=cfg.draft_wait_ms, row_invariant_rows=cfg.row_invariant_rows,
+                      speculation_margin=cfg.speculation_margin, speculation_budget_steps=cfg.speculation_budget_steps,
                       batch_invariant_attention=cfg.batch_invariant_attention)
     verifier = VerifierRole(spec, TransferConfig(transfer_control_key=KEY))
     engine = Engine(EngineConfig(model=str(folders["target"]), device=cfg.device, max_total_tokens=cfg.max_total_tokens,
@@ -406,10 +420,12 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
                         report["runs"].append(r)
                         logger.info("%s K=%d batch %d: %.1f tok/s (x%.2f of plain, x%.2f of the K=0 peer), "
                                     "acceptance %.2f, %d steps: %d speculating (%d verified), %d plain, "
-                                    "%.1f ms waiting for drafts; drafter drafted %s, verified %d%s",
+                                    "%.1f ms waiting for drafts; drafter drafted %s, verified %d; gate: saved %.1f ms, "
+                                    "switches %s%s",
                                     name, k, b, r["tokens_per_s"], r["speedup"], r["speedup_vs_peer"],
                                     r["acceptance"], r["steps"], r["speculating_steps"], r["verify_steps"],
                                     r["plain_steps"], 1e3 * r["waited_s"], r.get("drafter_drafted"), r["drafted"],
+                                    1e3 * r["gate_saved_s"], r["gate_switches"] or "none",
                                     "" if same else " OUTPUT DIFFERS")
             finally:
                 proc.terminate()

@@ -55,6 +55,16 @@ class EngineMetrics:
         self.spec_quarantines = Counter("splitserve_spec_quarantines",
                                         "Requests a drafter quarantined after a protocol violation",
                                         labels, registry=r).labels(model_name)
+        # The speculation gate's decisions (draft_mesh/speculation_gate.py; its per-bucket state on /health).
+        self.spec_gate_speculating = Gauge("splitserve_spec_gate_speculating",
+                                           "1 while the speculation gate speculates, 0 while it decodes plainly",
+                                           labels, registry=r).labels(model_name)
+        self.spec_gate_switches = Counter("splitserve_spec_gate_switches",
+                                          "Switches of the speculation gate, by the mode switched to and why",
+                                          [*labels, "mode", "reason"], registry=r)
+        self.spec_gate_saved_seconds = Gauge(
+            "splitserve_spec_gate_saved_seconds", "Decoding seconds speculating saved against plain decoding's "
+            "measured rate, all batch buckets (negative: lost)", labels, registry=r).labels(model_name)
         self._finished = Counter("splitserve_requests_finished", "Requests finished, by reason",
                                  [*labels, "reason"], registry=r)
         self.model_name = model_name

@@ -15,7 +15,10 @@ decodes one token as usual. How many drafts a request is offered follows how man
 And the engine speculates only while that emits tokens faster than not speculating, as measured per
 batch (draft_mesh/speculation_gate.py; --no-speculation-gate turns the gate off): while it does not,
 no drafts are offered, no commits sent, drafters are paced to nothing and the overlap scheduler runs;
-a request's next commit then carries every token since (K = 0 is that mode too). A lost lease or
+a request's next commit then carries every token since (K = 0 is that mode too). What speculating
+may lose against plain decoding's measured rate is the gate's budget (--speculation-margin,
+--speculation-budget-steps); its decisions are on /health (`speculation_gate`) and in the
+splitserve_spec_gate_* metrics. A lost lease or
 a silent drafter (a failed or slow heartbeat) drops that drafter's requests to plain decoding at
 once; they re-sync to another drafter, or to the same one when it is joined again. Requests with
 repetition, frequency or presence penalties are not speculated (their verification would not be
@@ -56,6 +59,7 @@ from splitserve.transfer import TransferConfig
 logger = logging.getLogger(__name__)
 
 RECV_POLL_MS = 100
+GATE_SUMMARY_EVERY = 16  # polls between copies of the gate's state for /health (and at every switch)
 PEERS_REFRESH_S = 1.0  # how often the peers file is read again (drafters added or removed later)
 
 
@@ -117,8 +121,10 @@ class VerifierRole(Role):
         self._stop = threading.Event()
         self._tail_arrived = threading.Event()
         # Whether to speculate at all, from the token rates measured either way (draft_mesh/speculation_gate.py).
-        self.gate = SpeculationGate()
+        self.gate = SpeculationGate(margin=spec.speculation_margin, cap_steps=spec.speculation_budget_steps)
         self.speculating = True
+        self.gate_summary: dict[str, Any] = {}
+        self._gate_polls = 0
         self._last_poll: float | None = None
         self._counted: tuple[int, dict[str, int]] | None = None  # (batch bucket, output lengths) at the last poll
         self._offered = False  # the last poll offered drafts (its step verified some)
@@ -208,7 +214,8 @@ class VerifierRole(Role):
 
     def health_info(self) -> dict[str, Any]:
         return {"drafters": {ep: {"state": link.state, "detail": link.last_reason} for ep, link in self.links.items()},
-                "speculating": len(self.states), "quarantined": len(self.quarantined)}
+                "speculating": len(self.states), "quarantined": len(self.quarantined),
+                "speculation_gate": self.gate_summary}
 
     def allows_overlap(self) -> bool:
         # Plain decoding keeps the overlap scheduler while no request has a drafter, or while the gate
@@ -279,6 +286,20 @@ class VerifierRole(Role):
         self.speculating = self.gate.mode == SPECULATE
         if decoding:
             self.mode_steps[self.gate.mode] += 1
+        self._publish_gate()
+
+    def _publish_gate(self) -> None:
+        """The gate's switches into metrics, its state into what /health reads (a copy: /health
+        answers on another thread)."""
+        switched = bool(self.gate.switched)
+        for mode, why in self.gate.switched:
+            self.metrics.spec_gate_switches.labels(self.metrics.model_name, mode, why).inc()
+        self.gate.switched.clear()
+        self.metrics.spec_gate_speculating.set(1 if self.speculating else 0)
+        self._gate_polls += 1
+        if switched or self._gate_polls % GATE_SUMMARY_EVERY == 1:
+            self.metrics.spec_gate_saved_seconds.set(sum(b.saved_s for b in self.gate.budgets.values()))
+            self.gate_summary = self.gate.summary()
 
     def _wait_for_drafts(self, short: list[Request]) -> None:
         """Waits (at most --draft-wait-ms) until the requests offered fewer than K drafts have them."""

@@ -1,9 +1,13 @@
-"""The speculation gate: the engine speculates only while that measurably emits tokens faster."""
+"""The speculation gate: the engine speculates only while that measurably emits tokens faster, and
+what speculating costs against plain decoding stays within the gate's budget at any rate."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
+from splitserve.draft_mesh.speculation_budget import CAP_STEPS, MARGIN, PROBE_FROM
 from splitserve.draft_mesh.speculation_gate import (
     EARLY_STEPS,
     MEASURE_STEPS,
@@ -27,13 +31,14 @@ def run(gate: SpeculationGate, steps: int, rates: dict[str, float], bucket: int 
     return modes
 
 
-def test_both_modes_are_measured_first_and_the_faster_is_kept() -> None:
+def test_plain_decoding_is_measured_first_then_speculating_and_the_faster_is_kept() -> None:
     gate = SpeculationGate()
     modes = run(gate, STINT, {SPECULATE: 500.0, PLAIN: 1000.0})
-    assert modes[:-1] == [SPECULATE] * (STINT - 1) and modes[-1] == PLAIN  # measured; plain not yet: try it
+    assert modes[:-1] == [PLAIN] * (STINT - 1) and modes[-1] == SPECULATE  # measured; speculating not yet: try it
     modes = run(gate, STINT + 20, {SPECULATE: 500.0, PLAIN: 1000.0})
-    assert set(modes) == {PLAIN}  # slower speculation stays off
+    assert modes[0] == SPECULATE and set(modes[2:]) == {PLAIN}  # slower speculation stops, within its budget
     assert gate.rates == {(8, SPECULATE): pytest.approx(500.0), (8, PLAIN): pytest.approx(1000.0)}
+    assert gate.switches == {"speculate/probe": 1, "plain/budget": 1}
 
 
 def test_speculation_that_pays_is_kept_and_plain_is_probed_less_and_less_often() -> None:
@@ -51,7 +56,7 @@ def test_a_probe_finds_a_drafter_that_got_better() -> None:
     assert gate.mode == PLAIN
     modes = run(gate, 4 * PROBE_EVERY, {SPECULATE: 2000.0, PLAIN: 1000.0})
     switched = modes.index(SPECULATE)
-    assert switched <= PROBE_EVERY + WARMUP_STEPS  # at the next probe
+    assert switched <= 2 * PROBE_EVERY + WARMUP_STEPS  # at the next probe (the first one lost: twice as far)
     assert modes[switched:].count(SPECULATE) >= 0.8 * len(modes[switched:])  # kept, but for short probes
 
 
@@ -66,23 +71,24 @@ def test_another_batch_bucket_is_measured_on_its_own_and_k0_forces_plain() -> No
 
 
 def test_a_speculating_stint_counts_from_its_first_verify_step() -> None:
-    gate = SpeculationGate()
+    gate = SpeculationGate(mode=SPECULATE)
     gate.observe(8, 8, 0.001)  # plain-fast steps while the drafter has no drafts yet: not speculation's rate
     gate.observe(8, 8, 0.001)
     assert gate.stint.steps == 0 and gate.stint.waited == 2
     for _ in range(STINT):
         gate.observe(8, 8, 0.004, verified=True)
     assert gate.rates[(8, SPECULATE)] == pytest.approx(2000.0)
-    stuck = SpeculationGate()
+    stuck = SpeculationGate(mode=SPECULATE)
     for _ in range(UNPRIMED_STEPS + STINT):  # a drafter that never drafts still gets measured
         stuck.observe(8, 8, 0.01)
     assert stuck.rates[(8, SPECULATE)] == pytest.approx(800.0)
 
 
 def test_a_probe_far_behind_ends_early() -> None:
+    # 0.75 of plain's rate: behind by more than EARLY_GAP, but its budget would last a full stint.
     gate = SpeculationGate()
-    run(gate, 3 * STINT, {SPECULATE: 500.0, PLAIN: 1000.0})
-    modes = run(gate, 3 * PROBE_EVERY, {SPECULATE: 500.0, PLAIN: 1000.0})
+    run(gate, 3 * STINT, {SPECULATE: 750.0, PLAIN: 1000.0})
+    modes = run(gate, 3 * PROBE_EVERY, {SPECULATE: 750.0, PLAIN: 1000.0})
     probe = modes.index(SPECULATE)
     assert modes[probe:probe + WARMUP_STEPS + EARLY_STEPS] == [SPECULATE] * (WARMUP_STEPS + EARLY_STEPS)
     assert modes[probe + WARMUP_STEPS + EARLY_STEPS - 1] == SPECULATE and PLAIN in modes[probe:probe + STINT - 1]
@@ -96,8 +102,9 @@ def test_another_drafter_is_measured_again_before_either_mode_is_trusted() -> No
     run(gate, STINT, {SPECULATE: 3000.0, PLAIN: 1000.0})
     gate.forget_speculation()  # it left; a worse one joined
     assert (8, SPECULATE) not in gate.rates and (8, PLAIN) in gate.rates
+    assert gate.mode == SPECULATE  # its next step speculates: the new drafter is measured at once
     modes = run(gate, 3 * STINT, {SPECULATE: 300.0, PLAIN: 1000.0})
-    assert modes[0] == SPECULATE  # measured at once, not trusted from the old drafter's rate
+    assert gate.rates[(8, SPECULATE)] == pytest.approx(300.0)  # its own rate, not the old drafter's
     assert modes[-1] == PLAIN and modes.count(SPECULATE) <= STINT
 
 
@@ -112,8 +119,9 @@ def test_speculating_that_lost_at_a_smaller_batch_waits_for_its_probe_at_a_large
     assert (8, SPECULATE) in gate.rates
     winner = SpeculationGate()
     run(winner, 3 * STINT, {SPECULATE: 2000.0, PLAIN: 1000.0}, bucket=1)
-    modes = run(winner, 2 * STINT, {SPECULATE: 2000.0, PLAIN: 1000.0}, bucket=8)
-    assert modes[0] == SPECULATE  # it paid at batch 1: measured at once at batch 8
+    modes = run(winner, 3 * STINT, {SPECULATE: 2000.0, PLAIN: 1000.0}, bucket=8)
+    assert modes[0] == PLAIN and modes[STINT] == SPECULATE  # it paid at batch 1: tried at batch 8 once plain is
+    # measured there
 
 
 def test_steps_forced_plain_do_not_bring_the_next_probe_closer() -> None:
@@ -125,3 +133,86 @@ def test_steps_forced_plain_do_not_bring_the_next_probe_closer() -> None:
         gate.force(PLAIN)
     modes = run(gate, PROBE_EVERY - STINT, {SPECULATE: 500.0, PLAIN: 1000.0})
     assert set(modes) == {PLAIN}  # no probe as soon as K is back: the interval starts again
+
+
+def spend(gate: SpeculationGate, steps: int, speculating: Callable[[int], float], plain: float = 1000.0,
+          bucket: int = 8) -> tuple[float, float, int]:
+    """`steps` steps of `bucket` tokens: plain at `plain` tokens/s, the n-th step of a speculating
+    stint at `speculating(n)`; (seconds taken, seconds plain decoding takes for those tokens,
+    speculating steps)."""
+    taken = tokens = n = speculated = 0
+    for _ in range(steps):
+        if gate.mode == SPECULATE:
+            rate, n, speculated = speculating(n), n + 1, speculated + 1
+        else:
+            rate, n = plain, 0
+        seconds = bucket / rate
+        gate.observe(bucket, bucket, seconds, verified=gate.mode == SPECULATE and n > UNPRIMED_STEPS // 2)
+        gate.decide()
+        taken, tokens = taken + seconds, tokens + bucket
+    return taken, tokens / plain, speculated
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0])
+@pytest.mark.parametrize("slow_start", [0, 3])
+def test_speculating_that_does_not_pay_costs_at_most_its_budget(ratio, slow_start) -> None:
+    # Speculating at `ratio` of plain decoding's rate, each stint's first `slow_start` steps at a
+    # third of it (a drafter taking the requests in): over any run the time lost against plain
+    # decoding stays within MARGIN of it plus the cap and the one step that overdrew it.
+    gate = SpeculationGate()
+    step = 8 / 1000.0
+    worst = 8 / (1000.0 * min(ratio, 1 / 3 if slow_start else 1.0)) - step
+    for steps in (50, 200, 2000):
+        taken, plain_s, _ = spend(SpeculationGate(), steps, lambda n: 1000.0 * (ratio if n >= slow_start else 1 / 3))
+        assert taken <= plain_s * (1 + MARGIN) + CAP_STEPS * step + worst + 1e-9, (steps, taken / plain_s)
+    taken, plain_s, speculated = spend(gate, 5000, lambda n: 1000.0 * ratio)
+    assert taken <= plain_s * (1 + MARGIN) + CAP_STEPS * step + worst + 1e-9  # 40 s: MARGIN in the long run
+    assert speculated > 1  # it kept measuring (probes), spending what plain decoding saved
+
+
+def test_a_stint_that_turns_bad_after_winning_long_ends_within_the_cap() -> None:
+    gate = SpeculationGate()
+    spend(gate, 2000, lambda n: 2000.0)
+    assert gate.mode == SPECULATE and gate.budgets[8].headroom_s == pytest.approx(CAP_STEPS * 8 / 1000.0)
+    saved = gate.budgets[8].saved_s
+    taken, plain_s, speculated = spend(gate, 100, lambda n: 250.0)  # the drafter got bad
+    assert gate.mode == PLAIN and speculated <= 2
+    assert taken - plain_s <= CAP_STEPS * 8 / 1000.0 + 8 / 250.0
+    assert gate.budgets[8].saved_s < saved
+
+
+def test_speculating_starts_again_only_with_headroom_saved() -> None:
+    gate = SpeculationGate()
+    spend(gate, STINT + 2, lambda n: 100.0)  # plain measured, then one speculating step far behind
+    budget = gate.budgets[8]
+    owed = budget.headroom_s
+    assert gate.mode == PLAIN and owed < 0  # the step overdrew it: plain decoding pays it back first
+    gate.rates[(8, SPECULATE)] = 5000.0  # even a rate that says speculating wins waits for the headroom
+    steps = 0
+    while gate.mode == PLAIN:
+        spend(gate, 1, lambda n: 100.0)
+        steps += 1
+    earned = MARGIN * 8 / 1000.0  # a plain step's
+    assert steps == pytest.approx((PROBE_FROM * budget.cap_s - owed) / earned, abs=1.5)
+
+
+def test_a_bucket_speculating_before_plain_is_measured_there_decodes_plainly_first() -> None:
+    gate = SpeculationGate()
+    spend(gate, 3 * STINT, lambda n: 3000.0, bucket=8)
+    assert gate.mode == SPECULATE
+    gate.observe(4, 4, 0.001, verified=True)  # the batch shrank to another bucket
+    assert gate.decide() == PLAIN and gate.switches["plain/unmeasured"] == 1
+
+
+def test_the_summary_says_what_the_gate_decided_and_why() -> None:
+    gate = SpeculationGate()
+    spend(gate, 3 * STINT, lambda n: 400.0)
+    summary = gate.summary()
+    assert summary["mode"] == PLAIN and summary["bucket"] == 8
+    bucket = summary["buckets"]["8"]
+    assert bucket["plain_tokens_per_s"] == pytest.approx(1000.0)
+    assert bucket["speculate_tokens_per_s"] == pytest.approx(400.0)
+    assert bucket["saved_ms"] < 0 and bucket["cap_ms"] == pytest.approx(1e3 * CAP_STEPS * 8 / 1000.0)
+    assert bucket["probe_every"] == 2 * PROBE_EVERY
+    assert summary["switches"] == {"speculate/probe": 1, "plain/budget": 1}
+    assert gate.switched == [(SPECULATE, "probe"), (PLAIN, "budget")]

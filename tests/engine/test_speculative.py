@@ -501,5 +501,22 @@ def test_the_gate_keeps_the_faster_mode_and_switching_changes_no_token(seed, sto
     (role,) = verifier.role.behaviours
     rates = role.gate.rates
     assert rates[(8, PLAIN)] > 0 and rates[(8, SPECULATE)] > 0  # both measured: it switched at least once
-    assert spec_counts(verifier)[0] > 0
+    # What it decided and why is on /health (the engine serves health_info) and in the metrics.
+    verifier.call_soon(lambda: None)
+    time.sleep(0.2)
+    gate = verifier.role.health_info()["speculation_gate"]
+    # Drafts were verified, or (a wrong drafter, on a loaded CPU) its first probe spent the budget
+    # before the drafter had drafted: the gate says so.
+    assert spec_counts(verifier)[0] > 0 or gate["switches"].get("plain/budget", 0) >= 1, gate
+    assert gate["mode"] in (PLAIN, SPECULATE) and gate["switches"] == role.gate.switches
+    assert gate["switches"].get("speculate/probe", 0) >= 1 and gate["buckets"]["8"]["plain_tokens_per_s"] > 0
+    assert gate["buckets"]["8"]["cap_ms"] > 0 and gate["buckets"]["8"]["headroom_ms"] is not None
+    registry = verifier.metrics.registry
+    for key, count in gate["switches"].items():
+        mode, why = key.split("/")
+        assert registry.get_sample_value("splitserve_spec_gate_switches_total",
+                                         {"model": "tiny", "mode": mode, "reason": why}) == count
+    assert registry.get_sample_value("splitserve_spec_gate_speculating", {"model": "tiny"}) in (0.0, 1.0)
+    saved = registry.get_sample_value("splitserve_spec_gate_saved_seconds", {"model": "tiny"})
+    assert saved == pytest.approx(sum(b.saved_s for b in role.gate.budgets.values()), abs=1e-6)
     assert_idle_and_pages_back(verifier, drafter)

@@ -1,0 +1,65 @@
+"""How much decoding time speculation may still lose against plain decoding at one batch bucket (pure).
+
+The speculation gate (draft_mesh/speculation_gate.py) keeps the mode whose stints measured faster,
+but a stint's rate leaves out its first steps (the drafter taking the requests in, the pipeline
+refilling), and every probe of a mode that loses costs its steps whatever the rates say. The
+budget bounds what all of that costs, by measurement: each decoding step earns MARGIN of its
+seconds, and each speculating step is charged what it lost against plain decoding's measured rate
+at its bucket (its seconds minus the seconds plain decoding takes for its tokens; a step that
+gained pays back). Speculation runs only while the headroom lasts: a stint ends before a step like
+its last one would overdraw it, and a new one starts only with PROBE_FROM of the cap saved. A
+bucket starts with the cap (its first probe may cost that much) and saves no more than CAP_STEPS
+plain steps, so a stint that turns bad after winning long ends within that loss too. Over any
+stretch of decoding at one bucket, speculating then costs at most MARGIN of its time plus the cap
+(and the one step that overdrew it) against plain decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MARGIN = 0.01  # of decoding time, what speculating may lose against plain decoding in the long run
+CAP_STEPS = 2.0  # headroom saved at most, in plain steps of the bucket (also a bucket's first probe's)
+PROBE_FROM = 0.5  # of the cap, the headroom a speculating stint needs to start
+
+
+@dataclass
+class LossBudget:
+    """One bucket's headroom (seconds speculating may still lose) and what speculating saved so far."""
+
+    margin: float = MARGIN
+    cap_steps: float = CAP_STEPS
+    headroom_s: float | None = None  # None until plain decoding's step time here is measured
+    cap_s: float = 0.0
+    saved_s: float = 0.0  # net seconds speculating saved against plain decoding (negative: lost)
+    last_loss_s: float = 0.0  # what the latest speculating step lost (negative: gained)
+
+    def plain_step(self, seconds: float) -> None:
+        """Plain decoding's step time here, from the gate's latest plain stint."""
+        self.cap_s = self.cap_steps * seconds
+        self.headroom_s = self.cap_s if self.headroom_s is None else min(self.headroom_s, self.cap_s)
+
+    def step(self, seconds: float, tokens: int = 0, plain_rate: float | None = None) -> None:
+        """A decoding step took `seconds`; with `plain_rate` (tokens/s) it speculated and emitted
+        `tokens`, and is charged its loss against that rate."""
+        if self.headroom_s is None:
+            return
+        earned = self.margin * seconds
+        if plain_rate:
+            self.last_loss_s = seconds - tokens / plain_rate
+            self.saved_s -= self.last_loss_s
+            earned -= self.last_loss_s
+        self.headroom_s = min(self.headroom_s + earned, self.cap_s)
+
+    @property
+    def can_continue(self) -> bool:
+        """Another step like the last speculating one stays within the headroom."""
+        return self.headroom_s is not None and self.headroom_s - max(self.last_loss_s, 0.0) >= 0.0
+
+    @property
+    def can_start(self) -> bool:
+        """Enough headroom to start speculating (plain decoding measured here first)."""
+        return self.headroom_s is not None and self.cap_s > 0 and self.headroom_s >= PROBE_FROM * self.cap_s
+
+    def started(self) -> None:
+        self.last_loss_s = 0.0
