@@ -1,7 +1,7 @@
 """Skinny GEMMs (decode: a few rows times a weight matrix) in Triton vs cuBLAS, per Llama shape.
 
   python3 -P benchmarks/gemv_sweep.py [--sweep]
-  python3 -P benchmarks/gemv_sweep.py --rows 8 16 32 40 64 128 160 288 [--json OUT]   # row-invariant cost
+  python3 -P benchmarks/gemv_sweep.py --rows 8 16 32 40 64 128 160 288 [--json OUT]   # row-invariant path's cost
 Each candidate is timed inside a CUDA graph over enough weight copies to defeat the L2 cache,
 so the figures are HBM-bound kernel times, not launch or cache effects. Prints, per shape and
 row count, the engine's skinny kernel against cuBLAS (F.linear); with --sweep, also the best of
@@ -66,29 +66,45 @@ def engine_kernels(m: int) -> None:
 
 
 def row_invariant_cost(rows: list[int], layers: int = 32) -> list[dict]:
-    """Per row count, the skinny kernel (row-invariant: a verifier's projections up to 288 rows) against
+    """Per row count, the engine's row-invariant path in batch-invariant mode (engine/layers/skinny.py,
+    a layer limit of 288 rows: the skinny kernel up to 32 rows, the wide-tile kernel past them) against
     cuBLAS for each shape, and one step's projections of the 8B model: `layers` x (qkv, o_proj,
-    gate_up, down) + the LM head, in ms."""
+    gate_up, down) + the LM head, in ms. Where the skinny kernel runs, the wide kernel is timed too
+    (what one kernel for every row count would cost there)."""
+    from splitserve.engine.layers import skinny
+    from splitserve.engine.layers.wide_gemm_triton import row_invariant_launch, wide_gemm
+
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     report = []
     for m in rows:
-        step = {"skinny": 0.0, "cublas": 0.0}
+        small = m <= skinny.SKINNY_ROWS and skinny.SKINNY_MATCHES_WIDE  # the skinny kernel's rows
+        step = {"path": 0.0, "cublas": 0.0, "wide": 0.0}
         for name, n, k in SHAPES:
             copies = max(2, -(-(512 << 20) // (n * k * 2)))
             weights = [torch.randn(n, k, device=dev, dtype=bf16) for _ in range(copies)]
             x = torch.randn(m, k, device=dev, dtype=bf16)
-            ours = graph_time_us(lambda i, x=x, weights=weights: skinny_gemm(x, weights[i]), copies)
+            ours = graph_time_us(lambda i, x=x, weights=weights: skinny.skinny_linear(x, weights[i], max_rows=288),
+                                 copies)
             theirs = graph_time_us(lambda i, x=x, weights=weights: torch.nn.functional.linear(x, weights[i]), copies)
+            launch = row_invariant_launch(n, k, m)
+            wide = (graph_time_us(lambda i, x=x, weights=weights, launch=launch: wide_gemm(x, weights[i], None,
+                                                                                                launch), copies)
+                    if small else ours)
             times = 1 if name == "lm_head" else layers
-            step["skinny"] += times * ours / 1e3
+            step["path"] += times * ours / 1e3
             step["cublas"] += times * theirs / 1e3
-            report.append({"rows": m, "shape": name, "skinny_us": ours, "cublas_us": theirs})
-            logger.info("rows %-3d %-8s skinny %8.2f us | cuBLAS %8.2f us | ratio %.3f", m, name, ours, theirs,
-                        ours / theirs)
+            step["wide"] += times * wide / 1e3
+            report.append({"rows": m, "shape": name, "path_us": ours, "cublas_us": theirs, "wide_us": wide,
+                           "kernel": "skinny" if small else f"wide {tuple(launch)}"})
+            logger.info("rows %-3d %-8s %-6s %8.2f us | cuBLAS %8.2f us | ratio %.3f%s", m, name,
+                        "skinny" if small else "wide", ours, theirs, ours / theirs,
+                        f" | wide {wide:8.2f} us, {wide / theirs:.3f}" if small else "")
             del weights
-        report.append({"rows": m, "shape": "8b_step_ms", "skinny_us": step["skinny"], "cublas_us": step["cublas"]})
-        logger.info("rows %-3d one 8B step's projections: skinny %.3f ms | cuBLAS %.3f ms | ratio %.3f", m,
-                    step["skinny"], step["cublas"], step["skinny"] / step["cublas"])
+        report.append({"rows": m, "shape": "8b_step_ms", "path_us": step["path"], "cublas_us": step["cublas"],
+                       "wide_us": step["wide"]})
+        logger.info("rows %-3d one 8B step's projections: row-invariant path %.3f ms | cuBLAS %.3f ms | ratio %.3f"
+                    "%s", m, step["path"], step["cublas"], step["path"] / step["cublas"],
+                    f" | wide kernel {step['wide']:.3f} ms, {step['wide'] / step['cublas']:.3f}" if small else "")
     return report
 
 

@@ -7,7 +7,7 @@
 # Run from the repository root (or a copy of it). Environment:
 #   SPEC_WHEELS   folder of the grpcio/protobuf/pyzmq/starlette/uvicorn wheels (default .whl),
 #                 installed into /tmp/spec-site, ahead of the image's own
-#   SPEC_GEMV=1   first the row-invariant skinny kernel against cuBLAS at 1-288 rows
+#   SPEC_GEMV=1   first the row-invariant path (skinny kernel, wide kernel past 32 rows) against cuBLAS at 1-288 rows
 #                 (benchmarks/gemv_sweep.py --rows; gemv_rows.json)
 #   SPEC_BENCH=0  skip the benchmark (then: spec_llama-3.1-8b_h200.json, .log)
 #   SPEC_TESTS=1  last tests/engine/test_speculative_gpu.py and the skinny tests of test_gpu_path.py
@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.t
 python3 -P -c "import torch, triton, grpc, google.protobuf, zmq; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'grpc', grpc.__version__, 'protobuf', google.protobuf.__version__)" | tee -a "$out/gpu.txt"
 if [[ "${SPEC_GEMV:-0}" == 1 ]]; then
-    timeout "${SPEC_GEMV_TIMEOUT:-90}" python3 -P benchmarks/gemv_sweep.py --rows 1 8 16 32 40 64 128 160 288 \
+    timeout "${SPEC_GEMV_TIMEOUT:-90}" python3 -P benchmarks/gemv_sweep.py --rows 1 8 16 32 40 64 96 128 160 288 \
         --json "$out/gemv_rows.json" 2>&1 | tee "$out/gemv_rows.txt" | grep "8B step"
 fi
 if [[ "${SPEC_BENCH:-1}" == 1 ]]; then

@@ -48,13 +48,16 @@ class SpecConfig:
         "help": "16-bit projections of up to this many rows take the row-invariant Triton kernel, in plain "
                 "decode and verify steps alike (a verify row then has plain decoding's bits); steps with more "
                 "rows go to cuBLAS, which rounds by row count. Default 32 (1.09x cuBLAS's time on an H200); "
-                "288 covers 32 requests x (K=8 + 1) at 1.8-4x cuBLAS's time for 40-288 rows"})
-    batch_invariant_attention: bool = field(default=False, metadata={
-        "help": "decode and verify steps within --row-invariant-rows attend with one split count at every "
-                "batch (a lone sequence's), so a row's bits do not depend on which requests share its step: "
-                "greedy output with drafts is then plain decoding's bit for bit in bfloat16 at batch > 1 too, "
-                "where requests finish at different steps (GPU only; the CPU reference has no splits). Off: "
-                "the split count fills the GPU for each batch (its cost on an H200 not measured yet)"})
+                "past 32 rows they take the wide-tile kernel (--batch-invariant raises this to the largest "
+                "verify step)"})
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "batch-invariant mode: every decode and verify step up to the verifier's largest "
+                "(--max-running-requests x (K + 1) rows) takes row-invariant projections (the skinny kernel up "
+                "to 32 rows, the wide-tile kernel past them, the same bits) and attends with one split count "
+                "at every batch (a lone sequence's), so a row's bits do not depend on which requests share its "
+                "step nor on how many: greedy output with drafts is then plain decoding's bit for bit in "
+                "bfloat16 at every batch (GPU only; the CPU reference is exact already). Its cost: "
+                "benchmarks/results/NOTES-issue13.md"})
     draft_rpc_timeout_s: float = field(default=0.5, metadata={
         "help": "seconds a Join/Heartbeat call may take before the drafter counts as silent"})
     # ---- drafter (--role drafter) --------------------------------------------------------------

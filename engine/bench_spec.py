@@ -50,7 +50,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_runner import ROW_INVARIANT_ROWS, ModelRunner, build_forward_batch
+from splitserve.engine.model_runner import ModelRunner, build_forward_batch
 from splitserve.engine.model_shapes import SHAPES
 from splitserve.engine.offline import generate_tokens
 from splitserve.engine.request import Request
@@ -93,8 +93,9 @@ class SpecBenchConfig:
         "help": "the verifier's --speculation-budget-steps"})
     row_invariant_rows: int | None = field(default=None, metadata={
         "help": "the verifier's and drafters' --row-invariant-rows (default: the engine's, 32)"})
-    batch_invariant_attention: bool = field(default=False, metadata={
-        "help": "the verifier's --batch-invariant-attention (one decode split count at every batch)"})
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "the verifier's --batch-invariant (row-invariant projections up to its largest verify step, "
+                "one decode split count at every batch)"})
     cublas_plain: bool = field(default=True, metadata={
         "help": "also measure plain decoding with 16-bit rows past 16 on cuBLAS (as without a verifier)"})
     drafter_overlap: bool = field(default=True, metadata={
@@ -353,7 +354,7 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
     spec = SpecConfig(drafter=[f"127.0.0.1:{mesh_port}"], num_draft_tokens=max(cfg.ks),
                       draft_wait_ms=cfg.draft_wait_ms, row_invariant_rows=cfg.row_invariant_rows,
                       speculation_margin=cfg.speculation_margin, speculation_budget_steps=cfg.speculation_budget_steps,
-                      batch_invariant_attention=cfg.batch_invariant_attention)
+                      batch_invariant=cfg.batch_invariant)
     verifier = VerifierRole(spec, TransferConfig(transfer_control_key=KEY))
     engine = Engine(EngineConfig(model=str(folders["target"]), device=cfg.device, max_total_tokens=cfg.max_total_tokens,
                                  max_running_requests=max(cfg.batch_sizes)), role=ComposedRole("unified", [verifier]))
@@ -370,14 +371,17 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
         plain_outputs = {}
         if cfg.cublas_plain:  # plain decoding as without a verifier: 16-bit rows past 16 on cuBLAS
             report["plain_cublas"] = {}
+            rows = engine.runner.row_invariant_rows
             set_row_invariant_rows(engine, 16)
+            set_batch_invariant_attention(engine, False)  # and plain decoding's attention splits
             warm_up()
             for b in cfg.batch_sizes:
                 r = decode_run(engine, prompts[b], cfg.output_len)
                 r.pop("outputs")
                 report["plain_cublas"][b] = r
                 logger.info("plain batch %d, cuBLAS past 16 rows: %.1f tok/s", b, r["tokens_per_s"])
-            set_row_invariant_rows(engine, verifier.spec.row_invariant_rows or ROW_INVARIANT_ROWS)
+            set_row_invariant_rows(engine, rows)
+            set_batch_invariant_attention(engine, cfg.batch_invariant)
             warm_up()
         for b in cfg.batch_sizes:
             r = decode_run(engine, prompts[b], cfg.output_len)

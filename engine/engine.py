@@ -152,16 +152,20 @@ class Engine:
     # ---- called from any thread -------------------------------------------------------------
 
     def prepare_speculation(self, max_draft_tokens: int, row_invariant_rows: int | None = None,
-                            batch_invariant_attention: bool = False) -> None:
+                            batch_invariant: bool = False) -> None:
         """Readies verify steps for drafts of up to `max_draft_tokens` (a behaviour that offers drafts calls
         it before the loop starts): 16-bit projections of up to `row_invariant_rows` rows (default
         ROW_INVARIANT_ROWS; 16: cuBLAS past one tile), plain decode steps' too, take the row-invariant
-        kernel (a verify row then has plain decoding's bits), with `batch_invariant_attention` those
-        steps attend with one split count at every batch (a row's bits then do not depend on which
-        requests share its step: engine/layers/decode_splits.py), and the verify step's CUDA graphs are
-        captured (without them verify steps run eagerly)."""
-        self.use_row_invariant_rows(row_invariant_rows)
-        self.runner.set_batch_invariant_attention(batch_invariant_attention, self.kv.page_table, self.kv.padding_slot)
+        kernel (a verify row then has plain decoding's bits); `batch_invariant` raises those rows to the
+        largest verify step (max_running_requests x (K + 1)) and has those steps attend with one split
+        count at every batch (a row's bits then depend neither on which requests share its step nor on
+        how many: engine/layers/decode_splits.py); and the verify step's CUDA graphs are captured
+        (without them verify steps run eagerly)."""
+        rows = ROW_INVARIANT_ROWS if row_invariant_rows is None else row_invariant_rows
+        if batch_invariant:
+            rows = max(rows, self.cfg.max_running_requests * (max_draft_tokens + 1))
+        self.use_row_invariant_rows(rows)
+        self.runner.set_batch_invariant_attention(batch_invariant, self.kv.page_table, self.kv.padding_slot)
         self.runner.capture_verify_graphs(self.kv.page_table, self.kv.padding_slot, max_draft_tokens)
 
     def use_row_invariant_rows(self, rows: int | None = None) -> None:

@@ -48,8 +48,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     skinny_rows = skinny.MAX_ROWS
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = (skinny.skinny_linear(hidden, self.weight) if skinny.fits(hidden, self.skinny_rows)
-                  else nn.functional.linear(hidden, self.weight))
+        if skinny.fits(hidden, self.skinny_rows):
+            logits = skinny.skinny_linear(hidden, self.weight, max_rows=self.skinny_rows)
+        else:
+            logits = nn.functional.linear(hidden, self.weight)
         logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]
 

@@ -56,7 +56,7 @@ class ColumnParallelLinear(nn.Module):
         # Decode-sized rows through the skinny kernel too: cuBLAS picks its kernel (and its rounding)
         # by the row count, so a verify step's rows would differ from plain decoding's.
         if skinny.fits(x, self.skinny_rows):
-            return skinny.skinny_linear(x, self.weight, self.bias)
+            return skinny.skinny_linear(x, self.weight, self.bias, self.skinny_rows)
         return nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -88,7 +88,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Long K (o_proj, down_proj): at decode sizes cuBLAS splits it and adds a reduction kernel.
         if skinny.fits(x, self.skinny_rows):
-            y = skinny.skinny_linear(x, self.weight)
+            y = skinny.skinny_linear(x, self.weight, max_rows=self.skinny_rows)
         else:
             y = nn.functional.linear(x, self.weight)
         y = self.tp.all_reduce(y)

@@ -1,16 +1,24 @@
-"""Projections of 64-512 rows in Triton with output tiles chosen per launch: an experiment, not on
-the engine's path.
+"""Projections of 33-512 rows in Triton with output tiles chosen per launch: the row-invariant path past
+the skinny kernel's range (engine/layers/skinny.py), used where a verifier raises its row-invariant
+rows past 32 (batch-invariant mode).
 
-The idea (issue 16): at 256 rows a decode step's projections are compute-bound, and cuBLAS's large
-tiles might leave an H200's 132 SMs short of a wave (a 256 x 4096 output in 128 x 128 tiles is 64
-programs), so 64-row tiles (Hopper's wgmma) or split-K could fill it. Measured on the H200
-(benchmarks/wide_gemm_sweep.py, 16 launches against cuBLAS in the same run, NOTES-issue16.md):
-cuBLAS was faster at 128-512 rows for every Llama-3.1-8B projection (the best launch took 1.04-1.37x
-its time); only at 64 rows did one win (gate_up 0.93x, lm_head 0.90x). So the engine keeps cuBLAS.
+The first idea (issue 16): at 256 rows a decode step's projections are compute-bound, and cuBLAS's
+large tiles might leave an H200's 132 SMs short of a wave, so 64-row tiles (Hopper's wgmma) or
+split-K could fill it. Measured on the H200 (benchmarks/wide_gemm_sweep.py, 16 launches against
+cuBLAS in the same run, NOTES-issue16.md): cuBLAS was faster at 128-512 rows for every
+Llama-3.1-8B projection (the best launch took 1.04-1.37x its time); only at 64 rows did one win
+(gate_up 0.93x, lm_head 0.90x). So plain decoding keeps cuBLAS.
+
+What the same sweep showed about rounding: every launch without a split of K gave exactly cuBLAS's
+bits wherever cuBLAS did not split K itself (all of qkv, o_proj, gate_up and lm_head at 64-512
+rows; down_proj at 512), whatever its tile (64 or 128 rows, 32-256 columns, 64 or 128 of K a step,
+4 or 8 warps): each output is the same chain of 16-deep tensor-core products over K in order. So a
+row's bits depend neither on the launch nor on the row count, and `row_invariant_launch` may pick
+the fastest unsplit launch per row count. cuBLAS's own dependence on M is its choice of split-K.
 
 A launch may split K into a few slices (split-K), each written as float32 partial sums and added by a
-second kernel in slice order: no atomics, so the result is deterministic (the same bits every run).
-It is not row-invariant: a row's rounding depends on the launch.
+second kernel in slice order: no atomics, so the result is deterministic (the same bits every run),
+but not the bits of an unsplit launch: the row-invariant path never splits.
 """
 
 from __future__ import annotations
@@ -36,6 +44,34 @@ class WideLaunch(NamedTuple):
 def launch_fits(launch: WideLaunch, k: int) -> bool:
     """Whether the tiling covers K exactly (each slice a whole number of block_k steps)."""
     return k % (launch.block_k * launch.split) == 0
+
+
+# The fastest unsplit launch of the H200 sweep (wide_gemm_sweep_h200.json) per Llama-3.1-8B projection
+# (N, K) and row count: up to 64, 128, 256 rows, and more.
+ROW_BUCKETS = (64, 128, 256)
+_NARROW = WideLaunch(64, 32, 128, 4, 4)
+_MID = WideLaunch(64, 64, 128, 4, 4)
+_WIDE = WideLaunch(64, 128, 64, 4, 4)
+_WIDE_DEEP = WideLaunch(64, 128, 64, 4, 5)
+_BIG = WideLaunch(128, 128, 64, 4, 4)
+ROW_INVARIANT_LAUNCHES: dict[tuple[int, int], tuple[WideLaunch, WideLaunch, WideLaunch, WideLaunch]] = {
+    (6144, 4096): (_MID, _WIDE_DEEP, _WIDE, _BIG),  # qkv
+    (4096, 4096): (_NARROW, _MID, _WIDE_DEEP, _BIG),  # o_proj
+    (28672, 4096): (_WIDE, _BIG, _BIG, _BIG),  # gate_up
+    (4096, 14336): (_NARROW, _MID, _WIDE_DEEP, _BIG),  # down_proj
+    (128256, 4096): (_WIDE_DEEP, _BIG, _BIG, _BIG),  # lm_head
+}
+_OTHER = WideLaunch(64, 64, 64, 4, 4)  # any other shape whose K is a multiple of 64
+
+
+def row_invariant_launch(n: int, k: int, rows: int) -> WideLaunch | None:
+    """The unsplit launch for `rows` rows of an N x K projection (None: K fits no launch here; the
+    skinny kernel then takes every row count)."""
+    bucket = sum(rows > b for b in ROW_BUCKETS)
+    measured = ROW_INVARIANT_LAUNCHES.get((n, k))
+    if measured is not None:
+        return measured[bucket]
+    return _OTHER if launch_fits(_OTHER, k) else None
 
 
 # M is not specialized on: one compiled kernel per launch serves every row count (the sweep

@@ -24,7 +24,9 @@ once; they re-sync to another drafter, or to the same one when it is joined agai
 repetition, frequency or presence penalties are not speculated (their verification would not be
 exact), nor are requests a drafter quarantined. 16-bit projections of up to --row-invariant-rows rows
 (default 32) run on a row-invariant kernel, plain decode steps' too, so those verify steps' rows have
-plain decoding's bits (engine/layers/skinny_gemm_triton.py).
+plain decoding's bits (engine/layers/skinny.py); --batch-invariant makes every step up to the largest
+verify step row-invariant and its attention batch-invariant, so greedy output with drafts is plain
+decoding's in bfloat16 at every batch.
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ class VerifierRole(Role):
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
         engine.prepare_speculation(self.spec.num_draft_tokens, self.spec.row_invariant_rows,
-                                   self.spec.batch_invariant_attention)
+                                   self.spec.batch_invariant)
         self.metrics = engine.metrics
         self.zmq = zmq.Context()
         self.tail_socket = self.zmq.socket(zmq.PULL)

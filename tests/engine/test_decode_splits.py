@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.layers.decode_splits import MAX_SPLITS, batch_invariant_splits, num_splits_for, step_splits
+from splitserve.engine.layers.decode_splits import (
+    BATCH_INVARIANT_SPLITS,
+    MAX_SPLITS,
+    batch_invariant_splits,
+    num_splits_for,
+    step_splits,
+)
 
 BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 256)
 
@@ -23,7 +29,8 @@ def test_plain_decoding_rounds_by_batch_which_batch_invariant_mode_does_not() ->
     plain = {step_splits(b, kv_heads, batch_invariant=False, rows_invariant=True) for b in BATCHES}
     invariant = {step_splits(b, kv_heads, batch_invariant=True, rows_invariant=True) for b in BATCHES}
     assert len(plain) > 1
-    assert invariant == {batch_invariant_splits(kv_heads)} == {num_splits_for(1, kv_heads)}
+    assert invariant == {batch_invariant_splits(kv_heads)} == {BATCH_INVARIANT_SPLITS}
+    assert batch_invariant_splits(64) == num_splits_for(1, 64) < BATCH_INVARIANT_SPLITS  # never more than alone
 
 
 def test_steps_past_the_row_invariant_limit_keep_plain_decodings_count() -> None:

@@ -221,6 +221,38 @@ def test_skinny_gemm_matches_torch_and_a_row_does_not_depend_on_the_others(rows:
     assert torch.equal(skinny.skinny_linear(x[:1], weight, bias), y[:1])
 
 
+LLAMA_8B_PROJECTIONS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+
+
+@pytest.mark.parametrize("n,k", LLAMA_8B_PROJECTIONS, ids=["qkv", "o_proj", "gate_up", "down", "lm_head"])
+def test_a_row_invariant_row_has_the_same_bits_at_every_row_count_from_1_to_300(n: int, k: int) -> None:
+    """The row-invariant path of a layer whose limit is 300 rows (the skinny kernel up to 32 rows, the
+    wide kernel's launch per row count past them) gives a row the same bits whatever the row count and
+    its place among the rows: 1..300 rows from the first, and slices that start inside a tile,
+    against the 300-row product."""
+    from splitserve.engine.layers import skinny
+    from splitserve.engine.layers.skinny_gemm_triton import skinny_gemm
+
+    torch.manual_seed(0)
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    weight = torch.randn(n, k, **bf16) / k**0.5
+    x = torch.randn(300, k, **bf16)
+
+    def path(rows: torch.Tensor) -> torch.Tensor:
+        return skinny.skinny_linear(rows, weight, max_rows=300)
+
+    y = path(x)
+    torch.testing.assert_close(y.double(), x.double() @ weight.double().T, atol=2e-2, rtol=2e-2)
+    differ = [m for m in range(1, 301) if not torch.equal(path(x[:m]), y[:m])]
+    moved = [(start, m) for start, m in ((7, 1), (7, 25), (37, 40), (5, 96), (100, 160), (12, 288))
+             if not torch.equal(path(x[start:start + m]), y[start:start + m])]
+    skinny_vs_wide = int((skinny_gemm(x[:32], weight) != y[:32]).sum())
+    print(f"\n{n} x {k}: row counts whose rows differ from the 300-row product: {differ or 'none'}; "
+          f"slices: {moved or 'none'}; skinny kernel's 32 rows vs the path's: {skinny_vs_wide} values differ "
+          f"(skinny kernel {'up to 32 rows' if skinny.SKINNY_MATCHES_WIDE else 'unused'} here)")
+    assert not differ and not moved
+
+
 # Wide-tile launches: 64-row tiles, 128-row tiles with K in two slices, narrow tiles with K in two slices.
 WIDE_LAUNCHES = [(64, 128, 64, 4, 4, 1), (128, 64, 64, 4, 4, 2), (64, 64, 128, 4, 4, 2)]
 

@@ -1,17 +1,18 @@
 """Speculative decoding on the GPU: a verify step's rows are computed with plain decoding's numerics.
 
 A verify step runs each request's K+1 positions as decode rows (the paged decode kernel, the
-split count of plain decoding's batch, the skinny kernel's row tiles), through CUDA graphs. Every
+split count of plain decoding's batch, the row-invariant projections), through CUDA graphs. Every
 row count gives a row the same bits, float32 and bfloat16 (here 16-bit projections of up to 288
-rows take the row-invariant skinny kernel, not cuBLAS, which rounds by row count; the engine's
-default is 32), so greedy output with drafts is plain decoding's at every batch size (`-s` prints
-how many requests match). In the first tests the oracle's requests all advance alike (each step every
-request accepts as many drafts), so each position is computed in a batch of the same size as in plain
-decoding: the decode attention's split count depends on the batch. The last ones let requests
-advance at different rates (other lengths, other K, wrong drafts for some), so that their late
-positions are computed beside other requests than in plain decoding, with batch-invariant attention
-(one split count at every batch: engine/layers/decode_splits.py), and check a row's attention bits
-alone and in a batch.
+rows take the row-invariant path, the skinny kernel to 32 rows and the wide kernel past them, not
+cuBLAS, which rounds by row count; the engine's default is 32), so greedy output with drafts is
+plain decoding's at every batch size (`-s` prints how many requests match). In the first tests
+the oracle's requests all advance alike (each step every request accepts as many drafts), so each
+position is computed in a batch of the same size as in plain decoding: the decode attention's split
+count depends on the batch. The last ones let requests advance at different rates (other lengths,
+other K, wrong drafts for some), so that their late positions are computed beside other requests
+than in plain decoding, in batch-invariant mode (`--batch-invariant`: the row-invariant path up to
+the largest verify step, one attention split count at every batch: engine/layers/decode_splits.py),
+and check a row's attention bits alone and in a batch.
 
 Runs only where CUDA is (the lent H200s); CI has no GPU and skips it.
 """
@@ -43,16 +44,18 @@ class OracleDrafts(Role):
     `wrong_every`-th one replaced by a wrong token; K = 0 offers nothing (plain decoding).
     `plans` gives a request (by prompt) its own (K, wrong_every) while K > 0."""
 
-    def __init__(self, max_k: int, batch_invariant_attention: bool = False) -> None:
+    def __init__(self, max_k: int, batch_invariant: bool = False) -> None:
         self.max_k, self.k, self.wrong_every = max_k, 0, 0
-        self.batch_invariant_attention = batch_invariant_attention
+        self.batch_invariant = batch_invariant
         self.continuations: dict[tuple[int, ...], list[int]] = {}
         self.plans: dict[tuple[int, ...], tuple[int, int]] = {}
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
-        engine.prepare_speculation(self.max_k, row_invariant_rows=32 * (self.max_k + 1),
-                                   batch_invariant_attention=self.batch_invariant_attention)
+        # 16-bit projections of up to 32 x (K + 1) rows on the row-invariant path; batch-invariant mode
+        # derives that count itself (max_running_requests x (K + 1)).
+        rows = None if self.batch_invariant else 32 * (self.max_k + 1)
+        engine.prepare_speculation(self.max_k, row_invariant_rows=rows, batch_invariant=self.batch_invariant)
 
     def allows_overlap(self) -> bool:
         return not self.k  # a draft follows a token known on the host
@@ -244,21 +247,22 @@ def generate_together(engine: Engine, prompts: list[list[int]], params: list[Sam
 
 @pytest.mark.parametrize("batch", [8, 32])
 def test_bfloat16_greedy_output_with_drafts_at_different_rates_is_plain_decodings(target: Path, batch: int) -> None:
-    """Requests of different lengths (8 to 40 tokens), some with right drafts (K = 2, 4 or 8) and
-    some with every third draft wrong: with drafts they finish at other steps than without, so their
-    late positions are computed beside other requests, in batches of other sizes. With batch-invariant
-    attention (one split count at every batch) and every projection on the row-invariant kernel
-    (288 rows), greedy output is still plain decoding's, token for token."""
+    """Requests of different lengths (8 to 40 tokens), with K = 2, 4 or 8 (each K for all of them, then
+    the three mixed), half with every third draft wrong: with drafts they finish at other steps than
+    without, so their late positions are computed beside other requests, in batches and verify steps
+    of other sizes. In batch-invariant mode (every projection of up to 32 x 9 = 288 rows on the
+    row-invariant path, one attention split count at every batch) greedy output is still plain
+    decoding's, token for token, in every run."""
     from splitserve.engine.layers.decode_splits import batch_invariant_splits, num_splits_for
 
-    oracle = OracleDrafts(max_k=8, batch_invariant_attention=True)
+    oracle = OracleDrafts(max_k=8, batch_invariant=True)
     engine = Engine(EngineConfig(model=str(target), device="cuda", dtype="bfloat16", max_total_tokens=32768,
                                  max_running_requests=32, disable_prefix_cache=True),
                     role=ComposedRole("unified", [oracle]))
     engine.start()
     try:
         kv_heads = engine.runner.model.layers[0].self_attn.num_kv_heads
-        assert engine.runner.batch_invariant_attention
+        assert engine.runner.batch_invariant_attention and engine.runner.row_invariant_rows == 32 * 9
         for requests, rows in ((1, 1), (8, 8), (32, 32), (8, 72), (32, 288)):
             assert engine.runner.decode_splits_for(requests, rows) == batch_invariant_splits(kv_heads)
         assert engine.runner.decode_splits_for(32, 289) == num_splits_for(32, kv_heads)
@@ -269,18 +273,23 @@ def test_bfloat16_greedy_output_with_drafts_at_different_rates_is_plain_decoding
         plain = generate_together(engine, prompts, params)
         assert [len(o) for o in plain] == [p.max_new_tokens for p in params]
         oracle.continuations = {tuple(p): o for p, o in zip(prompts, plain, strict=True)}
-        oracle.plans = {tuple(p): ((2, 4, 8)[i % 3], 0 if i % 2 == 0 else 3) for i, p in enumerate(prompts)}
-        oracle.k = 8
-        drafted = engine.metrics.spec_draft_tokens._value.get()
-        accepted = engine.metrics.spec_accepted_tokens._value.get()
-        drafts = generate_together(engine, prompts, params)
-        drafted = engine.metrics.spec_draft_tokens._value.get() - drafted
-        accepted = engine.metrics.spec_accepted_tokens._value.get() - accepted
-        oracle.k = 0
-        print(f"\nbfloat16 batch {batch}, different rates, batch-invariant attention: "
-              f"{match_report(plain, {'drafts': drafts})}; {accepted:.0f} of {drafted:.0f} drafts accepted")
-        assert 0 < accepted < drafted  # right drafts accepted, wrong ones not
-        assert drafts == plain
+        runs = []
+        for name, ks in (("K=2", (2,)), ("K=4", (4,)), ("K=8", (8,)), ("K=2/4/8", (2, 4, 8))):
+            oracle.plans = {tuple(p): (ks[i % len(ks)], 0 if i % 2 == 0 else 3) for i, p in enumerate(prompts)}
+            oracle.k = 8
+            drafted = engine.metrics.spec_draft_tokens._value.get()
+            accepted = engine.metrics.spec_accepted_tokens._value.get()
+            drafts = generate_together(engine, prompts, params)
+            drafted = engine.metrics.spec_draft_tokens._value.get() - drafted
+            accepted = engine.metrics.spec_accepted_tokens._value.get() - accepted
+            oracle.k = 0
+            runs.append((name, drafts, accepted, drafted))
+        print(f"\nbfloat16 batch {batch}, different rates, batch-invariant mode: " + "; ".join(
+            f"{name}: {match_report(plain, {'drafts': out})}, {a:.0f} of {d:.0f} drafts accepted"
+            for name, out, a, d in runs))
+        for name, drafts, accepted, drafted in runs:
+            assert 0 < accepted < drafted, name  # right drafts accepted, wrong ones not
+            assert drafts == plain, name
         usage = engine.kv.usage()
         assert usage.free + usage.cached == start.free + start.cached and usage.slots_in_use == 0
     finally:
