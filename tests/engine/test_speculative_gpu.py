@@ -248,7 +248,9 @@ def generate_together(engine: Engine, prompts: list[list[int]], params: list[Sam
 @pytest.mark.parametrize("batch", [8, 32])
 def test_bfloat16_greedy_output_with_drafts_at_different_rates_is_plain_decodings(target: Path, batch: int) -> None:
     """Requests of different lengths (8 to 40 tokens), with K = 2, 4 or 8 (each K for all of them, then
-    the three mixed), half with every third draft wrong: with drafts they finish at other steps than
+    the three mixed), half with a wrong draft every min(3, K) positions (K=2 with every third wrong
+    would never offer one: its steps advance 3 positions, and the wrong ones fall on the token the
+    step itself samples): with drafts they finish at other steps than
     without, so their late positions are computed beside other requests, in batches and verify steps
     of other sizes. In batch-invariant mode (every projection of up to 32 x 9 = 288 rows on the
     row-invariant path, one attention split count at every batch) greedy output is still plain
@@ -275,7 +277,8 @@ def test_bfloat16_greedy_output_with_drafts_at_different_rates_is_plain_decoding
         oracle.continuations = {tuple(p): o for p, o in zip(prompts, plain, strict=True)}
         runs = []
         for name, ks in (("K=2", (2,)), ("K=4", (4,)), ("K=8", (8,)), ("K=2/4/8", (2, 4, 8))):
-            oracle.plans = {tuple(p): (ks[i % len(ks)], 0 if i % 2 == 0 else 3) for i, p in enumerate(prompts)}
+            k_of = {tuple(p): ks[i % len(ks)] for i, p in enumerate(prompts)}
+            oracle.plans = {p: (k, 0 if i % 2 == 0 else min(3, k)) for i, (p, k) in enumerate(k_of.items())}
             oracle.k = 8
             drafted = engine.metrics.spec_draft_tokens._value.get()
             accepted = engine.metrics.spec_accepted_tokens._value.get()
