@@ -173,10 +173,11 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
 # Rows per request (K+1) of the verify graphs: a step's longest draft is padded up to the next.
 VERIFY_ROWS = (2, 3, 5, 9, 17)
 MAX_VERIFY_GRAPH_ROWS = 1024  # graphs up to this many rows; bigger verify steps run eagerly
-# 16-bit projections of up to this many rows take the row-invariant kernel on a verifier and a drafter.
-# On an H200 (benchmarks/gemv_sweep.py --rows) it costs one 8B step's projections 1.09x cuBLAS's time
-# at 32 rows, but 1.8x at 40-64, 2.6x at 128 and 3.9-4.0x at 160-288: bigger steps go to cuBLAS,
-# whose rounding depends on the row count (--row-invariant-rows raises this, at that cost).
+# 16-bit projections of up to this many rows take the row-invariant path on a verifier and a drafter.
+# On an H200 (benchmarks/gemv_sweep.py --rows) it costs one 8B step's projections 1.10x cuBLAS's time
+# at 32 rows, and past 32 (the wide-tile kernel) 1.06-1.16x at 40-96 and 1.52x at 160-288: bigger
+# steps go to cuBLAS, whose rounding depends on the row count (--row-invariant-rows and
+# --batch-invariant raise this, at that cost).
 ROW_INVARIANT_ROWS = 32
 
 
