@@ -7,7 +7,10 @@ copy, padding the batch up to the bucket with rows that read and write only the 
 page, and replays. Everything a decode step does on the device is inside the graph: the
 relay merge (a token id of -1 is the slot's token sampled by the step before, still on the
 device), the KV locations from the page table, the model, the greedy argmax and the relay
-write of that argmax. So a greedy step costs one copy in, one replay and one copy out.
+write of that argmax. So a greedy step costs one copy in, one replay and one copy out. The
+graph keeps the logits as its `forward` returns them: plain decode graphs take the model's dtype
+(the argmax of bfloat16 logits is the argmax of their float32 copy) and a sampling step casts
+after the replay, so greedy steps never write the float32 copy.
 
 Verify steps (issue 13) have graphs of their own: `rows_per_request` R = K+1 rows per request
 (a request's last token and its drafts, each a decode row at its own position; requests with
@@ -113,8 +116,8 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= bsz)
 
     def replay(self, ids: list[int], positions: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B*R, V] and their argmax [B*R] of a step given as host lists of R rows per request
-        (-1 ids: from the relay)."""
+        """Logits [B*R, V] (in the dtype the graph's forward gave them) and their argmax [B*R] of a step
+        given as host lists of R rows per request (-1 ids: from the relay)."""
         rows = len(ids)
         bucket = self._bucket(rows // self.rows_per_request)
         pad = bucket * self.rows_per_request - rows
@@ -124,7 +127,7 @@ class DecodeGraphs:
         return self.logits[bucket][:rows], self.argmax[bucket][:rows]
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] of a decode batch already on the device (how tensor-parallel ranks get theirs)."""
+        """Float32 logits [B, V] of a decode batch already on the device (how tensor-parallel ranks get theirs)."""
         bsz = batch.batch_size
         bucket = self._bucket(bsz)
         inputs = self.inputs[bucket]
@@ -134,4 +137,4 @@ class DecodeGraphs:
             inputs[:2, bsz:].zero_()
             inputs[2, bsz:].fill_(self.padding_slot)
         self.graphs[bucket].replay()
-        return self.logits[bucket][:bsz]
+        return self.logits[bucket][:bsz].float()

@@ -82,12 +82,18 @@ def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.
     Token ids of -1 are taken from `relay[slot]`, the device buffer of each slot's latest token.
     `rows_share_slots`: several rows are positions of one sequence (a verify step).
     """
-    if relay is not None:
-        input_ids = torch.where(input_ids >= 0, input_ids, relay[slots])
-    pages = page_table[slots, positions // page_size].long()
+    if input_ids.is_cuda:  # one kernel for what is ten small ones in torch (every decode step runs it)
+        from splitserve.engine.layers.fused_triton import decode_inputs
+        input_ids, out_cache_loc, seq_lens, logits_index = decode_inputs(input_ids, positions, slots, page_table,
+                                                                         page_size, relay)
+    else:
+        if relay is not None:
+            input_ids = torch.where(input_ids >= 0, input_ids, relay[slots])
+        pages = page_table[slots, positions // page_size].long()
+        out_cache_loc, seq_lens = pages * page_size + positions % page_size, positions + 1
+        logits_index = torch.arange(input_ids.shape[0], device=input_ids.device)
     return ForwardBatch(
-        input_ids=input_ids, positions=positions, out_cache_loc=pages * page_size + positions % page_size,
-        seq_lens=positions + 1, logits_index=torch.arange(input_ids.shape[0], device=input_ids.device),
-        slots=slots, page_table=page_table, page_size=page_size, rows_share_slots=rows_share_slots,
-        decode_splits=decode_splits,
+        input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
+        logits_index=logits_index, slots=slots, page_table=page_table, page_size=page_size,
+        rows_share_slots=rows_share_slots, decode_splits=decode_splits,
     )

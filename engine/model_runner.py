@@ -338,7 +338,7 @@ class ModelRunner:
         if argmax is not None and all(c.request.params.wants_argmax_only for c in sampled):
             # The graph took the argmax and wrote it to the relay already.
             return PendingStep(sampled, self._to_host(argmax), None, None, self._record_done())
-        out = self.sample(logits, sampled)
+        out = self.sample(logits.float(), sampled)  # a decode graph's logits are in the model's dtype
         self.next_tokens[to_device([c.request.slot for c in sampled], torch.int64, self.device)] = out.tokens
         tokens = self._to_host(out.tokens)
         logprobs = self._to_host(out.logprobs) if out.logprobs is not None else None
@@ -487,9 +487,10 @@ class ModelRunner:
         """Captures decode CUDA graphs (GPU only, unless --disable-cuda-graph)."""
         if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
             return
-        graphs = DecodeGraphs(lambda b: self.model(b, self.kv_pool), page_table, self.cfg.page_size, padding_slot,
-                              min(self.cfg.max_running_requests, self.cfg.cuda_graph_max_batch), self.device,
-                              self.next_tokens, decode_splits=self.decode_splits_for)
+        # The graphs keep the model's dtype: the argmax needs no float32 copy (sampling steps cast after).
+        graphs = DecodeGraphs(lambda b: self.model.logits(b, self.kv_pool), page_table, self.cfg.page_size,
+                              padding_slot, min(self.cfg.max_running_requests, self.cfg.cuda_graph_max_batch),
+                              self.device, self.next_tokens, decode_splits=self.decode_splits_for)
         graphs.capture()
         self.decode_graphs = graphs
 

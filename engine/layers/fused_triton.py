@@ -1,10 +1,11 @@
 """Fused elementwise kernels for CUDA, in Triton: what would otherwise be dozens of tiny kernels.
 
 A decode step of an 8B model runs about a thousand small elementwise kernels in plain torch
-(casts, the RMSNorm reduction, RoPE's halves, the KV scatter, SwiGLU on strided halves);
-each costs a microsecond or more even inside a CUDA graph, and in prefill the strided ones
-run far below bandwidth. These kernels do each step in one pass and round exactly where the
-torch reference rounds, so both paths agree to the last bit in bfloat16 wherever possible.
+(casts, the RMSNorm reduction, RoPE's halves, the KV scatter, SwiGLU on strided halves, the
+decode batch's index arithmetic); each costs a microsecond or more even inside a CUDA graph,
+and in prefill the strided ones run far below bandwidth. These kernels do each step in one pass
+and round exactly where the torch reference rounds, so both paths agree to the last bit in
+bfloat16 wherever possible.
 """
 
 from __future__ import annotations
@@ -154,3 +155,37 @@ def merge_splits(acc: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> to
                                        lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,
                                        SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim)
     return out
+
+
+@triton.jit
+def _decode_inputs_kernel(Ids, Pos, Slots, Relay, PageTable, IdsOut, Loc, SeqLens, LogitsIndex, stride_pt,
+                          page_size, N, HAS_RELAY: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    ids = tl.load(Ids + i, mask=m, other=0)
+    pos = tl.load(Pos + i, mask=m, other=0)
+    slot = tl.load(Slots + i, mask=m, other=0)
+    if HAS_RELAY:
+        relayed = tl.load(Relay + slot, mask=m & (ids < 0), other=0)
+        ids = tl.where(ids >= 0, ids, relayed)
+    page = tl.load(PageTable + slot * stride_pt + pos // page_size, mask=m, other=0).to(tl.int64)
+    tl.store(IdsOut + i, ids, mask=m)
+    tl.store(Loc + i, page * page_size + pos % page_size, mask=m)
+    tl.store(SeqLens + i, pos + 1, mask=m)
+    tl.store(LogitsIndex + i, i.to(tl.int64), mask=m)
+
+
+def decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
+                  page_size: int, relay: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode batch's (token ids, KV locations, KV lengths, logits rows), int64 [B] each, in one kernel:
+    ids of -1 taken from `relay[slot]`, each row's KV location from its page (positions are >= 0)."""
+    assert page_table.stride(1) == 1
+    n = input_ids.shape[0]
+    ids, loc, seq_lens, logits_index = torch.empty(4, n, dtype=torch.int64, device=input_ids.device).unbind(0)
+    if n:
+        block = 256
+        _decode_inputs_kernel[(triton.cdiv(n, block),)](
+            input_ids, positions, slots, relay if relay is not None else input_ids, page_table, ids, loc, seq_lens,
+            logits_index, page_table.stride(0), page_size, n, HAS_RELAY=relay is not None, BLOCK=block, num_warps=4)
+    return ids, loc, seq_lens, logits_index

@@ -134,10 +134,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (float32) of the tokens at `batch.logits_index`; `input_embeds` replaces the token
         embeddings; a multimodal prompt's image rows (`batch.image_rows`) go over either."""
+        return self.logits(batch, kv, input_embeds).float()
+
+    def logits(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The same logits in the model's dtype: a decode graph takes their argmax (the same index as the
+        float32 copy's) without writing and reading that copy, 0.2 GB a step at 256 rows of a 128k vocabulary."""
         hidden = self.hidden_states(batch, kv, input_embeds)
         if not batch.is_decode:  # a decode batch wants every row's logits: no gather
             hidden = hidden[batch.logits_index]
-        return self.lm_head.compute_logits(hidden).float()
+        return self.lm_head.compute_logits(hidden)
 
     def weight_targets(self) -> dict[str, tuple[nn.Module, int]]:
         """Maps every checkpoint tensor name this model needs to (module, shard index)."""

@@ -77,6 +77,9 @@ class LlavaForConditionalGeneration(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         return self.language_model(batch, kv, input_embeds)
 
+    def logits(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model.logits(batch, kv, input_embeds)
+
     @staticmethod
     def checkpoint_name(name: str) -> str:
         for old, new in LAYOUT_RENAMES:

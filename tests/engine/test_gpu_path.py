@@ -102,6 +102,25 @@ def test_fused_rope_and_kv_store_match_torch() -> None:
     assert torch.equal(caches[3], caches[1])
 
 
+@pytest.mark.parametrize("rows", [1, 7, 256, 300])
+def test_fused_decode_inputs_match_the_torch_index_arithmetic(rows: int) -> None:
+    from splitserve.engine.forward_batch import decode_batch
+
+    gen = torch.Generator().manual_seed(rows)
+    slots = torch.randint(0, 9, (rows,), generator=gen)
+    positions = torch.randint(0, 16 * 12, (rows,), generator=gen)
+    ids = torch.randint(-1, 50, (rows,), generator=gen)  # -1: the relay's token
+    page_table = torch.randint(0, 1000, (10, 12), generator=gen, dtype=torch.int32)
+    relay = torch.randint(0, 50, (10,), generator=gen)
+    for r in (relay, None):
+        want = decode_batch(ids, positions, slots, page_table, 16, r)  # the torch path, on the CPU
+        got = decode_batch(ids.cuda(), positions.cuda(), slots.cuda(), page_table.cuda(), 16,
+                           r.cuda() if r is not None else None)
+        for name in ("input_ids", "out_cache_loc", "seq_lens", "logits_index"):
+            assert getattr(got, name).dtype == torch.int64
+            assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+
+
 def greedy_tokens(folder: Path, prompts: list[list[int]], **cfg) -> list[list[int]]:
     engine = Engine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=4,
                                  max_total_tokens=8192, max_running_requests=16, **cfg))
@@ -203,6 +222,18 @@ def test_triton_argmax_matches_torch_with_ties_to_the_first_index() -> None:
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
     assert argmax_rows(logits).tolist()[:3] == [70000, 5, 128255]
     assert argmax_rows(logits[:0]).shape == (0,)
+
+
+def test_argmax_of_bfloat16_logits_is_the_argmax_of_their_float32_copy() -> None:
+    # Decode graphs take the argmax of the LM head's bfloat16 logits, not of the float32 copy.
+    from splitserve.engine.sampling.greedy import argmax_tokens
+
+    torch.manual_seed(1)
+    logits = torch.randn(256, 128256, device="cuda").to(torch.bfloat16)
+    logits[0, 70000] = logits[0, 90000] = 30.0  # ties, which bfloat16 makes common
+    logits[1, 7] = logits[1, 4100] = 30.0
+    assert torch.equal(argmax_tokens(logits), argmax_tokens(logits.float()))
+    assert argmax_tokens(logits).tolist()[:2] == [70000, 7]
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 40, 160])

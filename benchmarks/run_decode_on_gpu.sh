@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# gpu-decode's H200 call (issue 16, the 256-row decode step): the step's per-kernel profile on main's code
+# (A, the checkout the device tool sends) and on this branch (B, copied to .gpuwt/gpu-decode), the GPU tests of
+# what B changes, then benchmarks/engine_loads.py on A and on B. Logs and JSON go to $OUT (8 files at most).
+#   benchmarks/run_decode_on_gpu.sh            (from main's checkout, on the device machine)
+set -uo pipefail
+out=${OUT:?}
+b=${B_TREE:-.gpuwt/gpu-decode}
+log=$out/log.txt
+t0=$(date +%s)
+mark() { echo "== $1 at $(( $(date +%s) - t0 )) s" | tee -a "$log"; }
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpuwt/wl/*.whl >> "$log" 2>&1
+mkdir -p /tmp/a /tmp/b && ln -sfn "$PWD" /tmp/a/splitserve && ln -sfn "$PWD/$b" /tmp/b/splitserve
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 1000 > "$out/clocks.csv" 2>&1 &
+smi=$!
+profile() {  # label tree seconds [flags]
+    mark "profile $1"
+    PYTHONPATH=/tmp/$2:/tmp/site timeout "$3" python3 -P "$b/benchmarks/decode_step_profile.py" --label "$1" \
+        --output "$out/profile_$1.json" "${@:4}" > /tmp/profile_$1.txt 2>&1
+    echo "rc=$?" >> /tmp/profile_$1.txt
+    grep -v "^Loading\|^decode_step_profile\|^splitserve" /tmp/profile_$1.txt | tail -30 | tee -a "$log"
+}
+profile A a "${PROFILE_A_S:-75}" --gemm-variants --small-variants
+profile B b "${PROFILE_B_S:-45}"
+mark tests
+(cd "$b" && PYTHONPATH=/tmp/b:/tmp/site timeout "${TEST_S:-60}" python3 -P -m pytest -p no:cacheprovider -q -rf \
+    --tb=short tests/engine/test_gpu_path.py -k "graphs or argmax or decode_inputs" > "$out/gpu_tests.txt" 2>&1;
+    echo "pytest rc=$?" >> "$out/gpu_tests.txt")
+tail -4 "$out/gpu_tests.txt" | tee -a "$log"
+loads() {  # label tree script
+    mark "engine_loads $1"
+    PYTHONPATH=/tmp/$2:/tmp/site timeout "${LOADS_S:-75}" python3 -P "$3" --shape llama-3.1-8b \
+        --loads 256x512:256 --decode 256x1024 --output "$out/loads_$1.json" > /tmp/loads_$1.txt 2>&1
+    echo "rc=$?" >> /tmp/loads_$1.txt
+    grep -v "^Loading" /tmp/loads_$1.txt | tail -6 | tee -a "$log"
+}
+loads A a benchmarks/engine_loads.py
+loads B b "$b/benchmarks/engine_loads.py"
+mark done
+kill "$smi"
