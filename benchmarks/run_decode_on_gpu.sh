@@ -22,16 +22,16 @@ profile() {  # label tree seconds [flags]
     echo "rc=$?" >> /tmp/profile_$1.txt
     grep -v "^Loading\|^decode_step_profile\|^splitserve" /tmp/profile_$1.txt | tail -30 | tee -a "$log"
 }
-profile A a "${PROFILE_A_S:-75}" --gemm-variants --small-variants
-profile B b "${PROFILE_B_S:-45}"
+profile A a "${PROFILE_A_S:-60}" --gemm-variants --small-variants
+profile B b "${PROFILE_B_S:-40}"
 mark tests
-(cd "$b" && PYTHONPATH=/tmp/b:/tmp/site timeout "${TEST_S:-60}" python3 -P -m pytest -p no:cacheprovider -q -rf \
+(cd "$b" && PYTHONPATH=/tmp/b:/tmp/site timeout "${TEST_S:-50}" python3 -P -m pytest -p no:cacheprovider -q -rf \
     --tb=short tests/engine/test_gpu_path.py -k "graphs or argmax or decode_inputs" > "$out/gpu_tests.txt" 2>&1;
     echo "pytest rc=$?" >> "$out/gpu_tests.txt")
 tail -4 "$out/gpu_tests.txt" | tee -a "$log"
 loads() {  # label tree script
     mark "engine_loads $1"
-    PYTHONPATH=/tmp/$2:/tmp/site timeout "${LOADS_S:-75}" python3 -P "$3" --shape llama-3.1-8b \
+    PYTHONPATH=/tmp/$2:/tmp/site timeout "${LOADS_S:-60}" python3 -P "$3" --shape llama-3.1-8b \
         --loads 256x512:256 --decode 256x1024 --output "$out/loads_$1.json" > /tmp/loads_$1.txt 2>&1
     echo "rc=$?" >> /tmp/loads_$1.txt
     grep -v "^Loading" /tmp/loads_$1.txt | tail -6 | tee -a "$log"
