@@ -24,6 +24,7 @@ import json
 import logging
 import statistics
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -58,6 +59,8 @@ def phase_of_kernels(names: list[str], layers: int) -> list[str]:
             phase, current = "attention", "o_proj"
         elif "_silu_mul_kernel" in name:
             phase, current = "activation", "down"
+        elif name.startswith("Memset") or name.startswith("Memcpy"):
+            phase = current  # a workspace clear or an input copy: the phase it sits in
         elif current == "lm_head" and not any(k in name.lower() for k in ("gemm", "nvjet", "xmma", "cutlass",
                                                                          "splitk", "cublas")):
             phase = current = "sampling"  # the logits' cast, the argmax, the relay write
@@ -136,6 +139,37 @@ def replay_times_us(replay, reps: int) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return times
+
+
+def sustain(replay, seconds: float) -> int:
+    """Replays back to back for `seconds` (the engine's steady state: under load this GPU settles at its
+    power cap's clocks, which a few replays from idle never reach); returns how many ran."""
+    count, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for _ in range(10):
+            replay()
+        torch.cuda.synchronize()
+        count += 10
+    return count
+
+
+def back_to_back_us(replay, reps: int) -> float:
+    """Mean device time per replay of `reps` replays queued back to back (each one's start hidden
+    behind the one before, as the engine's overlapped steps run)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def sm_clock_mhz() -> int | None:
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:  # no NVML here: the figure is left out
+        return None
 
 
 def kernel_table(replay, layers: int) -> tuple[list[dict], int]:
@@ -257,6 +291,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--sustain-s", type=float, default=0.0,
+                        help="replay back to back this long first, so the GPU reaches its steady (power-capped) clocks")
     parser.add_argument("--gemm-variants", action="store_true")
     parser.add_argument("--small-variants", action="store_true", help="the norm and SwiGLU kernels' launches")
     parser.add_argument("--label", default="")
@@ -272,8 +308,11 @@ def main() -> None:
     with torch.inference_mode():
         graphs.replay(ids, positions, slots)  # the inputs in place; then the graph alone, no host work between
         graph = graphs.graphs[args.batch]
+        sustained = sustain(graph.replay, args.sustain_s) if args.sustain_s else 0
         times = replay_times_us(graph.replay, args.reps)
+        chained_us = back_to_back_us(graph.replay, args.reps)
         kernels, per_replay = kernel_table(graph.replay, cfg["num_hidden_layers"])
+        clock = sm_clock_mhz()
     logits_bytes = graphs.logits[args.batch].element_size()
     bounds = phase_bounds(cfg, args.batch, args.context + 1, limits["copy_bandwidth_Bps"], limits["matmul_flops"],
                           logits_bytes)
@@ -284,6 +323,7 @@ def main() -> None:
     bound_us = sum(b["bound_us"] for b in bounds.values())
     report = {"label": args.label, "shape": args.shape, "batch": args.batch, "context": args.context,
               "limits": limits, "replay_us_median": step_us, "replay_us_min": min(times), "replay_us_all": times,
+              "replay_us_back_to_back": chained_us, "sustained_replays": sustained, "sm_clock_mhz_after": clock,
               "kernels_per_replay": per_replay, "kernel_us": kernel_us, "gap_us": gap_us, "bound_us": bound_us,
               "logits_element_bytes": logits_bytes, "phases": phases, "kernels": kernels}
     if args.gemm_variants:
@@ -291,7 +331,8 @@ def main() -> None:
     if args.small_variants:
         report["small_variants"] = small_kernel_variants(cfg, args.batch, runner.dtype)
     print(f"{args.label} {args.shape} decode step {args.batch} x {args.context}: graph replay {step_us:.0f} us "
-          f"(min {min(times):.0f}); kernels {kernel_us:.0f} us in {per_replay} device events, gaps {gap_us:.0f} us; "
+          f"(min {min(times):.0f}, back to back {chained_us:.0f}; SM clock after {clock} MHz, {sustained} replays "
+          f"before); kernels {kernel_us:.0f} us in {per_replay} device events, gaps {gap_us:.0f} us; "
           f"sum of bounds {bound_us:.0f} us ({step_us / bound_us:.3f}x); limits "
           f"{limits['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, {limits['matmul_flops'] / 1e12:.0f} TFLOP/s")
     print("phase      | kernels | us     | gaps us | bound us | / bound | GB/s  | TFLOP/s")
