@@ -3,11 +3,12 @@
 # at 1-300 rows for every Llama-3.1-8B projection (and whether the skinny and wide kernels agree), its
 # cost per row count against cuBLAS, the decode attention's cost per split count, the spec bench with
 # --batch-invariant at batch 8 and 32, then the GPU tests of the mode.
-#   benchmarks/run_batch_invariant_on_gpu.sh OUT_DIR     (SPEC_WHEELS: the draft-mesh wheels, as run_spec_on_gpu.sh)
+#   benchmarks/run_batch_invariant_on_gpu.sh OUT_DIR [extra bench flags, e.g. --no-speculation-gate]
+#   (SPEC_WHEELS: the draft-mesh wheels, as run_spec_on_gpu.sh)
 # If the skinny kernel's rows differ from the wide kernel's, the run goes on with one kernel for every
 # row count in the mode (SKINNY_MATCHES_WIDE = False in this copy), and says so.
 set -uo pipefail
-out=${1:?output folder}
+out=${1:?output folder}; shift
 mkdir -p "$out/spec"
 python3 -m pip install -q --no-index --no-deps --target /tmp/spec-site "${SPEC_WHEELS:-.whl}"/*.whl > /dev/null 2>&1
 mkdir -p /tmp/splitserve-path && ln -sfn "$PWD" /tmp/splitserve-path/splitserve
@@ -27,7 +28,7 @@ timeout 60 python3 -P benchmarks/gemv_sweep.py --rows 1 8 32 40 72 96 160 288 --
 grep "8B step" "$out/gemv_rows.txt"
 timeout 40 python3 -P benchmarks/decode_splits_cost.py --json "$out/decode_splits.json" 2>&1 | tail -12
 SPEC_BENCH_TIMEOUT=${SPEC_BENCH_TIMEOUT:-150} bash benchmarks/run_spec_on_gpu.sh "$out/spec" --batch-sizes 8 32 \
-    --perturbed-acceptance 0 --output-len 96 --batch-invariant | tail -14
+    --perturbed-acceptance 0 --output-len 96 --batch-invariant "$@" | tail -14
 rm -f "$out/spec/pip.txt"
 timeout "${TEST_S:-120}" "${pytest[@]}" tests/engine/test_speculative_gpu.py tests/engine/test_gpu_path.py \
     -k "(bfloat16_greedy and (8 or 32)) or bits_do_not or skinny_gemm_matches" > "$out/gpu_tests.txt" 2>&1

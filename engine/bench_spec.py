@@ -13,7 +13,8 @@ process on the same device and the same draft-mesh port (the verifier rejoins wh
 starts). For each drafter, K and batch size the report gives tokens/s, the ratio to plain decoding
 at that batch size (measured first, before any drafter runs) and the acceptance rate.
 Verify steps run as decode rows through their own CUDA graphs (engine/cuda_graph_runner.py), as
-plain decode steps do; the verifier's speculation gate (draft_mesh/speculation_gate.py) is on.
+plain decode steps do; the verifier's speculation gate (draft_mesh/speculation_gate.py) is on
+(--no-speculation-gate: off).
 
   splitserve bench --profile spec --shape llama-3.1-8b --device cuda        # the H200 setup
   splitserve bench --profile spec --shape spec-cpu --device cpu \\
@@ -87,6 +88,9 @@ class SpecBenchConfig:
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens per request"})
     output_len: int = field(default=128, metadata={"help": "output tokens per request"})
     draft_wait_ms: float = field(default=4.0, metadata={"help": "the verifier's --draft-wait-ms"})
+    speculation_gate: bool = field(default=True, metadata={
+        "help": "the verifier's --speculation-gate (--no-speculation-gate: every step verifies what the drafter "
+                "offers, e.g. to measure verify steps and their identity where the gate would decode plainly)"})
     speculation_margin: float = field(default=SpecConfig.speculation_margin, metadata={
         "help": "the verifier's --speculation-margin (the gate's budget)"})
     speculation_budget_steps: float = field(default=SpecConfig.speculation_budget_steps, metadata={
@@ -353,8 +357,8 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
     mesh_port = free_port()
     spec = SpecConfig(drafter=[f"127.0.0.1:{mesh_port}"], num_draft_tokens=max(cfg.ks),
                       draft_wait_ms=cfg.draft_wait_ms, row_invariant_rows=cfg.row_invariant_rows,
-                      speculation_margin=cfg.speculation_margin, speculation_budget_steps=cfg.speculation_budget_steps,
-                      batch_invariant=cfg.batch_invariant)
+                      speculation_gate=cfg.speculation_gate, speculation_margin=cfg.speculation_margin,
+                      speculation_budget_steps=cfg.speculation_budget_steps, batch_invariant=cfg.batch_invariant)
     verifier = VerifierRole(spec, TransferConfig(transfer_control_key=KEY))
     engine = Engine(EngineConfig(model=str(folders["target"]), device=cfg.device, max_total_tokens=cfg.max_total_tokens,
                                  max_running_requests=max(cfg.batch_sizes)), role=ComposedRole("unified", [verifier]))
