@@ -20,6 +20,7 @@ switched), and against a weight stored transposed ([K, N], another cuBLAS layout
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import statistics
@@ -172,9 +173,10 @@ def sm_clock_mhz() -> int | None:
         return None
 
 
-def kernel_table(replay, layers: int) -> tuple[list[dict], int]:
+def kernel_table(replay, layers: int) -> tuple[list[dict], int, dict[str, list[float]]]:
     """The kernels (name, start, duration in us) of one replay out of PROFILED_REPLAYS recorded ones,
-    with their phases and the gap before each; and how many kernels a replay had."""
+    with their phases and the gap before each; how many kernels a replay had; each recorded replay's
+    span and the idle time between them."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(PROFILED_REPLAYS):
@@ -189,13 +191,20 @@ def kernel_table(replay, layers: int) -> tuple[list[dict], int]:
     if per_replay * PROFILED_REPLAYS != len(events):
         logger.warning("%d device events over %d replays: not a whole number per replay", len(events),
                        PROFILED_REPLAYS)
+    # Each recorded replay's span (first event's start to last event's end) and the device's idle time
+    # between one replay's last event and the next one's first (queued back to back, no host wait between).
+    replays = [events[i * per_replay:(i + 1) * per_replay] for i in range(PROFILED_REPLAYS)]
+    spans = [r[-1]["ts"] + r[-1]["dur"] - r[0]["ts"] for r in replays]
+    between = [b[0]["ts"] - (a[-1]["ts"] + a[-1]["dur"]) for a, b in itertools.pairwise(replays)]
+    logger.info("profiled replays: spans %s us, idle between them %s us, first event %s",
+                [round(x) for x in spans], [round(x) for x in between], replays[-1][0]["name"][:60])
     last = events[-per_replay:]  # the last replay: warm, and its first event follows the one before it
     phases = phase_of_kernels([e["name"] for e in last], layers)
     rows = []
     for i, (e, phase) in enumerate(zip(last, phases, strict=True)):
         gap = 0.0 if i == 0 else max(0.0, e["ts"] - (last[i - 1]["ts"] + last[i - 1]["dur"]))
         rows.append({"name": e["name"], "phase": phase, "dur_us": e["dur"], "gap_before_us": gap})
-    return rows, per_replay
+    return rows, per_replay, {"spans_us": spans, "idle_between_replays_us": between}
 
 
 def phase_report(kernels: list[dict], bounds: dict[str, dict[str, float]]) -> dict[str, dict]:
@@ -311,7 +320,7 @@ def main() -> None:
         sustained = sustain(graph.replay, args.sustain_s) if args.sustain_s else 0
         times = replay_times_us(graph.replay, args.reps)
         chained_us = back_to_back_us(graph.replay, args.reps)
-        kernels, per_replay = kernel_table(graph.replay, cfg["num_hidden_layers"])
+        kernels, per_replay, replay_spans = kernel_table(graph.replay, cfg["num_hidden_layers"])
         clock = sm_clock_mhz()
     logits_bytes = graphs.logits[args.batch].element_size()
     bounds = phase_bounds(cfg, args.batch, args.context + 1, limits["copy_bandwidth_Bps"], limits["matmul_flops"],
@@ -323,7 +332,8 @@ def main() -> None:
     bound_us = sum(b["bound_us"] for b in bounds.values())
     report = {"label": args.label, "shape": args.shape, "batch": args.batch, "context": args.context,
               "limits": limits, "replay_us_median": step_us, "replay_us_min": min(times), "replay_us_all": times,
-              "replay_us_back_to_back": chained_us, "sustained_replays": sustained, "sm_clock_mhz_after": clock,
+              "replay_us_back_to_back": chained_us, "profiled_replays": replay_spans,
+              "sustained_replays": sustained, "sm_clock_mhz_after": clock,
               "kernels_per_replay": per_replay, "kernel_us": kernel_us, "gap_us": gap_us, "bound_us": bound_us,
               "logits_element_bytes": logits_bytes, "phases": phases, "kernels": kernels}
     if args.gemm_variants:
