@@ -7,7 +7,10 @@ Decode: the KV bytes read over the kernel time (CUDA-graph replays, as the engin
 the measured copy bandwidth; fused (the step's new token rotated, stored and attended in the kernel,
 as decode graphs run it) and plain (the KV already stored, as mixed steps' decode rows run it).
 Extend: TFLOP/s of the causal work; the peers are SDPA per prompt (the runner's path for a fresh
-prompt) and FlashAttention's varlen kernel over all prompts at once where this torch has it.
+prompt) and FlashAttention's varlen kernel over all prompts at once where this torch has it; a chunk
+after a prefix also through the cuDNN path (engine/layers/prefix_chunk_attention.py: the KV gathered,
+two cuDNN calls, the merge), with its first call's time (cuDNN builds a graph per shape) and its
+largest difference from the extend kernel's output.
 `--baseline`: a splitserve checkout (e.g. main's) whose two kernel files are loaded and timed on the
 same inputs at their default launch.
 """
@@ -19,6 +22,7 @@ import importlib.util
 import itertools
 import json
 import logging
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -28,14 +32,20 @@ from triton.testing import do_bench
 
 from splitserve.engine.layers import paged_decode_triton, paged_extend_triton
 from splitserve.engine.layers.decode_splits import num_splits_for
-from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_from, extend_plan_values
+from splitserve.engine.layers.extend_plan import PrefixChunk, block_tokens, extend_plan_from, extend_plan_values
+from splitserve.engine.layers.prefix_chunk_attention import prefix_chunk_attention
 from splitserve.engine.layers.rotary import RotaryEmbedding
+from splitserve.engine.model_runner import kv_locations
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 TABLE_WIDTH = 1024  # pages per slot, as the engine's table at a 16k context (Triton specializes on it)
 DEV = torch.device("cuda")
 # name -> (new tokens per prompt, KV length per prompt after the step)
 EXTEND_CASES = {"1 x 8192": ([8192], [8192]), "chunk 2048 after 6144": ([2048], [8192]),
+                "chunk 2048 after 4096": ([2048], [6144]), "chunk 2048 after 2048": ([2048], [4096]),
+                "chunk 1024 after 1024": ([1024], [2048]), "chunk 1024 after 7168": ([1024], [8192]),
+                "chunk 512 after 1536": ([512], [2048]), "chunk 512 after 7680": ([512], [8192]),
+                "chunk 2048 after 512": ([2048], [2560]),
                 "4 x 512": ([512] * 4, [512] * 4), "2 x 2048": ([2048] * 2, [2048] * 2)}
 logger = logging.getLogger("attention_sweep")
 
@@ -179,14 +189,42 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
     torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=DIM ** -0.5)
 
 
-def sweep_extend(baseline: ModuleType | None) -> list[dict]:
+def cudnn_split_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, length: int, kv_len: int,
+                   out: torch.Tensor, name: str) -> float:
+    """ms of one chunk through the cuDNN path, as PagedAttention runs it (the gather included); logs its first
+    call's time and its largest difference from the extend kernel's rows."""
+    chunk = PrefixChunk(0, 0, length, kv_len - length, 0)
+    loc = kv_locations(table.long(), 0, kv_len, PAGE)
+
+    def run() -> None:
+        prefix_chunk_attention(q, k[loc], v[loc], chunk, DIM ** -0.5, out)
+
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - started) * 1e3
+    got = out.clone()
+    tokens = block_tokens(HEADS // KV_HEADS, False)
+    values, c, p = extend_plan_values([length], [kv_len], [0], tokens)
+    plan = extend_plan_from(torch.tensor(values, dtype=torch.int32, device=DEV), c, p)
+    want = paged_extend_triton.paged_extend_attention(q, k, v, table, plan, PAGE, DIM ** -0.5,
+                                                      torch.empty_like(out))
+    diff = float((got.float() - want.float()).abs().max())
+    print(f"{name:<22} | cuDNN split first call {first_ms:.1f} ms; max |cuDNN split - extend kernel| {diff:.2e}")
+    return bench_ms(run)
+
+
+def sweep_extend(baseline: ModuleType | None, stage_variants: bool = False) -> list[dict]:
     tokens = block_tokens(HEADS // KV_HEADS, False)
     rows = []
     print("extend case            | kernel     tokens/prog BLOCK_N warps stages | ms     | TFLOP/s | / SDPA per prompt")
     for name, (lengths, kv_lens) in EXTEND_CASES.items():
         table, k, v = paged_kv(len(lengths), max(kv_lens))
-        q = torch.randn(sum(lengths), HEADS, DIM, device=DEV, dtype=torch.bfloat16)
-        out = torch.empty_like(q)
+        # Queries as the engine's: a view of the step's qkv projection.
+        qkv = torch.randn(sum(lengths), (HEADS + 2 * KV_HEADS) * DIM, device=DEV, dtype=torch.bfloat16)
+        q = qkv[:, :HEADS * DIM].view(-1, HEADS, DIM)
+        out = torch.empty(q.shape, dtype=q.dtype, device=DEV)
         visible = sum(sum(kv - ln + i + 1 for i in range(ln)) for ln, kv in zip(lengths, kv_lens, strict=True))
         tflop = 4 * DIM * HEADS * visible / 1e12
         fresh = lengths == kv_lens
@@ -216,7 +254,10 @@ def sweep_extend(baseline: ModuleType | None) -> list[dict]:
                                                           DIM ** -0.5, out)))
         timed.append(("new", "default", bench_ms(paged_extend_triton.paged_extend_attention, q, k, v, table, plan,
                                                  PAGE, DIM ** -0.5, out)))
-        for stages in (2, 4):  # the default's 3 is timed above
+        if not fresh and len(lengths) == 1:
+            timed.append(("cuDNN split", "gather+2 calls+merge", cudnn_split_ms(q, k, v, table, lengths[0], kv_lens[0],
+                                                                               out, name)))
+        for stages in (2, 4) if stage_variants else ():  # the default's 3 is timed above
             cfg = (tokens, 128, 8, stages)
             try:
                 ms = bench_ms(paged_extend_triton.paged_extend_attention, q, k, v, table, plan, PAGE, DIM ** -0.5,
@@ -240,6 +281,9 @@ def main() -> None:
     parser.add_argument("--decode-cases", nargs="+", default=["256x512", "256x640", "256x1024", "64x1024"],
                         help="decode shapes, BATCHxCONTEXT")
     parser.add_argument("--baseline", type=Path, default=None, help="a splitserve checkout to compare against")
+    parser.add_argument("--extend-cases", nargs="+", default=None, help="names of EXTEND_CASES (default: all)")
+    parser.add_argument("--extend-stage-variants", action="store_true",
+                        help="also time the extend kernel at 2 and 4 stages")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
@@ -257,7 +301,11 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(report, indent=1))
     if "extend" in args.what:
-        report["extend"] = sweep_extend(extend_base)
+        if args.extend_cases:
+            for name in list(EXTEND_CASES):
+                if name not in args.extend_cases:
+                    del EXTEND_CASES[name]
+        report["extend"] = sweep_extend(extend_base, args.extend_stage_variants)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

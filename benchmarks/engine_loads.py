@@ -9,6 +9,10 @@ prompts at the runner's best prefill rate plus ceil(N*O / batch) - 1 decode step
 roofline. Beside that bound, clearly apart, the same with decode steps at the roofline that counts
 compute (engine/step_roofline.py: at 256 rows the projections are compute-bound). Also the first
 request after the engine is built (what a client sees after /health) against the same request warm.
+`--compare-triton-extend`: every load again on the same engine with long chunks after a prefix through
+the paged extend kernel instead of cuDNN (the runner's cudnn_prefix_chunks off), then the loads that
+have such chunks once more with it on (the order's share). `--prefill-budgets`: one load (by default
+256x512:1, whose TTFT under prompts-first is the 256x512:256 burst's) at several step token budgets.
 """
 
 from __future__ import annotations
@@ -102,17 +106,23 @@ def main() -> None:
     parser.add_argument("--decode", nargs="*", default=[], metavar="BxC",
                         help="also decode B prompts of C tokens for 64 steps on the same engine: step time against "
                              "the HBM roofline and the one that counts compute")
+    parser.add_argument("--compare-triton-extend", action="store_true",
+                        help="the loads again with chunks after a prefix through the paged extend kernel")
+    parser.add_argument("--prefill-budgets", type=int, nargs="*", default=[],
+                        help="the --budget-load at each of these step token budgets, on the same engine")
+    parser.add_argument("--budget-load", default="256x512:1")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
     loads = [parse_load(x) for x in args.loads]
-    lengths = sorted({p for _, p, _ in loads} | {args.chunk})
+    sized = loads + ([parse_load(args.budget_load)] if args.prefill_budgets else [])
+    lengths = sorted({p for _, p, _ in sized} | {args.chunk})
     runner = runner_rates(args.shape, args.device, lengths, args.max_running)
     logger.info("runner prefill tok/s: %s", {k: round(v) for k, v in runner["prefill_tok_s"].items()})
     folder = write_shape_folder(args.shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{args.shape}-")))
     decodes = [tuple(int(v) for v in d.split("x")) for d in args.decode]
-    per_request = max([p + o for _, p, o in loads] + [c + DECODE_STEPS for _, c in decodes])
-    kv_tokens = max([n * (p + o + 32) for n, p, o in loads] + [b * (c + DECODE_STEPS + 32) for b, c in decodes])
+    per_request = max([p + o for _, p, o in sized] + [c + DECODE_STEPS for _, c in decodes])
+    kv_tokens = max([n * (p + o + 32) for n, p, o in sized] + [b * (c + DECODE_STEPS + 32) for b, c in decodes])
     cfg = dataclasses.replace(loop_bench_config(folder, args.device, args.max_running, per_request),
                               chunked_prefill_size=args.chunk, max_total_tokens=kv_tokens)
     started = time.perf_counter()
@@ -125,13 +135,14 @@ def main() -> None:
         cold, warm = first[0], first[2]
         cold_s, warm_s = cold["prefill_s"] + cold["decode_s"], warm["prefill_s"] + warm["decode_s"]
         report["first_request"] = {"cold_s": cold_s, "warm_s": warm_s, "cold_over_warm": cold_s / warm_s}
-        for n, prompt, output in loads:
+        def run_load(n: int, prompt: int, output: int, variant: str) -> None:
             r = run_engine_batch(engine, random_prompts(n, prompt, n * 7 + prompt), output)
             total = r["prefill_s"] + r["decode_s"]
             bound = load_bound(n, prompt, output, args.max_running, runner)
             compute_bound = load_bound(n, prompt, output, args.max_running, runner, SHAPES[args.shape])
-            row = {"load": f"{n}x{prompt}:{output}", "prefill_s": r["prefill_s"], "total_s": total,
-                   "prefill_tok_s": n * prompt / r["prefill_s"],
+            row = {"load": f"{n}x{prompt}:{output}", "variant": variant,
+                   "budget": engine.scheduler.config.chunked_prefill_size, "prefill_s": r["prefill_s"],
+                   "total_s": total, "prefill_tok_s": n * prompt / r["prefill_s"],
                    "prefill_over_runner": n * prompt / r["prefill_s"] / runner["prefill_tok_s"][prompt],
                    "output_tok_s": n * output / total, "bound_s": bound, "output_over_bound": bound / total,
                    "compute_counting_bound_s": compute_bound,
@@ -139,6 +150,23 @@ def main() -> None:
                    "ttft_p50_s": r.get("ttft_p50_s"), "steps": r["steps"]}
             report["loads"].append(row)
             logger.info("%s", json.dumps(row))
+
+        default = "cuDNN prefix chunks" if engine.runner.cudnn_prefix_chunks else "extend kernel"
+        for n, prompt, output in loads:
+            run_load(n, prompt, output, default)
+        if args.compare_triton_extend and engine.runner.cudnn_prefix_chunks:
+            engine.runner.cudnn_prefix_chunks = False
+            for n, prompt, output in loads:
+                run_load(n, prompt, output, "extend kernel")
+            engine.runner.cudnn_prefix_chunks = True
+            for n, prompt, output in loads:
+                if prompt > args.chunk:  # chunks after a prefix
+                    run_load(n, prompt, output, default + " (again)")
+        budget = engine.scheduler.config.chunked_prefill_size
+        for b in args.prefill_budgets:
+            engine.scheduler.config = dataclasses.replace(engine.scheduler.config, chunked_prefill_size=b)
+            run_load(*parse_load(args.budget_load), default)
+        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, chunked_prefill_size=budget)
         report["decode"] = [decode_row(engine, b, c, runner, SHAPES[args.shape]) for b, c in decodes]
     finally:
         engine.stop()
@@ -146,11 +174,12 @@ def main() -> None:
     print(f"{args.shape}, chunk {args.chunk}, max running {args.max_running}; engine built in "
           f"{report['engine_build_s']:.1f} s; first request {fr['cold_s'] * 1e3:.0f} ms, warm "
           f"{fr['warm_s'] * 1e3:.0f} ms ({fr['cold_over_warm']:.2f}x)")
-    print("load          | prefill s | prefill tok/s | / runner | output tok/s | / bound (HBM) | "
-          "/ bound (compute-counting) | steps")
+    print("load          | attention of chunks after a prefix | budget | prefill s | prefill tok/s | / runner | "
+          "TTFT p50 s | output tok/s | / bound (HBM) | / bound (compute-counting) | steps")
     for row in report["loads"]:
-        print(f"{row['load']:<13} | {row['prefill_s']:9.2f} | {row['prefill_tok_s']:13.0f} | "
-              f"{row['prefill_over_runner']:8.2f} | {row['output_tok_s']:12.0f} | {row['output_over_bound']:13.2f} | "
+        print(f"{row['load']:<13} | {row['variant']:<34} | {row['budget']:6} | {row['prefill_s']:9.3f} | "
+              f"{row['prefill_tok_s']:13.0f} | {row['prefill_over_runner']:8.3f} | {row['ttft_p50_s']:10.3f} | "
+              f"{row['output_tok_s']:12.0f} | {row['output_over_bound']:13.2f} | "
               f"{row['output_over_compute_counting_bound']:26.2f} | {row['steps']}")
     for row in report.get("decode", []):
         print(f"decode {row['batch']} x {row['context']}: {row['step_s'] * 1e3:.2f} ms a step; HBM roofline "

@@ -18,7 +18,16 @@ from splitserve.engine.host_to_device import to_device
 from splitserve.engine.kv_pool import COPY_PAGE_OP, KVPool, KVPoolShape
 from splitserve.engine.layers import skinny
 from splitserve.engine.layers.decode_splits import step_splits
-from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, wide_tiles
+from splitserve.engine.layers.extend_plan import (
+    PREFIX_CHUNK_MIN_PREFIX,
+    PREFIX_CHUNK_MIN_TOKENS,
+    PrefixChunk,
+    block_tokens,
+    extend_plan_values,
+    padded,
+    prefix_chunks,
+    wide_tiles,
+)
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models import build_model
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
@@ -109,13 +118,21 @@ def logit_rows(chunks: list[ScheduledChunk]) -> list[int]:
     return rows
 
 
+def kv_locations(table: torch.Tensor, slot: int, kv_len: int, page_size: int) -> torch.Tensor:
+    """[kv_len] int64: the KV pool location of each of a sequence's first kv_len positions."""
+    pos = torch.arange(kv_len, device=table.device)
+    return table[slot, pos // page_size] * page_size + pos % page_size
+
+
 def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, page_size: int,
                         device: torch.device, relay: torch.Tensor | None = None,
-                        tokens_per_block: int | None = None) -> ForwardBatch:
+                        tokens_per_block: int | None = None, cudnn_prefix_chunks: bool = False) -> ForwardBatch:
     """Flattens the chunks' tokens and derives every KV location from the page table.
 
     With `tokens_per_block` (the paged CUDA kernels' query block), the batch carries their plan;
     without it, every sequence's KV locations padded to the longest (the reference path).
+    `cudnn_prefix_chunks` (with a plan): long chunks over a long cached prefix leave the plan for
+    the cuDNN path (engine/layers/prefix_chunk_attention.py), with their KV locations.
     """
     ids: list[int] = []
     positions: list[int] = []
@@ -137,8 +154,9 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
     table = page_table.long()
     out_cache_loc = table[slots[token_batch_index], pos // page_size] * page_size + pos % page_size
     max_kv = max(kv_lens)
-    kv_indices = attn_meta = None
+    kv_indices = attn_meta = prefix_chunk_loc = None
     decode_rows = extend_chunks = extend_blocks = 0
+    long_chunks: tuple[PrefixChunk, ...] = ()
     if tokens_per_block is None:
         kv_pos = torch.arange(max_kv, device=device)
         kv_indices = table[slots][:, kv_pos // page_size] * page_size + kv_pos % page_size
@@ -146,8 +164,14 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
     else:
         while decode_rows < len(chunks) and lengths[decode_rows] == 1:
             decode_rows += 1
+        if cudnn_prefix_chunks:
+            long_chunks = prefix_chunks(lengths, kv_lens, first_chunk=decode_rows)
+        if long_chunks:
+            prefix_chunk_loc = torch.cat([kv_locations(table, slot_list[c.index], c.kv_len, page_size)
+                                          for c in long_chunks])
         plan, extend_chunks, extend_blocks = extend_plan_values(lengths, kv_lens, slot_list, tokens_per_block,
-                                                                first_chunk=decode_rows)
+                                                                first_chunk=decode_rows,
+                                                                skip_rows=frozenset(c.row for c in long_chunks))
         decode_meta = padded(slot_list[:decode_rows]) + padded(kv_lens[:decode_rows])
         attn_meta = to_device(decode_meta + plan, torch.int32, device)
     if any(c.draft for c in chunks):
@@ -166,6 +190,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
         logits_index=logits_index, max_extend=max(lengths), max_kv=max_kv,
         no_prefix=all(c.start == 0 for c in chunks),
         attn_meta=attn_meta, decode_rows=decode_rows, extend_chunks=extend_chunks, extend_blocks=extend_blocks,
+        prefix_chunks=long_chunks, prefix_chunk_loc=prefix_chunk_loc,
         page_table=page_table if attn_meta is not None else None, page_size=page_size,
     )
 
@@ -283,6 +308,10 @@ class ModelRunner:
         wide = wide_tiles(attn.head_dim, self.dtype.itemsize)
         group = attn.num_heads // attn.num_kv_heads
         self.extend_block_tokens = block_tokens(group, wide) if self.device.type == "cuda" else None
+        # Long chunks after a long cached prefix attend through cuDNN (16-bit heads of up to 128).
+        self.cudnn_prefix_chunks = (self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+                                    and attn.head_dim % 8 == 0 and attn.head_dim <= 128
+                                    and torch.backends.cudnn.is_available())
         if self.device.type == "cuda" and self.dtype == torch.float32:
             # float32 runs check exactness: no TF32 anywhere (cuDNN's convolutions allow it by default).
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -327,7 +356,7 @@ class ModelRunner:
                 logits, argmax = logits[rows], (argmax[rows] if argmax is not None else None)
         else:
             batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device, self.next_tokens,
-                                        self.extend_block_tokens)
+                                        self.extend_block_tokens, self.cudnn_prefix_chunks)
             if touches_images(chunks):
                 batch.image_rows, batch.image_positions = self.prompt_image_rows(chunks)
             logits = self.forward(batch)
@@ -576,6 +605,9 @@ class ModelRunner:
             [chunk(1, start=40), chunk(16, start=32)],  # a decode row beside a chunk over a cached prefix
             [chunk(1, start=7), chunk(1, start=3, params=sampled)],  # an eager decode step (no graph)
         ]
+        long_chunk = PREFIX_CHUNK_MIN_PREFIX + PREFIX_CHUNK_MIN_TOKENS
+        if self.cudnn_prefix_chunks and long_chunk <= self.context_length:  # the cuDNN path's merge kernel
+            steps.append([chunk(PREFIX_CHUNK_MIN_TOKENS, start=PREFIX_CHUNK_MIN_PREFIX)])
         graphs, self.decode_graphs = self.decode_graphs, None
         try:
             for chunks in steps:

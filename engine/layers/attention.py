@@ -5,9 +5,10 @@ New keys and values are written into the pool at each token's slot, then:
   kernel (FlashAttention on GPUs);
 - other extend batches (prompt chunks, mixed with decodes) on CUDA: the leading decode rows
   through the paged decode kernel, the chunks through the paged extend kernel, both reading
-  the pages in place; elsewhere (the reference) each sequence's whole KV is gathered from its
-  pages and padded to the longest, with a causal mask offset by the cached length, for one
-  SDPA call;
+  the pages in place, but long chunks after a long cached prefix, which gather their KV and
+  take cuDNN (engine/layers/prefix_chunk_attention.py); elsewhere (the reference) each
+  sequence's whole KV is gathered from its pages and padded to the longest, with a causal
+  mask offset by the cached length, for one SDPA call;
 - decode batches use the Triton flash-decoding kernel on CUDA, and a gather + SDPA reference
   everywhere else (the same maths, used to test the kernel). A verify step is a decode batch
   whose rows share slots (a request's K+1 positions, each a row): every row's KV is stored
@@ -125,6 +126,14 @@ class PagedAttention(nn.Module):
             # would be its own compile; the prompt chunk beside them fills the GPU anyway.
             out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, batch.page_table, decode_slots, decode_lens,
                                              batch.page_size, self.scale, splits=1)
+        if batch.prefix_chunks:
+            from splitserve.engine.layers.prefix_chunk_attention import prefix_chunk_attention
+
+            keys = k_cache[batch.prefix_chunk_loc].to(q.dtype)
+            values = v_cache[batch.prefix_chunk_loc].to(q.dtype)
+            for c in batch.prefix_chunks:
+                kv = slice(c.loc_start, c.loc_start + c.kv_len)
+                prefix_chunk_attention(q, keys[kv], values[kv], c, self.scale, out)
         return paged_extend_attention(q, k_cache, v_cache, batch.page_table, plan, batch.page_size, self.scale, out)
 
     def _extend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,11 +1,13 @@
-"""How the paged extend kernel's programs cover an extend batch: built on the host, one copy in.
+"""How the paged extend kernel's programs cover an extend batch: built on the host, one copy in;
+and which long chunks after a cached prefix go to cuDNN instead (engine/layers/prefix_chunk_attention.py).
 
-Kept apart from the kernel (engine/layers/paged_extend_triton.py) so that batches can be
+Kept apart from the kernels (engine/layers/paged_extend_triton.py) so that batches can be
 planned where Triton is not installed.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,43 @@ def aligned(n: int) -> int:
 
 def padded(values: list[int]) -> list[int]:
     return values + [0] * (aligned(len(values)) - len(values))
+
+
+# A chunk of at least this many new tokens after at least this many cached ones runs as two cuDNN
+# attention calls merged by their log-sum-exps (benchmarks/attention_sweep.py, "split" rows).
+PREFIX_CHUNK_MIN_TOKENS = 1024
+PREFIX_CHUNK_MIN_PREFIX = 1024
+
+
+@dataclass(frozen=True)
+class PrefixChunk:
+    """A chunk that attends through cuDNN: its index in the step, first flat row, new tokens, cached tokens
+    before them, and where its KV locations (prefix then chunk, kv_len of them) start in the batch's
+    prefix_chunk_loc."""
+
+    index: int
+    row: int
+    length: int
+    prefix: int
+    loc_start: int
+
+    @property
+    def kv_len(self) -> int:
+        return self.prefix + self.length
+
+
+def prefix_chunks(lengths: list[int], kv_lens: list[int], first_chunk: int = 0,
+                  min_tokens: int = PREFIX_CHUNK_MIN_TOKENS, min_prefix: int = PREFIX_CHUNK_MIN_PREFIX
+                  ) -> tuple[PrefixChunk, ...]:
+    """The chunks (from `first_chunk`) long enough, over a prefix long enough, for the cuDNN path."""
+    chosen, row, loc = [], 0, 0
+    for c, (length, kv_len) in enumerate(zip(lengths, kv_lens, strict=True)):
+        prefix = kv_len - length
+        if c >= first_chunk and length >= min_tokens and prefix >= min_prefix:
+            chosen.append(PrefixChunk(c, row, length, prefix, loc))
+            loc += kv_len
+        row += length
+    return tuple(chosen)
 
 
 def block_tokens(group: int, wide: bool) -> int:
@@ -53,16 +92,15 @@ class ExtendPlan:
 
 
 def extend_plan_values(lengths: list[int], kv_lens: list[int], slots: list[int], tokens_per_block: int,
-                       first_chunk: int = 0) -> tuple[list[int], int, int]:
-    """The host side of an ExtendPlan for chunks `first_chunk..` of a step, flattened into one list
-    (one copy to the device): slots, rows, lengths, KV lengths, then the programs' chunks and starts,
-    each section padded to 16 bytes."""
-    rows, row = [], sum(lengths[:first_chunk])
+                       first_chunk: int = 0, skip_rows: frozenset[int] = frozenset()) -> tuple[list[int], int, int]:
+    """The host side of an ExtendPlan for chunks `first_chunk..` of a step, but those whose first row is
+    in `skip_rows` (they attend elsewhere), flattened into one list (one copy to the device): slots, rows,
+    lengths, KV lengths, then the programs' chunks and starts, each section padded to 16 bytes."""
+    starts = [0, *itertools.accumulate(lengths)][:-1]
+    chosen = [c for c in range(first_chunk, len(lengths)) if starts[c] not in skip_rows]
+    rows = [starts[c] for c in chosen]
     block_chunk, block_start = [], []
-    chosen = range(first_chunk, len(lengths))
     for i, c in enumerate(chosen):
-        rows.append(row)
-        row += lengths[c]
         # Latest queries first: they see the most keys, so the longest programs start earliest.
         for start in reversed(range(0, lengths[c], tokens_per_block)):
             block_chunk.append(i)

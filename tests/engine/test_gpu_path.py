@@ -363,6 +363,104 @@ def test_paged_extend_and_decode_rows_match_float64(heads: int, kv_heads: int, h
         row += length
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(32, 8, 128, 16), (6, 2, 16, 4), (28, 4, 128, 16),
+                                                               (8, 8, 64, 1)])
+def test_long_chunks_through_cudnn_beside_the_paged_kernels_match_float64(heads: int, kv_heads: int, head_dim: int,
+                                                                         page_size: int, dtype: torch.dtype) -> None:
+    # A decode row, a fresh prompt and a short chunk over a prefix through the Triton kernels; two long
+    # chunks over long prefixes (one with a prefix shorter than itself) through cuDNN, merged by their
+    # log-sum-exps. Every row close to float64.
+    from splitserve.engine.forward_batch import ForwardBatch
+    from splitserve.engine.layers.attention import PagedAttention
+    from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, prefix_chunks
+    from splitserve.engine.model_runner import kv_locations
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    lengths = [1, 300, 700, 37, 500]
+    kv_lens = [900, 300, 1900, 537, 800]
+    slots = [4, 0, 2, 5, 1]
+    max_pages = -(-max(kv_lens) // page_size)
+    num_pages = len(slots) * max_pages + 1
+    page_table = (torch.randperm(num_pages - 1, device=dev) + 1)[: len(slots) * max_pages].view(len(slots), -1)
+    page_table = torch.cat([page_table, torch.zeros(2, max_pages, dtype=page_table.dtype, device=dev)]).int()
+    k_cache = torch.randn(num_pages * page_size, kv_heads, head_dim, device=dev, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sum(lengths), heads, head_dim, device=dev, dtype=dtype)
+    decode_rows = 1
+    long_chunks = prefix_chunks(lengths, kv_lens, decode_rows, min_tokens=400, min_prefix=300)
+    assert [c.index for c in long_chunks] == [2, 4]
+    plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, block_tokens(heads // kv_heads, False),
+                                              decode_rows, frozenset(c.row for c in long_chunks))
+    assert chunks == 2
+    meta = torch.tensor(padded(slots[:decode_rows]) + padded(kv_lens[:decode_rows]) + plan, dtype=torch.int32,
+                        device=dev)
+    loc = torch.cat([kv_locations(page_table.long(), slots[c.index], c.kv_len, page_size) for c in long_chunks])
+    batch = ForwardBatch(input_ids=q.new_zeros(q.shape[0], dtype=torch.long), positions=q.new_zeros(1),
+                         out_cache_loc=q.new_zeros(1), seq_lens=torch.tensor(kv_lens, device=dev),
+                         logits_index=q.new_zeros(1), attn_meta=meta, decode_rows=decode_rows,
+                         extend_chunks=chunks, extend_blocks=blocks, prefix_chunks=long_chunks, prefix_chunk_loc=loc,
+                         page_table=page_table, page_size=page_size)
+    got = PagedAttention(heads, kv_heads, head_dim, 0)._paged_extend(q, batch, k_cache, v_cache).float()
+    assert torch.isfinite(got).all()
+    row = 0
+    for length, kv_len, slot in zip(lengths, kv_lens, slots, strict=True):
+        want = causal_chunk_reference(q[row:row + length], k_cache, v_cache, page_table, slot, kv_len, page_size,
+                                      head_dim ** -0.5).float()
+        torch.testing.assert_close(got[row:row + length], want, atol=2e-2, rtol=2e-2)
+        row += length
+
+
+@torch.inference_mode()
+def test_a_long_prompt_chunked_through_cudnn_gives_the_logits_of_the_triton_path_and_of_one_chunk(
+        tmp_path: Path) -> None:
+    # 3072 tokens in chunks of 1024 (the second and third over 1024 and 2048 cached tokens: the cuDNN
+    # path), through the paged extend kernel instead, and as one fresh prompt: every position's logits agree
+    # to bf16 rounding.
+    from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
+
+    from splitserve.engine.kv_cache import KVCache
+    from splitserve.engine.model_config import ModelConfig
+    from splitserve.engine.model_runner import ModelRunner, build_forward_batch
+    from splitserve.engine.request import Request
+    from splitserve.engine.scheduler import ScheduledChunk
+    from splitserve.engine.tiny_model import write_checkpoint
+
+    folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 4096}, 1234)
+    cfg = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=8192,
+                       max_running_requests=4)
+    runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
+    assert runner.cudnn_prefix_chunks
+    kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 4096, runner.device)
+    prompt = torch.randint(0, 256, (3072,), generator=torch.Generator().manual_seed(0)).tolist()
+    req = Request("r", prompt, SamplingParams(), on_output=lambda _o: None)
+    kv.admit(req, max_prefix_tokens=0)
+    assert kv.grow(req, len(prompt))
+
+    def logits(chunk: int, cudnn: bool) -> tuple[torch.Tensor, int]:
+        out, through_cudnn = [], 0
+        for start in range(0, len(prompt), chunk):
+            batch = build_forward_batch([ScheduledChunk(req, start, chunk, True)], kv.page_table, kv.page_size,
+                                        runner.device, tokens_per_block=runner.extend_block_tokens,
+                                        cudnn_prefix_chunks=cudnn)
+            batch.logits_index = torch.arange(chunk, device=runner.device)
+            out.append(runner.model(batch, runner.kv_pool).float())
+            through_cudnn += len(batch.prefix_chunks)
+        return torch.cat(out), through_cudnn
+
+    cudnn, n_cudnn = logits(1024, True)
+    triton, n_triton = logits(1024, False)
+    whole, _ = logits(3072, True)
+    assert (n_cudnn, n_triton) == (2, 0)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    assert rel(cudnn, whole) < 2e-2 and rel(triton, whole) < 2e-2 and rel(cudnn, triton) < 2e-2
+    assert torch.isfinite(cudnn).all()
+
+
 def test_mixed_steps_through_the_paged_kernels_give_the_reference_paths_greedy_tokens(tmp_path: Path) -> None:
     # float32, chunks of 8: prompt chunks over cached prefixes beside decode rows in most steps. The
     # reference path gathers every sequence's KV padded to the longest and runs one masked SDPA.
