@@ -9,9 +9,9 @@ prompts at the runner's best prefill rate plus ceil(N*O / batch) - 1 decode step
 roofline. Beside that bound, clearly apart, the same with decode steps at the roofline that counts
 compute (engine/step_roofline.py: at 256 rows the projections are compute-bound). Also the first
 request after the engine is built (what a client sees after /health) against the same request warm.
-`--compare-triton-extend`: every load again on the same engine with long chunks after a prefix through
-the paged extend kernel instead of cuDNN (the runner's cudnn_prefix_chunks off), then the loads that
-have such chunks once more with it on (the order's share). `--prefill-budgets`: one load (by default
+`--compare-triton-extend`: every load on one engine with long chunks after a prefix through the paged
+extend kernel (the runner's cudnn_prefix_chunks off), then through cuDNN, then the loads that have such
+chunks once more each way (the order's share). `--prefill-budgets`: one load (by default
 256x512:1, whose TTFT under prompts-first is the 256x512:256 burst's) at several step token budgets.
 """
 
@@ -150,18 +150,22 @@ def main() -> None:
                    "ttft_p50_s": r.get("ttft_p50_s"), "steps": r["steps"]}
             report["loads"].append(row)
             logger.info("%s", json.dumps(row))
+            if args.output:  # as it goes: a later failure keeps what ran
+                args.output.write_text(json.dumps(report, indent=1, default=str))
 
         default = "cuDNN prefix chunks" if engine.runner.cudnn_prefix_chunks else "extend kernel"
-        for n, prompt, output in loads:
-            run_load(n, prompt, output, default)
         if args.compare_triton_extend and engine.runner.cudnn_prefix_chunks:
-            engine.runner.cudnn_prefix_chunks = False
+            # Extend kernel, cuDNN, then both again on the loads with chunks after a prefix (the order's share).
+            passes = [(False, loads), (True, loads), *[(on, [x for x in loads if x[1] > args.chunk])
+                                                      for on in (False, True)]]
+            for i, (on, chosen) in enumerate(passes):
+                engine.runner.cudnn_prefix_chunks = on
+                for n, prompt, output in chosen:
+                    run_load(n, prompt, output, ("cuDNN prefix chunks" if on else "extend kernel")
+                             + (" (again)" if i >= 2 else ""))
+        else:
             for n, prompt, output in loads:
-                run_load(n, prompt, output, "extend kernel")
-            engine.runner.cudnn_prefix_chunks = True
-            for n, prompt, output in loads:
-                if prompt > args.chunk:  # chunks after a prefix
-                    run_load(n, prompt, output, default + " (again)")
+                run_load(n, prompt, output, default)
         budget = engine.scheduler.config.chunked_prefill_size
         for b in args.prefill_budgets:
             engine.scheduler.config = dataclasses.replace(engine.scheduler.config, chunked_prefill_size=b)
