@@ -10,7 +10,7 @@ roofline. Beside that bound, clearly apart, the same with decode steps at the ro
 compute (engine/step_roofline.py: at 256 rows the projections are compute-bound). Also the first
 request after the engine is built (what a client sees after /health) against the same request warm.
 `--compare-triton-extend`: every load on one engine with long chunks after a prefix through the paged
-extend kernel (the runner's cudnn_prefix_chunks off), then through cuDNN, then the loads that have such
+extend kernel (the runner's cudnn_chunk None), then through cuDNN, then the loads that have such
 chunks once more each way (the order's share). `--prefill-budgets`: one load (by default
 256x512:1, whose TTFT under prompts-first is the 256x512:256 burst's) at several step token budgets.
 """
@@ -153,13 +153,14 @@ def main() -> None:
             if args.output:  # as it goes: a later failure keeps what ran
                 args.output.write_text(json.dumps(report, indent=1, default=str))
 
-        default = "cuDNN prefix chunks" if engine.runner.cudnn_prefix_chunks else "extend kernel"
-        if args.compare_triton_extend and engine.runner.cudnn_prefix_chunks:
+        cudnn_chunk = engine.runner.cudnn_chunk
+        default = "cuDNN prefix chunks" if cudnn_chunk else "extend kernel"
+        if args.compare_triton_extend and cudnn_chunk:
             # Extend kernel, cuDNN, then both again on the loads with chunks after a prefix (the order's share).
             passes = [(False, loads), (True, loads), *[(on, [x for x in loads if x[1] > args.chunk])
                                                       for on in (False, True)]]
             for i, (on, chosen) in enumerate(passes):
-                engine.runner.cudnn_prefix_chunks = on
+                engine.runner.cudnn_chunk = cudnn_chunk if on else None
                 for n, prompt, output in chosen:
                     run_load(n, prompt, output, ("cuDNN prefix chunks" if on else "extend kernel")
                              + (" (again)" if i >= 2 else ""))

@@ -18,16 +18,16 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, '
 torch.cuda.get_device_name())" > "$out/gpu.txt" 2>&1
 t0=$(date +%s)
 timeout "${TEST_S:-110}" python3 -P -m pytest -p no:cacheprovider -q -rs -rf --tb=short \
-    tests/engine/test_gpu_path.py -k "cudnn or paged_extend" > "$out/gpu_tests.txt" 2>&1
+    tests/engine/test_gpu_path.py -k "${TEST_K:-cudnn or paged_extend}" > "$out/gpu_tests.txt" 2>&1
 echo "pytest rc=$? at $(( $(date +%s) - t0 )) s" >> "$out/gpu_tests.txt"
 tail -4 "$out/gpu_tests.txt"
-timeout "${SWEEP_S:-70}" python3 -P benchmarks/attention_sweep.py --what extend --json "$out/extend_sweep.json" \
+[ "${SWEEP:-1}" = 1 ] && timeout "${SWEEP_S:-70}" python3 -P benchmarks/attention_sweep.py --what extend --json "$out/extend_sweep.json" \
     --extend-cases "1 x 8192" "chunk 2048 after 6144" "chunk 2048 after 4096" "chunk 2048 after 2048" \
     "chunk 1024 after 1024" "chunk 512 after 1536" "chunk 2048 after 512" > "$out/extend_sweep.txt" 2>&1
-echo "sweep rc=$? at $(( $(date +%s) - t0 )) s" >> "$out/extend_sweep.txt"
-grep -v "^attention_sweep" "$out/extend_sweep.txt"
+[ "${SWEEP:-1}" = 1 ] && echo "sweep rc=$? at $(( $(date +%s) - t0 )) s" >> "$out/extend_sweep.txt" &&
+    grep -v "^attention_sweep" "$out/extend_sweep.txt"
 timeout "${LOADS_S:-170}" python3 -P benchmarks/engine_loads.py --shape llama-3.1-8b --chunk 2048 \
-    --loads 256x512:256 16x2048:1 4x8192:1 --compare-triton-extend --prefill-budgets 2048 4096 8192 \
+    --loads 256x512:256 16x2048:1 4x8192:1 --compare-triton-extend --prefill-budgets ${BUDGETS-2048 4096 8192} \
     --output "$out/engine_loads.json" > "$out/engine_loads.txt" 2>&1
 echo "loads rc=$? at $(( $(date +%s) - t0 )) s" >> "$out/engine_loads.txt"
 grep -v "^engine_loads\|^Loading" "$out/engine_loads.txt" | tail -16

@@ -19,10 +19,10 @@ from splitserve.engine.kv_pool import COPY_PAGE_OP, KVPool, KVPoolShape
 from splitserve.engine.layers import skinny
 from splitserve.engine.layers.decode_splits import step_splits
 from splitserve.engine.layers.extend_plan import (
-    PREFIX_CHUNK_MIN_PREFIX,
-    PREFIX_CHUNK_MIN_TOKENS,
+    CUDNN_CHUNK_MIN,
     PrefixChunk,
     block_tokens,
+    cudnn_prefixes,
     extend_plan_values,
     padded,
     prefix_chunks,
@@ -126,13 +126,13 @@ def kv_locations(table: torch.Tensor, slot: int, kv_len: int, page_size: int) ->
 
 def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, page_size: int,
                         device: torch.device, relay: torch.Tensor | None = None,
-                        tokens_per_block: int | None = None, cudnn_prefix_chunks: bool = False) -> ForwardBatch:
+                        tokens_per_block: int | None = None, cudnn_chunk: int | None = None) -> ForwardBatch:
     """Flattens the chunks' tokens and derives every KV location from the page table.
 
     With `tokens_per_block` (the paged CUDA kernels' query block), the batch carries their plan;
     without it, every sequence's KV locations padded to the longest (the reference path).
-    `cudnn_prefix_chunks` (with a plan): long chunks over a long cached prefix leave the plan for
-    the cuDNN path (engine/layers/prefix_chunk_attention.py), with their KV locations.
+    `cudnn_chunk` (with a plan): chunks of that many tokens after a whole number of them leave the plan
+    for the cuDNN path (engine/layers/prefix_chunk_attention.py), with their KV locations.
     """
     ids: list[int] = []
     positions: list[int] = []
@@ -164,8 +164,8 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
     else:
         while decode_rows < len(chunks) and lengths[decode_rows] == 1:
             decode_rows += 1
-        if cudnn_prefix_chunks:
-            long_chunks = prefix_chunks(lengths, kv_lens, first_chunk=decode_rows)
+        if cudnn_chunk:
+            long_chunks = prefix_chunks(lengths, kv_lens, cudnn_chunk, first_chunk=decode_rows)
         if long_chunks:
             prefix_chunk_loc = torch.cat([kv_locations(table, slot_list[c.index], c.kv_len, page_size)
                                           for c in long_chunks])
@@ -308,10 +308,11 @@ class ModelRunner:
         wide = wide_tiles(attn.head_dim, self.dtype.itemsize)
         group = attn.num_heads // attn.num_kv_heads
         self.extend_block_tokens = block_tokens(group, wide) if self.device.type == "cuda" else None
-        # Long chunks after a long cached prefix attend through cuDNN (16-bit heads of up to 128).
-        self.cudnn_prefix_chunks = (self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
-                                    and attn.head_dim % 8 == 0 and attn.head_dim <= 128
-                                    and torch.backends.cudnn.is_available())
+        # Full prompt chunks after whole chunks attend through cuDNN (16-bit heads of up to 128); None: never.
+        cudnn = (self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+                 and attn.head_dim % 8 == 0 and attn.head_dim <= 128 and torch.backends.cudnn.is_available())
+        chunk = cfg.chunked_prefill_size
+        self.cudnn_chunk = chunk if cudnn and CUDNN_CHUNK_MIN <= chunk <= self.context_length // 2 else None
         if self.device.type == "cuda" and self.dtype == torch.float32:
             # float32 runs check exactness: no TF32 anywhere (cuDNN's convolutions allow it by default).
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -356,7 +357,7 @@ class ModelRunner:
                 logits, argmax = logits[rows], (argmax[rows] if argmax is not None else None)
         else:
             batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device, self.next_tokens,
-                                        self.extend_block_tokens, self.cudnn_prefix_chunks)
+                                        self.extend_block_tokens, self.cudnn_chunk)
             if touches_images(chunks):
                 batch.image_rows, batch.image_positions = self.prompt_image_rows(chunks)
             logits = self.forward(batch)
@@ -605,15 +606,20 @@ class ModelRunner:
             [chunk(1, start=40), chunk(16, start=32)],  # a decode row beside a chunk over a cached prefix
             [chunk(1, start=7), chunk(1, start=3, params=sampled)],  # an eager decode step (no graph)
         ]
-        long_chunk = PREFIX_CHUNK_MIN_PREFIX + PREFIX_CHUNK_MIN_TOKENS
-        if self.cudnn_prefix_chunks and long_chunk <= self.context_length:  # the cuDNN path's merge kernel
-            steps.append([chunk(PREFIX_CHUNK_MIN_TOKENS, start=PREFIX_CHUNK_MIN_PREFIX)])
+        if self.cudnn_chunk:  # a chunk through the cuDNN path (its gather and merge kernel)
+            steps.append([chunk(self.cudnn_chunk, start=self.cudnn_chunk)])
         graphs, self.decode_graphs = self.decode_graphs, None
         try:
             for chunks in steps:
                 self.run(chunks, page_table)
         finally:
             self.decode_graphs = graphs
+        if self.cudnn_chunk:
+            from splitserve.engine.layers.prefix_chunk_attention import build_cudnn_graphs
+
+            attn = self.model.layers[0].self_attn
+            build_cudnn_graphs(self.cudnn_chunk, cudnn_prefixes(self.cudnn_chunk, self.context_length),
+                               attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         torch.cuda.synchronize(self.device)
         logger.info("warm-up: every step kind compiled in %.1f s", time.monotonic() - started)
 

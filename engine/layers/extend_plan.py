@@ -32,10 +32,13 @@ def padded(values: list[int]) -> list[int]:
     return values + [0] * (aligned(len(values)) - len(values))
 
 
-# A chunk of at least this many new tokens after at least this many cached ones runs as two cuDNN
-# attention calls merged by their log-sum-exps (benchmarks/attention_sweep.py, "split" rows).
-PREFIX_CHUNK_MIN_TOKENS = 1024
-PREFIX_CHUNK_MIN_PREFIX = 1024
+# Full prompt chunks of at least this many tokens after a whole number of chunks (up to a cached prefix of
+# CUDNN_PREFIX_MAX tokens) attend as two cuDNN calls merged by their log-sum-exps (benchmarks/attention_sweep.py,
+# "cuDNN split" rows: 0.71-0.73 of the extend kernel's time at 2048 after 2048-6144; slower than it at 1024
+# after 1024 and at 2048 after 512). cuDNN builds a graph per shape (50-110 ms each on an H200), so the path
+# takes only shapes the warm-up builds: the chunk size by each multiple of it as the prefix.
+CUDNN_CHUNK_MIN = 2048
+CUDNN_PREFIX_MAX = 32768
 
 
 @dataclass(frozen=True)
@@ -55,14 +58,18 @@ class PrefixChunk:
         return self.prefix + self.length
 
 
-def prefix_chunks(lengths: list[int], kv_lens: list[int], first_chunk: int = 0,
-                  min_tokens: int = PREFIX_CHUNK_MIN_TOKENS, min_prefix: int = PREFIX_CHUNK_MIN_PREFIX
-                  ) -> tuple[PrefixChunk, ...]:
-    """The chunks (from `first_chunk`) long enough, over a prefix long enough, for the cuDNN path."""
+def cudnn_prefixes(chunk: int, context: int, max_prefix: int = CUDNN_PREFIX_MAX) -> list[int]:
+    """The cached prefixes a full `chunk` may follow on the cuDNN path (each one cuDNN graph)."""
+    return list(range(chunk, min(max_prefix, context - chunk) + 1, chunk))
+
+
+def prefix_chunks(lengths: list[int], kv_lens: list[int], chunk: int, first_chunk: int = 0,
+                  max_prefix: int = CUDNN_PREFIX_MAX) -> tuple[PrefixChunk, ...]:
+    """The chunks (from `first_chunk`) for the cuDNN path: `chunk` new tokens after a prefix in cudnn_prefixes."""
     chosen, row, loc = [], 0, 0
     for c, (length, kv_len) in enumerate(zip(lengths, kv_lens, strict=True)):
         prefix = kv_len - length
-        if c >= first_chunk and length >= min_tokens and prefix >= min_prefix:
+        if c >= first_chunk and length == chunk and 0 < prefix <= max_prefix and prefix % chunk == 0:
             chosen.append(PrefixChunk(c, row, length, prefix, loc))
             loc += kv_len
         row += length

@@ -9,6 +9,8 @@ its own keys causally (a square mask, where top-left is the chunk's diagonal). E
 query row, the log-sum-exp of its scaled scores; one pass merges the two partial outputs:
 out = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2). The chunk's KV is first gathered from its pages
 into one contiguous copy (Llama-3.1-8B: 4 KB per token for K and V of one layer, 32 MB at 8192 tokens).
+cuDNN builds a graph per shape on first use (50-110 ms on an H200), so the runner sends only full chunks
+after whole chunks here (engine/layers/extend_plan.py) and builds those graphs at warm-up.
 """
 
 from __future__ import annotations
@@ -78,3 +80,18 @@ def prefix_chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     o2, lse2 = cudnn_attention_with_lse(query, heads_first(keys[chunk.prefix:]), heads_first(values[chunk.prefix:]),
                                         True, scale)
     merge_by_lse(o1, lse1, o2, lse2, out[rows])
+
+
+def build_cudnn_graphs(chunk: int, prefixes: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       device: torch.device) -> None:
+    """Runs the path once for each prefix on inputs laid out as the engine's (the queries a view of the
+    qkv projection, the KV gathered), so that cuDNN builds every shape's graph before a request waits."""
+    if not prefixes:
+        return
+    qkv = torch.zeros(chunk, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+    q = qkv[:, :heads * head_dim].view(chunk, heads, head_dim)
+    kv = torch.zeros(max(prefixes) + chunk, kv_heads, head_dim, dtype=dtype, device=device)
+    out = torch.empty(chunk, heads, head_dim, dtype=dtype, device=device)
+    for prefix in prefixes:
+        prefix_chunk_attention(q, kv[:prefix + chunk], kv[:prefix + chunk], PrefixChunk(0, 0, chunk, prefix, 0),
+                               head_dim ** -0.5, out)

@@ -368,9 +368,9 @@ def test_paged_extend_and_decode_rows_match_float64(heads: int, kv_heads: int, h
                                                                (8, 8, 64, 1)])
 def test_long_chunks_through_cudnn_beside_the_paged_kernels_match_float64(heads: int, kv_heads: int, head_dim: int,
                                                                          page_size: int, dtype: torch.dtype) -> None:
-    # A decode row, a fresh prompt and a short chunk over a prefix through the Triton kernels; two long
-    # chunks over long prefixes (one with a prefix shorter than itself) through cuDNN, merged by their
-    # log-sum-exps. Every row close to float64.
+    # A decode row, a fresh prompt, a short chunk over a prefix and a full chunk over a prefix that is not
+    # whole chunks through the Triton kernels; two full chunks after whole chunks (of 256 here) through
+    # cuDNN, merged by their log-sum-exps. Every row close to float64.
     from splitserve.engine.forward_batch import ForwardBatch
     from splitserve.engine.layers.attention import PagedAttention
     from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, prefix_chunks
@@ -378,9 +378,9 @@ def test_long_chunks_through_cudnn_beside_the_paged_kernels_match_float64(heads:
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    lengths = [1, 300, 700, 37, 500]
-    kv_lens = [900, 300, 1900, 537, 800]
-    slots = [4, 0, 2, 5, 1]
+    lengths = [1, 300, 256, 37, 256, 256]
+    kv_lens = [900, 300, 1792, 537, 512, 1000]
+    slots = [4, 0, 2, 5, 1, 3]
     max_pages = -(-max(kv_lens) // page_size)
     num_pages = len(slots) * max_pages + 1
     page_table = (torch.randperm(num_pages - 1, device=dev) + 1)[: len(slots) * max_pages].view(len(slots), -1)
@@ -389,11 +389,11 @@ def test_long_chunks_through_cudnn_beside_the_paged_kernels_match_float64(heads:
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(sum(lengths), heads, head_dim, device=dev, dtype=dtype)
     decode_rows = 1
-    long_chunks = prefix_chunks(lengths, kv_lens, decode_rows, min_tokens=400, min_prefix=300)
+    long_chunks = prefix_chunks(lengths, kv_lens, 256, decode_rows)
     assert [c.index for c in long_chunks] == [2, 4]
     plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, block_tokens(heads // kv_heads, False),
                                               decode_rows, frozenset(c.row for c in long_chunks))
-    assert chunks == 2
+    assert chunks == 3
     meta = torch.tensor(padded(slots[:decode_rows]) + padded(kv_lens[:decode_rows]) + plan, dtype=torch.int32,
                         device=dev)
     loc = torch.cat([kv_locations(page_table.long(), slots[c.index], c.kv_len, page_size) for c in long_chunks])
@@ -415,12 +415,14 @@ def test_long_chunks_through_cudnn_beside_the_paged_kernels_match_float64(heads:
 @torch.inference_mode()
 def test_a_long_prompt_chunked_through_cudnn_gives_the_logits_of_the_triton_path_and_of_one_chunk(
         tmp_path: Path) -> None:
-    # 3072 tokens in chunks of 1024 (the second and third over 1024 and 2048 cached tokens: the cuDNN
+    # 3072 tokens in chunks of 1024 (the second and third after 1024 and 2048 cached tokens: the cuDNN
     # path), through the paged extend kernel instead, and as one fresh prompt: every position's logits agree
-    # to bf16 rounding.
+    # to bf16 rounding. Also the cuDNN graphs the warm-up builds for this context.
     from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
 
     from splitserve.engine.kv_cache import KVCache
+    from splitserve.engine.layers.extend_plan import cudnn_prefixes
+    from splitserve.engine.layers.prefix_chunk_attention import build_cudnn_graphs
     from splitserve.engine.model_config import ModelConfig
     from splitserve.engine.model_runner import ModelRunner, build_forward_batch
     from splitserve.engine.request import Request
@@ -431,7 +433,8 @@ def test_a_long_prompt_chunked_through_cudnn_gives_the_logits_of_the_triton_path
     cfg = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=8192,
                        max_running_requests=4)
     runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
-    assert runner.cudnn_prefix_chunks
+    assert runner.cudnn_chunk == 2048  # the engine's chunk
+    build_cudnn_graphs(2048, cudnn_prefixes(2048, 4096), 6, 2, 16, torch.bfloat16, runner.device)
     kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 4096, runner.device)
     prompt = torch.randint(0, 256, (3072,), generator=torch.Generator().manual_seed(0)).tolist()
     req = Request("r", prompt, SamplingParams(), on_output=lambda _o: None)
@@ -443,7 +446,7 @@ def test_a_long_prompt_chunked_through_cudnn_gives_the_logits_of_the_triton_path
         for start in range(0, len(prompt), chunk):
             batch = build_forward_batch([ScheduledChunk(req, start, chunk, True)], kv.page_table, kv.page_size,
                                         runner.device, tokens_per_block=runner.extend_block_tokens,
-                                        cudnn_prefix_chunks=cudnn)
+                                        cudnn_chunk=1024 if cudnn else None)
             batch.logits_index = torch.arange(chunk, device=runner.device)
             out.append(runner.model(batch, runner.kv_pool).float())
             through_cudnn += len(batch.prefix_chunks)

@@ -244,46 +244,48 @@ def test_extend_plan_covers_every_query_once_latest_blocks_first() -> None:
     assert plan.chunk_kv_len.tolist() == [50, 3] and plan.block_start.tolist() == [32, 16, 0, 0]
 
 
-def test_long_chunks_over_a_long_prefix_leave_the_extend_plan_for_the_cudnn_path() -> None:
-    from splitserve.engine.layers.extend_plan import PrefixChunk, extend_plan_values, prefix_chunks
+def test_full_chunks_after_whole_chunks_leave_the_extend_plan_for_the_cudnn_path() -> None:
+    from splitserve.engine.layers.extend_plan import PrefixChunk, cudnn_prefixes, extend_plan_values, prefix_chunks
 
-    # A decode row, a fresh prompt, a long chunk over a long prefix, a short chunk over one, a long one
-    # over a short prefix, another long one over a long prefix.
-    lengths, kv_lens, slots = [1, 40, 32, 8, 32, 20], [9, 40, 100, 108, 40, 60], [5, 6, 7, 8, 9, 4]
-    long_chunks = prefix_chunks(lengths, kv_lens, first_chunk=1, min_tokens=20, min_prefix=32)
-    assert long_chunks == (PrefixChunk(2, 41, 32, 68, 0), PrefixChunk(5, 113, 20, 40, 100))
-    assert [c.kv_len for c in long_chunks] == [100, 60]
-    assert prefix_chunks(lengths, kv_lens, first_chunk=3, min_tokens=20, min_prefix=32) == (
-        PrefixChunk(5, 113, 20, 40, 0),)
+    assert cudnn_prefixes(2048, 8256) == [2048, 4096, 6144] and cudnn_prefixes(2048, 131072)[-1] == 32768
+    # A decode row, a fresh prompt, a full chunk after two, a short chunk over a prefix, a full chunk after a
+    # prefix that is not whole chunks, a full chunk after four, a short one after two.
+    lengths, kv_lens = [1, 40, 32, 8, 32, 32, 20], [9, 40, 96, 108, 50, 160, 84]
+    slots = [5, 6, 7, 8, 9, 3, 4]
+    long_chunks = prefix_chunks(lengths, kv_lens, 32, first_chunk=1)
+    assert long_chunks == (PrefixChunk(2, 41, 32, 64, 0), PrefixChunk(5, 113, 32, 128, 96))
+    assert [c.kv_len for c in long_chunks] == [96, 160]
+    assert prefix_chunks(lengths, kv_lens, 32, first_chunk=1, max_prefix=100) == long_chunks[:1]
+    assert prefix_chunks(lengths, kv_lens, 32, first_chunk=3) == (PrefixChunk(5, 113, 32, 128, 0),)
     values, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, tokens_per_block=16, first_chunk=1,
                                                 skip_rows=frozenset(c.row for c in long_chunks))
-    # The plan keeps the fresh prompt and the two others, at their own rows.
-    assert (chunks, blocks) == (3, 6)
-    assert values[:16] == [6, 8, 9, 0, 1, 73, 81, 0, 40, 8, 32, 0, 40, 108, 40, 0]
-    assert values[16:] == [0, 0, 0, 1, 2, 2, 0, 0, 32, 16, 0, 0, 16, 0, 0, 0]  # programs: chunks, first queries
+    # The plan keeps the four others at their own rows: slots, rows, lengths, KV lengths, then the programs.
+    assert (chunks, blocks) == (4, 8)
+    assert values[:16] == [6, 8, 9, 4, 1, 73, 81, 145, 40, 8, 32, 20, 40, 108, 50, 84]
+    assert values[16:] == [0, 0, 0, 1, 2, 2, 3, 3, 32, 16, 0, 0, 16, 0, 16, 0]
 
 
 def test_a_batch_s_cudnn_chunks_carry_the_kv_locations_the_reference_path_would_gather() -> None:
-    from splitserve.engine.layers.extend_plan import PREFIX_CHUNK_MIN_PREFIX, PREFIX_CHUNK_MIN_TOKENS
     from splitserve.engine.model_runner import build_forward_batch
     from splitserve.engine.scheduler import ScheduledChunk
 
-    kv = KVCache(300, 16, 4, max_context=4096, device=torch.device("cpu"))
-    prefix, length = PREFIX_CHUNK_MIN_PREFIX + 5, PREFIX_CHUNK_MIN_TOKENS
-    short, long = make_request("short", list(range(40))), make_request("long", [7] * (prefix + length))
-    for r in (short, long):
+    kv = KVCache(600, 16, 4, max_context=8192, device=torch.device("cpu"))
+    short, long, odd = (make_request("short", list(range(40))), make_request("long", [7] * 4096),
+                        make_request("odd", [8] * 4101))
+    for r in (short, long, odd):
         kv.admit(r, max_prefix_tokens=0)
         assert kv.grow(r, len(r.prompt_ids))
-    chunks = [ScheduledChunk(short, 0, 40, True), ScheduledChunk(long, prefix, length, True)]
+    chunks = [ScheduledChunk(short, 0, 40, True), ScheduledChunk(long, 2048, 2048, True),
+              ScheduledChunk(odd, 2053, 2048, True)]
     paged = build_forward_batch(chunks, kv.page_table, kv.page_size, torch.device("cpu"), tokens_per_block=64,
-                                cudnn_prefix_chunks=True)
+                                cudnn_chunk=2048)
     reference = build_forward_batch(chunks, kv.page_table, kv.page_size, torch.device("cpu"))
-    (chunk,) = paged.prefix_chunks
-    assert (chunk.index, chunk.row, chunk.length, chunk.prefix) == (1, 40, length, prefix)
-    assert torch.equal(paged.prefix_chunk_loc, reference.kv_indices[1, :prefix + length])
-    assert paged.extend_chunks == 1  # the short prompt alone in the extend kernel's plan
+    (chunk,) = paged.prefix_chunks  # odd's prefix is not whole chunks: the extend kernel's
+    assert (chunk.index, chunk.row, chunk.length, chunk.prefix) == (1, 40, 2048, 2048)
+    assert torch.equal(paged.prefix_chunk_loc, reference.kv_indices[1, :4096])
+    assert paged.extend_chunks == 2
     plain = build_forward_batch(chunks, kv.page_table, kv.page_size, torch.device("cpu"), tokens_per_block=64)
-    assert plain.prefix_chunks == () and plain.extend_chunks == 2
+    assert plain.prefix_chunks == () and plain.extend_chunks == 3
 
 
 def test_a_request_whose_last_token_is_in_flight_gets_no_decode_row() -> None:
