@@ -41,8 +41,8 @@ class ForwardBatch:
     decode_rows: int = 0  # the leading one-token chunks, which run through the paged decode kernel
     extend_chunks: int = 0
     extend_blocks: int = 0
-    # Long chunks after a cached prefix, which attend through cuDNN instead (not in the plan), and the
-    # KV pool locations of each one's positions 0..kv_len, one after another.
+    # Full prompt chunks after whole chunks, which attend through cuDNN instead (not in the plan), and
+    # the KV pool locations of each one's positions 0..kv_len, one after another.
     prefix_chunks: tuple[PrefixChunk, ...] = ()
     prefix_chunk_loc: torch.Tensor | None = None  # int64
     # Decode batches: the page table and each sequence's row in it.

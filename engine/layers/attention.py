@@ -5,7 +5,7 @@ New keys and values are written into the pool at each token's slot, then:
   kernel (FlashAttention on GPUs);
 - other extend batches (prompt chunks, mixed with decodes) on CUDA: the leading decode rows
   through the paged decode kernel, the chunks through the paged extend kernel, both reading
-  the pages in place, but long chunks after a long cached prefix, which gather their KV and
+  the pages in place, but full prompt chunks after whole chunks, which gather their KV and
   take cuDNN (engine/layers/prefix_chunk_attention.py); elsewhere (the reference) each
   sequence's whole KV is gathered from its pages and padded to the longest, with a causal
   mask offset by the cached length, for one SDPA call;
