@@ -1,7 +1,8 @@
 """A drafter's DraftMesh gRPC service: Join (checks, then a lease), Heartbeat, Leave.
 
 Every call is authenticated with the group's key (draft_mesh/auth.py); Join refuses a verifier
-whose tokenizer or vocabulary differs, when the lease table is full, or while draining.
+whose tokenizer or vocabulary differs, when the lease table is full, while draining, or while the
+drafter's engine warms up (a verifier's link joins again every draft_mesh/client.py REJOIN_BACKOFF_S).
 """
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ class DrafterIdentity:
 class DraftMeshService(pb_grpc.DraftMeshServicer):
     """The servicer; the lease table is shared with the drafter role."""
 
-    def __init__(self, identity: DrafterIdentity, leases: LeaseTable, key: str) -> None:
+    def __init__(self, identity: DrafterIdentity, leases: LeaseTable, key: str, running: bool = True) -> None:
         self.identity = identity
         self.leases = leases
         self.key = key
         self.draining = False
+        # False while the drafter's engine warms up (compiles, captures graphs: seconds on a GPU, where it
+        # also holds the device): a verifier joined then would sync requests no draft comes for, and its
+        # gate would measure speculating as a loss.
+        self.running = running
 
     def _authenticate(self, method: str, request, context: grpc.ServicerContext) -> None:
         refusal = call_refusal(self.key, SERVICE + method, request.SerializeToString(),
@@ -65,8 +70,11 @@ class DraftMeshService(pb_grpc.DraftMeshServicer):
             refusal, reason = pb.REFUSAL_BAD_REQUEST, "draft_tokens must be >= 1 and tail_endpoint set"
         elif self.draining:
             refusal, reason = pb.REFUSAL_DRAINING, "this drafter is draining"
+        elif not self.running:
+            refusal, reason = pb.REFUSAL_WARMING_UP, "warming up: this drafter's engine is not running yet"
         if refusal != pb.REFUSAL_NONE:
-            logger.warning("refused Join of verifier rank %d: %s", request.verifier_rank, reason)
+            logger.log(logging.INFO if refusal == pb.REFUSAL_WARMING_UP else logging.WARNING,
+                       "refused Join of verifier rank %d: %s", request.verifier_rank, reason)
             return pb.JoinReply(accepted=False, refusal=refusal, reason=reason, drafter_rank=me.rank,
                                 drafter_instance=me.instance)
         try:

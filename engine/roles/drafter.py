@@ -138,7 +138,7 @@ class DrafterRole(Role):
         self.control_endpoint = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
         identity = DrafterIdentity(self.rank, self.instance, tokenizer_fingerprint(engine.tokenizer),
                                    self.vocab_size, self.control_endpoint, self.spec.max_draft_ahead)
-        self.service = DraftMeshService(identity, self.leases, self.key)
+        self.service = DraftMeshService(identity, self.leases, self.key, running=False)  # Joins from the first poll
         self.grpc_server, self.mesh_port = start_mesh_server(self.service, self.host, self.spec.draft_mesh_port)
         self._receiver = threading.Thread(target=self._receive, name="draft-control-recv", daemon=True)
         self._receiver.start()
@@ -358,6 +358,9 @@ class DrafterRole(Role):
             del self.states[req.request_id]
 
     def poll(self) -> None:
+        if not self.service.running:  # the engine loop runs (its warm-up is done): verifiers may join
+            self.service.running = True
+            logger.info("drafter rank %d: engine running, taking verifiers", self.rank)
         for lease in self.leases.take_ended():
             self._end_lease(lease)
         for lease_id, box in list(self.outboxes.items()):

@@ -77,6 +77,28 @@ def test_join_is_refused_when_full_or_draining(mesh) -> None:
     assert caller.call("Join", join_request(verifier_rank=5)).refusal == pb.REFUSAL_DRAINING
 
 
+def test_a_drafter_warming_up_refuses_joins_and_a_link_joins_once_it_runs(mesh) -> None:
+    # A drafter whose engine still compiles would take requests no draft comes for (on a GPU for
+    # seconds, while its warm-up holds the device): verifiers join once it runs.
+    service, leases, caller, port = mesh
+    service.running = False
+    reply = caller.call("Join", join_request())
+    assert not reply.accepted and reply.refusal == pb.REFUSAL_WARMING_UP and "warming up" in reply.reason
+    assert len(leases) == 0
+    events: queue.Queue[LinkEvent] = queue.Queue()
+    link = DrafterLink(f"127.0.0.1:{port}", join_request(), KEY, heartbeat_interval_s=0.1, timeout_s=1.0,
+                       events=events).start()
+    try:
+        time.sleep(0.8)
+        assert events.empty() and link.state == "refused" and "WARMING_UP" in link.last_reason
+        service.running = True
+        joined = events.get(timeout=5)
+        assert joined.kind == "joined" and leases.get(joined.reply.lease_id) is not None
+    finally:
+        link.stop()
+    assert len(leases) == 0
+
+
 def test_a_rejoining_verifier_replaces_its_old_lease(mesh) -> None:
     _, leases, caller, _ = mesh
     first = caller.call("Join", join_request(verifier_instance="v0"))
