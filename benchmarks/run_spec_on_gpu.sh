@@ -32,6 +32,7 @@ if [[ "${SPEC_BENCH:-1}" == 1 ]]; then
         --device cuda --workdir /tmp/spec-ckpt --output "$out/spec_llama-3.1-8b_h200.json" "$@" \
         > "$out/spec_llama-3.1-8b_h200.log" 2>&1
     echo "bench rc=$?" >> "$out/spec_llama-3.1-8b_h200.log"
+    cp /tmp/spec-ckpt/drafter-*.log "$out/" 2>/dev/null  # each drafter process's own log
     grep -v "^Loading weights" "$out/spec_llama-3.1-8b_h200.log" | grep -E "bench_spec|rc=|Error|error" | tail -40
     grep -A30 "^speculative decoding" "$out/spec_llama-3.1-8b_h200.log"
 fi

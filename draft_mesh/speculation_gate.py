@@ -20,10 +20,12 @@ the nearest smaller bucket: then it waits for that bucket's probe interval. Step
 on the gate (K = 0) do not count towards the next probe, and a change of drafters forgets what
 speculating measured.
 
-What speculating may cost on top of that is bounded by measurement (draft_mesh/speculation_budget.py):
-a bucket decodes plainly until plain decoding's rate there is measured, each speculating step is
-charged what it lost against that rate, every step included, and speculating stops (and waits for
-the headroom before it starts again) once the bucket's budget is spent.
+With --speculation-budget, what speculating may cost on top of that is bounded by measurement
+(draft_mesh/speculation_budget.py; its accounts are kept either way, for /health and the metrics):
+a bucket decodes plainly until plain decoding's rate there is measured, each speculating step (every
+one, and the plain steps right after a stint) is charged what it lost against the best plain rate
+measured there, and speculating stops (and waits for the headroom before it starts again) once the
+bucket's budget is spent.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Stint:
     waited: int = 0  # steps before the stint started counting (speculating: before the first verify)
     all_tokens: int = 0  # every step of the stint, the uncounted ones too
     all_seconds: float = 0.0
+    after_speculating: bool = False  # a plain stint the gate switched to from speculating
 
     @property
     def rate(self) -> float | None:
@@ -68,18 +71,27 @@ class Stint:
 class SpeculationGate:
     """The current mode, the stint in it, and each (bucket, mode)'s rate from its latest stint."""
 
-    mode: str = PLAIN  # plain decoding's rate is measured first: speculating is charged against it
+    mode: str = ""  # the first: speculating, or with the budget plain (what speculating is charged against)
     bucket: int = 0
     stint: Stint = field(default_factory=Stint)
     rates: dict[tuple[int, str], float] = field(default_factory=dict)
     probe_every: dict[int, int] = field(default_factory=dict)
     probing: bool = False
     forced: bool = False  # the last steps ran a mode forced on the gate (K = 0), not one it chose
-    margin: float = MARGIN  # the loss budget's (draft_mesh/speculation_budget.py)
+    # The loss budget (draft_mesh/speculation_budget.py): always accounted (/health shows what speculating
+    # saved or lost), acted on only when `budgeted` (--speculation-budget).
+    budgeted: bool = False
+    margin: float = MARGIN
     cap_steps: float = CAP_STEPS
     budgets: dict[int, LossBudget] = field(default_factory=dict)
+    # Plain decoding's best measured rate per bucket: what speculating is charged against (a plain stint
+    # right after speculating, or beside a drafter's warm-up, measures low and would undercharge it).
+    plain_best: dict[int, float] = field(default_factory=dict)
     switches: dict[str, int] = field(default_factory=dict)  # "mode/why": switches the gate made
     switched: list[tuple[str, str]] = field(default_factory=list)  # (mode, why) since the caller last took them
+
+    def __post_init__(self) -> None:
+        self.mode = self.mode or (PLAIN if self.budgeted else SPECULATE)
 
     def observe(self, bucket: int, tokens: int, seconds: float, verified: bool = False) -> None:
         """A step of the current mode emitted `tokens` in `seconds` with `bucket` decoding requests
@@ -87,10 +99,12 @@ class SpeculationGate:
         if bucket != self.bucket:  # another load: every stint starts over
             self.bucket, self.stint, self.probing = bucket, Stint(), False
         budget = self._budget(bucket)
-        plain_rate = self.rates.get((bucket, PLAIN))
-        if self.mode == PLAIN:
+        plain_rate = self.plain_best.get(bucket)
+        if self.mode == PLAIN and not (self.stint.after_speculating and self.stint.steps < WARMUP_STEPS):
             budget.step(seconds)
-        elif not self.forced and plain_rate:  # a speculating step the gate chose: charged, the first ones too
+        elif not self.forced and plain_rate:
+            # A speculating step the gate chose, its first ones too, or one of the plain steps right after
+            # speculating (the overlap pipeline refills, the drafters' last steps still hold the device).
             budget.step(seconds, tokens, plain_rate)
         self.stint.all_tokens += tokens
         self.stint.all_seconds += seconds
@@ -106,6 +120,7 @@ class SpeculationGate:
             self.rates[(bucket, self.mode)] = rate
             if self.mode == PLAIN:
                 budget.plain_step(self.stint.seconds / (self.stint.steps - WARMUP_STEPS))
+                self.plain_best[bucket] = max(rate, self.plain_best.get(bucket, 0.0))
 
     def forget_speculation(self) -> None:
         """The drafters changed (one joined or left): speculating rates measured with the others say
@@ -127,10 +142,13 @@ class SpeculationGate:
             self.forced = False
             self.stint.steps = min(self.stint.steps, WARMUP_STEPS + MEASURE_STEPS)
         budget = self._budget(self.bucket)
-        if self.mode == SPECULATE and (self.bucket, PLAIN) not in self.rates:
+        if self.budgeted and self.mode == SPECULATE and (self.bucket, PLAIN) not in self.rates:
             self._switch(PLAIN, probing=False, why="unmeasured")  # what speculating is charged against, first
             return self.mode
-        if self.mode == SPECULATE and not budget.can_continue:  # its loss spent the bucket's budget
+        # Its loss spent the bucket's budget. Before the stint's first verify step (the drafters take the
+        # requests in) a step says nothing of the next ones: only an overdrawn budget ends it then.
+        unprimed = self.stint.steps == 0
+        if self.budgeted and self.mode == SPECULATE and not budget.can_continue(predict=not unprimed):
             spent = self.stint.all_tokens / self.stint.all_seconds if self.stint.all_seconds > 0 else 0.0
             self.rates[(self.bucket, SPECULATE)] = min(self.rates.get((self.bucket, SPECULATE), spent), spent)
             if self.probing:
@@ -146,7 +164,7 @@ class SpeculationGate:
                 mine = self.rates[(self.bucket, self.mode)] = early  # clearly slower: no need to finish
             else:
                 return self.mode  # still measuring this stint
-        if other == SPECULATE and not budget.can_start:
+        if self.budgeted and other == SPECULATE and not budget.can_start:
             return self.mode  # plain until its steps have saved the headroom to try speculating
         every = self.probe_every.get(self.bucket, PROBE_EVERY)
         lost_below = self._lost_below() if theirs is None and other == SPECULATE else None
@@ -201,7 +219,7 @@ class SpeculationGate:
         return self.budgets[bucket]
 
     def _switch(self, mode: str, probing: bool, why: str) -> None:
-        self.mode, self.stint, self.probing = mode, Stint(), probing
+        self.mode, self.stint, self.probing = mode, Stint(after_speculating=self.mode == SPECULATE), probing
         if mode == SPECULATE:
             self._budget(self.bucket).started()
         key = f"{mode}/{why}"

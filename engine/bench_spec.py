@@ -91,6 +91,8 @@ class SpecBenchConfig:
     speculation_gate: bool = field(default=True, metadata={
         "help": "the verifier's --speculation-gate (--no-speculation-gate: every step verifies what the drafter "
                 "offers, e.g. to measure verify steps and their identity where the gate would decode plainly)"})
+    speculation_budget: bool = field(default=SpecConfig.speculation_budget, metadata={
+        "help": "the verifier's --speculation-budget (the gate bounds speculating's loss by measurement)"})
     speculation_margin: float = field(default=SpecConfig.speculation_margin, metadata={
         "help": "the verifier's --speculation-margin (the gate's budget)"})
     speculation_budget_steps: float = field(default=SpecConfig.speculation_budget_steps, metadata={
@@ -357,8 +359,9 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
     mesh_port = free_port()
     spec = SpecConfig(drafter=[f"127.0.0.1:{mesh_port}"], num_draft_tokens=max(cfg.ks),
                       draft_wait_ms=cfg.draft_wait_ms, row_invariant_rows=cfg.row_invariant_rows,
-                      speculation_gate=cfg.speculation_gate, speculation_margin=cfg.speculation_margin,
-                      speculation_budget_steps=cfg.speculation_budget_steps, batch_invariant=cfg.batch_invariant)
+                      speculation_gate=cfg.speculation_gate, speculation_budget=cfg.speculation_budget,
+                      speculation_margin=cfg.speculation_margin, speculation_budget_steps=cfg.speculation_budget_steps,
+                      batch_invariant=cfg.batch_invariant)
     verifier = VerifierRole(spec, TransferConfig(transfer_control_key=KEY))
     engine = Engine(EngineConfig(model=str(folders["target"]), device=cfg.device, max_total_tokens=cfg.max_total_tokens,
                                  max_running_requests=max(cfg.batch_sizes)), role=ComposedRole("unified", [verifier]))
@@ -405,10 +408,13 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
                 # first prefills and catch-ups at these shapes, and the verifier's first verify steps, cost
                 # far more than later ones (on the H200 a drafter's first prefill of a 129-token request
                 # took ~100 ms); then the gate forgets what speculating measured meanwhile.
+                # Every K: on the H200 the drafter's first steps of the first K=2 run after a K=8 pass still
+                # took ~100 ms each (host side: something compiled), 220 ms of a 390 ms run without drafts.
                 gated, verifier.spec = verifier.spec, dataclasses.replace(verifier.spec, speculation_gate=False)
-                verifier.num_draft_tokens = max(cfg.ks)
-                for b in cfg.batch_sizes:
-                    generate_tokens(engine, prompts[b], SamplingParams(max_new_tokens=16, ignore_eos=True))
+                for k in cfg.ks:
+                    verifier.num_draft_tokens = k
+                    for b in cfg.batch_sizes:
+                        generate_tokens(engine, prompts[b], SamplingParams(max_new_tokens=16, ignore_eos=True))
                 verifier.spec = gated
                 verifier.gate.forget_speculation()
                 for k in cfg.ks:

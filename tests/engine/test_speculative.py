@@ -59,10 +59,10 @@ def mesh_endpoint(drafter: Engine) -> str:
 
 
 def start_verifier(drafters: list[Engine], k: int = 4, rank: int = 0, wait_ms: float = WAIT_MS,
-                   gate: bool = False) -> Engine:
+                   gate: bool = False, budget: bool = False) -> Engine:
     # Without the gate every draft offered is verified: the tests count them.
     spec = SpecConfig(drafter=[mesh_endpoint(d) for d in drafters], num_draft_tokens=k, verifier_rank=rank,
-                      draft_wait_ms=wait_ms, speculation_gate=gate)
+                      draft_wait_ms=wait_ms, speculation_gate=gate, speculation_budget=budget)
     engine = Engine(EngineConfig(model="tiny", **ENGINE), role=ComposedRole("unified", [VerifierRole(spec, TRANSFER)]))
     engine.start()
     return engine
@@ -478,8 +478,8 @@ def test_drafters_added_to_the_peers_file_later_are_joined_and_removed_ones_left
     assert_idle_and_pages_back(verifier, drafter)
 
 
-@pytest.mark.parametrize("seed", [0, 7])
-def test_the_gate_keeps_the_faster_mode_and_switching_changes_no_token(seed, stopper) -> None:
+@pytest.mark.parametrize(("seed", "budget"), [(0, False), (7, False), (0, True), (7, True)])
+def test_the_gate_keeps_the_faster_mode_and_switching_changes_no_token(seed, budget, stopper) -> None:
     # The gate measures both modes (speculating first, then not: commits held, the drafter paced to
     # nothing) and keeps the faster, probing the other later; the catch-up commits and re-drafts of
     # every switch must leave greedy output exactly plain decoding's. Which mode wins on a loaded CPU
@@ -494,7 +494,7 @@ def test_the_gate_keeps_the_faster_mode_and_switching_changes_no_token(seed, sto
         plain_engine.stop()
     drafter = start_drafter(seed=seed)
     stopper.append(drafter)
-    verifier = start_verifier([drafter], k=3, gate=True)
+    verifier = start_verifier([drafter], k=3, gate=True, budget=budget)
     stopper.append(verifier)
     wait_joined(verifier, 1)
     assert generate_tokens(verifier, prompts, params) == reference
@@ -505,11 +505,11 @@ def test_the_gate_keeps_the_faster_mode_and_switching_changes_no_token(seed, sto
     verifier.call_soon(lambda: None)
     time.sleep(0.2)
     gate = verifier.role.health_info()["speculation_gate"]
-    # Drafts were verified, or (a wrong drafter, on a loaded CPU) its first probe spent the budget
-    # before the drafter had drafted: the gate says so.
-    assert spec_counts(verifier)[0] > 0 or gate["switches"].get("plain/budget", 0) >= 1, gate
+    # Drafts were verified, or (with the budget, a wrong drafter on a loaded CPU) its first probe spent
+    # the budget before the drafter had drafted: the gate says so.
+    assert spec_counts(verifier)[0] > 0 or (budget and gate["switches"].get("plain/budget", 0) >= 1), gate
     assert gate["mode"] in (PLAIN, SPECULATE) and gate["switches"] == role.gate.switches
-    assert gate["switches"].get("speculate/probe", 0) >= 1 and gate["buckets"]["8"]["plain_tokens_per_s"] > 0
+    assert sum(gate["switches"].values()) >= 1 and gate["buckets"]["8"]["plain_tokens_per_s"] > 0
     assert gate["buckets"]["8"]["cap_ms"] > 0 and gate["buckets"]["8"]["headroom_ms"] is not None
     registry = verifier.metrics.registry
     for key, count in gate["switches"].items():
