@@ -78,6 +78,12 @@ class SpecConfig:
                 "read back, so a drafter sharing its verifier's GPU holds work whenever it gets the device. On an "
                 "H200 beside an 8B verifier, batch 1, K=2/4/8: 1.21/1.89/2.32x of plain decoding with it, "
                 "0.91/1.06/1.02x without it (one lease)"})
+    drafter_cudnn_attention: bool = field(default=True, metadata={
+        "help": "the drafter process's one-prompt prefills may attend through cuDNN (torch SDPA's backend). "
+                "cuDNN builds a plan per new sequence length (50-110 ms each on an H200, issue 16's sweep), and "
+                "a drafter prefills every synced request at a length of its own (on the H200 two of its steps at a "
+                "run's start took ~100 ms and a K=2 run had no draft for 220 ms: the likely cause, not shown). "
+                "--no-drafter-cudnn-attention takes the other SDPA backends (the whole process); not measured"})
     max_verifiers: int = field(default=64, metadata={"help": "leases a drafter grants at once (then: full)"})
     draft_lease_ttl_s: float = field(default=1.5, metadata={
         "help": "seconds a lease lives after its last heartbeat (then its requests are closed)"})

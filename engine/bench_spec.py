@@ -104,6 +104,9 @@ class SpecBenchConfig:
                 "one decode split count at every batch)"})
     cublas_plain: bool = field(default=True, metadata={
         "help": "also measure plain decoding with 16-bit rows past 16 on cuBLAS (as without a verifier)"})
+    drafter_cudnn_attention: bool = field(default=True, metadata={
+        "help": "the drafters' --drafter-cudnn-attention (--no-drafter-cudnn-attention: their one-prompt prefills "
+                "without cuDNN's per-length plans)"})
     drafter_overlap: bool = field(default=True, metadata={
         "help": "the drafters' overlap scheduler (--no-drafter-overlap: each draft step read back before the next)"})
     max_total_tokens: int = field(default=65536, metadata={"help": "KV cache tokens of each engine"})
@@ -318,6 +321,8 @@ def start_drafter(folder: Path, device: str, mesh_port: int, http_port: int, cfg
         args += ["--row-invariant-rows", str(cfg.row_invariant_rows)]
     if not cfg.drafter_overlap:
         args.append("--no-drafter-overlap")
+    if not cfg.drafter_cudnn_attention:
+        args.append("--no-drafter-cudnn-attention")
     env = {**os.environ, "SPLITSERVE_TRANSFER_CONTROL_KEY": KEY, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 

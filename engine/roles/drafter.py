@@ -125,6 +125,10 @@ class DrafterRole(Role):
         if engine.kv.prefix_cache.enabled:
             raise ValueError("a drafter engine needs the prefix cache off (drafter_engine_config)")
         self.vocab_size = engine.model_cfg.vocab_size
+        if not self.spec.drafter_cudnn_attention:  # no cuDNN plan per new prompt length (SpecConfig)
+            import torch
+
+            torch.backends.cuda.enable_cudnn_sdp(False)
         # The verifier's kernels: a draft does not depend on how many requests share the drafter's step
         # (a drafter that is a prefix of the target then agrees with it bit for bit at every batch).
         engine.use_row_invariant_rows(self.spec.row_invariant_rows)

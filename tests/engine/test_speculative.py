@@ -309,6 +309,22 @@ def test_two_verifiers_share_two_drafters(plain, stopper) -> None:
     assert_idle_and_pages_back(*verifiers, *drafters)
 
 
+def test_a_drafter_without_cudnn_attention_turns_off_sdpas_cudnn_backend(stopper) -> None:
+    import torch
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    spec = SpecConfig(draft_mesh_port=free_port(), drafter_cudnn_attention=False)
+    try:
+        drafter = Engine(drafter_engine_config(EngineConfig(model="tiny", **ENGINE)),
+                         role=ComposedRole("drafter", [DrafterRole(spec, TRANSFER)]))
+        drafter.start()  # the role's attach sets it, before the engine warms up
+        stopper.append(drafter)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert drafter.role.health_info()["leases"] == 0
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 def test_join_is_refused_on_a_tokenizer_mismatch_with_the_reason(tmp_path, stopper) -> None:
     folder = write_checkpoint(tmp_path / "other-tokenizer", TINY_CONFIG, seed=0)
     tok = (folder / "tokenizer.json").read_text().replace('"<|im_end|>"', '"<|im_stop|>"')
