@@ -1,0 +1,110 @@
+"""What a fresh prompt's attention costs the first time its length is seen, per SDPA backend.
+
+The runner sends a lone fresh prompt through `scaled_dot_product_attention(is_causal=True,
+enable_gqa=...)`. Some backends build a plan per shape (cuDNN compiles a graph), so a server whose
+prompts have many lengths pays that build on the engine thread once per new length, with every
+running request waiting behind it. This times, on Llama-3.1-8B's attention shape (32/8 heads x 128,
+bf16), each backend's first call at lengths it has not seen against its warm call at the same
+lengths, and says which backend the default dispatch picks.
+
+  python3 -P benchmarks/sdpa_shape_cost.py [--lengths 97 301 ...] [--count 12] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HEADS, KV_HEADS, DIM = 32, 8, 128
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION}
+logger = logging.getLogger("sdpa_shape_cost")
+
+
+def prompt_qkv(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [1, H, L, D], k and v [1, Hkv, L, D], as the runner passes a lone prompt."""
+    def draw(heads: int) -> torch.Tensor:
+        return torch.randn(1, heads, length, DIM, device="cuda", dtype=torch.bfloat16)
+    return draw(HEADS), draw(KV_HEADS), draw(KV_HEADS)
+
+
+def timed_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    """One call's wall time, from a synchronized start to a synchronized end."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def default_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The backend the default dispatch picks for these inputs."""
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, True, enable_gqa=True)
+    try:
+        return SDPBackend(choice).name
+    except ValueError:
+        return str(choice)
+
+
+def backend_cost(name: str, lengths: list[int]) -> dict:
+    """First and warm call at each length (new to this backend), under one forced backend or the default."""
+    first, warm = [], []
+    for length in lengths:
+        q, k, v = prompt_qkv(length)
+        try:
+            if name == "default":
+                first.append(timed_ms(q, k, v))
+                warm.append(min(timed_ms(q, k, v) for _ in range(3)))
+            else:
+                with sdpa_kernel([BACKENDS[name]]):
+                    first.append(timed_ms(q, k, v))
+                    warm.append(min(timed_ms(q, k, v) for _ in range(3)))
+        except RuntimeError as err:  # a backend that refuses these inputs
+            return {"backend": name, "refused": str(err).splitlines()[0][:200]}
+    extra = [f - w for f, w in zip(first, warm, strict=True)]
+    return {"backend": name, "lengths": lengths, "first_ms": first, "warm_ms": warm,
+            "median_first_over_warm": statistics.median(f / w for f, w in zip(first, warm, strict=True)),
+            "median_extra_ms": statistics.median(extra), "total_extra_ms": sum(extra)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="*", help="prompt lengths (default: seeded, 64-4096)")
+    parser.add_argument("--count", type=int, default=12, help="seeded lengths per backend")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rng = random.Random(0)
+    names = ["default", *BACKENDS]
+    # Each backend gets lengths no earlier backend saw, so no plan cache carries over between them.
+    sets = ([[length + offset for length in args.lengths] for offset in range(len(names))] if args.lengths
+            else [sorted(rng.sample(range(64, 4097), args.count)) for _ in names])
+    warm_q, warm_k, warm_v = prompt_qkv(16)
+    logger.info("default dispatch picks %s (torch %s, cuDNN %s)", default_choice(warm_q, warm_k, warm_v),
+                torch.__version__, torch.backends.cudnn.version())
+    timed_ms(warm_q, warm_k, warm_v)  # the CUDA context and the default backend's first load, outside the figures
+    results = []
+    for name, lengths in zip(names, sets, strict=True):
+        result = backend_cost(name, lengths)
+        results.append(result)
+        if "refused" in result:
+            logger.info("%-9s refused: %s", name, result["refused"])
+            continue
+        logger.info("%-9s first call at a new length %.1fx its warm call (median); %.1f ms more a new length "
+                    "(median), %.0f ms over %d lengths", name, result["median_first_over_warm"],
+                    result["median_extra_ms"], result["total_extra_ms"], len(lengths))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+                       "default": default_choice(warm_q, warm_k, warm_v), "results": results}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
