@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.draft_mesh.speculation_budget import CAP_STEPS, MARGIN
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -44,10 +46,10 @@ class SpecConfig:
                 "from the last) it held every cell within 2 percent of plain but cut stints at their start, batch 1 "
                 "K=4/8 1.01/0.98x against 1.89/2.32x without it. What /health and the metrics show of the "
                 "budget is accounted either way"})
-    speculation_margin: float = field(default=0.01, metadata={
+    speculation_margin: float = field(default=MARGIN, metadata={
         "help": "with --speculation-budget: of decoding time at each batch, what speculating may lose against "
                 "plain decoding (probes and stints that do not pay, their first steps included)"})
-    speculation_budget_steps: float = field(default=3.0, metadata={
+    speculation_budget_steps: float = field(default=CAP_STEPS, metadata={
         "help": "with --speculation-budget: most headroom saved, in plain steps of the batch (what a batch's "
                 "first probe, or a stint that turns bad, may lose beyond --speculation-margin)"})
     row_invariant_rows: int | None = field(default=None, metadata={
@@ -60,10 +62,11 @@ class SpecConfig:
         "help": "batch-invariant mode: every decode and verify step up to the verifier's largest "
                 "(--max-running-requests x (K + 1) rows) takes row-invariant projections (the skinny kernel up "
                 "to 32 rows, the wide-tile kernel past them, the same bits) and attends with one split count "
-                "at every batch (a lone sequence's), so a row's bits do not depend on which requests share its "
-                "step nor on how many: greedy output with drafts is then plain decoding's bit for bit in "
-                "bfloat16 at every batch (GPU only; the CPU reference is exact already). Its cost: "
-                "benchmarks/results/NOTES-issue13.md"})
+                "at every batch (8: engine/layers/decode_splits.py), so a row's bits do not depend on which "
+                "requests share its step nor on how many: greedy output with drafts is then plain decoding's "
+                "bit for bit in bfloat16 at every batch, as long as no prompt chunk shares a step with decoding "
+                "requests (such a step takes the extend path, whose rows round otherwise). GPU only; the CPU "
+                "reference is exact already. Its cost: benchmarks/results/NOTES-issue13.md"})
     draft_rpc_timeout_s: float = field(default=0.5, metadata={
         "help": "seconds a Join/Heartbeat call may take before the drafter counts as silent"})
     # ---- drafter (--role drafter) --------------------------------------------------------------

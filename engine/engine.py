@@ -156,7 +156,7 @@ class Engine:
         """Readies verify steps for drafts of up to `max_draft_tokens` (a behaviour that offers drafts calls
         it before the loop starts): 16-bit projections of up to `row_invariant_rows` rows (default
         ROW_INVARIANT_ROWS; 16: cuBLAS past one tile), plain decode steps' too, take the row-invariant
-        kernel (a verify row then has plain decoding's bits); `batch_invariant` raises those rows to the
+        path (a verify row then has plain decoding's bits); `batch_invariant` raises those rows to the
         largest verify step (max_running_requests x (K + 1)) and has those steps attend with one split
         count at every batch (a row's bits then depend neither on which requests share its step nor on
         how many: engine/layers/decode_splits.py); and the verify step's CUDA graphs are captured
@@ -170,7 +170,7 @@ class Engine:
 
     def use_row_invariant_rows(self, rows: int | None = None) -> None:
         """16-bit projections of up to `rows` rows (default ROW_INVARIANT_ROWS) take the row-invariant
-        kernel: a row's bits then do not depend on the batch (before the loop starts: decode graphs
+        path: a row's bits then do not depend on the batch (before the loop starts: decode graphs
         are captured again)."""
         self.runner.set_row_invariant_rows(ROW_INVARIANT_ROWS if rows is None else rows, self.kv.page_table,
                                            self.kv.padding_slot)

@@ -525,8 +525,9 @@ class ModelRunner:
         self.decode_graphs = graphs
 
     def set_row_invariant_rows(self, rows: int, page_table: torch.Tensor, padding_slot: int) -> None:
-        """16-bit projections of up to `rows` rows (at least 16) take the row-invariant skinny kernel
-        (engine/layers/skinny_gemm_triton.py) instead of cuBLAS, in plain decode and verify steps alike:
+        """16-bit projections of up to `rows` rows (at least 16) take the row-invariant path (engine/layers/
+        skinny.py: the skinny kernel, the wide-tile kernel past 32 rows) instead of cuBLAS, in plain decode
+        and verify steps alike:
         a verifier's rows then have plain decoding's bits at every batch that fits. Decode graphs
         already captured with cuBLAS for batches over 16 are captured again."""
         if self.device.type != "cuda" or self.step_broadcaster is not None:

@@ -53,7 +53,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset:offset + local].copy_(loaded.narrow(0, self.tp.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Decode-sized rows through the skinny kernel too: cuBLAS picks its kernel (and its rounding)
+        # Decode-sized rows through the row-invariant path too: cuBLAS picks its kernel (and its rounding)
         # by the row count, so a verify step's rows would differ from plain decoding's.
         if skinny.fits(x, self.skinny_rows):
             return skinny.skinny_linear(x, self.weight, self.bias, self.skinny_rows)
