@@ -266,6 +266,8 @@ def gemm_variants(cfg: dict, rows: int, dtype: torch.dtype) -> list[dict]:
 def small_kernel_variants(cfg: dict, rows: int, dtype: torch.dtype) -> list[dict]:
     """The step's residual add + RMSNorm and SwiGLU kernels at `rows` rows under other launches: us per
     call over 64 input copies (read from HBM, not L2), against the launch fused_triton.py uses."""
+    import triton
+
     from splitserve.engine.layers import fused_triton as ft
 
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
@@ -277,7 +279,7 @@ def small_kernel_variants(cfg: dict, rows: int, dtype: torch.dtype) -> list[dict
     for warps in (4, 8, 16):
         us = graph_time_us(lambda i, warps=warps: ft._add_rmsnorm_kernel[(rows,)](
             xs[i], rs[i], w, normed, res, hidden, hidden, hidden, hidden, hidden, 1e-5, HAS_RESIDUAL=True,
-            BLOCK=triton_next_pow2(hidden), num_warps=warps), len(xs))
+            BLOCK=triton.next_power_of_2(hidden), num_warps=warps), len(xs))
         out.append({"kernel": "add_rmsnorm", "num_warps": warps, "us": us, "bytes": 4 * rows * hidden * 2})
     xs.clear()
     rs.clear()
@@ -288,10 +290,6 @@ def small_kernel_variants(cfg: dict, rows: int, dtype: torch.dtype) -> list[dict
             gus[i], act, 2 * inter, inter, inter, BLOCK=block, num_warps=warps), len(gus))
         out.append({"kernel": "silu_mul", "block": block, "num_warps": warps, "us": us, "bytes": 3 * rows * inter * 2})
     return out
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def main() -> None:

@@ -318,6 +318,21 @@ def causal_chunk_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
+def random_paged_step(lengths: list[int], kv_lens: list[int], slots: list[int], heads: int, kv_heads: int,
+                      head_dim: int, page_size: int, dtype: torch.dtype, device: str = "cuda"
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's random queries [sum(lengths), H, D] over random paged KV: each slot's pages shuffled
+    across the pool (page 0 left as scratch), two spare page-table rows of scratch pages."""
+    max_pages = -(-max(kv_lens) // page_size)
+    num_pages = len(slots) * max_pages + 1
+    page_table = (torch.randperm(num_pages - 1, device=device) + 1)[: len(slots) * max_pages].view(len(slots), -1)
+    page_table = torch.cat([page_table, torch.zeros(2, max_pages, dtype=page_table.dtype, device=device)]).int()
+    k_cache = torch.randn(num_pages * page_size, kv_heads, head_dim, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sum(lengths), heads, head_dim, device=device, dtype=dtype)
+    return page_table, k_cache, v_cache, q
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(32, 8, 128, 16), (6, 2, 16, 4), (28, 4, 128, 16),
                                                                (8, 8, 64, 1)])
@@ -334,13 +349,8 @@ def test_paged_extend_and_decode_rows_match_float64(heads: int, kv_heads: int, h
     lengths = [1, 1, 37, 130, 1, 300]
     kv_lens = [5, 900, 37, 530, 64, 300]
     slots = [4, 0, 2, 5, 1, 3]
-    max_pages = -(-max(kv_lens) // page_size)
-    num_pages = len(slots) * max_pages + 1
-    page_table = (torch.randperm(num_pages - 1, device=dev) + 1)[: len(slots) * max_pages].view(len(slots), -1)
-    page_table = torch.cat([page_table, torch.zeros(2, max_pages, dtype=page_table.dtype, device=dev)]).int()
-    k_cache = torch.randn(num_pages * page_size, kv_heads, head_dim, device=dev, dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
-    q = torch.randn(sum(lengths), heads, head_dim, device=dev, dtype=dtype)
+    page_table, k_cache, v_cache, q = random_paged_step(lengths, kv_lens, slots, heads, kv_heads, head_dim,
+                                                        page_size, dtype)
     decode_rows = 2
     plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots,
                                                 block_tokens(heads // kv_heads, wide_tiles(head_dim, dtype.itemsize)),
@@ -381,13 +391,8 @@ def test_long_chunks_through_cudnn_beside_the_paged_kernels_match_float64(heads:
     lengths = [1, 300, 256, 37, 256, 256]
     kv_lens = [900, 300, 1792, 537, 512, 1000]
     slots = [4, 0, 2, 5, 1, 3]
-    max_pages = -(-max(kv_lens) // page_size)
-    num_pages = len(slots) * max_pages + 1
-    page_table = (torch.randperm(num_pages - 1, device=dev) + 1)[: len(slots) * max_pages].view(len(slots), -1)
-    page_table = torch.cat([page_table, torch.zeros(2, max_pages, dtype=page_table.dtype, device=dev)]).int()
-    k_cache = torch.randn(num_pages * page_size, kv_heads, head_dim, device=dev, dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
-    q = torch.randn(sum(lengths), heads, head_dim, device=dev, dtype=dtype)
+    page_table, k_cache, v_cache, q = random_paged_step(lengths, kv_lens, slots, heads, kv_heads, head_dim,
+                                                        page_size, dtype)
     decode_rows = 1
     long_chunks = prefix_chunks(lengths, kv_lens, 256, decode_rows)
     assert [c.index for c in long_chunks] == [2, 4]
