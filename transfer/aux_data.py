@@ -34,9 +34,38 @@ def make_aux_tensor(num_slots: int, slot_bytes: int = AUX_BYTES,
 
 
 def pack_aux(aux: torch.Tensor, slot: int, data: AuxData) -> None:
-    """Writes ``data`` into slot ``slot`` of the aux tensor."""
+    """Writes ``data`` into slot ``slot`` of the aux tensor (from pageable memory: on a GPU tensor a blocking
+    copy, which waits for the stream's queued work; an engine writes through ``AuxWriter``)."""
     raw = AUX_STRUCT.pack(data.first_token_id, data.first_token_logprob, data.cached_tokens)
     aux[slot, :AUX_BYTES] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+class AuxWriter:
+    """Writes requests' aux data into an aux tensor without waiting for the device.
+
+    In device memory (``cuda_ipc``), the slot goes through a pinned host copy of the slots as an asynchronous
+    copy on the current stream: ``pack_aux``'s copy from pageable memory first waits for everything queued on
+    the stream, so every finishing request held the engine thread until the forward pass in flight ended. In
+    stream order the slot lands before the transfer's copy kernel, launched later on the same stream, reads it.
+    A slot's host row is rewritten only by that slot's next write (a later request's), whose own copy is
+    queued after the earlier one. In host memory it is ``pack_aux``."""
+
+    def __init__(self, aux: torch.Tensor) -> None:
+        self.aux = aux
+        self._host: torch.Tensor | None = None
+        if aux.device.type == "cuda":
+            self._host = torch.zeros(aux.shape, dtype=torch.uint8).pin_memory()
+            self._rows = self._host.numpy()
+
+    def write(self, slot: int, data: AuxData) -> None:
+        """Writes ``data`` into slot ``slot`` (queued on the current stream where the slots are on a GPU)."""
+        if self._host is None:
+            pack_aux(self.aux, slot, data)
+            return
+        if not 0 <= slot < len(self._rows):
+            raise IndexError(f"aux slot {slot} outside 0..{len(self._rows) - 1}")
+        AUX_STRUCT.pack_into(self._rows[slot], 0, data.first_token_id, data.first_token_logprob, data.cached_tokens)
+        self.aux[slot, :AUX_BYTES].copy_(self._host[slot, :AUX_BYTES], non_blocking=True)
 
 
 def unpack_aux(aux: torch.Tensor, slot: int) -> AuxData:

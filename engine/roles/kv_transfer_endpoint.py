@@ -10,6 +10,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.roles.replicated_transfers import ReplicatedRoom, agree_over_ranks, new_room_op
 from splitserve.transfer import (
     AuxData,
+    AuxWriter,
     KVPoll,
     KVReceiver,
     KVSender,
@@ -18,7 +19,6 @@ from splitserve.transfer import (
     layout_for_pool,
     make_aux_tensor,
     new_kv_manager,
-    pack_aux,
 )
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ class KVTransferEndpoint:
     def __init__(self, engine: Engine, config: TransferConfig) -> None:
         pool = engine.runner.kv_pool.buffer
         self.aux = make_aux_tensor(aux_slot_count(engine.cfg), device=aux_device(config, pool.device))
+        self.aux_writer = AuxWriter(self.aux)  # on a GPU: queued on the stream, the engine thread does not wait
         if pool.device.type != "cpu" and config.transfer_protocol == "tcp":
             logger.warning("KV pool on %s with the tcp transport: Mooncake TCP stages GPU memory through "
                            "the host; use rdma in production", pool.device)
@@ -70,7 +71,7 @@ class KVTransferEndpoint:
 
     def pack_aux(self, slot: int, data: AuxData) -> None:
         """Writes a request's aux data on every rank (any prefill rank may be the one that sends it)."""
-        pack_aux(self.aux, slot, data)
+        self.aux_writer.write(slot, data)
         if self.broadcaster is not None:
             self.broadcaster.queue_op(("aux", slot, data))
 

@@ -17,6 +17,7 @@ from splitserve.engine.parallel_state import TensorParallel
 from splitserve.engine.roles.kv_transfer_endpoint import aux_slot_count
 from splitserve.engine.roles.replicated_transfers import REPLAYED_METHODS
 from splitserve.transfer import (
+    AuxWriter,
     KVPoll,
     KVReceiver,
     KVSender,
@@ -26,7 +27,6 @@ from splitserve.transfer import (
     layout_for_pool,
     make_aux_tensor,
     new_kv_manager,
-    pack_aux,
 )
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class RankTransfers:
                  bootstrap_addr: str | None) -> None:
         self.device = runner.device
         self.aux = make_aux_tensor(aux_slot_count(runner.cfg), device=aux_device(config, runner.kv_pool.buffer.device))
+        self.aux_writer = AuxWriter(self.aux)
         layout = layout_for_pool(runner.kv_pool.buffer, self.aux, tp_size=tp.size, tp_rank=tp.rank,
                                  num_kv_heads=runner.model_cfg.num_kv_heads)
         # Rank 0 holds any fixed control port; the other ranks take free ones.
@@ -83,7 +84,7 @@ class RankTransfers:
                     del self.rooms[rid]
             elif kind == "aux":
                 _, slot, data = op
-                pack_aux(self.aux, slot, data)
+                self.aux_writer.write(slot, data)
             else:
                 raise RankTransferError(f"unknown transfer operation {kind!r}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.transfer import AUX_BYTES, AuxData, make_aux_tensor, pack_aux, unpack_aux
+from splitserve.transfer import AUX_BYTES, AuxData, AuxWriter, make_aux_tensor, pack_aux, unpack_aux
 
 
 def test_aux_round_trips_in_its_slot_only():
@@ -12,6 +12,13 @@ def test_aux_round_trips_in_its_slot_only():
     pack_aux(aux, 2, AuxData(151643, -0.015625, 17))
     assert unpack_aux(aux, 2) == AuxData(151643, -0.015625, 17)
     assert AUX_BYTES == 12 and aux[[0, 1, 3]].sum() == 0 and aux[2, 12:].sum() == 0
+
+
+def test_the_writer_packs_host_slots_as_pack_aux_does():
+    aux, want = make_aux_tensor(4, slot_bytes=16), make_aux_tensor(4, slot_bytes=16)
+    AuxWriter(aux).write(1, AuxData(7, 0.5, 3))
+    pack_aux(want, 1, AuxData(7, 0.5, 3))
+    assert aux.equal(want) and unpack_aux(aux, 1) == AuxData(7, 0.5, 3)
 
 
 def test_slots_smaller_than_the_struct_are_refused():

@@ -14,6 +14,7 @@ import torch
 
 from splitserve.transfer import (
     AuxData,
+    AuxWriter,
     CudaIpcUnavailableError,
     KVLayout,
     KVPoll,
@@ -205,6 +206,25 @@ def test_copy_kernel_moves_every_segment_exactly_and_nothing_else():
         for s, d, n in zip(srcs, dsts, lens, strict=True):
             want[d:d + n] = src[s:s + n]
         assert torch.equal(dst, want)
+
+
+@needs_cuda
+def test_aux_writes_on_the_gpu_are_queued_behind_the_stream_not_waited_for():
+    aux = make_aux_tensor(8, slot_bytes=16, device="cuda")
+    writer = AuxWriter(aux)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of queued work, as a forward pass in flight would be
+    writer.write(5, AuxData(151643, -0.25, 17))
+    writer.write(2, AuxData(1, 1.5, 0))
+    behind = torch.cuda.Event()
+    behind.record()
+    assert not behind.query()  # the writes returned with the sleep still running: nothing waited for it
+    writer.write(5, AuxData(9, 2.0, 4))  # the slot's next request: its copy lands after the first one
+    torch.cuda.synchronize()
+    assert unpack_aux(aux, 5) == AuxData(9, 2.0, 4) and unpack_aux(aux, 2) == AuxData(1, 1.5, 0)
+    assert aux[[0, 1, 3, 4, 6, 7]].sum() == 0 and aux[[2, 5], 12:].sum() == 0
+    with pytest.raises(IndexError):
+        writer.write(8, AuxData(1, 0.0, 0))
 
 
 @needs_cuda
