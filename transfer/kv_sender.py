@@ -61,6 +61,7 @@ class Destination:
     layout: KVLayout
     dst_pages: np.ndarray
     chunks_done: int = 0
+    pages_done: int = 0  # the prompt pages of its chunks_done chunks
     bytes_done: int = 0
     done: bool = False
     announced: bool = field(default=False)
@@ -237,7 +238,7 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
                 else:
                     msg = TransferStatus(self.room, dst.meta.bootstrap_addr, self.mgr.endpoint,
                                          self.mgr.instance_id, self.mgr.layout.tp_rank, int(KVPoll.Failed),
-                                         dst.chunks_done, str(error))
+                                         dst.pages_done, str(error))
                 self.mgr.send(endpoint, msg)
         self.mgr.tombstone(self.room, str(error))
         self._record(False)
@@ -255,6 +256,7 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
                                                        len(dst.dst_pages)), notify=True)
                 return
         self._ready_at = now
+        self.mgr.metrics.room_waited("sender", now - self._created)
         self.status.move(KVPoll.WaitingForInput, now)
         for chunk in self._chunks:
             self._dispatch(chunk, now)
@@ -380,6 +382,7 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         if self.status.final:
             return
         dst.chunks_done += 1
+        dst.pages_done += len(chunk.pages)
         dst.bytes_done += nbytes
         self.status.touch(now)
         if chunk.last and dst.chunks_done == len(self._chunks):
@@ -392,9 +395,8 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
             self.mgr.send(dst.meta.reply_to, self._status_msg(dst, KVPoll.Transferring, ""))
 
     def _status_msg(self, dst: Destination, state: KVPoll, reason: str) -> TransferStatus:
-        pages = sum(len(c.pages) for c in self._chunks[:dst.chunks_done])
         return TransferStatus(self.room, dst.meta.bootstrap_addr, self.mgr.endpoint, self.mgr.instance_id,
-                              self.mgr.layout.tp_rank, int(state), pages, reason)
+                              self.mgr.layout.tp_rank, int(state), dst.pages_done, reason)
 
     def _record(self, success: bool) -> None:
         if self._recorded:
@@ -402,6 +404,5 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         self._recorded = True
         now = time.monotonic()
         latency = now - self._first_send_at if self._first_send_at is not None else None
-        wait = self._ready_at - self._created if self._ready_at is not None else None
         nbytes = sum(d.bytes_done for d in self._dsts.values())
-        self.mgr.metrics.room_done("sender", success, nbytes, latency, wait)
+        self.mgr.metrics.room_done("sender", success, nbytes, latency, None)  # its wait: at _maybe_ready

@@ -22,14 +22,11 @@ class RoomStatus:
         self._timeouts = timeouts
         self._on_change = on_change
         self.state = KVPoll.Bootstrapping
+        self.final = False  # is_final(self.state), kept with it (read several times per room on the hot path)
         self.error: KVTransferError | None = None
         self.history: list[KVPoll] = [KVPoll.Bootstrapping]
         self.deadline = now + timeouts[KVPoll.Bootstrapping]
         self._window: tuple[float, float] | None = None  # (deadline, length) over every state
-
-    @property
-    def final(self) -> bool:
-        return is_final(self.state)
 
     def move(self, target: KVPoll, now: float) -> bool:
         """Moves forward to ``target`` (never to Failed: use ``fail``); True if it changed."""
@@ -37,6 +34,7 @@ class RoomStatus:
         if new == self.state or new == KVPoll.Failed:
             return False
         self.state = new
+        self.final = is_final(new)
         self.history.append(new)
         self.touch(now)
         if self._on_change is not None:
@@ -53,6 +51,7 @@ class RoomStatus:
         if self.final:
             return False
         self.state = KVPoll.Failed
+        self.final = True
         self.error = error
         self.history.append(KVPoll.Failed)
         if self._on_change is not None:

@@ -31,13 +31,7 @@ class TransferMetrics:
     def room_done(self, side: str, success: bool, nbytes: int, latency_s: float | None,
                   wait_s: float | None) -> None:
         """Records one finished room."""
-        # The labelled children looked up once per (side, outcome): a lookup costs more than the update.
-        children = self._children.get((side, success))
-        if children is None:
-            children = self._children[(side, success)] = (
-                self.rooms_total.labels(side, "success" if success else "failed"), self.bytes_total.labels(side),
-                self.latency_seconds.labels(side), self.wait_seconds.labels(side))
-        rooms, nbytes_total, latency, wait = children
+        rooms, nbytes_total, latency, wait = self._labelled(side, success)
         rooms.inc()
         if nbytes:
             nbytes_total.inc(nbytes)
@@ -45,6 +39,20 @@ class TransferMetrics:
             latency.observe(latency_s)
         if wait_s is not None:
             wait.observe(wait_s)
+
+    def room_waited(self, side: str, wait_s: float) -> None:
+        """Records a room's wait for its peer when it ends (``room_done``'s ``wait_s``, observed earlier: the
+        sender's at its metadata's arrival, on the control thread, not on the worker that finishes it)."""
+        self._labelled(side, True)[3].observe(wait_s)
+
+    def _labelled(self, side: str, success: bool) -> tuple[Any, Any, Any, Any]:
+        """The labelled children, looked up once per (side, outcome): a lookup costs more than the update."""
+        children = self._children.get((side, success))
+        if children is None:
+            children = self._children[(side, success)] = (
+                self.rooms_total.labels(side, "success" if success else "failed"), self.bytes_total.labels(side),
+                self.latency_seconds.labels(side), self.wait_seconds.labels(side))
+        return children
 
 
 _BY_REGISTRY: dict[int, tuple[CollectorRegistry, TransferMetrics]] = {}

@@ -29,7 +29,8 @@ class Segments:
 
     @property
     def nbytes(self) -> int:
-        return int(self.lens.sum())
+        # A room's aux segment is one number: numpy's sum costs more than Python's for so few.
+        return int(self.lens.sum()) if len(self.lens) > 16 else sum(self.lens.tolist())
 
     def __len__(self) -> int:
         return len(self.lens)
@@ -217,9 +218,9 @@ def plan_page_copies(copies: list[PageCopy]) -> Segments:
 def aux_segment(src: KVLayout, src_slot: int, dst: KVLayout, dst_slot: int) -> Segments:
     """The one segment copying aux slot ``src_slot`` into the peer's ``dst_slot``."""
     nbytes = min(src.aux.slot_bytes, dst.aux.slot_bytes)
-    return Segments(np.array([src.aux.ptr + src_slot * src.aux.slot_bytes], dtype=np.int64),
-                    np.array([dst.aux.ptr + dst_slot * dst.aux.slot_bytes], dtype=np.int64),
-                    np.array([nbytes], dtype=np.int64))
+    one = np.array([src.aux.ptr + src_slot * src.aux.slot_bytes, dst.aux.ptr + dst_slot * dst.aux.slot_bytes, nbytes],
+                   dtype=np.int64)  # one array, three views: every finishing room makes one
+    return Segments(one[0:1], one[1:2], one[2:3])
 
 
 def concat(parts: list[Segments]) -> Segments:
