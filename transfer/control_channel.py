@@ -1,8 +1,12 @@
 """The ZeroMQ thread that carries control messages for one manager.
 
 One PULL socket bound on ``transfer_control_port`` receives; one PUSH socket per peer
-endpoint sends. ZeroMQ sockets are not thread-safe, so only this thread touches them: other
-threads call ``send``, which queues the frames and wakes the thread through a socketpair.
+endpoint sends. ZeroMQ sockets are not thread-safe: a PUSH socket is used only under
+``_sockets_lock`` (which also gives the memory barrier ZeroMQ asks for when a socket changes
+threads). ``send`` on any thread writes the frames on the peer's socket itself when that socket
+exists and nothing is queued (so nothing sent earlier can be overtaken): a worker's Success
+reaches the peer without waking this thread first. Otherwise (no socket yet, or the lock busy)
+it queues them and wakes this thread through a socketpair, once until the thread has woken.
 The thread also calls ``on_tick`` every ``tick_s`` (heartbeats, timeouts), and closes the
 socket to a peer nothing was sent to for ``idle_socket_s``.
 
@@ -56,6 +60,8 @@ class ControlChannel:
         self._last_used: dict[str, float] = {}
         self._idle_socket_s = idle_socket_s
         self._outbox: collections.deque[tuple[str, list[bytes] | None]] = collections.deque()
+        self._sockets_lock = threading.Lock()  # held while a PUSH socket is made, used or closed
+        self._wake_pending = False  # a wake-up byte is on its way: later queued sends need no other
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -66,8 +72,17 @@ class ControlChannel:
         self._thread.start()
 
     def send(self, endpoint: str, msg: ControlMessage) -> None:
-        """Queues ``msg`` for ``endpoint`` (thread-safe, never blocks). Lost if the peer is gone."""
-        self._outbox.append((endpoint, encode_message(msg, self._key)))
+        """Sends ``msg`` to ``endpoint`` now, or queues it (thread-safe, never blocks). Lost if the peer is gone."""
+        frames = encode_message(msg, self._key)
+        if self._sockets_lock.acquire(blocking=False):
+            try:
+                sock = None if self._outbox or self._stopping else self._push.get(endpoint)
+                if sock is not None:
+                    self._send_on(endpoint, sock, frames)
+                    return
+            finally:
+                self._sockets_lock.release()
+        self._outbox.append((endpoint, frames))
         self._wake()
 
     def send_raw(self, endpoint: str, frames: list[bytes]) -> None:
@@ -92,15 +107,19 @@ class ControlChannel:
         if self._thread.is_alive():
             log.error("control thread did not stop within 10s")
             return
-        for sock in self._push.values():
-            sock.close(linger=CLOSE_LINGER_MS)  # the last messages (aborts) still go out
-        self._push.clear()
+        with self._sockets_lock:
+            for sock in self._push.values():
+                sock.close(linger=CLOSE_LINGER_MS)  # the last messages (aborts) still go out
+            self._push.clear()
         self._pull.close(linger=0)
         self._ctx.term()
         self._wake_r.close()
         self._wake_w.close()
 
     def _wake(self) -> None:
+        if self._wake_pending:  # the thread has not woken from the last one yet: it flushes this too
+            return
+        self._wake_pending = True
         with contextlib.suppress(BlockingIOError, OSError):  # already awake (buffer full) or closing
             self._wake_w.send(b"x")
 
@@ -118,6 +137,7 @@ class ControlChannel:
                 time.sleep(0.01)
                 continue
             if self._wake_r.fileno() in events:
+                self._wake_pending = False  # before the flush below: a send queued after it wakes us again
                 with contextlib.suppress(BlockingIOError, OSError):
                     while self._wake_r.recv(4096):
                         pass
@@ -134,14 +154,17 @@ class ControlChannel:
                 self._flush_outbox()
                 for endpoint, used in list(self._last_used.items()):
                     if now - used > self._idle_socket_s:
-                        self._close_socket(endpoint)
+                        self._close_idle_socket(endpoint, now)
         self._flush_outbox()
 
-    def _close_socket(self, endpoint: str) -> None:
-        self._last_used.pop(endpoint, None)
-        sock = self._push.pop(endpoint, None)
-        if sock is not None:
-            sock.close(linger=0)
+    def _close_idle_socket(self, endpoint: str, now: float) -> None:
+        with self._sockets_lock:  # idle still? another thread may have just sent on it
+            if now - self._last_used.get(endpoint, now) <= self._idle_socket_s:
+                return
+            self._last_used.pop(endpoint, None)
+            sock = self._push.pop(endpoint, None)
+            if sock is not None:
+                sock.close(linger=0)
 
     def _receive_batch(self) -> None:
         for _ in range(MAX_BATCH):
@@ -165,27 +188,37 @@ class ControlChannel:
                 log.exception("handling %s failed", type(msg).__name__)
 
     def _flush_outbox(self) -> None:
+        # Under the lock from each pop to its send: a direct send (see ``send``) that finds the outbox empty
+        # cannot overtake a message popped but not yet sent.
         while self._outbox:
-            endpoint, frames = self._outbox.popleft()
-            if frames is None:
-                self._close_socket(endpoint)
-                continue
-            sock = self._push.get(endpoint)
-            if sock is None:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 10000)
-                try:
-                    sock.connect(endpoint)
-                except zmq.ZMQError as exc:
-                    log.warning("cannot connect to control endpoint %r: %s", endpoint, exc)
-                    sock.close(linger=0)
+            with self._sockets_lock:
+                endpoint, frames = self._outbox.popleft()
+                if frames is None:
+                    self._last_used.pop(endpoint, None)
+                    sock = self._push.pop(endpoint, None)
+                    if sock is not None:
+                        sock.close(linger=0)
                     continue
-                self._push[endpoint] = sock
-            self._last_used[endpoint] = time.monotonic()
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.Again:
-                log.warning("control queue to %s full; message dropped", endpoint)
-            except zmq.ZMQError as exc:
-                log.warning("control send to %s failed: %s", endpoint, exc)
+                sock = self._push.get(endpoint)
+                if sock is None:
+                    sock = self._ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.setsockopt(zmq.SNDHWM, 10000)
+                    try:
+                        sock.connect(endpoint)
+                    except zmq.ZMQError as exc:
+                        log.warning("cannot connect to control endpoint %r: %s", endpoint, exc)
+                        sock.close(linger=0)
+                        continue
+                    self._push[endpoint] = sock
+                self._send_on(endpoint, sock, frames)
+
+    def _send_on(self, endpoint: str, sock: zmq.Socket, frames: list[bytes]) -> None:
+        """Sends on ``endpoint``'s socket (``_sockets_lock`` held)."""
+        self._last_used[endpoint] = time.monotonic()
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("control queue to %s full; message dropped", endpoint)
+        except zmq.ZMQError as exc:
+            log.warning("control send to %s failed: %s", endpoint, exc)
