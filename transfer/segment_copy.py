@@ -19,8 +19,9 @@ the pool's buffers (64 for Llama-3-8B), so the host sends the runs once and the 
 run ``r`` in buffer ``b``, and programs ``(a, 0, 0)`` copy aux slot ``a`` bytewise. Host work and the
 table grow with the runs, not with runs x buffers (a scattered 8,192-token room: 512 rows, not 32,768).
 
-The wait: ``wait="poll"`` (default) sleeps in short steps between queries of the copy's event (the
-GIL and the core are free meanwhile); ``wait="block"``, a blocking-sync event (the driver wakes the thread).
+The wait: ``wait="poll"`` (default) sleeps in short steps between queries of the copy's event (the GIL and the
+core are free meanwhile), after querying without a sleep for ``SPIN_S`` where the copy is small (``SPIN_BYTES``);
+``wait="block"``, a blocking-sync event (the driver wakes the thread).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ PIECE_BYTES = WORD_BLOCK * WORD_ITERS * WORD_BYTES
 MAX_PARTS = 65535  # CUDA's limit on the grid's second dimension
 SPARE_PROGRAMS = 4096  # programs with nothing to copy the grid may hold before long segments loop instead
 POLL_S = 20e-6  # between queries of a copy's event (Linux sleeps ~50 us more: its timer slack)
+# A copy of at most SPIN_BYTES is queried without sleeping for its first SPIN_S: one 512-token room's 64 MiB take
+# ~40 us, and the first sleep alone ~70. Larger copies (a pipelined batch's 2 GiB) sleep at once: a spin holds the
+# GIL, which the engine thread, sending more rooms meanwhile, wants.
+SPIN_S = 100e-6
+SPIN_BYTES = 256 << 20
 WAITS = ("poll", "block")
 
 
@@ -279,6 +285,7 @@ class PendingCopy:
     t0: float
     t1: float
     timed: bool
+    spin: bool = False  # small: queried without sleeping at first (see SPIN_BYTES)
     finished: bool = False
 
     @property
@@ -325,7 +332,8 @@ class SegmentCopier:
         if n:
             self.finish(self._launch(t0, plan.table.ravel(), lambda table: _kernel()[(n, plan.parts)](
                 self._anchor, self._anchor_bytes, table, n, plan.words, BLOCK=self.shape.block,
-                ITERS=self.shape.iters, BYTE_BLOCK=BYTE_BLOCK, num_warps=self.shape.warps)))
+                ITERS=self.shape.iters, BYTE_BLOCK=BYTE_BLOCK, num_warps=self.shape.warps),
+                int(np.asarray(lens).sum()) <= SPIN_BYTES))
 
     def copy_runs(self, src_bases: np.ndarray, dst_bases: np.ndarray, src_offs: np.ndarray, dst_offs: np.ndarray,
                   lens: np.ndarray, aux: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
@@ -344,9 +352,10 @@ class SegmentCopier:
         rows = max(plan.runs, plan.aux)
         if not rows:
             return None
+        small = int(np.asarray(lens).sum()) * plan.buffers <= SPIN_BYTES
         return self._launch(t0, plan.table, lambda table: _run_kernel()[(rows, max(plan.buffers, 1), plan.parts)](
             self._anchor, self._anchor_bytes, table, plan.runs, plan.aux, BLOCK=self.shape.block,
-            ITERS=self.shape.iters, BYTE_BLOCK=BYTE_BLOCK, num_warps=self.shape.warps))
+            ITERS=self.shape.iters, BYTE_BLOCK=BYTE_BLOCK, num_warps=self.shape.warps), small)
 
     def finish(self, pending: PendingCopy) -> None:
         """Returns once ``pending`` landed (idempotent); its staging buffer goes back to be reused."""
@@ -356,9 +365,11 @@ class SegmentCopier:
         try:
             if self.wait == "block":
                 staging.done.synchronize()  # asleep, the GIL released
-            else:
+            elif not staging.done.query():
+                spin_until = time.perf_counter() + (SPIN_S if pending.spin else 0.0)
                 while not staging.done.query():
-                    time.sleep(POLL_S)
+                    if time.perf_counter() > spin_until:
+                        time.sleep(POLL_S)
             self.last_host_s, self.last_wait_s = pending.t1 - pending.t0, time.perf_counter() - pending.t1
             if pending.timed:
                 self.last_kernel_s = staging.start.elapsed_time(staging.end) / 1e3
@@ -367,7 +378,7 @@ class SegmentCopier:
             with self._lock:
                 self._free.append(staging)
 
-    def _launch(self, t0: float, table: np.ndarray, kernel: Any) -> PendingCopy:
+    def _launch(self, t0: float, table: np.ndarray, kernel: Any, spin: bool) -> PendingCopy:
         torch = self._torch
         n = len(table)
         staging = self._take(n)
@@ -387,7 +398,7 @@ class SegmentCopier:
             with self._lock:
                 self._free.append(staging)
             raise
-        return PendingCopy(staging, t0, time.perf_counter(), timed)
+        return PendingCopy(staging, t0, time.perf_counter(), timed, spin)
 
     def _take(self, words: int) -> _Staging:
         with self._lock:
