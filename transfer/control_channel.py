@@ -137,10 +137,13 @@ class ControlChannel:
                 time.sleep(0.01)
                 continue
             if self._wake_r.fileno() in events:
-                self._wake_pending = False  # before the flush below: a send queued after it wakes us again
                 with contextlib.suppress(BlockingIOError, OSError):
                     while self._wake_r.recv(4096):
                         pass
+                # After the drain (a wake-up byte sent during it would be read with no flag left to send
+                # another: queued sends would wait for a tick) and before the flush below (a send queued
+                # after this wakes us again; one queued before it, which saw the flag set, is flushed).
+                self._wake_pending = False
             if self._pull in events:
                 self._receive_batch()
             self._flush_outbox()
