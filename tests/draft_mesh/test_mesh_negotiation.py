@@ -89,7 +89,11 @@ def test_a_drafter_warming_up_refuses_joins_and_a_link_joins_once_it_runs(mesh) 
     link = DrafterLink(f"127.0.0.1:{port}", join_request(), KEY, heartbeat_interval_s=0.1, timeout_s=1.0,
                        events=events).start()
     try:
-        time.sleep(0.8)
+        deadline = time.monotonic() + 5
+        while link.state != "refused":  # its first Join, answered
+            assert time.monotonic() < deadline, link.state
+            time.sleep(0.02)
+        time.sleep(0.6)  # a while longer (it joins again every REJOIN_BACKOFF_S): still refused, none joined
         assert events.empty() and link.state == "refused" and "WARMING_UP" in link.last_reason
         service.running = True
         joined = events.get(timeout=5)
