@@ -7,7 +7,11 @@ running request waiting behind it. This times, on Llama-3.1-8B's attention shape
 bf16), each backend's first call at lengths it has not seen against its warm call at the same
 lengths, and says which backend the default dispatch picks.
 
-  python3 -P benchmarks/sdpa_shape_cost.py [--lengths 97 301 ...] [--count 12] [--json F]
+With --engine, also the engine's own lone-prompt attention (engine/layers/prompt_attention.py): its cuDNN
+buckets built first (as the runner's warm-up does), then its first call at new lengths against its warm
+call, and its warm call against the default dispatch's warm call at the same lengths (the padding's cost).
+
+  python3 -P benchmarks/sdpa_shape_cost.py [--lengths 97 301 ...] [--count 12] [--engine] [--json F]
 """
 
 from __future__ import annotations
@@ -74,10 +78,63 @@ def backend_cost(name: str, lengths: list[int]) -> dict:
             "median_extra_ms": statistics.median(extra), "total_extra_ms": sum(extra)}
 
 
+def synced_ms(call) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def engine_cost(lengths: list[int], limit: int) -> dict:
+    """The engine's lone-prompt attention: its buckets' builds, then first and warm calls at new lengths
+    (inputs laid out as the runner's: [n, heads, D], q a view of the qkv projection), and the default
+    dispatch's warm call at the same lengths."""
+    from splitserve.engine.layers.prompt_attention import bucket_lengths, cudnn_at_bucket, lone_prompt_attention
+
+    scale = DIM ** -0.5
+
+    def engine_qkv(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = torch.randn(length, (HEADS + 2 * KV_HEADS) * DIM, device="cuda", dtype=torch.bfloat16)
+        q = qkv[:, :HEADS * DIM].view(length, HEADS, DIM)
+        k = qkv[:, HEADS * DIM:(HEADS + KV_HEADS) * DIM].reshape(length, KV_HEADS, DIM)
+        return q, k, qkv[:, (HEADS + KV_HEADS) * DIM:].reshape(length, KV_HEADS, DIM)
+
+    builds = []
+    for bucket in bucket_lengths(limit):
+        q, k, v = engine_qkv(bucket)
+        builds.append(synced_ms(lambda q=q, k=k, v=v, b=bucket: cudnn_at_bucket(q, k, v, scale, b)))
+    first, warm, default_warm = [], [], []
+    for length in lengths:
+        q, k, v = engine_qkv(length)
+        run = lambda q=q, k=k, v=v: lone_prompt_attention(q, k, v, scale, limit)  # noqa: E731
+        first.append(synced_ms(run))
+        warm.append(min(synced_ms(run) for _ in range(3)))
+        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        timed_ms(*heads_first)  # its first call (a graph of its own)
+        default_warm.append(min(timed_ms(*heads_first) for _ in range(3)))
+    extra = [f - w for f, w in zip(first, warm, strict=True)]
+    over_default = [w / d for w, d in zip(warm, default_warm, strict=True)]
+
+    def median_of(keep) -> float | None:
+        picked = [r for n, r in zip(lengths, over_default, strict=True) if keep(n)]
+        return statistics.median(picked) if picked else None
+
+    return {"backend": "engine", "limit": limit, "buckets": bucket_lengths(limit), "build_ms": builds,
+            "lengths": lengths, "first_ms": first, "warm_ms": warm, "default_warm_ms": default_warm,
+            "median_first_over_warm": statistics.median(f / w for f, w in zip(first, warm, strict=True)),
+            "median_extra_ms": statistics.median(extra), "total_extra_ms": sum(extra),
+            "bucketed_warm_over_default_warm": median_of(lambda n: n <= limit),
+            "flash_warm_over_default_warm": median_of(lambda n: n > limit)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="*", help="prompt lengths (default: seeded, 64-4096)")
     parser.add_argument("--count", type=int, default=12, help="seeded lengths per backend")
+    parser.add_argument("--engine", action="store_true",
+                        help="also the engine's lone-prompt attention (cuDNN buckets, flash past them)")
+    parser.add_argument("--engine-limit", type=int, default=2048, help="its largest bucket (the chunk budget)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -100,6 +157,20 @@ def main() -> None:
         logger.info("%-9s first call at a new length %.1fx its warm call (median); %.1f ms more a new length "
                     "(median), %.0f ms over %d lengths", name, result["median_first_over_warm"],
                     result["median_extra_ms"], result["total_extra_ms"], len(lengths))
+    if args.engine:
+        # New lengths again (offset past every set above), the bucket lengths excluded; past the limit: flash.
+        lengths = sorted({n + len(names) for n in sets[0]} - set(range(0, args.engine_limit + 1, 256)))
+        result = engine_cost(lengths, args.engine_limit)
+        results.append(result)
+        logger.info("engine    %d buckets built in %.0f ms (%.1f ms a graph, median); first call at a new length "
+                    "%.1fx its warm call (median); %.1f ms more a new length (median), %.0f ms over %d lengths",
+                    len(result["buckets"]), sum(result["build_ms"]), statistics.median(result["build_ms"] or [0.0]),
+                    result["median_first_over_warm"], result["median_extra_ms"], result["total_extra_ms"],
+                    len(lengths))
+        logger.info("engine    warm call over the default dispatch's warm call at the same length (median): "
+                    "%s in a bucket (cuDNN, padded), %s past the buckets (flash)",
+                    *(f"{r:.2f}x" if r is not None else "none" for r in (result["bucketed_warm_over_default_warm"],
+                                                                          result["flash_warm_over_default_warm"])))
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),

@@ -86,7 +86,9 @@ class SpecConfig:
                 "cuDNN builds a plan per new sequence length (50-110 ms each on an H200, issue 16's sweep), and "
                 "a drafter prefills every synced request at a length of its own (on the H200 two of its steps at a "
                 "run's start took ~100 ms and a K=2 run had no draft for 220 ms: the likely cause, not shown). "
-                "--no-drafter-cudnn-attention takes the other SDPA backends (the whole process); not measured"})
+                "The runner's cuDNN prompt buckets (engine/layers/prompt_attention.py, built at warm-up) now cover "
+                "the drafter's prefills too, so none builds a plan while serving. --no-drafter-cudnn-attention "
+                "takes the other SDPA backends (the whole process, no buckets); not measured"})
     max_verifiers: int = field(default=64, metadata={"help": "leases a drafter grants at once (then: full)"})
     draft_lease_ttl_s: float = field(default=1.5, metadata={
         "help": "seconds a lease lives after its last heartbeat (then its requests are closed)"})

@@ -28,6 +28,7 @@ from splitserve.engine.layers.extend_plan import (
     prefix_chunks,
     wide_tiles,
 )
+from splitserve.engine.layers.prompt_attention import bucket_lengths, bucket_limit
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models import build_model
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
@@ -126,13 +127,15 @@ def kv_locations(table: torch.Tensor, slot: int, kv_len: int, page_size: int) ->
 
 def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, page_size: int,
                         device: torch.device, relay: torch.Tensor | None = None,
-                        tokens_per_block: int | None = None, cudnn_chunk: int | None = None) -> ForwardBatch:
+                        tokens_per_block: int | None = None, cudnn_chunk: int | None = None,
+                        prompt_buckets: int = 0) -> ForwardBatch:
     """Flattens the chunks' tokens and derives every KV location from the page table.
 
     With `tokens_per_block` (the paged CUDA kernels' query block), the batch carries their plan;
     without it, every sequence's KV locations padded to the longest (the reference path).
     `cudnn_chunk` (with a plan): chunks of that many tokens after a whole number of them leave the plan
     for the cuDNN path (engine/layers/prefix_chunk_attention.py), with their KV locations.
+    `prompt_buckets`: the batch's ForwardBatch.prompt_buckets (a lone fresh prompt's cuDNN buckets).
     """
     ids: list[int] = []
     positions: list[int] = []
@@ -192,6 +195,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
         attn_meta=attn_meta, decode_rows=decode_rows, extend_chunks=extend_chunks, extend_blocks=extend_blocks,
         prefix_chunks=long_chunks, prefix_chunk_loc=prefix_chunk_loc,
         page_table=page_table if attn_meta is not None else None, page_size=page_size,
+        prompt_buckets=prompt_buckets,
     )
 
 
@@ -313,6 +317,9 @@ class ModelRunner:
                  and attn.head_dim % 8 == 0 and attn.head_dim <= 128 and torch.backends.cudnn.is_available())
         chunk = cfg.chunked_prefill_size
         self.cudnn_chunk = chunk if cudnn and CUDNN_CHUNK_MIN <= chunk <= self.context_length // 2 else None
+        self.cudnn_attention = cudnn
+        # A lone fresh prompt's cuDNN buckets, up to this many tokens: set by warm_up, which builds them.
+        self.prompt_buckets = 0
         if self.device.type == "cuda" and self.dtype == torch.float32:
             # float32 runs check exactness: no TF32 anywhere (cuDNN's convolutions allow it by default).
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -357,7 +364,7 @@ class ModelRunner:
                 logits, argmax = logits[rows], (argmax[rows] if argmax is not None else None)
         else:
             batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device, self.next_tokens,
-                                        self.extend_block_tokens, self.cudnn_chunk)
+                                        self.extend_block_tokens, self.cudnn_chunk, self.prompt_buckets)
             if touches_images(chunks):
                 batch.image_rows, batch.image_positions = self.prompt_image_rows(chunks)
             logits = self.forward(batch)
@@ -598,9 +605,15 @@ class ModelRunner:
             req.slot, req.kv_len = 0, start
             return ScheduledChunk(req, start, length, sample=True)
 
-        # Prompts of the sizes steps have (cuBLAS picks its kernels per shape on first use).
+        # Prompts of the sizes steps have (cuBLAS picks its kernels per shape on first use), and one at
+        # each cuDNN bucket a lone prompt attends at (its graph; not where cuDNN's SDPA is turned off, as
+        # by a drafter's --no-drafter-cudnn-attention: the default dispatch then, which builds nothing).
         budget = self.cfg.chunked_prefill_size if self.cfg.chunked_prefill_size > 0 else 2048
-        sizes = sorted({min(n, self.context_length - 64) for n in (64, 512, budget)})
+        longest_lone_prompt = budget if self.cfg.chunked_prefill_size > 0 else self.context_length
+        if self.cudnn_attention and torch.backends.cuda.cudnn_sdp_enabled():
+            self.prompt_buckets = bucket_limit(longest_lone_prompt, self.context_length)
+        buckets = bucket_lengths(self.prompt_buckets)
+        sizes = sorted({min(n, self.context_length - 64) for n in (64, 512, budget, *buckets)})
         steps = [
             *([chunk(n)] for n in sizes),  # one prompt: SDPA's causal kernel
             [chunk(24), chunk(9, params=sampled)],  # several prompts: the paged extend kernel, the full sampler
@@ -622,7 +635,8 @@ class ModelRunner:
             build_cudnn_graphs(self.cudnn_chunk, cudnn_prefixes(self.cudnn_chunk, self.context_length),
                                attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         torch.cuda.synchronize(self.device)
-        logger.info("warm-up: every step kind compiled in %.1f s", time.monotonic() - started)
+        logger.info("warm-up: every step kind compiled in %.1f s (with %d cuDNN prompt buckets up to %d tokens, "
+                    "~62 ms a graph on an H200)", time.monotonic() - started, len(buckets), self.prompt_buckets)
 
     def close(self) -> None:
         """Gives the device memory back (the engine has stopped): graphs, KV pool, weights."""

@@ -2,7 +2,8 @@
 
 New keys and values are written into the pool at each token's slot, then:
 - a plain causal prefill (no cached prefix, one sequence) goes straight to SDPA's causal
-  kernel (FlashAttention on GPUs);
+  kernel; on CUDA after the runner's warm-up, through cuDNN at a bucket length, or flash attention
+  past the buckets (engine/layers/prompt_attention.py: no cuDNN graph built while serving);
 - other extend batches (prompt chunks, mixed with decodes) on CUDA: the leading decode rows
   through the paged decode kernel, the chunks through the paged extend kernel, both reading
   the pages in place, but full prompt chunks after whole chunks, which gather their KV and
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.layers.prompt_attention import lone_prompt_attention
 from splitserve.engine.layers.rotary import RotaryEmbedding
 
 
@@ -78,6 +80,8 @@ class PagedAttention(nn.Module):
             store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         if batch.is_decode:
             out = self._decode(q, batch, k_cache, v_cache)
+        elif batch.no_prefix and batch.batch_size == 1 and batch.prompt_buckets:
+            out = lone_prompt_attention(q, k.to(q.dtype), v.to(q.dtype), self.scale, batch.prompt_buckets)
         elif batch.no_prefix and batch.batch_size == 1:
             out = nn.functional.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),

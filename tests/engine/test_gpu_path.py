@@ -543,3 +543,105 @@ def test_samples_that_copy_their_prompt_s_last_page_on_the_gpu_match_computing_i
     assert copied_computed == 14 + 12 + 3 + 3 * 3  # later samples ran one token each
     assert copied == computed
     assert all(copied[i] == copied[i - i % 4] for i in range(len(copied)))
+
+
+def lone_prompt_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """[n, H, D] causal attention of one fresh prompt in float64 (GQA by head grouping)."""
+    def heads_first(t: torch.Tensor) -> torch.Tensor:
+        return t.double().transpose(0, 1).unsqueeze(0)
+    out = torch.nn.functional.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v),
+                                                           is_causal=True, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (6, 2, 16)])
+@pytest.mark.parametrize("length", [1, 97, 256, 300, 1000, 2047])
+def test_a_lone_prompt_padded_to_its_cudnn_bucket_gives_the_unpadded_cudnn_rows(heads: int, kv_heads: int,
+                                                                                  head_dim: int, length: int) -> None:
+    # The prompt's q, k, v padded at the end to the next multiple of 256: the real rows are the unpadded
+    # cuDNN call's to bf16 rounding (and close to float64); past the last bucket, flash attention, as close.
+    from splitserve.engine.layers.prompt_attention import cudnn_at_bucket, lone_prompt_attention, prompt_bucket
+
+    torch.manual_seed(length)
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    qkv = torch.randn(length, (heads + 2 * kv_heads) * head_dim, **bf16)  # q a view of the projection, as served
+    q = qkv[:, :heads * head_dim].view(length, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(length, kv_heads, head_dim)
+    v = torch.randn(length, kv_heads, head_dim, **bf16)
+    scale = head_dim ** -0.5
+    bucket = prompt_bucket(length, 2048)
+    assert bucket is not None and bucket % 256 == 0 and bucket - 256 < length <= bucket
+    got = cudnn_at_bucket(q, k, v, scale, bucket)
+    assert got.shape == (length, heads, head_dim)
+    unpadded = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None, False,
+        0.0, True, False, scale=scale)[0].squeeze(0).transpose(0, 1)
+    want = lone_prompt_float64(q, k, v, scale)
+    torch.testing.assert_close(got.float(), unpadded.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lone_prompt_attention(q, k, v, scale, 2048), got, atol=0, rtol=0)  # the same call
+    flash = lone_prompt_attention(q, k, v, scale, 0)  # no bucket: flash attention
+    torch.testing.assert_close(flash.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@torch.inference_mode()
+def test_after_warm_up_a_lone_prompt_of_a_new_length_takes_its_bucket_and_one_past_the_buckets_flash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Chunked prefill off, a 4096-token context: the warm-up builds the buckets 256..3840 (a warm-up prompt
+    # is at most context - 64 tokens); a 333-token prompt then attends at 512 through cuDNN, a 3900-token one
+    # through flash attention (no graph of its length exists), and the logits of both are the default
+    # SDPA dispatch's to bf16 rounding. Which function ran is recorded by wrapping the real ones.
+    from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
+
+    from splitserve.engine.kv_cache import KVCache
+    from splitserve.engine.layers import prompt_attention
+    from splitserve.engine.model_config import ModelConfig
+    from splitserve.engine.model_runner import ModelRunner, build_forward_batch
+    from splitserve.engine.request import Request
+    from splitserve.engine.scheduler import ScheduledChunk
+    from splitserve.engine.tiny_model import write_checkpoint
+
+    ran: list[tuple[str, int, int]] = []  # (function, prompt length, padded length)
+    cudnn_at_bucket, flash_attention = prompt_attention.cudnn_at_bucket, prompt_attention.flash_attention
+
+    def cudnn_spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bucket: int) -> torch.Tensor:
+        ran.append(("cudnn", q.shape[0], bucket))
+        return cudnn_at_bucket(q, k, v, scale, bucket)
+
+    def flash_spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        ran.append(("flash", q.shape[0], q.shape[0]))
+        return flash_attention(q, k, v, scale)
+
+    monkeypatch.setattr(prompt_attention, "cudnn_at_bucket", cudnn_spy)
+    monkeypatch.setattr(prompt_attention, "flash_attention", flash_spy)
+    folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 4096}, 1234)
+    cfg = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=16384,
+                       max_running_requests=4, chunked_prefill_size=0)
+    runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
+    assert runner.prompt_buckets == 0  # nothing built yet: the default dispatch
+    kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 4096, runner.device)
+    runner.warm_up(kv.page_table)
+    assert runner.prompt_buckets == 3840
+    assert {padded for name, _, padded in ran if name == "cudnn"} == set(range(256, 3841, 256))
+    assert ("flash", 3900, 3900) not in ran
+    gen = torch.Generator().manual_seed(0)
+    for length, route in ((333, ("cudnn", 333, 512)), (3900, ("flash", 3900, 3900))):
+        ran.clear()
+        req = Request(f"r{length}", torch.randint(0, 256, (length,), generator=gen).tolist(),
+                      SamplingParams(max_new_tokens=1, temperature=0.0), on_output=lambda _o: None)
+        kv.admit(req, max_prefix_tokens=0)
+        assert kv.grow(req, length)
+        runner.run([ScheduledChunk(req, 0, length, True)], kv.page_table)
+        assert set(ran) == {route}  # every layer, one function
+
+        def logits(buckets: int, req: Request = req, length: int = length) -> torch.Tensor:
+            batch = build_forward_batch([ScheduledChunk(req, 0, length, True)], kv.page_table, kv.page_size,
+                                        runner.device, tokens_per_block=runner.extend_block_tokens,
+                                        cudnn_chunk=runner.cudnn_chunk, prompt_buckets=buckets)
+            batch.logits_index = torch.arange(length, device=runner.device)
+            return runner.model(batch, runner.kv_pool).float()
+
+        bucketed, default = logits(runner.prompt_buckets), logits(0)
+        assert torch.isfinite(bucketed).all()
+        assert float((bucketed - default).norm() / default.norm()) < 2e-2
+        kv.release(req, cache_prefix=False)

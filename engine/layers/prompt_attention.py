@@ -1,0 +1,77 @@
+"""A lone fresh prompt's causal attention on CUDA: cuDNN at a few bucket lengths, flash attention past them.
+
+torch's SDPA picks cuDNN for a fresh 16-bit prompt on an H200 (torch 2.11, cuDNN 9.19), and cuDNN builds a
+graph for every shape it has not seen: the first call at a new length took ~62 ms more (median, 453x the
+warm call; benchmarks/results/sdpa_shape_cost_h200.txt), on the engine thread, with every running request
+waiting. Flash attention builds nothing but ran 1.6-1.8x slower warm. So a prompt is padded at the end to
+the next multiple of BUCKET_STEP and attends through cuDNN at that length, whose graph the runner's warm-up
+built (cuDNN's graphs are per thread: the engine thread's warm-up). cuDNN's causal mask is top-left, so a
+real row never sees a padded key (zeros, never garbage: a masked score still multiplies its value) and the
+real rows are the unpadded call's, up to cuDNN's own rounding; the padded rows are dropped. Prompts past
+the largest bucket take flash attention: no graph is ever built while serving.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# At most 255 padded rows: a prompt of 257 tokens attends at 512 (~4x its own attention work, at a length
+# where attention is a few percent of a layer's); 8 graphs cover the default 2048-token chunk budget.
+BUCKET_STEP = 256
+BUCKET_MAX = 4096  # at most 16 graphs at warm-up (~62 ms each on an H200)
+WARM_UP_MARGIN = 64  # the runner's warm-up prompts are at most context_length - 64 tokens
+
+
+def bucket_limit(longest: int, context_length: int, step: int = BUCKET_STEP, cap: int = BUCKET_MAX) -> int:
+    """The largest bucket for lone prompts of up to `longest` tokens: `longest` rounded up to a multiple
+    of `step`, at most `cap`, and a length the warm-up can run (context_length - 64 at most); 0: none."""
+    rounded_up = -(-longest // step) * step
+    return max(0, min(rounded_up, cap, (context_length - WARM_UP_MARGIN) // step * step))
+
+
+def bucket_lengths(limit: int, step: int = BUCKET_STEP) -> list[int]:
+    """Every bucket up to `limit`: the lengths whose cuDNN graphs the warm-up builds."""
+    return list(range(step, limit + 1, step))
+
+
+def prompt_bucket(length: int, limit: int, step: int = BUCKET_STEP) -> int | None:
+    """The length a prompt of `length` tokens is padded to; None: past the largest bucket (flash attention)."""
+    bucket = -(-length // step) * step
+    return bucket if bucket <= limit else None
+
+
+def padded_heads_first(t: torch.Tensor, length: int) -> torch.Tensor:
+    """[n, heads, D] -> [1, heads, length, D], zeros after row n; always the same (BSHD) layout at a length,
+    since cuDNN keys its graphs by strides too."""
+    out = t.new_zeros(length, *t.shape[1:])
+    out[:t.shape[0]] = t
+    return out.unsqueeze(0).transpose(1, 2)
+
+
+def cudnn_at_bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bucket: int) -> torch.Tensor:
+    """q [n, H, D], k and v [n, Hkv, D] -> [n, H, D]: cuDNN's causal attention over the prompt padded to `bucket`."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        padded_heads_first(q, bucket), padded_heads_first(k, bucket), padded_heads_first(v, bucket), None, False,
+        0.0, True, False, scale=scale)[0]
+    return out.squeeze(0).transpose(0, 1)[:q.shape[0]]
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, D], k and v [n, Hkv, D] -> [n, H, D]: SDPA's flash backend only (it builds nothing per shape)."""
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+            is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(0).transpose(0, 1)
+
+
+def lone_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, limit: int
+                          ) -> torch.Tensor:
+    """A lone fresh prompt's causal attention (q [n, H, D], k and v [n, Hkv, D] -> [n, H, D]) with cuDNN
+    buckets up to `limit` tokens built."""
+    bucket = prompt_bucket(q.shape[0], limit)
+    if bucket is None:
+        return flash_attention(q, k, v, scale)
+    return cudnn_at_bucket(q, k, v, scale, bucket)
