@@ -37,8 +37,9 @@ class ForwardBatch:
     max_kv: int = 0
     no_prefix: bool = False  # no sequence has cached KV before this step (a plain causal prefill)
     # CUDA: a lone fresh prompt attends through cuDNN at the bucket lengths up to this many tokens, whose
-    # graphs the warm-up built, and through flash attention past them (prompt_attention.py); 0: SDPA's default.
-    prompt_buckets: int = 0
+    # graphs the warm-up built, and through flash attention past them (prompt_attention.py; 0: flash at every
+    # length); None: SDPA's default dispatch (the CPU, a runner before its warm-up).
+    prompt_buckets: int | None = None
     # Extend batches on CUDA: the paged kernels' plan instead of kv_indices (see paged_attention_plan).
     attn_meta: torch.Tensor | None = None  # int32: decode rows' slots and KV lengths, then an ExtendPlan
     decode_rows: int = 0  # the leading one-token chunks, which run through the paged decode kernel

@@ -128,7 +128,7 @@ def kv_locations(table: torch.Tensor, slot: int, kv_len: int, page_size: int) ->
 def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, page_size: int,
                         device: torch.device, relay: torch.Tensor | None = None,
                         tokens_per_block: int | None = None, cudnn_chunk: int | None = None,
-                        prompt_buckets: int = 0) -> ForwardBatch:
+                        prompt_buckets: int | None = None) -> ForwardBatch:
     """Flattens the chunks' tokens and derives every KV location from the page table.
 
     With `tokens_per_block` (the paged CUDA kernels' query block), the batch carries their plan;
@@ -319,7 +319,7 @@ class ModelRunner:
         self.cudnn_chunk = chunk if cudnn and CUDNN_CHUNK_MIN <= chunk <= self.context_length // 2 else None
         self.cudnn_attention = cudnn
         # A lone fresh prompt's cuDNN buckets, up to this many tokens: set by warm_up, which builds them.
-        self.prompt_buckets = 0
+        self.prompt_buckets: int | None = None
         if self.device.type == "cuda" and self.dtype == torch.float32:
             # float32 runs check exactness: no TF32 anywhere (cuDNN's convolutions allow it by default).
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -612,7 +612,7 @@ class ModelRunner:
         longest_lone_prompt = budget if self.cfg.chunked_prefill_size > 0 else self.context_length
         if self.cudnn_attention and torch.backends.cuda.cudnn_sdp_enabled():
             self.prompt_buckets = bucket_limit(longest_lone_prompt, self.context_length)
-        buckets = bucket_lengths(self.prompt_buckets)
+        buckets = bucket_lengths(self.prompt_buckets or 0)
         sizes = sorted({min(n, self.context_length - 64) for n in (64, 512, budget, *buckets)})
         steps = [
             *([chunk(n)] for n in sizes),  # one prompt: SDPA's causal kernel
@@ -636,7 +636,7 @@ class ModelRunner:
                                attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         torch.cuda.synchronize(self.device)
         logger.info("warm-up: every step kind compiled in %.1f s (with %d cuDNN prompt buckets up to %d tokens, "
-                    "~62 ms a graph on an H200)", time.monotonic() - started, len(buckets), self.prompt_buckets)
+                    "~62 ms a graph on an H200)", time.monotonic() - started, len(buckets), self.prompt_buckets or 0)
 
     def close(self) -> None:
         """Gives the device memory back (the engine has stopped): graphs, KV pool, weights."""

@@ -80,7 +80,7 @@ class PagedAttention(nn.Module):
             store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         if batch.is_decode:
             out = self._decode(q, batch, k_cache, v_cache)
-        elif batch.no_prefix and batch.batch_size == 1 and batch.prompt_buckets:
+        elif batch.no_prefix and batch.batch_size == 1 and batch.prompt_buckets is not None:
             out = lone_prompt_attention(q, k.to(q.dtype), v.to(q.dtype), self.scale, batch.prompt_buckets)
         elif batch.no_prefix and batch.batch_size == 1:
             out = nn.functional.scaled_dot_product_attention(

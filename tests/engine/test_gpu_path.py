@@ -573,13 +573,14 @@ def test_a_lone_prompt_padded_to_its_cudnn_bucket_gives_the_unpadded_cudnn_rows(
     assert bucket is not None and bucket % 256 == 0 and bucket - 256 < length <= bucket
     got = cudnn_at_bucket(q, k, v, scale, bucket)
     assert got.shape == (length, heads, head_dim)
-    unpadded = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None, False,
-        0.0, True, False, scale=scale)[0].squeeze(0).transpose(0, 1)
     want = lone_prompt_float64(q, k, v, scale)
-    torch.testing.assert_close(got.float(), unpadded.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lone_prompt_attention(q, k, v, scale, 2048), got, atol=0, rtol=0)  # the same call
+    if length > 1:  # the unpadded call at the prompt's own length (a graph of its own)
+        unpadded = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None,
+            False, 0.0, True, False, scale=scale)[0].squeeze(0).transpose(0, 1)
+        torch.testing.assert_close(got.float(), unpadded.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lone_prompt_attention(q, k, v, scale, 2048), got)  # the bucket path
     flash = lone_prompt_attention(q, k, v, scale, 0)  # no bucket: flash attention
     torch.testing.assert_close(flash.double(), want, atol=2e-2, rtol=2e-2)
 
@@ -618,12 +619,12 @@ def test_after_warm_up_a_lone_prompt_of_a_new_length_takes_its_bucket_and_one_pa
     cfg = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=16384,
                        max_running_requests=4, chunked_prefill_size=0)
     runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
-    assert runner.prompt_buckets == 0  # nothing built yet: the default dispatch
+    assert runner.prompt_buckets is None  # nothing built yet: the default dispatch
     kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 4096, runner.device)
     runner.warm_up(kv.page_table)
     assert runner.prompt_buckets == 3840
     assert {padded for name, _, padded in ran if name == "cudnn"} == set(range(256, 3841, 256))
-    assert ("flash", 3900, 3900) not in ran
+    assert all(name == "cudnn" for name, _, _ in ran)
     gen = torch.Generator().manual_seed(0)
     for length, route in ((333, ("cudnn", 333, 512)), (3900, ("flash", 3900, 3900))):
         ran.clear()
@@ -634,14 +635,14 @@ def test_after_warm_up_a_lone_prompt_of_a_new_length_takes_its_bucket_and_one_pa
         runner.run([ScheduledChunk(req, 0, length, True)], kv.page_table)
         assert set(ran) == {route}  # every layer, one function
 
-        def logits(buckets: int, req: Request = req, length: int = length) -> torch.Tensor:
+        def logits(buckets: int | None, req: Request = req, length: int = length) -> torch.Tensor:
             batch = build_forward_batch([ScheduledChunk(req, 0, length, True)], kv.page_table, kv.page_size,
                                         runner.device, tokens_per_block=runner.extend_block_tokens,
                                         cudnn_chunk=runner.cudnn_chunk, prompt_buckets=buckets)
             batch.logits_index = torch.arange(length, device=runner.device)
             return runner.model(batch, runner.kv_pool).float()
 
-        bucketed, default = logits(runner.prompt_buckets), logits(0)
+        bucketed, default = logits(runner.prompt_buckets), logits(None)
         assert torch.isfinite(bucketed).all()
         assert float((bucketed - default).norm() / default.norm()) < 2e-2
         kv.release(req, cache_prefix=False)
