@@ -646,3 +646,28 @@ def test_after_warm_up_a_lone_prompt_of_a_new_length_takes_its_bucket_and_one_pa
         assert torch.isfinite(bucketed).all()
         assert float((bucketed - default).norm() / default.norm()) < 2e-2
         kv.release(req, cache_prefix=False)
+
+
+@torch.inference_mode()
+def test_with_sdpas_cudnn_backend_off_the_warm_up_builds_no_bucket(tmp_path: Path) -> None:
+    # As in a drafter with --no-drafter-cudnn-attention: lone prompts keep SDPA's default dispatch.
+    from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
+
+    from splitserve.engine.kv_cache import KVCache
+    from splitserve.engine.model_config import ModelConfig
+    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.tiny_model import write_checkpoint
+
+    folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 4096}, 1234)
+    cfg = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=8192,
+                       max_running_requests=4)
+    runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
+    kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 4096, runner.device)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        runner.warm_up(kv.page_table)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    assert runner.prompt_buckets is None
+    runner.warm_up(kv.page_table)  # cuDNN on: the default 2048-token budget's 8 buckets
+    assert runner.prompt_buckets == 2048
