@@ -71,10 +71,12 @@ class ControlChannel:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def send(self, endpoint: str, msg: ControlMessage) -> None:
-        """Sends ``msg`` to ``endpoint`` now, or queues it (thread-safe, never blocks). Lost if the peer is gone."""
+    def send(self, endpoint: str, msg: ControlMessage, direct: bool = True) -> None:
+        """Sends ``msg`` to ``endpoint`` now, or queues it (thread-safe, never blocks). Lost if the peer is gone.
+        ``direct=False`` always queues it: ZeroMQ's send releases the GIL for each of a message's three frames,
+        which costs a thread that competes for it with a busy one (a worker with the engine thread's sends)."""
         frames = encode_message(msg, self._key)
-        if self._sockets_lock.acquire(blocking=False):
+        if direct and self._sockets_lock.acquire(blocking=False):
             try:
                 sock = None if self._outbox or self._stopping else self._push.get(endpoint)
                 if sock is not None:

@@ -387,8 +387,8 @@ class MooncakeKVManager(BaseKVManager):
         with self.lock:
             self._tombstones[room] = (time.monotonic() + self.config.transfer_bootstrap_timeout_s, reason)
 
-    def send(self, endpoint: str, msg: ControlMessage) -> None:
-        self.channel.send(endpoint, msg)
+    def send(self, endpoint: str, msg: ControlMessage, direct: bool = True) -> None:
+        self.channel.send(endpoint, msg, direct)
 
     @contextlib.contextmanager
     def finishing_together(self) -> Iterator[None]:
@@ -407,9 +407,10 @@ class MooncakeKVManager(BaseKVManager):
             for (endpoint, addr), statuses in groups.items():
                 if len(statuses) == 1:
                     self.send(endpoint, statuses[0])
-                else:
+                else:  # a merged batch's, while the engine thread sends more rooms: through the control thread
                     self.send(endpoint, RoomsDone([s.room for s in statuses], [s.pages_done for s in statuses],
-                                                  addr, self.endpoint, self.instance_id, self.layout.tp_rank))
+                                                  addr, self.endpoint, self.instance_id, self.layout.tp_rank),
+                              direct=False)
 
     def report_success(self, endpoint: str, status: TransferStatus) -> None:
         """Sends a room's Success to a decode rank: now, or with the others of ``finishing_together``."""

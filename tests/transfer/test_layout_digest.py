@@ -23,10 +23,10 @@ def capture_metadata(rank) -> list[KVMetadata]:
     sent: list[KVMetadata] = []
     send = rank.mgr.send
 
-    def recording_send(endpoint, msg):
+    def recording_send(endpoint, msg, **how):
         if isinstance(msg, KVMetadata):
             sent.append(msg)
-        return send(endpoint, msg)
+        return send(endpoint, msg, **how)
 
     rank.mgr.send = recording_send
     return sent

@@ -35,7 +35,7 @@ def test_rooms_merged_into_one_write_report_success_in_one_message(bootstrap, ma
     prefill.mgr.writers.write = gated_write
     sent: list = []
     send = prefill.mgr.send
-    prefill.mgr.send = lambda endpoint, msg: (sent.append(msg), send(endpoint, msg))[1]
+    prefill.mgr.send = lambda endpoint, msg, **how: (sent.append(msg), send(endpoint, msg, **how))[1]
     rooms = list(range(40, 46))
     receivers = [KVReceiver(decode.mgr, bootstrap.address, room) for room in rooms]
     senders = [KVSender(prefill.mgr, bootstrap.address, room) for room in rooms]
