@@ -1,0 +1,142 @@
+"""The prefill's Python per KV room on a CPU box: the cuda_ipc room pipeline without a GPU.
+
+  python3 -P benchmarks/room_pipeline_cpu.py [--rooms 256] [--tokens 512] [--sets 20] [--mode one-thread]
+
+The H200's 256 x 512-token sets are bound by the prefill process's Python (``bench --profile transfer``:
+~75-90 us of CPU a room, the copies 35). This runs the same pipeline on the CPU box: the bench's prefill and
+decode processes (``transfer/bench_cuda_ipc.py``) over Mooncake TCP with a small head (64 buffers of few
+bytes), the writes merged, pipelined and sent as page runs as cuda_ipc's are, with the copy left out:
+``launch_pages`` plans the kernel's table (``plan_runs``) and returns at once, so nothing lands in the decode's
+pool (its checksums are not compared) and what is timed is the host's work around the copies.
+
+``--mode one-thread``: the engine thread's ``send`` calls of a set, then the worker's merged batch run on this
+thread (no other thread competes for the GIL or the manager's lock): each side's thread CPU a room, the least
+over the sets (the box is shared: CPU time grows with contention). ``--mode threaded``: the bench's own sets
+(the engine thread's sends with the worker and the control thread running beside them): every Python thread's
+CPU a room, and each set's wall time from the first send to the decode's last Success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from splitserve.transfer import KVSender, bench_cuda_ipc
+from splitserve.transfer.poll_state import KVPoll
+from splitserve.transfer.segment_copy import plan_runs
+
+PAGE = bench_cuda_ipc.PAGE
+BASES = np.arange(64, dtype=np.int64) << 20  # stand-in buffer bases for the kernel's table
+
+
+def launch_without_copy(session: str, runs) -> object:
+    """``CudaIpcEngine.launch_pages`` up to the table, for any transport: the copy is left out."""
+    plan_runs(BASES, BASES, runs.src_offs, runs.dst_offs, runs.lens, (runs.aux.srcs, runs.aux.dsts, runs.aux.lens), 0)
+    return lambda: 0
+
+
+def prefill(rooms: int, tokens: int) -> bench_cuda_ipc._Prefill:
+    """The bench's prefill side over Mooncake TCP, made to take cuda_ipc's path through the room pipeline."""
+    bench_cuda_ipc.page_checksum = lambda pool, pages: 0  # nothing lands: neither side's pages are compared
+    side = bench_cuda_ipc._Prefill("tcp", 32, tokens // PAGE * rooms + 1, rooms, 1, head_dim=8, merge_writes=True)
+    mgr = side.mgr
+    mgr.config = mgr.config.replace(transfer_max_batch_segments=1 << 20)  # cuda_ipc's: one write takes every room
+    mgr.engine.quick_writes = True
+    mgr.engine.write_pages = lambda session, runs: launch_without_copy(session, runs)()
+    mgr.writers.launch_pages = launch_without_copy
+    mgr.workers.launch_pages = lambda *args: mgr.writers.launch_pages(*args)
+    side.clock = bench_cuda_ipc._StageClock(mgr)
+    return side
+
+
+def page_lists(rooms: int, tokens: int, name: str, pages_total: int) -> tuple[list[list[int]], list[list[int]]]:
+    n = tokens // PAGE
+    rng = np.random.default_rng(1)
+    lists = []
+    for _ in range(2):
+        order = np.arange(1, pages_total) if name == "contiguous" else rng.permutation(np.arange(1, pages_total))
+        lists.append([order[i * n:(i + 1) * n].tolist() for i in range(rooms)])
+    return lists[0], lists[1]
+
+
+def one_thread_set(side: bench_cuda_ipc._Prefill, src: list[list[int]], dst: list[list[int]]) -> dict[str, float]:
+    """One set with the worker's part run here: the send calls' and the merged batch's thread CPU a room."""
+    mgr, count = side.mgr, len(src)
+    ids = list(range(side.next_room, side.next_room + count))
+    side.next_room += count
+    side.finals.watch(ids)
+    senders = [KVSender(mgr, side.server.address, room) for room in ids]
+    for k, (sender, pages) in enumerate(zip(senders, src, strict=True)):
+        sender.init(len(pages), k % side.aux.shape[0])
+    side.decode.ask(side.server.address, ids, dst)
+    bench_cuda_ipc._wait_all(mgr, senders, lambda s: s.poll() != KVPoll.Bootstrapping, 60)
+    jobs: list = []
+    submit, mgr.submit = mgr.submit, jobs.append
+    try:
+        t0 = time.thread_time()
+        for sender, pages in zip(senders, src, strict=True):
+            sender.send(pages, True)
+        t1 = time.thread_time()
+        mgr.workers._run_merged(jobs)
+        t2 = time.thread_time()
+    finally:
+        mgr.submit = submit
+    side.finals.wait(60)
+    answer = side.decode.read(60)
+    for sender in senders:
+        sender.clear()
+    if any(state != KVPoll.Success for state in answer["states"]):
+        raise RuntimeError(f"rooms failed: {answer['errors']}")
+    return {"send_us": (t1 - t0) / count * 1e6, "worker_us": (t2 - t1) / count * 1e6}
+
+
+def threaded_set(side: bench_cuda_ipc._Prefill, src: list[list[int]], dst: list[list[int]]) -> dict[str, float]:
+    """One of the bench's sets: each Python thread's CPU a room (the worker's outside its write calls), the wall."""
+    before, write_cpu = bench_cuda_ipc.python_threads_cpu(), side.clock.write_cpu_s
+    marks = side.rooms(src, dst, [0] * len(src))
+    per: collections.Counter[str] = collections.Counter()
+    for ident, (name, cpu) in bench_cuda_ipc.python_threads_cpu().items():
+        per[name.split("-tcp")[0]] += cpu - before.get(ident, ("", 0.0))[1]
+    per["transfer-worker"] -= side.clock.write_cpu_s - write_cpu
+    out = {f"{name}_us": cpu / len(src) * 1e6 for name, cpu in per.items()}
+    out["send_calls_us"] = marks["send_calls_cpu_s"] / len(src) * 1e6
+    out["total_ms"] = (marks["decode_success"] - marks["t0"]) * 1e3
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rooms", type=int, default=256, help="rooms in a set, sent at once")
+    parser.add_argument("--tokens", type=int, default=512, help="prompt tokens of a room (a multiple of 16)")
+    parser.add_argument("--sets", type=int, default=20, help="sets of each page order")
+    parser.add_argument("--mode", choices=["one-thread", "threaded"], default="one-thread")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # before Mooncake starts (the managers)
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    logging.basicConfig(level=logging.WARNING)
+    side = prefill(args.rooms, args.tokens)
+    pages_total = args.tokens // PAGE * args.rooms + 1
+    try:
+        for name in ("contiguous", "scattered"):
+            src, dst = page_lists(args.rooms, args.tokens, name, pages_total)
+            run_set = one_thread_set if args.mode == "one-thread" else threaded_set
+            side.rooms([[1]], [[1]], [0])  # the worker lane and the peer's session warm
+            results = [run_set(side, src, dst) for _ in range(args.sets)]
+            keys = sorted({k for r in results for k in r})
+            print(f"{args.rooms} x {args.tokens} {name} ({args.mode}), least / median over {args.sets} sets: "
+                  + ", ".join(f"{k} {min(r[k] for r in results):.1f} / {statistics.median(r[k] for r in results):.1f}"
+                              for k in keys), flush=True)
+    finally:
+        side.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
