@@ -141,8 +141,11 @@ def main() -> None:
     rng = random.Random(0)
     names = ["default", *BACKENDS]
     # Each backend gets lengths no earlier backend saw, so no plan cache carries over between them.
-    sets = ([[length + offset for length in args.lengths] for offset in range(len(names))] if args.lengths
-            else [sorted(rng.sample(range(64, 4097), args.count)) for _ in names])
+    if args.lengths:
+        sets = [[length + offset for length in args.lengths] for offset in range(len(names))]
+    else:  # one draw of distinct lengths, split between the backends
+        drawn = rng.sample(range(64, 4097), args.count * len(names))
+        sets = [sorted(drawn[i * args.count:(i + 1) * args.count]) for i in range(len(names))]
     warm_q, warm_k, warm_v = prompt_qkv(16)
     logger.info("default dispatch picks %s (torch %s, cuDNN %s)", default_choice(warm_q, warm_k, warm_v),
                 torch.__version__, torch.backends.cudnn.version())
