@@ -333,6 +333,19 @@ def random_paged_step(lengths: list[int], kv_lens: list[int], slots: list[int], 
     return page_table, k_cache, v_cache, q
 
 
+def assert_rows_match_float64(got: torch.Tensor, q: torch.Tensor, lengths: list[int], kv_lens: list[int],
+                              slots: list[int], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              page_table: torch.Tensor, page_size: int, tol: float) -> None:
+    """Every sequence's rows of a step's attention output `got` [T, H, D] close to its float64 reference."""
+    assert torch.isfinite(got).all()
+    row = 0
+    for length, kv_len, slot in zip(lengths, kv_lens, slots, strict=True):
+        want = causal_chunk_reference(q[row:row + length], k_cache, v_cache, page_table, slot, kv_len, page_size,
+                                      q.shape[2] ** -0.5).float()
+        torch.testing.assert_close(got[row:row + length], want, atol=tol, rtol=tol)
+        row += length
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(32, 8, 128, 16), (6, 2, 16, 4), (28, 4, 128, 16),
                                                                (8, 8, 64, 1)])
@@ -363,14 +376,8 @@ def test_paged_extend_and_decode_rows_match_float64(heads: int, kv_heads: int, h
                          extend_chunks=chunks, extend_blocks=blocks, page_table=page_table, page_size=page_size)
     attn = PagedAttention(heads, kv_heads, head_dim, 0)
     got = attn._paged_extend(q, batch, k_cache, v_cache).float()
-    assert torch.isfinite(got).all()
-    row = 0
-    for length, kv_len, slot in zip(lengths, kv_lens, slots, strict=True):
-        want = causal_chunk_reference(q[row:row + length], k_cache, v_cache, page_table, slot, kv_len, page_size,
-                                      head_dim ** -0.5).float()
-        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-        torch.testing.assert_close(got[row:row + length], want, atol=tol, rtol=tol)
-        row += length
+    assert_rows_match_float64(got, q, lengths, kv_lens, slots, k_cache, v_cache, page_table, page_size,
+                              2e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -408,13 +415,7 @@ def test_long_chunks_through_cudnn_beside_the_paged_kernels_match_float64(heads:
                          extend_chunks=chunks, extend_blocks=blocks, prefix_chunks=long_chunks, prefix_chunk_loc=loc,
                          page_table=page_table, page_size=page_size)
     got = PagedAttention(heads, kv_heads, head_dim, 0)._paged_extend(q, batch, k_cache, v_cache).float()
-    assert torch.isfinite(got).all()
-    row = 0
-    for length, kv_len, slot in zip(lengths, kv_lens, slots, strict=True):
-        want = causal_chunk_reference(q[row:row + length], k_cache, v_cache, page_table, slot, kv_len, page_size,
-                                      head_dim ** -0.5).float()
-        torch.testing.assert_close(got[row:row + length], want, atol=2e-2, rtol=2e-2)
-        row += length
+    assert_rows_match_float64(got, q, lengths, kv_lens, slots, k_cache, v_cache, page_table, page_size, 2e-2)
 
 
 @torch.inference_mode()
