@@ -164,8 +164,7 @@ class Engine:
         rows = ROW_INVARIANT_ROWS if row_invariant_rows is None else row_invariant_rows
         if batch_invariant:
             rows = max(rows, self.cfg.max_running_requests * (max_draft_tokens + 1))
-        self.use_row_invariant_rows(rows)
-        self.runner.set_batch_invariant_attention(batch_invariant, self.kv.page_table, self.kv.padding_slot)
+        self.runner.set_invariance(rows, batch_invariant, self.kv.page_table, self.kv.padding_slot)
         self.runner.capture_verify_graphs(self.kv.page_table, self.kv.padding_slot, max_draft_tokens)
 
     def use_row_invariant_rows(self, rows: int | None = None) -> None:

@@ -534,35 +534,35 @@ class ModelRunner:
     def set_row_invariant_rows(self, rows: int, page_table: torch.Tensor, padding_slot: int) -> None:
         """16-bit projections of up to `rows` rows (at least 16) take the row-invariant path (engine/layers/
         skinny.py: the skinny kernel, the wide-tile kernel past 32 rows) instead of cuBLAS, in plain decode
-        and verify steps alike:
-        a verifier's rows then have plain decoding's bits at every batch that fits. Decode graphs
-        already captured with cuBLAS for batches over 16 are captured again."""
-        if self.device.type != "cuda" or self.step_broadcaster is not None:
-            return  # CPU has no skinny kernel; tensor-parallel ranks keep their own kernels
-        rows = max(rows, skinny.MAX_ROWS)
-        layers = [m for m in self.model.modules() if hasattr(m, "skinny_rows")]
-        self.row_invariant_rows = rows
-        if all(m.skinny_rows == rows for m in layers):
-            return
-        before = max((m.skinny_rows for m in layers), default=skinny.MAX_ROWS)
-        for m in layers:
-            m.skinny_rows = rows
-        buckets = self.decode_graphs.buckets if self.decode_graphs is not None else []
-        if any(min(before, rows) < b <= max(before, rows) for b in buckets):
-            self.decode_graphs = None  # their memory goes back before the new capture
-            self.capture_decode_graphs(page_table, padding_slot)
+        and verify steps alike: a verifier's rows then have plain decoding's bits at every batch that fits.
+        Decode graphs already captured with cuBLAS for batches over 16 are captured again."""
+        self.set_invariance(rows, self.batch_invariant_attention, page_table, padding_slot)
 
     def set_batch_invariant_attention(self, on: bool, page_table: torch.Tensor, padding_slot: int) -> None:
         """Decode and verify steps whose projections are row-invariant attend with one split count at
         every batch (engine/layers/decode_splits.py), so a row's bits depend on its own sequence only.
         Graphs already captured with the batch's count are captured again (before the loop starts)."""
-        if self.device.type != "cuda" or self.step_broadcaster is not None or on == self.batch_invariant_attention:
-            return  # the CPU reference attention has no splits; tensor-parallel ranks keep the default
-        self.batch_invariant_attention = on
-        if self.decode_graphs is not None:
+        self.set_invariance(self.row_invariant_rows, on, page_table, padding_slot)
+
+    def set_invariance(self, rows: int, batch_invariant: bool, page_table: torch.Tensor, padding_slot: int) -> None:
+        """Both of the above at once: the graphs that either change touches are captured again once (a
+        capture of every decode bucket takes seconds; set one after the other they were captured twice)."""
+        if self.device.type != "cuda" or self.step_broadcaster is not None:
+            return  # CPU has no skinny kernel nor splits; tensor-parallel ranks keep their own kernels
+        rows = max(rows, skinny.MAX_ROWS)
+        layers = [m for m in self.model.modules() if hasattr(m, "skinny_rows")]
+        before = max((m.skinny_rows for m in layers), default=skinny.MAX_ROWS)
+        for m in layers:
+            m.skinny_rows = rows
+        self.row_invariant_rows = rows
+        splits_changed = batch_invariant != self.batch_invariant_attention
+        self.batch_invariant_attention = batch_invariant
+        buckets = self.decode_graphs.buckets if self.decode_graphs is not None else []
+        rows_changed = any(min(before, rows) < b <= max(before, rows) for b in buckets)
+        if self.decode_graphs is not None and (rows_changed or splits_changed):
             self.decode_graphs = None  # their memory goes back before the new capture
             self.capture_decode_graphs(page_table, padding_slot)
-        if self.verify_graphs:
+        if self.verify_graphs and splits_changed:
             most = max(self.verify_graphs) - 1
             self.verify_graphs = {}
             self.capture_verify_graphs(page_table, padding_slot, most)
