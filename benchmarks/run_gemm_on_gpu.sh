@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# gemm-tune's H200 calls (issue 16, the projections at the power cap), from main's checkout with this branch
+# copied to .gpuwt/gemm-tune (B); A is main's checkout itself. At most 8 files come back from $OUT.
+#   STAGE=sweep benchmarks/run_gemm_on_gpu.sh   the GEMM variants under sustained load (gemm_sustained.py)
+#   STAGE=loads benchmarks/run_gemm_on_gpu.sh   engine_loads.py on A then on B (B with TABLE), then B's GPU tests
+set -uo pipefail
+out=${OUT:?}
+b=${B_TREE:-.gpuwt/gemm-tune}
+log=$out/log.txt
+t0=$(date +%s)
+mark() { echo "== $1 at $(( $(date +%s) - t0 )) s" | tee -a "$log"; }
+mkdir -p /tmp/a /tmp/b && ln -sfn "$PWD" /tmp/a/splitserve && ln -sfn "$PWD/$b" /tmp/b/splitserve
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 250 > "$out/clocks.csv" 2>&1 &
+smi=$!
+if [[ "${STAGE:-sweep}" == sweep ]]; then
+    mark sweep
+    PYTHONPATH=/tmp/b timeout "${SWEEP_S:-150}" python3 -P "$b/benchmarks/gemm_sustained.py" --rows 2048 256 \
+        --output "$out/gemm_sustained.json" --table-out "$out/gemm_algos.json" ${SWEEP_ARGS:-} > "$out/sweep.txt" 2>&1
+    echo "rc=$? at $(( $(date +%s) - t0 )) s" >> "$out/sweep.txt"
+    grep -v "^Loading" "$out/sweep.txt" | tail -80
+else
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpuwt/wl/*.whl >> "$log" 2>&1
+    loads() {  # label tree script [env]
+        mark "engine_loads $1"
+        env PYTHONPATH="/tmp/$2:/tmp/site" ${@:4} timeout "${LOADS_S:-90}" python3 -P "$3" --shape llama-3.1-8b \
+            --loads 256x512:256 256x512:1 --decode 256x1024 --output "$out/loads_$1.json" > /tmp/loads_$1.txt 2>&1
+        echo "rc=$?" >> /tmp/loads_$1.txt
+        grep -v "^Loading" /tmp/loads_$1.txt | tail -7 | tee -a "$log"
+    }
+    loads A a benchmarks/engine_loads.py
+    loads B b "$b/benchmarks/engine_loads.py" SPLITSERVE_GEMM_ALGOS="$PWD/$b/${TABLE:?}"
+    mark tests
+    (cd "$b" && PYTHONPATH=/tmp/b:/tmp/site timeout "${TEST_S:-60}" python3 -P -m pytest -p no:cacheprovider -q -rf \
+        --tb=short ${TESTS:-tests/engine/test_gemm_algos.py} > "$out/gpu_tests.txt" 2>&1;
+        echo "pytest rc=$?" >> "$out/gpu_tests.txt")
+    tail -5 "$out/gpu_tests.txt" | tee -a "$log"
+fi
+kill "$smi" 2>/dev/null
+mark done

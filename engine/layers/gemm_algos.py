@@ -1,0 +1,71 @@
+"""The cuBLASLt algorithm chosen per projection shape, from a results file that a sustained-load sweep
+wrote (benchmarks/gemm_sustained.py --table-out); the dense linear layers consult it.
+
+The file is keyed by the device's name, the dtype and cuBLASLt's version (an algorithm's bytes mean
+nothing to another version), then by (rows, N, K) of each GEMM. A missing file, another device or
+version, or a shape it does not list: F.linear, as without it. Installed once per process, before the
+decode graphs are captured, by `install`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+_active: dict[tuple[int, int, int, torch.dtype], object] = {}
+
+
+def entry(rows: int, n: int, k: int, algo, ratio: float) -> dict:
+    """One table row: the shape, the algorithm's bytes and config, and its time over F.linear's."""
+    return {"rows": rows, "n": n, "k": k, "algo": list(algo.data), "workspace_bytes": algo.workspace_bytes,
+            "config": algo.config, "over_linear": ratio}
+
+
+def write_table(path: Path, dtype: torch.dtype, entries: list[dict]) -> None:
+    from splitserve.engine.layers import cublaslt
+
+    path.write_text(json.dumps({"format": FORMAT, "device": torch.cuda.get_device_name(), "dtype": str(dtype),
+                                "cublaslt_version": cublaslt.version(), "entries": entries}, indent=1))
+
+
+def load(path: str | Path, device: torch.device) -> dict[tuple[int, int, int, torch.dtype], object]:
+    """The table of `path` for this device, or {} (logged) if the file is absent or was written for
+    another device, dtype format or cuBLASLt version."""
+    from splitserve.engine.layers import cublaslt
+
+    file = Path(path)
+    if not file.is_file():
+        logger.warning("GEMM algorithm table %s not found: F.linear for every projection", file)
+        return {}
+    data = json.loads(file.read_text())
+    here = {"format": FORMAT, "device": torch.cuda.get_device_name(device), "cublaslt_version": cublaslt.version()}
+    theirs = {key: data.get(key) for key in here}
+    if theirs != here:
+        logger.warning("GEMM algorithm table %s is for %s, this process has %s: not used", file, theirs, here)
+        return {}
+    dtype = getattr(torch, str(data["dtype"]).removeprefix("torch."))
+    table = {(e["rows"], e["n"], e["k"], dtype): cublaslt.Algo(tuple(e["algo"]), e["workspace_bytes"], 0.0,
+                                                                 e.get("config", {}))
+             for e in data["entries"]}
+    logger.info("GEMM algorithm table %s: %d shapes (%s)", file, len(table),
+                ", ".join(f"{r}x{n}x{k}" for r, n, k, _ in table))
+    return table
+
+
+def install(table: dict[tuple[int, int, int, torch.dtype], object]) -> None:
+    """Makes `table` the one the linear layers consult (an empty one: F.linear everywhere)."""
+    _active.clear()
+    _active.update(table)
+
+
+def lookup(x: torch.Tensor, weight: torch.Tensor):
+    """The chosen algorithm for x @ weight.T, or None (F.linear): only 2-D contiguous CUDA inputs."""
+    if not _active or not x.is_cuda or x.dim() != 2 or not x.is_contiguous() or not weight.is_contiguous():
+        return None
+    return _active.get((x.shape[0], weight.shape[0], weight.shape[1], x.dtype))
