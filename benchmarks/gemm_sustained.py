@@ -92,21 +92,33 @@ def build_variants(shape: tuple[str, int, int, int], dtype: torch.dtype, algos: 
 
     variants.append(Variant(shape, "lt_pref", with_lt_pref, calls, {}))
     variants.append(Variant(shape, "kn", lambda i: torch.mm(x, transposed[i], out=out), calls, {}))
-    for j, algo in enumerate(cublaslt.heuristic_algos(rows, n, k, dtype, algos)):
-        variants.append(Variant(shape, f"lt{j}", lambda i, a=algo: cublaslt.lt_linear(x, weights[i], a, out=out),
-                                calls, {"algo": algo}))
-    # Each variant's output on copy 0 against torch's, before anything is timed.
+    errors = []
+    try:
+        for j, algo in enumerate(cublaslt.heuristic_algos(rows, n, k, dtype, algos)):
+            variants.append(Variant(shape, f"lt{j}", lambda i, a=algo: cublaslt.lt_linear(x, weights[i], a, out=out),
+                                    calls, {"algo": algo}))
+    except cublaslt.CublasLtError as err:
+        errors.append(f"heuristics: {err}")
+    # Each variant's output on copy 0 against torch's, before anything is timed; one that fails is dropped.
     reference = torch.mm(x, weights[0].t())
+    kept = []
     for v in variants:
         out.fill_(float("nan"))
-        v.fn(0)
-        torch.cuda.synchronize()
+        try:
+            v.fn(0)
+            torch.cuda.synchronize()
+        except Exception as err:  # a variant's failure is a finding, the others still run
+            errors.append(f"{v.name}: {err!r}"[:300])
+            continue
+        kept.append(v)
         diff = (out.float() - reference.float()).norm() / reference.float().norm()
         v.meta.update(rel_diff=float(diff), bit_equal=bool(torch.equal(out, reference)),
                       finite=bool(torch.isfinite(out).all()))
-    for v in variants:
+    for v in kept:
         v.capture(copies)
-    return variants, {"copies": copies, "calls": calls}
+    if errors:
+        logger.warning("%s: %s", shape, errors)
+    return kept, {"copies": copies, "calls": calls, "errors": errors}
 
 
 def run_round_robin(variants: list[Variant], heat_s: float, rounds: int, seed: int) -> dict:
