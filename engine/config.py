@@ -64,6 +64,10 @@ class EngineConfig:
     disable_overlap: bool = field(default=False, metadata={
         "help": "wait for each step's tokens before scheduling the next (GPUs overlap them by default)"})
     cuda_graph_max_batch: int = field(default=256, metadata={"help": "largest decode batch captured in a graph"})
+    gemm_algos: str = field(default="", metadata={
+        "help": "a table of cuBLASLt algorithms per projection shape (benchmarks/gemm_sustained.py --table-out, "
+                "timed under sustained load) for the dense linear layers; empty, absent, or written for another "
+                "device or cuBLASLt version: F.linear everywhere"})
     tool_call_parser: str = field(default="auto", metadata={
         "help": "how the model writes tool calls: hermes (<tool_call> JSON), llama3 (JSON), or auto (from the chat "
                 "template)", "choices": ("auto", "hermes", "llama3")})

@@ -16,7 +16,7 @@ from splitserve.engine.cuda_graph_runner import DecodeGraphs
 from splitserve.engine.forward_batch import ForwardBatch, decode_batch
 from splitserve.engine.host_to_device import to_device
 from splitserve.engine.kv_pool import COPY_PAGE_OP, KVPool, KVPoolShape
-from splitserve.engine.layers import skinny
+from splitserve.engine.layers import gemm_algos, skinny
 from splitserve.engine.layers.decode_splits import step_splits
 from splitserve.engine.layers.extend_plan import (
     CUDNN_CHUNK_MIN,
@@ -295,6 +295,8 @@ class ModelRunner:
         else:
             load_weights(self.model, model_folder, tied_lm_head=model_cfg.tie_word_embeddings)
         self.model.eval()
+        if cfg.gemm_algos and self.device.type == "cuda":
+            gemm_algos.install(gemm_algos.load(cfg.gemm_algos, self.device))
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("model %s loaded: %.1f M parameters, %.2f GiB in %s on %s, %.1f s",
                     model_cfg.architecture, weight_bytes / self.dtype.itemsize / 1e6, weight_bytes / 2**30,

@@ -84,6 +84,12 @@ def _workspace(device_index: int) -> torch.Tensor:
     return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device_index}")
 
 
+def prepare(device: torch.device) -> None:
+    """The handle and the device's workspace made now (before any CUDA graph capture)."""
+    _handle()
+    _workspace(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _set(fn, obj: ctypes.c_void_p, attr: int, value: ctypes._SimpleCData, what: str) -> None:
     _check(fn(obj, attr, ctypes.byref(value), ctypes.sizeof(value)), what)
 
@@ -167,7 +173,7 @@ def lt_linear(x: torch.Tensor, weight: torch.Tensor, algo: Algo, out: torch.Tens
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     d = _descriptors(rows, n, k, x.dtype)
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    workspace = _workspace(x.device.index or 0)
+    workspace = _workspace(x.device.index if x.device.index is not None else torch.cuda.current_device())
     _check(library().cublasLtMatmul(
         _handle(), d.matmul, ctypes.byref(alpha), ctypes.c_void_p(weight.data_ptr()), d.a,
         ctypes.c_void_p(x.data_ptr()), d.b, ctypes.byref(beta), ctypes.c_void_p(out.data_ptr()), d.c,

@@ -34,25 +34,32 @@ def write_table(path: Path, dtype: torch.dtype, entries: list[dict]) -> None:
                                 "cublaslt_version": cublaslt.version(), "entries": entries}, indent=1))
 
 
+def parse_table(data: dict, here: dict) -> dict[tuple[int, int, int, torch.dtype], object]:
+    """The entries of a table file's `data` if its format, device and cuBLASLt version are `here`'s, else {}."""
+    from splitserve.engine.layers.cublaslt import Algo
+
+    theirs = {key: data.get(key) for key in here}
+    if theirs != here:
+        logger.warning("GEMM algorithm table is for %s, this process has %s: not used", theirs, here)
+        return {}
+    dtype = getattr(torch, str(data["dtype"]).removeprefix("torch."))
+    return {(e["rows"], e["n"], e["k"], dtype): Algo(tuple(e["algo"]), e["workspace_bytes"], 0.0, e.get("config", {}))
+            for e in data["entries"]}
+
+
 def load(path: str | Path, device: torch.device) -> dict[tuple[int, int, int, torch.dtype], object]:
-    """The table of `path` for this device, or {} (logged) if the file is absent or was written for
-    another device, dtype format or cuBLASLt version."""
+    """The table of `path` for this CUDA device, or {} (logged) if the file is absent or was written for
+    another device, format or cuBLASLt version."""
     from splitserve.engine.layers import cublaslt
 
     file = Path(path)
     if not file.is_file():
         logger.warning("GEMM algorithm table %s not found: F.linear for every projection", file)
         return {}
-    data = json.loads(file.read_text())
     here = {"format": FORMAT, "device": torch.cuda.get_device_name(device), "cublaslt_version": cublaslt.version()}
-    theirs = {key: data.get(key) for key in here}
-    if theirs != here:
-        logger.warning("GEMM algorithm table %s is for %s, this process has %s: not used", file, theirs, here)
-        return {}
-    dtype = getattr(torch, str(data["dtype"]).removeprefix("torch."))
-    table = {(e["rows"], e["n"], e["k"], dtype): cublaslt.Algo(tuple(e["algo"]), e["workspace_bytes"], 0.0,
-                                                                 e.get("config", {}))
-             for e in data["entries"]}
+    table = parse_table(json.loads(file.read_text()), here)
+    if table:
+        cublaslt.prepare(device)  # handle and workspace now, not inside a graph capture
     logger.info("GEMM algorithm table %s: %d shapes (%s)", file, len(table),
                 ", ".join(f"{r}x{n}x{k}" for r, n, k, _ in table))
     return table
@@ -62,6 +69,13 @@ def install(table: dict[tuple[int, int, int, torch.dtype], object]) -> None:
     """Makes `table` the one the linear layers consult (an empty one: F.linear everywhere)."""
     _active.clear()
     _active.update(table)
+
+
+def lt_linear(x: torch.Tensor, weight: torch.Tensor, algo) -> torch.Tensor:
+    """x @ weight.T through `algo` (engine/layers/cublaslt.py)."""
+    from splitserve.engine.layers import cublaslt
+
+    return cublaslt.lt_linear(x, weight, algo)
 
 
 def lookup(x: torch.Tensor, weight: torch.Tensor):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.engine.layers import skinny
+from splitserve.engine.layers import gemm_algos, skinny
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
 
 
@@ -57,6 +57,9 @@ class ColumnParallelLinear(nn.Module):
         # by the row count, so a verify step's rows would differ from plain decoding's.
         if skinny.fits(x, self.skinny_rows):
             return skinny.skinny_linear(x, self.weight, self.bias, self.skinny_rows)
+        algo = gemm_algos.lookup(x, self.weight) if self.bias is None else None
+        if algo is not None:  # a shape the sustained-load sweep found a faster cuBLASLt algorithm for
+            return gemm_algos.lt_linear(x, self.weight, algo)
         return nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -89,6 +92,8 @@ class RowParallelLinear(nn.Module):
         # Long K (o_proj, down_proj): at decode sizes cuBLAS splits it and adds a reduction kernel.
         if skinny.fits(x, self.skinny_rows):
             y = skinny.skinny_linear(x, self.weight, max_rows=self.skinny_rows)
+        elif (algo := gemm_algos.lookup(x, self.weight)) is not None:
+            y = gemm_algos.lt_linear(x, self.weight, algo)
         else:
             y = nn.functional.linear(x, self.weight)
         y = self.tp.all_reduce(y)
