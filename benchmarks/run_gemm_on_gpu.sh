@@ -20,6 +20,10 @@ if [[ "${STAGE:-sweep}" == sweep ]]; then
         --output "$out/gemm_sustained.json" --table-out "$out/gemm_algos.json" ${SWEEP_ARGS:-} > "$out/sweep.txt" 2>&1
     echo "rc=$? at $(( $(date +%s) - t0 )) s" >> "$out/sweep.txt"
     grep -v "^Loading" "$out/sweep.txt" | tail -80
+    mark tests
+    (cd "$b" && PYTHONPATH=/tmp/b timeout "${TEST_S:-60}" python3 -P -m pytest -p no:cacheprovider -q -rf \
+        --tb=short tests/engine/test_gemm_algos.py > "$out/gpu_tests.txt" 2>&1; echo "pytest rc=$?" >> "$out/gpu_tests.txt")
+    tail -5 "$out/gpu_tests.txt"
 else
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpuwt/wl/*.whl >> "$log" 2>&1
     loads() {  # label tree script [env]
