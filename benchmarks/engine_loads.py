@@ -111,9 +111,15 @@ def main() -> None:
     parser.add_argument("--prefill-budgets", type=int, nargs="*", default=[],
                         help="the --budget-load at each of these step token budgets, on the same engine")
     parser.add_argument("--budget-load", default="256x512:1")
+    parser.add_argument("--gemm-algos", default="", help="the engine's --gemm-algos table (cuBLASLt algorithms per "
+                        "projection shape), for the runner's rates too")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+    if args.gemm_algos:  # installed for the process: the runner's rates and the engine both use it
+        from splitserve.engine.layers import gemm_algos
+
+        gemm_algos.install(gemm_algos.load(args.gemm_algos, torch.device(args.device)))
     loads = [parse_load(x) for x in args.loads]
     sized = loads + ([parse_load(args.budget_load)] if args.prefill_budgets else [])
     lengths = sorted({p for _, p, _ in sized} | {args.chunk})
@@ -124,11 +130,12 @@ def main() -> None:
     per_request = max([p + o for _, p, o in sized] + [c + DECODE_STEPS for _, c in decodes])
     kv_tokens = max([n * (p + o + 32) for n, p, o in sized] + [b * (c + DECODE_STEPS + 32) for b, c in decodes])
     cfg = dataclasses.replace(loop_bench_config(folder, args.device, args.max_running, per_request),
-                              chunked_prefill_size=args.chunk, max_total_tokens=kv_tokens)
+                              chunked_prefill_size=args.chunk, max_total_tokens=kv_tokens, gemm_algos=args.gemm_algos)
     started = time.perf_counter()
     engine = Engine(cfg)
     engine.start()
-    report: dict = {"shape": args.shape, "chunk": args.chunk, "runner": runner, "loads": []}
+    report: dict = {"shape": args.shape, "chunk": args.chunk, "gemm_algos": args.gemm_algos, "runner": runner,
+                    "loads": []}
     try:
         report["engine_build_s"] = time.perf_counter() - started
         first = [run_engine_batch(engine, random_prompts(1, 512, 1000 + i), 16) for i in range(3)]

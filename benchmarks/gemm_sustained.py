@@ -159,9 +159,10 @@ def tunableop_probe(dtype: torch.dtype, folder: Path) -> dict:
     w = torch.randn(4096, 4096, dtype=dtype, device="cuda")
     torch.nn.functional.linear(x, w)
     torch.cuda.synchronize()
-    results = {str(k): str(v) for k, v in tunable.get_results().items()} if hasattr(tunable, "get_results") else {}
+    results, validators = tunable.get_results(), tunable.get_validators()
     tunable.enable(False)
-    return {"results": results, "validators": {str(k): str(v) for k, v in tunable.get_validators().items()}}
+    return {"results": [str(r) for r in (results.items() if isinstance(results, dict) else results)],
+            "validators": [str(v) for v in (validators.items() if isinstance(validators, dict) else validators)]}
 
 
 def main() -> None:

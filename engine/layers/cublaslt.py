@@ -164,6 +164,15 @@ def heuristic_algos(rows: int, n: int, k: int, dtype: torch.dtype, count: int = 
             for r in results[:returned.value] if r.state == 0]
 
 
+def algo_fits(rows: int, n: int, k: int, dtype: torch.dtype, algo: Algo) -> bool:
+    """Whether cuBLASLt accepts `algo` for this shape within WORKSPACE_BYTES (a table's entry read back
+    is checked before it is used: a stale or damaged one is refused here, not in a step)."""
+    d, result = _descriptors(rows, n, k, dtype), _Heuristic()
+    status = library().cublasLtMatmulAlgoCheck(_handle(), d.matmul, d.a, d.b, d.c, d.c, ctypes.byref(algo.struct()),
+                                               ctypes.byref(result))
+    return status == 0 and result.workspace_size <= WORKSPACE_BYTES
+
+
 def lt_linear(x: torch.Tensor, weight: torch.Tensor, algo: Algo, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T through cuBLASLt with `algo` (one of heuristic_algos(x's rows, *weight.shape, dtype)),
     on torch's current stream; x [M, K] and weight [N, K] contiguous, 16-bit."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.engine.layers import skinny
+from splitserve.engine.layers import gemm_algos, skinny
 from splitserve.engine.layers.linear import WeightShapeError
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
 
@@ -50,6 +50,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if skinny.fits(hidden, self.skinny_rows):
             logits = skinny.skinny_linear(hidden, self.weight, max_rows=self.skinny_rows)
+        elif (algo := gemm_algos.lookup(hidden, self.weight)) is not None:
+            logits = gemm_algos.lt_linear(hidden, self.weight, algo)
         else:
             logits = nn.functional.linear(hidden, self.weight)
         logits = self.tp.all_gather_last_dim(logits)

@@ -58,6 +58,10 @@ def load(path: str | Path, device: torch.device) -> dict[tuple[int, int, int, to
         return {}
     here = {"format": FORMAT, "device": torch.cuda.get_device_name(device), "cublaslt_version": cublaslt.version()}
     table = parse_table(json.loads(file.read_text()), here)
+    refused = [key for key, algo in table.items() if not cublaslt.algo_fits(*key, algo)]
+    if refused:
+        logger.warning("GEMM algorithm table %s: cuBLASLt refuses its entries for %s: F.linear there", file, refused)
+    table = {key: algo for key, algo in table.items() if key not in refused}
     if table:
         cublaslt.prepare(device)  # handle and workspace now, not inside a graph capture
     logger.info("GEMM algorithm table %s: %d shapes (%s)", file, len(table),
