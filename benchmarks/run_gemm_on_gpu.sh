@@ -38,7 +38,8 @@ else
     loads B b "$b/benchmarks/engine_loads.py" --gemm-algos "$PWD/$b/${TABLE:?}"
     mark tests
     (cd "$b" && PYTHONPATH=/tmp/b:/tmp/site timeout "${TEST_S:-60}" python3 -P -m pytest -p no:cacheprovider -q -rf \
-        --tb=short ${TESTS:-tests/engine/test_gemm_algos.py} > "$out/gpu_tests.txt" 2>&1;
+        --tb=short tests/engine/test_gemm_algos.py tests/engine/test_model_parity.py tests/engine/test_gpu_path.py \
+        -k "${TEST_K:-gemm_algos or parity or graphs or skinny}" > "$out/gpu_tests.txt" 2>&1;
         echo "pytest rc=$?" >> "$out/gpu_tests.txt")
     tail -5 "$out/gpu_tests.txt" | tee -a "$log"
 fi
