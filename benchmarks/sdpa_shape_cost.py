@@ -9,7 +9,10 @@ lengths, and says which backend the default dispatch picks.
 
 With --engine, also the engine's own lone-prompt attention (engine/layers/prompt_attention.py): its cuDNN
 buckets built first (as the runner's warm-up does), then its first call at new lengths against its warm
-call, and its warm call against the default dispatch's warm call at the same lengths (the padding's cost).
+call, and its warm call against the default dispatch's (cuDNN unpadded) and flash's at the same lengths
+(the padding's cost): each call alone with a synchronize around it, 32 in a row (a prompt's layers; the
+host's or the device's time, whichever is longer) and the device's time alone (queued behind a sleep).
+It runs against a tree from before the one-pad change too (its function takes no `qkv`), for a before/after.
 
   python3 -P benchmarks/sdpa_shape_cost.py [--lengths 97 301 ...] [--count 12] [--engine] [--json F]
 """
@@ -86,46 +89,89 @@ def synced_ms(call) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+LAYERS = 32  # calls in a row, as one prompt's layers make them
+
+
+def in_a_row_ms(call) -> float:
+    """Per call, LAYERS calls back to back with one synchronize at the end: the launches run ahead while
+    the device works, so this is the slower of the host's and the device's time per call."""
+    return synced_ms(lambda: [call() for _ in range(LAYERS)]) / LAYERS
+
+
+def device_ms(call) -> float:
+    """Per call, the device's time alone: LAYERS calls queued behind a ~30 ms sleep kernel (the host has
+    launched them all before it ends), timed by events on the stream from the sleep's end to the last call."""
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(60_000_000)
+    begin.record()
+    for _ in range(LAYERS):
+        call()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / LAYERS
+
+
 def engine_cost(lengths: list[int], limit: int) -> dict:
     """The engine's lone-prompt attention: its buckets' builds, then first and warm calls at new lengths
-    (inputs laid out as the runner's: [n, heads, D], q a view of the qkv projection), and the default
-    dispatch's warm call at the same lengths."""
-    from splitserve.engine.layers.prompt_attention import bucket_lengths, cudnn_at_bucket, lone_prompt_attention
+    (inputs laid out as the runner's: [n, heads, D] views of the qkv projection, which the layer passes too
+    where the engine's function takes it), and at the same lengths the default dispatch's and flash's warm
+    calls: each alone (a synchronize around it), 32 in a row, and the device's time alone."""
+    import inspect
+
+    from splitserve.engine.layers.prompt_attention import (
+        bucket_lengths,
+        cudnn_at_bucket,
+        flash_attention,
+        lone_prompt_attention,
+    )
 
     scale = DIM ** -0.5
+    takes_qkv = "qkv" in inspect.signature(lone_prompt_attention).parameters  # a tree before the one pad: no
 
-    def engine_qkv(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def engine_qkv(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         qkv = torch.randn(length, (HEADS + 2 * KV_HEADS) * DIM, device="cuda", dtype=torch.bfloat16)
         q = qkv[:, :HEADS * DIM].view(length, HEADS, DIM)
-        k = qkv[:, HEADS * DIM:(HEADS + KV_HEADS) * DIM].reshape(length, KV_HEADS, DIM)
-        return q, k, qkv[:, (HEADS + KV_HEADS) * DIM:].reshape(length, KV_HEADS, DIM)
+        k = qkv[:, HEADS * DIM:(HEADS + KV_HEADS) * DIM].view(length, KV_HEADS, DIM)
+        v = qkv[:, (HEADS + KV_HEADS) * DIM:].view(length, KV_HEADS, DIM)
+        return q, k, v, {"qkv": qkv} if takes_qkv else {}
 
     builds = []
     for bucket in bucket_lengths(limit):
-        q, k, v = engine_qkv(bucket)
-        builds.append(synced_ms(lambda q=q, k=k, v=v, b=bucket: cudnn_at_bucket(q, k, v, scale, b)))
-    first, warm, default_warm = [], [], []
+        q, k, v, packed = engine_qkv(bucket)
+        builds.append(synced_ms(lambda q=q, k=k, v=v, b=bucket, p=packed: cudnn_at_bucket(q, k, v, scale, b, **p)))
+    first, warm = [], []
+    timings: dict[str, list[float]] = {f"{who}_{how}": [] for who in ("engine", "default", "flash")
+                                       for how in ("warm_ms", "row_ms", "device_ms")}
     for length in lengths:
-        q, k, v = engine_qkv(length)
-        run = lambda q=q, k=k, v=v: lone_prompt_attention(q, k, v, scale, limit)  # noqa: E731
-        first.append(synced_ms(run))
-        warm.append(min(synced_ms(run) for _ in range(3)))
+        q, k, v, packed = engine_qkv(length)
         heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-        timed_ms(*heads_first)  # its first call (a graph of its own)
-        default_warm.append(min(timed_ms(*heads_first) for _ in range(3)))
+        calls = {"engine": lambda q=q, k=k, v=v, p=packed: lone_prompt_attention(q, k, v, scale, limit, **p),
+                 "default": lambda h=heads_first: torch.nn.functional.scaled_dot_product_attention(
+                     *h, is_causal=True, enable_gqa=True),
+                 "flash": lambda q=q, k=k, v=v: flash_attention(q, k, v, scale)}
+        first.append(synced_ms(calls["engine"]))
+        for who, call in calls.items():
+            call()  # the default's first call (a graph of its own), flash's first load
+            timings[f"{who}_warm_ms"].append(min(synced_ms(call) for _ in range(3)))
+            timings[f"{who}_row_ms"].append(min(in_a_row_ms(call) for _ in range(2)))
+            timings[f"{who}_device_ms"].append(min(device_ms(call) for _ in range(2)))
+        warm.append(timings["engine_warm_ms"][-1])
     extra = [f - w for f, w in zip(first, warm, strict=True)]
-    over_default = [w / d for w, d in zip(warm, default_warm, strict=True)]
 
-    def median_of(keep) -> float | None:
-        picked = [r for n, r in zip(lengths, over_default, strict=True) if keep(n)]
+    def median_ratio(num: str, den: str, keep) -> float | None:
+        picked = [a / b for n, a, b in zip(lengths, timings[num], timings[den], strict=True) if keep(n)]
         return statistics.median(picked) if picked else None
 
-    return {"backend": "engine", "limit": limit, "buckets": bucket_lengths(limit), "build_ms": builds,
-            "lengths": lengths, "first_ms": first, "warm_ms": warm, "default_warm_ms": default_warm,
+    ratios = {f"{'bucketed' if inside else 'flash'}_{how}_over_default_{how}":
+              median_ratio(f"engine_{how}_ms", f"default_{how}_ms",
+                           (lambda n: n <= limit) if inside else (lambda n: n > limit))
+              for inside in (True, False) for how in ("warm", "row", "device")}
+    return {"backend": "engine", "limit": limit, "takes_qkv": takes_qkv, "buckets": bucket_lengths(limit),
+            "build_ms": builds, "lengths": lengths, "first_ms": first, "warm_ms": warm,
+            "default_warm_ms": timings["default_warm_ms"], **timings,
             "median_first_over_warm": statistics.median(f / w for f, w in zip(first, warm, strict=True)),
-            "median_extra_ms": statistics.median(extra), "total_extra_ms": sum(extra),
-            "bucketed_warm_over_default_warm": median_of(lambda n: n <= limit),
-            "flash_warm_over_default_warm": median_of(lambda n: n > limit)}
+            "median_extra_ms": statistics.median(extra), "total_extra_ms": sum(extra), **ratios}
 
 
 def main() -> None:
@@ -174,6 +220,18 @@ def main() -> None:
                     "%s in a bucket (cuDNN, padded), %s past the buckets (flash)",
                     *(f"{r:.2f}x" if r is not None else "none" for r in (result["bucketed_warm_over_default_warm"],
                                                                           result["flash_warm_over_default_warm"])))
+        for how, what in (("row", f"{LAYERS} calls in a row"), ("device", "the device's time alone")):
+            logger.info("engine    %s over the default dispatch's (median): %s in a bucket, %s past them", what,
+                        *(f"{r:.2f}x" if r is not None else "none"
+                          for r in (result[f"bucketed_{how}_over_default_{how}"],
+                                    result[f"flash_{how}_over_default_{how}"])))
+        logger.info("%7s %8s | %-26s | %-26s | %-26s", "length", "bucket", "engine warm/row/device ms",
+                    "default warm/row/device ms", "flash warm/row/device ms")
+        for i, length in enumerate(lengths):
+            bucket = -(-length // 256) * 256
+            logger.info("%7d %8s | %s | %s | %s", length, bucket if bucket <= args.engine_limit else "flash",
+                        *(" ".join(f"{result[f'{who}_{how}_ms'][i]:8.3f}" for how in ("warm", "row", "device"))
+                          for who in ("engine", "default", "flash")))
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),

@@ -74,14 +74,15 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor | None,
-                kv_stored: bool = False) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D]; returns [T, H*D]. `kv_stored`: a fused kernel already wrote k, v."""
+                kv_stored: bool = False, qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]; returns [T, H*D]. `kv_stored`: a fused kernel already wrote k, v.
+        `qkv`: the [T, (H + 2 Hkv) D] projection q, k and v are column views of, if they are."""
         if not kv_stored:
             store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         if batch.is_decode:
             out = self._decode(q, batch, k_cache, v_cache)
         elif batch.no_prefix and batch.batch_size == 1 and batch.prompt_buckets is not None:
-            out = lone_prompt_attention(q, k.to(q.dtype), v.to(q.dtype), self.scale, batch.prompt_buckets)
+            out = lone_prompt_attention(q, k.to(q.dtype), v.to(q.dtype), self.scale, batch.prompt_buckets, qkv)
         elif batch.no_prefix and batch.batch_size == 1:
             out = nn.functional.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),

@@ -5,8 +5,8 @@ The paged extend kernel (paged_extend_triton.py) runs a 2048-token chunk after 6
 ~400 TFLOP/s on an H200, where cuDNN's fused attention runs a fresh prompt at ~610. cuDNN's causal
 mask is aligned top-left (query i sees keys 0..i), which is not a chunk's mask over [prefix + chunk]
 keys, so the chunk attends in two parts: over the prefix with every key visible (no mask), and over
-its own keys causally (a square mask, where top-left is the chunk's diagonal). Each call returns, per
-query row, the log-sum-exp of its scaled scores; one pass merges the two partial outputs:
+its own keys causally (a square mask, where top-left is the chunk's diagonal). Each call (cudnn_attention.py)
+returns, per query row, the log-sum-exp of its scaled scores; one pass merges the two partial outputs:
 out = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2). The chunk's KV is first gathered from its pages
 into one contiguous copy (Llama-3.1-8B: 4 KB per token for K and V of one layer, 32 MB at 8192 tokens).
 cuDNN builds a graph per shape on first use (50-110 ms on an H200), so the runner sends only full chunks
@@ -19,15 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.layers.cudnn_attention import cudnn_attention
 from splitserve.engine.layers.extend_plan import PrefixChunk
-
-
-def cudnn_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [1, H, S_q, D], k/v [1, Hkv, S_k, D] -> out [1, H, S_q, D] and float32 log-sum-exps [H, S_q]."""
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
-                                                                  scale=scale)[:2]
-    return out, lse.reshape(lse.shape[1], lse.shape[2])
 
 
 # The chunk's length and the per-head strides of the log-sum-exps ([H, n]) vary by chunk: not compiled per value.
@@ -54,12 +47,12 @@ def _merge_kernel(O1, O2, L1, L2, Out, n,
 
 def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor, out: torch.Tensor
                  ) -> None:
-    """Writes softmax-weighted o1, o2 ([1, H, S, D], their lse [H, S]) into out [S, H, D]."""
-    _, heads, n, head_dim = o1.shape
+    """Writes softmax-weighted o1, o2 ([S, H, D], their lse [H, S]) into out [S, H, D]."""
+    n, heads, head_dim = o1.shape
     assert o1.stride(-1) == o2.stride(-1) == out.stride(-1) == 1
     block_t = 32
     _merge_kernel[(triton.cdiv(n, block_t), heads)](
-        o1, o2, lse1, lse2, out, n, o1.stride(1), o1.stride(2), o2.stride(1), o2.stride(2), *lse1.stride(),
+        o1, o2, lse1, lse2, out, n, o1.stride(1), o1.stride(0), o2.stride(1), o2.stride(0), *lse1.stride(),
         *lse2.stride(), out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_T=block_t, num_warps=4,
     )
@@ -70,15 +63,10 @@ def prefix_chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """q, out: the step's [T, H, D]; keys, values: this chunk's gathered KV [kv_len, Hkv, D] (prefix, then
     the chunk's own tokens, already stored). Writes the chunk's rows of out."""
     rows = slice(chunk.row, chunk.row + chunk.length)
-    query = q[rows].unsqueeze(0).transpose(1, 2)  # [1, H, n, D]
-
-    def heads_first(t: torch.Tensor) -> torch.Tensor:
-        return t.unsqueeze(0).transpose(1, 2)  # [S, Hkv, D] -> [1, Hkv, S, D], cuDNN's BSHD layout
-
-    o1, lse1 = cudnn_attention_with_lse(query, heads_first(keys[:chunk.prefix]), heads_first(values[:chunk.prefix]),
-                                        False, scale)
-    o2, lse2 = cudnn_attention_with_lse(query, heads_first(keys[chunk.prefix:]), heads_first(values[chunk.prefix:]),
-                                        True, scale)
+    query = q[rows]
+    o1, lse1 = cudnn_attention(query, keys[:chunk.prefix], values[:chunk.prefix], scale, causal=False, with_lse=True)
+    o2, lse2 = cudnn_attention(query, keys[chunk.prefix:], values[chunk.prefix:], scale, causal=True, with_lse=True)
+    assert lse1 is not None and lse2 is not None
     merge_by_lse(o1, lse1, o2, lse2, out[rows])
 
 

@@ -4,7 +4,9 @@ torch's SDPA picks cuDNN for a fresh 16-bit prompt on an H200 (torch 2.11, cuDNN
 graph for every shape it has not seen: the first call at a new length took ~62 ms more (median, 453x the
 warm call; benchmarks/results/sdpa_shape_cost_h200.txt), on the engine thread, with every running request
 waiting. Flash attention builds nothing but ran 1.6-1.8x slower warm. So a prompt is padded at the end to
-the next multiple of BUCKET_STEP and attends through cuDNN at that length, whose graph the runner's warm-up
+the next multiple of BUCKET_STEP (its q, k and v side by side, as the projection writes them: one pad a
+layer, where a pad of each and a copy into cuDNN's layout took three fills and three copies around a call
+of 40-100 us) and attends through cuDNN at that length (cudnn_attention.py), whose graph the runner's warm-up
 built (cuDNN's graphs are per thread: the engine thread's warm-up). cuDNN's causal mask is top-left, so a
 real row never sees a padded key (zeros, never garbage: a masked score still multiplies its value) and the
 real rows are the unpadded call's, up to cuDNN's own rounding; the padded rows are dropped. Prompts past
@@ -16,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from splitserve.engine.layers.cudnn_attention import cudnn_attention
 
 # At most 255 padded rows: a prompt of 257 tokens attends at 512 (~4x its own attention work, at a length
 # where attention is a few percent of a layer's); 8 graphs cover the default 2048-token chunk budget.
@@ -42,20 +46,26 @@ def prompt_bucket(length: int, limit: int, step: int = BUCKET_STEP) -> int | Non
     return bucket if bucket <= limit else None
 
 
-def padded_heads_first(t: torch.Tensor, length: int) -> torch.Tensor:
-    """[n, heads, D] -> [1, heads, length, D], zeros after row n; always the same (BSHD) layout at a length,
-    since cuDNN keys its graphs by strides too."""
-    out = t.new_zeros(length, *t.shape[1:])
-    out[:t.shape[0]] = t
-    return out.unsqueeze(0).transpose(1, 2)
+def padded_projection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bucket: int,
+                      qkv: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, H, D], k and v [n, Hkv, D] side by side in one [bucket, (H + 2 Hkv) D] tensor, zeros after
+    row n: one pad of `qkv` (the projection q, k and v are column views of, as the CUDA layer passes it),
+    else of their concatenation. One layout per bucket, whichever way in, since cuDNN keys its graphs by
+    strides too."""
+    rows = qkv if qkv is not None else torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    return nn.functional.pad(rows, (0, 0, 0, bucket - q.shape[0]))
 
 
-def cudnn_at_bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bucket: int) -> torch.Tensor:
-    """q [n, H, D], k and v [n, Hkv, D] -> [n, H, D]: cuDNN's causal attention over the prompt padded to `bucket`."""
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        padded_heads_first(q, bucket), padded_heads_first(k, bucket), padded_heads_first(v, bucket), None, False,
-        0.0, True, False, scale=scale)[0]
-    return out.squeeze(0).transpose(0, 1)[:q.shape[0]]
+def cudnn_at_bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bucket: int,
+                    qkv: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, H, D], k and v [n, Hkv, D] -> [n, H, D]: cuDNN's causal attention over the prompt padded to
+    `bucket` (`qkv`: the projection they are views of, padded in one copy)."""
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    padded = padded_projection(q, k, v, bucket, qkv)
+    pq, pk, pv = padded.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    out, _ = cudnn_attention(pq.view(bucket, heads, head_dim), pk.view(bucket, kv_heads, head_dim),
+                             pv.view(bucket, kv_heads, head_dim), scale, causal=True)
+    return out[:q.shape[0]]
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -67,11 +77,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out.squeeze(0).transpose(0, 1)
 
 
-def lone_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, limit: int
-                          ) -> torch.Tensor:
+def lone_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, limit: int,
+                          qkv: torch.Tensor | None = None) -> torch.Tensor:
     """A lone fresh prompt's causal attention (q [n, H, D], k and v [n, Hkv, D] -> [n, H, D]) with cuDNN
-    buckets up to `limit` tokens built."""
+    buckets up to `limit` tokens built; `qkv`: the [n, (H + 2 Hkv) D] projection q, k and v are views of."""
     bucket = prompt_bucket(q.shape[0], limit)
     if bucket is None:
         return flash_attention(q, k, v, scale)
-    return cudnn_at_bucket(q, k, v, scale, bucket)
+    return cudnn_at_bucket(q, k, v, scale, bucket, qkv)

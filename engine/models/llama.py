@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
             from splitserve.engine.layers.fused_triton import rope_and_store_kv
             rope_and_store_kv(qkv, batch.positions, self.rotary.cos, self.rotary.sin, self.num_heads,
                               self.num_kv_heads, self.head_dim, k_cache, v_cache, batch.out_cache_loc)
-            return self.o_proj(self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=True))
+            return self.o_proj(self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=True, qkv=qkv))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)

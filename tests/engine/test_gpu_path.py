@@ -561,19 +561,33 @@ def test_a_lone_prompt_padded_to_its_cudnn_bucket_gives_the_unpadded_cudnn_rows(
                                                                                   head_dim: int, length: int) -> None:
     # The prompt's q, k, v padded at the end to the next multiple of 256: the real rows are the unpadded
     # cuDNN call's to bf16 rounding (and close to float64); past the last bucket, flash attention, as close.
-    from splitserve.engine.layers.prompt_attention import cudnn_at_bucket, lone_prompt_attention, prompt_bucket
+    # The one pad of the packed projection and the pad of q, k, v concatenated give the same bits, and the
+    # real rows do not change by a bit with garbage in the padded rows (cuDNN's causal mask is top-left).
+    from splitserve.engine.layers.cudnn_attention import cudnn_attention
+    from splitserve.engine.layers.prompt_attention import (
+        cudnn_at_bucket,
+        lone_prompt_attention,
+        padded_projection,
+        prompt_bucket,
+    )
 
     torch.manual_seed(length)
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
-    qkv = torch.randn(length, (heads + 2 * kv_heads) * head_dim, **bf16)  # q a view of the projection, as served
-    q = qkv[:, :heads * head_dim].view(length, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(length, kv_heads, head_dim)
-    v = torch.randn(length, kv_heads, head_dim, **bf16)
+    qkv = torch.randn(length, (heads + 2 * kv_heads) * head_dim, **bf16)  # q, k, v views of the projection, as served
+    q, k, v = (t.view(length, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                 kv_heads * head_dim], dim=1))
     scale = head_dim ** -0.5
     bucket = prompt_bucket(length, 2048)
     assert bucket is not None and bucket % 256 == 0 and bucket - 256 < length <= bucket
-    got = cudnn_at_bucket(q, k, v, scale, bucket)
+    got = cudnn_at_bucket(q, k, v, scale, bucket, qkv)
     assert got.shape == (length, heads, head_dim)
+    assert torch.equal(cudnn_at_bucket(q, k, v, scale, bucket), got)  # q, k, v concatenated, then padded
+    if length < bucket:
+        garbage = padded_projection(q, k, v, bucket, qkv)
+        garbage[length:] = torch.randn(bucket - length, garbage.shape[1], **bf16) * 100
+        pq, pk, pv = (t.view(bucket, -1, head_dim) for t in garbage.split([heads * head_dim, kv_heads * head_dim,
+                                                                           kv_heads * head_dim], dim=1))
+        assert torch.equal(cudnn_attention(pq, pk, pv, scale, causal=True)[0][:length], got)
     want = lone_prompt_float64(q, k, v, scale)
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     if length > 1:  # the unpadded call at the prompt's own length (a graph of its own)
@@ -581,7 +595,7 @@ def test_a_lone_prompt_padded_to_its_cudnn_bucket_gives_the_unpadded_cudnn_rows(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None,
             False, 0.0, True, False, scale=scale)[0].squeeze(0).transpose(0, 1)
         torch.testing.assert_close(got.float(), unpadded.float(), atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(lone_prompt_attention(q, k, v, scale, 2048), got)  # the bucket path
+    torch.testing.assert_close(lone_prompt_attention(q, k, v, scale, 2048, qkv), got)  # the bucket path
     flash = lone_prompt_attention(q, k, v, scale, 0)  # no bucket: flash attention
     torch.testing.assert_close(flash.double(), want, atol=2e-2, rtol=2e-2)
 
@@ -606,9 +620,11 @@ def test_after_warm_up_a_lone_prompt_of_a_new_length_takes_its_bucket_and_one_pa
     ran: list[tuple[str, int, int]] = []  # (function, prompt length, padded length)
     cudnn_at_bucket, flash_attention = prompt_attention.cudnn_at_bucket, prompt_attention.flash_attention
 
-    def cudnn_spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bucket: int) -> torch.Tensor:
+    def cudnn_spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bucket: int,
+                  qkv: torch.Tensor | None = None) -> torch.Tensor:
         ran.append(("cudnn", q.shape[0], bucket))
-        return cudnn_at_bucket(q, k, v, scale, bucket)
+        assert qkv is not None and qkv.data_ptr() == q.data_ptr()  # the layer passes its projection
+        return cudnn_at_bucket(q, k, v, scale, bucket, qkv)
 
     def flash_spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         ran.append(("flash", q.shape[0], q.shape[0]))

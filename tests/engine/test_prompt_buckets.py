@@ -1,11 +1,19 @@
-"""A lone fresh prompt's cuDNN buckets (engine/layers/prompt_attention.py): which lengths are built, and
-which bucket a prompt is padded to. The attention itself is CUDA-only (tests/engine/test_gpu_path.py)."""
+"""A lone fresh prompt's cuDNN buckets (engine/layers/prompt_attention.py): which lengths are built, which
+bucket a prompt is padded to, and the padded projection. The attention itself is CUDA-only
+(tests/engine/test_gpu_path.py)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from splitserve.engine.layers.prompt_attention import BUCKET_MAX, bucket_lengths, bucket_limit, prompt_bucket
+from splitserve.engine.layers.prompt_attention import (
+    BUCKET_MAX,
+    bucket_lengths,
+    bucket_limit,
+    padded_projection,
+    prompt_bucket,
+)
 
 
 @pytest.mark.parametrize("longest,context,limit", [
@@ -38,3 +46,16 @@ def test_a_prompt_is_padded_to_the_next_bucket_and_past_the_last_has_none(length
 def test_every_length_up_to_the_limit_has_a_built_bucket() -> None:
     built = set(bucket_lengths(bucket_limit(2048, 4096)))
     assert {prompt_bucket(n, 2048) for n in range(1, 2049)} == built
+
+
+@pytest.mark.parametrize("length,bucket", [(1, 256), (97, 256), (256, 256), (300, 512)])
+def test_the_padded_projection_is_the_prompt_s_rows_then_zeros_in_one_layout_either_way_in(length: int,
+                                                                                         bucket: int) -> None:
+    heads, kv_heads, dim = 6, 2, 16
+    qkv = torch.randn(length, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16)
+    q, k, v = (t.view(length, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1))
+    packed = padded_projection(q, k, v, bucket, qkv)
+    concatenated = padded_projection(q.clone(), k.clone(), v.clone(), bucket)  # separate tensors (a q/k-norm model)
+    for padded in (packed, concatenated):
+        assert padded.shape == (bucket, qkv.shape[1]) and padded.stride() == (qkv.shape[1], 1)
+        assert torch.equal(padded[:length], qkv) and not padded[length:].any()
