@@ -4,11 +4,11 @@ torch's SDPA picks cuDNN for a fresh 16-bit prompt on an H200 (torch 2.11, cuDNN
 graph for every shape it has not seen: the first call at a new length took ~62 ms more (median, 453x the
 warm call; benchmarks/results/sdpa_shape_cost_h200.txt), on the engine thread, with every running request
 waiting. Flash attention builds nothing but ran 1.6-1.8x slower warm. So a prompt is padded at the end to
-the next multiple of BUCKET_STEP (its q, k and v side by side, as the projection writes them: one pad a
-layer, where a pad of each and a copy into cuDNN's layout took three fills and three copies around a call
-of 40-100 us) and attends through cuDNN at that length (cudnn_attention.py), whose graph the runner's warm-up
-built (cuDNN's graphs are per thread: the engine thread's warm-up). cuDNN's causal mask is top-left, so a
-real row never sees a padded key (zeros, never garbage: a masked score still multiplies its value) and the
+the next multiple of BUCKET_STEP (q, k and v side by side as the projection wrote them, in one pad a layer:
+the call's device time 1.40x the unpadded call's, against 1.89x padding each of them apart; NOTES-issue16.md)
+and attends through cuDNN at that length (cudnn_attention.py), whose graph the runner's warm-up built
+(cuDNN's graphs are per thread: the engine thread's warm-up). cuDNN's causal mask is top-left, so a real
+row never sees a padded key (zeros, never garbage: a masked score still multiplies its value) and the
 real rows are the unpadded call's, up to cuDNN's own rounding; the padded rows are dropped. Prompts past
 the largest bucket take flash attention: no graph is ever built while serving.
 """
@@ -52,8 +52,10 @@ def padded_projection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bucket:
     row n: one pad of `qkv` (the projection q, k and v are column views of, as the CUDA layer passes it),
     else of their concatenation. One layout per bucket, whichever way in, since cuDNN keys its graphs by
     strides too."""
-    rows = qkv if qkv is not None else torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
-    return nn.functional.pad(rows, (0, 0, 0, bucket - q.shape[0]))
+    if qkv is None:
+        qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    assert qkv.shape == (q.shape[0], (q.shape[1] + k.shape[1] + v.shape[1]) * q.shape[2])
+    return nn.functional.pad(qkv, (0, 0, 0, bucket - q.shape[0]))
 
 
 def cudnn_at_bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bucket: int,
