@@ -18,6 +18,7 @@ batch-invariant attention.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -79,6 +80,7 @@ class StepTrace:
             complete(engine, step)
             timing = getattr(step.pending, "timing", None)
             trace.mark("complete1", timing[0].elapsed_time(timing[1]) if timing else 0.0)
+            trace.mark("generated", engine.metrics.generation_tokens._value.get())
 
         def traced_result(pending):  # type: ignore[no-untyped-def]
             out = result(pending)
@@ -152,6 +154,62 @@ def summarize(records: list[tuple[float, str, float]], t0: float, t1: float) -> 
     if device:
         out["device_span_ms"] = statistics.mean(device)
         out["device_span_median_ms"] = statistics.median(device)
+    return out
+
+
+def step_table(records: list[tuple[float, str, float]], t0: float, t1: float) -> list[dict[str, float]]:
+    """One row per step launched within [t0, t1] (the verifier's): when it was launched (ms after t0),
+    the time to the next launch, drafts it verified, the host's wait for drafts before it, and, once it
+    completed (under overlap after the next launch), its device span and the tokens emitted."""
+    rows: list[dict[str, float]] = []
+    pending: list[int] = []  # rows launched and not completed yet, oldest first
+    wait_open, waited, generated = None, 0.0, None
+    for t, what, value in records:
+        if what == "generated" and t < t0:
+            generated = value
+        if not t0 <= t <= t1:
+            continue
+        if what == "wait0":
+            wait_open = t
+        elif what == "wait1" and wait_open is not None:
+            waited += t - wait_open
+            wait_open = None
+        elif what == "launch0":
+            if rows:
+                rows[-1]["period_ms"] = 1e3 * (t - t0) - rows[-1]["t_ms"]
+            rows.append({"t_ms": 1e3 * (t - t0), "waited_ms": 1e3 * waited, "drafts": 0, "device_ms": 0.0,
+                         "tokens": 0})
+            pending.append(len(rows) - 1)
+            waited = 0.0
+        elif what == "launch1" and rows:
+            rows[-1]["drafts"] = int(value)
+        elif what == "complete1" and pending:
+            done = pending.pop(0)
+            rows[done]["device_ms"] = value
+            rows[done]["completed"] = 1
+        elif what == "generated":
+            if generated is not None and rows:
+                done = next((i for i in range(len(rows) - 1, -1, -1) if rows[i].get("completed")), len(rows) - 1)
+                rows[done]["tokens"] += int(value - generated)
+            generated = value
+    if rows:
+        rows[-1]["period_ms"] = 1e3 * (t1 - t0) - rows[-1]["t_ms"]
+    return rows
+
+
+def split_at_first_verify(rows: list[dict[str, float]], plain_tokens_per_s: float) -> dict[str, Any]:
+    """The steps before the first one that verified drafts (the drafter taking the requests in) and
+    from it on: steps, ms, tokens, ms waited for drafts, and ms lost against plain decoding's rate
+    (negative: saved)."""
+    first = next((i for i, r in enumerate(rows) if r["drafts"]), len(rows))
+    out: dict[str, Any] = {}
+    for name, part in (("before_first_verify", rows[:first]), ("from_first_verify", rows[first:])):
+        ms = sum(r.get("period_ms", 0.0) for r in part)
+        tokens = sum(r["tokens"] for r in part)
+        out[name] = {"steps": len(part), "ms": round(ms, 2), "tokens": tokens,
+                     "waited_ms": round(sum(r["waited_ms"] for r in part), 2),
+                     "device_ms": round(sum(r["device_ms"] for r in part), 2),
+                     "lost_ms": round(ms - 1e3 * tokens / plain_tokens_per_s, 2)}
     return out
 
 
@@ -231,7 +289,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--draft-wait-ms", type=float, default=4.0)
+    parser.add_argument("--batch", type=int, default=1, help="decode batch of the runs with the drafter")
+    parser.add_argument("--gate", nargs="+", choices=["off", "on"], default=["off"],
+                        help="each K with the speculation gate off (every step speculates) and/or on (after a K=0 "
+                             "run at the batch, as the bench's cells: the gate's plain rate there)")
+    parser.add_argument("--no-alone", action="store_true", help="skip the drafter model alone")
+    parser.add_argument("--draft-wait-ms", type=float, nargs="+", default=[4.0],
+                        help="the verifier's --draft-wait-ms; several: each K and gate with each")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plain-batches", type=int, nargs="*", default=[8, 32],
@@ -253,18 +317,20 @@ def main(argv: list[str]) -> int:
     folders = bench_spec.spec_checkpoints(shape, work, 4, 0, "cuda" if args.device == "cuda" else "cpu")
     trace = StepTrace()
     trace.install()
-    report: dict[str, Any] = {"args": vars(args), "alone": drafter_alone(folders["exact"], args.device,
-                                                                          args.prompt_len, args.output_len, trace)}
+    report: dict[str, Any] = {"args": vars(args)}
+    if not args.no_alone:
+        report["alone"] = drafter_alone(folders["exact"], args.device, args.prompt_len, args.output_len, trace)
     mesh_port = bench_spec.free_port()
     spec = SpecConfig(drafter=[f"127.0.0.1:{mesh_port}"], num_draft_tokens=max(args.ks),
-                      draft_wait_ms=args.draft_wait_ms, speculation_gate=False)
+                      draft_wait_ms=args.draft_wait_ms[0], speculation_gate=False)
     verifier = VerifierRole(spec, TransferConfig(transfer_control_key=bench_spec.KEY))
     engine = Engine(EngineConfig(model=str(folders["target"]), device=args.device, max_total_tokens=16384,
-                                 max_running_requests=max([8, *args.plain_batches])),
+                                 max_running_requests=max([8, args.batch, *args.plain_batches])),
                     role=ComposedRole("unified", [verifier]))
     engine.start()
     drafter_trace = work / "drafter-trace.json"
-    prompts = bench_spec.random_prompts(1, args.prompt_len, seed=1)
+    # The bench's prompts at this batch (bench_spec: seed = batch).
+    prompts = bench_spec.random_prompts(args.batch, args.prompt_len, seed=args.batch)
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     try:
         from splitserve.engine.offline import generate_tokens
@@ -272,16 +338,16 @@ def main(argv: list[str]) -> int:
         generate_tokens(engine, prompts, SamplingParams(max_new_tokens=4))
         t0 = time.monotonic()
         plain = generate_tokens(engine, prompts, params)
-        report["plain"] = {"tokens_per_s": args.output_len / (time.monotonic() - t0),
+        report["plain"] = {"tokens_per_s": args.batch * args.output_len / (time.monotonic() - t0),
                            **summarize(trace.records, t0, time.monotonic())}
-        logger.info("plain batch 1: %.1f tok/s", report["plain"]["tokens_per_s"])
+        logger.info("plain batch %d: %.1f tok/s", args.batch, report["plain"]["tokens_per_s"])
         report["plain_batches"] = plain_rates(engine, args.plain_batches, args.prompt_len, args.output_len)
         http_port = bench_spec.free_port()
         log = work / "drafter.log"
         cmd = [sys.executable, "-P", os.path.abspath(__file__), "--as-drafter", str(drafter_trace), "serve",
                "--role", "drafter", "--model", str(folders["exact"]), "--device", args.device, "--port",
                str(http_port), "--draft-mesh-port", str(mesh_port), "--max-total-tokens", "16384",
-               "--max-draft-ahead", str(2 * max(args.ks) + 1), "--max-running-requests", "8"]
+               "--max-draft-ahead", str(2 * max(args.ks) + 1), "--max-running-requests", str(max(8, args.batch))]
         env = {**os.environ, "SPLITSERVE_TRANSFER_CONTROL_KEY": bench_spec.KEY, "PYTHONUNBUFFERED": "1"}
         import subprocess
 
@@ -297,16 +363,26 @@ def main(argv: list[str]) -> int:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.2)
-            generate_tokens(engine, prompts, SamplingParams(max_new_tokens=8))
+            for k in args.ks:  # as the bench: a short pass at each K, every step speculating, first
+                verifier.num_draft_tokens = k
+                generate_tokens(engine, prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
             windows = []
-            spies = start_py_spy(args.py_spy, {"verifier": os.getpid(), "drafter": proc.pid}, len(args.ks) * 4)
-            for k in args.ks:
+            spies = start_py_spy(args.py_spy, {"verifier": os.getpid(), "drafter": proc.pid},
+                                 len(args.ks) * len(args.gate) * len(args.draft_wait_ms) * 4)
+            for k, wait, gate in itertools.product(args.ks, args.draft_wait_ms, args.gate):
+                verifier.spec = dataclasses.replace(spec, speculation_gate=gate == "on", draft_wait_ms=wait)
+                peer = None
+                if gate == "on":  # as a bench cell: what speculating measured is forgotten, a K=0 run
+                    verifier.gate.forget_speculation()
+                    verifier.num_draft_tokens = 0
+                    peer = bench_spec.decode_run(engine, prompts, args.output_len)["tokens_per_s"]
                 verifier.num_draft_tokens = k
                 t0 = time.monotonic()
                 run = bench_spec.decode_run(engine, prompts, args.output_len, verifier, http_port)
                 t1 = time.monotonic()
                 same = run.pop("outputs") == plain
-                windows.append((k, t0, t1, run, same))
+                run["gate_summary"] = verifier.gate.summary()
+                windows.append((k, wait, gate, peer, t0, t1, run, same))
             time.sleep(1.5)  # the drafter's trace is written every 0.5 s
             for spy in spies:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its record on SIGINT
@@ -316,21 +392,33 @@ def main(argv: list[str]) -> int:
             proc.wait(timeout=60)
         drafter_records = json.loads(drafter_trace.read_text())
         report["runs"] = []
-        for k, t0, t1, run, same in windows:
-            row = {"k": k, "identical_to_plain": same, **{n: run[n] for n in ("tokens_per_s", "steps", "drafted",
-                   "accepted", "verify_steps", "waited_s", "drafter_drafted")},
-                   "speedup": run["tokens_per_s"] / report["plain"]["tokens_per_s"],
+        for k, wait, gate, peer, t0, t1, run, same in windows:
+            steps = step_table(trace.records, t0, t1)
+            row = {"k": k, "batch": args.batch, "gate": gate, "draft_wait_ms": wait, "identical_to_plain": same,
+                   **{n: run[n] for n in ("tokens_per_s", "steps", "drafted", "accepted", "verify_steps", "waited_s",
+                                          "drafter_drafted", "speculating_steps", "plain_steps", "gate_switches",
+                                          "gate_saved_s", "gate_summary")},
+                   "speedup": run["tokens_per_s"] / report["plain"]["tokens_per_s"], "peer_tokens_per_s": peer,
+                   "parts": split_at_first_verify(steps, report["plain"]["tokens_per_s"]), "step_table": steps,
                    "verifier": summarize(trace.records, t0, t1), "drafter": summarize(drafter_records, t0, t1)}
             report["runs"].append(row)
-            logger.info("K=%d: %.1f tok/s (x%.2f), %d steps, waited %.1f ms, drafter drafted %s", k,
-                        run["tokens_per_s"], row["speedup"], run["steps"], 1e3 * run["waited_s"],
-                        run["drafter_drafted"])
+            logger.info("K=%d batch %d wait %.0f ms gate %s: %.1f tok/s (x%.2f of plain%s), %d steps (%d speculating, "
+                        "%d verified), waited %.1f ms, drafter drafted %s, gate switches %s, saved %.1f ms", k,
+                        args.batch, wait, gate,
+                        run["tokens_per_s"], row["speedup"], f", x{run['tokens_per_s'] / peer:.2f} of the K=0 run"
+                        if peer else "", run["steps"], run["speculating_steps"], run["verify_steps"],
+                        1e3 * run["waited_s"], run["drafter_drafted"], run["gate_switches"] or "none",
+                        1e3 * run["gate_saved_s"])
+            logger.info("  parts: %s", row["parts"])
+            logger.info("  steps (t_ms, period_ms, drafts, waited_ms, device_ms, tokens): %s",
+                        [(round(r["t_ms"], 1), round(r.get("period_ms", 0.0), 2), r["drafts"], round(r["waited_ms"], 2),
+                          round(r["device_ms"], 2), r["tokens"]) for r in steps])
             for side in ("verifier", "drafter"):
                 logger.info("  %s: %s", side, {n: round(v, 3) if isinstance(v, float) else v
                                                for n, v in row[side].items()})
         if args.json:
-            report["trace"] = {"verifier": [r for r in trace.records if r[0] >= windows[0][1]],
-                               "drafter": [r for r in drafter_records if r[0] >= windows[0][1]]}
+            report["trace"] = {"verifier": [r for r in trace.records if r[0] >= windows[0][4]],
+                               "drafter": [r for r in drafter_records if r[0] >= windows[0][4]]}
         if args.plain_batches:
             bench_spec.set_batch_invariant_attention(engine, True)
             report["plain_batches_batch_invariant"] = plain_rates(engine, [1, *args.plain_batches], args.prompt_len,
