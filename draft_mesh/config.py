@@ -39,18 +39,17 @@ class SpecConfig:
     speculation_gate: bool = field(default=True, metadata={
         "help": "verify a step's drafts only while verify steps, as measured, emit tokens faster than plain "
                 "decoding at that batch (off: verify whatever the drafters offer)"})
-    speculation_budget: bool = field(default=False, metadata={
+    speculation_budget: bool = field(default=True, metadata={
         "help": "the gate also bounds what speculating loses against plain decoding's measured rate, by "
                 "measurement (draft_mesh/speculation_budget.py): plain first at each batch, speculating stops "
-                "while its budget is spent. Off by default: on an H200 (2 steps, every step's loss predicted "
-                "from the last) it held every cell within 2 percent of plain but cut stints at their start, batch 1 "
-                "K=4/8 1.01/0.98x against 1.89/2.32x without it. What /health and the metrics show of the "
-                "budget is accounted either way"})
+                "while its budget is spent (--no-speculation-budget: the gate's rates alone decide; on an H200 "
+                "the first probe at batch 32, K=2, then lost 50 ms of a 96-token run, 0.92x of plain). What "
+                "/health and the metrics show of the budget is accounted either way"})
     speculation_margin: float = field(default=MARGIN, metadata={
-        "help": "with --speculation-budget: of decoding time at each batch, what speculating may lose against "
+        "help": "of decoding time at each batch, what the speculation budget lets speculating lose against "
                 "plain decoding (probes and stints that do not pay, their first steps included)"})
     speculation_budget_steps: float = field(default=CAP_STEPS, metadata={
-        "help": "with --speculation-budget: most headroom saved, in plain steps of the batch (what a batch's "
+        "help": "the speculation budget's most headroom saved, in plain steps of the batch (what a batch's "
                 "first probe, or a stint that turns bad, may lose beyond --speculation-margin)"})
     row_invariant_rows: int | None = field(default=None, metadata={
         "help": "16-bit projections of up to this many rows take the row-invariant Triton kernel, in plain "
@@ -81,6 +80,12 @@ class SpecConfig:
                 "read back, so a drafter sharing its verifier's GPU holds work whenever it gets the device. On an "
                 "H200 beside an 8B verifier, batch 1, K=2/4/8: 1.21/1.89/2.32x of plain decoding with it, "
                 "0.91/1.06/1.02x without it (one lease)"})
+    drafter_prefix_cache: bool = field(default=True, metadata={
+        "help": "the drafter's radix prefix cache: a synced request prefills only the part of its prompt (and "
+                "committed output) the drafter has not cached, as the verifier's prefill does. A drafted "
+                "token's KV is a function of the tokens before it, so cached drafts are right for any request "
+                "with those tokens; a commit cuts only a request's own pages past its committed length "
+                "(--no-drafter-prefix-cache: every sync prefilled whole)"})
     drafter_cudnn_attention: bool = field(default=True, metadata={
         "help": "the drafter process's one-prompt prefills may attend through cuDNN (torch SDPA's backend). "
                 "cuDNN builds a plan per new sequence length (50-110 ms each on an H200, issue 16's sweep), and "

@@ -15,11 +15,13 @@ stretch of decoding at one bucket, speculating then costs at most MARGIN of its 
 drafter taking the requests in) a step's loss does not predict the next ones: only an overdrawn
 headroom ends the stint then.
 
-The gate acts on it only with --speculation-budget (SpecConfig). Measured on the H200 (2 steps of
-cap, every step's loss predicted from the last, commit "Speculation gate: a loss budget"): every
-cell of the spec bench within 2% of plain or faster, but stints cut at their first steps (the
-drafter's prefill of a new request shares the device): batch 1 K=4/8 fell to 1.01/0.98x of plain.
-The cap of 3 and the unpredicted first steps here are not measured yet.
+The gate acts on it by default (SpecConfig.speculation_budget). Measured on the H200, spec bench,
+96-token runs (NOTES-issue13.md, seventh session): with 2 steps of cap and every step's loss
+predicted from the last, stints were cut at their first steps (batch 1 K=4/8 1.01/0.98x of plain);
+with the cap of 3 and the first steps unpredicted, as here, batch 1 kept 1.48/1.90/2.41x at
+K=2/4/8 and the first probe at batch 32 (K=2) cost 0.96x of plain, against 0.92x without the budget:
+most of that probe's cost was the drafter prefilling the 32 synced requests on the shared device,
+which its prefix cache now spares a prompt it has seen.
 """
 
 from __future__ import annotations

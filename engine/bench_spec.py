@@ -107,6 +107,8 @@ class SpecBenchConfig:
     drafter_cudnn_attention: bool = field(default=True, metadata={
         "help": "the drafters' --drafter-cudnn-attention (--no-drafter-cudnn-attention: their one-prompt prefills "
                 "without cuDNN's per-length plans)"})
+    drafter_prefix_cache: bool = field(default=SpecConfig.drafter_prefix_cache, metadata={
+        "help": "the drafters' --drafter-prefix-cache (--no-drafter-prefix-cache: every DraftSync prefilled whole)"})
     drafter_overlap: bool = field(default=True, metadata={
         "help": "the drafters' overlap scheduler (--no-drafter-overlap: each draft step read back before the next)"})
     max_total_tokens: int = field(default=65536, metadata={"help": "KV cache tokens of each engine"})
@@ -323,6 +325,8 @@ def start_drafter(folder: Path, device: str, mesh_port: int, http_port: int, cfg
         args.append("--no-drafter-overlap")
     if not cfg.drafter_cudnn_attention:
         args.append("--no-drafter-cudnn-attention")
+    if not cfg.drafter_prefix_cache:
+        args.append("--no-drafter-prefix-cache")
     env = {**os.environ, "SPLITSERVE_TRANSFER_CONTROL_KEY": KEY, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 

@@ -77,7 +77,8 @@ def engine_role(configs: ServeConfigs) -> tuple[EngineConfig, Role | None]:
         role = build_role(cfg, configs.transfer, configs.spec, epd=configs.epd, images=configs.images)
     if cfg.role == "drafter":
         from splitserve.engine.roles.drafter import drafter_engine_config
-        cfg = drafter_engine_config(cfg, overlap=configs.spec.drafter_overlap)
+        cfg = drafter_engine_config(cfg, overlap=configs.spec.drafter_overlap,
+                                    prefix_cache=configs.spec.drafter_prefix_cache)
     return cfg, role
 
 

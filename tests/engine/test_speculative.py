@@ -145,7 +145,10 @@ def test_the_drafters_overlap_scheduler_is_on_by_default_and_the_engines_disable
     assert drafter_engine_config(base).disable_overlap is False
     assert drafter_engine_config(base, overlap=False).disable_overlap is True
     assert drafter_engine_config(EngineConfig(model="tiny", disable_overlap=True), overlap=True).disable_overlap
-    assert drafter_engine_config(base, overlap=True).disable_prefix_cache is True
+    assert drafter_engine_config(base, overlap=True).disable_prefix_cache is False  # the drafter's prefix cache
+    assert SpecConfig().drafter_prefix_cache is True
+    assert drafter_engine_config(base, prefix_cache=False).disable_prefix_cache is True
+    assert drafter_engine_config(EngineConfig(model="tiny", disable_prefix_cache=True)).disable_prefix_cache
 
 
 @pytest.mark.parametrize(("k", "overlap"), [(2, False), (5, False), (2, True), (5, True)])
@@ -401,7 +404,58 @@ def test_corrupt_messages_quarantine_one_request_each(stopper) -> None:
         assert health["dropped_messages"] == 2 and health["quarantined"] == 6 and health["draft_requests"] == 1
         send(pb.DraftControl(close=pb.DraftClose(request_id="r4")))
         assert_idle_and_pages_back(drafter)
-        assert drafter.kv.usage() == start
+        end = drafter.kv.usage()  # the drafter's prefix cache may keep what the requests computed
+        assert (end.free + end.cached, end.locked, end.slots_in_use) == (start.free + start.cached, 0, 0)
+        caller.call("Leave", pb.LeaveRequest(lease_id=lease.lease_id))
+
+
+def test_a_drafter_prefills_only_what_its_prefix_cache_lacks_and_drafts_the_same(stopper) -> None:
+    """A DraftSync of a sequence the drafter held before (a closed request's, or one with the same
+    prompt) takes its full pages from the drafter's prefix cache: the sync prefills the rest only,
+    drafts the same tokens, and a commit that cuts its drafts frees the request's own pages alone."""
+    drafter = start_drafter()
+    stopper.append(drafter)
+    start = drafter.kv.usage()
+    prompt = list(range(20, 33))  # 13 tokens: 3 full pages of 4
+    computed = drafter.metrics.prompt_tokens_computed
+    with joined_by_hand(drafter, verifier_rank=2, draft_tokens=2) as (caller, lease, control, tails):
+
+        def send(*items: pb.DraftControl) -> None:
+            control.send_multipart(encode_frames(pb.DraftControlBatch(lease_id=lease.lease_id, items=items), KEY))
+
+        def drafts(rid: str, base: int, count: int) -> list[int]:
+            got: list[pb.TailToken] = []
+            deadline = time.monotonic() + 20
+            while len(got) < count and time.monotonic() < deadline:
+                if tails.poll(100):
+                    got += [t for t in decode_tails(tails.recv_multipart(), KEY).tokens
+                            if t.request_id == rid and t.base_committed_len == base]
+            assert len(got) >= count, f"{rid}: {len(got)} drafts"
+            assert [t.position for t in got[:count]] == list(range(base, base + count))
+            return [t.token for t in got[:count]]
+
+        runs = []
+        for rid in ("a", "b"):
+            before = computed._value.get()
+            send(pb.DraftControl(sync=pb.DraftSync(request_id=rid, prompt_ids=prompt)))
+            tokens = drafts(rid, len(prompt), 5)  # 2K + 1 past the commit
+            runs.append((tokens, computed._value.get() - before))
+            send(pb.DraftControl(close=pb.DraftClose(request_id=rid)))
+            assert_idle_and_pages_back(drafter)
+        assert runs[0][0] == runs[1][0]
+        assert runs[0][1] == len(prompt) and runs[1][1] == 1, runs  # 12 tokens (3 pages) from the cache
+        # Over the cached prompt, a commit that rejects the first draft cuts the request's own pages only.
+        send(pb.DraftControl(sync=pb.DraftSync(request_id="c", prompt_ids=prompt)))
+        first = drafts("c", len(prompt), 1)[0]
+        wrong = (first + 1) % drafter.model_cfg.vocab_size
+        send(pb.DraftControl(commit=pb.VerifyCommit(request_id="c", pre_verify_committed_len=len(prompt),
+                                                    tokens=[wrong])))
+        drafts("c", len(prompt) + 1, 3)
+        assert drafter.role.health_info()["quarantined"] == 0
+        send(pb.DraftControl(close=pb.DraftClose(request_id="c")))
+        assert_idle_and_pages_back(drafter)
+        end = drafter.kv.usage()
+        assert end.cached > 0 and (end.free + end.cached, end.locked) == (start.free + start.cached, 0)
         caller.call("Leave", pb.LeaveRequest(lease_id=lease.lease_id))
 
 
