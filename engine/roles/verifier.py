@@ -15,9 +15,9 @@ decodes one token as usual. How many drafts a request is offered follows how man
 And the engine speculates only while that emits tokens faster than not speculating, as measured per
 batch (draft_mesh/speculation_gate.py; --no-speculation-gate turns the gate off): while it does not,
 no drafts are offered, no commits sent, drafters are paced to nothing and the overlap scheduler runs;
-a request's next commit then carries every token since (K = 0 is that mode too). The gate also
-bounds what speculating loses against plain decoding's measured rate (--speculation-budget, on by
-default; --speculation-margin, --speculation-budget-steps); its decisions, and what speculating saved
+a request's next commit then carries every token since (K = 0 is that mode too). With
+--speculation-budget the gate also bounds what speculating loses against plain decoding's measured
+rate (--speculation-margin, --speculation-budget-steps); its decisions, and what speculating saved
 or lost, are on /health (`speculation_gate`) and in the splitserve_spec_gate_* metrics. A lost lease or
 a silent drafter (a failed or slow heartbeat) drops that drafter's requests to plain decoding at
 once; they re-sync to another drafter, or to the same one when it is joined again. Requests with
@@ -68,6 +68,13 @@ PEERS_REFRESH_S = 1.0  # how often the peers file is read again (drafters added 
 def step_bucket(batch: int) -> int:
     """The decode batch's CUDA-graph bucket: steps in one bucket cost about the same."""
     return next((b for b in DEFAULT_BUCKETS if b >= batch), batch)
+
+
+def tokens_emitted(counted: dict[str, int], now: dict[str, int]) -> int:
+    """Tokens emitted since the output lengths `counted` were taken, by the output lengths `now` of the
+    same requests (those still decoding, and those that finished since: a request's last step emits
+    tokens too, and counting only the running ones charged a run's last step to the gate as all loss)."""
+    return sum(now[rid] - n for rid, n in counted.items() if rid in now)
 
 
 def speculation_exact_for(params: SamplingParams) -> bool:
@@ -130,6 +137,7 @@ class VerifierRole(Role):
         self._gate_polls = 0
         self._last_poll: float | None = None
         self._counted: tuple[int, dict[str, int]] | None = None  # (batch bucket, output lengths) at the last poll
+        self._finished: dict[str, int] = {}  # output lengths of the requests that finished since the last poll
         self._offered = False  # the last poll offered drafts (its step verified some)
         # What the benchmark reads: decoding steps per mode, steps that verified drafts, seconds waited.
         self.mode_steps = {SPECULATE: 0, PLAIN: 0}
@@ -266,6 +274,7 @@ class VerifierRole(Role):
         """Times the loop's last turn (one step) and picks whether this one speculates. It runs while a
         drafter is joined, whether or not a request is synced: in plain mode new requests are not
         synced (a drafter would prefill them for nothing) until the gate tries speculating."""
+        finished, self._finished = self._finished, {}
         if not self.drafters:  # nothing can speculate: nothing to compare
             self._counted, self.speculating = None, True
             return
@@ -273,7 +282,7 @@ class VerifierRole(Role):
         running = [r for r in self.engine.requests.values() if r.status is RequestStatus.RUNNING]
         if self._counted is not None and self._last_poll is not None:
             bucket, lengths = self._counted
-            tokens = sum(len(r.output_ids) - lengths[r.request_id] for r in running if r.request_id in lengths)
+            tokens = tokens_emitted(lengths, {**finished, **{r.request_id: len(r.output_ids) for r in running}})
             self.gate.observe(bucket, tokens, now - self._last_poll, verified=self._offered)
         self._last_poll = now
         # Only turns of decoding alone are timed: a prompt chunk in the step would cost it its time.
@@ -428,6 +437,7 @@ class VerifierRole(Role):
 
     def on_finish(self, req: Request) -> None:
         req.draft_tokens = []
+        self._finished[req.request_id] = len(req.output_ids)  # the gate counts its last step's tokens
         state = self.states.pop(req.request_id, None)
         if state is None:
             return

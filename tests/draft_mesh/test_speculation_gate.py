@@ -206,12 +206,21 @@ def test_speculating_starts_again_only_with_headroom_saved() -> None:
     assert steps == pytest.approx((PROBE_FROM * budget.cap_s - owed) / earned, abs=1.5)
 
 
-def test_a_bucket_speculating_before_plain_is_measured_there_decodes_plainly_first() -> None:
+def test_speculating_starts_only_where_plain_is_measured_but_a_stint_the_batch_carries_goes_on() -> None:
+    gate = SpeculationGate(budgeted=True)
+    gate.force(SPECULATE)  # e.g. the gate was off: speculating at a bucket with no plain rate
+    gate.observe(8, 8, 0.001, verified=True)
+    assert gate.decide() == PLAIN and gate.switches["plain/unmeasured"] == 1
     gate = SpeculationGate(budgeted=True)
     spend(gate, 3 * STINT, lambda n: 3000.0, bucket=8)
     assert gate.mode == SPECULATE
-    gate.observe(4, 4, 0.001, verified=True)  # the batch shrank to another bucket
-    assert gate.decide() == PLAIN and gate.switches["plain/unmeasured"] == 1
+    for _ in range(WARMUP_STEPS + MEASURE_STEPS - 1):  # the batch shrank (requests finished) to bucket 4
+        gate.observe(4, 12, 0.004, verified=True)
+        assert gate.decide() == SPECULATE
+    assert "plain/unmeasured" not in gate.switches and "plain/budget" not in gate.switches
+    assert gate.budgets[4].headroom_s is None and gate.budgets[4].saved_s == 0.0  # uncharged: no plain rate
+    gate.observe(4, 12, 0.004, verified=True)  # its rate is measured: plain's is probed, as without a budget
+    assert gate.decide() == PLAIN and gate.switches["plain/probe"] == 1
 
 
 def test_the_summary_says_what_the_gate_decided_and_why() -> None:

@@ -581,6 +581,9 @@ def test_the_gate_keeps_the_faster_mode_and_switching_changes_no_token(seed, bud
 
     loop_turn()
     loop_turn()  # this turn began after a poll that followed the run's last step
+    # Every token of every decoding step was counted, those of each request's last step too (the first
+    # came from the prompts' one prefill step, which the gate does not time).
+    assert role.gate.observed_tokens == sum(len(o) for o in reference) - len(prompts)
     saved = sum(b.saved_s for b in role.gate.budgets.values())
     registry = verifier.metrics.registry
     deadline = time.monotonic() + 5
