@@ -8,7 +8,10 @@
 #   BEFORE         another splitserve tree to benchmark first (same bench flags; its JSON: rooms_before.json)
 #   CIPC_TESTS=0   skip tests/transfer/test_cuda_ipc_transfer.py and tests/engine/test_disaggregation_cuda_ipc.py
 #   ROOMS          the bench's --kv-tokens / --concurrent (default "512,8192 512x256,8192x16")
-#   CIPC_*_S       seconds for each part (TESTS 150, BENCH 75)
+#   CIPC_*_S       seconds for each part (TESTS 150, BENCH 75, PROFILE 45)
+#   PYSPY          folder of a py-spy wheel: after the rooms, this tree's PROFILE_SET sets (default 512x256,
+#                  PROFILE_REPEATS 20: 10 sets per page order) again under `py-spy record --gil --native --threads
+#                  --subprocesses` (root), collapsed stacks in pyspy_rooms.txt.gz (PROFILE=0: only the profile)
 set -uo pipefail
 out=${1:?output folder}
 mkdir -p "$out"
@@ -31,7 +34,18 @@ if [[ -n "${BEFORE:-}" ]]; then
     mkdir -p /tmp/cipc-before && ln -sfn "$BEFORE" /tmp/cipc-before/splitserve
     rooms /tmp/cipc-before before
 fi
-rooms /tmp/cipc-after after
+[[ "${PROFILE:-1}" == 1 ]] && rooms /tmp/cipc-after after
+if [[ -n "${PYSPY:-}" ]]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/cipc-pyspy "$PYSPY"/*.whl >> "$out/pip.txt" 2>&1
+    PYTHONPATH="/tmp/cipc-after:/tmp/cipc-site" timeout "${CIPC_PROFILE_S:-45}" /tmp/cipc-pyspy/bin/py-spy record \
+        -r "${PROFILE_RATE:-250}" --gil --native --threads --subprocesses -f raw -o /tmp/pyspy_rooms.txt -- \
+        python3 -P -m splitserve bench --profile transfer --transfer-protocol cuda_ipc --kv-tokens '' \
+        --concurrent "${PROFILE_SET:-512x256}" --lanes 1 --repeats "${PROFILE_REPEATS:-20}" --no-kernel-sweep \
+        --json "$out/rooms_profiled.json" > "$out/pyspy_log.txt" 2>&1
+    echo "py-spy rc=$?" >> "$out/pyspy_log.txt"
+    gzip -c /tmp/pyspy_rooms.txt > "$out/pyspy_rooms.txt.gz"
+    grep -v "^WARNING: Logging\|^[IWE][0-9]\|^measured\|INFO" "$out/pyspy_log.txt" | tail -12
+fi
 if [[ "${CIPC_TESTS:-1}" == 1 ]]; then
     PYTHONPATH=/tmp/cipc-after:/tmp/cipc-site timeout "${CIPC_TESTS_S:-150}" python3 -P -m pytest -p no:cacheprovider \
         -q -rs -rf --tb=short --durations=8 tests/transfer/test_cuda_ipc_transfer.py \

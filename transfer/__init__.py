@@ -6,7 +6,7 @@ Public API (see README.md in this folder for the protocol and how an engine wire
 - ``TransferConfig``: flags/env of the layer.
 - ``KVLayout``, ``layout_for_pool``, ``kv_buffers_from_pool``, ``kv_buffers_from_views``,
   ``aux_buffer_from_tensor``, ``head_range``: what a rank registers.
-- ``AuxData``, ``make_aux_tensor``, ``pack_aux``, ``AuxWriter``, ``unpack_aux``: the aux slot.
+- ``AuxData``, ``make_aux_tensor``, ``pack_aux``, ``AuxWriter``, ``unpack_aux``, ``AuxReader``: the aux slot.
 - ``KVManager`` (Mooncake), ``KVSender``, ``KVReceiver``: per engine / per room;
   ``new_kv_manager`` picks the backend by ``transfer_protocol`` (``CudaIpcKVManager`` for ``cuda_ipc``).
 - ``BootstrapServer``: the prefill replica's layout registry over HTTP.
@@ -21,7 +21,8 @@ from typing import Any
 # with bootstrap_grant) does not import torch and Mooncake with the rest.
 _MODULE_OF = {
     "agree_poll_states": "agreement", "poll_and_agree": "agreement",
-    "AUX_BYTES": "aux_data", "AuxData": "aux_data", "AuxWriter": "aux_data", "make_aux_tensor": "aux_data",
+    "AUX_BYTES": "aux_data", "AuxData": "aux_data", "AuxReader": "aux_data", "AuxWriter": "aux_data",
+    "make_aux_tensor": "aux_data",
     "pack_aux": "aux_data",
     "unpack_aux": "aux_data",
     "DEFAULT_BOOTSTRAP_PORT": "bootstrap_server", "BootstrapServer": "bootstrap_server",
@@ -57,6 +58,7 @@ __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
     "AuxBuffer",
     "AuxData",
+    "AuxReader",
     "AuxWriter",
     "BaseKVManager",
     "BaseKVReceiver",

@@ -68,6 +68,34 @@ class AuxWriter:
         self.aux[slot, :AUX_BYTES].copy_(self._host[slot, :AUX_BYTES], non_blocking=True)
 
 
+class AuxReader:
+    """Reads requests' aux data from an aux tensor without waiting for the engine's queued work.
+
+    In device memory (``cuda_ipc``), ``unpack_aux``'s ``.cpu()`` is a copy on the current stream, which first waits
+    for everything queued there: the decode's engine thread stalled behind the forward pass in flight once per
+    request whose KV arrived. The slot was written by the prefill's copy, which had landed before its Success was
+    sent, so nothing on this process's streams writes it: the read goes on a stream of its own that does not
+    synchronise with the default one (into a pinned row), and waits for that copy alone."""
+
+    def __init__(self, aux: torch.Tensor) -> None:
+        self.aux = aux
+        self._stream: torch.cuda.Stream | None = None
+        if aux.device.type == "cuda":
+            self._stream = torch.cuda.Stream(aux.device)  # torch's streams never wait for the legacy default one
+            self._row = torch.zeros(AUX_BYTES, dtype=torch.uint8).pin_memory()
+
+    def read(self, slot: int) -> AuxData:
+        """The aux data in slot ``slot``."""
+        if self._stream is None:
+            return unpack_aux(self.aux, slot)
+        if not 0 <= slot < self.aux.shape[0]:
+            raise IndexError(f"aux slot {slot} outside 0..{self.aux.shape[0] - 1}")
+        with torch.cuda.stream(self._stream):
+            self._row.copy_(self.aux[slot, :AUX_BYTES], non_blocking=True)
+        self._stream.synchronize()
+        return AuxData(*AUX_STRUCT.unpack(self._row.numpy().tobytes()))
+
+
 def unpack_aux(aux: torch.Tensor, slot: int) -> AuxData:
     """Reads slot ``slot`` of the aux tensor."""
     raw = bytes(aux[slot, :AUX_BYTES].cpu().numpy().tobytes())

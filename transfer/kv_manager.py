@@ -143,6 +143,9 @@ class MooncakeKVManager(BaseKVManager):
                                    if hasattr(self.engine, "launch_pages") else None,
                                    finish_together=self.finishing_together)
         self._done_batch = threading.local()  # see finishing_together
+        # Sender rooms finished while a merged part finishes (kv_sender.finish_writes, lock held): their metrics,
+        # recorded together after it. None otherwise.
+        self.deferred_room_metrics: list[tuple[bool, int, float | None]] | None = None
         # Mooncake sessions whose handshake was queued (False) or done (True): see MooncakeKVSender._shake_hands.
         self.sessions_opened: dict[str, bool] = {}
         # Prefill side: writes in flight per room, and the fence answers owed once they end.
@@ -391,34 +394,39 @@ class MooncakeKVManager(BaseKVManager):
         self.channel.send(endpoint, msg, direct)
 
     @contextlib.contextmanager
-    def finishing_together(self) -> Iterator[None]:
+    def finishing_together(self, last: bool = False) -> Iterator[None]:
         """Rooms whose last write finishes inside this (on this thread: one merged write's rooms) tell each
         decode rank their Success in one ``RoomsDone``, not a message each: one encode, one send and one
-        decode for them all, instead of one per room on both sides."""
-        batch: list[tuple[str, TransferStatus]] = []
+        decode for them all, instead of one per room on both sides. It goes through the control thread
+        (ZeroMQ's send releases the GIL per frame, which the engine thread, sending more rooms meanwhile,
+        takes), unless ``last``: nothing else is queued behind these rooms, so a hop less for their Success."""
+        batch: list[tuple[str, str, int, int]] = []  # (endpoint, bootstrap address, room, pages done)
         self._done_batch.rooms = batch
         try:
             yield
         finally:
             self._done_batch.rooms = None
-            groups: dict[tuple[str, str], list[TransferStatus]] = {}
-            for endpoint, status in batch:
-                groups.setdefault((endpoint, status.bootstrap_addr), []).append(status)
-            for (endpoint, addr), statuses in groups.items():
-                if len(statuses) == 1:
-                    self.send(endpoint, statuses[0])
-                else:  # a merged batch's, while the engine thread sends more rooms: through the control thread
-                    self.send(endpoint, RoomsDone([s.room for s in statuses], [s.pages_done for s in statuses],
-                                                  addr, self.endpoint, self.instance_id, self.layout.tp_rank),
-                              direct=False)
+            groups: dict[tuple[str, str], list[tuple[str, str, int, int]]] = {}
+            for done in batch:
+                groups.setdefault(done[:2], []).append(done)
+            for (endpoint, addr), rooms in groups.items():
+                if len(rooms) == 1:
+                    self.send(endpoint, self._success(addr, rooms[0][2], rooms[0][3]))
+                else:
+                    self.send(endpoint, RoomsDone([r[2] for r in rooms], [r[3] for r in rooms], addr, self.endpoint,
+                                                  self.instance_id, self.layout.tp_rank), direct=last)
 
-    def report_success(self, endpoint: str, status: TransferStatus) -> None:
+    def _success(self, bootstrap_addr: str, room: int, pages_done: int) -> TransferStatus:
+        return TransferStatus(room, bootstrap_addr, self.endpoint, self.instance_id, self.layout.tp_rank,
+                              int(KVPoll.Success), pages_done, "")
+
+    def report_success(self, endpoint: str, room: int, bootstrap_addr: str, pages_done: int) -> None:
         """Sends a room's Success to a decode rank: now, or with the others of ``finishing_together``."""
         batch = getattr(self._done_batch, "rooms", None)
         if batch is None:
-            self.send(endpoint, status)
+            self.send(endpoint, self._success(bootstrap_addr, room, pages_done))
         else:
-            batch.append((endpoint, status))
+            batch.append((endpoint, bootstrap_addr, room, pages_done))
 
     def submit(self, job: TransferJob) -> None:
         """Queues a write job on its peer's workers; one room's jobs to one peer share a worker (in order)."""
@@ -449,8 +457,9 @@ class MooncakeKVManager(BaseKVManager):
                 self._writing[room] = left
                 return
             del self._writing[room]
-            for endpoint, addr in self._fence_owed.pop(room, {}).items():
-                self.channel.send(endpoint, RoomFenced(room, addr, self.endpoint, self.instance_id))
+            if self._fence_owed:
+                for endpoint, addr in self._fence_owed.pop(room, {}).items():
+                    self.channel.send(endpoint, RoomFenced(room, addr, self.endpoint, self.instance_id))
 
     def _answer_fence(self, room: int, endpoint: str, bootstrap_addr: str) -> None:
         """A decode rank asks whether a write of ours for ``room`` may still land (the room is dead
@@ -575,14 +584,23 @@ class MooncakeKVManager(BaseKVManager):
                     log.warning("dropped rooms_done from %s: %d rooms, %d page counts", msg.reply_to,
                                 len(msg.rooms), len(msg.pages_done))
                     return
-                for status in msg.statuses():
-                    self._on_status(status, now)
+                self._on_rooms_done(msg, now)
             elif isinstance(msg, AbortRoom):
                 self._on_abort(msg)
             elif isinstance(msg, RoomFenced):
                 fence = self._fences.get((msg.bootstrap_addr, msg.room))
                 if fence is not None:
                     fence.acknowledged(msg.reply_to)
+
+    def _on_rooms_done(self, msg: RoomsDone, now: float) -> None:
+        """Each room's Success, as its ``TransferStatus`` would say, without making one per room."""
+        receivers, addr = self._receivers, msg.bootstrap_addr
+        for room in msg.rooms:
+            receiver = receivers.get((addr, room))
+            if receiver is None:
+                log.debug("rooms_done for unknown room %d from %s", room, msg.reply_to)
+            else:
+                receiver.on_success_locked(msg.prefill_rank, now)
 
     def _on_status(self, msg: TransferStatus, now: float) -> None:
         receiver = self._receivers.get((msg.bootstrap_addr, msg.room))

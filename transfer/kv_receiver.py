@@ -129,12 +129,21 @@ class MooncakeKVReceiver(MooncakeRoom, BaseKVReceiver):
             self.status.move(KVPoll.Transferring, now)
             self.status.touch(now)
         elif msg.state == KVPoll.Success:
-            self._succeeded_ranks.add(msg.prefill_rank)
-            self.status.move(KVPoll.Transferring, now)
+            self.on_success_locked(msg.prefill_rank, now)
+
+    def on_success_locked(self, prefill_rank: int, now: float) -> None:
+        """Prefill rank ``prefill_rank`` wrote every page of this room and its aux slot (manager lock held)."""
+        if self.status.final:
+            return
+        self._succeeded_ranks.add(prefill_rank)
+        self.status.move(KVPoll.Transferring, now)
+        sources = self._sources
+        if (len(sources) == 1 and sources[0].prefill_rank == prefill_rank) or \
+                {s.prefill_rank for s in sources} <= self._succeeded_ranks:
+            self.status.move(KVPoll.Success, now)
+            self._record(True)
+        else:
             self.status.touch(now)
-            if {s.prefill_rank for s in self._sources} <= self._succeeded_ranks:
-                self.status.move(KVPoll.Success, now)
-                self._record(True)
 
     def fail_locked(self, error: KVTransferError, notify: bool) -> None:
         """Fails the room (manager lock held) and, if ``notify``, tells the prefill ranks; once

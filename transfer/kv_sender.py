@@ -43,7 +43,7 @@ from .transfer_plan import EMPTY, PageCopy, Segments, aux_segment, concat, page_
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made once a room on the hot path (a frozen init costs ~3x)
 class Chunk:
     """Pages ``[start, start + len(pages))`` of the prompt, held in local ``pages``."""
 
@@ -264,8 +264,8 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
     def _dispatch(self, chunk: Chunk, now: float) -> None:
         if self._first_send_at is None:
             self._first_send_at = now
-        self.status.move(KVPoll.Transferring, now)
-        self.status.touch(now)
+        if not self.status.move(KVPoll.Transferring, now):
+            self.status.touch(now)
         aux_index = self._aux_index
         merges = getattr(self.mgr.engine, "merges_writes", False)  # one copy for many rooms costs ~one copy
         for key, dst in self._dsts.items():
@@ -319,13 +319,17 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
 
     def _prepare_write(self, dst: Destination, chunk: Chunk, aux_index: int) -> MergeableWrite | None:
         """Worker thread: ``_write``'s steps up to the write itself, for a write merged with other rooms'
-        (peer_workers.py); ``None`` when there is nothing to write (done, or the room is over)."""
+        (peer_workers.py); ``None`` when there is nothing to write (done, or the room is over). Its rooms
+        finish together (``finish_writes``: one lock hold, one metrics update, one Success message per part)."""
         if self.status.final:
             return None
         pages = self._page_copy(dst, chunk, aux_index)  # planned with the merged write's other rooms
-        segments = EMPTY if pages is not None else self._segments(dst, chunk, aux_index)
-        nbytes = pages.nbytes if pages is not None else segments.nbytes
-        most = len(chunk.pages) * len(self.mgr.layout.buffers) + 1 if pages is not None else len(segments)
+        if pages is not None:
+            segments, nbytes = EMPTY, pages.nbytes
+            most = len(chunk.pages) * len(self.mgr.layout.buffers) + 1
+        else:
+            segments = self._segments(dst, chunk, aux_index)
+            nbytes, most = segments.nbytes, len(segments)
         if most > self.mgr.config.transfer_max_batch_segments:
             self._write(dst, chunk, aux_index)  # several batches: written on its own
             return None
@@ -333,31 +337,27 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
             if not nbytes:
                 self._chunk_written(dst, chunk, 0, time.monotonic())
                 return None
-            self._announce(dst, chunk)
+            if not dst.announced:
+                self._announce(dst, chunk)
             if not self.mgr.begin_write(self.room, self.status, dst.meta.write_by):
                 return None
-
-        def done(code: int | None) -> None:
-            with self.mgr.lock:
-                self.mgr.end_write(self.room)
-                if code == 0:
-                    self._chunk_written(dst, chunk, nbytes, time.monotonic())
-                elif code is not None:
-                    self.fail_locked(KVWriteError(self.room, dst.layout.session, code, nbytes), notify=True)
-
-        return MergeableWrite(dst.layout.session, segments.srcs, segments.dsts, segments.lens, done, pages)
+        return MergeableWrite(dst.layout.session, segments.srcs, segments.dsts, segments.lens, None, pages,
+                              finish_writes, (self, dst, chunk, nbytes))
 
     def _page_copy(self, dst: Destination, chunk: Chunk, aux_index: int) -> PageCopy | None:
         """The chunk as whole pages, unplanned, where it is (every head both sides hold, none of its tokens
         already on the decode); ``None`` where it needs ``_segments``' general plan."""
-        local, meta = self.mgr.layout, dst.meta
-        whole = (meta.head_start == local.head_start == dst.layout.head_start
-                 and meta.head_count == local.head_count == dst.layout.head_count)
-        if not whole or meta.decode_prefix_len > chunk.start * local.page_size:
+        local, meta, dst_layout = self.mgr.layout, dst.meta, dst.layout
+        if not (meta.head_start == local.head_start == dst_layout.head_start
+                and meta.head_count == local.head_count == dst_layout.head_count):
             return None
-        aux = (aux_segment(local, aux_index, dst.layout, meta.dst_aux_index) if chunk.last and meta.write_aux
-               else EMPTY)
-        return PageCopy(local, dst.layout, chunk.pages, dst.dst_pages[chunk.start:chunk.start + len(chunk.pages)], aux)
+        if meta.decode_prefix_len > chunk.start * local.page_size:
+            return None
+        dst_pages = dst.dst_pages if chunk.start == 0 and len(chunk.pages) == len(dst.dst_pages) else \
+            dst.dst_pages[chunk.start:chunk.start + len(chunk.pages)]
+        if chunk.last and meta.write_aux:
+            return PageCopy(local, dst_layout, chunk.pages, dst_pages, EMPTY, (aux_index, meta.dst_aux_index))
+        return PageCopy(local, dst_layout, chunk.pages, dst_pages)
 
     def _job_failed(self, dst: Destination, exc: Exception) -> None:
         """Worker thread: a write job raised; this room fails, the worker and other rooms go on."""
@@ -384,25 +384,66 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
         dst.chunks_done += 1
         dst.pages_done += len(chunk.pages)
         dst.bytes_done += nbytes
-        self.status.touch(now)
         if chunk.last and dst.chunks_done == len(self._chunks):
             dst.done = True
-            self.mgr.report_success(dst.meta.reply_to, self._status_msg(dst, KVPoll.Success, ""))
-            if all(d.done for d in self._dsts.values()):
+            self.mgr.report_success(dst.meta.reply_to, self.room, dst.meta.bootstrap_addr, dst.pages_done)
+            if len(self._dsts) == 1 or all(d.done for d in self._dsts.values()):
                 self.status.move(KVPoll.Success, now)
-                self._record(True)
+                self._record(True, now)
         else:
+            self.status.touch(now)
             self.mgr.send(dst.meta.reply_to, self._status_msg(dst, KVPoll.Transferring, ""))
 
     def _status_msg(self, dst: Destination, state: KVPoll, reason: str) -> TransferStatus:
         return TransferStatus(self.room, dst.meta.bootstrap_addr, self.mgr.endpoint, self.mgr.instance_id,
                               self.mgr.layout.tp_rank, int(state), dst.pages_done, reason)
 
-    def _record(self, success: bool) -> None:
+    def _record(self, success: bool, now: float | None = None) -> None:
         if self._recorded:
             return
         self._recorded = True
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         latency = now - self._first_send_at if self._first_send_at is not None else None
-        nbytes = sum(d.bytes_done for d in self._dsts.values())
-        self.mgr.metrics.room_done("sender", success, nbytes, latency, None)  # its wait: at _maybe_ready
+        dsts = self._dsts
+        nbytes = next(iter(dsts.values())).bytes_done if len(dsts) == 1 else sum(d.bytes_done for d in dsts.values())
+        deferred = self.mgr.deferred_room_metrics
+        if deferred is not None:  # a merged part finishing (finish_writes): recorded with the others
+            deferred.append((success, nbytes, latency))
+        else:
+            self.mgr.metrics.room_done("sender", success, nbytes, latency, None)  # its wait: at _maybe_ready
+
+
+def finish_writes(writes: Sequence[MergeableWrite], code: int | None) -> list[Exception | None]:
+    """Worker thread: the merged write of ``writes`` (senders' chunks, ``MergeableWrite.owner`` each
+    ``(sender, destination, chunk, bytes)``) returned ``code`` (``None``: it raised; the worker fails the rooms
+    then): each room's write ends, its chunk counts as written or the room fails. One hold of the manager's
+    lock and one clock read for the part, not one per room. Returns each write's exception (its room is
+    failed by the caller) or ``None``."""
+    mgr: MooncakeKVManager = writes[0].owner[0].mgr
+    now = time.monotonic()
+    out: list[Exception | None] = []
+    with mgr.lock:
+        recorded: list[tuple[bool, int, float | None]] = []
+        mgr.deferred_room_metrics = recorded  # the lock guards it: every room records under it
+        try:
+            _finish_each(mgr, writes, code, now, out)
+        finally:
+            mgr.deferred_room_metrics = None
+            mgr.metrics.rooms_done("sender", recorded)
+    return out
+
+
+def _finish_each(mgr: MooncakeKVManager, writes: Sequence[MergeableWrite], code: int | None, now: float,
+                 out: list[Exception | None]) -> None:
+    for w in writes:
+        sender, dst, chunk, nbytes = w.owner
+        try:
+            mgr.end_write(sender.room)
+            if code == 0:
+                sender._chunk_written(dst, chunk, nbytes, now)
+            elif code is not None:
+                sender.fail_locked(KVWriteError(sender.room, dst.layout.session, code, nbytes), notify=True)
+            out.append(None)
+        except Exception as exc:
+            out.append(exc)

@@ -24,8 +24,9 @@ import collections
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -40,25 +41,29 @@ MAX_MERGED_JOBS = 256  # jobs one merged write takes at most
 PIPELINE_JOBS = 32
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made once a room on the hot path (a frozen init costs ~3x)
 class MergeableWrite:
     """One job's write, begun and ready to share a copy: its segments to ``session`` (or ``pages``, whole
     pages planned with the other jobs' in one pass), and ``done``, called with the merged write's return
-    code (``None`` if it raised) once it returned."""
+    code (``None`` if it raised) once it returned. Or, instead of ``done``, ``finish``: called once with every
+    write of a part that shares it (in queue order) and the code, returning each write's exception or ``None``
+    (the rooms of a part finish in one pass; ``owner`` is whatever ``finish`` needs of each write)."""
 
     session: str
     srcs: np.ndarray
     dsts: np.ndarray
     lens: np.ndarray
-    done: Callable[[int | None], None]
+    done: Callable[[int | None], None] | None
     pages: PageCopy | None = None
+    finish: Callable[[Sequence[MergeableWrite], int | None], list[Exception | None]] | None = None
+    owner: Any = None
 
 
 WriteFn = Callable[[str, np.ndarray, np.ndarray, np.ndarray], int]
 LaunchPagesFn = Callable[[str, PageRuns], Callable[[], int]]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made once a room on the hot path (a frozen init costs ~3x)
 class TransferJob:
     """Writes of one chunk of one room to one peer; ``run`` does the I/O, off the manager's lock;
     ``fail`` is called with the exception if ``run`` raises. ``merge``, where set, prepares the job's
@@ -108,13 +113,14 @@ class PeerWorkers:
 
     def __init__(self, per_peer: int, idle_s: float, name: str = "transfer-worker",
                  write: WriteFn | None = None, launch_pages: LaunchPagesFn | None = None,
-                 finish_together: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+                 finish_together: Callable[[bool], contextlib.AbstractContextManager] | None = None) -> None:
         self.per_peer = per_peer
         self.write = write  # how merged writes go out (None: jobs always run one by one)
         # How whole pages go out as runs, where the transport takes them: returns once the copy is queued, with
         # the call that waits for it.
         self.launch_pages = launch_pages
-        # Held while a merged write's jobs finish (the manager: their Success messages go out as one).
+        # Held while a merged write's jobs finish (the manager: their Success messages go out as one); its
+        # argument says whether nothing is queued or in flight behind them.
         self.finish_together = finish_together or contextlib.nullcontext
         self.merged_writes = 0  # writes that took more than one job (benchmarks read it)
         self.idle_s = idle_s
@@ -174,7 +180,7 @@ class PeerWorkers:
             if len(batch) == 1 and (job.merge is None or self.write is None or self.launch_pages is None):
                 self._run_one(job)
             else:
-                self._run_merged(batch)
+                self._run_merged(batch, worker)
 
     @staticmethod
     def _run_one(job: TransferJob) -> None:
@@ -191,10 +197,11 @@ class PeerWorkers:
         except Exception:
             log.exception("failing room %d after its job raised failed too", job.room)
 
-    def _run_merged(self, batch: list[TransferJob]) -> None:
+    def _run_merged(self, batch: list[TransferJob], worker: _Worker | None = None) -> None:
         """Prepares the jobs' writes and makes one write per peer session of them: for whole pages where the
         transport takes runs, ``PIPELINE_JOBS`` jobs at a time, each part's copy launched before the previous
-        part is waited for and finished; otherwise all of them, written at once."""
+        part is waited for and finished; otherwise all of them, written at once. The last part's rooms are
+        told they are last when ``worker`` has nothing queued after them."""
         assert self.write is not None
         step = PIPELINE_JOBS if self.launch_pages is not None else len(batch)
         in_flight: collections.deque[tuple[Prepared, Callable[[], int] | None, Exception | None]] = collections.deque()
@@ -219,7 +226,8 @@ class PeerWorkers:
                     self._land(*in_flight.popleft())
         finally:
             while in_flight:
-                self._land(*in_flight.popleft())
+                part = in_flight.popleft()
+                self._land(*part, last=not in_flight and not (worker is not None and worker.jobs))
 
     def _prepare(self, jobs: list[TransferJob]) -> dict[str, Prepared]:
         by_session: dict[str, Prepared] = {}
@@ -244,7 +252,8 @@ class PeerWorkers:
             log.exception("a merged write of %d rooms to %s failed", len(writes), session)
             return None, exc
 
-    def _land(self, group: Prepared, landed: Callable[[], int] | None, error: Exception | None) -> None:
+    def _land(self, group: Prepared, landed: Callable[[], int] | None, error: Exception | None,
+              last: bool = False) -> None:
         """Waits for a launched copy (``landed``; or its launch's ``error``), then finishes its jobs."""
         code: int | None = None
         if landed is not None:
@@ -253,16 +262,35 @@ class PeerWorkers:
             except Exception as exc:
                 log.exception("a merged write of %d rooms failed", len(group))
                 error = exc
-        self._finish(group, code, error)
+        self._finish(group, code, error, last)
 
-    def _finish(self, group: Prepared, code: int | None, error: Exception | None) -> None:
-        with self.finish_together():
-            for job, prepared in group:
-                try:
-                    prepared.done(code)
-                except Exception as exc:
-                    log.exception("finishing the write of room %d failed", job.room)
-                    self._fail(job, exc)
-                    continue
-                if error is not None:
-                    self._fail(job, error)
+    def _finish(self, group: Prepared, code: int | None, error: Exception | None, last: bool = False) -> None:
+        """Hands the jobs the write's ``code`` in queue order (a run of writes sharing ``finish`` in one call);
+        ``last``: nothing else is queued or in flight here, so their Success messages need not wait behind
+        anything (the manager may send them from this thread)."""
+        with self.finish_together(last):
+            i = 0
+            while i < len(group):
+                finish = group[i][1].finish
+                if finish is None:
+                    failures: list[Exception | None] = [None]
+                    try:
+                        group[i][1].done(code)  # type: ignore[misc]
+                    except Exception as exc:
+                        failures[0] = exc
+                    end = i + 1
+                else:
+                    end = i + 1
+                    while end < len(group) and group[end][1].finish is finish:
+                        end += 1
+                    try:
+                        failures = finish([w for _, w in group[i:end]], code)
+                    except Exception as exc:
+                        failures = [exc] * (end - i)
+                for (job, _), exc in zip(group[i:end], failures, strict=True):
+                    if exc is not None:
+                        log.error("finishing the write of room %d failed", job.room, exc_info=exc)
+                        self._fail(job, exc)
+                    elif error is not None:
+                        self._fail(job, error)
+                i = end

@@ -384,16 +384,17 @@ class SegmentCopier:
         staging = self._take(n)
         try:
             with torch.cuda.device(self.device):
+                stream = torch.cuda.current_stream()  # once: each event's record() would look it up again
                 staging.host_np[:n] = table
                 device_table = staging.table[:n]
                 device_table.copy_(staging.host[:n], non_blocking=True)
                 timed = self.timed
                 if timed:
-                    staging.start.record()
+                    staging.start.record(stream)
                 kernel(device_table)
                 if timed:
-                    staging.end.record()
-                staging.done.record()
+                    staging.end.record(stream)
+                staging.done.record(stream)
         except BaseException:
             with self._lock:
                 self._free.append(staging)

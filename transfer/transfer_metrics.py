@@ -40,6 +40,23 @@ class TransferMetrics:
         if wait_s is not None:
             wait.observe(wait_s)
 
+    def rooms_done(self, side: str, rooms: list[tuple[bool, int, float | None]]) -> None:
+        """Records several finished rooms, ``(success, bytes, latency)`` each (no waits): ``room_done`` for each,
+        with one update of the counters per outcome (a merged write's rooms finish together)."""
+        for success in (True, False):
+            done = [r for r in rooms if r[0] is success]
+            if not done:
+                continue
+            count, nbytes_total, latency, _ = self._labelled(side, success)
+            count.inc(len(done))
+            nbytes = sum(r[1] for r in done)
+            if nbytes:
+                nbytes_total.inc(nbytes)
+            if success:
+                for r in done:
+                    if r[2] is not None:
+                        latency.observe(r[2])
+
     def room_waited(self, side: str, wait_s: float) -> None:
         """Records a room's wait for its peer when it ends (``room_done``'s ``wait_s``, observed earlier: the
         sender's at its metadata's arrival, on the control thread, not on the worker that finishes it)."""

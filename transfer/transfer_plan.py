@@ -133,20 +133,24 @@ def _token_rows(src: KVLayout, dst: KVLayout, sp: np.ndarray, dp: np.ndarray, fi
     return offs, doffs, lens
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made once a room on the hot path (a frozen init costs ~3x)
 class PageCopy:
     """One room's chunk as whole pages (every head both sides hold, from token 0) plus its aux segment
-    (or ``EMPTY``): not yet planned, so that a merged write plans all its rooms in one pass."""
+    (``aux``, or ``EMPTY``; or ``aux_slots``, the (source, destination) slot pair, which the merged plan turns
+    into segments for all its rooms at once): not yet planned, so that a merged write plans all its rooms in
+    one pass."""
 
     src: KVLayout
     dst: KVLayout
     src_pages: np.ndarray
     dst_pages: np.ndarray
-    aux: Segments
+    aux: Segments = EMPTY
+    aux_slots: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
-        return len(self.src_pages) * self.src.buffers[0].page_bytes * len(self.src.buffers) + self.aux.nbytes
+        aux = aux_slot_bytes(self.src, self.dst) if self.aux_slots is not None else self.aux.nbytes
+        return len(self.src_pages) * self.src.buffers[0].page_bytes * len(self.src.buffers) + aux
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,7 @@ def plan_page_runs(copies: list[PageCopy]) -> PageRuns:
     if dst.buffers[0].page_bytes != page_bytes:
         raise ValueError(f"page bytes differ: {page_bytes} vs {dst.buffers[0].page_bytes}")
     copies_with_pages = [c for c in copies if len(c.src_pages)]
-    aux = concat([c.aux for c in copies])
+    aux = _aux_of(copies)
     if not copies_with_pages:
         empty = np.zeros(0, np.int64)
         return PageRuns(src, dst, empty, empty, empty, aux)
@@ -213,6 +217,24 @@ def plan_page_copies(copies: list[PageCopy]) -> Segments:
     """The segments of several rooms' ``PageCopy`` s with the same two layouts (``plan_page_runs``
     expanded per buffer): what a transport without page runs (Mooncake) writes."""
     return plan_page_runs(copies).segments()
+
+
+def _aux_of(copies: list[PageCopy]) -> Segments:
+    """The copies' aux segments in order: their slot pairs turned into addresses in one pass."""
+    if all(c.aux_slots is None for c in copies):
+        return concat([c.aux for c in copies])
+    if all(c.aux_slots is not None for c in copies):  # the usual merged write: every room's last chunk
+        src, dst = copies[0].src, copies[0].dst
+        slots = np.array([c.aux_slots for c in copies], dtype=np.int64).reshape(len(copies), 2)
+        return Segments(src.aux.ptr + slots[:, 0] * src.aux.slot_bytes, dst.aux.ptr + slots[:, 1] * dst.aux.slot_bytes,
+                        np.full(len(copies), aux_slot_bytes(src, dst), dtype=np.int64))
+    return concat([c.aux if c.aux_slots is None else aux_segment(c.src, c.aux_slots[0], c.dst, c.aux_slots[1])
+                   for c in copies])
+
+
+def aux_slot_bytes(src: KVLayout, dst: KVLayout) -> int:
+    """Bytes of one aux slot's copy between two layouts."""
+    return min(src.aux.slot_bytes, dst.aux.slot_bytes)
 
 
 def aux_segment(src: KVLayout, src_slot: int, dst: KVLayout, dst_slot: int) -> Segments:

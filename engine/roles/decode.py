@@ -23,7 +23,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.role import Role
 from splitserve.engine.roles.kv_transfer_endpoint import KVTransferEndpoint, aux_slot_count
-from splitserve.transfer import KVPoll, KVReceiver, TransferConfig, unpack_aux
+from splitserve.transfer import KVPoll, KVReceiver, TransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class DecodeRole(Role):
             self.receiving.pop(req.request_id)
             self.metadata_sent.discard(req.request_id)  # every write landed: nothing more can
             aux_slot = self.aux_of.pop(req.request_id)
-            aux = unpack_aux(self.endpoint.aux, aux_slot)
+            aux = self.endpoint.aux_reader.read(aux_slot)  # not waiting for the forward pass in flight
             self.free_aux.append(aux_slot)
             receiver.clear()
             req.role_state = None

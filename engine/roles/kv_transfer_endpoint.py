@@ -10,6 +10,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.roles.replicated_transfers import ReplicatedRoom, agree_over_ranks, new_room_op
 from splitserve.transfer import (
     AuxData,
+    AuxReader,
     AuxWriter,
     KVPoll,
     KVReceiver,
@@ -44,6 +45,7 @@ class KVTransferEndpoint:
         pool = engine.runner.kv_pool.buffer
         self.aux = make_aux_tensor(aux_slot_count(engine.cfg), device=aux_device(config, pool.device))
         self.aux_writer = AuxWriter(self.aux)  # on a GPU: queued on the stream, the engine thread does not wait
+        self.aux_reader = AuxReader(self.aux)  # on a GPU: read on a side stream, nor does it wait to read
         if pool.device.type != "cpu" and config.transfer_protocol == "tcp":
             logger.warning("KV pool on %s with the tcp transport: Mooncake TCP stages GPU memory through "
                            "the host; use rdma in production", pool.device)

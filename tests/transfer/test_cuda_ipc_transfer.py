@@ -14,6 +14,7 @@ import torch
 
 from splitserve.transfer import (
     AuxData,
+    AuxReader,
     AuxWriter,
     CudaIpcUnavailableError,
     KVLayout,
@@ -24,6 +25,7 @@ from splitserve.transfer import (
     layout_for_pool,
     make_aux_tensor,
     new_kv_manager,
+    pack_aux,
     unpack_aux,
 )
 from splitserve.transfer.cuda_ipc_engine import check_runs, session_process, translate
@@ -225,6 +227,26 @@ def test_aux_writes_on_the_gpu_are_queued_behind_the_stream_not_waited_for():
     assert aux[[0, 1, 3, 4, 6, 7]].sum() == 0 and aux[[2, 5], 12:].sum() == 0
     with pytest.raises(IndexError):
         writer.write(8, AuxData(1, 0.0, 0))
+
+
+@needs_cuda
+def test_aux_reads_on_the_gpu_do_not_wait_for_the_stream():
+    aux = make_aux_tensor(8, slot_bytes=16, device="cuda")
+    pack_aux(aux, 3, AuxData(151643, -0.25, 17))  # as the prefill's copy left it: landed before its Success
+    pack_aux(aux, 6, AuxData(7, 1.5, 0))
+    reader = AuxReader(aux)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of queued work, as the decode's forward pass in flight would be
+    behind = torch.cuda.Event()
+    behind.record()
+    assert reader.read(3) == AuxData(151643, -0.25, 17) and reader.read(6) == AuxData(7, 1.5, 0)
+    assert not behind.query()  # read with the sleep still running: nothing waited for it
+    assert reader.read(0) == AuxData(0, 0.0, 0)
+    with pytest.raises(IndexError):
+        reader.read(8)
+    torch.cuda.synchronize()
+    host = AuxReader(make_aux_tensor(2))  # host memory: unpack_aux
+    assert host.read(1) == AuxData(0, 0.0, 0)
 
 
 @needs_cuda

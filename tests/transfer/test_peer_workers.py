@@ -180,3 +180,56 @@ def test_a_long_batch_is_pipelined_each_part_launched_before_the_last_is_waited_
     assert failed == list(range(p, 2 * p))  # the part whose copy failed, only
     assert {code for r, code in done if p <= r < 2 * p} == {None}
     assert {code for r, code in done if not p <= r < 2 * p} == {0}
+
+
+def test_writes_sharing_a_finish_are_finished_together_per_part_and_fail_one_by_one():
+    """Writes that name one ``finish`` get it once per part with the code, in queue order; an exception it
+    returns for one write fails that job only, a finish that raises fails the part's jobs; the part's
+    ``finish_together`` hears whether nothing was queued or in flight behind it."""
+    from splitserve.transfer.peer_workers import PIPELINE_JOBS
+
+    pool = torch.zeros((2, 2, 64, 1, 1, 8), dtype=torch.bfloat16)
+    layout = layout_for_pool(pool, make_aux_tensor(4))
+    gate = threading.Event()
+    calls: list[tuple[list[int], int | None]] = []
+    failed: list[int] = []
+    lasts: list[bool] = []
+    rooms = PIPELINE_JOBS + 3
+
+    def finish(writes, code):
+        rooms_here = [w.owner for w in writes]
+        calls.append((rooms_here, code))
+        if PIPELINE_JOBS in rooms_here:  # the second part's finish itself breaks
+            raise RuntimeError("bookkeeping broke")
+        return [ValueError("room 5's pages") if r == 5 else None for r in rooms_here]
+
+    class Together:
+        def __init__(self, last: bool) -> None:
+            lasts.append(last)
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    def job(room: int) -> TransferJob:
+        def merge() -> MergeableWrite:
+            return MergeableWrite("s", EMPTY.srcs, EMPTY.dsts, EMPTY.lens, None,
+                                  PageCopy(layout, layout, np.array([room]), np.array([room])), finish, room)
+
+        return TransferJob("p", room, lambda: None, lambda exc: failed.append(room), merge)
+
+    workers = PeerWorkers(1, idle_s=5.0, write=lambda *a: 0, launch_pages=lambda session, runs: lambda: 0,
+                          finish_together=Together)
+    try:
+        workers.submit(TransferJob("p", -1, gate.wait, lambda exc: None))
+        for room in range(rooms):
+            workers.submit(job(room))
+        gate.set()
+        assert wait_until(lambda: len(calls) == 2, 10), calls
+    finally:
+        workers.close()
+    assert calls == [(list(range(PIPELINE_JOBS)), 0), (list(range(PIPELINE_JOBS, rooms)), 0)]
+    assert failed == [5, *range(PIPELINE_JOBS, rooms)]
+    assert lasts == [False, True]  # the first part had the second in flight behind it

@@ -32,3 +32,25 @@ def test_room_status_deadline_follows_the_current_state():
     status.touch(107.5)
     assert status.expired(109.4) is None and status.expired(109.6) is not None
     assert status.history == [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring]
+
+
+def test_room_status_moves_as_advance_says_and_tells_only_real_changes():
+    """``move`` inlines ``advance``: for every pair of states it lands where ``advance`` says (Failed only
+    through ``fail``), returns whether it moved and calls ``on_change`` exactly then."""
+    timeouts = {KVPoll.Bootstrapping: 1.0, KVPoll.WaitingForInput: 5.0, KVPoll.Transferring: 2.0}
+    for start in KVPoll:
+        for target in KVPoll:
+            changes: list[KVPoll] = []
+            status = RoomStatus(1, timeouts, 0.0, lambda s, changes=changes: changes.append(s.state))
+            if start == KVPoll.Failed:
+                status.fail(None)  # type: ignore[arg-type]
+            elif start != KVPoll.Bootstrapping:
+                status.move(start, 0.0)
+            changes.clear()
+            want = advance(start, target)
+            moved = status.move(target, 1.0)
+            assert moved == (want != start and want != KVPoll.Failed), (start, target)
+            assert status.state == (start if want == KVPoll.Failed else want), (start, target)
+            assert status.final == is_final(status.state) and changes == ([status.state] if moved else [])
+            if moved and not status.final:
+                assert status.deadline == 1.0 + timeouts[status.state]
