@@ -9,6 +9,8 @@
 #   CIPC_TESTS=0   skip tests/transfer/test_cuda_ipc_transfer.py and tests/engine/test_disaggregation_cuda_ipc.py
 #   ROOMS          the bench's --kv-tokens / --concurrent (default "512,8192 512x256,8192x16")
 #   CIPC_*_S       seconds for each part (TESTS 150, BENCH 75, PROFILE 45)
+#   PIPELINE_JOBS  e.g. "16 64": this tree's 512x256 sets again with peer_workers.PIPELINE_JOBS set to each
+#                  (rooms per launched copy of a pipelined batch), rooms_jobs<N>.{json,txt}
 #   PYSPY          folder of a py-spy wheel: after the rooms, this tree's PROFILE_SET sets (default 512x256,
 #                  PROFILE_REPEATS 20: 10 sets per page order) again under `py-spy record --gil --native --threads
 #                  --subprocesses` (root), collapsed stacks in pyspy_rooms.txt.gz (PROFILE=0: only the profile)
@@ -35,6 +37,16 @@ if [[ -n "${BEFORE:-}" ]]; then
     rooms /tmp/cipc-before before
 fi
 [[ "${PROFILE:-1}" == 1 ]] && rooms /tmp/cipc-after after
+for jobs in ${PIPELINE_JOBS:-}; do
+    PYTHONPATH="/tmp/cipc-after:/tmp/cipc-site" timeout "${CIPC_BENCH_S:-75}" python3 -P -c "import sys
+import splitserve.transfer.peer_workers as workers
+workers.PIPELINE_JOBS = int(sys.argv[1])
+from splitserve.transfer.bench_cuda_ipc import main
+sys.exit(main(sys.argv[2:]))" "$jobs" --transfer-protocol cuda_ipc --kv-tokens '' --concurrent 512x256 --lanes 1 \
+        --repeats 6 --no-kernel-sweep --json "$out/rooms_jobs$jobs.json" > "$out/rooms_jobs$jobs.txt" 2>&1
+    echo "rooms PIPELINE_JOBS=$jobs rc=$?" >> "$out/rooms_jobs$jobs.txt"
+    grep -v "^WARNING: Logging\|^[IWE][0-9]\|^measured\|INFO" "$out/rooms_jobs$jobs.txt" | tail -8
+done
 if [[ -n "${PYSPY:-}" ]]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/cipc-pyspy "$PYSPY"/*.whl >> "$out/pip.txt" 2>&1
     PYTHONPATH="/tmp/cipc-after:/tmp/cipc-site" timeout "${CIPC_PROFILE_S:-45}" /tmp/cipc-pyspy/bin/py-spy record \
