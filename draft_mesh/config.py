@@ -39,19 +39,19 @@ class SpecConfig:
     speculation_gate: bool = field(default=True, metadata={
         "help": "verify a step's drafts only while verify steps, as measured, emit tokens faster than plain "
                 "decoding at that batch (off: verify whatever the drafters offer)"})
-    speculation_budget: bool = field(default=False, metadata={
+    speculation_budget: bool = field(default=True, metadata={
         "help": "the gate also bounds what speculating loses against plain decoding's measured rate, by "
                 "measurement (draft_mesh/speculation_budget.py): plain first at each batch, speculating stops "
-                "while its budget is spent. Off by default: on an H200 (spec bench, 96-token runs) it held batch "
-                "32 K=2 at 0.96-0.99x where the gate alone lost 0.92x, but as the default it also stopped batch 1 "
-                "K=4/8 (1.02/1.05x against 1.90/2.41x): each run's last step was charged as all loss and a "
-                "run's tail stopped at every bucket it shrank into; both fixed since, not measured. What /health "
-                "and the metrics show of the budget is accounted either way"})
+                "while its budget is spent. On by default: on an H200 (spec bench, 96-token runs, exact "
+                "drafter) it kept every batch 1/8/32, K=2/4/8 cell at 1.02x of plain or better (batch 1 "
+                "1.49/1.82/2.24x) where the gate alone lost 0.92-0.95x at batch 32 K=2. "
+                "--no-speculation-budget: the gate's rates alone decide. What /health and the metrics show of "
+                "the budget is accounted either way"})
     speculation_margin: float = field(default=MARGIN, metadata={
-        "help": "with --speculation-budget: of decoding time at each batch, what speculating may lose against "
+        "help": "with the speculation budget: of decoding time at each batch, what speculating may lose against "
                 "plain decoding (probes and stints that do not pay, their first steps included)"})
     speculation_budget_steps: float = field(default=CAP_STEPS, metadata={
-        "help": "with --speculation-budget: most headroom saved, in plain steps of the batch (what a batch's "
+        "help": "with the speculation budget: most headroom saved, in plain steps of the batch (what a batch's "
                 "first probe, or a stint that turns bad, may lose beyond --speculation-margin)"})
     row_invariant_rows: int | None = field(default=None, metadata={
         "help": "16-bit projections of up to this many rows take the row-invariant Triton kernel, in plain "

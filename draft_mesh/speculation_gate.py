@@ -20,8 +20,8 @@ the nearest smaller bucket: then it waits for that bucket's probe interval. Step
 on the gate (K = 0) do not count towards the next probe, and a change of drafters forgets what
 speculating measured.
 
-With --speculation-budget, what speculating may cost on top of that is bounded by measurement
-(draft_mesh/speculation_budget.py; its accounts are kept either way, for /health and the metrics):
+With the speculation budget (on unless --no-speculation-budget), what speculating may cost on top of
+that is bounded by measurement (draft_mesh/speculation_budget.py; its accounts are kept either way, for /health and the metrics):
 a bucket decodes plainly until plain decoding's rate there is measured, each speculating step (every
 one, and the plain steps right after a stint) is charged what it lost against the best plain rate
 measured there, and speculating stops (and waits for the headroom before it starts again) once the

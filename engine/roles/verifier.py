@@ -15,8 +15,8 @@ decodes one token as usual. How many drafts a request is offered follows how man
 And the engine speculates only while that emits tokens faster than not speculating, as measured per
 batch (draft_mesh/speculation_gate.py; --no-speculation-gate turns the gate off): while it does not,
 no drafts are offered, no commits sent, drafters are paced to nothing and the overlap scheduler runs;
-a request's next commit then carries every token since (K = 0 is that mode too). With
---speculation-budget the gate also bounds what speculating loses against plain decoding's measured
+a request's next commit then carries every token since (K = 0 is that mode too). The gate also
+bounds (--no-speculation-budget: it does not) what speculating loses against plain decoding's measured
 rate (--speculation-margin, --speculation-budget-steps); its decisions, and what speculating saved
 or lost, are on /health (`speculation_gate`) and in the splitserve_spec_gate_* metrics. A lost lease or
 a silent drafter (a failed or slow heartbeat) drops that drafter's requests to plain decoding at
