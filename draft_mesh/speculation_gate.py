@@ -22,10 +22,10 @@ speculating measured.
 
 With the speculation budget (on unless --no-speculation-budget), what speculating may cost on top of
 that is bounded by measurement (draft_mesh/speculation_budget.py; its accounts are kept either way,
-for /health and the metrics): a bucket decodes plainly until plain decoding's rate there is measured, each speculating step (every
-one, and the plain steps right after a stint) is charged what it lost against the best plain rate
-measured there, and speculating stops (and waits for the headroom before it starts again) once the
-bucket's budget is spent.
+for /health and the metrics): a bucket decodes plainly until plain decoding's rate there is
+measured, each speculating step (every one, and the plain steps right after a stint) is charged
+what it lost against the best plain rate measured there, and speculating stops (and waits for the
+headroom before it starts again) once the bucket's budget is spent.
 """
 
 from __future__ import annotations
