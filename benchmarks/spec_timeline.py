@@ -420,7 +420,7 @@ def main(argv: list[str]) -> int:
             report["trace"] = {"verifier": [r for r in trace.records if r[0] >= windows[0][4]],
                                "drafter": [r for r in drafter_records if r[0] >= windows[0][4]]}
         if args.plain_batches:
-            bench_spec.set_batch_invariant_attention(engine, True)
+            bench_spec.set_invariance(engine, engine.runner.row_invariant_rows, True)
             report["plain_batches_batch_invariant"] = plain_rates(engine, [1, *args.plain_batches], args.prompt_len,
                                                                   args.output_len)
     finally:

@@ -301,16 +301,12 @@ def on_loop_thread(engine: Engine, change: Callable[[], None], what: str) -> Non
         raise TimeoutError(f"the engine did not change its {what}")
 
 
-def set_row_invariant_rows(engine: Engine, rows: int) -> None:
-    """Changes the engine's row-invariant row count (its decode graphs are captured again)."""
-    on_loop_thread(engine, lambda: engine.use_row_invariant_rows(rows), "row-invariant rows")
-
-
-def set_batch_invariant_attention(engine: Engine, on: bool) -> None:
-    """Turns batch-invariant decode attention on or off (decode and verify graphs are captured again)."""
-    on_loop_thread(engine, lambda: engine.runner.set_batch_invariant_attention(on, engine.kv.page_table,
-                                                                               engine.kv.padding_slot),
-                   "batch-invariant attention")
+def set_invariance(engine: Engine, rows: int, batch_invariant: bool) -> None:
+    """Changes the engine's row-invariant row count and batch-invariant decode attention together (the
+    graphs they touch are captured again, once: ModelRunner.set_invariance)."""
+    on_loop_thread(engine, lambda: engine.runner.set_invariance(rows, batch_invariant, engine.kv.page_table,
+                                                                engine.kv.padding_slot),
+                   "row-invariant rows and batch-invariant attention")
 
 
 def start_drafter(folder: Path, device: str, mesh_port: int, http_port: int, cfg: SpecBenchConfig,
@@ -388,16 +384,14 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
         if cfg.cublas_plain:  # plain decoding as without a verifier: 16-bit rows past 16 on cuBLAS
             report["plain_cublas"] = {}
             rows = engine.runner.row_invariant_rows
-            set_row_invariant_rows(engine, 16)
-            set_batch_invariant_attention(engine, False)  # and plain decoding's attention splits
+            set_invariance(engine, 16, False)  # and plain decoding's attention splits
             warm_up()
             for b in cfg.batch_sizes:
                 r = decode_run(engine, prompts[b], cfg.output_len)
                 r.pop("outputs")
                 report["plain_cublas"][b] = r
                 logger.info("plain batch %d, cuBLAS past 16 rows: %.1f tok/s", b, r["tokens_per_s"])
-            set_row_invariant_rows(engine, rows)
-            set_batch_invariant_attention(engine, cfg.batch_invariant)
+            set_invariance(engine, rows, cfg.batch_invariant)
             warm_up()
         for b in cfg.batch_sizes:
             r = decode_run(engine, prompts[b], cfg.output_len)

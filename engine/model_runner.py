@@ -540,15 +540,14 @@ class ModelRunner:
         Decode graphs already captured with cuBLAS for batches over 16 are captured again."""
         self.set_invariance(rows, self.batch_invariant_attention, page_table, padding_slot)
 
-    def set_batch_invariant_attention(self, on: bool, page_table: torch.Tensor, padding_slot: int) -> None:
-        """Decode and verify steps whose projections are row-invariant attend with one split count at
-        every batch (engine/layers/decode_splits.py), so a row's bits depend on its own sequence only.
-        Graphs already captured with the batch's count are captured again (before the loop starts)."""
-        self.set_invariance(self.row_invariant_rows, on, page_table, padding_slot)
-
     def set_invariance(self, rows: int, batch_invariant: bool, page_table: torch.Tensor, padding_slot: int) -> None:
-        """Both of the above at once: the graphs that either change touches are captured again once (a
-        capture of every decode bucket takes seconds; set one after the other they were captured twice)."""
+        """The row-invariant rows (as set_row_invariant_rows) and, with `batch_invariant`, one attention
+        split count at every batch for decode and verify steps whose projections are row-invariant
+        (engine/layers/decode_splits.py: a row's bits then depend on its own sequence only), set together:
+        the graphs either change touches are captured again once (a capture of every decode bucket takes
+        seconds; set one after the other they were captured twice). Verify graphs are captured again when
+        the split count changes only: at start they are captured after this (Engine.prepare_speculation);
+        a change of rows alone leaves those already captured on the rows they were captured with."""
         if self.device.type != "cuda" or self.step_broadcaster is not None:
             return  # CPU has no skinny kernel nor splits; tensor-parallel ranks keep their own kernels
         rows = max(rows, skinny.MAX_ROWS)
