@@ -390,6 +390,8 @@ class MooncakeKVSender(MooncakeRoom, BaseKVSender):
             if len(self._dsts) == 1 or all(d.done for d in self._dsts.values()):
                 self.status.move(KVPoll.Success, now)
                 self._record(True, now)
+            else:
+                self.status.touch(now)  # progress: the other decode ranks' writes go on
         else:
             self.status.touch(now)
             self.mgr.send(dst.meta.reply_to, self._status_msg(dst, KVPoll.Transferring, ""))

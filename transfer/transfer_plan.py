@@ -239,8 +239,8 @@ def aux_slot_bytes(src: KVLayout, dst: KVLayout) -> int:
 
 def aux_segment(src: KVLayout, src_slot: int, dst: KVLayout, dst_slot: int) -> Segments:
     """The one segment copying aux slot ``src_slot`` into the peer's ``dst_slot``."""
-    nbytes = min(src.aux.slot_bytes, dst.aux.slot_bytes)
-    one = np.array([src.aux.ptr + src_slot * src.aux.slot_bytes, dst.aux.ptr + dst_slot * dst.aux.slot_bytes, nbytes],
+    one = np.array([src.aux.ptr + src_slot * src.aux.slot_bytes, dst.aux.ptr + dst_slot * dst.aux.slot_bytes,
+                    aux_slot_bytes(src, dst)],
                    dtype=np.int64)  # one array, three views: every finishing room makes one
     return Segments(one[0:1], one[1:2], one[2:3])
 
