@@ -35,29 +35,45 @@ def write_table(path: Path, dtype: torch.dtype, entries: list[dict]) -> None:
 
 
 def parse_table(data: dict, here: dict) -> dict[tuple[int, int, int, torch.dtype], object]:
-    """The entries of a table file's `data` if its format, device and cuBLASLt version are `here`'s, else {}."""
+    """The entries of a table file's `data` if its format, device and cuBLASLt version are `here`'s, else {};
+    ValueError if `data` is not such a table (no object, or an entry or the dtype unreadable)."""
     from splitserve.engine.layers.cublaslt import Algo
 
+    if not isinstance(data, dict):
+        raise ValueError(f"a GEMM algorithm table is a JSON object, not {type(data).__name__}")
     theirs = {key: data.get(key) for key in here}
     if theirs != here:
         logger.warning("GEMM algorithm table is for %s, this process has %s: not used", theirs, here)
         return {}
-    dtype = getattr(torch, str(data["dtype"]).removeprefix("torch."))
-    return {(e["rows"], e["n"], e["k"], dtype): Algo(tuple(e["algo"]), e["workspace_bytes"], 0.0, e.get("config", {}))
-            for e in data["entries"]}
+    dtype = getattr(torch, str(data.get("dtype")).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"GEMM algorithm table: dtype {data.get('dtype')!r} is not a torch dtype")
+    try:
+        return {(int(e["rows"]), int(e["n"]), int(e["k"]), dtype):
+                Algo(tuple(int(b) for b in e["algo"]), int(e["workspace_bytes"]), 0.0, dict(e.get("config", {})))
+                for e in data["entries"]}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"GEMM algorithm table: an entry is not (rows, n, k, algo, workspace_bytes): {exc!r}") from exc
 
 
 def load(path: str | Path, device: torch.device) -> dict[tuple[int, int, int, torch.dtype], object]:
     """The table of `path` for this CUDA device, or {} (logged) if the file is absent or was written for
-    another device, format or cuBLASLt version."""
-    from splitserve.engine.layers import cublaslt
-
+    another device, format or cuBLASLt version; ValueError naming the file if it is not such a table."""
     file = Path(path)
     if not file.is_file():
         logger.warning("GEMM algorithm table %s not found: F.linear for every projection", file)
         return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"GEMM algorithm table {file}: not readable as JSON ({exc})") from exc
+    from splitserve.engine.layers import cublaslt
+
     here = {"format": FORMAT, "device": torch.cuda.get_device_name(device), "cublaslt_version": cublaslt.version()}
-    table = parse_table(json.loads(file.read_text()), here)
+    try:
+        table = parse_table(data, here)
+    except ValueError as exc:
+        raise ValueError(f"{file}: {exc}") from exc
     refused = [key for key, algo in table.items() if not cublaslt.algo_fits(*key, algo)]
     if refused:
         logger.warning("GEMM algorithm table %s: cuBLASLt refuses its entries for %s: F.linear there", file, refused)

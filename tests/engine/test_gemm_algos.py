@@ -15,7 +15,11 @@ from splitserve.engine.layers.linear import ColumnParallelLinear, RowParallelLin
 HERE = {"format": gemm_algos.FORMAT, "device": "NVIDIA H200", "cublaslt_version": 130100}
 ENTRY = {"rows": 256, "n": 6144, "k": 4096, "algo": [1, 2, 3, 4, 5, 6, 7, 8], "workspace_bytes": 0,
          "config": {"tile": 20}, "over_linear": 0.9}
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def gpu(test):
+    """A GPU test: marked `gpu` (as the other GPU tests, for -m gpu) and skipped where there is no CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 @pytest.fixture(autouse=True)
@@ -35,6 +39,25 @@ def test_a_table_for_this_device_and_version_gives_its_shapes() -> None:
 def test_a_table_for_another_device_version_or_format_is_not_used(field: str, other) -> None:
     data = {**HERE, field: other, "dtype": "torch.bfloat16", "entries": [ENTRY]}
     assert gemm_algos.parse_table(data, HERE) == {}
+
+
+@pytest.mark.parametrize("data", [
+    [ENTRY],  # not an object
+    {**HERE, "dtype": "torch.bfloat17", "entries": [ENTRY]},
+    {**HERE, "dtype": "torch.bfloat16", "entries": [{**ENTRY, "algo": None}]},
+    {**HERE, "dtype": "torch.bfloat16", "entries": [{"rows": 256, "n": 6144}]},
+    {**HERE, "dtype": "torch.bfloat16"},
+])
+def test_a_table_for_this_device_that_is_malformed_is_refused_with_a_clear_error(data) -> None:
+    with pytest.raises(ValueError, match="GEMM algorithm table"):
+        gemm_algos.parse_table(data, HERE)
+
+
+def test_a_table_file_that_is_not_json_is_refused_naming_the_file(tmp_path) -> None:
+    bad = tmp_path / "algos.json"
+    bad.write_text('{"format": 1, "entries": [')  # cut short
+    with pytest.raises(ValueError, match=f"{bad}: not readable as JSON"):
+        gemm_algos.load(bad, torch.device("cpu"))  # refused before any CUDA call
 
 
 def test_without_a_table_or_off_cuda_no_algorithm_is_looked_up() -> None:
