@@ -56,7 +56,7 @@ class Stint:
     all_tokens: int = 0  # every step of the stint, the uncounted ones too
     all_seconds: float = 0.0
     after_speculating: bool = False  # a plain stint the gate switched to from speculating
-    carried: bool = False  # a speculating stint the batch carried into this bucket (it grew or shrank)
+    carried: bool = False  # a speculating stint the batch carried down into this bucket (requests finished)
 
     @property
     def rate(self) -> float | None:
@@ -99,7 +99,7 @@ class SpeculationGate:
         """A step of the current mode emitted `tokens` in `seconds` with `bucket` decoding requests
         (`verified`: it verified drafts)."""
         if bucket != self.bucket:  # another load: every stint starts over
-            carried = self.mode == SPECULATE and self.bucket > 0
+            carried = self.mode == SPECULATE and 0 < bucket < self.bucket  # shrank: a run's tail, not new load
             self.bucket, self.stint, self.probing = bucket, Stint(carried=carried), False
         budget = self._budget(bucket)
         plain_rate = self.plain_best.get(bucket)
@@ -147,9 +147,11 @@ class SpeculationGate:
             self.stint.steps = min(self.stint.steps, WARMUP_STEPS + MEASURE_STEPS)
         budget = self._budget(self.bucket)
         # Speculating starts only where plain decoding's rate is measured (what it is charged against). A
-        # stint the batch carried into a bucket without one goes on, uncharged there, and the rates decide:
-        # stopping it (a run's last requests, left at smaller and smaller buckets as they finish) made each
-        # of them decode its remaining tokens one a step (on the H200, batch 32 K=8: 25 such steps, 0.94x).
+        # stint the batch carried down into a bucket without one (requests finished) goes on, uncharged
+        # there, and the rates decide: stopping it (a run's last requests, left at smaller and smaller
+        # buckets as they finish) made each of them decode its remaining tokens one a step (on the H200,
+        # batch 32 K=8: 25 such steps, 0.94x). A batch that grows into one (new requests, a new burst after
+        # an idle spell) decodes plainly there first, as the budget says.
         unmeasured = (self.bucket, PLAIN) not in self.rates
         if self.budgeted and self.mode == SPECULATE and unmeasured and not self.stint.carried:
             self._switch(PLAIN, probing=False, why="unmeasured")

@@ -223,6 +223,18 @@ def test_speculating_starts_only_where_plain_is_measured_but_a_stint_the_batch_c
     assert gate.decide() == PLAIN and gate.switches["plain/probe"] == 1
 
 
+def test_a_batch_that_grows_into_a_bucket_without_a_plain_rate_decodes_plainly_there_first() -> None:
+    gate = SpeculationGate(budgeted=True)
+    spend(gate, 3 * STINT, lambda n: 3000.0, bucket=8)
+    assert gate.mode == SPECULATE
+    gate.observe(16, 16, 0.004, verified=True)  # new requests joined (or a new burst after an idle spell)
+    assert gate.decide() == PLAIN and gate.switches["plain/unmeasured"] == 1
+    gate = SpeculationGate()  # without the budget the rates alone decide: speculating goes on there
+    spend(gate, 3 * STINT, lambda n: 3000.0, bucket=8)
+    gate.observe(16, 16, 0.004, verified=True)
+    assert gate.decide() == SPECULATE and "plain/unmeasured" not in gate.switches
+
+
 def test_the_summary_says_what_the_gate_decided_and_why() -> None:
     gate = SpeculationGate(budgeted=True)
     spend(gate, 3 * STINT, lambda n: 400.0)
