@@ -15,16 +15,19 @@ stretch of decoding at one bucket, speculating then costs at most MARGIN of its 
 drafter taking the requests in) a step's loss does not predict the next ones: only an overdrawn
 headroom ends the stint then.
 
-The gate acts on it only with --speculation-budget (SpecConfig). Measured on the H200, spec bench,
-96-token runs (NOTES-issue13.md, seventh session): with 2 steps of cap and every step's loss
-predicted from the last, stints were cut at their first steps (batch 1 K=4/8 1.01/0.98x of plain);
-with the cap of 3 and the first steps unpredicted, as here, batch 1 kept 1.48/1.90/2.41x at
-K=2/4/8 and the first probe at batch 32 (K=2) cost 0.96x of plain (0.92x without the budget), most
-of it the drafter prefilling the 32 synced requests on the shared device. With the drafter's prefix
-cache as well, that probe cost nothing (0.99x), but batch 1 K=4/8 fell to 1.02/1.05x: the verifier
-charged each run's last step as all loss (the tokens of requests finishing in it were not counted),
-which drained batch 1's headroom below what a probe needs, and a stint the batch carried into a
-bucket without a plain rate stopped there. Both are fixed since; not measured yet.
+The gate acts on it unless --no-speculation-budget (SpecConfig; on by default since cc1e06d).
+Measured on the H200, spec bench, 96-token runs (NOTES-issue13.md, seventh session): with 2 steps of
+cap and every step's loss predicted from the last, stints were cut at their first steps (batch 1
+K=4/8 1.01/0.98x of plain); with the cap of 3 and the first steps unpredicted, as here, batch 1 kept
+1.48/1.90/2.41x at K=2/4/8 and the first probe at batch 32 (K=2) cost 0.96x of plain (0.92x without
+the budget), most of it the drafter prefilling the 32 synced requests on the shared device. With the
+drafter's prefix cache as well, that probe cost nothing (0.99x), but batch 1 K=4/8 fell to
+1.02/1.05x: the verifier charged each run's last step as all loss (the tokens of requests finishing
+in it were not counted), which drained batch 1's headroom below what a probe needs, and a stint the
+batch carried into a bucket without a plain rate stopped there. Both fixed (f6c88fc), the lead's run
+on main 68549f3 had every exact-drafter cell at 1.02x of plain or better (batch 1 1.49/1.82/2.24x,
+batch 32 K=2 1.02x where the gate alone lost 0.94x); the perturbed drafter under the budget was not
+reached there.
 """
 
 from __future__ import annotations

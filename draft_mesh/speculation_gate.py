@@ -80,7 +80,8 @@ class SpeculationGate:
     probing: bool = False
     forced: bool = False  # the last steps ran a mode forced on the gate (K = 0), not one it chose
     # The loss budget (draft_mesh/speculation_budget.py): always accounted (/health shows what speculating
-    # saved or lost), acted on only when `budgeted` (--speculation-budget).
+    # saved or lost), acted on only when `budgeted` (SpecConfig.speculation_budget: on unless
+    # --no-speculation-budget; the dataclass's own default stays off, for the gate's unit tests).
     budgeted: bool = False
     margin: float = MARGIN
     cap_steps: float = CAP_STEPS

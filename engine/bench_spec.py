@@ -92,7 +92,8 @@ class SpecBenchConfig:
         "help": "the verifier's --speculation-gate (--no-speculation-gate: every step verifies what the drafter "
                 "offers, e.g. to measure verify steps and their identity where the gate would decode plainly)"})
     speculation_budget: bool = field(default=SpecConfig.speculation_budget, metadata={
-        "help": "the verifier's --speculation-budget (the gate bounds speculating's loss by measurement)"})
+        "help": "the verifier's speculation budget (the gate bounds speculating's loss by measurement; "
+                "--no-speculation-budget: its rates alone decide)"})
     speculation_margin: float = field(default=SpecConfig.speculation_margin, metadata={
         "help": "the verifier's --speculation-margin (the gate's budget)"})
     speculation_budget_steps: float = field(default=SpecConfig.speculation_budget_steps, metadata={
