@@ -1,9 +1,12 @@
 """A verifier's link to one drafter: Join, then heartbeats, on its own thread; rejoins when lost.
 
 The link never touches the engine: it reports `LinkEvent`s (joined with a lease, lost with the
-reason) on a queue the verifier role drains on the loop thread. A heartbeat that fails or takes
-longer than the RPC timeout, or one the drafter answers with `known=False` (the lease expired, or
-the drafter restarted), loses the lease at once; the link then keeps trying to join again.
+reason) on a queue the verifier role drains on the loop thread. A heartbeat the drafter answers
+with `known=False` (the lease expired, or the drafter restarted), or that fails outright (its port
+refuses: the process is gone), loses the lease at once; heartbeats that only go unanswered within
+the RPC timeout lose it once none was answered for `silent_after_s` (a drafter whose threads
+stall for a moment, e.g. on a busy host's GIL, keeps its requests). The link then keeps trying to
+join again.
 """
 
 from __future__ import annotations
@@ -70,10 +73,12 @@ class DrafterLink:
     """Keeps one lease on one drafter alive while the verifier runs."""
 
     def __init__(self, endpoint: str, join: pb.JoinRequest, key: str, heartbeat_interval_s: float,
-                 timeout_s: float, events: queue.Queue[LinkEvent]) -> None:
+                 timeout_s: float, events: queue.Queue[LinkEvent], silent_after_s: float = 0.0) -> None:
         self.endpoint = endpoint
         self.join_request = join
         self.interval_s = heartbeat_interval_s
+        self.silent_after_s = silent_after_s
+        self._answered_at = 0.0  # when the drafter last answered a Join or Heartbeat
         self.events = events
         self.caller = MeshCaller(endpoint, key, timeout_s)
         self.lease: pb.JoinReply | None = None
@@ -110,6 +115,7 @@ class DrafterLink:
             self._set_state("refused", f"{pb.Refusal.Name(reply.refusal)}: {reply.reason}")
             return
         self.lease = reply
+        self._answered_at = time.monotonic()
         self._set_state("joined", f"lease {reply.lease_id} on drafter rank {reply.drafter_rank}")
         self.events.put(LinkEvent(self.endpoint, "joined", reply=reply))
 
@@ -118,8 +124,16 @@ class DrafterLink:
         try:
             known = self.caller.call("Heartbeat", pb.HeartbeatRequest(lease_id=self.lease.lease_id)).known
             why = "the drafter no longer knows the lease (expired or restarted)"
+            self._answered_at = time.monotonic()
         except grpc.RpcError as exc:
             known, why = False, f"heartbeat failed: {exc.code().name}: {exc.details()}"
+            unanswered = time.monotonic() - self._answered_at
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and unanswered < self.silent_after_s:
+                logger.debug("drafter %s: a heartbeat went unanswered (%.2f s since the last answer)",
+                             self.endpoint, unanswered)
+                return  # slow, not yet silent
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                why = f"silent: no heartbeat answered for {unanswered:.2f} s"
         if not known:
             self.lease = None
             self._set_state("unreachable", why)

@@ -69,7 +69,11 @@ class SpecConfig:
                 "requests (such a step takes the extend path, whose rows round otherwise). GPU only; the CPU "
                 "reference is exact already. Its cost: benchmarks/results/NOTES-issue13.md"})
     draft_rpc_timeout_s: float = field(default=0.5, metadata={
-        "help": "seconds a Join/Heartbeat call may take before the drafter counts as silent"})
+        "help": "seconds a Join/Heartbeat call may take before it counts as unanswered"})
+    draft_silent_after_s: float = field(default=1.0, metadata={
+        "help": "seconds without an answered heartbeat before a joined drafter counts as silent and its "
+                "requests decode plainly (a drafter busy for a moment keeps its requests; one whose port "
+                "refuses, or that no longer knows the lease, is dropped at once)"})
     # ---- drafter (--role drafter) --------------------------------------------------------------
     draft_mesh_port: int = field(default=50061, metadata={"help": "gRPC port of this drafter's DraftMesh service"})
     draft_data_port: int = field(default=0, metadata={
@@ -114,7 +118,8 @@ class SpecConfig:
             raise ValueError(f"--row-invariant-rows must be >= 1, got {self.row_invariant_rows}")
         if self.draft_wait_ms < 0:
             raise ValueError(f"--draft-wait-ms must be >= 0, got {self.draft_wait_ms}")
-        for name in ("draft_heartbeat_interval_s", "draft_rpc_timeout_s", "draft_lease_ttl_s"):
+        for name in ("draft_heartbeat_interval_s", "draft_rpc_timeout_s", "draft_silent_after_s",
+                     "draft_lease_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         for endpoint in self.drafter:

@@ -18,15 +18,15 @@ no drafts are offered, no commits sent, drafters are paced to nothing and the ov
 a request's next commit then carries every token since (K = 0 is that mode too). The gate also
 bounds (--no-speculation-budget: it does not) what speculating loses against plain decoding's measured
 rate (--speculation-margin, --speculation-budget-steps); its decisions, and what speculating saved
-or lost, are on /health (`speculation_gate`) and in the splitserve_spec_gate_* metrics. A lost lease or
-a silent drafter (a failed or slow heartbeat) drops that drafter's requests to plain decoding at
-once; they re-sync to another drafter, or to the same one when it is joined again. Requests with
-repetition, frequency or presence penalties are not speculated (their verification would not be
-exact), nor are requests a drafter quarantined. 16-bit projections of up to --row-invariant-rows rows
-(default 32) run on a row-invariant kernel, plain decode steps' too, so those verify steps' rows have
-plain decoding's bits (engine/layers/skinny.py); --batch-invariant makes every step up to the largest
-verify step row-invariant and its attention batch-invariant, so greedy output with drafts is plain
-decoding's in bfloat16 at every batch.
+or lost, are on /health (`speculation_gate`) and in the splitserve_spec_gate_* metrics. A lost lease
+or a silent drafter (a failed heartbeat, or none answered for --draft-silent-after-s) drops that
+drafter's requests to plain decoding at once; they re-sync to another drafter, or to the same one
+when it is joined again. Requests with repetition, frequency or presence penalties are not
+speculated (their verification would not be exact), nor are requests a drafter quarantined. 16-bit
+projections of up to --row-invariant-rows rows (default 32) run on a row-invariant kernel, plain
+decode steps' too, so those verify steps' rows have plain decoding's bits (engine/layers/skinny.py);
+--batch-invariant makes every step up to the largest verify step row-invariant and its attention
+batch-invariant, so greedy output with drafts is plain decoding's in bfloat16 at every batch.
 """
 
 from __future__ import annotations
@@ -178,7 +178,8 @@ class VerifierRole(Role):
 
     def _add_link(self, endpoint: str) -> None:
         self.links[endpoint] = DrafterLink(endpoint, self.join, self.key, self.spec.draft_heartbeat_interval_s,
-                                           self.spec.draft_rpc_timeout_s, self.events).start()
+                                           self.spec.draft_rpc_timeout_s, self.events,
+                                           silent_after_s=self.spec.draft_silent_after_s).start()
 
     def _read_peers(self) -> list[str] | None:
         """The drafters the peers file lists now; None (logged once) while it cannot be read."""

@@ -168,6 +168,64 @@ def test_a_link_joins_heartbeats_and_reports_a_lost_lease(mesh) -> None:
     assert len(leases) == 0  # stop() left
 
 
+class StallingMeshService(DraftMeshService):
+    """The real service, whose heartbeats take `stall_s` to answer (a drafter whose threads wait on a busy
+    host) while `stalls` is positive, once each."""
+
+    stall_s = 0.0
+    stalls = 0
+
+    def Heartbeat(self, request, context):
+        if self.stalls > 0:
+            self.stalls -= 1
+            time.sleep(self.stall_s)
+        return super().Heartbeat(request, context)
+
+
+def test_a_heartbeat_unanswered_for_a_moment_keeps_the_lease_and_a_silent_drafter_loses_it() -> None:
+    leases = LeaseTable(ttl_s=5.0, max_leases=2)
+    service = StallingMeshService(IDENTITY, leases, KEY)
+    server, port = start_mesh_server(service, "127.0.0.1", 0)
+    events: queue.Queue[LinkEvent] = queue.Queue()
+    link = DrafterLink(f"127.0.0.1:{port}", join_request(), KEY, heartbeat_interval_s=0.05, timeout_s=0.2,
+                       events=events, silent_after_s=0.6).start()
+    try:
+        joined = events.get(timeout=5)
+        assert joined.kind == "joined"
+        service.stall_s, service.stalls = 0.3, 1  # one heartbeat past the RPC timeout, then answers again
+        with pytest.raises(queue.Empty):
+            events.get(timeout=1.0)
+        assert service.stalls == 0 and link.state == "joined" and link.lease.lease_id == joined.reply.lease_id
+        service.stall_s, service.stalls = 0.3, 10**6  # no heartbeat answered in time from now on
+        stalled = time.monotonic()
+        lost = events.get(timeout=5)
+        assert lost.kind == "lost" and "silent: no heartbeat answered for" in lost.reason
+        # silent_after_s and one call's timeout, with room for a loaded box: within the issue's 2 s
+        assert 0.5 < time.monotonic() - stalled < 2.0
+    finally:
+        service.stalls = 0
+        link.stop()
+        server.stop(0)
+
+
+def test_a_link_to_a_drafter_that_stalls_drops_it_on_the_first_unanswered_heartbeat_by_default() -> None:
+    leases = LeaseTable(ttl_s=5.0, max_leases=2)
+    service = StallingMeshService(IDENTITY, leases, KEY)
+    server, port = start_mesh_server(service, "127.0.0.1", 0)
+    events: queue.Queue[LinkEvent] = queue.Queue()
+    link = DrafterLink(f"127.0.0.1:{port}", join_request(), KEY, heartbeat_interval_s=0.05, timeout_s=0.2,
+                       events=events).start()
+    try:
+        assert events.get(timeout=5).kind == "joined"
+        service.stall_s, service.stalls = 0.3, 1
+        lost = events.get(timeout=5)
+        assert lost.kind == "lost" and "silent: no heartbeat answered for" in lost.reason
+    finally:
+        service.stalls = 0
+        link.stop()
+        server.stop(0)
+
+
 def test_a_link_finds_a_drafter_that_comes_back_on_its_port_within_a_second() -> None:
     leases = LeaseTable(ttl_s=2.0, max_leases=2)
     server, port = start_mesh_server(DraftMeshService(IDENTITY, leases, KEY), "127.0.0.1", 0)
