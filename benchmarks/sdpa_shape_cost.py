@@ -227,9 +227,11 @@ def main() -> None:
                                     result[f"flash_{how}_over_default_{how}"])))
         logger.info("%7s %8s | %-26s | %-26s | %-26s", "length", "bucket", "engine warm/row/device ms",
                     "default warm/row/device ms", "flash warm/row/device ms")
+        from splitserve.engine.layers.prompt_attention import prompt_bucket
+
         for i, length in enumerate(lengths):
-            bucket = -(-length // 256) * 256
-            logger.info("%7d %8s | %s | %s | %s", length, bucket if bucket <= args.engine_limit else "flash",
+            bucket = prompt_bucket(length, args.engine_limit)  # the engine's own rule, not its step written again
+            logger.info("%7d %8s | %s | %s | %s", length, bucket if bucket is not None else "flash",
                         *(" ".join(f"{result[f'{who}_{how}_ms'][i]:8.3f}" for how in ("warm", "row", "device"))
                           for who in ("engine", "default", "flash")))
     if args.json:
