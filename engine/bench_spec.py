@@ -83,6 +83,9 @@ class SpecBenchConfig:
         "help": "per-token agreement the perturbed drafter is calibrated to (0: no perturbed drafter)"})
     perturb: float = field(default=0.0, metadata={
         "help": "noise on the perturbed drafter's layers relative to each weight's std (0: calibrate it)"})
+    drafters: list[str] = field(default_factory=lambda: ["exact", "perturbed"], metadata={
+        "help": "which drafters to run: exact, perturbed or both (the exact one's checkpoint is written "
+                "either way: the perturbed one is made from it)"})
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32], metadata={"help": "decode batch sizes"})
     ks: list[int] = field(default_factory=lambda: [2, 4, 8], metadata={"help": "draft tokens per step (K)"})
     prompt_len: int = field(default=128, metadata={"help": "prompt tokens per request"})
@@ -116,6 +119,11 @@ class SpecBenchConfig:
     seed: int = field(default=0, metadata={"help": "weights seed"})
     workdir: str | None = field(default=None, metadata={"help": "where checkpoints go (default: a temp dir)"})
     output: str | None = field(default=None, metadata={"help": "write the report as JSON here"})
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.drafters) - {"exact", "perturbed"})
+        if unknown or not self.drafters:
+            raise ValueError(f"--drafters takes exact and/or perturbed, got {' '.join(self.drafters) or 'none'}")
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
@@ -354,7 +362,7 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
     weights_device = "cuda" if cfg.device.startswith("cuda") else "cpu"
     folders = spec_checkpoints(shape, work, cfg.draft_layers, cfg.seed, weights_device)
     prompts = {b: random_prompts(b, cfg.prompt_len, seed=b) for b in cfg.batch_sizes}
-    if cfg.perturbed_acceptance > 0 or cfg.perturb > 0:
+    if "perturbed" in cfg.drafters and (cfg.perturbed_acceptance > 0 or cfg.perturb > 0):
         scale = cfg.perturb or calibrate_perturbation(folders["exact"], cfg.device, cfg.perturbed_acceptance,
                                                       random_prompts(4, cfg.prompt_len, seed=99), 48)
         folders["perturbed"] = perturbed_drafter(folders["exact"], work / "drafter-perturbed", scale, cfg.seed,
@@ -401,8 +409,8 @@ def run_spec_benchmark(cfg: SpecBenchConfig) -> dict[str, Any]:
             logger.info("plain batch %d: %.1f tok/s%s", b, r["tokens_per_s"],
                         f" ({r['tokens_per_s'] / report['plain_cublas'][b]['tokens_per_s']:.3f}x of cuBLAS past 16 "
                         "rows)" if cfg.cublas_plain else "")
-        drafters = [("exact", folders["exact"])] + ([("perturbed", folders["perturbed"])] if "perturbed" in folders
-                                                    else [])
+        drafters = [(name, folders[name]) for name in ("exact", "perturbed")
+                    if name in cfg.drafters and name in folders]
         for name, folder in drafters:
             http_port = free_port()
             proc = start_drafter(folder, cfg.device, mesh_port, http_port, cfg, work / f"drafter-{name}.log")
