@@ -43,9 +43,9 @@ def parse_load(text: str) -> tuple[int, int, int]:
     return int(n), int(prompt), int(output)
 
 
-def runner_rates(shape: str, device: str, lengths: list[int], batch: int) -> dict:
+def runner_rates(shape: str, device: str, lengths: list[int], batch: int, gemm_algos: str = "") -> dict:
     """The runner alone: prefill tok/s of one prompt at each length; weights and KV bytes; limits."""
-    eut = EngineUnderTest(shape, device, 8, max(lengths) + 64)
+    eut = EngineUnderTest(shape, device, 8, max(lengths) + 64, gemm_algos)
     limits = device_limits(eut.device, eut.runner.dtype)
     rates: dict[int, float] = {}
     for _ in range(2):  # the best of two passes: a fresh GPU's clocks may still be ramping on the first
@@ -116,14 +116,11 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
-    if args.gemm_algos:  # installed for the process: the runner's rates and the engine both use it
-        from splitserve.engine.layers import gemm_algos
-
-        gemm_algos.install(gemm_algos.load(args.gemm_algos, torch.device(args.device)))
     loads = [parse_load(x) for x in args.loads]
     sized = loads + ([parse_load(args.budget_load)] if args.prefill_budgets else [])
     lengths = sorted({p for _, p, _ in sized} | {args.chunk})
-    runner = runner_rates(args.shape, args.device, lengths, args.max_running)
+    # The runner's rates and the engine both take the table (each runner built installs its own).
+    runner = runner_rates(args.shape, args.device, lengths, args.max_running, args.gemm_algos)
     logger.info("runner prefill tok/s: %s", {k: round(v) for k, v in runner["prefill_tok_s"].items()})
     folder = write_shape_folder(args.shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{args.shape}-")))
     decodes = [tuple(int(v) for v in d.split("x")) for d in args.decode]

@@ -295,8 +295,10 @@ class ModelRunner:
         else:
             load_weights(self.model, model_folder, tied_lm_head=model_cfg.tie_word_embeddings)
         self.model.eval()
-        if cfg.gemm_algos and self.device.type == "cuda":
-            gemm_algos.install(gemm_algos.load(cfg.gemm_algos, self.device))
+        # One table per process, the last engine built sets it: an engine without --gemm-algos after one
+        # with it must not keep the first one's algorithms.
+        gemm_algos.install(gemm_algos.load(cfg.gemm_algos, self.device)
+                           if cfg.gemm_algos and self.device.type == "cuda" else {})
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("model %s loaded: %.1f M parameters, %.2f GiB in %s on %s, %.1f s",
                     model_cfg.architecture, weight_bytes / self.dtype.itemsize / 1e6, weight_bytes / 2**30,

@@ -3,8 +3,9 @@ wrote (benchmarks/gemm_sustained.py --table-out); the dense linear layers consul
 
 The file is keyed by the device's name, the dtype and cuBLASLt's version (an algorithm's bytes mean
 nothing to another version), then by (rows, N, K) of each GEMM. A missing file, another device or
-version, or a shape it does not list: F.linear, as without it. Installed once per process, before the
-decode graphs are captured, by `install`.
+version, or a shape it does not list: F.linear, as without it. One table per process, installed by
+`install` before the decode graphs are captured: every engine built installs its own (an empty one
+without --gemm-algos), so two engines at once in one process share the last one's.
 """
 
 from __future__ import annotations

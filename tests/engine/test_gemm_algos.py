@@ -70,6 +70,21 @@ def test_without_a_table_or_off_cuda_no_algorithm_is_looked_up() -> None:
     assert torch.equal(layer(x), torch.nn.functional.linear(x, w))
 
 
+def test_an_engine_built_without_a_table_clears_the_one_an_earlier_engine_installed(tmp_path) -> None:
+    from engine_checkpoints import write
+
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.model_config import ModelConfig
+    from splitserve.engine.model_runner import ModelRunner
+
+    gemm_algos.install(gemm_algos.parse_table({**HERE, "dtype": "bfloat16", "entries": [ENTRY]}, HERE))
+    assert gemm_algos._active  # as an engine built with --gemm-algos leaves it
+    folder = write("llama-gqa-llama3rope", tmp_path / "ckpt")
+    ModelRunner(EngineConfig(model=str(folder), device="cpu", max_total_tokens=64, page_size=4), folder,
+                ModelConfig.from_folder(folder))
+    assert gemm_algos._active == {}
+
+
 @gpu
 def test_a_missing_table_file_means_no_table(tmp_path) -> None:
     assert gemm_algos.load(tmp_path / "absent.json", torch.device("cuda")) == {}
