@@ -127,12 +127,12 @@ class DrafterLink:
             self._answered_at = time.monotonic()
         except grpc.RpcError as exc:
             known, why = False, f"heartbeat failed: {exc.code().name}: {exc.details()}"
-            unanswered = time.monotonic() - self._answered_at
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and unanswered < self.silent_after_s:
-                logger.debug("drafter %s: a heartbeat went unanswered (%.2f s since the last answer)",
-                             self.endpoint, unanswered)
-                return  # slow, not yet silent
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                unanswered = time.monotonic() - self._answered_at
+                if unanswered < self.silent_after_s:
+                    logger.debug("drafter %s: a heartbeat went unanswered (%.2f s since the last answer)",
+                                 self.endpoint, unanswered)
+                    return  # slow, not yet silent
                 why = f"silent: no heartbeat answered for {unanswered:.2f} s"
         if not known:
             self.lease = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 
@@ -182,16 +183,26 @@ class StallingMeshService(DraftMeshService):
         return super().Heartbeat(request, context)
 
 
-def test_a_heartbeat_unanswered_for_a_moment_keeps_the_lease_and_a_silent_drafter_loses_it() -> None:
-    leases = LeaseTable(ttl_s=5.0, max_leases=2)
-    service = StallingMeshService(IDENTITY, leases, KEY)
+@contextlib.contextmanager
+def link_to_a_stalling_drafter(**link_options):
+    """A DrafterLink joined to a StallingMeshService on loopback: (service, link, events, the joined event)."""
+    service = StallingMeshService(IDENTITY, LeaseTable(ttl_s=5.0, max_leases=2), KEY)
     server, port = start_mesh_server(service, "127.0.0.1", 0)
     events: queue.Queue[LinkEvent] = queue.Queue()
     link = DrafterLink(f"127.0.0.1:{port}", join_request(), KEY, heartbeat_interval_s=0.05, timeout_s=0.2,
-                       events=events, silent_after_s=0.6).start()
+                       events=events, **link_options).start()
     try:
         joined = events.get(timeout=5)
         assert joined.kind == "joined"
+        yield service, link, events, joined
+    finally:
+        service.stalls = 0
+        link.stop()
+        server.stop(0)
+
+
+def test_a_heartbeat_unanswered_for_a_moment_keeps_the_lease_and_a_silent_drafter_loses_it() -> None:
+    with link_to_a_stalling_drafter(silent_after_s=0.6) as (service, link, events, joined):
         service.stall_s, service.stalls = 0.3, 1  # one heartbeat past the RPC timeout, then answers again
         with pytest.raises(queue.Empty):
             events.get(timeout=1.0)
@@ -202,28 +213,13 @@ def test_a_heartbeat_unanswered_for_a_moment_keeps_the_lease_and_a_silent_drafte
         assert lost.kind == "lost" and "silent: no heartbeat answered for" in lost.reason
         # silent_after_s and one call's timeout, with room for a loaded box: within the issue's 2 s
         assert 0.5 < time.monotonic() - stalled < 2.0
-    finally:
-        service.stalls = 0
-        link.stop()
-        server.stop(0)
 
 
 def test_a_link_to_a_drafter_that_stalls_drops_it_on_the_first_unanswered_heartbeat_by_default() -> None:
-    leases = LeaseTable(ttl_s=5.0, max_leases=2)
-    service = StallingMeshService(IDENTITY, leases, KEY)
-    server, port = start_mesh_server(service, "127.0.0.1", 0)
-    events: queue.Queue[LinkEvent] = queue.Queue()
-    link = DrafterLink(f"127.0.0.1:{port}", join_request(), KEY, heartbeat_interval_s=0.05, timeout_s=0.2,
-                       events=events).start()
-    try:
-        assert events.get(timeout=5).kind == "joined"
+    with link_to_a_stalling_drafter() as (service, _, events, _):
         service.stall_s, service.stalls = 0.3, 1
         lost = events.get(timeout=5)
         assert lost.kind == "lost" and "silent: no heartbeat answered for" in lost.reason
-    finally:
-        service.stalls = 0
-        link.stop()
-        server.stop(0)
 
 
 def test_a_link_finds_a_drafter_that_comes_back_on_its_port_within_a_second() -> None:
