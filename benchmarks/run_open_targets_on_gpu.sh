@@ -16,11 +16,12 @@ export PYTHONPATH=/tmp/open-path:/tmp/open-site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader > "$out/run.txt"
 stages=" ${STAGES:-spec loads tests} "
 if [[ "$stages" == *" spec "* ]]; then
-    timeout "${SPEC_S:-150}" python3 -P -m splitserve bench --profile spec --shape llama-3.1-8b --device cuda \
-        --workdir /tmp/spec-ckpt --drafters perturbed --output-len 96 --no-cublas-plain \
-        --output "$out/spec_perturbed.json" > "$out/spec_perturbed.log" 2>&1
-    echo "spec rc=$? at $(at)" | tee -a "$out/run.txt"
-    grep -A12 "^speculative decoding" "$out/spec_perturbed.log"
+    # run_spec_on_gpu.sh writes pip/gpu/drafter logs beside its report: only the report comes back.
+    SPEC_WHEELS="${WHEELS:-.whl}" SPEC_BENCH_TIMEOUT="${SPEC_S:-150}" bash benchmarks/run_spec_on_gpu.sh \
+        /tmp/open-spec --drafters perturbed --output-len 96 --no-cublas-plain >> "$out/run.txt" 2>&1
+    cp /tmp/open-spec/spec_llama-3.1-8b_h200.json "$out/spec_perturbed.json" 2>/dev/null
+    cp /tmp/open-spec/spec_llama-3.1-8b_h200.log "$out/spec_perturbed.log" 2>/dev/null
+    echo "spec at $(at)" | tee -a "$out/run.txt"
 fi
 if [[ "$stages" == *" loads "* ]]; then
     timeout "${LOADS_S:-150}" python3 -P benchmarks/engine_loads.py --loads 256x512:256 4x8192:1 \
