@@ -106,12 +106,13 @@ class EngineUnderTest:
             self.kv.release(r, cache_prefix=False)
 
     @torch.inference_mode()
-    def prefill_seconds(self, tokens: int, reps: int = 5) -> float:
-        (req,) = self._requests(1, tokens, 1)
-        batch = build_forward_batch([ScheduledChunk(req, 0, tokens, True)], self.kv.page_table, self.cfg.page_size,
-                                    self.device)
+    def prefill_seconds(self, tokens: int, reps: int = 5, prompts: int = 1) -> float:
+        """Median seconds of one eager forward over `prompts` fresh prompts of `tokens` each, packed in one step."""
+        reqs = self._requests(prompts, tokens, 1)
+        batch = build_forward_batch([ScheduledChunk(r, 0, tokens, True) for r in reqs], self.kv.page_table,
+                                    self.cfg.page_size, self.device)
         seconds = timed(lambda: self.runner.forward(batch), self.device, reps)
-        self._release([req])
+        self._release(reqs)
         return seconds
 
     @torch.inference_mode()

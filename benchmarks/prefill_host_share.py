@@ -1,0 +1,73 @@
+"""How much of an eager prefill forward is the host's: wall time against the GPU's kernel time, per step shape.
+
+  python3 -P benchmarks/prefill_host_share.py --shape llama-3.1-8b --steps 1x256 1x512 1x1024 1x2048 4x512
+
+A step NxI is N fresh prompts of I tokens packed in one forward (the runner alone, random weights). Wall is the
+median of timed forwards with a synchronize after each; kernels is the sum of the CUDA kernels' durations in one
+profiled forward (torch.profiler; CUPTI sees every launch). wall / kernels near 1: the GPU bounds the step; above
+it, the launches do (the GPU idles between kernels) and the rate measured is the host's, not the hardware's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from splitserve.engine.bench_engine import EngineUnderTest, sync
+from splitserve.engine.model_runner import build_forward_batch
+from splitserve.engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger("prefill_host_share")
+
+
+def kernel_seconds(fn, device: torch.device) -> float:
+    """The summed duration of the CUDA kernels one call of `fn` launches."""
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    return sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+
+
+@torch.inference_mode()
+def step_row(eut: EngineUnderTest, prompts: int, tokens: int) -> dict:
+    wall = eut.prefill_seconds(tokens, reps=9, prompts=prompts)
+    reqs = eut._requests(prompts, tokens, 1)
+    batch = build_forward_batch([ScheduledChunk(r, 0, tokens, True) for r in reqs], eut.kv.page_table,
+                                eut.cfg.page_size, eut.device)
+    kernels = kernel_seconds(lambda: eut.runner.forward(batch), eut.device)
+    eut._release(reqs)
+    return {"step": f"{prompts}x{tokens}", "wall_s": wall, "kernels_s": kernels, "wall_over_kernels": wall / kernels,
+            "tok_s": prompts * tokens / wall, "tok_s_at_kernel_time": prompts * tokens / kernels}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--steps", nargs="+", default=["1x256", "1x512", "1x1024", "1x2048", "4x512"])
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+    if not args.device.startswith("cuda"):
+        parser.error("kernel time is read from CUDA kernels: --device must be a CUDA device")
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+    steps = [tuple(int(v) for v in s.split("x")) for s in args.steps]
+    eut = EngineUnderTest(args.shape, args.device, max(n for n, _ in steps),
+                          max(n * (t + 16) for n, t in steps) + 64)
+    rows = [step_row(eut, n, t) for n, t in steps]
+    print("step    | wall ms | kernels ms | wall / kernels | tok/s (wall) | tok/s at kernel time")
+    for r in rows:
+        print(f"{r['step']:<7} | {r['wall_s'] * 1e3:7.2f} | {r['kernels_s'] * 1e3:10.2f} | "
+              f"{r['wall_over_kernels']:14.2f} | {r['tok_s']:12.0f} | {r['tok_s_at_kernel_time']:20.0f}")
+    if args.output:
+        args.output.write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
