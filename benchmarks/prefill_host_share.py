@@ -6,6 +6,8 @@ A step NxI is N fresh prompts of I tokens packed in one forward (the runner alon
 median of timed forwards with a synchronize after each; kernels is the sum of the CUDA kernels' durations in one
 profiled forward (torch.profiler; CUPTI sees every launch). wall / kernels near 1: the GPU bounds the step; above
 it, the launches do (the GPU idles between kernels) and the rate measured is the host's, not the hardware's.
+The runner is warmed up first, as an engine's is: a lone prompt attends at its cuDNN bucket, and a lone prompt
+that a lone-prompt CUDA graph holds (engine/prompt_graphs.py, --prompt-graph-tokens) is timed through it too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from splitserve.engine.bench_engine import EngineUnderTest, sync
+from splitserve.engine.bench_engine import EngineUnderTest, sync, timed
 from splitserve.engine.model_runner import build_forward_batch
 from splitserve.engine.scheduler import ScheduledChunk
 
@@ -40,11 +42,20 @@ def step_row(eut: EngineUnderTest, prompts: int, tokens: int) -> dict:
     wall = eut.prefill_seconds(tokens, reps=9, prompts=prompts)
     reqs = eut._requests(prompts, tokens, 1)
     batch = build_forward_batch([ScheduledChunk(r, 0, tokens, True) for r in reqs], eut.kv.page_table,
-                                eut.cfg.page_size, eut.device)
+                                eut.cfg.page_size, eut.device, prompt_buckets=eut.runner.prompt_buckets)
     kernels = kernel_seconds(lambda: eut.runner.forward(batch), eut.device)
+    row = {"step": f"{prompts}x{tokens}", "wall_s": wall, "kernels_s": kernels, "wall_over_kernels": wall / kernels,
+           "tok_s": prompts * tokens / wall, "tok_s_at_kernel_time": prompts * tokens / kernels}
+    graphs = eut.runner.prompt_graphs
+    if prompts == 1 and graphs is not None and graphs.can_run(tokens):
+        def replay() -> None:
+            graphs.run(reqs[0].all_ids[:tokens], reqs[0].slot)
+
+        row["graph_wall_s"] = timed(replay, eut.device, reps=9)
+        row["graph_kernels_s"] = kernel_seconds(replay, eut.device)
+        row["eager_over_graph"] = wall / row["graph_wall_s"]
     eut._release(reqs)
-    return {"step": f"{prompts}x{tokens}", "wall_s": wall, "kernels_s": kernels, "wall_over_kernels": wall / kernels,
-            "tok_s": prompts * tokens / wall, "tok_s_at_kernel_time": prompts * tokens / kernels}
+    return row
 
 
 def main() -> None:
@@ -60,11 +71,15 @@ def main() -> None:
     steps = [tuple(int(v) for v in s.split("x")) for s in args.steps]
     eut = EngineUnderTest(args.shape, args.device, max(n for n, _ in steps),
                           max(n * (t + 16) for n, t in steps) + 64)
+    eut.runner.warm_up(eut.kv.page_table)  # as an engine's start: cuDNN buckets, lone-prompt graphs
     rows = [step_row(eut, n, t) for n, t in steps]
-    print("step    | wall ms | kernels ms | wall / kernels | tok/s (wall) | tok/s at kernel time")
+    print("step    | eager ms | kernels ms | wall / kernels | tok/s (eager) | tok/s at kernel time | graph ms | "
+          "graph kernels ms | eager / graph")
     for r in rows:
-        print(f"{r['step']:<7} | {r['wall_s'] * 1e3:7.2f} | {r['kernels_s'] * 1e3:10.2f} | "
-              f"{r['wall_over_kernels']:14.2f} | {r['tok_s']:12.0f} | {r['tok_s_at_kernel_time']:20.0f}")
+        graph = (f"{r['graph_wall_s'] * 1e3:8.2f} | {r['graph_kernels_s'] * 1e3:16.2f} | {r['eager_over_graph']:13.2f}"
+                 if "graph_wall_s" in r else f"{'-':>8} | {'-':>16} | {'-':>13}")
+        print(f"{r['step']:<7} | {r['wall_s'] * 1e3:8.2f} | {r['kernels_s'] * 1e3:10.2f} | "
+              f"{r['wall_over_kernels']:14.2f} | {r['tok_s']:13.0f} | {r['tok_s_at_kernel_time']:20.0f} | {graph}")
     if args.output:
         args.output.write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
 

@@ -107,10 +107,11 @@ class EngineUnderTest:
 
     @torch.inference_mode()
     def prefill_seconds(self, tokens: int, reps: int = 5, prompts: int = 1) -> float:
-        """Median seconds of one eager forward over `prompts` fresh prompts of `tokens` each, packed in one step."""
+        """Median seconds of one eager forward over `prompts` fresh prompts of `tokens` each, packed in one step
+        (a lone prompt attends at the cuDNN buckets once the runner's warm-up has built them)."""
         reqs = self._requests(prompts, tokens, 1)
         batch = build_forward_batch([ScheduledChunk(r, 0, tokens, True) for r in reqs], self.kv.page_table,
-                                    self.cfg.page_size, self.device)
+                                    self.cfg.page_size, self.device, prompt_buckets=self.runner.prompt_buckets)
         seconds = timed(lambda: self.runner.forward(batch), self.device, reps)
         self._release(reqs)
         return seconds

@@ -64,6 +64,9 @@ class EngineConfig:
     disable_overlap: bool = field(default=False, metadata={
         "help": "wait for each step's tokens before scheduling the next (GPUs overlap them by default)"})
     cuda_graph_max_batch: int = field(default=256, metadata={"help": "largest decode batch captured in a graph"})
+    prompt_graph_tokens: int = field(default=1024, metadata={
+        "help": "lone fresh prompts of up to this many tokens prefill through CUDA graphs (one per 256 tokens; "
+                "eager launches take longer than such a prompt's kernels); 0: eagerly"})
     gemm_algos: str = field(default="", metadata={
         "help": "a table of cuBLASLt algorithms per projection shape (benchmarks/gemm_sustained.py --table-out, "
                 "timed under sustained load) for the dense linear layers; empty, absent, or written for another "

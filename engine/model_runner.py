@@ -33,6 +33,7 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models import build_model
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
 from splitserve.engine.prompt_embeds import image_rows, missing_embeddings, touches_images
+from splitserve.engine.prompt_graphs import PromptGraphs
 from splitserve.engine.request import Request
 from splitserve.engine.sampling.base import SampleOutput, SamplingBatch, TopLogprobs
 from splitserve.engine.sampling.full import FullSampler
@@ -329,6 +330,7 @@ class ModelRunner:
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
         self.decode_graphs: DecodeGraphs | None = None
+        self.prompt_graphs: PromptGraphs | None = None  # captured by warm_up
         # Decode and verify steps attend with one split count at every batch (engine/layers/decode_splits.py).
         self.batch_invariant_attention = False
         self.row_invariant_rows = skinny.MAX_ROWS  # 16-bit projections of up to this many rows are row-invariant
@@ -366,6 +368,9 @@ class ModelRunner:
             if len(sampled) < len(chunks):  # a one-token prompt chunk rides along: it samples nothing
                 rows = to_device([i for i, c in enumerate(chunks) if c.sample], torch.int64, self.device)
                 logits, argmax = logits[rows], (argmax[rows] if argmax is not None else None)
+        elif self._lone_prompt_graph_runs(chunks):
+            (c,) = chunks
+            logits = self.prompt_graphs.run(c.request.all_ids[:c.length], c.request.slot)
         else:
             batch = build_forward_batch(chunks, page_table, self.cfg.page_size, self.device, self.next_tokens,
                                         self.extend_block_tokens, self.cudnn_chunk, self.prompt_buckets)
@@ -499,6 +504,30 @@ class ModelRunner:
                                          self.next_tokens,
                                          decode_splits=self.decode_splits_for(len(chunks), len(chunks)))), None
 
+    def _lone_prompt_graph_runs(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether a step is one fresh prompt chunk (nothing cached before it, no drafts, no images) that a
+        lone-prompt graph holds; tensor-parallel rank 0 broadcasts its batches instead."""
+        if self.prompt_graphs is None or self.step_broadcaster is not None or len(chunks) != 1:
+            return False
+        (c,) = chunks
+        return (c.start == 0 and not c.draft and not touches_images(chunks) and self.prompt_graphs.can_run(c.length)
+                and len(c.request.all_ids) >= c.length)
+
+    def capture_prompt_graphs(self, page_table: torch.Tensor) -> None:
+        """Captures lone-prompt CUDA graphs up to --prompt-graph-tokens (GPU only, after the warm-up built the
+        cuDNN buckets they attend at; not on tensor-parallel ranks). With --disable-cuda-graph their padded
+        batches run eagerly instead: the same bits either way (engine/prompt_graphs.py)."""
+        if (self.device.type != "cuda" or self.tp.size > 1 or not self.prompt_buckets
+                or self.cfg.prompt_graph_tokens <= 0):
+            return
+        self.prompt_graphs = None  # a second warm-up captures them again, not beside the first
+        graphs = PromptGraphs(lambda b: self.model.logits(b, self.kv_pool), page_table, self.cfg.page_size,
+                              self.padding_slot, min(self.cfg.prompt_graph_tokens, self.context_length - 64),
+                              self.prompt_buckets, self.device)
+        if not self.cfg.disable_cuda_graph:
+            graphs.capture()
+        self.prompt_graphs = graphs if graphs.lengths else None
+
     def _record_done(self) -> torch.cuda.Event | None:
         """An event that completes with the work queued so far (None on CPU, where work is done)."""
         if self.device.type != "cuda":
@@ -565,6 +594,10 @@ class ModelRunner:
         if self.decode_graphs is not None and (rows_changed or splits_changed):
             self.decode_graphs = None  # their memory goes back before the new capture
             self.capture_decode_graphs(page_table, padding_slot)
+        lengths = self.prompt_graphs.lengths if self.prompt_graphs is not None else []
+        if any(min(before, rows) < n <= max(before, rows) for n in lengths):
+            self.prompt_graphs = None
+            self.capture_prompt_graphs(page_table)
         if self.verify_graphs and splits_changed:
             most = max(self.verify_graphs) - 1
             self.verify_graphs = {}
@@ -637,6 +670,7 @@ class ModelRunner:
             attn = self.model.layers[0].self_attn
             build_cudnn_graphs(self.cudnn_chunk, cudnn_prefixes(self.cudnn_chunk, self.context_length),
                                attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+        self.capture_prompt_graphs(page_table)
         torch.cuda.synchronize(self.device)
         logger.info("warm-up: every step kind compiled in %.1f s (with %d cuDNN prompt buckets up to %d tokens, "
                     "~62 ms a graph on an H200)", time.monotonic() - started, len(buckets), self.prompt_buckets or 0)
@@ -645,6 +679,7 @@ class ModelRunner:
         """Gives the device memory back (the engine has stopped): graphs, KV pool, weights."""
         self.decode_graphs = None
         self.verify_graphs = {}
+        self.prompt_graphs = None
         self.model = None
         self.kv_pool = None
         self.full = None

@@ -634,7 +634,7 @@ def test_after_warm_up_a_lone_prompt_of_a_new_length_takes_its_bucket_and_one_pa
     monkeypatch.setattr(prompt_attention, "flash_attention", flash_spy)
     folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 4096}, 1234)
     cfg = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=16384,
-                       max_running_requests=4, chunked_prefill_size=0)
+                       max_running_requests=4, chunked_prefill_size=0, prompt_graph_tokens=0)  # the eager route
     runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
     assert runner.prompt_buckets is None  # nothing built yet: the default dispatch
     kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 4096, runner.device)
