@@ -142,7 +142,8 @@ class Engine:
         # Structured outputs: the server compiles a request's grammar, the full sampler applies it.
         self.grammar = GrammarCompiler(self.tokenizer.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
         self.runner.full.grammar = GrammarSlots(self.grammar)
-        self.grammar.warm_up_in_background()
+        if self.role.serves_structured_outputs():  # a drafter's requests are verifiers' syncs: no grammar
+            self.grammar.warm_up_in_background()
 
     @property
     def max_prompt_tokens(self) -> int:

@@ -77,6 +77,10 @@ class Role:
         follows is known). Asked at every step."""
         return True
 
+    def serves_structured_outputs(self) -> bool:
+        """Whether requests that reach this engine may carry a grammar (so its compiler is built at start)."""
+        return True
+
     def close(self) -> None:
         """The engine is stopping."""
 
@@ -95,7 +99,8 @@ class ComposedRole(Role):
     - `poll`, `on_chunk_done`, `on_finish`: every behaviour (`on_finish` also for requests a behaviour
       never saw, when an earlier one refused them); `close`: every one, in reverse.
     - `health_info`: the behaviours' fields merged; `idle_poll_interval`: the shortest asked for;
-      `allows_overlap`: only if every behaviour allows it; `routes`, `core_calls`: every behaviour's.
+      `allows_overlap`: only if every behaviour allows it; `serves_structured_outputs`: if any does;
+      `routes`, `core_calls`: every behaviour's.
     """
 
     def __init__(self, name: str, behaviours: list[Role]) -> None:
@@ -159,6 +164,9 @@ class ComposedRole(Role):
 
     def allows_overlap(self) -> bool:
         return all(b.allows_overlap() for b in self.behaviours)
+
+    def serves_structured_outputs(self) -> bool:
+        return any(b.serves_structured_outputs() for b in self.behaviours)
 
     def close(self) -> None:
         for b in reversed(self.behaviours):

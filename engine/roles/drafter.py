@@ -164,6 +164,11 @@ class DrafterRole(Role):
         self.control.close(linger=0)
         self.zmq.term()
 
+    def serves_structured_outputs(self) -> bool:
+        """A drafter's requests are verifiers' syncs, never a client's: its engine builds no grammar compiler
+        (xgrammar's tokenizer tables, seconds of CPU at a start that is already the slowest in a group)."""
+        return False
+
     def health_info(self) -> dict[str, Any]:
         return {"draft_mesh_port": self.mesh_port, "draft_control_endpoint": self.control_endpoint,
                 "drafter_rank": self.rank, "leases": len(self.leases), "draft_requests": len(self.states),

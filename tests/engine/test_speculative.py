@@ -54,6 +54,25 @@ def start_drafter(model: str = "tiny", seed: int = 0, port: int | None = None, o
     return engine
 
 
+def test_a_drafter_engine_builds_no_grammar_compiler_and_a_unified_one_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    from splitserve.engine.grammar.compiler import GrammarCompiler
+
+    warmed: list[GrammarCompiler] = []
+    real = GrammarCompiler.warm_up_in_background
+    monkeypatch.setattr(GrammarCompiler, "warm_up_in_background", lambda self: (warmed.append(self), real(self)))
+    drafter = start_drafter()
+    try:
+        assert warmed == []
+    finally:
+        drafter.stop()
+    unified = Engine(EngineConfig(model="tiny", **ENGINE))
+    unified.start()
+    try:
+        assert warmed == [unified.grammar]
+    finally:
+        unified.stop()
+
+
 def mesh_endpoint(drafter: Engine) -> str:
     return f"127.0.0.1:{drafter.role.health_info()['draft_mesh_port']}"
 
