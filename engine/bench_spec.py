@@ -480,6 +480,12 @@ def print_spec_report(report: dict[str, Any]) -> None:
         print(f"{r['drafter']:<10} {r['k']:>2} {r['batch']:>5} {r['tokens_per_s']:>9.1f} "
               f"{plain['tokens_per_s']:>9.1f} {r['speedup']:>7.2f}x {r['peer_tokens_per_s']:>9.1f} "
               f"{r['speedup_vs_peer']:>7.2f}x {r['acceptance']:>7.2f} {per_step:>8.2f} {same:>5}")
+    differ = sum(not r["identical_to_plain"] for r in report["runs"])
+    if differ:  # the exit status says so too
+        print(f"{differ} of {len(report['runs'])} runs' greedy output differs from plain decoding's"
+              + ("" if cfg["batch_invariant"] or cfg["device"] == "cpu" else
+                 ": without --batch-invariant a 16-bit verify step rounds as a step of its own row count does, "
+                 "not as plain decoding's steps"))
 
 
 def main(argv: list[str]) -> int:
