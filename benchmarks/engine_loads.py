@@ -46,7 +46,7 @@ def parse_load(text: str) -> tuple[int, int, int]:
 
 def packed_prompts(prompt: int, chunk: int) -> int:
     """How many fresh prompts of `prompt` tokens the engine packs into one prefill step of `chunk` tokens."""
-    return max(1, chunk // prompt) if prompt <= chunk else 1
+    return max(1, chunk // prompt)
 
 
 def runner_rates(shape: str, device: str, lengths: list[int], batch: int, chunk: int, gemm_algos: str = "") -> dict:

@@ -60,7 +60,8 @@ class EngineConfig:
         "help": "seconds a tensor-parallel collective may wait on a hung rank before it fails"})
     tp_startup_timeout: float = field(default=600.0, metadata={
         "help": "seconds the tensor-parallel ranks may take to start and load their weights"})
-    disable_cuda_graph: bool = field(default=False, metadata={"help": "run decode steps eagerly on GPUs"})
+    disable_cuda_graph: bool = field(default=False, metadata={
+        "help": "run decode, verify and lone-prompt steps eagerly on GPUs (lone prompts keep their padded batches)"})
     disable_overlap: bool = field(default=False, metadata={
         "help": "wait for each step's tokens before scheduling the next (GPUs overlap them by default)"})
     cuda_graph_max_batch: int = field(default=256, metadata={"help": "largest decode batch captured in a graph"})

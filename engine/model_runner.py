@@ -513,14 +513,16 @@ class ModelRunner:
         return (c.start == 0 and not c.draft and not touches_images(chunks) and self.prompt_graphs.can_run(c.length)
                 and len(c.request.all_ids) >= c.length)
 
+    @torch.inference_mode()
     def capture_prompt_graphs(self, page_table: torch.Tensor) -> None:
         """Captures lone-prompt CUDA graphs up to --prompt-graph-tokens (GPU only, after the warm-up built the
         cuDNN buckets they attend at; not on tensor-parallel ranks). With --disable-cuda-graph their padded
-        batches run eagerly instead: the same bits either way (engine/prompt_graphs.py)."""
+        batches run eagerly instead: the same bits either way (engine/prompt_graphs.py). Graphs captured before
+        go first, also where none is captured now: they attend at buckets the last warm-up built."""
+        self.prompt_graphs = None  # their memory goes back before the new capture, not beside it
         if (self.device.type != "cuda" or self.tp.size > 1 or not self.prompt_buckets
                 or self.cfg.prompt_graph_tokens <= 0):
             return
-        self.prompt_graphs = None  # a second warm-up captures them again, not beside the first
         graphs = PromptGraphs(lambda b: self.model.logits(b, self.kv_pool), page_table, self.cfg.page_size,
                               self.padding_slot, min(self.cfg.prompt_graph_tokens, self.context_length - 64),
                               self.prompt_buckets, self.device)
@@ -595,8 +597,7 @@ class ModelRunner:
             self.decode_graphs = None  # their memory goes back before the new capture
             self.capture_decode_graphs(page_table, padding_slot)
         lengths = self.prompt_graphs.lengths if self.prompt_graphs is not None else []
-        if any(min(before, rows) < n <= max(before, rows) for n in lengths):
-            self.prompt_graphs = None
+        if any(min(before, rows) < n <= max(before, rows) for n in lengths):  # their projections' path changed
             self.capture_prompt_graphs(page_table)
         if self.verify_graphs and splits_changed:
             most = max(self.verify_graphs) - 1
@@ -658,6 +659,9 @@ class ModelRunner:
         ]
         if self.cudnn_chunk:  # a chunk through the cuDNN path (its gather and merge kernel)
             steps.append([chunk(self.cudnn_chunk, start=self.cudnn_chunk)])
+        # Eager steps, as at a first warm-up: a second one's lone prompts would replay the graphs captured after
+        # the first (captured again below), and the decode steps the decode graphs.
+        self.prompt_graphs = None
         graphs, self.decode_graphs = self.decode_graphs, None
         try:
             for chunks in steps:

@@ -1,7 +1,7 @@
-"""Lone-prompt CUDA graphs (engine/prompt_graphs.py): which bucket a prompt takes, the batch a graph runs, and on
-the GPU that a graph's logits and KV are the eager padded batch's bits and the unpadded prompt's to bf16
-rounding, that it writes nothing but the prompt's pages and the scratch page, and that an engine gives the same
-greedy tokens with and without graphs. The GPU tests run only where CUDA is (the lent H200s)."""
+"""Lone-prompt CUDA graphs (engine/prompt_graphs.py): which steps take one, which bucket a prompt takes, the batch a
+graph runs, and on the GPU that a graph's logits and KV are the eager padded batch's bits and the unpadded prompt's
+to bf16 rounding, that it writes nothing but the prompt's pages and the scratch page, and that an engine gives the
+same greedy tokens with and without graphs. The GPU tests run only where CUDA is (the lent H200s)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,58 @@ def test_the_graph_batch_puts_real_rows_in_the_prompt_s_pages_and_padding_rows_i
     # The views share the input tensor: a replay's new inputs are what the captured batch reads.
     inputs[0] = 99
     assert batch.input_ids[0] == 99
+
+
+def test_only_a_step_of_one_fresh_prompt_chunk_with_every_id_on_the_host_takes_a_graph(tmp_path: Path) -> None:
+    # The route's choice (ModelRunner._lone_prompt_graph_runs) on the CPU, with graphs of 256..1024 tokens set by
+    # hand (their capture is GPU only): every kind of step that must keep the eager path.
+    from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
+
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.image_items import ImageItem
+    from splitserve.engine.model_config import ModelConfig
+    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.prompt_graphs import PromptGraphs
+    from splitserve.engine.request import Request
+    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.engine.scheduler import ScheduledChunk
+    from splitserve.engine.tiny_model import write_checkpoint
+
+    folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 4096}, 1234)
+    cfg = EngineConfig(model=str(folder), device="cpu", max_total_tokens=64, page_size=16, max_running_requests=4)
+    runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
+    runner.capture_prompt_graphs(torch.zeros(5, 256, dtype=torch.int32))
+    assert runner.prompt_graphs is None  # never on the CPU
+
+    def request(n: int, outputs: list[int] | None = None, images: list[ImageItem] | None = None) -> Request:
+        req = Request(f"r{n}", list(range(n)), SamplingParams(max_new_tokens=4, temperature=0.0),
+                      on_output=lambda _o: None, images=images or [])
+        req.output_ids, req.slot = list(outputs or []), 0
+        return req
+
+    def takes(*chunks: ScheduledChunk) -> bool:
+        return runner._lone_prompt_graph_runs(list(chunks))
+
+    lone = ScheduledChunk(request(300), 0, 300, True)
+    assert not takes(lone)  # no graphs: the eager path
+    runner.prompt_graphs = PromptGraphs(lambda _b: torch.empty(0), torch.zeros(5, 256, dtype=torch.int32), 16, 4,
+                                        1024, 2048, torch.device("cpu"))
+    assert runner.prompt_graphs.lengths == [256, 512, 768, 1024]
+    assert takes(lone) and takes(ScheduledChunk(request(1024), 0, 1024, True))
+    assert not takes(ScheduledChunk(request(1025), 0, 1025, True))  # past the largest graph
+    long = request(3000)
+    assert takes(ScheduledChunk(long, 0, 512, False))  # a long prompt's first chunk: its KV, nothing sampled
+    assert not takes(ScheduledChunk(long, 512, 512, False))  # a later chunk attends to the cached chunks
+    assert not takes(lone, ScheduledChunk(request(200), 0, 200, True))  # prompts packed in one step
+    assert not takes(ScheduledChunk(request(300), 299, 3, True, draft=[5, 6]))  # a verify chunk
+    # A request computed again (preempted): prompt and outputs, every id known on the host; a last token
+    # still being sampled on the device (the overlap's relay) is read by the eager path only.
+    assert takes(ScheduledChunk(request(300, outputs=[7, 8]), 0, 302, True))
+    assert not takes(ScheduledChunk(request(300, outputs=[7, 8]), 0, 303, True))
+    assert not takes(ScheduledChunk(request(300, images=[ImageItem("d", 10, 20)]), 0, 300, True))
+    assert takes(ScheduledChunk(request(300, images=[ImageItem("d", 400, 20)]), 0, 300, True))  # past the chunk
+    runner.step_broadcaster = object()  # type: ignore[assignment]  # tensor-parallel rank 0 broadcasts batches
+    assert not takes(lone)
 
 
 def bf16_runner(tmp_path: Path, **cfg):
