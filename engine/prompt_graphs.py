@@ -29,19 +29,9 @@ import torch
 
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.host_to_device import copy_to_device
-from splitserve.engine.layers.prompt_attention import BUCKET_STEP
+from splitserve.engine.layers.prompt_attention import bucket_lengths, prompt_bucket
 
 logger = logging.getLogger(__name__)
-
-
-def graph_lengths(max_tokens: int, step: int = BUCKET_STEP) -> list[int]:
-    """The bucket lengths captured for lone prompts of up to `max_tokens` tokens (none for 0)."""
-    return list(range(step, max_tokens // step * step + 1, step))
-
-
-def graph_length(tokens: int, lengths: list[int]) -> int | None:
-    """The bucket a lone prompt of `tokens` tokens runs in; None: longer than every bucket."""
-    return next((n for n in lengths if n >= tokens), None)
 
 
 def prompt_batch(inputs: torch.Tensor, bucket: int, page_table: torch.Tensor, page_size: int,
@@ -71,7 +61,8 @@ class PromptGraphs:
                  padding_slot: int, max_tokens: int, prompt_buckets: int, device: torch.device) -> None:
         """`logits`: the model's logits of a batch's logits rows; `max_tokens`: the longest prompt a graph
         runs; `prompt_buckets`: the cuDNN buckets the warm-up built (every graph length must be one)."""
-        self.lengths = [n for n in graph_lengths(max_tokens) if n <= prompt_buckets]
+        self.lengths = bucket_lengths(min(max_tokens, prompt_buckets))  # the attention's buckets, as far as both go
+        self.longest = self.lengths[-1] if self.lengths else 0
         self.padding_slot = padding_slot
         self.device = device
         self.inputs = {n: torch.tensor([0] * n + [0] * n + [padding_slot] * n + [0], dtype=torch.int64,
@@ -112,14 +103,18 @@ class PromptGraphs:
         return self.logits_fn(prompt_batch(self.inputs[bucket], bucket, self.page_table, self.page_size,
                                            self.prompt_buckets, self.constants[bucket]))
 
+    def bucket(self, tokens: int) -> int | None:
+        """The length of the graph a lone prompt of `tokens` tokens runs in; None: longer than every graph."""
+        return prompt_bucket(tokens, self.longest)
+
     def can_run(self, tokens: int) -> bool:
-        return graph_length(tokens, self.lengths) is not None
+        return self.bucket(tokens) is not None
 
     def run(self, ids: list[int], slot: int) -> torch.Tensor:
         """The logits [1, V] (in the model's dtype) of the last of a fresh prompt's `ids`, its KV written to
         `slot`'s pages (positions 0..n-1): the bucket's graph replayed, or its batch run eagerly if not captured."""
         n = len(ids)
-        bucket = graph_length(n, self.lengths)
+        bucket = self.bucket(n)
         assert bucket is not None, f"no lone-prompt graph holds {n} tokens"
         pad = bucket - n
         copy_to_device([*ids, *[0] * pad, *range(n), *[0] * pad, *[slot] * n, *[self.padding_slot] * pad, n - 1],

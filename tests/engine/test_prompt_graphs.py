@@ -10,21 +10,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.engine.prompt_graphs import graph_length, graph_lengths, prompt_batch, prompt_constants
+from splitserve.engine.prompt_graphs import PromptGraphs, prompt_batch, prompt_constants
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_graph_lengths_are_the_multiples_of_256_up_to_the_limit() -> None:
-    assert graph_lengths(1024) == [256, 512, 768, 1024]
-    assert graph_lengths(1000) == [256, 512, 768]
-    assert graph_lengths(255) == []
-    assert graph_lengths(0) == []
+def cpu_graphs(max_tokens: int, prompt_buckets: int) -> PromptGraphs:
+    """PromptGraphs over a CPU page table, never captured (their capture is GPU only)."""
+    return PromptGraphs(lambda _b: torch.empty(0), torch.zeros(5, 256, dtype=torch.int32), 16, 4, max_tokens,
+                        prompt_buckets, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("max_tokens,prompt_buckets,lengths", [
+    (1024, 2048, [256, 512, 768, 1024]), (1000, 2048, [256, 512, 768]), (1024, 512, [256, 512]),
+    (255, 2048, []), (0, 2048, []), (1024, 0, [])])
+def test_graph_lengths_are_the_multiples_of_256_up_to_the_limit_and_the_built_buckets(
+        max_tokens: int, prompt_buckets: int, lengths: list[int]) -> None:
+    assert cpu_graphs(max_tokens, prompt_buckets).lengths == lengths
 
 
 @pytest.mark.parametrize("tokens,bucket", [(1, 256), (255, 256), (256, 256), (257, 512), (1024, 1024), (1025, None)])
 def test_a_prompt_takes_the_smallest_bucket_that_holds_it(tokens: int, bucket: int | None) -> None:
-    assert graph_length(tokens, graph_lengths(1024)) == bucket
+    graphs = cpu_graphs(1024, 2048)
+    assert graphs.bucket(tokens) == bucket and graphs.can_run(tokens) == (bucket is not None)
+    assert cpu_graphs(1000, 2048).bucket(tokens) == (bucket if tokens <= 768 else None)
 
 
 def test_the_graph_batch_puts_real_rows_in_the_prompt_s_pages_and_padding_rows_in_the_scratch_page() -> None:
@@ -53,7 +62,6 @@ def test_only_a_step_of_one_fresh_prompt_chunk_with_every_id_on_the_host_takes_a
     from splitserve.engine.image_items import ImageItem
     from splitserve.engine.model_config import ModelConfig
     from splitserve.engine.model_runner import ModelRunner
-    from splitserve.engine.prompt_graphs import PromptGraphs
     from splitserve.engine.request import Request
     from splitserve.engine.sampling_params import SamplingParams
     from splitserve.engine.scheduler import ScheduledChunk
@@ -76,9 +84,7 @@ def test_only_a_step_of_one_fresh_prompt_chunk_with_every_id_on_the_host_takes_a
 
     lone = ScheduledChunk(request(300), 0, 300, True)
     assert not takes(lone)  # no graphs: the eager path
-    runner.prompt_graphs = PromptGraphs(lambda _b: torch.empty(0), torch.zeros(5, 256, dtype=torch.int32), 16, 4,
-                                        1024, 2048, torch.device("cpu"))
-    assert runner.prompt_graphs.lengths == [256, 512, 768, 1024]
+    runner.prompt_graphs = cpu_graphs(1024, 2048)
     assert takes(lone) and takes(ScheduledChunk(request(1024), 0, 1024, True))
     assert not takes(ScheduledChunk(request(1025), 0, 1025, True))  # past the largest graph
     long = request(3000)
