@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -34,12 +35,43 @@ from splitserve.engine.sampling.greedy import argmax_tokens
 
 logger = logging.getLogger(__name__)
 
+K = TypeVar("K")
+T = TypeVar("T")
+
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
     chosen = [b for b in DEFAULT_BUCKETS if b < max_batch]
     return [*chosen, max_batch]
+
+
+def capture_graphs(keys: list[K], step: Callable[[K], T], device: torch.device, pool: tuple | None = None
+                   ) -> tuple[dict[K, torch.cuda.CUDAGraph], dict[K, T], tuple | None]:
+    """One CUDA graph of `step(key)` per key, captured in that order on a side stream into one memory pool
+    (`pool`, or the first graph's): each key's step runs twice first, outside the capture (Triton compiles,
+    cuBLAS picks its kernels, cuDNN builds its graph), and every graph is replayed once at the end, since a
+    graph's first replay costs more than later ones and a request's step should not pay it (on the H200 an 8B
+    verifier's first verify step of a run took 29 ms on the device, the next ones 4.5-7). Returns the graphs,
+    each one's outputs (the tensors its replays write) and the pool."""
+    graphs: dict[K, torch.cuda.CUDAGraph] = {}
+    outputs: dict[K, T] = {}
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for key in keys:
+            for _ in range(2):
+                step(key)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs[key] = step(key)
+            pool = graph.pool()
+            graphs[key] = graph
+        for graph in graphs.values():
+            graph.replay()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    return graphs, outputs, pool
 
 
 class DecodeGraphs:
@@ -73,24 +105,10 @@ class DecodeGraphs:
     def capture(self, pool: tuple | None = None) -> tuple | None:
         """Captures every bucket's graph (in `pool`, a graph memory pool to share); returns the pool."""
         started = time.monotonic()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for bsz in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                    self._step(bsz)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[bsz], self.argmax[bsz] = self._step(bsz)
-                pool = graph.pool()
-                self.graphs[bsz] = graph
-            # Each graph once now (its padding rows touch only the scratch page): a graph's first replay
-            # costs more than later ones, and a request's step should not pay it (on the H200 an 8B
-            # verifier's first verify step of a run took 29 ms on the device, the next ones 4.5-7).
-            for graph in self.graphs.values():
-                graph.replay()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        # Largest first, so smaller graphs reuse its memory pool.
+        self.graphs, outputs, pool = capture_graphs(list(reversed(self.buckets)), self._step, self.device, pool)
+        for bsz, (logits, argmax) in outputs.items():
+            self.logits[bsz], self.argmax[bsz] = logits, argmax
         kind = "decode" if self.rows_per_request == 1 else f"verify ({self.rows_per_request} rows per request)"
         logger.info("captured %d %s CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs), kind, self.buckets[0],
                     self.buckets[-1], time.monotonic() - started)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from splitserve.engine.cuda_graph_runner import capture_graphs
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.host_to_device import copy_to_device
 from splitserve.engine.layers.prompt_attention import bucket_lengths, prompt_bucket
@@ -78,21 +79,7 @@ class PromptGraphs:
     def capture(self, pool: tuple | None = None) -> tuple | None:
         """Captures every bucket's graph, largest first (the smaller ones reuse its memory); returns the pool."""
         started = time.monotonic()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for n in reversed(self.lengths):
-                for _ in range(2):  # cuBLAS picks its kernels and cuDNN finds its graph outside the capture
-                    self._logits(n)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[n] = self._logits(n)
-                pool = graph.pool()
-                self.graphs[n] = graph
-            for graph in self.graphs.values():  # a graph's first replay costs more than later ones
-                graph.replay()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        self.graphs, self.logits, pool = capture_graphs(list(reversed(self.lengths)), self._logits, self.device, pool)
         if self.lengths:
             logger.info("captured %d lone-prompt CUDA graphs (%d..%d tokens) in %.1f s", len(self.graphs),
                         self.lengths[0], self.lengths[-1], time.monotonic() - started)

@@ -80,6 +80,11 @@ class EncodeRole(Role):
             return answer
         return {"encode": encode, "encode_close": lambda arg: len(self.close_call(arg[0], arg[1]))}
 
+    def serves_structured_outputs(self) -> bool:
+        """An encode pod runs the vision tower for the router's encode calls, never a client's generation: no
+        grammar compiler at start (one is still built on first use if a request brought a grammar)."""
+        return False
+
     def health_info(self) -> dict[str, Any]:
         return {"embedding_endpoint": self.sender.endpoint,
                 "embedding": {"cached_images": len(self.cache), "pinned_slots": self.cache.pinned,

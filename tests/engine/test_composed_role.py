@@ -85,3 +85,19 @@ def test_a_refusal_stops_the_later_behaviours_from_seeing_the_request() -> None:
 def test_a_role_needs_a_behaviour() -> None:
     with pytest.raises(ValueError, match="at least one behaviour"):
         ComposedRole("prefill", [])
+
+
+def test_a_composed_role_serves_structured_outputs_if_any_behaviour_does_and_encode_or_drafter_does_not() -> None:
+    from splitserve.draft_mesh import SpecConfig
+    from splitserve.engine.epd_config import EPDConfig
+    from splitserve.engine.image_inputs import ImageInputConfig
+    from splitserve.engine.roles.drafter import DrafterRole
+    from splitserve.engine.roles.encode import EncodeRole
+    from splitserve.transfer import TransferConfig
+
+    encode = EncodeRole(TransferConfig(), EPDConfig(), ImageInputConfig())
+    drafter = DrafterRole(SpecConfig(), TransferConfig())
+    assert not encode.serves_structured_outputs() and not drafter.serves_structured_outputs()
+    assert not ComposedRole("encode", [encode]).serves_structured_outputs()
+    assert ComposedRole("mixed", [encode, Role()]).serves_structured_outputs()
+    assert Role().serves_structured_outputs()
