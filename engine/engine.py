@@ -250,7 +250,17 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.failure is None
+        return self._thread is not None and self._thread.is_alive() and self.failed is None
+
+    @property
+    def failed(self) -> str | None:
+        """Why the engine cannot run steps any more, as soon as it is known: its own failure, or a broken
+        tensor-parallel group its loop has not acted on yet. A collective outside a step (a transfer poll
+        agreement) fails its rooms' requests at once and the engine only on the loop's next turn, and a client
+        that got those errors could ask /health in between and be told the engine serves."""
+        if self.failure is None and self.tp_supervisor is not None:
+            return self.tp_supervisor.failure
+        return self.failure
 
     # ---- the loop thread --------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ class Outbox:
 def engine_health(engine: Engine) -> tuple[bool, dict[str, Any]]:
     """/health's answer: whether the engine serves, and the body."""
     if not engine.alive:
-        return False, {"status": engine.failure or "engine loop not running"}
+        return False, {"status": engine.failed or "engine loop not running"}
     return True, {"status": "ok", "role": engine.role.name, **engine.role.health_info()}
 
 
@@ -66,7 +66,7 @@ def engine_state_report(engine: Engine) -> dict[str, Any]:
         "kv_capacity": kv.capacity, "kv_free": kv.free, "kv_cached": kv.cached, "kv_locked": kv.locked,
         "kv_available": kv.available, "kv_used_by_requests": kv.used_by_requests,
         "slots_in_use": kv.slots_in_use, "steps": engine.steps,
-        "prefix_hit_tokens": engine.kv.prefix_cache.hit_tokens, "failure": engine.failure,
+        "prefix_hit_tokens": engine.kv.prefix_cache.hit_tokens, "failure": engine.failed,
         "tp_worker_pids": engine.tp_supervisor.pids() if engine.tp_supervisor is not None else {},
     }
 

@@ -233,6 +233,34 @@ def test_killed_worker_fails_running_and_new_requests_clearly_and_health_turns_5
     assert proc.proc.returncode == 0, "rank 0 did not shut down cleanly after losing its worker"
 
 
+def test_health_reports_a_broken_group_as_soon_as_a_collective_outside_a_step_breaks(checkpoint: Path) -> None:
+    # A transfer poll agreement that breaks fails its rooms' requests at once; /health must not answer "ok" to a
+    # client that already got those errors, before the loop's next turn fails the engine. Checked on the loop
+    # thread, in the same turn, so no later turn can have failed the engine first.
+    from splitserve.engine.engine import Engine
+    from splitserve.engine.engine_client import engine_health
+
+    engine = Engine(tp_config(checkpoint, 2))
+    engine.start()
+    seen: list[tuple[bool, dict, str | None]] = []
+    try:
+        assert engine_health(engine)[0]
+
+        def break_group() -> None:
+            engine.tp_supervisor.collective_failed(RuntimeError("a poll agreement broke"))
+            seen.append((*engine_health(engine), engine.failure))
+
+        engine.call_soon(break_group)
+        deadline = time.monotonic() + 30
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (ok, body, engine_failure), = seen
+        assert not ok and "tensor-parallel ranks stopped answering: a poll agreement broke" in body["status"]
+        assert engine_failure is None  # the loop had not failed the engine yet: only the supervisor knew
+    finally:
+        engine.stop()
+
+
 @pytest.mark.slow
 def test_workers_exit_when_rank0_is_killed(checkpoint: Path, tmp_path: Path) -> None:
     proc, url = start(checkpoint, tmp_path, 2, "orphan")
