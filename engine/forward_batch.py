@@ -82,6 +82,13 @@ class ForwardBatch:
         return self.attn_meta[:n], self.attn_meta[a:a + n], plan
 
 
+def kv_token_locations(page_table: torch.Tensor, slots: torch.Tensor | int, positions: torch.Tensor,
+                       page_size: int) -> torch.Tensor:
+    """[T] int64: the KV pool location of each token, at `positions` of the sequence in `slots` (one slot per
+    token, or one for all), read from the page table (on the device: inside a CUDA graph too)."""
+    return page_table[slots, positions // page_size].long() * page_size + positions % page_size
+
+
 def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
                  page_size: int, relay: torch.Tensor | None = None, rows_share_slots: bool = False,
                  decode_splits: int | None = None) -> ForwardBatch:
@@ -97,8 +104,7 @@ def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.
     else:
         if relay is not None:
             input_ids = torch.where(input_ids >= 0, input_ids, relay[slots])
-        pages = page_table[slots, positions // page_size].long()
-        out_cache_loc, seq_lens = pages * page_size + positions % page_size, positions + 1
+        out_cache_loc, seq_lens = kv_token_locations(page_table, slots, positions, page_size), positions + 1
         logits_index = torch.arange(input_ids.shape[0], device=input_ids.device)
     return ForwardBatch(
         input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,

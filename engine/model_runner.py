@@ -13,7 +13,7 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graph_runner import DecodeGraphs
-from splitserve.engine.forward_batch import ForwardBatch, decode_batch
+from splitserve.engine.forward_batch import ForwardBatch, decode_batch, kv_token_locations
 from splitserve.engine.host_to_device import to_device
 from splitserve.engine.kv_pool import COPY_PAGE_OP, KVPool, KVPoolShape
 from splitserve.engine.layers import gemm_algos, skinny
@@ -122,8 +122,7 @@ def logit_rows(chunks: list[ScheduledChunk]) -> list[int]:
 
 def kv_locations(table: torch.Tensor, slot: int, kv_len: int, page_size: int) -> torch.Tensor:
     """[kv_len] int64: the KV pool location of each of a sequence's first kv_len positions."""
-    pos = torch.arange(kv_len, device=table.device)
-    return table[slot, pos // page_size] * page_size + pos % page_size
+    return kv_token_locations(table, slot, torch.arange(kv_len, device=table.device), page_size)
 
 
 def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, page_size: int,
@@ -156,7 +155,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], page_table: torch.Tensor, 
                                                 output_size=len(positions))  # no device sync
     token_query_index = pos - (seq_lens - extend_lens)[token_batch_index]
     table = page_table.long()
-    out_cache_loc = table[slots[token_batch_index], pos // page_size] * page_size + pos % page_size
+    out_cache_loc = kv_token_locations(table, slots[token_batch_index], pos, page_size)
     max_kv = max(kv_lens)
     kv_indices = attn_meta = prefix_chunk_loc = None
     decode_rows = extend_chunks = extend_blocks = 0

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from splitserve.engine.cuda_graph_runner import capture_graphs
-from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.forward_batch import ForwardBatch, kv_token_locations
 from splitserve.engine.host_to_device import copy_to_device
 from splitserve.engine.layers.prompt_attention import bucket_lengths, prompt_bucket
 
@@ -41,8 +41,8 @@ def prompt_batch(inputs: torch.Tensor, bucket: int, page_table: torch.Tensor, pa
     positions, slots, then the logits row); the KV locations are computed here, on the device (inside the
     graph: each replay's from its own inputs); `constants`: prompt_constants(bucket), made before any capture."""
     ids, positions, slots = inputs[:3 * bucket].view(3, bucket)
-    out_cache_loc = page_table[slots, positions // page_size].long() * page_size + positions % page_size
-    return ForwardBatch(input_ids=ids, positions=positions, out_cache_loc=out_cache_loc,
+    return ForwardBatch(input_ids=ids, positions=positions,
+                        out_cache_loc=kv_token_locations(page_table, slots, positions, page_size),
                         logits_index=inputs[3 * bucket:], max_extend=bucket, max_kv=bucket, no_prefix=True,
                         prompt_buckets=prompt_buckets, **constants)
 
