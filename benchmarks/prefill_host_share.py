@@ -21,8 +21,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from splitserve.engine.bench_engine import EngineUnderTest, sync, timed
-from splitserve.engine.model_runner import build_forward_batch
-from splitserve.engine.scheduler import ScheduledChunk
 
 logger = logging.getLogger("prefill_host_share")
 
@@ -39,22 +37,20 @@ def kernel_seconds(fn, device: torch.device) -> float:
 
 @torch.inference_mode()
 def step_row(eut: EngineUnderTest, prompts: int, tokens: int) -> dict:
-    wall = eut.prefill_seconds(tokens, reps=9, prompts=prompts)
-    reqs = eut._requests(prompts, tokens, 1)
-    batch = build_forward_batch([ScheduledChunk(r, 0, tokens, True) for r in reqs], eut.kv.page_table,
-                                eut.cfg.page_size, eut.device, prompt_buckets=eut.runner.prompt_buckets)
-    kernels = kernel_seconds(lambda: eut.runner.forward(batch), eut.device)
-    row = {"step": f"{prompts}x{tokens}", "wall_s": wall, "kernels_s": kernels, "wall_over_kernels": wall / kernels,
-           "tok_s": prompts * tokens / wall, "tok_s_at_kernel_time": prompts * tokens / kernels}
-    graphs = eut.runner.prompt_graphs
-    if prompts == 1 and graphs is not None and graphs.can_run(tokens):
-        def replay() -> None:
-            graphs.run(reqs[0].all_ids[:tokens], reqs[0].slot)
+    with eut.prefill_step(tokens, prompts) as (reqs, batch):
+        wall = timed(lambda: eut.runner.forward(batch), eut.device, reps=9)
+        kernels = kernel_seconds(lambda: eut.runner.forward(batch), eut.device)
+        row = {"step": f"{prompts}x{tokens}", "wall_s": wall, "kernels_s": kernels,
+               "wall_over_kernels": wall / kernels, "tok_s": prompts * tokens / wall,
+               "tok_s_at_kernel_time": prompts * tokens / kernels}
+        graphs = eut.runner.prompt_graphs
+        if prompts == 1 and graphs is not None and graphs.can_run(tokens):
+            def replay() -> None:
+                graphs.run(reqs[0].all_ids[:tokens], reqs[0].slot)
 
-        row["graph_wall_s"] = timed(replay, eut.device, reps=9)
-        row["graph_kernels_s"] = kernel_seconds(replay, eut.device)
-        row["eager_over_graph"] = wall / row["graph_wall_s"]
-    eut._release(reqs)
+            row["graph_wall_s"] = timed(replay, eut.device, reps=9)
+            row["graph_kernels_s"] = kernel_seconds(replay, eut.device)
+            row["eager_over_graph"] = wall / row["graph_wall_s"]
     return row
 
 

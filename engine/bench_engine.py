@@ -12,16 +12,19 @@ Prints and writes (JSON, and a PNG plot when matplotlib is there):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner, build_forward_batch
@@ -106,15 +109,21 @@ class EngineUnderTest:
             self.kv.release(r, cache_prefix=False)
 
     @torch.inference_mode()
-    def prefill_seconds(self, tokens: int, reps: int = 5, prompts: int = 1) -> float:
-        """Median seconds of one eager forward over `prompts` fresh prompts of `tokens` each, packed in one step
-        (a lone prompt attends at the cuDNN buckets once the runner's warm-up has built them)."""
+    @contextlib.contextmanager
+    def prefill_step(self, tokens: int, prompts: int = 1) -> Iterator[tuple[list[Request], ForwardBatch]]:
+        """`prompts` fresh prompts of `tokens` each, admitted, and their prefill packed in one batch (a lone
+        prompt attends at the cuDNN buckets once the runner's warm-up has built them); released after."""
         reqs = self._requests(prompts, tokens, 1)
-        batch = build_forward_batch([ScheduledChunk(r, 0, tokens, True) for r in reqs], self.kv.page_table,
-                                    self.cfg.page_size, self.device, prompt_buckets=self.runner.prompt_buckets)
-        seconds = timed(lambda: self.runner.forward(batch), self.device, reps)
-        self._release(reqs)
-        return seconds
+        try:
+            yield reqs, build_forward_batch([ScheduledChunk(r, 0, tokens, True) for r in reqs], self.kv.page_table,
+                                            self.cfg.page_size, self.device, prompt_buckets=self.runner.prompt_buckets)
+        finally:
+            self._release(reqs)
+
+    def prefill_seconds(self, tokens: int, reps: int = 5, prompts: int = 1) -> float:
+        """Median seconds of one eager forward of prefill_step(tokens, prompts)."""
+        with self.prefill_step(tokens, prompts) as (_, batch):
+            return timed(lambda: self.runner.forward(batch), self.device, reps)
 
     @torch.inference_mode()
     def decode_step_seconds(self, batch: int, context: int, steps: int = 20) -> float:
