@@ -4,14 +4,8 @@
 # what B changes, then benchmarks/engine_loads.py on A and on B. Logs and JSON go to $OUT (8 files at most).
 #   benchmarks/run_decode_on_gpu.sh            (from main's checkout, on the device machine)
 set -uo pipefail
-out=${OUT:?}
-b=${B_TREE:-.gpuwt/gpu-decode}
-log=$out/log.txt
-t0=$(date +%s)
-mark() { echo "== $1 at $(( $(date +%s) - t0 )) s" | tee -a "$log"; }
+source "$(dirname "$0")/ab_trees.sh" .gpuwt/gpu-decode  # out, b, log, mark; /tmp/a and /tmp/b
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpuwt/wl/*.whl >> "$log" 2>&1
-mkdir -p /tmp/a /tmp/b && ln -sfn "$PWD" /tmp/a/splitserve && ln -sfn "$PWD/$b" /tmp/b/splitserve
-export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv -lms 1000 > "$out/clocks.csv" 2>&1 &
 smi=$!

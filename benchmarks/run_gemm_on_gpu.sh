@@ -4,13 +4,7 @@
 #   STAGE=sweep benchmarks/run_gemm_on_gpu.sh   the GEMM variants under sustained load (gemm_sustained.py)
 #   STAGE=loads benchmarks/run_gemm_on_gpu.sh   engine_loads.py on A then on B (B with TABLE), then B's GPU tests
 set -uo pipefail
-out=${OUT:?}
-b=${B_TREE:-.gpuwt/gemm-tune}
-log=$out/log.txt
-t0=$(date +%s)
-mark() { echo "== $1 at $(( $(date +%s) - t0 )) s" | tee -a "$log"; }
-mkdir -p /tmp/a /tmp/b && ln -sfn "$PWD" /tmp/a/splitserve && ln -sfn "$PWD/$b" /tmp/b/splitserve
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/ab_trees.sh" .gpuwt/gemm-tune  # out, b, log, mark; /tmp/a and /tmp/b
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv -lms 250 > "$out/clocks.csv" 2>&1 &
 smi=$!
