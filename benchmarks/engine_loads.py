@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from splitserve.engine.bench import random_prompts, run_engine_batch
-from splitserve.engine.bench_engine import EngineUnderTest, device_limits, loop_bench_config
+from splitserve.engine.bench_engine import EngineUnderTest, device_limits, loop_bench_config, sustained_limits
 from splitserve.engine.engine import Engine
 from splitserve.engine.model_shapes import SHAPES, write_shape_folder
 from splitserve.engine.step_roofline import decode_step_rooflines
@@ -49,7 +49,8 @@ def packed_prompts(prompt: int, chunk: int) -> int:
     return max(1, chunk // prompt)
 
 
-def runner_rates(shape: str, device: str, lengths: list[int], batch: int, chunk: int, gemm_algos: str = "") -> dict:
+def runner_rates(shape: str, device: str, lengths: list[int], batch: int, chunk: int, gemm_algos: str = "",
+                 sustain_s: float = 0.0) -> dict:
     """The runner alone, prefill tok/s at each prompt length: `prefill_tok_s` of the step the engine runs (as many
     prompts as fit the chunk, packed: the loop's peer), `lone_prefill_tok_s` of one prompt; weights, KV bytes, limits.
 
@@ -65,7 +66,12 @@ def runner_rates(shape: str, device: str, lengths: list[int], batch: int, chunk:
             k = packed_prompts(n, chunk)
             packed[n] = max(packed.get(n, 0.0), k * n / eut.prefill_seconds(n, prompts=k))
             lone[n] = max(lone.get(n, 0.0), n / eut.prefill_seconds(n)) if k > 1 else packed[n]
-    out = {"limits": limits, "prefill_tok_s": packed, "lone_prefill_tok_s": lone,
+    sustained: dict = {}
+    if sustain_s > 0:  # the same limits and packed steps held for seconds: what the power cap lets them keep
+        sustained = {"limits": sustained_limits(eut.device, eut.runner.dtype, sustain_s), "prefill_tok_s": {
+            n: packed_prompts(n, chunk) * n / eut.sustained_prefill_seconds(n, packed_prompts(n, chunk), sustain_s)
+            for n in lengths}}
+    out = {"limits": limits, "prefill_tok_s": packed, "lone_prefill_tok_s": lone, "sustained": sustained,
            "packed_prompts": {n: packed_prompts(n, chunk) for n in lengths}, "weight_bytes": eut.weight_bytes,
            "kv_bytes_per_token": eut.kv_bytes_per_token, "dtype_bytes": eut.runner.dtype.itemsize}
     del eut
@@ -101,10 +107,18 @@ def decode_row(engine: Engine, batch: int, context: int, runner: dict, shape_cfg
     bandwidth = runner["limits"]["copy_bandwidth_Bps"]
     roofs = decode_step_rooflines(shape_cfg, batch, mean_context, runner["weight_bytes"], bandwidth,
                                   runner["limits"]["matmul_flops"], runner["dtype_bytes"])
+    held = runner.get("sustained", {}).get("limits")
+    if held:  # the compute-counting roofline at the limits a power-capped GPU holds
+        sustained_s = decode_step_rooflines(shape_cfg, batch, mean_context, runner["weight_bytes"],
+                                            held["copy_bandwidth_Bps"], held["matmul_flops"],
+                                            runner["dtype_bytes"])["compute_s"]
     row = {"batch": batch, "context": context, "step_s": r["decode_step_s"], "hbm_roofline_s": roofs["hbm_s"],
            "step_over_hbm_roofline": r["decode_step_s"] / roofs["hbm_s"],
            "compute_counting_roofline_s": roofs["compute_s"],
            "step_over_compute_counting_roofline": r["decode_step_s"] / roofs["compute_s"], "roofline_ops": roofs["ops"]}
+    if held:
+        row.update(sustained_compute_counting_roofline_s=sustained_s,
+                   step_over_sustained_compute_counting_roofline=r["decode_step_s"] / sustained_s)
     logger.info("decode %d x %d: %.2f ms a step, %.2fx HBM roofline, %.2fx compute-counting", batch, context,
                 row["step_s"] * 1e3, row["step_over_hbm_roofline"], row["step_over_compute_counting_roofline"])
     return row
@@ -128,6 +142,9 @@ def main() -> None:
     parser.add_argument("--budget-load", default="256x512:1")
     parser.add_argument("--gemm-algos", default="", help="the engine's --gemm-algos table (cuBLASLt algorithms per "
                         "projection shape), for the runner's rates too")
+    parser.add_argument("--sustain-s", type=float, default=0.0,
+                        help="also measure the limits and the runner's packed steps held for this many seconds each "
+                             "(a power-capped GPU's clocks), and every bound at those, reported beside the others")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
@@ -135,7 +152,8 @@ def main() -> None:
     sized = loads + ([parse_load(args.budget_load)] if args.prefill_budgets else [])
     lengths = sorted({p for _, p, _ in sized} | {args.chunk})
     # The runner's rates and the engine both take the table (each runner built installs its own).
-    runner = runner_rates(args.shape, args.device, lengths, args.max_running, args.chunk, args.gemm_algos)
+    runner = runner_rates(args.shape, args.device, lengths, args.max_running, args.chunk, args.gemm_algos,
+                          args.sustain_s)
     logger.info("runner prefill tok/s, the engine's packed step: %s; one prompt alone: %s",
                 {k: round(v) for k, v in runner["prefill_tok_s"].items()},
                 {k: round(v) for k, v in runner["lone_prefill_tok_s"].items()})
@@ -169,6 +187,12 @@ def main() -> None:
                    "compute_counting_bound_s": compute_bound,
                    "output_over_compute_counting_bound": compute_bound / total,
                    "ttft_p50_s": r.get("ttft_p50_s"), "steps": r["steps"]}
+            held = runner["sustained"]
+            if held:  # the same bound at the rates held for seconds, as a power-capped loop runs
+                held_runner = {**runner, "limits": held["limits"], "prefill_tok_s": held["prefill_tok_s"]}
+                held_bound = load_bound(n, prompt, output, args.max_running, held_runner)
+                row.update(prefill_over_sustained_runner=n * prompt / r["prefill_s"] / held["prefill_tok_s"][prompt],
+                           sustained_bound_s=held_bound, output_over_sustained_bound=held_bound / total)
             report["loads"].append(row)
             logger.info("%s", json.dumps(row))
             if args.output:  # as it goes: a later failure keeps what ran
@@ -207,10 +231,25 @@ def main() -> None:
               f"{row['prefill_tok_s']:13.0f} | {row['prefill_over_runner']:8.3f} | {row['ttft_p50_s']:10.3f} | "
               f"{row['output_tok_s']:12.0f} | {row['output_over_bound']:13.2f} | "
               f"{row['output_over_compute_counting_bound']:26.2f} | {row['steps']}")
+    held = runner["sustained"]
+    if held:
+        hl = held["limits"]
+        print(f"held for {hl['seconds']:.0f} s each: copy {hl['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (short: "
+              f"{runner['limits']['copy_bandwidth_Bps'] / 1e12:.2f}), matmul {hl['matmul_flops'] / 1e12:.0f} TFLOP/s "
+              f"(short: {runner['limits']['matmul_flops'] / 1e12:.0f}); the runner's packed step "
+              + ", ".join(f"{k}: {v:.0f} tok/s (short: {runner['prefill_tok_s'][k]:.0f})"
+                          for k, v in held["prefill_tok_s"].items()))
+        for row in report["loads"]:
+            print(f"  {row['load']:<13} at the held rates: prefill / runner "
+                  f"{row['prefill_over_sustained_runner']:.3f}, output / bound (HBM) "
+                  f"{row['output_over_sustained_bound']:.2f}")
     for row in report.get("decode", []):
         print(f"decode {row['batch']} x {row['context']}: {row['step_s'] * 1e3:.2f} ms a step; HBM roofline "
               f"{row['hbm_roofline_s'] * 1e3:.2f} ms ({row['step_over_hbm_roofline']:.2f}x); roofline counting compute "
-              f"{row['compute_counting_roofline_s'] * 1e3:.2f} ms ({row['step_over_compute_counting_roofline']:.2f}x)")
+              f"{row['compute_counting_roofline_s'] * 1e3:.2f} ms ({row['step_over_compute_counting_roofline']:.2f}x)"
+              + (f"; at the held limits {row['sustained_compute_counting_roofline_s'] * 1e3:.2f} ms "
+                 f"({row['step_over_sustained_compute_counting_roofline']:.2f}x)"
+                 if "sustained_compute_counting_roofline_s" in row else ""))
     if args.output:
         args.output.write_text(json.dumps(report, indent=1, default=str))
 

@@ -69,6 +69,40 @@ def device_limits(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     return {"copy_bandwidth_Bps": 2 * nbytes / copy_s, "matmul_flops": 2 * n**3 / mm_s}
 
 
+def sustained_rate(fn, device: torch.device, seconds: float) -> float:
+    """Calls of `fn` per second over the second half of `seconds` of back-to-back calls: long enough for a
+    power-capped GPU to reach the clocks it holds under load (an H200 at its 700 W cap drops from 1,980 MHz
+    to 1,400-1,800 within a second of heavy GEMMs), where a short burst measures the uncapped clocks."""
+    fn()
+    sync(device)
+    start = time.perf_counter()
+    half, calls = start + seconds / 2, 0
+    while True:
+        fn()
+        sync(device)  # one call in flight: each is timed whole, as the loop runs it
+        now = time.perf_counter()
+        if now >= half:
+            if calls == 0:
+                timed_from = now
+            calls += 1
+        if now - start >= seconds:
+            break
+    return (calls - 1) / (now - timed_from) if calls > 1 else 1.0 / max(now - start, 1e-9)
+
+
+def sustained_limits(device: torch.device, dtype: torch.dtype, seconds: float = 4.0) -> dict[str, float]:
+    """device_limits' copy bandwidth and matmul FLOP/s held for `seconds` each (see sustained_rate)."""
+    nbytes = 2 << 30
+    buffers = [torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    copies = sustained_rate(lambda: buffers[1].copy_(buffers[0]), device, seconds)
+    buffers.clear()
+    n = 8192
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    matmuls = sustained_rate(lambda: a @ b, device, seconds)
+    return {"copy_bandwidth_Bps": 2 * nbytes * copies, "matmul_flops": 2 * n**3 * matmuls, "seconds": seconds}
+
+
 class EngineUnderTest:
     """A model runner and KV cache of one shape with random weights, driven directly."""
 
@@ -111,19 +145,48 @@ class EngineUnderTest:
     @torch.inference_mode()
     @contextlib.contextmanager
     def prefill_step(self, tokens: int, prompts: int = 1) -> Iterator[tuple[list[Request], ForwardBatch]]:
-        """`prompts` fresh prompts of `tokens` each, admitted, and their prefill packed in one batch (a lone
-        prompt attends at the cuDNN buckets once the runner's warm-up has built them); released after."""
+        """`prompts` fresh prompts of `tokens` each, admitted, and their prefill packed in one batch as the runner
+        builds it (a lone prompt attends at the cuDNN buckets once the runner's warm-up has built them, packed
+        prompts through the paged extend kernel); released after."""
         reqs = self._requests(prompts, tokens, 1)
         try:
-            yield reqs, build_forward_batch([ScheduledChunk(r, 0, tokens, True) for r in reqs], self.kv.page_table,
-                                            self.cfg.page_size, self.device, prompt_buckets=self.runner.prompt_buckets)
+            yield reqs, self._batch([ScheduledChunk(r, 0, tokens, True) for r in reqs])
         finally:
             self._release(reqs)
+
+    def _batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        """The extend batch the runner's `launch` builds for these chunks: on CUDA over the paged kernels (packed
+        prompts through the paged extend kernel, as the engine loop runs them), else the reference path."""
+        return build_forward_batch(chunks, self.kv.page_table, self.cfg.page_size, self.device,
+                                   tokens_per_block=self.runner.extend_block_tokens,
+                                   cudnn_chunk=self.runner.cudnn_chunk, prompt_buckets=self.runner.prompt_buckets)
 
     def prefill_seconds(self, tokens: int, reps: int = 5, prompts: int = 1) -> float:
         """Median seconds of one eager forward of prefill_step(tokens, prompts)."""
         with self.prefill_step(tokens, prompts) as (_, batch):
             return timed(lambda: self.runner.forward(batch), self.device, reps)
+
+    def sustained_prefill_seconds(self, tokens: int, prompts: int, seconds: float) -> float:
+        """Seconds per eager forward of prefill_step(tokens, prompts) held back to back for `seconds`
+        (sustained_rate: the rate a power-capped GPU keeps, as in a loop's seconds of prefill)."""
+        with self.prefill_step(tokens, prompts) as (_, batch):
+            return 1.0 / sustained_rate(lambda: self.runner.forward(batch), self.device, seconds)
+
+    @torch.inference_mode()
+    @contextlib.contextmanager
+    def mixed_step(self, prompts: int, tokens: int, decodes: int, context: int
+                   ) -> Iterator[tuple[list[Request], ForwardBatch]]:
+        """A mixed step as a server under load runs it: `decodes` decode rows at `context` tokens each (first, as
+        the scheduler orders them), then `prompts` fresh prompts of `tokens` each, in one extend batch over the
+        paged kernels; everything admitted, released after."""
+        rows = self._requests(decodes, context + 1, 1)
+        fresh = self._requests(prompts, tokens, 1)
+        try:
+            chunks = ([ScheduledChunk(r, context, 1, True) for r in rows]
+                      + [ScheduledChunk(r, 0, tokens, True) for r in fresh])
+            yield rows + fresh, self._batch(chunks)
+        finally:
+            self._release(rows + fresh)
 
     @torch.inference_mode()
     def decode_step_seconds(self, batch: int, context: int, steps: int = 20) -> float:

@@ -12,9 +12,12 @@ One run:
    its output tok/s to the bound.
 
 The bound of a load is the least time any engine on these limits needs for it: every prompt
-token at the runner's best prefill rate, plus ceil(output tokens / batch) decode steps of the
-largest batch at the HBM roofline ((weights + KV read) / copy bandwidth); and never less than
-the last arrival plus that request's own prefill and decode at batch 1.
+token at the runner's best prefill rate, plus the decode steps at the HBM roofline: the weights
+read once a step, at least ceil(output tokens / batch) steps and at least as many as the longest
+output has tokens (a request's tokens come one a step), and every output token's KV read once; and
+never less than any request's arrival plus its own prefill and decode at batch 1. (Before, the
+steps were ceil(output / batch) alone and only the last arrival's own path counted: a mix whose
+longest output outlasts the others' steps read as 0.34 of a bound no engine could reach.)
 """
 
 from __future__ import annotations
@@ -86,14 +89,13 @@ class Limits:
         """The least time the load can take (see the module docstring)."""
         rate = max(self.prefill_tok_s.values())
         n = len(load.prompt_lens)
-        batch = min(n, self.max_batch)
-        context = statistics.fmean(p + o / 2 for p, o in zip(load.prompt_lens, load.output_lens, strict=True))
-        steps = -(-sum(load.output_lens) // batch)
-        work = sum(load.prompt_lens) / rate + steps * self.decode_step_s(batch, context)
-        last = max(range(n), key=lambda i: load.arrivals[i])
-        last_alone = (load.prompt_lens[last] / rate
-                      + (load.output_lens[last] - 1) * self.decode_step_s(1, load.prompt_lens[last]))
-        return max(work, load.arrivals[last] + last_alone)
+        lengths = list(zip(load.prompt_lens, load.output_lens, strict=True))
+        steps = max(-(-sum(load.output_lens) // min(n, self.max_batch)), max(load.output_lens))
+        kv_read = sum(o * (p + o / 2) for p, o in lengths) * self.kv_bytes_per_token
+        work = sum(load.prompt_lens) / rate + (steps * self.weight_bytes + kv_read) / self.copy_bandwidth_Bps
+        alone = max(arrival + p / rate + (o - 1) * self.decode_step_s(1, p)
+                    for arrival, (p, o) in zip(load.arrivals, lengths, strict=True))
+        return max(work, alone)
 
 
 def measure_limits(shape: str, device: str, lengths: list[int], max_batch: int) -> Limits:

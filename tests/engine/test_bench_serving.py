@@ -37,6 +37,20 @@ def test_bound_counts_prefill_decode_steps_and_the_last_arrival() -> None:
     assert limits.load_seconds(late) == pytest.approx(100.0 + 512 / 2e4 + 9 * (1e10 + 512 * 1e5) / 1e12)
 
 
+def test_bound_waits_for_the_longest_output_and_for_any_request_that_arrives_late() -> None:
+    limits = Limits(copy_bandwidth_Bps=1e12, prefill_tok_s={512: 1e4}, weight_bytes=10**10,
+                    kv_bytes_per_token=10**5, max_batch=256)
+    # All at once, one output of 1,000 tokens among 99 of 10: ceil(1990 / 100) = 20 full-batch steps would say
+    # 0.2 s of weights, but that request's tokens come one a step: at least 1,000 steps of reading the weights.
+    load = type(fixed_load("1x1:1"))("mix", [100] * 100, [1000] + [10] * 99, [0.0] * 100, math.inf)
+    kv = (1000 * (100 + 500) + 99 * 10 * (100 + 5)) * 1e5
+    assert limits.load_seconds(load) == pytest.approx(100 * 100 / 1e4 + (1000 * 1e10 + kv) / 1e12)
+    # A long request that is not the last to arrive still bounds the load by its own path from its arrival.
+    early_long = type(load)("mix", [100, 100], [1000, 2], [5.0, 5.5], 2.0)
+    alone = 5.0 + 100 / 1e4 + 999 * (1e10 + 100 * 1e5) / 1e12
+    assert limits.load_seconds(early_long) == pytest.approx(alone)
+
+
 @pytest.mark.slow
 def test_serving_profile_runs_on_the_cpu_with_the_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "serving.json"
