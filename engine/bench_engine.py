@@ -117,6 +117,7 @@ class EngineUnderTest:
         self.device = self.runner.device
         self.kv = KVCache(self.runner.kv_shape.num_pages, self.cfg.page_size, max_batch, 16384, self.device)
         self.runner.capture_decode_graphs(self.kv.page_table, self.kv.padding_slot)
+        self.uniform_ids = False  # benchmarks/peer_inputs.py: prompts of one id repeated, as the peer had before
 
     @property
     def weight_bytes(self) -> int:
@@ -128,9 +129,15 @@ class EngineUnderTest:
         return s.page_bytes * 2 * s.num_layers // s.page_size
 
     def _requests(self, n: int, length: int, extra: int) -> list[Request]:
+        """`n` admitted requests of `length` random token ids, as the engine loads send (a prompt of one id
+        repeated makes every row of every activation the same: GEMMs over such rows switch fewer bits and draw
+        less power, and on a power-capped GPU power sets the clock, so a peer must compute rows like the loop's)."""
+        from splitserve.engine.bench import random_prompts
+
         reqs = []
-        for i in range(n):
-            req = Request(f"bench-{i}", [1] * length, SamplingParams(max_new_tokens=extra, temperature=0.0),
+        prompts = random_prompts(n, length, seed=n * 31 + length) if not self.uniform_ids else [[1] * length] * n
+        for i, ids in enumerate(prompts):
+            req = Request(f"bench-{i}", ids, SamplingParams(max_new_tokens=extra, temperature=0.0),
                           on_output=lambda _o: None)
             self.kv.admit(req, max_prefix_tokens=0)
             if not self.kv.grow(req, length + extra):

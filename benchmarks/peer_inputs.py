@@ -1,0 +1,68 @@
+"""Does a prefill peer's input change its rate on a power-capped GPU? The runner's packed step (four fresh
+512-token prompts, as the engine loop packs them) held for seconds with prompts of one id repeated (what
+EngineUnderTest sent before the ninth session) against random ids (what the engine loads send), alternated,
+with the GPU's power and SM clock sampled through each.
+
+  python3 -P benchmarks/peer_inputs.py [--seconds 3] [--rounds 2] [--output peer_inputs.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import subprocess
+import threading
+from pathlib import Path
+
+from splitserve.engine.bench_engine import EngineUnderTest
+
+logger = logging.getLogger("peer_inputs")
+
+
+def sample_gpu(stop: threading.Event, into: list[tuple[float, float]]) -> None:
+    """(power W, SM MHz) every ~250 ms until `stop`."""
+    while not stop.wait(0.25):
+        line = subprocess.run(["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, check=False).stdout.split("\n")[0]
+        watts, mhz = (float(v) for v in line.split(","))
+        into.append((watts, mhz))
+
+
+def held_row(eut: EngineUnderTest, uniform: bool, seconds: float, prompts: int, tokens: int) -> dict:
+    eut.uniform_ids = uniform
+    samples: list[tuple[float, float]] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample_gpu, args=(stop, samples), daemon=True)
+    sampler.start()
+    try:
+        step_s = eut.sustained_prefill_seconds(tokens, prompts, seconds)
+    finally:
+        stop.set()
+        sampler.join()
+    late = samples[len(samples) // 2:] or samples  # the held half, as sustained_rate times it
+    return {"ids": "one id repeated" if uniform else "random", "tok_s": prompts * tokens / step_s,
+            "power_w": statistics.median(w for w, _ in late), "sm_mhz": statistics.median(m for _, m in late)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+    eut = EngineUnderTest(args.shape, "cuda", 8, 8 * 600)
+    eut.runner.warm_up(eut.kv.page_table)
+    rows = [held_row(eut, uniform, args.seconds, 4, 512) for _ in range(args.rounds) for uniform in (True, False)]
+    print("4 x 512 packed, held | tok/s | power W | SM MHz")
+    for r in rows:
+        print(f"{r['ids']:<20} | {r['tok_s']:6.0f} | {r['power_w']:7.1f} | {r['sm_mhz']:6.0f}")
+    if args.output:
+        args.output.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
