@@ -32,6 +32,7 @@ from splitserve.engine.layers.prompt_attention import bucket_lengths, bucket_lim
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models import build_model
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
+from splitserve.engine.piecewise_graphs import PiecewiseGraphs
 from splitserve.engine.prompt_embeds import image_rows, missing_embeddings, touches_images
 from splitserve.engine.prompt_graphs import PromptGraphs
 from splitserve.engine.request import Request
@@ -330,6 +331,8 @@ class ModelRunner:
             torch.backends.cudnn.allow_tf32 = False
         self.decode_graphs: DecodeGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None  # captured by warm_up
+        self.piecewise_graphs: PiecewiseGraphs | None = None  # captured (built, on the CPU) by warm_up
+        self.warmed_up = False
         # Decode and verify steps attend with one split count at every batch (engine/layers/decode_splits.py).
         self.batch_invariant_attention = False
         self.row_invariant_rows = skinny.MAX_ROWS  # 16-bit projections of up to this many rows are row-invariant
@@ -551,7 +554,38 @@ class ModelRunner:
         if (batch.is_decode and not batch.rows_share_slots and self.decode_graphs is not None
                 and self.decode_graphs.can_run(batch.batch_size)):
             return self.decode_graphs.run(batch)
+        if self._piecewise_runs(batch):
+            return self.piecewise_graphs.run(batch)
         return self.model(batch, self.kv_pool)
+
+    def _piecewise_runs(self, batch: ForwardBatch) -> bool:
+        """Whether an extend batch runs through the piecewise graphs: text only (no image rows), of up to their
+        largest bucket's tokens, while 16-bit projections past skinny.MAX_ROWS rows take cuBLAS and attention
+        splits are plain decoding's (else padding a step would change which projection path its rows take)."""
+        graphs = self.piecewise_graphs
+        return (graphs is not None and not batch.is_decode and batch.image_rows is None
+                and graphs.can_run(batch.input_ids.shape[0]) and self._piecewise_mode())
+
+    def _piecewise_mode(self) -> bool:
+        """Whether the runner is in the mode piecewise steps run in: the default (not row- or batch-invariant)."""
+        return self.row_invariant_rows <= skinny.MAX_ROWS and not self.batch_invariant_attention
+
+    @torch.inference_mode()
+    def capture_piecewise_graphs(self) -> None:
+        """Captures the piecewise graphs of extend steps up to --piecewise-graph-tokens (and the step budget) on
+        the GPU, after the prompt graphs; on the CPU and with --disable-cuda-graph their padded pieces run
+        eagerly instead (engine/piecewise_graphs.py). Not on tensor-parallel ranks, nor in a row- or
+        batch-invariant mode. Graphs captured before go first, also where none is captured now."""
+        self.piecewise_graphs = None  # their memory goes back before the new capture, not beside it
+        budget = self.cfg.chunked_prefill_size if self.cfg.chunked_prefill_size > 0 else self.cfg.piecewise_graph_tokens
+        tokens = min(self.cfg.piecewise_graph_tokens, budget)
+        if self.tp.size > 1 or tokens <= 0 or not self._piecewise_mode():
+            return
+        text_model = getattr(self.model, "language_model", self.model)  # a multimodal model's text steps
+        graphs = PiecewiseGraphs(text_model, self.kv_pool, tokens, self.device)
+        if self.device.type == "cuda" and not self.cfg.disable_cuda_graph:
+            graphs.capture()
+        self.piecewise_graphs = graphs
 
     @torch.inference_mode()
     def capture_decode_graphs(self, page_table: torch.Tensor, padding_slot: int) -> None:
@@ -579,10 +613,12 @@ class ModelRunner:
         the graphs either change touches are captured again once (a capture of every decode bucket takes
         seconds; set one after the other they were captured twice). Verify graphs are captured again when
         the split count changes only: at start they are captured after this (Engine.prepare_speculation);
-        a change of rows alone leaves those already captured on the rows they were captured with."""
+        a change of rows alone leaves those already captured on the rows they were captured with. Piecewise
+        graphs go when the runner leaves the default mode and are captured again when it returns to it."""
         if self.device.type != "cuda" or self.step_broadcaster is not None:
             return  # CPU has no skinny kernel nor splits; tensor-parallel ranks keep their own kernels
         rows = max(rows, skinny.MAX_ROWS)
+        piecewise_mode = self._piecewise_mode()
         layers = [m for m in self.model.modules() if hasattr(m, "skinny_rows")]
         before = max((m.skinny_rows for m in layers), default=skinny.MAX_ROWS)
         for m in layers:
@@ -602,6 +638,8 @@ class ModelRunner:
             most = max(self.verify_graphs) - 1
             self.verify_graphs = {}
             self.capture_verify_graphs(page_table, padding_slot, most)
+        if self.warmed_up and piecewise_mode != self._piecewise_mode():  # out of the default mode, or back in
+            self.capture_piecewise_graphs()
 
     @torch.inference_mode()
     def capture_verify_graphs(self, page_table: torch.Tensor, padding_slot: int, max_draft_tokens: int) -> None:
@@ -629,7 +667,9 @@ class ModelRunner:
         these steps read and write nothing but scratch. The decode graphs' capture has already
         compiled the decode kernels.
         """
+        self.warmed_up = True
         if self.device.type != "cuda":
+            self.capture_piecewise_graphs()  # built only: their pieces run eagerly on the CPU
             return
         started = time.monotonic()
         greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
@@ -660,7 +700,7 @@ class ModelRunner:
             steps.append([chunk(self.cudnn_chunk, start=self.cudnn_chunk)])
         # Eager steps, as at a first warm-up: a second one's lone prompts would replay the graphs captured after
         # the first (captured again below), and the decode steps the decode graphs.
-        self.prompt_graphs = None
+        self.prompt_graphs = self.piecewise_graphs = None
         graphs, self.decode_graphs = self.decode_graphs, None
         try:
             for chunks in steps:
@@ -674,6 +714,7 @@ class ModelRunner:
             build_cudnn_graphs(self.cudnn_chunk, cudnn_prefixes(self.cudnn_chunk, self.context_length),
                                attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         self.capture_prompt_graphs(page_table)
+        self.capture_piecewise_graphs()
         torch.cuda.synchronize(self.device)
         logger.info("warm-up: every step kind compiled in %.1f s (with %d cuDNN prompt buckets up to %d tokens, "
                     "~62 ms a graph on an H200)", time.monotonic() - started, len(buckets), self.prompt_buckets or 0)
@@ -683,6 +724,7 @@ class ModelRunner:
         self.decode_graphs = None
         self.verify_graphs = {}
         self.prompt_graphs = None
+        self.piecewise_graphs = None
         self.model = None
         self.kv_pool = None
         self.full = None

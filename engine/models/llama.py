@@ -17,6 +17,13 @@ from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
 
 
+def attention_mask(batch: ForwardBatch) -> torch.Tensor | None:
+    """The mask of a batch's attention: only the padded extend path (the reference) needs one; the paged
+    kernels, decodes and plain causal prefills do not."""
+    needs_mask = batch.kv_indices is not None and not (batch.no_prefix and batch.batch_size == 1)
+    return causal_padded_mask(batch) if needs_mask else None
+
+
 class LlamaAttention(nn.Module):
     """Fused QKV projection, RoPE, paged attention, output projection."""
 
@@ -37,7 +44,13 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_index)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor | None) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attention(self.qkv_proj(x), batch, kv, mask))
+
+    def attention(self, qkv: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor | None
+                  ) -> torch.Tensor:
+        """[T, H*D] from the fused projection `qkv` [T, (H + 2 Hkv) D]: qk-norm and RoPE, the KV store and
+        attention over the paged cache, all of the layer between its two projections (the part that a
+        piecewise graph leaves to run eagerly: engine/piecewise_graphs.py)."""
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         k_cache, v_cache = kv.k_cache(self.layer_index), kv.v_cache(self.layer_index)
         q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
@@ -46,15 +59,15 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if qkv.is_cuda and self.q_norm is None:
             if batch.is_decode:  # RoPE, the KV store and attention: one kernel
-                return self.o_proj(self.attn.decode_new_token(q, k, v, batch, k_cache, v_cache, self.rotary))
+                return self.attn.decode_new_token(q, k, v, batch, k_cache, v_cache, self.rotary)
             from splitserve.engine.layers.fused_triton import rope_and_store_kv
             rope_and_store_kv(qkv, batch.positions, self.rotary.cos, self.rotary.sin, self.num_heads,
                               self.num_kv_heads, self.head_dim, k_cache, v_cache, batch.out_cache_loc)
-            return self.o_proj(self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=True, qkv=qkv))
+            return self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=True, qkv=qkv)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch, k_cache, v_cache, mask))
+        return self.attn(q, k, v, batch, k_cache, v_cache, mask)
 
 
 class LlamaMLP(nn.Module):
@@ -121,10 +134,7 @@ class LlamaForCausalLM(nn.Module):
                       input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         x = with_image_rows(x, batch.image_rows, batch.image_positions)  # a multimodal prompt's image rows
-        # Only the padded extend path (the reference) needs a mask; the paged kernels, decodes and
-        # plain causal prefills do not.
-        needs_mask = batch.kv_indices is not None and not (batch.no_prefix and batch.batch_size == 1)
-        mask = causal_padded_mask(batch) if needs_mask else None
+        mask = attention_mask(batch)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch, kv, mask)

@@ -1,0 +1,150 @@
+"""Piecewise CUDA graphs for extend steps: the row-wise layers graphed at a padded token count, attention eager.
+
+A mixed step (prompt chunks beside decode rows: what a loaded server runs whenever a request arrives), several
+prompts packed, or a chunk after a cached prefix cannot take one graph: its attention metadata (the paged
+kernels' plan, the decode rows, the prefix chunks, the page table's rows) changes every step. Eagerly it launches
+~15 kernels a layer, and on the H200's host an 8B forward of a few hundred tokens takes 2-5x its kernel time
+(benchmarks/prefill_host_share.py). But everything of the forward except attention works row by row, so it can
+run at a bucket's token count T >= the step's n tokens inside CUDA graphs, and attention, the only part that mixes
+rows, run eagerly on the n real rows between them (the idea of vLLM's piecewise graphs):
+
+    piece 0:        embedding, layer 0's input norm and qkv projection
+    piece l (1..L-1): layer l-1's o_proj, post-attention norm and MLP, layer l's input norm and qkv projection
+    piece L:        the last layer's o_proj, post-attention norm and MLP, the final norm
+    between piece l and l+1: layer l's attention part (LlamaAttention.attention) on rows [:n] of the qkv,
+                    written to rows [:n] of the attention output that piece l+1 reads
+
+then the logits rows are gathered from the hidden rows and go through the LM head eagerly (their count varies).
+Padding rows (n..T) are token 0, run no attention (they store no KV) and read whatever attention output rows hold
+from an earlier step: finite (the buffer is zeroed at allocation and only ever written with attention outputs),
+row-wise, never read by a real row. The projections run at T rows, not n, so a row's rounding is a T-row GEMM's:
+with --disable-cuda-graph the same padded pieces run eagerly, so an engine's tokens do not depend on graphs.
+
+Memory: every tensor that outlives a piece (the token ids, the residual stream, the qkv projection, the attention
+output, the final hidden rows) is a static buffer of the largest bucket's rows, allocated outside the graphs;
+each piece reads and writes rows [:T] of them and keeps nothing else (its own outputs are copied in, a few us a
+piece). So no graph's output lives in the graphs' memory pool, which holds only each piece's temporaries, dead at
+the piece's end, and all pieces of all buckets share one pool: replays run one at a time on one stream, each graph
+finished before the next starts, so a graph may reuse any memory another graph's temporaries used. (Keeping every
+piece's outputs of every bucket alive instead would cost 32 layers x T x (hidden + qkv) x 2 B, 1.3 GB at T =
+2048, per bucket.) `capture` logs the pool's size.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from splitserve.engine.cuda_graph_runner import capture_graphs
+from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.models.llama import LlamaForCausalLM, attention_mask
+
+logger = logging.getLogger(__name__)
+
+# Token counts of the graphs. Up to ~128 rows an 8B step's projections take about their weights' read time at any
+# row count, so padding costs little there; past it they are compute-bound and padding rows cost their share: from
+# 64 tokens on at most a quarter of a bucket's rows are padding (193 -> 256: 63 of 256), from 256 on at most a fifth
+# (257 -> 320, 513 -> 640). 17 buckets x (layers + 1) pieces: 561 graphs for 32 layers.
+BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+def piecewise_buckets(max_tokens: int) -> tuple[int, ...]:
+    """The graphs' token counts for steps of up to `max_tokens` tokens: BUCKETS below it, then itself; () for 0."""
+    if max_tokens <= 0:
+        return ()
+    return (*(b for b in BUCKETS if b < max_tokens), max_tokens)
+
+
+class PiecewiseGraphs:
+    """A text model's forward as L+1 pieces per bucket (see the module docstring); `run` gives a batch's logits."""
+
+    def __init__(self, model: LlamaForCausalLM, kv: KVPool, max_tokens: int, device: torch.device) -> None:
+        """`max_tokens`: the largest step a graph runs; the pieces are captured by `capture` (GPU only), and run
+        eagerly, on the same buffers, where not."""
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.buckets = piecewise_buckets(max_tokens)
+        self.longest = self.buckets[-1] if self.buckets else 0
+        attn = model.layers[0].self_attn
+        dtype = model.embed_tokens.weight.dtype
+
+        def buffer(width: int) -> torch.Tensor:
+            return torch.zeros(self.longest, width, dtype=dtype, device=device)
+
+        self.input_ids = torch.zeros(self.longest, dtype=torch.int64, device=device)
+        self.residual = buffer(model.cfg.hidden_size)
+        self.qkv = buffer(attn.qkv_proj.weight.shape[0])
+        self.attn_out = buffer(attn.num_heads * attn.head_dim)
+        self.hidden = buffer(model.cfg.hidden_size)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (bucket, piece)
+        self.pool_bytes = 0  # the graphs' memory pool (device memory reserved by the capture)
+
+    @property
+    def pieces(self) -> int:
+        return len(self.model.layers) + 1
+
+    def bucket(self, tokens: int) -> int | None:
+        """The token count of the graphs a step of `tokens` tokens runs at; None: more than the largest."""
+        return next((b for b in self.buckets if b >= tokens), None)
+
+    def can_run(self, tokens: int) -> bool:
+        return 0 < tokens <= self.longest
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every bucket's pieces, largest bucket first, a bucket's pieces in order, into one pool."""
+        started = time.monotonic()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # what the pool takes is then what the capture reserved
+        reserved = torch.cuda.memory_reserved(self.device)
+        keys = [(bucket, piece) for bucket in reversed(self.buckets) for piece in range(self.pieces)]
+        self.graphs, _, _ = capture_graphs(keys, lambda key: self.run_piece(*key), self.device)
+        torch.cuda.empty_cache()
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        logger.info("captured %d piecewise CUDA graphs (%d buckets of %d pieces, %s tokens) in %.1f s, pool %.1f MiB",
+                    len(self.graphs), len(self.buckets), self.pieces, ",".join(map(str, self.buckets)),
+                    time.monotonic() - started, self.pool_bytes / 2**20)
+
+    def run_piece(self, bucket: int, piece: int) -> None:
+        """One piece over rows [:bucket] of the buffers (what each graph runs)."""
+        layers = self.model.layers
+        if piece == 0:
+            x = self.model.embed_tokens(self.input_ids[:bucket])
+            residual, x = x, layers[0].input_layernorm(x)
+        else:
+            before = layers[piece - 1]
+            x = before.self_attn.o_proj(self.attn_out[:bucket])
+            x, residual = before.post_attention_layernorm(x, self.residual[:bucket])
+            x = before.mlp(x)
+            if piece == len(layers):
+                hidden, _ = self.model.norm(x, residual)
+                self.hidden[:bucket].copy_(hidden)
+                return
+            x, residual = layers[piece].input_layernorm(x, residual)
+        self.residual[:bucket].copy_(residual)
+        self.qkv[:bucket].copy_(layers[piece].self_attn.qkv_proj(x))
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits of the batch's `logits_index` rows (an extend batch of up to `longest` tokens, text
+        only): its bucket's pieces, replayed (run eagerly where not captured), with each layer's attention
+        part run eagerly on the batch's rows between them."""
+        n = batch.input_ids.shape[0]
+        bucket = self.bucket(n)
+        assert bucket is not None and not batch.is_decode, f"no piecewise graph holds a step of {n} tokens"
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.input_ids[n:bucket].zero_()
+        mask = attention_mask(batch)
+        for piece in range(self.pieces):
+            graph = self.graphs.get((bucket, piece))
+            if graph is None:
+                self.run_piece(bucket, piece)
+            else:
+                graph.replay()
+            if piece < len(self.model.layers):
+                attention = self.model.layers[piece].self_attn.attention
+                self.attn_out[:n].copy_(attention(self.qkv[:n], batch, self.kv, mask))
+        return self.model.lm_head.compute_logits(self.hidden[:n][batch.logits_index]).float()
