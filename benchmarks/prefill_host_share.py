@@ -8,7 +8,9 @@ median of timed forwards with a synchronize after each; kernels is the sum of th
 profiled forward (torch.profiler; CUPTI sees every launch). wall / kernels near 1: the GPU bounds the step; above
 it, the launches do (the GPU idles between kernels) and the rate measured is the host's, not the hardware's.
 The runner is warmed up first, as an engine's is: a lone prompt attends at its cuDNN bucket, and a lone prompt
-that a lone-prompt CUDA graph holds (engine/prompt_graphs.py, --prompt-graph-tokens) is timed through it too.
+that a lone-prompt CUDA graph holds (engine/prompt_graphs.py, --prompt-graph-tokens) is timed through it too. Every
+step of up to --piecewise-graph-tokens tokens is also timed through the piecewise graphs (engine/piecewise_graphs.py,
+captured apart from the runner, so that its forward stays the eager one): "pw" columns.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from splitserve.engine.bench_engine import EngineUnderTest, sync, timed
+from splitserve.engine.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger("prefill_host_share")
 
@@ -45,7 +48,8 @@ def parse_step(text: str) -> tuple[int, int, int, int]:
 
 
 @torch.inference_mode()
-def step_row(eut: EngineUnderTest, prompts: int, tokens: int, decodes: int = 0, context: int = 0) -> dict:
+def step_row(eut: EngineUnderTest, prompts: int, tokens: int, decodes: int = 0, context: int = 0,
+             piecewise: PiecewiseGraphs | None = None) -> dict:
     step = (eut.mixed_step(prompts, tokens, decodes, context) if decodes
             else eut.prefill_step(tokens, prompts))
     with step as (reqs, batch):
@@ -63,6 +67,11 @@ def step_row(eut: EngineUnderTest, prompts: int, tokens: int, decodes: int = 0, 
             row["graph_wall_s"] = timed(replay, eut.device, reps=9)
             row["graph_kernels_s"] = kernel_seconds(replay, eut.device)
             row["eager_over_graph"] = wall / row["graph_wall_s"]
+        if piecewise is not None and piecewise.can_run(new_tokens):
+            row["piecewise_bucket"] = piecewise.bucket(new_tokens)
+            row["piecewise_wall_s"] = timed(lambda: piecewise.run(batch), eut.device, reps=9)
+            row["piecewise_kernels_s"] = kernel_seconds(lambda: piecewise.run(batch), eut.device)
+            row["eager_over_piecewise"] = wall / row["piecewise_wall_s"]
     return row
 
 
@@ -71,6 +80,8 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", nargs="+", default=["1x256", "1x512", "1x1024", "1x2048", "4x512"])
+    parser.add_argument("--piecewise-graph-tokens", type=int, default=1024,
+                        help="steps of up to this many tokens are timed through piecewise graphs too (0: not)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     if not args.device.startswith("cuda"):
@@ -80,16 +91,26 @@ def main() -> None:
     eut = EngineUnderTest(args.shape, args.device, max(n + d for n, _, d, _ in steps),
                           max(n * (t + 16) + d * (c + 32) for n, t, d, c in steps) + 64)
     eut.runner.warm_up(eut.kv.page_table)  # as an engine's start: cuDNN buckets, lone-prompt graphs
-    rows = [step_row(eut, *step) for step in steps]
+    piecewise = None
+    if args.piecewise_graph_tokens > 0:
+        piecewise = PiecewiseGraphs(eut.runner.model, eut.runner.kv_pool, args.piecewise_graph_tokens, eut.device)
+        piecewise.capture()
+    rows = [step_row(eut, *step, piecewise=piecewise) for step in steps]
     print("step           | eager ms | kernels ms | wall / kernels | tok/s (eager) | tok/s at kernel time | graph ms | "
-          "graph kernels ms | eager / graph")
+          "graph kernels ms | eager / graph | pw bucket | pw ms | pw kernels ms | eager / pw")
     for r in rows:
         graph = (f"{r['graph_wall_s'] * 1e3:8.2f} | {r['graph_kernels_s'] * 1e3:16.2f} | {r['eager_over_graph']:13.2f}"
                  if "graph_wall_s" in r else f"{'-':>8} | {'-':>16} | {'-':>13}")
+        pw = (f"{r['piecewise_bucket']:9d} | {r['piecewise_wall_s'] * 1e3:5.2f} | "
+              f"{r['piecewise_kernels_s'] * 1e3:13.2f} | {r['eager_over_piecewise']:10.2f}"
+              if "piecewise_wall_s" in r else f"{'-':>9} | {'-':>5} | {'-':>13} | {'-':>10}")
         print(f"{r['step']:<14} | {r['wall_s'] * 1e3:8.2f} | {r['kernels_s'] * 1e3:10.2f} | "
-              f"{r['wall_over_kernels']:14.2f} | {r['tok_s']:13.0f} | {r['tok_s_at_kernel_time']:20.0f} | {graph}")
+              f"{r['wall_over_kernels']:14.2f} | {r['tok_s']:13.0f} | {r['tok_s_at_kernel_time']:20.0f} | {graph} | "
+              f"{pw}")
     if args.output:
-        args.output.write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
+        args.output.write_text(json.dumps({"shape": args.shape, "rows": rows,
+                                           "piecewise_pool_bytes": piecewise.pool_bytes if piecewise else None},
+                                          indent=1))
 
 
 if __name__ == "__main__":
