@@ -263,10 +263,10 @@ def test_the_graphs_pool_holds_one_piece_s_temporaries_not_every_piece_s_outputs
 
     folder = write_shape_folder("llama-3.2-1b", tmp_path / "shape")
     config = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", load_format="dummy", page_size=16,
-                          max_total_tokens=16384, max_running_requests=8, context_length=4096,
-                          piecewise_graph_tokens=1024)
+                          max_total_tokens=16384, max_running_requests=8, context_length=2048,
+                          prompt_graph_tokens=0, piecewise_graph_tokens=1024)
     runner = ModelRunner(config, folder, ModelConfig.from_folder(folder))
-    kv = KVCache(runner.kv_shape.num_pages, config.page_size, 8, 4096, runner.device)
+    kv = KVCache(runner.kv_shape.num_pages, config.page_size, 8, 2048, runner.device)
     with caplog.at_level(logging.INFO, logger="splitserve.engine.piecewise_graphs"):
         runner.warm_up(kv.page_table)
     graphs = runner.piecewise_graphs
