@@ -95,6 +95,7 @@ def step_batch(runner, kv, chunks):
 @torch.inference_mode()
 def test_only_text_extend_steps_up_to_the_largest_bucket_in_the_default_mode_take_the_pieces(tmp_path: Path) -> None:
     from splitserve.engine.forward_batch import decode_batch
+    from splitserve.engine.scheduler import ScheduledChunk
 
     runner, kv = cpu_runner(tmp_path, piecewise_graph_tokens=64)
     gen = torch.Generator().manual_seed(0)
@@ -108,6 +109,10 @@ def test_only_text_extend_steps_up_to_the_largest_bucket_in_the_default_mode_tak
     assert ran == [23]  # the mixed step
     runner.run(chunks[:2], kv.page_table)  # two decode rows: a decode step
     assert ran == [23]
+    assert kv.grow(reqs[1], 24)
+    verify = ScheduledChunk(reqs[1], 21, 3, True, draft=[5, 6])
+    out = runner.run([verify, chunks[3]], kv.page_table)  # a verify chunk beside a prompt chunk
+    assert ran == [23, 16] and len(out.verified) == 1 and out.tokens and len(out.tokens) == 1
     batch = step_batch(runner, kv, chunks)
     assert runner._piecewise_runs(batch)
     assert not runner._piecewise_runs(decode_batch(batch.input_ids[:2], batch.positions[:2],
