@@ -111,7 +111,7 @@ class EngineUnderTest:
         self.cfg = EngineConfig(model=str(self.folder), device=device, load_format="dummy",
                                 max_running_requests=max_batch, max_total_tokens=max_tokens,
                                 context_length=16384, page_size=16, cuda_graph_max_batch=max_batch,
-                                gemm_algos=gemm_algos)
+                                gemm_algos=gemm_algos, piecewise_graph_tokens=0)  # its forward: the eager peer
         self.model_cfg = ModelConfig.from_folder(self.folder)
         self.runner = ModelRunner(self.cfg, self.folder, self.model_cfg)
         self.device = self.runner.device

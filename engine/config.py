@@ -69,11 +69,11 @@ class EngineConfig:
     prompt_graph_tokens: int = field(default=1024, metadata={
         "help": "lone fresh prompts of up to this many tokens prefill through CUDA graphs (one per 256 tokens; "
                 "eager launches take longer than such a prompt's kernels); 0: eagerly"})
-    piecewise_graph_tokens: int = field(default=0, metadata={
+    piecewise_graph_tokens: int = field(default=-1, metadata={
         "help": "mixed and other extend steps (prompt chunks, packed prompts, chunks after a cached prefix, decode "
                 "rows beside them) of up to this many tokens run their row-wise layers through piecewise CUDA "
                 "graphs, padded to a bucket, with attention run eagerly between the pieces "
-                "(engine/piecewise_graphs.py); 0: eagerly"})
+                "(engine/piecewise_graphs.py); 0: eagerly; -1 (default): 512 on a GPU, eagerly on the CPU"})
     gemm_algos: str = field(default="", metadata={
         "help": "a table of cuBLASLt algorithms per projection shape (benchmarks/gemm_sustained.py --table-out, "
                 "timed under sustained load) for the dense linear layers; empty, absent, or written for another "
@@ -102,8 +102,9 @@ class EngineConfig:
             raise ValueError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
-        if self.piecewise_graph_tokens < 0:
-            raise ValueError(f"--piecewise-graph-tokens must be >= 0, got {self.piecewise_graph_tokens}")
+        if self.piecewise_graph_tokens < -1:
+            raise ValueError(f"--piecewise-graph-tokens must be >= 0, or -1 for the default, got "
+                             f"{self.piecewise_graph_tokens}")
         if self.tp_timeout <= 0 or self.tp_startup_timeout <= 0:
             raise ValueError(f"--tp-timeout and --tp-startup-timeout must be > 0, got {self.tp_timeout} "
                              f"and {self.tp_startup_timeout}")

@@ -32,7 +32,7 @@ from splitserve.engine.layers.prompt_attention import bucket_lengths, bucket_lim
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models import build_model
 from splitserve.engine.parallel_state import SINGLE, TensorParallel
-from splitserve.engine.piecewise_graphs import PiecewiseGraphs
+from splitserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_tokens
 from splitserve.engine.prompt_embeds import image_rows, missing_embeddings, touches_images
 from splitserve.engine.prompt_graphs import PromptGraphs
 from splitserve.engine.request import Request
@@ -577,8 +577,9 @@ class ModelRunner:
         eagerly instead (engine/piecewise_graphs.py). Not on tensor-parallel ranks, nor in a row- or
         batch-invariant mode. Graphs captured before go first, also where none is captured now."""
         self.piecewise_graphs = None  # their memory goes back before the new capture, not beside it
-        budget = self.cfg.chunked_prefill_size if self.cfg.chunked_prefill_size > 0 else self.cfg.piecewise_graph_tokens
-        tokens = min(self.cfg.piecewise_graph_tokens, budget)
+        tokens = piecewise_tokens(self.cfg.piecewise_graph_tokens, self.device)
+        budget = self.cfg.chunked_prefill_size if self.cfg.chunked_prefill_size > 0 else tokens
+        tokens = min(tokens, budget)
         if self.tp.size > 1 or tokens <= 0 or not self._piecewise_mode():
             return
         text_model = getattr(self.model, "language_model", self.model)  # a multimodal model's text steps

@@ -51,6 +51,21 @@ logger = logging.getLogger(__name__)
 BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
+# The default limit on a GPU. On the H200 (benchmarks/prefill_host_share.py, ninth session) an eager 8B forward costs
+# the host ~18 ms whatever its size, so mixed steps of 72-464 tokens ran 1.13-2.15x faster through the pieces, while
+# steps of 576-1024 tokens, whose kernels take longer than that, ran 0.94-1.00x (padding and the copies between
+# pieces, with nothing to hide). On the CPU no graph runs: the padded pieces would only cost.
+DEFAULT_GPU_TOKENS = 512
+
+
+def piecewise_tokens(configured: int, device: torch.device) -> int:
+    """The largest step the pieces run: --piecewise-graph-tokens, or for -1 (its default) DEFAULT_GPU_TOKENS on a
+    GPU and 0 (eagerly) on the CPU."""
+    if configured >= 0:
+        return configured
+    return DEFAULT_GPU_TOKENS if device.type == "cuda" else 0
+
+
 def piecewise_buckets(max_tokens: int) -> tuple[int, ...]:
     """The graphs' token counts for steps of up to `max_tokens` tokens: BUCKETS below it, then itself; () for 0."""
     if max_tokens <= 0:

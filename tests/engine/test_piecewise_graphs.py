@@ -129,7 +129,17 @@ def test_only_text_extend_steps_up_to_the_largest_bucket_in_the_default_mode_tak
     for req in reqs + long_reqs:
         kv.release(req, cache_prefix=False)
     off, _ = cpu_runner(tmp_path / "off")
-    assert off.piecewise_graphs is None  # --piecewise-graph-tokens 0 (the default): none built
+    assert off.piecewise_graphs is None  # the default on the CPU: none built, extend steps run the plain forward
+    off, _ = cpu_runner(tmp_path / "zero", piecewise_graph_tokens=0)
+    assert off.piecewise_graphs is None
+
+
+def test_the_default_limit_is_512_tokens_on_a_gpu_and_none_on_the_cpu() -> None:
+    from splitserve.engine.piecewise_graphs import DEFAULT_GPU_TOKENS, piecewise_tokens
+
+    assert DEFAULT_GPU_TOKENS == 512
+    assert piecewise_tokens(-1, torch.device("cuda")) == 512 and piecewise_tokens(-1, torch.device("cpu")) == 0
+    assert piecewise_tokens(0, torch.device("cuda")) == 0 and piecewise_tokens(300, torch.device("cpu")) == 300
 
 
 @torch.inference_mode()
