@@ -22,6 +22,7 @@ would compute at that position. Verification itself runs after the replay.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -46,6 +47,15 @@ def buckets_up_to(max_batch: int) -> list[int]:
     return [*chosen, max_batch]
 
 
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream every capture of the process runs on. cuBLAS gets a workspace per stream it runs on, and
+    torch keeps each for the process's life; a new stream per capture (decode, verify, lone-prompt and piecewise
+    graphs, again for every engine built in the process) left one more workspace behind each time, so a stopped
+    engine did not give all its memory back."""
+    return torch.cuda.Stream(device)
+
+
 def capture_graphs(keys: list[K], step: Callable[[K], T], device: torch.device, pool: tuple | None = None
                    ) -> tuple[dict[K, torch.cuda.CUDAGraph], dict[K, T], tuple | None]:
     """One CUDA graph of `step(key)` per key, captured in that order on a side stream into one memory pool
@@ -56,7 +66,8 @@ def capture_graphs(keys: list[K], step: Callable[[K], T], device: torch.device, 
     each one's outputs (the tensors its replays write) and the pool."""
     graphs: dict[K, torch.cuda.CUDAGraph] = {}
     outputs: dict[K, T] = {}
-    stream = torch.cuda.Stream(device)
+    stream = capture_stream(torch.device(device.type, device.index if device.index is not None
+                                         else torch.cuda.current_device()))
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for key in keys:
