@@ -45,9 +45,12 @@ from splitserve.engine.models.llama import LlamaForCausalLM, attention_mask
 logger = logging.getLogger(__name__)
 
 # Token counts of the graphs. Up to ~128 rows an 8B step's projections take about their weights' read time at any
-# row count, so padding costs little there; past it they are compute-bound and padding rows cost their share: from
-# 64 tokens on at most a quarter of a bucket's rows are padding (193 -> 256: 63 of 256), from 256 on at most a fifth
-# (257 -> 320, 513 -> 640). 17 buckets x (layers + 1) pieces: 561 graphs for 32 layers.
+# row count, so padding costs little there; past it they are compute-bound and padding rows cost their share: past
+# 64 tokens at most a third of a bucket's rows are padding (65 -> 96: 31 of 96), past 96 at most a quarter (193 ->
+# 256: 63 of 256), past 256 at most a fifth (257 -> 320, 513 -> 640). The first bucket is skinny.MAX_ROWS: in the
+# default mode the pieces run in, a 16-bit step of up to that many rows takes the row-invariant projections padded
+# or not and one past it cuBLAS both ways, so padding never moves a step from one projection path to the other
+# (float32 takes the row-invariant kernel at every count). 17 buckets x (layers + 1) pieces: 561 graphs for 32 layers.
 BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 

@@ -25,6 +25,26 @@ def test_the_buckets_are_the_fixed_ones_below_the_limit_then_the_limit(max_token
     assert piecewise_buckets(max_tokens) == buckets
 
 
+@pytest.mark.parametrize("max_tokens", [1024, 512, 300, 64, 17, 16, 10])
+def test_padding_never_moves_a_step_across_the_row_invariant_limit(max_tokens: int) -> None:
+    # 16-bit projections of up to skinny.MAX_ROWS rows take the row-invariant kernel and larger ones cuBLAS: a step
+    # padded from one side of that limit to the other would change its rows' rounding, not just their count.
+    from splitserve.engine.layers.skinny import MAX_ROWS
+
+    buckets = piecewise_buckets(max_tokens)
+    for n in range(1, max_tokens + 1):
+        bucket = next(b for b in buckets if b >= n)
+        assert (n <= MAX_ROWS) == (bucket <= MAX_ROWS), (n, bucket)
+
+
+def test_the_fixed_buckets_pad_at_most_a_third_past_64_tokens_a_quarter_past_96_a_fifth_past_256() -> None:
+    def worst(past: int) -> float:
+        return max((b - n) / b for n in range(past + 1, BUCKETS[-1] + 1) for b in [next(b for b in BUCKETS if b >= n)])
+
+    assert worst(64) <= 1 / 3 and worst(96) <= 1 / 4 and worst(256) <= 1 / 5
+    assert worst(64) > 1 / 4  # 65 -> 96
+
+
 def cpu_runner(tmp_path: Path, **cfg):
     """A float32 runner of a tiny GQA Llama on the CPU and its KV cache, warmed up (its pieces built)."""
     from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
@@ -151,9 +171,20 @@ def test_the_padded_pieces_give_the_unpadded_forward_s_logits_of_a_mixed_step(tm
         chunks, reqs = mixed_step(runner, kv, gen, decodes, prefix, chunk, fresh)
         batch = step_batch(runner, kv, chunks)
         unpadded = runner.model(batch, runner.kv_pool)
+        pools = [c for i in range(len(runner.model.layers))
+                 for c in (runner.kv_pool.k_cache(i), runner.kv_pool.v_cache(i))]
+        unpadded_kv = [p.clone() for p in pools]
+        step_loc = batch.out_cache_loc
+        for p in pools:  # every row of the step must be stored again before a row of it reads it
+            p[step_loc] = float("nan")
         padded = graphs.run(batch)
         assert padded.dtype == torch.float32 and padded.shape == unpadded.shape == (len(chunks), 300)
         torch.testing.assert_close(padded, unpadded, rtol=1e-5, atol=1e-5)
+        others = torch.ones(pools[0].shape[0], dtype=torch.bool)
+        others[step_loc] = False
+        for p, u in zip(pools, unpadded_kv, strict=True):
+            assert torch.equal(p[others], u[others])  # the padding rows store no KV: no other row of any layer changes
+            torch.testing.assert_close(p[step_loc], u[step_loc], rtol=1e-5, atol=1e-5)
         for req in reqs:
             kv.release(req, cache_prefix=False)
 
