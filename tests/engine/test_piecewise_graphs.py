@@ -354,22 +354,24 @@ def test_an_engine_gives_the_same_greedy_tokens_through_the_piecewise_graphs_and
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
               for n in (20, 45, 9, 33, 60, 14, 27, 50, 6, 38, 17, 41)]
 
-    def run(**cfg) -> tuple[list[list[int]], list[tuple[int, int]], bool]:
+    def run(tokens: int = 1024, **cfg) -> tuple[list[list[int]], list[tuple[int, int]], bool]:
         engine = Engine(EngineConfig(model=str(folder), device="cuda", dtype="float32", page_size=16,
                                      max_total_tokens=32768, max_running_requests=4, disable_prefix_cache=True,
-                                     chunked_prefill_size=512, decode_first=True, piecewise_graph_tokens=1024,
+                                     chunked_prefill_size=512, decode_first=True, piecewise_graph_tokens=tokens,
                                      **cfg))
         engine.start()
         try:
             ran: list[tuple[int, int]] = []
             graphs = engine.runner.piecewise_graphs
-            assert graphs is not None and graphs.buckets == piecewise_buckets(512)
-            real_run = graphs.run
-            graphs.run = lambda b: (ran.append((b.input_ids.shape[0], b.decode_rows)), real_run(b))[1]
+            assert (graphs is None) == (tokens == 0)
+            if graphs is not None:
+                assert graphs.buckets == piecewise_buckets(512)
+                real_run = graphs.run
+                graphs.run = lambda b: (ran.append((b.input_ids.shape[0], b.decode_rows)), real_run(b))[1]
             free = engine.kv.usage().free
             out = generate_tokens(engine, prompts, params, timeout=300)
             assert engine.kv.usage().free == free
-            return out, ran, bool(graphs.graphs)
+            return out, ran, graphs is not None and bool(graphs.graphs)
         finally:
             engine.stop()
 
@@ -381,3 +383,7 @@ def test_an_engine_gives_the_same_greedy_tokens_through_the_piecewise_graphs_and
     for steps in (ran, eager_ran):
         assert any(decodes and n > decodes for n, decodes in steps), steps
     assert graphed == eager
+    # And the plain forward's tokens (no pieces at all): the two runs above share the pieces' logic, which this
+    # compares with the path it replaces (float32: the same bits row by row, the schedule aside).
+    plain, _, _ = run(tokens=0)
+    assert graphed == plain
