@@ -496,6 +496,7 @@ def test_a_stopped_engine_gives_its_gpu_memory_back_and_a_second_one_starts(tmp_
     folder = write("llama-gqa-llama3rope", tmp_path)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
+    left = []
     outputs = []
     for _ in range(2):  # KV sized from --mem-fraction: the second fits only if the first gave it back
         engine = Engine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", max_running_requests=4))
@@ -506,8 +507,12 @@ def test_a_stopped_engine_gives_its_gpu_memory_back_and_a_second_one_starts(tmp_
         finally:
             engine.stop()
         del engine
-        assert torch.cuda.memory_allocated() - before < 64 << 20
+        left.append(torch.cuda.memory_allocated() - before)
     assert outputs[0] == outputs[1]
+    # What stays is cuBLAS's workspaces: the engine thread's handle gets one per stream it runs on (its own and the
+    # one every graph capture shares), 32 MiB each on an H200, and torch keeps them for the process; a second engine
+    # reuses them (before the capture stream was shared, every engine left 64 MiB more: stop_memory_h200_s9.txt).
+    assert left[0] < 96 << 20 and left[1] - left[0] < 1 << 20, left
 
 
 def test_samples_that_copy_their_prompt_s_last_page_on_the_gpu_match_computing_it(tmp_path: Path) -> None:
