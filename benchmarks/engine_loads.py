@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from splitserve.engine.bench import random_prompts, run_engine_batch
-from splitserve.engine.bench_engine import EngineUnderTest, device_limits, loop_bench_config, sustained_limits
+from splitserve.engine.bench_engine import EngineUnderTest, device_limits, loop_bench_config
 from splitserve.engine.engine import Engine
 from splitserve.engine.model_shapes import SHAPES, write_shape_folder
 from splitserve.engine.step_roofline import decode_step_rooflines
@@ -68,7 +68,7 @@ def runner_rates(shape: str, device: str, lengths: list[int], batch: int, chunk:
             lone[n] = max(lone.get(n, 0.0), n / eut.prefill_seconds(n)) if k > 1 else packed[n]
     sustained: dict = {}
     if sustain_s > 0:  # the same limits and packed steps held for seconds: what the power cap lets them keep
-        sustained = {"limits": sustained_limits(eut.device, eut.runner.dtype, sustain_s), "prefill_tok_s": {
+        sustained = {"limits": device_limits(eut.device, eut.runner.dtype, hold_s=sustain_s), "prefill_tok_s": {
             n: packed_prompts(n, chunk) * n / eut.sustained_prefill_seconds(n, packed_prompts(n, chunk), sustain_s)
             for n in lengths}}
     out = {"limits": limits, "prefill_tok_s": packed, "lone_prefill_tok_s": lone, "sustained": sustained,
@@ -107,7 +107,7 @@ def decode_row(engine: Engine, batch: int, context: int, runner: dict, shape_cfg
     bandwidth = runner["limits"]["copy_bandwidth_Bps"]
     roofs = decode_step_rooflines(shape_cfg, batch, mean_context, runner["weight_bytes"], bandwidth,
                                   runner["limits"]["matmul_flops"], runner["dtype_bytes"])
-    held = runner.get("sustained", {}).get("limits")
+    held = runner["sustained"].get("limits")
     if held:  # the compute-counting roofline at the limits a power-capped GPU holds
         sustained_s = decode_step_rooflines(shape_cfg, batch, mean_context, runner["weight_bytes"],
                                             held["copy_bandwidth_Bps"], held["matmul_flops"],

@@ -56,51 +56,43 @@ def timed(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def device_limits(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """Copy bandwidth (bytes read + written per second) and dense matmul FLOP/s, measured here."""
+def device_limits(device: torch.device, dtype: torch.dtype, hold_s: float = 0.0) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and dense matmul FLOP/s, measured here: the median of a few
+    calls, or with `hold_s` the rate held over that many seconds of back-to-back calls each (sustained_rate)."""
+    def rate(fn) -> float:
+        return sustained_rate(fn, device, hold_s) if hold_s > 0 else 1.0 / timed(fn, device, reps=10)
+
     nbytes = (2 << 30) if device.type == "cuda" else (256 << 20)
     buffers = [torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device) for _ in range(2)]
-    copy_s = timed(lambda: buffers[1].copy_(buffers[0]), device, reps=10)
+    copies = rate(lambda: buffers[1].copy_(buffers[0]))
     buffers.clear()
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
-    mm_s = timed(lambda: a @ b, device, reps=10)
-    return {"copy_bandwidth_Bps": 2 * nbytes / copy_s, "matmul_flops": 2 * n**3 / mm_s}
+    matmuls = rate(lambda: a @ b)
+    limits = {"copy_bandwidth_Bps": 2 * nbytes * copies, "matmul_flops": 2 * n**3 * matmuls}
+    return {**limits, "seconds": hold_s} if hold_s > 0 else limits
 
 
 def sustained_rate(fn, device: torch.device, seconds: float) -> float:
     """Calls of `fn` per second over the second half of `seconds` of back-to-back calls: long enough for a
     power-capped GPU to reach the clocks it holds under load (an H200 at its 700 W cap drops from 1,980 MHz
-    to 1,400-1,800 within a second of heavy GEMMs), where a short burst measures the uncapped clocks."""
-    fn()
-    sync(device)
-    start = time.perf_counter()
-    half, calls = start + seconds / 2, 0
-    while True:
+    to 1,400-1,800 within a second of heavy GEMMs), where a short burst measures the uncapped clocks. One call
+    in flight at a time (a synchronize after each): each is timed whole, as the loop runs it."""
+    def call() -> float:
         fn()
-        sync(device)  # one call in flight: each is timed whole, as the loop runs it
-        now = time.perf_counter()
-        if now >= half:
-            if calls == 0:
-                timed_from = now
-            calls += 1
-        if now - start >= seconds:
-            break
-    return (calls - 1) / (now - timed_from) if calls > 1 else 1.0 / max(now - start, 1e-9)
+        sync(device)
+        return time.perf_counter()
 
-
-def sustained_limits(device: torch.device, dtype: torch.dtype, seconds: float = 4.0) -> dict[str, float]:
-    """device_limits' copy bandwidth and matmul FLOP/s held for `seconds` each (see sustained_rate)."""
-    nbytes = 2 << 30
-    buffers = [torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device) for _ in range(2)]
-    copies = sustained_rate(lambda: buffers[1].copy_(buffers[0]), device, seconds)
-    buffers.clear()
-    n = 8192
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    matmuls = sustained_rate(lambda: a @ b, device, seconds)
-    return {"copy_bandwidth_Bps": 2 * nbytes * copies, "matmul_flops": 2 * n**3 * matmuls, "seconds": seconds}
+    start = call()  # the first call (compiles, picks kernels) is not timed
+    timed_from = now = call()
+    while now - start < seconds / 2:
+        timed_from = now = call()
+    calls = 0
+    while calls == 0 or now - start < seconds:
+        now = call()
+        calls += 1
+    return calls / (now - timed_from)
 
 
 class EngineUnderTest:

@@ -578,8 +578,8 @@ class ModelRunner:
         batch-invariant mode. Graphs captured before go first, also where none is captured now."""
         self.piecewise_graphs = None  # their memory goes back before the new capture, not beside it
         tokens = piecewise_tokens(self.cfg.piecewise_graph_tokens, self.device)
-        budget = self.cfg.chunked_prefill_size if self.cfg.chunked_prefill_size > 0 else tokens
-        tokens = min(tokens, budget)
+        if self.cfg.chunked_prefill_size > 0:  # no step is larger than the budget
+            tokens = min(tokens, self.cfg.chunked_prefill_size)
         if self.tp.size > 1 or tokens <= 0 or not self._piecewise_mode():
             return
         text_model = getattr(self.model, "language_model", self.model)  # a multimodal model's text steps
