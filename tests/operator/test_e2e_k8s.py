@@ -322,8 +322,11 @@ def metric_total(url: str, name: str) -> float:
 def test_decode_drafter_example_speculates_on_the_cpu(local: LocalCluster, start_server: Any) -> None:
     """decode-drafter.yaml with tiny models: the decode pods find the drafter through its headless
     Service's pod name (peers.json), verify its drafts, and answer exactly as the unified engine."""
-    # A drafter about as fast as its target drafts ahead only if a verify step waits a little.
-    manifest = on_the_cpu("decode-drafter", ["--draft-wait-ms=30"])
+    # A drafter about as fast as its target drafts ahead only if a verify step waits a little. The gate stays
+    # off: with the tiny models on a loaded CPU plain decoding is as fast as speculating, and whether the gate
+    # (measured rates, the budget) lets any verify step run within these few requests is timing (CI once saw
+    # no draft at all); this test is about the mesh, the gate has tests of its own.
+    manifest = on_the_cpu("decode-drafter", ["--draft-wait-ms=30", "--no-speculation-gate"])
     ns, group, router = local.deploy("decode-drafter", manifest)
     decodes = [f"http://{p['status']['podIP']}:8000"
                for p in local.pods(ns, f"splitserve.io/group={group},splitserve.io/role=decode")]
