@@ -28,7 +28,7 @@ from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner, build_forward_batch
-from splitserve.engine.model_shapes import SHAPES, matmul_params, write_shape_folder
+from splitserve.engine.model_shapes import SHAPES, prompt_matmul_flops, write_shape_folder
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledChunk
@@ -315,7 +315,7 @@ def run_engine_benchmark(shape: str, device: str, prefill_lens: list[int], decod
                               "kv_bytes_per_token": eut.kv_bytes_per_token, "prefill": [], "decode": []}
     for n in prefill_lens:
         seconds = eut.prefill_seconds(n)
-        flops = 2 * n * matmul_params(cfg) + attention_flops(cfg, n)
+        flops = prompt_matmul_flops(cfg, n) + attention_flops(cfg, n)
         row = {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds, "tflops": flops / seconds / 1e12,
                "mfu_vs_measured_matmul": flops / seconds / peak}
         report["prefill"].append(row)

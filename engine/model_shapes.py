@@ -46,9 +46,22 @@ def write_shape_folder(shape: str, folder: Path) -> Path:
 
 
 def matmul_params(cfg: dict[str, Any]) -> int:
-    """Weights that take part in a token's matrix products (the LM head counted once per sampled token)."""
+    """The decoder layers' projection weights: those that take part in every token's matrix products (the LM
+    head, which only sampled tokens take, left out)."""
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or hidden // heads
     per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
     return per_layer * cfg["num_hidden_layers"]
+
+
+def prompt_matmul_flops(cfg: dict[str, Any], tokens: int, sampled: int = 1) -> int:
+    """Matrix-product FLOPs of a prompt of `tokens` tokens of which `sampled` take logits: every projection
+    for every token, except the last layer's output projection and MLP, which only the sampled tokens need
+    (LlamaForCausalLM.hidden_states drops the other rows there), and the LM head for the sampled ones."""
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    after_attention = heads * head_dim * hidden + 3 * hidden * inter
+    weights_used = tokens * matmul_params(cfg) - (tokens - sampled) * after_attention
+    return 2 * (weights_used + sampled * hidden * cfg["vocab_size"])

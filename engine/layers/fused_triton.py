@@ -46,6 +46,8 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
         res_out = torch.empty_like(x2)
     else:
         r2, res_out = x2, out
+    if x2.shape[0] == 0:  # a step that samples no row (engine/models/llama.py): no launch of an empty grid
+        return out.view(shape), (res_out.view(shape) if residual is not None else None)
     _add_rmsnorm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
                                         res_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None,
                                         BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 2048 else 4)
@@ -71,6 +73,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = shape[-1] // 2
     out = torch.empty(gu.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
+    if gu.shape[0] == 0:
+        return out.view(*shape[:-1], n)
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, out, gu.stride(0), out.stride(0), n, BLOCK=block)
     return out.view(*shape[:-1], n)
 

@@ -25,7 +25,8 @@ def attention_mask(batch: ForwardBatch) -> torch.Tensor | None:
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, RoPE, paged attention, output projection."""
+    """Fused QKV projection, RoPE, paged attention, output projection: parts the decoder layer calls in turn
+    (its last layer keeps only the sampled rows between attention and the output projection)."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int, rotary: RotaryEmbedding,
                  tp: TensorParallel, dtype: torch.dtype) -> None:
@@ -42,9 +43,6 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_index)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.o_proj(self.attention(self.qkv_proj(x), batch, kv, mask))
 
     def attention(self, qkv: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor | None
                   ) -> torch.Tensor:
@@ -95,13 +93,19 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                kv: KVPool, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: KVPool, mask: torch.Tensor | None, rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rows`: the only rows whose output is read (the last layer of an extend step, see
+        LlamaForCausalLM.hidden_states); every row still stores its KV and the kept rows attend as before."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, batch, kv, mask)
-        x, residual = self.post_attention_layernorm(x, residual)
+        attn = self.self_attn
+        x = attn.attention(attn.qkv_proj(x), batch, kv, mask)
+        if rows is not None:
+            x, residual = x[rows], residual[rows]
+        x, residual = self.post_attention_layernorm(attn.o_proj(x), residual)
         return self.mlp(x), residual
 
 
@@ -132,12 +136,20 @@ class LlamaForCausalLM(nn.Module):
 
     def hidden_states(self, batch: ForwardBatch, kv: KVPool,
                       input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden rows of the tokens at `batch.logits_index` (every row of a decode batch).
+
+        An extend step samples a few of its rows (a prompt's last token, its decode rows), and a row's output
+        after the last layer's attention feeds nothing but its own logits: the KV that later tokens read is
+        stored before it. So the last layer's output projection, MLP and the final norm run on those rows
+        alone: 4 of 2,048 rows in a step of four 512-token prompts, ~2.7% of an 8B prefill's FLOPs saved."""
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         x = with_image_rows(x, batch.image_rows, batch.image_positions)  # a multimodal prompt's image rows
         mask = attention_mask(batch)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch, kv, mask)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            rows = batch.logits_index if i == last and not batch.is_decode else None
+            x, residual = layer(x, residual, batch, kv, mask, rows)
         x, _ = self.norm(x, residual)
         return x
 
@@ -149,10 +161,7 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The same logits in the model's dtype: a decode graph takes their argmax (the same index as the
         float32 copy's) without writing and reading that copy, 0.2 GB a step at 256 rows of a 128k vocabulary."""
-        hidden = self.hidden_states(batch, kv, input_embeds)
-        if not batch.is_decode:  # a decode batch wants every row's logits: no gather
-            hidden = hidden[batch.logits_index]
-        return self.lm_head.compute_logits(hidden)
+        return self.lm_head.compute_logits(self.hidden_states(batch, kv, input_embeds))
 
     def weight_targets(self) -> dict[str, tuple[nn.Module, int]]:
         """Maps every checkpoint tensor name this model needs to (module, shard index)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.model_shapes import LLAMA_3_1_8B, matmul_params
+from splitserve.engine.model_shapes import LLAMA_3_1_8B, matmul_params, prompt_matmul_flops
 from splitserve.engine.step_roofline import decode_step_rooflines
 
 BANDWIDTH, PEAK = 4.2e12, 750e12  # about an H200's measured copy bandwidth and bf16 matmul rate
@@ -40,3 +40,14 @@ def test_counting_compute_never_lowers_the_roofline(dtype_bytes: int) -> None:
     for batch in (1, 2, 16, 64, 256, 512):
         r = decode_step_rooflines(LLAMA_3_1_8B, batch, 700, weights, BANDWIDTH, PEAK, dtype_bytes)
         assert r["compute_s"] >= r["hbm_s"] * (1 - 1e-12)
+
+
+def test_a_prompt_counts_the_last_layers_output_projection_and_mlp_for_its_sampled_tokens_only() -> None:
+    """Llama-3.1-8B: 218.1M projection weights a layer, 192.9M of them after attention (o_proj 16.8M, the
+    MLP 176.2M); one sampled token of 2,048 takes those and the LM head's 525.3M."""
+    per_layer, after_attention, lm_head = 218_103_808, 192_937_984, 525_336_576
+    assert matmul_params(LLAMA_3_1_8B) == 32 * per_layer
+    full = 2 * 2048 * 32 * per_layer
+    assert prompt_matmul_flops(LLAMA_3_1_8B, 2048) == full - 2 * 2047 * after_attention + 2 * lm_head
+    assert prompt_matmul_flops(LLAMA_3_1_8B, 2048) / full == pytest.approx(0.9725, abs=1e-4)
+    assert prompt_matmul_flops(LLAMA_3_1_8B, 4, sampled=4) == 2 * 4 * (32 * per_layer + lm_head)
