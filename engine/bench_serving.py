@@ -2,8 +2,10 @@
 run's own measured limits.
 
 One run:
-1. the limits, measured here: device copy bandwidth, the runner's own prefill rate (one prompt
-   alone, at the chunk size and at the median prompt), weight and KV bytes;
+1. the limits, measured here: device copy bandwidth, the runner's own prefill rate (the step of
+   prompts of the median length packed as many as fit the step budget, and of one prompt of the
+   budget's length; the budget being the larger of the engine's and the default, so that an engine
+   given a smaller one is not measured against a lower bound), weight and KV bytes;
 2. a server of the shape with random weights (its own process); the first request after its
    /health says ready, against the same request warm;
 3. the loads: fixed lengths all at once (`--fixed-loads NxI:O`), and a seeded ShareGPT-like mix
@@ -37,6 +39,8 @@ from typing import Any
 
 import httpx
 import torch
+
+from splitserve.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +81,7 @@ class Limits:
     """What bounds a load on this machine, all measured in this run."""
 
     copy_bandwidth_Bps: float
-    prefill_tok_s: dict[int, float]  # the runner alone, one prompt of each length
+    prefill_tok_s: dict[int, float]  # the runner alone, prompts of each length packed into one step
     weight_bytes: int
     kv_bytes_per_token: int
     max_batch: int
@@ -98,16 +102,24 @@ class Limits:
         return max(work, alone)
 
 
-def measure_limits(shape: str, device: str, lengths: list[int], max_batch: int) -> Limits:
-    """The runner alone on this shape (then freed, so that the server gets the device's memory)."""
+def packed(length: int, budget: int) -> int:
+    """How many fresh prompts of `length` tokens one step of `budget` tokens holds (at least one)."""
+    return max(1, budget // length)
+
+
+def measure_limits(shape: str, device: str, lengths: list[int], max_batch: int, budget: int) -> Limits:
+    """The runner alone on this shape (then freed, so that the server gets the device's memory): at each
+    length, the step of as many such prompts as fit `budget` tokens, packed, as an engine runs them."""
     from splitserve.engine.bench_engine import EngineUnderTest, device_limits
 
-    eut = EngineUnderTest(shape, device, 8, max(lengths) + 64)
+    most = max(packed(n, budget) for n in lengths)
+    eut = EngineUnderTest(shape, device, max(8, most), max(n * packed(n, budget) for n in lengths) + 64 * most)
     limits = device_limits(eut.device, eut.runner.dtype)
     rates: dict[int, float] = {}
     for _ in range(2):  # the best of two passes: a fresh GPU may still be raising its clocks
         for n in lengths:
-            rates[n] = max(rates.get(n, 0.0), n / eut.prefill_seconds(n))
+            prompts = packed(n, budget)
+            rates[n] = max(rates.get(n, 0.0), n * prompts / eut.prefill_seconds(n, prompts=prompts))
     out = Limits(limits["copy_bandwidth_Bps"], rates, eut.weight_bytes, eut.kv_bytes_per_token, max_batch)
     eut.runner.close()
     del eut
@@ -178,8 +190,10 @@ def run_serving_benchmark(cfg) -> dict[str, Any]:
     loads += [sharegpt_like_load(cfg.num_requests, r, cfg.input_len, cfg.output_len, cfg.max_prompt_len,
                                  cfg.max_output_len, cfg.seed + i) for i, r in enumerate(cfg.rates)]
     median_prompt = int(statistics.median(p for load in loads for p in load.prompt_lens))
-    chunk = chunk_size(cfg.engine_args)
-    limits = measure_limits(cfg.shape, device, sorted({median_prompt, chunk}), cfg.max_running_requests)
+    # The engine's budget, but never below the default's: a smaller budget may make the engine slower, not its bound.
+    budget = max(chunk_size(cfg.engine_args), EngineConfig().chunked_prefill_size)
+    limits = measure_limits(cfg.shape, device, sorted({min(median_prompt, budget), budget}),
+                            cfg.max_running_requests, budget)
     logger.info("limits: copy %.0f GB/s, runner prefill %s tok/s", limits.copy_bandwidth_Bps / 1e9,
                 {k: round(v) for k, v in limits.prefill_tok_s.items()})
     report: dict[str, Any] = {"shape": cfg.shape, "device": device, "limits": dataclasses.asdict(limits),
@@ -205,8 +219,6 @@ def run_serving_benchmark(cfg) -> dict[str, Any]:
 
 def chunk_size(engine_args: str) -> int:
     """The engine's chunked prefill size (its token budget per step) from the flags it gets."""
-    from splitserve.engine.config import EngineConfig
-
     words = engine_args.split()
     for i, word in enumerate(words):
         if word.startswith("--chunked-prefill-size"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.engine.bench import main as bench_main
-from splitserve.engine.bench_serving import Limits, fixed_load, sharegpt_like_load
+from splitserve.engine.bench_serving import Limits, fixed_load, measure_limits, packed, sharegpt_like_load
 
 
 def test_sharegpt_like_load_is_seeded_bounded_and_arrives_at_its_rate() -> None:
@@ -69,3 +69,11 @@ def test_serving_profile_runs_on_the_cpu_with_the_tiny_model(tmp_path: Path) -> 
     assert report["loads"][0]["output_tokens"] == 9  # 3 requests x 3 tokens, ignore_eos
     assert report["first_request"]["cold_s"] > 0 and report["first_request"]["warm_s"] > 0
     assert "2048" in report["limits"]["prefill_tok_s"]  # the runner alone at the step budget
+
+
+def test_the_limits_time_the_step_an_engine_runs_prompts_of_each_length_packed_in() -> None:
+    """The bound's prefill rate is the runner's packed step (four 512-token prompts in a 2,048 budget), not
+    one short prompt alone, whose eager launches can take longer than its kernels."""
+    assert packed(512, 2048) == 4 and packed(200, 2048) == 10 and packed(2048, 2048) == 1 and packed(4096, 2048) == 1
+    limits = measure_limits("tiny", "cpu", [12, 48], max_batch=4, budget=48)
+    assert sorted(limits.prefill_tok_s) == [12, 48] and min(limits.prefill_tok_s.values()) > 0
