@@ -3,7 +3,7 @@ process and with the engine core in its own (`serve --engine-process`), against 
 
 One run, the same prompts for all three (each fixed load `--fixed-loads NxI:O`, all at once):
 1. the bare engine in this process (no HTTP, no tokenizer), the peer;
-2. `serve` as one process: HTTP server and engine loop share a GIL;
+2. `serve --no-engine-process`: HTTP server and engine loop in one process, sharing a GIL;
 3. `serve --engine-process`: the engine core in a process of its own, over ZeroMQ IPC.
 Each prints output tok/s, TTFT and ITL percentiles, and its output tok/s over the bare engine's.
 """
@@ -22,7 +22,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MODES = {"one process": "", "engine core process": "--engine-process"}
+MODES = {"one process": "--no-engine-process", "engine core process": "--engine-process"}
 
 
 def bare_engine_load(folder: Path, device: str, max_running: int, engine_args: str, load, seed: int) -> dict:

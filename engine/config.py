@@ -81,9 +81,10 @@ class EngineConfig:
     tool_call_parser: str = field(default="auto", metadata={
         "help": "how the model writes tool calls: hermes (<tool_call> JSON), llama3 (JSON), or auto (from the chat "
                 "template)", "choices": ("auto", "hermes", "llama3")})
-    engine_process: bool = field(default=False, metadata={
+    engine_process: bool | None = field(default=None, metadata={
         "help": "run the engine core in a process of its own (engine/engine_core.py), apart from the HTTP "
-                "server's (tokenizer, chat templates, SSE), talking over ZeroMQ IPC: no GIL shared between them"})
+                "server's (tokenizer, chat templates, SSE), talking over ZeroMQ IPC: no GIL shared between them; "
+                "default: on with a CUDA device, off on the CPU (see runs_engine_process)"})
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
@@ -108,6 +109,16 @@ class EngineConfig:
         if self.tp_timeout <= 0 or self.tp_startup_timeout <= 0:
             raise ValueError(f"--tp-timeout and --tp-startup-timeout must be > 0, got {self.tp_timeout} "
                              f"and {self.tp_startup_timeout}")
+
+    def runs_engine_process(self) -> bool:
+        """Whether `serve` runs the engine core in a process of its own: --engine-process / --no-engine-process,
+        else on with a CUDA device. On one H200 (tenth session, the 256 x 512/256 burst over HTTP, one lease) the
+        one-process server's event loop and engine thread share a GIL that cost TTFT p50 1.73 s against 1.54 s
+        split (the bare engine's 1.53) and 9,702 against 10,085 output tok/s; on a 2-core CPU the extra process
+        competes with the engine for the cores instead (benchmarks/results/NOTES-issue16-api-split.md)."""
+        if self.engine_process is not None:
+            return self.engine_process
+        return self.torch_device().type == "cuda"
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -89,7 +89,12 @@ def main(argv: list[str]) -> int:
     # The event loop and the engine thread share one interpreter: a shorter interval lets the engine
     # thread back in sooner after each CUDA wait while the loop is busy streaming tokens.
     sys.setswitchinterval(cfg.gil_switch_interval_ms / 1e3)
-    if cfg.engine_process:
+    try:
+        split = cfg.runs_engine_process()
+    except ValueError as exc:  # --device cuda on a machine without one
+        logger.error("cannot start the engine: %s", exc)
+        return 1
+    if split:
         from splitserve.engine.core_client import CoreClient, CoreStartFailed
         # SIGTERM while the core starts must stop it too: SystemExit unwinds through spawn.
         signal.signal(signal.SIGTERM, _exit_on_sigterm)

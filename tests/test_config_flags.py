@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
 from splitserve.engine.config import EngineConfig
@@ -26,6 +27,20 @@ def test_booleans_and_optionals_from_env() -> None:
     cfg = parse([], {"SPLITSERVE_DISABLE_PREFIX_CACHE": "true", "SPLITSERVE_MAX_TOTAL_TOKENS": "1024"})
     assert cfg.disable_prefix_cache is True and cfg.max_total_tokens == 1024
     assert parse(["--no-disable-prefix-cache"], {"SPLITSERVE_DISABLE_PREFIX_CACHE": "1"}).disable_prefix_cache is False
+
+
+def test_the_engine_core_runs_in_its_own_process_by_default_on_a_gpu_only() -> None:
+    """--engine-process: unset, on with a CUDA device and off on the CPU; either flag or the env var decides."""
+    assert parse(["--device", "cpu"], {}).engine_process is None
+    assert parse(["--device", "cpu"], {}).runs_engine_process() is False
+    assert parse(["--device", "cpu", "--engine-process"], {}).runs_engine_process() is True
+    assert parse(["--device", "cpu"], {"SPLITSERVE_ENGINE_PROCESS": "1"}).runs_engine_process() is True
+    assert parse(["--no-engine-process"], {"SPLITSERVE_ENGINE_PROCESS": "1"}).runs_engine_process() is False
+    if torch.cuda.is_available():
+        assert parse(["--device", "cuda"], {}).runs_engine_process() is True
+    else:  # asked for a GPU this machine lacks: the same error the engine gives, not a silent one-process server
+        with pytest.raises(ValueError, match="no CUDA device"):
+            parse(["--device", "cuda"], {}).runs_engine_process()
 
 
 def test_bad_env_value_names_the_variable() -> None:
