@@ -99,12 +99,26 @@ def check_bootstrap_grant(gen: GenerationRequest, key: str) -> None:
                        SIGNATURE_FIELD, status=403, kind="permission_error", code="bootstrap_not_granted")
 
 
+def load_anyio() -> None:
+    """Loads the parts of anyio that starlette's responses use. anyio 4 imports its submodules on first use,
+    and a server's first streamed response imported anyio.lowlevel and anyio._core's sockets, streams and testing
+    modules inside the request (12-20 ms of a tiny model's 80-130 ms first request on the CPU box, by
+    PYTHONPROFILEIMPORTTIME): a cold first request that a warm-up of the engine cannot reach."""
+    import anyio
+    import anyio.lowlevel  # imported by anyio's event loop token on first use
+
+    for name in dir(anyio):  # its lazy importer loads a name's module when the name is first read
+        if not name.startswith("_"):
+            getattr(anyio, name, None)
+
+
 class ApiServer:
     """Builds the Starlette app around one engine, reached through its client: an `EngineClient`
     (the engine in this process) or a `CoreClient` (an engine core process)."""
 
     def __init__(self, client: EngineClient | CoreClient, images: ImageInputConfig | None = None,
                  control_key: str = "") -> None:
+        load_anyio()
         self.client = client
         self.control_key = control_key  # the group's transfer_control_key: bootstrap grants, /internal/*
         self.image_cfg = images or ImageInputConfig()

@@ -2,7 +2,8 @@
 
 The tokenizer's vocabulary is read once, by `warm_up_in_background` at engine start (importing
 xgrammar imports transformers: seconds, which must not stall a serving process's first
-structured request and its health probes). Compiles run on the HTTP server's worker threads
+structured request and its health probes; it runs beside the engine's own warm-up, and /health
+says ready once both have ended). Compiles run on the HTTP server's worker threads
 (validating and warming xgrammar's cache) and, on a cache miss, on the engine loop.
 """
 
@@ -52,14 +53,17 @@ class GrammarCompiler:
                                                      cache_limit_bytes=CACHE_LIMIT_BYTES)
             return self._compiler
 
-    def warm_up_in_background(self) -> None:
-        """Builds the xgrammar compiler on a thread; a compile meanwhile waits for it."""
+    def warm_up_in_background(self) -> threading.Thread:
+        """Builds the xgrammar compiler on a thread, which it returns (the engine's start joins it, beside its
+        own warm-up); a compile meanwhile waits for it."""
         def warm() -> None:
             try:
                 self._xgr_compiler()
             except Exception:  # reported again, as a clear error, by the first compile
                 logger.exception("grammar compiler failed to start")
-        threading.Thread(target=warm, name="grammar-warm-up", daemon=True).start()
+        thread = threading.Thread(target=warm, name="grammar-warm-up", daemon=True)
+        thread.start()
+        return thread
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The CompiledGrammar of `spec`; raises InvalidGrammar naming what failed."""
