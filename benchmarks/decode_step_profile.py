@@ -30,10 +30,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from splitserve.engine import cuda_graph_runner
-from splitserve.engine.bench_engine import device_limits
+from splitserve.engine.bench_engine import device_limits, profiled_device_events, sm_clock_mhz
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graph_timing import graph_time_us
 from splitserve.engine.kv_cache import KVCache
@@ -166,27 +165,12 @@ def back_to_back_us(replay, reps: int) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
-def sm_clock_mhz() -> int | None:
-    try:
-        return int(torch.cuda.clock_rate())
-    except Exception:  # no NVML here: the figure is left out
-        return None
-
-
 def kernel_table(replay, layers: int) -> tuple[list[dict], int, dict[str, list[float]]]:
     """The kernels (name, start, duration in us) of one replay out of PROFILED_REPLAYS recorded ones,
     with their phases and the gap before each; how many kernels a replay had; each recorded replay's
     span and the idle time between them."""
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED_REPLAYS):
-            replay()
-        torch.cuda.synchronize()
-    path = Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(path))
-    events = [e for e in json.loads(path.read_text())["traceEvents"]
-              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    events.sort(key=lambda e: e["ts"])
+    events = profiled_device_events(replay, PROFILED_REPLAYS)
     per_replay = len(events) // PROFILED_REPLAYS
     if per_replay * PROFILED_REPLAYS != len(events):
         logger.warning("%d device events over %d replays: not a whole number per replay", len(events),

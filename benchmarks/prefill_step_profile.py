@@ -17,15 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from splitserve.engine.bench_engine import EngineUnderTest, device_limits, sync, timed
+from splitserve.engine.bench_engine import (
+    EngineUnderTest,
+    device_limits,
+    profiled_device_events,
+    sm_clock_mhz,
+    sync,
+    timed,
+)
 from splitserve.engine.model_shapes import SHAPES
 
 logger = logging.getLogger("prefill_step_profile")
@@ -85,20 +90,6 @@ def phase_bounds(cfg: dict, prompts: int, length: int, bandwidth: float, peak: f
     return {name: max(b / bandwidth, f / peak) * 1e6 for name, (b, f) in out.items()}
 
 
-def kernels(fn, forwards: int) -> list[dict]:
-    """Name and duration (us) of every device event of `forwards` calls of `fn`, in order."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(forwards):
-            fn()
-        torch.cuda.synchronize()
-    path = Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(path))
-    events = [e for e in json.loads(path.read_text())["traceEvents"]
-              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    events.sort(key=lambda e: e["ts"])
-    return [{"name": e["name"], "us": float(e["dur"]), "ts": float(e["ts"])} for e in events]
-
-
 def per_phase(events: list[dict], layers: int, forwards: int) -> dict[str, float]:
     """Microseconds per phase of one forward (the mean over the recorded ones), gaps between kernels apart."""
     per = len(events) // forwards
@@ -106,17 +97,10 @@ def per_phase(events: list[dict], layers: int, forwards: int) -> dict[str, float
     for i in range(forwards):
         one = events[i * per:(i + 1) * per]
         for e, phase in zip(one, phase_of_kernels([e["name"] for e in one], layers), strict=True):
-            totals[phase] += e["us"] / forwards
-        span = one[-1]["ts"] + one[-1]["us"] - one[0]["ts"]
-        totals["gaps"] += (span - sum(e["us"] for e in one)) / forwards
+            totals[phase] += e["dur"] / forwards
+        span = one[-1]["ts"] + one[-1]["dur"] - one[0]["ts"]
+        totals["gaps"] += (span - sum(e["dur"] for e in one)) / forwards
     return dict(totals)
-
-
-def sm_clock_mhz() -> int | None:
-    try:
-        return int(torch.cuda.clock_rate())
-    except Exception:  # no NVML: the figure is left out
-        return None
 
 
 @torch.inference_mode()
@@ -132,7 +116,7 @@ def profile_step(eut: EngineUnderTest, shape: str, prompts: int, length: int, su
         wall = timed(forward, eut.device, reps=5)
         time.sleep(1.0)  # back to full clocks
         clock_idle = sm_clock_mhz()
-        idle = per_phase(kernels(forward, 1), layers, 1)
+        idle = per_phase(profiled_device_events(forward, 1), layers, 1)
         count, deadline = 0, time.monotonic() + sustain_s
         while time.monotonic() < deadline:
             for _ in range(5):
@@ -141,7 +125,7 @@ def profile_step(eut: EngineUnderTest, shape: str, prompts: int, length: int, su
             count += 5
         held_wall = timed(forward, eut.device, reps=5, warmup=0)
         clock_held = sm_clock_mhz()
-        held = per_phase(kernels(forward, 2), layers, 2)
+        held = per_phase(profiled_device_events(forward, 2), layers, 2)
     rows = []
     for phase in sorted(set(idle) | set(held), key=lambda p: -held.get(p, 0.0)):
         bound = bounds.get(phase, 0.0)

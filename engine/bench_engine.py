@@ -13,6 +13,7 @@ Prints and writes (JSON, and a PNG plot when matplotlib is there):
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import statistics
 import tempfile
@@ -40,6 +41,30 @@ logger = logging.getLogger(__name__)
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def profiled_device_events(fn, calls: int) -> list[dict[str, Any]]:
+    """Every kernel, copy and memset (`name`, `ts` and `dur` in us) of `calls` calls of `fn`, by torch.profiler
+    (CUPTI sees the kernels inside CUDA graphs too), in the order they ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return sorted(events, key=lambda e: e["ts"])
+
+
+def sm_clock_mhz() -> int | None:
+    """The GPU's SM clock now (NVML), or None where it cannot be read."""
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:  # no NVML: the figure is left out
+        return None
 
 
 def timed(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
