@@ -178,11 +178,6 @@ class Engine:
 
     def start(self) -> None:
         self.role.attach(self)
-        # Everything built so far (model, graphs, tokenizer, imports: hundreds of thousands of objects)
-        # lives as long as the engine: out of the cyclic collector's reach, a full collection under
-        # load takes milliseconds instead of the ~0.1-0.3 s that stalled a step (and the first request).
-        gc.collect()
-        gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
         self._warmed.wait()  # /health says ready only once every step kind has run on the loop's thread
@@ -192,10 +187,13 @@ class Engine:
         if self._grammar_warm_up is not None:
             # ... and once the grammar compiler's imports (xgrammar, transformers: seconds holding the GIL) are
             # done: a server that said ready before them served its first requests beside them (tiny model, 2-core
-            # CPU: 0.40-0.45 s against 0.11 s warm). What they built lives as long as the engine: frozen too.
+            # CPU: 0.40-0.45 s against 0.11 s warm).
             self._grammar_warm_up.join()
-            gc.collect()
-            gc.freeze()
+        # Everything built so far (model, graphs, tokenizer, imports: hundreds of thousands of objects)
+        # lives as long as the engine: out of the cyclic collector's reach, a full collection under
+        # load takes milliseconds instead of the ~0.1-0.3 s that stalled a step (and the first request).
+        gc.collect()
+        gc.freeze()
 
     def stop(self) -> None:
         self._stop.set()
