@@ -108,3 +108,17 @@ def write_gguf(path: Path, config: dict[str, Any], weights: dict[str, torch.Tens
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def cpu_runner(folder: Path, max_running: int = 4) -> tuple[Any, Any]:
+    """A float32 CPU ModelRunner of a checkpoint folder (pages of 4 tokens, 512 KV tokens, `max_running`
+    requests) and a KVCache over its pool, as the model-level tests drive them."""
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.kv_cache import KVCache
+    from splitserve.engine.model_config import ModelConfig
+    from splitserve.engine.model_runner import ModelRunner
+
+    cfg = EngineConfig(model=str(folder), device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
+                       max_running_requests=max_running)
+    runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
+    return runner, KVCache(runner.kv_shape.num_pages, cfg.page_size, max_running, 1024, runner.device)

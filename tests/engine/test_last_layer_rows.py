@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_checkpoints import CHECKPOINTS, write
+from engine_checkpoints import CHECKPOINTS, cpu_runner, write
 
-from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner, build_forward_batch
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
@@ -26,6 +24,11 @@ def checkpoint(request, tmp_path_factory) -> Path:
     return write(request.param, tmp_path_factory.mktemp(request.param))
 
 
+@pytest.fixture
+def runner_and_kv(checkpoint: Path) -> tuple[ModelRunner, KVCache]:
+    return cpu_runner(checkpoint)
+
+
 def mlp_rows(runner: ModelRunner) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
     """The row counts the last layer's MLP runs at, recorded by a hook."""
     seen: list[int] = []
@@ -34,11 +37,8 @@ def mlp_rows(runner: ModelRunner) -> tuple[list[int], torch.utils.hooks.Removabl
 
 
 @torch.inference_mode()
-def test_a_mixed_step_samples_the_rows_a_full_forward_gives_and_stores_the_same_kv(checkpoint: Path) -> None:
-    cfg = EngineConfig(model=str(checkpoint), device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
-                       max_running_requests=4)
-    runner = ModelRunner(cfg, checkpoint, ModelConfig.from_folder(checkpoint))
-    kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 1024, runner.device)
+def test_a_mixed_step_samples_the_rows_a_full_forward_gives_and_stores_the_same_kv(runner_and_kv) -> None:
+    runner, kv = runner_and_kv
     gen = torch.Generator().manual_seed(2)
     decoding = Request("d", torch.randint(0, 256, (6,), generator=gen).tolist(), SamplingParams(),
                        on_output=lambda _o: None)
@@ -71,11 +71,8 @@ def test_a_mixed_step_samples_the_rows_a_full_forward_gives_and_stores_the_same_
 
 
 @torch.inference_mode()
-def test_a_step_that_samples_nothing_runs_no_row_past_the_last_attention(checkpoint: Path) -> None:
-    cfg = EngineConfig(model=str(checkpoint), device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
-                       max_running_requests=4)
-    runner = ModelRunner(cfg, checkpoint, ModelConfig.from_folder(checkpoint))
-    kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 1024, runner.device)
+def test_a_step_that_samples_nothing_runs_no_row_past_the_last_attention(runner_and_kv) -> None:
+    runner, kv = runner_and_kv
     req = Request("r", list(range(1, 12)), SamplingParams(), on_output=lambda _o: None)
     kv.admit(req, 0)
     kv.grow(req, 8)

@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_checkpoints import cpu_runner
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from splitserve.engine.config import EngineConfig
 from splitserve.engine.image_items import ImageItem, ImagePlaceholderError, expand_image_tokens, image_digest
 from splitserve.engine.image_processor import ClipImageProcessor
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_runner import ModelRunner, build_forward_batch
+from splitserve.engine.model_runner import build_forward_batch
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledChunk
@@ -82,10 +82,7 @@ def v4_layout(name: str) -> str:  # transformers 4.52-4.57: model.language_model
 
 def engine_logits(folder: Path, ids: list[int], images: list[ImageItem], splits: list[int]) -> torch.Tensor:
     """Every position's logits from the engine's runner, the prompt run in chunks cut at `splits`."""
-    cfg = EngineConfig(model=str(folder), device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
-                       max_running_requests=2)
-    runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
-    kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 2, 1024, runner.device)
+    runner, kv = cpu_runner(folder, max_running=2)
     req = Request("r", list(ids), SamplingParams(), on_output=lambda _o: None)
     req.images = images
     kv.admit(req, max_prefix_tokens=0)

@@ -7,9 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner, build_forward_batch
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
@@ -18,7 +16,7 @@ from splitserve.engine.scheduler import ScheduledChunk
 transformers = pytest.importorskip("transformers")
 
 
-from engine_checkpoints import CHECKPOINTS, write  # noqa: E402  (tests/ is on sys.path: conftest.py)
+from engine_checkpoints import CHECKPOINTS, cpu_runner, write  # noqa: E402  (tests/ is on sys.path: conftest.py)
 
 
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
@@ -35,10 +33,7 @@ def all_position_logits(runner: ModelRunner, chunks: list[ScheduledChunk], kv: K
 @torch.inference_mode()
 def test_prefill_chunks_and_decode_steps_match_transformers(checkpoint: Path) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    cfg = EngineConfig(model=str(checkpoint), device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
-                       max_running_requests=4)
-    runner = ModelRunner(cfg, checkpoint, ModelConfig.from_folder(checkpoint))
-    kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 1024, runner.device)
+    runner, kv = cpu_runner(checkpoint)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (13,), generator=gen).tolist()
     decode_tokens = torch.randint(0, 256, (5,), generator=gen).tolist()
@@ -68,10 +63,7 @@ def test_prefill_chunks_and_decode_steps_match_transformers(checkpoint: Path) ->
 @torch.inference_mode()
 def test_batched_sequences_of_different_lengths_match_running_alone(checkpoint: Path) -> None:
     """Padding and masks in a mixed batch (prefill chunks beside decodes) change nothing."""
-    cfg = EngineConfig(model=str(checkpoint), device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
-                       max_running_requests=4)
-    runner = ModelRunner(cfg, checkpoint, ModelConfig.from_folder(checkpoint))
-    kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 1024, runner.device)
+    runner, kv = cpu_runner(checkpoint)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 9, 17)]
     alone = []
