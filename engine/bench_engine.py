@@ -123,7 +123,8 @@ def sustained_rate(fn, device: torch.device, seconds: float) -> float:
 class EngineUnderTest:
     """A model runner and KV cache of one shape with random weights, driven directly."""
 
-    def __init__(self, shape: str, device: str, max_batch: int, max_tokens: int, gemm_algos: str = "") -> None:
+    def __init__(self, shape: str, device: str, max_batch: int, max_tokens: int, gemm_algos: str = "",
+                 warm_up: bool = False) -> None:
         self.folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
         self.cfg = EngineConfig(model=str(self.folder), device=device, load_format="dummy",
                                 max_running_requests=max_batch, max_total_tokens=max_tokens,
@@ -134,6 +135,8 @@ class EngineUnderTest:
         self.device = self.runner.device
         self.kv = KVCache(self.runner.kv_shape.num_pages, self.cfg.page_size, max_batch, 16384, self.device)
         self.runner.capture_decode_graphs(self.kv.page_table, self.kv.padding_slot)
+        if warm_up:  # as an engine starts: the cuDNN prompt buckets and the lone-prompt graphs (GPU), seconds
+            self.runner.warm_up(self.kv.page_table)
         self.uniform_ids = False  # benchmarks/peer_inputs.py: prompts of one id repeated, as the peer had before
 
     @property
@@ -185,10 +188,20 @@ class EngineUnderTest:
                                    tokens_per_block=self.runner.extend_block_tokens,
                                    cudnn_chunk=self.runner.cudnn_chunk, prompt_buckets=self.runner.prompt_buckets)
 
+    def prefill_path(self, tokens: int, prompts: int = 1) -> str:
+        """How an engine runs prefill_step(tokens, prompts): a lone prompt that a lone-prompt graph holds replays
+        it (GPU, once warmed up), anything else runs eagerly."""
+        graphs = self.runner.prompt_graphs
+        return "lone-prompt graph" if prompts == 1 and graphs is not None and graphs.can_run(tokens) else "eager"
+
     def prefill_seconds(self, tokens: int, reps: int = 5, prompts: int = 1) -> float:
-        """Median seconds of one eager forward of prefill_step(tokens, prompts)."""
-        with self.prefill_step(tokens, prompts) as (_, batch):
-            return timed(lambda: self.runner.forward(batch), self.device, reps)
+        """Median seconds of one forward of prefill_step(tokens, prompts), on prefill_path's path."""
+        with self.prefill_step(tokens, prompts) as (reqs, batch):
+            if self.prefill_path(tokens, prompts) == "eager":
+                return timed(lambda: self.runner.forward(batch), self.device, reps)
+            graphs, (req,) = self.runner.prompt_graphs, reqs
+            assert graphs is not None
+            return timed(lambda: graphs.run(req.all_ids[:tokens], req.slot), self.device, reps)
 
     def sustained_prefill_seconds(self, tokens: int, prompts: int, seconds: float) -> float:
         """Seconds per eager forward of prefill_step(tokens, prompts) held back to back for `seconds`
@@ -329,7 +342,7 @@ def run_engine_benchmark(shape: str, device: str, prefill_lens: list[int], decod
     max_batch = max(decode_batches)
     kv_tokens = max(max_batch * (decode_context + 64), max(prefill_lens) + 64,
                     max(gen_batches) * (gen_prompt + gen_new + 64))
-    eut = EngineUnderTest(shape, device, max_batch, kv_tokens)
+    eut = EngineUnderTest(shape, device, max_batch, kv_tokens, warm_up=True)  # lone prompts as an engine runs them
     dev, dtype = eut.device, eut.runner.dtype
     limits = device_limits(dev, dtype)
     bw, peak = limits["copy_bandwidth_Bps"], limits["matmul_flops"]
@@ -341,8 +354,8 @@ def run_engine_benchmark(shape: str, device: str, prefill_lens: list[int], decod
     for n in prefill_lens:
         seconds = eut.prefill_seconds(n)
         flops = prompt_matmul_flops(cfg, n) + attention_flops(cfg, n)
-        row = {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds, "tflops": flops / seconds / 1e12,
-               "mfu_vs_measured_matmul": flops / seconds / peak}
+        row = {"tokens": n, "path": eut.prefill_path(n), "seconds": seconds, "tokens_per_s": n / seconds,
+               "tflops": flops / seconds / 1e12, "mfu_vs_measured_matmul": flops / seconds / peak}
         report["prefill"].append(row)
         logger.info("prefill %d tokens: %.0f tok/s, %.2f of the matmul peak", n, row["tokens_per_s"],
                     row["mfu_vs_measured_matmul"])
@@ -383,10 +396,11 @@ def print_engine_report(report: dict[str, Any]) -> None:
     lim = report["limits"]
     lines = [f"{report['shape']} on {report['device']} ({report['dtype']}): copy {lim['copy_bandwidth_Bps'] / 1e9:.0f} "
              f"GB/s, matmul {lim['matmul_flops'] / 1e12:.0f} TFLOP/s (measured)",
-             "prefill tokens | tok/s      | TFLOP/s | of matmul peak | vs transformers"]
+             "prefill tokens | tok/s      | TFLOP/s | of matmul peak | vs transformers | path"]
     for r in report["prefill"]:
         lines.append(f"{r['tokens']:>14} | {r['tokens_per_s']:10.0f} | {r['tflops']:7.1f} | "
-                     f"{r['mfu_vs_measured_matmul']:14.2f} | {r.get('speedup_vs_transformers', float('nan')):.2f}x")
+                     f"{r['mfu_vs_measured_matmul']:14.2f} | {r.get('speedup_vs_transformers', float('nan')):14.2f}x | "
+                     f"{r.get('path', 'eager')}")
     nan = float("nan")
     lines.append("decode batch | ctx  | step ms | HBM roofline ms | step/HBM | compute-counting roofline ms | "
                  "step/compute-counting | tok/s")
