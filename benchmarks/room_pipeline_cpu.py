@@ -13,7 +13,12 @@ pool (its checksums are not compared) and what is timed is the host's work aroun
 thread (no other thread competes for the GIL or the manager's lock): each side's thread CPU a room, the least
 over the sets (the box is shared: CPU time grows with contention). ``--mode threaded``: the bench's own sets
 (the engine thread's sends with the worker and the control thread running beside them): every Python thread's
-CPU a room, and each set's wall time from the first send to the decode's last Success.
+CPU a room, and each set's wall time from the first send to the decode's last Success. With ``--copy-gbps``
+(threaded) each launch stands for a copy of Llama-3-8B's pages at that rate on one simulated stream
+(``SimulatedStream``), and a set's wall reads against its copies' time as the H200's rooms bench reads against
+the device copy: at 1930 GB/s this box gave 0.5-0.6 (median sets 16-18 ms against 8.9 of copy), where the H200
+read 0.48-0.53 in the tenth session; the timeline showed the worker starting only once the engine thread's 256
+send calls (4.4-6 ms) were done, the GIL's 5 ms switch interval holding it off.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import time
 
 import numpy as np
 
-from splitserve.transfer import KVSender, bench_cuda_ipc
+from splitserve.transfer import KVSender, bench_cuda_ipc, segment_copy
 from splitserve.transfer.poll_state import KVPoll
 from splitserve.transfer.segment_copy import plan_runs
 
@@ -42,15 +47,42 @@ def launch_without_copy(session: str, runs) -> object:
     return lambda: 0
 
 
-def prefill(rooms: int, tokens: int) -> bench_cuda_ipc._Prefill:
-    """The bench's prefill side over Mooncake TCP, made to take cuda_ipc's path through the room pipeline."""
+class SimulatedStream:
+    """A device stream's copies stood in by the clock: a launch is queued behind the copies before it and takes
+    ``pages x page_bytes / gbps``; waiting for it polls as ``SegmentCopier.finish`` does (sleeps of ``POLL_S``).
+    So the host's work around the copies meets a copy time as the H200's (Llama-3-8B: 2 MiB a 16-token page,
+    ~1.93 TB/s), and a set's wall can be read against the copies' own."""
+
+    def __init__(self, gbps: float, page_bytes: int = 2 << 20) -> None:
+        self.seconds_per_page = page_bytes / (gbps * 1e9)
+        self.free_at = 0.0
+        self.busy_s = 0.0  # the copies' time, summed (the set's own copy time)
+
+    def launch(self, session: str, runs) -> object:
+        launch_without_copy(session, runs)
+        pages = int(runs.lens.sum()) // runs.src.buffers[0].page_bytes
+        start = max(time.perf_counter(), self.free_at)
+        self.free_at = end = start + pages * self.seconds_per_page
+        self.busy_s += end - start
+
+        def landed() -> int:
+            while time.perf_counter() < end:
+                time.sleep(segment_copy.POLL_S)
+            return 0
+        return landed
+
+
+def prefill(rooms: int, tokens: int, stream: SimulatedStream | None = None) -> bench_cuda_ipc._Prefill:
+    """The bench's prefill side over Mooncake TCP, made to take cuda_ipc's path through the room pipeline
+    (its copies timed by ``stream`` where given, else left out)."""
     bench_cuda_ipc.page_checksum = lambda pool, pages: 0  # nothing lands: neither side's pages are compared
     side = bench_cuda_ipc._Prefill("tcp", 32, tokens // PAGE * rooms + 1, rooms, 1, head_dim=8, merge_writes=True)
     mgr = side.mgr
     mgr.config = mgr.config.replace(transfer_max_batch_segments=1 << 20)  # cuda_ipc's: one write takes every room
     mgr.engine.quick_writes = True
-    mgr.engine.write_pages = lambda session, runs: launch_without_copy(session, runs)()
-    mgr.writers.launch_pages = launch_without_copy
+    launch = launch_without_copy if stream is None else stream.launch
+    mgr.engine.write_pages = lambda session, runs: launch(session, runs)()
+    mgr.writers.launch_pages = launch
     mgr.workers.launch_pages = lambda *args: mgr.writers.launch_pages(*args)
     side.clock = bench_cuda_ipc._StageClock(mgr)
     return side
@@ -100,6 +132,8 @@ def one_thread_set(side: bench_cuda_ipc._Prefill, src: list[list[int]], dst: lis
 def threaded_set(side: bench_cuda_ipc._Prefill, src: list[list[int]], dst: list[list[int]]) -> dict[str, float]:
     """One of the bench's sets: each Python thread's CPU a room (the worker's outside its write calls), the wall."""
     before, write_cpu = bench_cuda_ipc.python_threads_cpu(), side.clock.write_cpu_s
+    stream: SimulatedStream | None = getattr(side, "stream", None)
+    busy0 = stream.busy_s if stream is not None else 0.0
     marks = side.rooms(src, dst, [0] * len(src))
     per: collections.Counter[str] = collections.Counter()
     for ident, (name, cpu) in bench_cuda_ipc.python_threads_cpu().items():
@@ -108,6 +142,9 @@ def threaded_set(side: bench_cuda_ipc._Prefill, src: list[list[int]], dst: list[
     out = {f"{name}_us": cpu / len(src) * 1e6 for name, cpu in per.items()}
     out["send_calls_us"] = marks["send_calls_cpu_s"] / len(src) * 1e6
     out["total_ms"] = (marks["decode_success"] - marks["t0"]) * 1e3
+    if stream is not None:  # the set's copies against its wall: what the H200's rooms bench reads as "/copy"
+        out["copy_ms"] = (stream.busy_s - busy0) * 1e3
+        out["over_copy"] = out["copy_ms"] / out["total_ms"]
     return out
 
 
@@ -117,11 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=512, help="prompt tokens of a room (a multiple of 16)")
     parser.add_argument("--sets", type=int, default=20, help="sets of each page order")
     parser.add_argument("--mode", choices=["one-thread", "threaded"], default="one-thread")
+    parser.add_argument("--copy-gbps", type=float, default=0.0,
+                        help="threaded: time each copy as Llama-3-8B's pages at this rate on one simulated stream "
+                             "(the H200's device copy: ~1930); 0 leaves the copies out")
     args = parser.parse_args(argv)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # before Mooncake starts (the managers)
     os.environ.setdefault("GLOG_minloglevel", "2")
     logging.basicConfig(level=logging.WARNING)
-    side = prefill(args.rooms, args.tokens)
+    stream = SimulatedStream(args.copy_gbps) if args.copy_gbps > 0 else None
+    side = prefill(args.rooms, args.tokens, stream)
+    side.stream = stream
     pages_total = args.tokens // PAGE * args.rooms + 1
     try:
         for name in ("contiguous", "scattered"):
