@@ -201,7 +201,11 @@ class EngineUnderTest:
                 return timed(lambda: self.runner.forward(batch), self.device, reps)
             graphs, (req,) = self.runner.prompt_graphs, reqs
             assert graphs is not None
-            return timed(lambda: graphs.run(req.all_ids[:tokens], req.slot), self.device, reps)
+
+            @torch.inference_mode()  # as the runner replays it (its input buffers are inference tensors)
+            def replay() -> None:
+                graphs.run(req.all_ids[:tokens], req.slot)
+            return timed(replay, self.device, reps)
 
     def sustained_prefill_seconds(self, tokens: int, prompts: int, seconds: float) -> float:
         """Seconds per eager forward of prefill_step(tokens, prompts) held back to back for `seconds`

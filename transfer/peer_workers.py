@@ -13,9 +13,9 @@ segments counted as begun by the manager), writes them all with one call and han
 result, in queue order, inside ``finish_together`` (the manager sends their Success messages as
 one per decode rank then). Where the transport takes whole pages as runs (``launch_pages``: CUDA IPC),
 the jobs' pages go as ``PageRuns`` (its kernel expands them per buffer), a job alone in the queue takes
-that path too, and a long batch is pipelined: a part of its jobs (``pipeline_parts``: up to ``PIPELINE_JOBS``)
-is prepared and its copy launched, then the previous part's copy is waited for and its jobs finished, so the
-host's work per room runs while the device copies. Otherwise a job alone simply runs.
+that path too, and a long batch is pipelined: ``PIPELINE_JOBS`` jobs at a time are prepared and their copy
+launched, then the previous part's copy is waited for and its jobs finished, so the host's work per room
+runs while the device copies. Otherwise a job alone simply runs.
 """
 
 from __future__ import annotations
@@ -41,25 +41,6 @@ MAX_MERGED_JOBS = 256  # jobs one merged write takes at most
 # the H200 host's Python: checks, table, Triton's launch) is paid once per 64 rooms. 256 x 512-token rooms on the
 # H200, one lease: 0.46 / 0.48 of the device copy at 32, 0.63 / 0.56 at 64 (NOTES-issue16, seventh session).
 PIPELINE_JOBS = 64
-# Jobs in a pipelined batch's first part: the device starts copying once these are prepared, and parts double from
-# there up to PIPELINE_JOBS (pipeline_parts). At PIPELINE_JOBS every part is PIPELINE_JOBS, as measured above.
-FIRST_PART_JOBS = PIPELINE_JOBS
-
-
-def pipeline_parts(jobs: int, largest: int | None = None, first: int | None = None) -> list[int]:
-    """Jobs per launched copy for a pipelined batch of ``jobs``: ``first``, then doubling up to ``largest``
-    (defaults: FIRST_PART_JOBS and PIPELINE_JOBS, read at the call), the last part whatever is left. Each part
-    is prepared while the one before it copies; a small first part starts the device sooner."""
-    largest = PIPELINE_JOBS if largest is None else largest
-    size = min(FIRST_PART_JOBS if first is None else first, largest)
-    if size < 1:
-        raise ValueError(f"a pipelined part takes at least one job, not {size}")
-    parts: list[int] = []
-    while jobs > 0:
-        parts.append(min(size, jobs))
-        jobs -= parts[-1]
-        size = min(2 * size, largest)
-    return parts
 
 
 @dataclass(slots=True)  # not frozen: made once a room on the hot path (a frozen init costs ~3x)
@@ -220,17 +201,15 @@ class PeerWorkers:
 
     def _run_merged(self, batch: list[TransferJob], worker: _Worker | None = None) -> None:
         """Prepares the jobs' writes and makes one write per peer session of them: for whole pages where the
-        transport takes runs, in ``pipeline_parts``, each part's copy launched before the previous
+        transport takes runs, ``PIPELINE_JOBS`` jobs at a time, each part's copy launched before the previous
         part is waited for and finished; otherwise all of them, written at once. The last part's rooms are
         told they are last when ``worker`` has nothing queued after them."""
         assert self.write is not None
-        parts = pipeline_parts(len(batch)) if self.launch_pages is not None else [len(batch)]
+        step = PIPELINE_JOBS if self.launch_pages is not None else len(batch)
         in_flight: collections.deque[tuple[Prepared, Callable[[], int] | None, Exception | None]] = collections.deque()
         try:
-            end = 0
-            for size in parts:
-                end += size
-                for session, group in self._prepare(batch[end - size:end]).items():
+            for start in range(0, len(batch), step):
+                for session, group in self._prepare(batch[start:start + step]).items():
                     if len(group) > 1:
                         self.merged_writes += 1
                     writes = [w for _, w in group]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import pytest
 import torch
 
 from splitserve.transfer import layout_for_pool, make_aux_tensor
@@ -234,16 +233,3 @@ def test_writes_sharing_a_finish_are_finished_together_per_part_and_fail_one_by_
     assert calls == [(list(range(PIPELINE_JOBS)), 0), (list(range(PIPELINE_JOBS, rooms)), 0)]
     assert failed == [5, *range(PIPELINE_JOBS, rooms)]
     assert lasts == [False, True]  # the first part had the second in flight behind it
-
-
-def test_pipeline_parts_start_at_the_first_size_double_up_to_the_largest_and_cover_every_job():
-    from splitserve.transfer.peer_workers import PIPELINE_JOBS, pipeline_parts
-
-    assert pipeline_parts(256, largest=64, first=8) == [8, 16, 32, 64, 64, 64, 8]
-    assert pipeline_parts(20, largest=64, first=8) == [8, 12]
-    assert pipeline_parts(5, largest=64, first=8) == [5]
-    assert pipeline_parts(130, largest=64, first=64) == [64, 64, 2]
-    assert pipeline_parts(0) == []
-    assert sum(pipeline_parts(1000)) == 1000 and max(pipeline_parts(1000)) == PIPELINE_JOBS
-    with pytest.raises(ValueError, match="at least one job"):
-        pipeline_parts(10, first=0)
