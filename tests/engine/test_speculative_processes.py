@@ -1,10 +1,16 @@
 """Speculative decoding as processes: `splitserve serve --role drafter` killed with SIGKILL while a
 verifier streams through it, then restarted on the same port and joined again; `splitserve up
---drafter N` with prefill/decode."""
+--drafter N` with prefill/decode. On the CPU by default; SPLITSERVE_TEST_DEVICE=cuda runs the same on a GPU, where
+every server runs its engine core in a process of its own (the GPU default), in float32: there the projections and
+attention take the row-invariant kernels at every row count, so a verifier's rows have plain decoding's bits
+whatever its batch, as on the CPU (in bfloat16 only the verifier's own plain decoding is promised: a plain engine
+of default settings takes cuBLAS past 16 rows, other bits, another greedy path; test_speculative_gpu.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import re
 import signal
 import subprocess
@@ -31,7 +37,10 @@ from splitserve.engine.offline import generate_tokens
 from splitserve.engine.sampling_params import SamplingParams
 
 KEY = {"SPLITSERVE_TRANSFER_CONTROL_KEY": TEST_CONTROL_KEY}  # also opens /internal/* for the leak checks
-ENGINE_ARGS = ["--model", "tiny", "--device", "cpu", "--page-size", "4", "--max-total-tokens", "4096"]
+DEVICE = os.environ.get("SPLITSERVE_TEST_DEVICE", "cpu")
+DTYPE = "float32"
+ENGINE_ARGS = ["--model", "tiny", "--device", DEVICE, "--dtype", DTYPE, "--page-size", "4",
+               "--max-total-tokens", "4096"]
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [40, 41, 42, 43, 44, 45], [100, 7, 100], [3, 3, 3, 3]]
 MAX_TOKENS = 120
 
@@ -50,10 +59,16 @@ def drafter_state(verifier_url: str) -> str:
     return state
 
 
-def wait_for(check, timeout: float, what: str) -> float:
+SPEC_METRICS = ("splitserve_spec_draft_tokens_total", "splitserve_spec_accepted_tokens_total",
+                "splitserve_spec_fallbacks_total")
+
+
+def wait_for(check, timeout: float, what: str, state=None) -> float:
+    """Seconds until `check()` holds; fails after `timeout` with `state()` (what to look at) if given."""
     start = time.monotonic()
     while not check():
-        assert time.monotonic() - start < timeout, f"{what} not within {timeout} s"
+        assert time.monotonic() - start < timeout, f"{what} not within {timeout} s" + (
+            f": {state()}" if state is not None else "")
         time.sleep(0.02)
     return time.monotonic() - start
 
@@ -74,7 +89,7 @@ def complete(url: str, prompt: list[int], out: dict[int, list[int]], index: int)
 
 @pytest.fixture(scope="module")
 def plain() -> list[list[int]]:
-    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=4096))
+    engine = Engine(EngineConfig(model="tiny", device=DEVICE, dtype=DTYPE, page_size=4, max_total_tokens=4096))
     engine.start()
     try:
         return generate_tokens(engine, PROMPTS, SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0.0,
@@ -102,7 +117,8 @@ def test_a_killed_drafter_loses_no_request_and_a_restarted_one_is_joined_again(t
         threads = [threading.Thread(target=complete, args=(verifier_url, p, outs, i)) for i, p in enumerate(PROMPTS)]
         for t in threads:
             t.start()
-        wait_for(lambda: metric(verifier_url, "splitserve_spec_accepted_tokens_total") >= 20, 60, "drafts in use")
+        wait_for(lambda: metric(verifier_url, "splitserve_spec_accepted_tokens_total") >= 20, 60,
+             "drafts in use", lambda: {n: metric(verifier_url, n) for n in SPEC_METRICS})
         procs[0].kill()  # SIGKILL, mid-stream
         fallback_s = wait_for(lambda: drafter_state(verifier_url) != "joined", 5, "fallback")
         assert fallback_s < 2.0
@@ -128,14 +144,17 @@ def test_a_killed_drafter_loses_no_request_and_a_restarted_one_is_joined_again(t
             p.stop()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                    reason="prefill -> decode over Mooncake needs mooncake-transfer-engine")
 def test_up_with_drafters_serves_prefill_decode_with_speculation(tmp_path: Path, plain) -> None:
     port = free_port()
     log = (tmp_path / "up.log").open("w+")
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", "cpu",
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(port), "--device", DEVICE,
                              "--model", "tiny", "--prefill", "1", "--decode", "1", "--drafter", "1",
                              "--speculative-tokens", "3",
                              "--transfer-control-key", TEST_CONTROL_KEY,
-                             "--engine-args", "--draft-wait-ms 30 --page-size 4 --no-speculation-gate"],
+                             "--engine-args", f"--draft-wait-ms 30 --page-size 4 --max-total-tokens 4096 "
+                                             f"--dtype {DTYPE} --no-speculation-gate"],
                             stdout=subprocess.PIPE, stderr=log, text=True, env=splitserve_env(), cwd=REPO.parent)
     try:
         line = proc.stdout.readline()
