@@ -2,8 +2,8 @@
 
 New keys and values are written into the pool at each token's slot, then:
 - a plain causal prefill (no cached prefix, one sequence) goes straight to SDPA's causal
-  kernel; on CUDA after the runner's warm-up, through cuDNN at a bucket length, or flash attention
-  past the buckets (engine/layers/prompt_attention.py: no cuDNN graph built while serving);
+  kernel; on CUDA after the runner's warm-up, through cuDNN at a bucket length the warm-up built
+  (past 4,096 tokens a coarse one, built on first use; engine/layers/prompt_attention.py);
 - other extend batches (prompt chunks, mixed with decodes) on CUDA: the leading decode rows
   through the paged decode kernel, the chunks through the paged extend kernel, both reading
   the pages in place, but full prompt chunks after whole chunks, which gather their KV and

@@ -10,7 +10,14 @@ and attends through cuDNN at that length (cudnn_attention.py), whose graph the r
 (cuDNN's graphs are per thread: the engine thread's warm-up). cuDNN's causal mask is top-left, so a real
 row never sees a padded key (zeros, never garbage: a masked score still multiplies its value) and the
 real rows are the unpadded call's, up to cuDNN's own rounding; the padded rows are dropped. Prompts past
-the largest bucket take flash attention: no graph is ever built while serving.
+the largest bucket but within BUCKET_MAX (a short context's last tokens) take flash attention.
+
+A lone prompt longer than BUCKET_MAX (chunked prefill off, or a budget over it) attends through cuDNN too, at
+coarse buckets (`long_prompt_bucket`: four an octave, at most a quarter of its rows padded) whose graphs are
+built on first use, once each: ~62 ms, against the hundreds of ms such a step already holds the running decodes,
+where flash attention would cost every such prompt 1.6-1.8x cuDNN's attention time (an 8,192-token Llama-3-8B
+prompt 34.9k tok/s against 38.8k; NOTES-issue16, eleventh session). Warming them all up would take a forward at
+every length up to the context.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from splitserve.engine.layers.cudnn_attention import cudnn_attention
 BUCKET_STEP = 256
 BUCKET_MAX = 4096  # at most 16 graphs at warm-up (~62 ms each on an H200)
 WARM_UP_MARGIN = 64  # the runner's warm-up prompts are at most context_length - 64 tokens
+LONG_BUCKETS_PER_OCTAVE = 4  # past BUCKET_MAX: 5120, 6144, 7168, 8192, 10240, ...
 
 
 def bucket_limit(longest: int, context_length: int, step: int = BUCKET_STEP, cap: int = BUCKET_MAX) -> int:
@@ -44,6 +52,19 @@ def prompt_bucket(length: int, limit: int, step: int = BUCKET_STEP) -> int | Non
     """The length a prompt of `length` tokens is padded to; None: past the largest bucket (flash attention)."""
     bucket = -(-length // step) * step
     return bucket if bucket <= limit else None
+
+
+def long_prompt_bucket(length: int, shortest: int = BUCKET_MAX, per_octave: int = LONG_BUCKETS_PER_OCTAVE) -> int:
+    """The length a prompt of more than `shortest` tokens is padded to: the octave [low, 2 low] holding it (low =
+    `shortest` doubled as often as needed) cut into `per_octave` equal steps, so at most a quarter of its rows are
+    padding and a server meets four lengths an octave."""
+    if length <= shortest:
+        raise ValueError(f"a long prompt has more than {shortest} tokens, not {length}")
+    low = shortest
+    while length > 2 * low:
+        low *= 2
+    step = low // per_octave
+    return -(-length // step) * step
 
 
 def padded_projection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bucket: int,
@@ -82,8 +103,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 def lone_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, limit: int,
                           qkv: torch.Tensor | None = None) -> torch.Tensor:
     """A lone fresh prompt's causal attention (q [n, H, D], k and v [n, Hkv, D] -> [n, H, D]) with cuDNN
-    buckets up to `limit` tokens built; `qkv`: the [n, (H + 2 Hkv) D] projection q, k and v are views of."""
-    bucket = prompt_bucket(q.shape[0], limit)
+    buckets up to `limit` tokens built (past BUCKET_MAX, the long buckets, built on first use); `qkv`: the
+    [n, (H + 2 Hkv) D] projection q, k and v are views of."""
+    n = q.shape[0]
+    bucket = prompt_bucket(n, limit) if n <= BUCKET_MAX else long_prompt_bucket(n)
     if bucket is None:
         return flash_attention(q, k, v, scale)
     return cudnn_at_bucket(q, k, v, scale, bucket, qkv)

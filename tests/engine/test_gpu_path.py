@@ -605,6 +605,33 @@ def test_a_lone_prompt_padded_to_its_cudnn_bucket_gives_the_unpadded_cudnn_rows(
     torch.testing.assert_close(flash.double(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("length", [4097, 6000, 8192])
+def test_a_lone_prompt_past_the_fine_buckets_attends_through_cudnn_at_its_long_bucket(
+        length: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Past BUCKET_MAX a lone prompt is padded to a quarter-octave bucket (its cuDNN graph built on first use), not
+    # sent to flash attention; its rows are flash attention's to bf16 rounding.
+    from splitserve.engine.layers import prompt_attention
+
+    padded_to: list[int] = []
+    real = prompt_attention.cudnn_at_bucket
+
+    def cudnn_spy(q, k, v, scale, bucket, qkv=None):
+        padded_to.append(bucket)
+        return real(q, k, v, scale, bucket, qkv)
+
+    monkeypatch.setattr(prompt_attention, "cudnn_at_bucket", cudnn_spy)
+    torch.manual_seed(length)
+    heads, kv_heads, head_dim = 32, 8, 128
+    qkv = torch.randn(length, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (t.view(length, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                 kv_heads * head_dim], dim=1))
+    scale = head_dim ** -0.5
+    got = prompt_attention.lone_prompt_attention(q, k, v, scale, prompt_attention.BUCKET_MAX, qkv)
+    assert padded_to == [prompt_attention.long_prompt_bucket(length)] and got.shape == (length, heads, head_dim)
+    flash = prompt_attention.flash_attention(q, k, v, scale)
+    torch.testing.assert_close(got.float(), flash.float(), atol=2e-2, rtol=2e-2)
+
+
 @torch.inference_mode()
 def test_after_warm_up_a_lone_prompt_of_a_new_length_takes_its_bucket_and_one_past_the_buckets_flash(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ from splitserve.engine.layers.prompt_attention import (
     BUCKET_MAX,
     bucket_lengths,
     bucket_limit,
+    long_prompt_bucket,
     padded_projection,
     prompt_bucket,
 )
@@ -19,7 +20,7 @@ from splitserve.engine.layers.prompt_attention import (
 @pytest.mark.parametrize("longest,context,limit", [
     (2048, 131072, 2048),  # the default chunk budget: 8 graphs
     (2000, 131072, 2048),  # rounded up: a 2000-token chunk still has its bucket
-    (8192, 131072, BUCKET_MAX),  # a bigger budget: past 4096, flash attention
+    (8192, 131072, BUCKET_MAX),  # a bigger budget: past 4096, long buckets built on first use
     (131072, 131072, BUCKET_MAX),  # chunked prefill off
     (2048, 1024, 768),  # a short context: no bucket longer than a warm-up prompt (context - 64)
     (2048, 300, 0),  # too short for any bucket: every lone prompt takes flash attention
@@ -46,6 +47,21 @@ def test_a_prompt_is_padded_to_the_next_bucket_and_past_the_last_has_none(length
 def test_every_length_up_to_the_limit_has_a_built_bucket() -> None:
     built = set(bucket_lengths(bucket_limit(2048, 4096)))
     assert {prompt_bucket(n, 2048) for n in range(1, 2049)} == built
+
+
+@pytest.mark.parametrize("length,bucket", [(4097, 5120), (5120, 5120), (5121, 6144), (8192, 8192), (8193, 10240),
+                                           (16000, 16384), (16385, 20480), (131072, 131072)])
+def test_a_prompt_past_the_fine_buckets_is_padded_to_a_quarter_octave(length: int, bucket: int) -> None:
+    assert long_prompt_bucket(length) == bucket
+    octave_low = 1 << (length - 1).bit_length() - 1  # the power of two below the length
+    assert bucket - length < octave_low // 4 and bucket % (octave_low // 4) == 0
+
+
+def test_a_server_meets_four_long_buckets_an_octave() -> None:
+    assert sorted({long_prompt_bucket(n) for n in range(BUCKET_MAX + 1, 4 * BUCKET_MAX + 1)}) == [
+        5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384]
+    with pytest.raises(ValueError, match="more than 4096"):
+        long_prompt_bucket(BUCKET_MAX)
 
 
 @pytest.mark.parametrize("length,bucket", [(1, 256), (97, 256), (256, 256), (300, 512)])
