@@ -37,8 +37,9 @@ class ForwardBatch:
     max_kv: int = 0
     no_prefix: bool = False  # no sequence has cached KV before this step (a plain causal prefill)
     # CUDA: a lone fresh prompt attends through cuDNN at the bucket lengths up to this many tokens, whose
-    # graphs the warm-up built, and through flash attention past them (prompt_attention.py; 0: flash at every
-    # length); None: SDPA's default dispatch (the CPU, a runner before its warm-up).
+    # graphs the warm-up built, through flash attention past them up to 4,096 tokens (0: no bucket), and past
+    # 4,096 through cuDNN at coarse buckets built on first use (prompt_attention.py); None: SDPA's default
+    # dispatch (the CPU, a runner before its warm-up).
     prompt_buckets: int | None = None
     # Extend batches on CUDA: the paged kernels' plan instead of kv_indices (see paged_attention_plan).
     attn_meta: torch.Tensor | None = None  # int32: decode rows' slots and KV lengths, then an ExtendPlan

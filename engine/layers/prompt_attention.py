@@ -1,4 +1,4 @@
-"""A lone fresh prompt's causal attention on CUDA: cuDNN at a few bucket lengths, flash attention past them.
+"""A lone fresh prompt's causal attention on CUDA: cuDNN at bucket lengths, flash attention where none fits.
 
 torch's SDPA picks cuDNN for a fresh 16-bit prompt on an H200 (torch 2.11, cuDNN 9.19), and cuDNN builds a
 graph for every shape it has not seen: the first call at a new length took ~62 ms more (median, 453x the
@@ -49,7 +49,8 @@ def bucket_lengths(limit: int, step: int = BUCKET_STEP) -> list[int]:
 
 
 def prompt_bucket(length: int, limit: int, step: int = BUCKET_STEP) -> int | None:
-    """The length a prompt of `length` tokens is padded to; None: past the largest bucket (flash attention)."""
+    """The length a prompt of `length` tokens is padded to; None: past the largest bucket (flash attention, up to
+    BUCKET_MAX tokens; longer prompts take `long_prompt_bucket`)."""
     bucket = -(-length // step) * step
     return bucket if bucket <= limit else None
 
