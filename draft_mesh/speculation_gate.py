@@ -122,10 +122,15 @@ class SpeculationGate:
             self.stint.seconds += seconds
         rate = self.stint.rate
         if rate is not None:
-            self.rates[(bucket, self.mode)] = rate
-            if self.mode == PLAIN:
-                budget.plain_step(self.stint.seconds / (self.stint.steps - WARMUP_STEPS))
-                self.plain_best[bucket] = max(rate, self.plain_best.get(bucket, 0.0))
+            self._measured(bucket, rate)
+
+    def _measured(self, bucket: int, rate: float) -> None:
+        """The current stint's `rate` is its mode's in `bucket`; a plain one also gives the bucket's plain step
+        time (its budget's cap) and best plain rate, whether the stint ran its MEASURE_STEPS or ended early."""
+        self.rates[(bucket, self.mode)] = rate
+        if self.mode == PLAIN:
+            self._budget(bucket).plain_step(self.stint.seconds / (self.stint.steps - WARMUP_STEPS))
+            self.plain_best[bucket] = max(rate, self.plain_best.get(bucket, 0.0))
 
     def forget_speculation(self) -> None:
         """The drafters changed (one joined or left): speculating rates measured with the others say
@@ -174,7 +179,8 @@ class SpeculationGate:
         early = self.stint.rate_after(EARLY_STEPS)
         if self.stint.rate is None:
             if early is not None and theirs is not None and early < EARLY_GAP * theirs:
-                mine = self.rates[(self.bucket, self.mode)] = early  # clearly slower: no need to finish
+                mine = early  # clearly slower: no need to finish
+                self._measured(self.bucket, early)
             else:
                 return self.mode  # still measuring this stint
         if self.budgeted and other == SPECULATE and not budget.can_start:

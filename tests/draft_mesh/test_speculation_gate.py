@@ -281,3 +281,20 @@ def test_a_stints_first_steps_before_any_verify_end_it_only_once_the_budget_is_o
         assert gate.decide() == SPECULATE
     assert gate.budgets[8].headroom_s == pytest.approx(gate.budgets[8].cap_s)
     assert gate.budgets[8].saved_s > 0
+
+
+def test_a_plain_stint_that_ends_early_still_gives_its_bucket_the_plain_step_time() -> None:
+    # Speculating measured first, then plain decoding clearly slower after EARLY_STEPS: the stint ends early, and
+    # its rate is the bucket's plain rate; the bucket's budget takes its step time too (cap, headroom) and the
+    # summary shows them, as after a stint of MEASURE_STEPS (before, the early end left them unset).
+    gate = SpeculationGate()
+    run(gate, STINT, {SPECULATE: 1000.0, PLAIN: 1000.0})
+    assert gate.mode == PLAIN
+    modes = run(gate, WARMUP_STEPS + EARLY_STEPS, {SPECULATE: 1000.0, PLAIN: 400.0})
+    assert modes[-1] == SPECULATE  # ended early: clearly slower
+    assert gate.rates[(8, PLAIN)] == pytest.approx(400.0)
+    budget = gate.budgets[8]
+    assert budget.cap_s == pytest.approx(CAP_STEPS * 8 / 400.0) and budget.headroom_s is not None
+    summary = gate.summary()["buckets"]["8"]
+    assert summary["cap_ms"] == pytest.approx(1e3 * CAP_STEPS * 8 / 400.0) and summary["headroom_ms"] is not None
+    assert gate.plain_best[8] == pytest.approx(400.0)
