@@ -85,6 +85,7 @@ def prefill(rooms: int, tokens: int, stream: SimulatedStream | None = None) -> b
     mgr.writers.launch_pages = launch
     mgr.workers.launch_pages = lambda *args: mgr.writers.launch_pages(*args)
     side.clock = bench_cuda_ipc._StageClock(mgr)
+    side.stream = stream  # threaded_set reads its copies' time
     return side
 
 
@@ -132,7 +133,7 @@ def one_thread_set(side: bench_cuda_ipc._Prefill, src: list[list[int]], dst: lis
 def threaded_set(side: bench_cuda_ipc._Prefill, src: list[list[int]], dst: list[list[int]]) -> dict[str, float]:
     """One of the bench's sets: each Python thread's CPU a room (the worker's outside its write calls), the wall."""
     before, write_cpu = bench_cuda_ipc.python_threads_cpu(), side.clock.write_cpu_s
-    stream: SimulatedStream | None = getattr(side, "stream", None)
+    stream: SimulatedStream | None = side.stream
     busy0 = stream.busy_s if stream is not None else 0.0
     marks = side.rooms(src, dst, [0] * len(src))
     per: collections.Counter[str] = collections.Counter()
@@ -163,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     stream = SimulatedStream(args.copy_gbps) if args.copy_gbps > 0 else None
     side = prefill(args.rooms, args.tokens, stream)
-    side.stream = stream
     pages_total = args.tokens // PAGE * args.rooms + 1
     try:
         for name in ("contiguous", "scattered"):
