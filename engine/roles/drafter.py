@@ -86,6 +86,7 @@ class DraftState:
     admitted: bool = False
     stale: int = 0  # tokens still on the device that a commit made stale (dropped when they arrive)
     held: list[int] = field(default_factory=list)  # committed past the token on the device: applied when it arrives
+    streamed: bool = False  # a tail of this request went to the verifier (it knows the drafter has taken it in)
 
     def limit_output(self, context_length: int) -> None:
         """The request's output limit is the drafting limit: the engine queues no step past it (under
@@ -119,6 +120,7 @@ class DrafterRole(Role):
         self.tail_sockets: dict[str, zmq.Socket] = {}
         self.quarantined_total = 0
         self.drafted_total = 0
+        self.synced_total = 0  # DraftSyncs taken in, ever
         self.dropped_messages = 0
         self.stale_dropped = 0  # tokens drafted by a step in flight when a commit cut what it followed
         self.held_commits = 0  # commits held for the token on the device (they ran past the host's)
@@ -172,7 +174,7 @@ class DrafterRole(Role):
     def health_info(self) -> dict[str, Any]:
         return {"draft_mesh_port": self.mesh_port, "draft_control_endpoint": self.control_endpoint,
                 "drafter_rank": self.rank, "leases": len(self.leases), "draft_requests": len(self.states),
-                "drafted": self.drafted_total, "quarantined": self.quarantined_total,
+                "synced": self.synced_total, "drafted": self.drafted_total, "quarantined": self.quarantined_total,
                 "dropped_messages": self.dropped_messages, "stale_dropped": self.stale_dropped,
                 "held_commits": self.held_commits, "held_kept": self.held_kept}
 
@@ -249,6 +251,7 @@ class DrafterRole(Role):
         ahead = min(self.spec.max_draft_ahead, max(lease.draft_tokens, 1) * 2 + 1)  # as DraftPolicy.ahead
         state = self.states[key] = DraftState(key, sync.request_id, lease.lease_id, req, len(sequence), ahead)
         state.limit_output(self.engine.context_length)
+        self.synced_total += 1
         self.engine.submit(req)  # admitted in this same inbox drain, before the next step
 
     def _commit(self, lease: Lease, commit: pb.VerifyCommit) -> None:
@@ -336,15 +339,30 @@ class DrafterRole(Role):
             req.output_ids.pop()
             return True
         if state.held:  # a token the device computed at a position a commit has filled since
+            if not state.streamed:
+                # Committed, not a draft, but the verifier waits for drafts only of requests it has had a tail
+                # of (DraftPolicy.primed). A drafter as fast as its verifier (the tiny model on an H200, with
+                # the overlap scheduler) had every token of a fresh request overtaken by commits: it never drafted
+                # one, and the verifier, never waiting, decoded all on its own. So the first such token goes back,
+                # as what it is: the drafter's token after the committed ones before it (its base is its own
+                # position). The verifier has committed past it (its buffer drops it), and now waits for drafts.
+                position = req.total_len - 1
+                self._stream(state, req.output_ids[-1], position, base=position)
             self._settle_held(state)
-            return True  # committed, not a draft: nothing to stream
+            return True
         self.drafted_total += 1
-        self.outboxes.setdefault(state.lease_id, Outbox()).tokens.append(pb.TailToken(
-            request_id=state.request_id, token=req.output_ids[-1], base_committed_len=state.committed_len,
-            position=req.total_len - 1))
+        self._stream(state, req.output_ids[-1], req.total_len - 1)
         if finish is not None or req.total_len - state.committed_len >= state.ahead:
             self.engine.park(req)  # far enough ahead (or at the context's end): wait for a commit
         return True
+
+    def _stream(self, state: DraftState, token: int, position: int, base: int | None = None) -> None:
+        """Queues one tail token of the request for its verifier (flushed at the next poll), drafted from the
+        first `base` tokens (default: all those committed)."""
+        state.streamed = True
+        self.outboxes.setdefault(state.lease_id, Outbox()).tokens.append(pb.TailToken(
+            request_id=state.request_id, token=token,
+            base_committed_len=state.committed_len if base is None else base, position=position))
 
     def _settle_held(self, state: DraftState) -> None:
         """The request's newest token against the first held committed token. Equal: it stays, and the

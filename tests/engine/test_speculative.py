@@ -21,6 +21,7 @@ from splitserve.draft_mesh import SpecConfig
 from splitserve.draft_mesh.client import MeshCaller
 from splitserve.draft_mesh.fingerprint import tokenizer_fingerprint
 from splitserve.draft_mesh.speculation_gate import PLAIN, SPECULATE
+from splitserve.draft_mesh.tail_buffer import TailBuffer
 from splitserve.draft_mesh.wire import decode_tails, encode_frames
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
@@ -28,7 +29,7 @@ from splitserve.engine.offline import generate_tokens
 from splitserve.engine.request import Request, TokenOutput
 from splitserve.engine.role import ComposedRole
 from splitserve.engine.roles import drafter as drafter_module
-from splitserve.engine.roles.drafter import DrafterRole, drafter_engine_config
+from splitserve.engine.roles.drafter import DrafterRole, DraftState, drafter_engine_config
 from splitserve.engine.roles.verifier import VerifierRole
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tiny_model import TINY_CONFIG, write_checkpoint
@@ -217,7 +218,7 @@ def test_every_token_a_drafter_streams_continues_its_base_under_the_overlap_sche
     monkeypatch.setattr(DrafterRole, "_send", lambda self, lease_id, box: (sent.extend(box.tokens),
                                                                             send(self, lease_id, box)))
     # A verifier slower than its drafter, as on a GPU (the tiny drafter is the target's size here: one
-    # that never gets ahead of the commits streams nothing, every token it computes already committed).
+    # that never gets ahead of the commits streams almost nothing, every token it computes already committed).
     monkeypatch.setattr(VerifierRole, "poll", lambda self: (time.sleep(0.01), poll(self)))
     drafter = start_drafter(seed=7, overlap=True)
     stopper.append(drafter)
@@ -385,6 +386,28 @@ def test_a_drafter_sends_its_last_draft_before_resting_at_once_under_the_overlap
             if tails.poll(50):
                 got.extend(decode_tails(tails.recv_multipart(), KEY).tokens)
         assert [t.position for t in got] == [5, 6, 7], f"{len(got)} drafts in {time.monotonic() - started:.2f} s"
+
+
+def test_a_request_whose_tokens_commits_ran_past_still_gets_a_tail_that_tells_its_verifier() -> None:
+    """A drafter as fast as its verifier, under the overlap scheduler, can have every token of a fresh request
+    overtaken by commits (held, then settled): it drafts none, and a verifier waits for drafts only of requests
+    it has had a tail of. The first settled token goes back as a tail drafted from the tokens before it (its base
+    its own position), which the verifier's buffer, committed past it, drops as stale; later ones do not go, and
+    none counts as drafted."""
+    role = DrafterRole(SpecConfig(), TRANSFER)  # not attached: the held path needs no engine
+    req = Request("draft:0:r", [1, 2, 3], SamplingParams(max_new_tokens=64, temperature=0.0), lambda out: None)
+    state = role.states[req.request_id] = DraftState(req.request_id, "r", "lease", req, committed_len=3, ahead=9)
+    state.held, state.committed_len = [7, 8], 5  # a commit of 7, 8 ran past the token on the device
+    req.output_ids.append(7)  # that token arrives: the committed one
+    assert role.on_token(req, None)
+    (tail,) = role.outboxes["lease"].tokens
+    assert (tail.request_id, tail.token, tail.position, tail.base_committed_len) == ("r", 7, 3, 3)
+    assert req.output_ids == [7, 8] and not state.held and role.drafted_total == 0
+    assert not TailBuffer(start=5, floor=5).add(tail.token, tail.base_committed_len, tail.position)  # stale there
+    state.held, state.committed_len = [4], 6  # overtaken again
+    req.output_ids.append(4)
+    assert role.on_token(req, None) and len(role.outboxes["lease"].tokens) == 1  # told once is enough
+    assert role.held_kept == 2
 
 
 def test_corrupt_messages_quarantine_one_request_each(stopper) -> None:
