@@ -142,6 +142,7 @@ class VerifierRole(Role):
         # What the benchmark reads: decoding steps per mode, steps that verified drafts, seconds waited.
         self.mode_steps = {SPECULATE: 0, PLAIN: 0}
         self.verify_steps = 0
+        self.synced_total = 0  # requests handed to a drafter (DraftSync), ever: /health shows it
         self.waited_s = 0.0
         # Without --drafter the peers file lists the drafters; it is read again as drafters come and go.
         self.peers_file = "" if spec.drafter else spec.peers_file
@@ -226,7 +227,8 @@ class VerifierRole(Role):
 
     def health_info(self) -> dict[str, Any]:
         return {"drafters": {ep: {"state": link.state, "detail": link.last_reason} for ep, link in self.links.items()},
-                "speculating": len(self.states), "quarantined": len(self.quarantined),
+                "joined_drafters": len(self.drafters), "speculating": len(self.states), "synced": self.synced_total,
+                "quarantined": len(self.quarantined),
                 "speculation_gate": self.gate_summary}
 
     def allows_overlap(self) -> bool:
@@ -370,7 +372,7 @@ class VerifierRole(Role):
                 state = self.states.get(tail.request_id)
                 if state is not None and state.lease_id == batch.lease_id:
                     state.buffer.add(tail.token, tail.base_committed_len, tail.position)
-                    state.policy.primed = True
+                    state.policy.primed = True  # any tail, a stale one too: the drafter has taken the request in
             for q in batch.quarantined:
                 state = self.states.get(q.request_id)
                 if state is not None and state.lease_id == batch.lease_id:
@@ -433,6 +435,7 @@ class VerifierRole(Role):
         drafter.items.append(pb.DraftControl(sync=pb.DraftSync(
             request_id=req.request_id, prompt_ids=req.prompt_ids, output_ids=req.output_ids)))
         drafter.requests.add(req.request_id)
+        self.synced_total += 1
         self.states[req.request_id] = SpecState(drafter.endpoint, drafter.lease.lease_id, req.total_len,
                                                 TailBuffer(start=req.total_len, floor=req.total_len))
 

@@ -39,10 +39,13 @@ from splitserve.engine.sampling_params import SamplingParams
 KEY = {"SPLITSERVE_TRANSFER_CONTROL_KEY": TEST_CONTROL_KEY}  # also opens /internal/* for the leak checks
 DEVICE = os.environ.get("SPLITSERVE_TEST_DEVICE", "cpu")
 DTYPE = "float32"
+# A GPU streams 120 tokens of the tiny model in well under the second a lost drafter takes to notice: its
+# streams are long enough that the SIGKILL lands mid-stream there too.
+MAX_TOKENS = 120 if DEVICE == "cpu" else 1500
+MAX_TOTAL_TOKENS = 4096 if DEVICE == "cpu" else 8192
 ENGINE_ARGS = ["--model", "tiny", "--device", DEVICE, "--dtype", DTYPE, "--page-size", "4",
-               "--max-total-tokens", "4096"]
+               "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [40, 41, 42, 43, 44, 45], [100, 7, 100], [3, 3, 3, 3]]
-MAX_TOKENS = 120
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +64,17 @@ def drafter_state(verifier_url: str) -> str:
 
 SPEC_METRICS = ("splitserve_spec_draft_tokens_total", "splitserve_spec_accepted_tokens_total",
                 "splitserve_spec_fallbacks_total")
+
+
+def spec_state(verifier_url: str, drafter_url: str) -> dict:
+    """What to look at when drafts are not in use: the verifier's counters and both sides' view of the mesh."""
+    verifier = httpx.get(f"{verifier_url}/health", timeout=5).json()
+    drafter = httpx.get(f"{drafter_url}/health", timeout=5).json()
+    return {**{n: metric(verifier_url, n) for n in SPEC_METRICS},
+            "verifier": {k: verifier.get(k) for k in ("drafters", "joined_drafters", "speculating", "synced",
+                                                      "quarantined")},
+            "drafter": {k: drafter.get(k) for k in ("leases", "draft_requests", "synced", "drafted", "held_commits",
+                                                    "held_kept", "dropped_messages", "stale_dropped", "quarantined")}}
 
 
 def wait_for(check, timeout: float, what: str, state=None) -> float:
@@ -89,7 +103,8 @@ def complete(url: str, prompt: list[int], out: dict[int, list[int]], index: int)
 
 @pytest.fixture(scope="module")
 def plain() -> list[list[int]]:
-    engine = Engine(EngineConfig(model="tiny", device=DEVICE, dtype=DTYPE, page_size=4, max_total_tokens=4096))
+    engine = Engine(EngineConfig(model="tiny", device=DEVICE, dtype=DTYPE, page_size=4,
+                                 max_total_tokens=MAX_TOTAL_TOKENS))
     engine.start()
     try:
         return generate_tokens(engine, PROMPTS, SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0.0,
@@ -118,10 +133,12 @@ def test_a_killed_drafter_loses_no_request_and_a_restarted_one_is_joined_again(t
         for t in threads:
             t.start()
         wait_for(lambda: metric(verifier_url, "splitserve_spec_accepted_tokens_total") >= 20, 60,
-                 "drafts in use", lambda: {n: metric(verifier_url, n) for n in SPEC_METRICS})
+                 "drafts in use", lambda: spec_state(verifier_url, drafter_url))
         procs[0].kill()  # SIGKILL, mid-stream
         fallback_s = wait_for(lambda: drafter_state(verifier_url) != "joined", 5, "fallback")
         assert fallback_s < 2.0
+        streaming = sum(t.is_alive() for t in threads)
+        assert streaming, f"every stream ended before the drafter was found lost ({fallback_s:.2f} s after the kill)"
         for t in threads:
             t.join(timeout=120)
         assert [outs[i] for i in range(len(PROMPTS))] == plain  # every request, token for token
