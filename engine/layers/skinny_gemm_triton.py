@@ -22,7 +22,10 @@ Block shapes come from `benchmarks/gemv_sweep.py` on an H200 (Llama-3.1-8B proje
 Tried and dropped: building the input inside the kernel (RMSNorm folded into the accumulator,
 SwiGLU on the fly). On the 16-row tile the prologue spilled registers and ran 3-6x slower than
 cuBLAS; on one row it saved 70 µs of a 4.7 ms step, but made batch-1 numerics differ from
-larger batches, so greedy tokens changed with how requests happened to be batched.
+larger batches, so greedy tokens changed with how requests happened to be batched. SwiGLU alone on
+the one row, rounded as silu_and_mul (the same bits, tested): one launch less a layer, but the down
+projection ran ~3 µs slower a layer, so the graph's step at batch 1 went from 4,414 to 4,478 µs
+(H200, A B A B in one lease, twelfth session, NOTES-issue16.md).
 """
 
 from __future__ import annotations
