@@ -392,8 +392,8 @@ def test_a_request_whose_tokens_commits_ran_past_still_gets_a_tail_that_tells_it
     """A drafter as fast as its verifier, under the overlap scheduler, can have every token of a fresh request
     overtaken by commits (held, then settled): it drafts none, and a verifier waits for drafts only of requests
     it has had a tail of. The first settled token goes back as a tail drafted from the tokens before it (its base
-    its own position), which the verifier's buffer, committed past it, drops as stale; later ones do not go, and
-    none counts as drafted."""
+    its own position): the verifier's buffer takes it and drops it against the tokens it has committed past it,
+    offering nothing; later ones do not go, and none counts as drafted."""
     role = DrafterRole(SpecConfig(), TRANSFER)  # not attached: the held path needs no engine
     req = Request("draft:0:r", [1, 2, 3], SamplingParams(max_new_tokens=64, temperature=0.0), lambda out: None)
     state = role.states[req.request_id] = DraftState(req.request_id, "r", "lease", req, committed_len=3, ahead=9)
@@ -403,7 +403,9 @@ def test_a_request_whose_tokens_commits_ran_past_still_gets_a_tail_that_tells_it
     (tail,) = role.outboxes["lease"].tokens
     assert (tail.request_id, tail.token, tail.position, tail.base_committed_len) == ("r", 7, 3, 3)
     assert req.output_ids == [7, 8] and not state.held and role.drafted_total == 0
-    assert not TailBuffer(start=5, floor=5).add(tail.token, tail.base_committed_len, tail.position)  # stale there
+    buffer = TailBuffer(start=3, floor=3)  # the verifier's, as it synced the request at 3 tokens
+    assert buffer.add(tail.token, tail.base_committed_len, tail.position)
+    assert buffer.reconcile([7, 8], offset=3) and buffer.draft(5, 4) == []  # committed already: nothing offered
     state.held, state.committed_len = [4], 6  # overtaken again
     req.output_ids.append(4)
     assert role.on_token(req, None) and len(role.outboxes["lease"].tokens) == 1  # told once is enough
