@@ -428,3 +428,7 @@ class DrafterRole(Role):
         except zmq.Again:
             logger.warning("verifier rank %d is not reading its tails; dropped %d", lease.verifier_rank,
                            len(box.tokens))
+            for tail in box.tokens:  # the verifier may not know the drafter has these: the next overtaken token tells
+                state = self.states.get(draft_key(lease.verifier_rank, tail.request_id))
+                if state is not None:
+                    state.streamed = False

@@ -412,6 +412,36 @@ def test_a_request_whose_tokens_commits_ran_past_still_gets_a_tail_that_tells_it
     assert role.held_kept == 2
 
 
+def test_a_tail_the_socket_would_not_take_is_told_again_by_the_next_overtaken_token() -> None:
+    """A tail batch that the verifier's socket does not take (ZeroMQ's Again: here a socket with no connection
+    to queue on) is dropped; its requests may then still be unprimed there, so the next token a commit overtook
+    goes back."""
+    role = DrafterRole(SpecConfig(), TRANSFER)  # not attached: _send needs a lease and a socket
+    role.zmq = zmq.Context()
+    try:
+        lease = role.leases.grant(0, "v", "tcp://127.0.0.1:1", 4)
+        sock = role.zmq.socket(zmq.PUSH)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a finished connection: none will come
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{free_port()}")
+        role.tail_sockets[lease.lease_id] = sock
+        req = Request(drafter_module.draft_key(0, "r"), [1, 2, 3], SamplingParams(max_new_tokens=64), lambda out: None)
+        state = role.states[req.request_id] = DraftState(req.request_id, "r", lease.lease_id, req, committed_len=5,
+                                                         ahead=9)
+        state.held = [7, 8]
+        req.output_ids.append(7)
+        role.on_token(req, None)
+        assert state.streamed
+        role._send(lease.lease_id, role.outboxes.pop(lease.lease_id))  # Again: dropped
+        assert not state.streamed
+        state.held, state.committed_len = [4], 6
+        req.output_ids.append(4)
+        role.on_token(req, None)
+        assert [(t.token, t.position) for t in role.outboxes[lease.lease_id].tokens] == [(4, 5)]
+    finally:
+        role.zmq.destroy(linger=0)  # its sockets too
+
+
 def test_corrupt_messages_quarantine_one_request_each(stopper) -> None:
     drafter = start_drafter()
     stopper.append(drafter)
