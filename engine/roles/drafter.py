@@ -347,22 +347,21 @@ class DrafterRole(Role):
                 # as what it is: the drafter's token after the committed ones before it (its base is its own
                 # position). The verifier has committed past it (its buffer drops it), and now waits for drafts.
                 position = req.total_len - 1
-                self._stream(state, req.output_ids[-1], position, base=position)
+                self._stream(state, req.output_ids[-1], position, position)
             self._settle_held(state)
             return True
         self.drafted_total += 1
-        self._stream(state, req.output_ids[-1], req.total_len - 1)
+        self._stream(state, req.output_ids[-1], req.total_len - 1, state.committed_len)
         if finish is not None or req.total_len - state.committed_len >= state.ahead:
             self.engine.park(req)  # far enough ahead (or at the context's end): wait for a commit
         return True
 
-    def _stream(self, state: DraftState, token: int, position: int, base: int | None = None) -> None:
+    def _stream(self, state: DraftState, token: int, position: int, base: int) -> None:
         """Queues one tail token of the request for its verifier (flushed at the next poll), drafted from the
-        first `base` tokens (default: all those committed)."""
+        first `base` tokens."""
         state.streamed = True
         self.outboxes.setdefault(state.lease_id, Outbox()).tokens.append(pb.TailToken(
-            request_id=state.request_id, token=token,
-            base_committed_len=state.committed_len if base is None else base, position=position))
+            request_id=state.request_id, token=token, base_committed_len=base, position=position))
 
     def _settle_held(self, state: DraftState) -> None:
         """The request's newest token against the first held committed token. Equal: it stays, and the

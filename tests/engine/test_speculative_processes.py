@@ -137,8 +137,8 @@ def test_a_killed_drafter_loses_no_request_and_a_restarted_one_is_joined_again(t
         procs[0].kill()  # SIGKILL, mid-stream
         fallback_s = wait_for(lambda: drafter_state(verifier_url) != "joined", 5, "fallback")
         assert fallback_s < 2.0
-        streaming = sum(t.is_alive() for t in threads)
-        assert streaming, f"every stream ended before the drafter was found lost ({fallback_s:.2f} s after the kill)"
+        assert any(t.is_alive() for t in threads), (
+            f"every stream ended before the drafter was found lost ({fallback_s:.2f} s after the kill)")
         for t in threads:
             t.join(timeout=120)
         assert [outs[i] for i in range(len(PROMPTS))] == plain  # every request, token for token
