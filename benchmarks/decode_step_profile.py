@@ -10,7 +10,9 @@ belongs to by its place in the sequence (the norms, the attention kernel and the
 the phase changes; whatever runs between them is that phase's projection, cuBLAS helpers included),
 and every phase is set against its own bound measured in this run: max(bytes / copy bandwidth,
 FLOPs / matmul peak), bytes being each input read once and each output written once. The gaps
-between kernels (the device idle inside the replay) are summed per phase.
+between kernels (the device idle inside the replay) are summed per phase. With programmatic dependent
+launch (the engine's default on Hopper, `--pdl`) a kernel starts while the one before it runs and waits
+for it, so its span holds that wait: take the kernel table with `--pdl off`, the replay times with both.
 
 `--gemm-variants`: each projection of the step alone at `batch` rows (CUDA-graph replays over weight
 copies of at least 512 MiB), through F.linear, through cuBLASLt (torch's preferred BLAS library
@@ -102,13 +104,13 @@ def phase_bounds(cfg: dict, rows: int, context: int, bandwidth: float, peak: flo
             for name, (b, f) in out.items()}
 
 
-def build(shape: str, batch: int, context: int) -> tuple[ModelRunner, KVCache, list[Request]]:
-    """A runner of `shape` (random weights), its KV cache holding `batch` sequences of `context` random
-    tokens' KV, and the decode graph of that one bucket."""
+def build(shape: str, batch: int, context: int, pdl: str = "auto") -> tuple[ModelRunner, KVCache, list[Request]]:
+    """A runner of `shape` (random weights, --pdl `pdl`), its KV cache holding `batch` sequences of `context`
+    random tokens' KV, and the decode graph of that one bucket."""
     folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
     cfg = EngineConfig(model=str(folder), device="cuda", load_format="dummy", max_running_requests=batch,
                        max_total_tokens=batch * (context + 32), context_length=16384, page_size=16,
-                       cuda_graph_max_batch=batch)
+                       cuda_graph_max_batch=batch, pdl=pdl)
     runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
     runner.kv_pool.buffer.normal_()  # KV of real values: zeros can time faster
     kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, batch, 16384, runner.device)
@@ -286,12 +288,15 @@ def main() -> None:
                         help="replay back to back this long first, so the GPU reaches its steady (power-capped) clocks")
     parser.add_argument("--gemm-variants", action="store_true")
     parser.add_argument("--small-variants", action="store_true", help="the norm and SwiGLU kernels' launches")
+    parser.add_argument("--pdl", default="auto", choices=("auto", "on", "off"),
+                        help="the engine's --pdl; with it a kernel's span in the profile includes its wait for the "
+                             "kernel before it, so the kernel table reads best with off")
     parser.add_argument("--label", default="")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
     cfg = SHAPES[args.shape]
-    runner, _kv, reqs = build(args.shape, args.batch, args.context)
+    runner, _kv, reqs = build(args.shape, args.batch, args.context, args.pdl)
     limits = device_limits(runner.device, runner.dtype)
     graphs = runner.decode_graphs
     assert graphs is not None
@@ -312,7 +317,7 @@ def main() -> None:
     kernel_us = sum(k["dur_us"] for k in kernels)
     gap_us = sum(k["gap_before_us"] for k in kernels)
     bound_us = sum(b["bound_us"] for b in bounds.values())
-    report = {"label": args.label, "shape": args.shape, "batch": args.batch, "context": args.context,
+    report = {"label": args.label, "pdl": args.pdl, "shape": args.shape, "batch": args.batch, "context": args.context,
               "limits": limits, "replay_us_median": step_us, "replay_us_min": min(times), "replay_us_all": times,
               "replay_us_back_to_back": chained_us, "profiled_replays": replay_spans,
               "sustained_replays": sustained, "sm_clock_mhz_after": clock,

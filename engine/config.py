@@ -74,6 +74,10 @@ class EngineConfig:
                 "rows beside them) of up to this many tokens run their row-wise layers through piecewise CUDA "
                 "graphs, padded to a bucket, with attention run eagerly between the pieces "
                 "(engine/piecewise_graphs.py); 0: eagerly; -1 (default): 512 on a GPU, eagerly on the CPU"})
+    pdl: str = field(default="auto", metadata={
+        "help": "programmatic dependent launch of the decode step's Triton kernels: each may start up while the "
+                "one before it runs, and waits for it before its first load (engine/layers/pdl.py); auto: on "
+                "CUDA devices of compute capability 9.0 and later", "choices": ("auto", "on", "off")})
     gemm_algos: str = field(default="", metadata={
         "help": "a table of cuBLASLt algorithms per projection shape (benchmarks/gemm_sustained.py --table-out, "
                 "timed under sustained load) for the dense linear layers; empty, absent, or written for another "

@@ -14,10 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.layers.pdl import launch_kwargs
+from splitserve.engine.layers.pdl_triton import wait_for_previous
+
 
 @triton.jit
 def _add_rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, N, eps,
-                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -50,12 +54,14 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
         return out.view(shape), (res_out.view(shape) if residual is not None else None)
     _add_rmsnorm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
                                         res_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None,
-                                        BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 2048 else 4)
+                                        BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 2048 else 4,
+                                        **launch_kwargs())
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Out, stride_gu, stride_o, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, Out, stride_gu, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -75,7 +81,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     if gu.shape[0] == 0:
         return out.view(*shape[:-1], n)
-    _silu_mul_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, out, gu.stride(0), out.stride(0), n, BLOCK=block)
+    _silu_mul_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, out, gu.stride(0), out.stride(0), n, BLOCK=block,
+                                                                  **launch_kwargs())
     return out.view(*shape[:-1], n)
 
 
@@ -83,7 +90,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _rope_store_kernel(QKV, Pos, Cos, Sin, KCache, VCache, Loc,
                        stride_t, stride_cos, stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h,
                        NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       Q_PAD: tl.constexpr, KV_PAD: tl.constexpr, STORE: tl.constexpr):
+                       Q_PAD: tl.constexpr, KV_PAD: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     half: tl.constexpr = HEAD_DIM // 2
     pos = tl.load(Pos + t)
@@ -130,13 +138,15 @@ def rope_and_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
         qkv, positions, cos, sin, k_cache, v_cache, loc, qkv.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim, Q_PAD=triton.next_power_of_2(num_q),
-        KV_PAD=triton.next_power_of_2(num_kv), STORE=True, num_warps=4,
+        KV_PAD=triton.next_power_of_2(num_kv), STORE=True, num_warps=4, **launch_kwargs(),
     )
 
 
 @triton.jit
 def _merge_splits_kernel(Acc, Lse, Out, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
-                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -157,13 +167,15 @@ def merge_splits(acc: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> to
     out = torch.empty(bsz, heads, head_dim, dtype=dtype, device=acc.device)
     _merge_splits_kernel[(bsz, heads)](acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0),
                                        lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,
-                                       SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim)
+                                       SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim,
+                                       **launch_kwargs())
     return out
 
 
 @triton.jit
 def _decode_inputs_kernel(Ids, Pos, Slots, Relay, PageTable, IdsOut, Loc, SeqLens, LogitsIndex, stride_pt,
-                          page_size, N, HAS_RELAY: tl.constexpr, BLOCK: tl.constexpr):
+                          page_size, N, HAS_RELAY: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     ids = tl.load(Ids + i, mask=m, other=0)
@@ -191,5 +203,6 @@ def decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch
         block = 256
         _decode_inputs_kernel[(triton.cdiv(n, block),)](
             input_ids, positions, slots, relay if relay is not None else input_ids, page_table, ids, loc, seq_lens,
-            logits_index, page_table.stride(0), page_size, n, HAS_RELAY=relay is not None, BLOCK=block, num_warps=4)
+            logits_index, page_table.stride(0), page_size, n, HAS_RELAY=relay is not None, BLOCK=block, num_warps=4,
+            **launch_kwargs())
     return ids, loc, seq_lens, logits_index

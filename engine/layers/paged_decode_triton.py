@@ -30,6 +30,8 @@ import triton.language as tl
 
 from splitserve.engine.layers.decode_splits import num_splits_for
 from splitserve.engine.layers.fused_triton import merge_splits
+from splitserve.engine.layers.pdl import launch_kwargs
+from splitserve.engine.layers.pdl_triton import wait_for_previous
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -74,8 +76,9 @@ def _paged_decode_split(
     sm_scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_NEW: tl.constexpr, NEW_STORED: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     if HEADS_FIRST:  # a sequence's KV heads in neighbouring programs: they read the same pages' rows
         kv_head = tl.program_id(0)
         b = tl.program_id(1)
@@ -155,8 +158,9 @@ def _paged_decode_split(
 
 @triton.jit
 def _store_rotated_kv(KNew, VNew, Cos, Sin, Pos, Loc, K, V, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos,
-                      stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: tl.constexpr):
+                      stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """One row's key (rotated exactly as the decode kernel rotates it) and value into the cache."""
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -178,6 +182,7 @@ def store_rotated_kv(new: NewTokenKV, positions: torch.Tensor, k_cache: torch.Te
         new.k, new.v, new.cos, new.sin, positions, new.out_cache_loc, k_cache, v_cache,
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), HEAD_DIM=head_dim,
+        **launch_kwargs(),
     )
 
 
@@ -231,6 +236,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=splits, FUSE_NEW=new_kv is not None,
         NEW_STORED=new_kv_stored, HEADS_FIRST=heads_first, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **launch_kwargs(),
     )
     return out if splits == 1 else merge_splits(acc, lse, q.dtype)  # splits with no tokens weigh 0

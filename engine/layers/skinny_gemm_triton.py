@@ -34,6 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.layers.pdl import launch_kwargs
+from splitserve.engine.layers.pdl_triton import wait_for_previous
+
 TILE_ROWS = 16  # one tensor-core tile of rows
 MAX_TILES = 4  # tiles per program (each tile still its own product: the bits do not change with it)
 SMEM_BYTES = 200 * 1024  # what the pipeline stages may take of an H200 SM's shared memory
@@ -55,7 +58,9 @@ def _store_tile(Y, m, n, M, N, stride_ym, acc, bias, HAS_BIAS: tl.constexpr):
 
 @triton.jit
 def _skinny_gemm(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                 TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 PDL: tl.constexpr):
+    wait_for_previous(PDL)
     # Axis 0 (the fastest) walks the row tiles of one weight slice: they share it in L2.
     first = tl.program_id(0) * TILES * 16
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,6 +137,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _skinny_gemm[(triton.cdiv(m, tiles * TILE_ROWS), triton.cdiv(n, block_n))](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, TILES=tiles, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if full else "tf32", num_warps=warps, num_stages=stages,
+        DOT_PRECISION="ieee" if full else "tf32", num_warps=warps, num_stages=stages, **launch_kwargs(),
     )
     return y

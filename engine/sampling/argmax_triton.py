@@ -11,11 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.layers.pdl import launch_kwargs
+from splitserve.engine.layers.pdl_triton import wait_for_previous
+
 CHUNK = 4096
 
 
 @triton.jit
-def _chunk_argmax(Logits, ChunkMax, ChunkIdx, stride_row, V, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+def _chunk_argmax(Logits, ChunkMax, ChunkIdx, stride_row, V, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -26,7 +31,8 @@ def _chunk_argmax(Logits, ChunkMax, ChunkIdx, stride_row, V, NUM_CHUNKS: tl.cons
 
 
 @triton.jit
-def _final_argmax(ChunkMax, ChunkIdx, Out, NUM_CHUNKS: tl.constexpr, PAD: tl.constexpr):
+def _final_argmax(ChunkMax, ChunkIdx, Out, NUM_CHUNKS: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, PAD)
     best = tl.load(ChunkMax + row * NUM_CHUNKS + c, mask=c < NUM_CHUNKS, other=float("-inf"))
@@ -45,6 +51,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     _chunk_argmax[(rows, chunks)](logits, chunk_max, chunk_idx, logits.stride(0), vocab, NUM_CHUNKS=chunks,
-                                  CHUNK=CHUNK, num_warps=8)
-    _final_argmax[(rows,)](chunk_max, chunk_idx, out, NUM_CHUNKS=chunks, PAD=max(2, triton.next_power_of_2(chunks)))
+                                  CHUNK=CHUNK, num_warps=8, **launch_kwargs())
+    _final_argmax[(rows,)](chunk_max, chunk_idx, out, NUM_CHUNKS=chunks, PAD=max(2, triton.next_power_of_2(chunks)),
+                         **launch_kwargs())
     return out
