@@ -26,6 +26,11 @@ larger batches, so greedy tokens changed with how requests happened to be batche
 the one row, rounded as silu_and_mul (the same bits, tested): one launch less a layer, but the down
 projection ran ~3 µs slower a layer, so the graph's step at batch 1 went from 4,414 to 4,478 µs
 (H200, A B A B in one lease, twelfth session, NOTES-issue16.md).
+
+Under programmatic dependent launch (engine/layers/pdl.py) a program waits at its top for the kernel before it.
+Also tried: an L2 prefetch of the weight blocks its pipeline loads first, issued before that wait (the weight does
+not depend on the kernel before). It ran slower: the batch-1 graph's replay 4,356 against 4,251 us without it and
+4,299 without PDL, batch 8 4,801 against 4,669 (H200, the three graphs in alternating rounds, thirteenth session).
 """
 
 from __future__ import annotations

@@ -129,3 +129,22 @@ def test_greedy_tokens_through_the_engine_are_the_same_with_pdl_on_and_off(tmp_p
     finally:
         pdl.install(False)
     assert on == off
+
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,n,k", [(1, 1000, 900), (3, 96, 64), (40, 4096, 14336), (1, 28672, 4096)])
+def test_the_skinny_kernel_with_pdl_gives_the_bits_without(rows: int, n: int, k: int, dtype: torch.dtype) -> None:
+    from splitserve.engine.layers.skinny_gemm_triton import skinny_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(dtype)
+    try:
+        pdl.install(False)
+        want = skinny_gemm(x, w)
+        pdl.install(True)
+        got = skinny_gemm(x, w)
+    finally:
+        pdl.install(False)
+    assert torch.equal(got, want)
