@@ -12,7 +12,7 @@ def test_auto_and_off_leave_pdl_off_on_the_cpu_and_on_is_an_error() -> None:
     cpu = torch.device("cpu")
     assert pdl.resolve("auto", cpu) is False
     assert pdl.resolve("off", cpu) is False
-    with pytest.raises(ValueError, match="compute capability 9.0"):
+    with pytest.raises(ValueError, match=r"compute capability 9\.0"):
         pdl.resolve("on", cpu)
 
 
