@@ -265,7 +265,7 @@ def small_kernel_variants(cfg: dict, rows: int, dtype: torch.dtype) -> list[dict
     for warps in (4, 8, 16):
         us = graph_time_us(lambda i, warps=warps: ft._add_rmsnorm_kernel[(rows,)](
             xs[i], rs[i], w, normed, res, hidden, hidden, hidden, hidden, hidden, 1e-5, HAS_RESIDUAL=True,
-            BLOCK=triton.next_power_of_2(hidden), num_warps=warps), len(xs))
+            BLOCK=triton.next_power_of_2(hidden), num_warps=warps, PDL=False), len(xs))
         out.append({"kernel": "add_rmsnorm", "num_warps": warps, "us": us, "bytes": 4 * rows * hidden * 2})
     xs.clear()
     rs.clear()
@@ -273,7 +273,7 @@ def small_kernel_variants(cfg: dict, rows: int, dtype: torch.dtype) -> list[dict
     act = torch.empty(rows, inter, dtype=dtype, device="cuda")
     for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
         us = graph_time_us(lambda i, block=block, warps=warps: ft._silu_mul_kernel[(rows, -(-inter // block))](
-            gus[i], act, 2 * inter, inter, inter, BLOCK=block, num_warps=warps), len(gus))
+            gus[i], act, 2 * inter, inter, inter, BLOCK=block, num_warps=warps, PDL=False), len(gus))
         out.append({"kernel": "silu_mul", "block": block, "num_warps": warps, "us": us, "bytes": 3 * rows * inter * 2})
     return out
 

@@ -26,6 +26,8 @@ def supported(device: torch.device) -> bool:
 
 def resolve(mode: str, device: torch.device) -> bool:
     """--pdl auto|on|off on this device: auto is on where it is supported; on where it is not is an error."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"--pdl must be auto, on or off, got {mode!r}")
     if mode == "off":
         return False
     if mode == "on" and not supported(device):
@@ -34,15 +36,18 @@ def resolve(mode: str, device: torch.device) -> bool:
 
 
 def install(on: bool) -> None:
-    """Whether the kernels that take it launch with programmatic dependent launch from now on."""
+    """Whether the kernels that take it launch with programmatic dependent launch from now on (every launch of
+    them: decode, verify, prefill and mixed steps). One switch per process: the last runner built sets it."""
     global _enabled
     _enabled = on
 
 
 def enabled() -> bool:
+    """Whether launches take programmatic dependent launch now."""
     return _enabled
 
 
 def launch_kwargs() -> dict[str, bool]:
     """The kernel's PDL constexpr (its wait) and Triton's launch option, always together."""
-    return {"PDL": _enabled, "launch_pdl": _enabled}
+    on = _enabled  # read once: the pair must never disagree
+    return {"PDL": on, "launch_pdl": on}

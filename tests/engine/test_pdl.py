@@ -14,6 +14,8 @@ def test_auto_and_off_leave_pdl_off_on_the_cpu_and_on_is_an_error() -> None:
     assert pdl.resolve("off", cpu) is False
     with pytest.raises(ValueError, match=r"compute capability 9\.0"):
         pdl.resolve("on", cpu)
+    with pytest.raises(ValueError, match="auto, on or off"):
+        pdl.resolve("sometimes", cpu)
 
 
 def test_the_launch_options_carry_the_kernels_wait_and_the_launch_flag_together() -> None:

@@ -131,7 +131,6 @@ def test_greedy_tokens_through_the_engine_are_the_same_with_pdl_on_and_off(tmp_p
     assert on == off
 
 
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows,n,k", [(1, 1000, 900), (3, 96, 64), (40, 4096, 14336), (1, 28672, 4096)])
 def test_the_skinny_kernel_with_pdl_gives_the_bits_without(rows: int, n: int, k: int, dtype: torch.dtype) -> None:
