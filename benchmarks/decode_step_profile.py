@@ -38,6 +38,7 @@ from splitserve.engine.bench_engine import device_limits, profiled_device_events
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graph_timing import graph_time_us
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.layers import pdl
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.model_shapes import SHAPES, write_shape_folder
@@ -288,7 +289,7 @@ def main() -> None:
                         help="replay back to back this long first, so the GPU reaches its steady (power-capped) clocks")
     parser.add_argument("--gemm-variants", action="store_true")
     parser.add_argument("--small-variants", action="store_true", help="the norm and SwiGLU kernels' launches")
-    parser.add_argument("--pdl", default="auto", choices=("auto", "on", "off"),
+    parser.add_argument("--pdl", default="auto", choices=pdl.MODES,
                         help="the engine's --pdl; with it a kernel's span in the profile includes its wait for the "
                              "kernel before it, so the kernel table reads best with off")
     parser.add_argument("--label", default="")

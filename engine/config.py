@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.engine.layers import pdl
+
 ROLES = ("unified", "prefill", "decode", "encode", "drafter")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,9 +77,10 @@ class EngineConfig:
                 "graphs, padded to a bucket, with attention run eagerly between the pieces "
                 "(engine/piecewise_graphs.py); 0: eagerly; -1 (default): 512 on a GPU, eagerly on the CPU"})
     pdl: str = field(default="auto", metadata={
-        "help": "programmatic dependent launch of the decode step's Triton kernels: each may start up while the "
-                "one before it runs, and waits for it before its first load (engine/layers/pdl.py); auto: on "
-                "CUDA devices of compute capability 9.0 and later", "choices": ("auto", "on", "off")})
+        "help": "programmatic dependent launch of the engine's Triton norm, activation, RoPE, decode attention, "
+                "skinny projection and argmax kernels, wherever they run: each may start up while the one before "
+                "it runs, and waits for it before its first load (engine/layers/pdl.py); auto: on CUDA devices of "
+                "compute capability 9.0 and later", "choices": pdl.MODES})
     gemm_algos: str = field(default="", metadata={
         "help": "a table of cuBLASLt algorithms per projection shape (benchmarks/gemm_sustained.py --table-out, "
                 "timed under sustained load) for the dense linear layers; empty, absent, or written for another "

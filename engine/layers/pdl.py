@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+MODES = ("auto", "on", "off")  # --pdl
 _enabled = False
 
 
@@ -26,7 +27,7 @@ def supported(device: torch.device) -> bool:
 
 def resolve(mode: str, device: torch.device) -> bool:
     """--pdl auto|on|off on this device: auto is on where it is supported; on where it is not is an error."""
-    if mode not in ("auto", "on", "off"):
+    if mode not in MODES:
         raise ValueError(f"--pdl must be auto, on or off, got {mode!r}")
     if mode == "off":
         return False
