@@ -142,6 +142,8 @@ def main() -> None:
     parser.add_argument("--budget-load", default="256x512:1")
     parser.add_argument("--gemm-algos", default="", help="the engine's --gemm-algos table (cuBLASLt algorithms per "
                         "projection shape), for the runner's rates too")
+    parser.add_argument("--piecewise-graph-tokens", type=int, default=-1,
+                        help="the engine's --piecewise-graph-tokens (-1: its default)")
     parser.add_argument("--sustain-s", type=float, default=0.0,
                         help="also measure the limits and the runner's packed steps held for this many seconds each "
                              "(a power-capped GPU's clocks), and every bound at those, reported beside the others")
@@ -162,11 +164,13 @@ def main() -> None:
     per_request = max([p + o for _, p, o in sized] + [c + DECODE_STEPS for _, c in decodes])
     kv_tokens = max([n * (p + o + 32) for n, p, o in sized] + [b * (c + DECODE_STEPS + 32) for b, c in decodes])
     cfg = dataclasses.replace(loop_bench_config(folder, args.device, args.max_running, per_request),
-                              chunked_prefill_size=args.chunk, max_total_tokens=kv_tokens, gemm_algos=args.gemm_algos)
+                              chunked_prefill_size=args.chunk, max_total_tokens=kv_tokens, gemm_algos=args.gemm_algos,
+                              piecewise_graph_tokens=args.piecewise_graph_tokens)
     started = time.perf_counter()
     engine = Engine(cfg)
     engine.start()
-    report: dict = {"shape": args.shape, "chunk": args.chunk, "gemm_algos": args.gemm_algos, "runner": runner,
+    report: dict = {"shape": args.shape, "chunk": args.chunk, "gemm_algos": args.gemm_algos,
+                    "piecewise_graph_tokens": args.piecewise_graph_tokens, "runner": runner,
                     "loads": []}
     try:
         report["engine_build_s"] = time.perf_counter() - started

@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+    if not (torch.cuda.is_available() and pdl.supported(torch.device("cuda"))):
+        parser.error("programmatic dependent launch needs a CUDA device of compute capability 9.0 or later")
     runner, kv, reqs = build(args.shape, args.batch, args.context)
     limits = device_limits(runner.device, runner.dtype)
     ids, positions, slots = [1] * args.batch, [args.context] * args.batch, [r.slot for r in reqs]

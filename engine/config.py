@@ -77,8 +77,8 @@ class EngineConfig:
                 "graphs, padded to a bucket, with attention run eagerly between the pieces "
                 "(engine/piecewise_graphs.py); 0: eagerly; -1 (default): 512 on a GPU, eagerly on the CPU"})
     pdl: str = field(default="auto", metadata={
-        "help": "programmatic dependent launch of the engine's Triton norm, activation, RoPE, decode attention, "
-                "skinny projection and argmax kernels, wherever they run: each may start up while the one before "
+        "help": "programmatic dependent launch of the engine's Triton norm, activation, RoPE, paged attention "
+                "(decode and extend), skinny projection and argmax kernels, wherever they run: each may start up while the one before "
                 "it runs, and waits for it before its first load (engine/layers/pdl.py); auto: on CUDA devices of "
                 "compute capability 9.0 and later", "choices": pdl.MODES})
     gemm_algos: str = field(default="", metadata={

@@ -10,24 +10,28 @@ rows, run eagerly on the n real rows between them (the idea of vLLM's piecewise 
 
     piece 0:        embedding, layer 0's input norm and qkv projection
     piece l (1..L-1): layer l-1's o_proj, post-attention norm and MLP, layer l's input norm and qkv projection
-    piece L:        the last layer's o_proj, post-attention norm and MLP, the final norm
-    between piece l and l+1: layer l's attention part (LlamaAttention.attention) on rows [:n] of the qkv,
-                    written to rows [:n] of the attention output that piece l+1 reads
+    between piece l and l+1 (and after piece L-1): layer l's attention part (LlamaAttention.attention) on rows
+                    [:n] of the qkv, written to rows [:n] of the attention output that piece l+1 reads
 
-then the logits rows are gathered from the hidden rows and go through the LM head eagerly (their count varies).
+then the last layer's o_proj, post-attention norm and MLP, the final norm and the LM head run eagerly on the rows
+that are sampled alone, as the plain forward runs them (LlamaForCausalLM.hidden_states): their count varies, and at
+2,048 tokens the last layer's half at every row would cost ~1 ms of a ~46 ms 8B step for 4 rows' logits.
 Padding rows (n..T) are token 0, run no attention (they store no KV) and read whatever attention output rows hold
 from an earlier step: finite (the buffer is zeroed at allocation and only ever written with attention outputs),
 row-wise, never read by a real row. The projections run at T rows, not n, so a row's rounding is a T-row GEMM's:
 with --disable-cuda-graph the same padded pieces run eagerly, so an engine's tokens do not depend on graphs.
 
 Memory: every tensor that outlives a piece (the token ids, the residual stream, the qkv projection, the attention
-output, the final hidden rows) is a static buffer of the largest bucket's rows, allocated outside the graphs;
-each piece reads and writes rows [:T] of them and keeps nothing else (its own outputs are copied in, a few us a
-piece). So no graph's output lives in the graphs' memory pool, which holds only each piece's temporaries, dead at
-the piece's end, and all pieces of all buckets share one pool: replays run one at a time on one stream, each graph
-finished before the next starts, so a graph may reuse any memory another graph's temporaries used. (Keeping every
-piece's outputs of every bucket alive instead would cost 32 layers x T x (hidden + qkv) x 2 B, 1.3 GB at T =
-2048, per bucket.) `capture` logs the pool's size.
+output) is a static buffer of the largest bucket's rows, allocated outside the graphs, and the pieces write them in
+place: the norms add into the residual where it lies, the qkv projection's GEMM writes its rows of the buffer, the
+paged extend kernels write the attention output's (only the embedding is copied in, once a step). A first version
+copied each piece's residual and qkv in, and the attention output after it: 56 KB a token a layer, ~0.9 ms of an 8B
+step at 2,048 tokens, about what the graphs saved (the ninth session's 0.94-1.00x past 512 tokens). So no graph's
+output lives in the graphs' memory pool, which holds only each piece's temporaries, dead at the piece's end, and
+all pieces of all buckets share one pool: replays run one at a time on one stream, each graph finished before the
+next starts, so a graph may reuse any memory another graph's temporaries used. (Keeping every piece's outputs of
+every bucket alive instead would cost 32 layers x T x (hidden + qkv) x 2 B, 1.3 GB at T = 2048, per bucket.)
+`capture` logs the pool's size.
 """
 
 from __future__ import annotations
@@ -47,11 +51,12 @@ logger = logging.getLogger(__name__)
 # Token counts of the graphs. Up to ~128 rows an 8B step's projections take about their weights' read time at any
 # row count, so padding costs little there; past it they are compute-bound and padding rows cost their share: past
 # 64 tokens at most a third of a bucket's rows are padding (65 -> 96: 31 of 96), past 96 at most a quarter (193 ->
-# 256: 63 of 256), past 256 at most a fifth (257 -> 320, 513 -> 640). The first bucket is skinny.MAX_ROWS: in the
-# default mode the pieces run in, a 16-bit step of up to that many rows takes the row-invariant projections padded
-# or not and one past it cuBLAS both ways, so padding never moves a step from one projection path to the other
-# (float32 takes the row-invariant kernel at every count). 17 buckets x (layers + 1) pieces: 561 graphs for 32 layers.
-BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+# 256: 63 of 256), past 256 at most a fifth (257 -> 320, 513 -> 640, 1025 -> 1280). The first bucket is
+# skinny.MAX_ROWS: in the default mode the pieces run in, a 16-bit step of up to that many rows takes the
+# row-invariant projections padded or not and one past it cuBLAS both ways, so padding never moves a step from one
+# projection path to the other (float32 takes the row-invariant kernel at every count). 21 buckets x one piece a
+# layer: 672 graphs for 32 layers.
+BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 
 
 # The default limit on a GPU. On the H200 (benchmarks/prefill_host_share.py, ninth session) an eager 8B forward costs
@@ -97,13 +102,12 @@ class PiecewiseGraphs:
         self.residual = buffer(model.cfg.hidden_size)
         self.qkv = buffer(attn.qkv_proj.weight.shape[0])
         self.attn_out = buffer(attn.num_heads * attn.head_dim)
-        self.hidden = buffer(model.cfg.hidden_size)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (bucket, piece)
         self.pool_bytes = 0  # the graphs' memory pool (device memory reserved by the capture)
 
     @property
     def pieces(self) -> int:
-        return len(self.model.layers) + 1
+        return len(self.model.layers)
 
     def bucket(self, tokens: int) -> int | None:
         """The token count of the graphs a step of `tokens` tokens runs at; None: more than the largest."""
@@ -130,39 +134,34 @@ class PiecewiseGraphs:
     def run_piece(self, bucket: int, piece: int) -> None:
         """One piece over rows [:bucket] of the buffers (what each graph runs)."""
         layers = self.model.layers
+        residual = self.residual[:bucket]
         if piece == 0:
-            x = self.model.embed_tokens(self.input_ids[:bucket])
-            residual, x = x, layers[0].input_layernorm(x)
+            residual.copy_(self.model.embed_tokens(self.input_ids[:bucket]))
+            x = layers[0].input_layernorm(residual)
         else:
-            before = layers[piece - 1]
-            x = before.self_attn.o_proj(self.attn_out[:bucket])
-            x, residual = before.post_attention_layernorm(x, self.residual[:bucket])
-            x = before.mlp(x)
-            if piece == len(layers):
-                hidden, _ = self.model.norm(x, residual)
-                self.hidden[:bucket].copy_(hidden)
-                return
-            x, residual = layers[piece].input_layernorm(x, residual)
-        self.residual[:bucket].copy_(residual)
-        self.qkv[:bucket].copy_(layers[piece].self_attn.qkv_proj(x))
+            x, _ = layers[piece - 1].after_attention(self.attn_out[:bucket], residual, residual_out=residual)
+            x, _ = layers[piece].input_layernorm(x, residual, residual_out=residual)
+        layers[piece].self_attn.qkv_proj(x, out=self.qkv[:bucket])
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits of the batch's `logits_index` rows (an extend batch of up to `longest` tokens, text
         only): its bucket's pieces, replayed (run eagerly where not captured), with each layer's attention
-        part run eagerly on the batch's rows between them."""
+        part run eagerly on the batch's rows between them, then the last layer's rest on the sampled rows."""
         n = batch.input_ids.shape[0]
         bucket = self.bucket(n)
         assert bucket is not None and not batch.is_decode, f"no piecewise graph holds a step of {n} tokens"
         self.input_ids[:n].copy_(batch.input_ids)
         self.input_ids[n:bucket].zero_()
         mask = attention_mask(batch)
+        layers = self.model.layers
         for piece in range(self.pieces):
             graph = self.graphs.get((bucket, piece))
             if graph is None:
                 self.run_piece(bucket, piece)
             else:
                 graph.replay()
-            if piece < len(self.model.layers):
-                attention = self.model.layers[piece].self_attn.attention
-                self.attn_out[:n].copy_(attention(self.qkv[:n], batch, self.kv, mask))
-        return self.model.lm_head.compute_logits(self.hidden[:n][batch.logits_index]).float()
+            layers[piece].self_attn.attention(self.qkv[:n], batch, self.kv, mask, out=self.attn_out[:n])
+        rows = batch.logits_index
+        x, residual = layers[-1].after_attention(self.attn_out[:n][rows], self.residual[:n][rows])
+        hidden, _ = self.model.norm(x, residual)
+        return self.model.lm_head.compute_logits(hidden).float()

@@ -74,25 +74,31 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor | None,
-                kv_stored: bool = False, qkv: torch.Tensor | None = None) -> torch.Tensor:
+                kv_stored: bool = False, qkv: torch.Tensor | None = None, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; returns [T, H*D]. `kv_stored`: a fused kernel already wrote k, v.
-        `qkv`: the [T, (H + 2 Hkv) D] projection q, k and v are column views of, if they are."""
+        `qkv`: the [T, (H + 2 Hkv) D] projection q, k and v are column views of, if they are. `out`: a
+        contiguous [T, H*D] to write and return instead of a new tensor (the paged extend kernels write it,
+        the other paths are copied in)."""
         if not kv_stored:
             store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         if batch.is_decode:
-            out = self._decode(q, batch, k_cache, v_cache)
+            result = self._decode(q, batch, k_cache, v_cache)
         elif batch.no_prefix and batch.batch_size == 1 and batch.prompt_buckets is not None:
-            out = lone_prompt_attention(q, k.to(q.dtype), v.to(q.dtype), self.scale, batch.prompt_buckets, qkv)
+            result = lone_prompt_attention(q, k.to(q.dtype), v.to(q.dtype), self.scale, batch.prompt_buckets, qkv)
         elif batch.no_prefix and batch.batch_size == 1:
-            out = nn.functional.scaled_dot_product_attention(
+            result = nn.functional.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
                 v.transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True, scale=self.scale, enable_gqa=self.gqa,
             ).squeeze(0).transpose(0, 1)
-        elif batch.attn_meta is not None:
-            out = self._paged_extend(q, batch, k_cache, v_cache)
+        elif batch.attn_meta is not None:  # the kernels write `out` itself: no copy
+            paged = q.new_empty(q.shape) if out is None else out.view(q.shape)
+            self._paged_extend(q, batch, k_cache, v_cache, paged)
+            return paged.view(q.shape[0], -1) if out is None else out
         else:
-            out = self._extend(q, batch, k_cache, v_cache, mask)
-        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+            result = self._extend(q, batch, k_cache, v_cache, mask)
+        result = result.reshape(q.shape[0], self.num_heads * self.head_dim)
+        return result if out is None else out.copy_(result)
 
     def decode_new_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
@@ -117,14 +123,14 @@ class PagedAttention(nn.Module):
             return paged_decode_attention(*args, splits=batch.decode_splits)
         return decode_attention_reference(*args)
 
-    def _paged_extend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
-                      ) -> torch.Tensor:
+    def _paged_extend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      out: torch.Tensor) -> torch.Tensor:
+        """Writes the step's attention into `out` [T, H, D] and returns it."""
         from splitserve.engine.layers.paged_decode_triton import paged_decode_attention
         from splitserve.engine.layers.paged_extend_triton import paged_extend_attention
 
         assert batch.page_table is not None
         decode_slots, decode_lens, plan = batch.paged_attention_plan
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = batch.decode_rows
         if n:
             # One split per row: a mixed step's decode rows come in every count, and each split count

@@ -38,16 +38,19 @@ def _add_rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stri
              mask=mask)
 
 
-def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """rmsnorm(x [+ residual]) * weight over the last dim; returns (normed, new residual or None)."""
+def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rmsnorm(x [+ residual]) * weight over the last dim; returns (normed, new residual or None).
+
+    `residual_out` (2-D, contiguous rows; may be `residual` itself: a program reads its row before it writes
+    it) receives the new residual instead of a new tensor."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     out = torch.empty_like(x2)
     n = shape[-1]
     if residual is not None:
         r2 = residual.reshape(-1, n)
-        res_out = torch.empty_like(x2)
+        res_out = torch.empty_like(x2) if residual_out is None else residual_out.view(-1, n)
     else:
         r2, res_out = x2, out
     if x2.shape[0] == 0:  # a step that samples no row (engine/models/llama.py): no launch of an empty grid

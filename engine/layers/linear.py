@@ -52,15 +52,22 @@ class ColumnParallelLinear(nn.Module):
         offset = sum(self.local_sizes[:shard_index])
         param.data[offset:offset + local].copy_(loaded.narrow(0, self.tp.rank * local, local))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out` (2-D x's rows by the local output features, contiguous): written and returned instead of a
+        new tensor; cuBLAS writes it directly, the other paths are copied in (the same bits either way)."""
         # Decode-sized rows through the row-invariant path too: cuBLAS picks its kernel (and its rounding)
         # by the row count, so a verify step's rows would differ from plain decoding's.
         if skinny.fits(x, self.skinny_rows):
-            return skinny.skinny_linear(x, self.weight, self.bias, self.skinny_rows)
-        algo = gemm_algos.lookup(x, self.weight) if self.bias is None else None
-        if algo is not None:  # a shape the sustained-load sweep found a faster cuBLASLt algorithm for
-            return gemm_algos.lt_linear(x, self.weight, algo)
-        return nn.functional.linear(x, self.weight, self.bias)
+            y = skinny.skinny_linear(x, self.weight, self.bias, self.skinny_rows)
+        elif (algo := gemm_algos.lookup(x, self.weight) if self.bias is None else None) is not None:
+            y = gemm_algos.lt_linear(x, self.weight, algo)  # a shape the sustained-load sweep found faster
+        elif out is None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        elif self.bias is None:  # F.linear's own cuBLAS call for 2-D rows, into `out`
+            return torch.mm(x, self.weight.t(), out=out)
+        else:
+            return torch.addmm(self.bias, x, self.weight.t(), out=out)
+        return y if out is None else out.copy_(y)
 
 
 class RowParallelLinear(nn.Module):

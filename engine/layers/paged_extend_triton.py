@@ -21,6 +21,8 @@ import triton.language as tl
 
 from splitserve.engine.layers.extend_plan import ExtendPlan, block_tokens, wide_tiles
 from splitserve.engine.layers.paged_decode_triton import dot_precision
+from splitserve.engine.layers.pdl import launch_kwargs
+from splitserve.engine.layers.pdl_triton import wait_for_previous
 
 LOG2E = 1.4426950408889634
 
@@ -57,8 +59,9 @@ def _paged_extend_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_pt,
     qk_scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)  # after the RoPE + KV store kernel, which wrote the keys read here
     blk = tl.program_id(0)
     kv_head = tl.program_id(1)
     c = tl.load(BlockChunk + blk)
@@ -127,5 +130,6 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * LOG2E,
         PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        **launch_kwargs(),
     )
     return out

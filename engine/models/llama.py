@@ -44,11 +44,12 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_index)
 
-    def attention(self, qkv: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor | None
-                  ) -> torch.Tensor:
+    def attention(self, qkv: torch.Tensor, batch: ForwardBatch, kv: KVPool, mask: torch.Tensor | None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H*D] from the fused projection `qkv` [T, (H + 2 Hkv) D]: qk-norm and RoPE, the KV store and
         attention over the paged cache, all of the layer between its two projections (the part that a
-        piecewise graph leaves to run eagerly: engine/piecewise_graphs.py)."""
+        piecewise graph leaves to run eagerly: engine/piecewise_graphs.py). `out`: [T, H*D] to write
+        (an extend step's; a decode step's attention is always a new tensor)."""
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         k_cache, v_cache = kv.k_cache(self.layer_index), kv.v_cache(self.layer_index)
         q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
@@ -61,11 +62,11 @@ class LlamaAttention(nn.Module):
             from splitserve.engine.layers.fused_triton import rope_and_store_kv
             rope_and_store_kv(qkv, batch.positions, self.rotary.cos, self.rotary.sin, self.num_heads,
                               self.num_kv_heads, self.head_dim, k_cache, v_cache, batch.out_cache_loc)
-            return self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=True, qkv=qkv)
+            return self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=True, qkv=qkv, out=out)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
-        return self.attn(q, k, v, batch, k_cache, v_cache, mask)
+        return self.attn(q, k, v, batch, k_cache, v_cache, mask, out=out)
 
 
 class LlamaMLP(nn.Module):
@@ -105,7 +106,14 @@ class LlamaDecoderLayer(nn.Module):
         x = attn.attention(attn.qkv_proj(x), batch, kv, mask)
         if rows is not None:
             x, residual = x[rows], residual[rows]
-        x, residual = self.post_attention_layernorm(attn.o_proj(x), residual)
+        return self.after_attention(x, residual)
+
+    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor,
+                        residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer past its attention: the output projection, the residual add and post-attention norm, the
+        MLP; returns (MLP output, new residual). `residual_out`: where the new residual goes (may be
+        `residual`)."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual, residual_out)
         return self.mlp(x), residual
 
 

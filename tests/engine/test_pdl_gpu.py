@@ -7,6 +7,7 @@ So each replay here takes a new input, and every replay's bits must equal the sa
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,67 @@ def test_the_skinny_kernel_with_pdl_gives_the_bits_without(rows: int, n: int, k:
     finally:
         pdl.install(False)
     assert torch.equal(got, want)
+
+
+# A global memory access in PTX: loads, stores, atomics and reductions in the global space, and the async copies
+# that read global memory into shared (cp.async, the TMA's cp.async.bulk, cp.reduce.async.bulk).
+GLOBAL_ACCESS = re.compile(r"\b(?:(?:ld|st|atom|red)(?:\.[a-z0-9]+)*\.global\b|cp\.async\b|cp\.reduce\.async\b)")
+
+
+def waits_before_its_first_global_access(ptx: str) -> bool:
+    """Whether the kernel's first instruction that touches global memory comes after its griddepcontrol.wait,
+    in the order of the PTX text (the wait is the first statement of every kernel that takes PDL, so it sits
+    in the entry block, before any branch)."""
+    body = ptx[ptx.index(".entry"):]
+    wait = body.find("griddepcontrol.wait")
+    first = GLOBAL_ACCESS.search(body)
+    return wait >= 0 and "griddepcontrol.launch_dependents" in body and (first is None or wait < first.start())
+
+
+def kernels_taking_pdl() -> dict[str, object]:
+    """Every Triton kernel of the engine that takes the PDL constexpr (engine/layers/*_triton.py,
+    engine/sampling/*_triton.py), by module and name; the wait's own helper aside."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import splitserve.engine.layers as layers
+    import splitserve.engine.sampling as sampling
+
+    found = {}
+    for package in (layers, sampling):
+        for info in pkgutil.iter_modules(package.__path__):
+            if not info.name.endswith("_triton") or info.name == "pdl_triton":
+                continue
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            for name, fn in vars(module).items():
+                while not isinstance(fn, JITFunction) and isinstance(getattr(fn, "fn", None), JITFunction):
+                    fn = fn.fn  # an autotuner or heuristics around the kernel
+                if isinstance(fn, JITFunction) and fn.__module__ == module.__name__ and "PDL" in fn.arg_names:
+                    found[f"{info.name}.{name}"] = fn
+    return found
+
+
+def test_every_kernel_compiled_for_pdl_waits_before_it_touches_global_memory(tmp_path: Path) -> None:
+    # The replay test above compares bits, so a wait that the compiler moved after a load, or a launch that never
+    # overlapped, could pass it. Here each kernel an engine compiled with launch_pdl (prefill, mixed and decode
+    # steps through graphs) is read in PTX: no global load, store or async copy may come before its wait.
+    folder = write("llama-gqa-llama3rope", tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 40, 17, 300, 9)]
+    try:
+        greedy_tokens(folder, prompts, "on")
+    finally:
+        pdl.install(False)
+    kernels = kernels_taking_pdl()
+    assert len(kernels) >= 11, sorted(kernels)
+    checked: dict[str, int] = {}
+    for name, fn in kernels.items():
+        for compiled in (k for cache in fn.device_caches.values() for k in cache[0].values()):
+            if compiled.metadata.launch_pdl:
+                assert waits_before_its_first_global_access(compiled.asm["ptx"]), name
+                checked[name] = checked.get(name, 0) + 1
+    # The verify step's KV store runs only in speculative decoding; every other kernel ran with PDL here.
+    missing = set(kernels) - set(checked)
+    assert missing <= {"paged_decode_triton._store_rotated_kv"}, (sorted(missing), checked)

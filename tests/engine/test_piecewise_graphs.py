@@ -19,13 +19,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.parametrize("max_tokens,buckets", [
-    (1024, BUCKETS), (2048, (*BUCKETS, 2048)), (300, (16, 32, 48, 64, 96, 128, 160, 192, 256, 300)),
+    (2048, BUCKETS), (4096, (*BUCKETS, 4096)), (1024, BUCKETS[:BUCKETS.index(1024) + 1]), (1100, (*BUCKETS[:17], 1100)),
+    (300, (16, 32, 48, 64, 96, 128, 160, 192, 256, 300)),
     (64, (16, 32, 48, 64)), (10, (10,)), (0, ())])
 def test_the_buckets_are_the_fixed_ones_below_the_limit_then_the_limit(max_tokens: int, buckets: tuple) -> None:
     assert piecewise_buckets(max_tokens) == buckets
 
 
-@pytest.mark.parametrize("max_tokens", [1024, 512, 300, 64, 17, 16, 10])
+@pytest.mark.parametrize("max_tokens", [2048, 1024, 512, 300, 64, 17, 16, 10])
 def test_padding_never_moves_a_step_across_the_row_invariant_limit(max_tokens: int) -> None:
     # 16-bit projections of up to skinny.MAX_ROWS rows take the row-invariant kernel and larger ones cuBLAS: a step
     # padded from one side of that limit to the other would change its rows' rounding, not just their count.
@@ -43,6 +44,37 @@ def test_the_fixed_buckets_pad_at_most_a_third_past_64_tokens_a_quarter_past_96_
 
     assert worst(64) <= 1 / 3 and worst(96) <= 1 / 4 and worst(256) <= 1 / 5
     assert worst(64) > 1 / 4  # 65 -> 96
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.gpu])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_the_writes_in_place_the_pieces_make_give_the_allocating_calls_bits(device: str, dtype: torch.dtype) -> None:
+    # The pieces add into the residual buffer where it lies and write the qkv rows of theirs
+    # (engine/piecewise_graphs.py): the same bits as the calls that return new tensors, at a cuBLAS row count
+    # (2,048) and a row-invariant one (16).
+    from splitserve.engine.layers.linear import ColumnParallelLinear
+    from splitserve.engine.layers.rmsnorm import RMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(256, 1e-5, dtype).to(device)
+    norm.weight.copy_(torch.rand(256, generator=gen, dtype=torch.float32).to(dtype))
+    linear = ColumnParallelLinear(256, [384, 64, 64], bias=False, dtype=dtype).to(device)
+    linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen).to(dtype) / 16)
+    biased = ColumnParallelLinear(256, [96], bias=True, dtype=dtype).to(device)
+    biased.weight.copy_(torch.randn(biased.weight.shape, generator=gen).to(dtype) / 16)
+    biased.bias.copy_(torch.randn(96, generator=gen).to(dtype))
+    for rows in (2048, 16):
+        x = torch.randn(rows, 256, generator=gen).to(dtype).to(device)
+        residual = torch.randn(rows, 256, generator=gen).to(dtype).to(device)
+        normed, new_residual = norm(x, residual)
+        buffer = residual.clone()
+        normed_in_place, returned = norm(x, buffer, residual_out=buffer)
+        assert returned.data_ptr() == buffer.data_ptr()
+        assert torch.equal(normed_in_place, normed) and torch.equal(buffer, new_residual)
+        for layer in (linear, biased):
+            out = torch.full((rows, layer.weight.shape[0]), float("nan"), dtype=dtype, device=device)
+            assert layer(normed, out=out) is out and torch.equal(out, layer(normed)), (rows, layer.bias is None)
 
 
 def cpu_runner(tmp_path: Path, **cfg):
@@ -242,7 +274,7 @@ def bf16_runner(tmp_path: Path, **cfg):
 
     folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 2048}, 1234)
     config = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=16384,
-                          max_running_requests=8, piecewise_graph_tokens=1024, **cfg)
+                          max_running_requests=8, piecewise_graph_tokens=2048, **cfg)
     runner = ModelRunner(config, folder, ModelConfig.from_folder(folder))
     kv = KVCache(runner.kv_shape.num_pages, config.page_size, 8, 2048, runner.device)
     runner.warm_up(kv.page_table)
@@ -265,7 +297,7 @@ def test_a_replay_gives_the_eager_padded_bits_the_unpadded_logits_and_kv_and_tou
     gen = torch.Generator().manual_seed(0)
     pools = [runner.kv_pool.k_cache(0), runner.kv_pool.v_cache(0), runner.kv_pool.k_cache(2)]
     mixes = [(3, 64, 40, 100), (0, 0, 0, 7), (2, 0, 0, 9), (0, 200, 300, 0), (5, 0, 0, 1019), (1, 48, 16, 0),
-             (6, 128, 64, 200)]
+             (6, 128, 64, 200), (4, 0, 0, 1700), (0, 512, 1536, 0)]
     for decodes, prefix, chunk, fresh in mixes:
         chunks, reqs = mixed_step(runner, kv, gen, decodes, prefix, chunk, fresh)
         batch = step_batch(runner, kv, chunks)
@@ -297,7 +329,7 @@ def test_a_replay_gives_the_eager_padded_bits_the_unpadded_logits_and_kv_and_tou
 @torch.inference_mode()
 def test_the_graphs_pool_holds_one_piece_s_temporaries_not_every_piece_s_outputs(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    # Llama-3.2-1B's shape (random weights): 17 buckets x 17 pieces. Keeping every piece's outputs (its qkv and
+    # Llama-3.2-1B's shape (random weights): 17 buckets x 16 pieces. Keeping every piece's outputs (its qkv and
     # residual rows) would take sum(buckets) x pieces x (qkv + hidden) x 2 B, ~1 GB; a piece's temporaries at 1,024
     # tokens (the MLP's gate/up rows the largest) ~75 MB. What the capture reserved also holds cuBLAS's workspace
     # for the capture's stream.
@@ -316,10 +348,11 @@ def test_the_graphs_pool_holds_one_piece_s_temporaries_not_every_piece_s_outputs
     with caplog.at_level(logging.INFO, logger="splitserve.engine.piecewise_graphs"):
         runner.warm_up(kv.page_table)
     graphs = runner.piecewise_graphs
-    assert graphs is not None and len(graphs.graphs) == len(BUCKETS) * 17
+    buckets = piecewise_buckets(1024)
+    assert graphs is not None and len(buckets) == 17 and len(graphs.graphs) == len(buckets) * 16
     cfg = runner.model_cfg
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    every_output = sum(BUCKETS) * graphs.pieces * (qkv + cfg.hidden_size) * 2
+    every_output = sum(buckets) * graphs.pieces * (qkv + cfg.hidden_size) * 2
     one_piece = 1024 * (3 * cfg.intermediate_size + 4 * cfg.hidden_size + qkv) * 2
     logging.getLogger(__name__).warning("piecewise pool %.1f MiB; every output kept %.1f MiB; a piece's "
                                         "temporaries ~%.1f MiB", graphs.pool_bytes / 2**20, every_output / 2**20,
