@@ -78,8 +78,9 @@ class EngineConfig:
                 "(engine/piecewise_graphs.py); 0: eagerly; -1 (default): 512 on a GPU, eagerly on the CPU"})
     pdl: str = field(default="auto", metadata={
         "help": "programmatic dependent launch of the engine's Triton norm, activation, RoPE, paged attention "
-                "(decode and extend), skinny projection and argmax kernels, wherever they run: each may start up while the one before "
-                "it runs, and waits for it before its first load (engine/layers/pdl.py); auto: on CUDA devices of "
+                "(decode and extend), skinny projection and argmax kernels, wherever they run: each may start up "
+                "while the one before it runs, and waits for it before its first load (engine/layers/pdl.py); "
+                "auto: on CUDA devices of "
                 "compute capability 9.0 and later", "choices": pdl.MODES})
     gemm_algos: str = field(default="", metadata={
         "help": "a table of cuBLASLt algorithms per projection shape (benchmarks/gemm_sustained.py --table-out, "
