@@ -92,8 +92,7 @@ class PagedAttention(nn.Module):
                 v.transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True, scale=self.scale, enable_gqa=self.gqa,
             ).squeeze(0).transpose(0, 1)
         elif batch.attn_meta is not None:  # the kernels write `out` itself: no copy
-            paged = q.new_empty(q.shape) if out is None else out.view(q.shape)
-            self._paged_extend(q, batch, k_cache, v_cache, paged)
+            paged = self._paged_extend(q, batch, k_cache, v_cache, None if out is None else out.view(q.shape))
             return paged.view(q.shape[0], -1) if out is None else out
         else:
             result = self._extend(q, batch, k_cache, v_cache, mask)
@@ -124,12 +123,13 @@ class PagedAttention(nn.Module):
         return decode_attention_reference(*args)
 
     def _paged_extend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      out: torch.Tensor) -> torch.Tensor:
-        """Writes the step's attention into `out` [T, H, D] and returns it."""
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """Writes the step's attention into `out` [T, H, D] (a new one if None) and returns it."""
         from splitserve.engine.layers.paged_decode_triton import paged_decode_attention
         from splitserve.engine.layers.paged_extend_triton import paged_extend_attention
 
         assert batch.page_table is not None
+        out = q.new_empty(q.shape) if out is None else out
         decode_slots, decode_lens, plan = batch.paged_attention_plan
         n = batch.decode_rows
         if n:
