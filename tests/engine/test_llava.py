@@ -101,9 +101,16 @@ def engine_logits(folder: Path, ids: list[int], images: list[ImageItem], splits:
     return torch.cat(out)
 
 
+def pil_image_processor(folder: Path):
+    """transformers' CLIP processor on PIL, the reference ClipImageProcessor follows. transformers 5 picks its
+    torchvision backend wherever torchvision is installed (the GPU image), whose resize differs from PIL's."""
+    pil = getattr(transformers, "CLIPImageProcessorPil", None)  # transformers >= 5
+    return pil.from_pretrained(folder) if pil else transformers.AutoImageProcessor.from_pretrained(folder)
+
+
 def test_preprocessing_equals_transformers_image_processor(hub_checkpoint: Path) -> None:
     ours = ClipImageProcessor.from_folder(hub_checkpoint)
-    hf = transformers.AutoImageProcessor.from_pretrained(hub_checkpoint)
+    hf = pil_image_processor(hub_checkpoint)
     for image in sample_images():
         want = hf(images=[image], return_tensors="pt")["pixel_values"][0]
         got = ours(image)
@@ -140,7 +147,6 @@ def test_logits_equal_transformers_for_0_1_2_images(hub_checkpoint: Path, tmp_pa
                              "transformers-4.5x": "model.vision_tower."}[layout]) for n in names)
     hf = transformers.LlavaForConditionalGeneration.from_pretrained(hub_checkpoint, dtype=torch.float32).eval()
     proc = transformers.AutoProcessor.from_pretrained(hub_checkpoint)
-    processor = ClipImageProcessor.from_folder(folder)
     mc = ModelConfig.from_folder(folder)
     assert mc.vision is not None
     for n, text in PROMPTS.items():
@@ -151,8 +157,9 @@ def test_logits_equal_transformers_for_0_1_2_images(hub_checkpoint: Path, tmp_pa
         ids = hf_in["input_ids"][0].tolist()
         _, offsets = expand_image_tokens(TextTokenizer(folder).encode(text, add_special_tokens=False),
                                          mc.vision.image_token_id, mc.vision.tokens_per_image, n)
-        items = [ImageItem(f"{i:064x}", o, mc.vision.tokens_per_image, processor(img))
-                 for i, (o, img) in enumerate(zip(offsets, images, strict=True))]
+        # The model on both sides gets transformers' pixels: preprocessing has its own test above.
+        items = [ImageItem(f"{i:064x}", o, mc.vision.tokens_per_image, pixels)
+                 for i, (o, pixels) in enumerate(zip(offsets, hf_in.get("pixel_values", []), strict=True))]
         # Chunk boundaries inside the first image and between the images.
         splits = [offsets[0] + 5, offsets[-1] + 9] if n else [7]
         got = engine_logits(folder, ids, items, sorted(set(splits)))
@@ -174,9 +181,8 @@ def test_feature_layer_list_and_full_strategy_equal_transformers(tmp_path: Path)
     ids = hf_in["input_ids"][0].tolist()
     offsets = [i for i, t in enumerate(ids) if t == mc.vision.image_token_id
                and (i == 0 or ids[i - 1] != mc.vision.image_token_id)]
-    processor = ClipImageProcessor.from_folder(folder)
-    items = [ImageItem(f"{i:064x}", o, mc.vision.tokens_per_image, processor(img))
-             for i, (o, img) in enumerate(zip(offsets, images, strict=True))]
+    items = [ImageItem(f"{i:064x}", o, mc.vision.tokens_per_image, pixels)
+             for i, (o, pixels) in enumerate(zip(offsets, hf_in["pixel_values"], strict=True))]
     torch.testing.assert_close(engine_logits(folder, ids, items, []), want, atol=2e-4, rtol=2e-4)
 
 

@@ -20,6 +20,7 @@ from PIL import Image
 from servers import assert_kv_back_to_start, served
 
 from splitserve.engine.image_inputs import ImageInputConfig, load_images
+from splitserve.engine.image_processor import ClipImageProcessor
 from splitserve.engine.openai_protocol import ApiError, ImagePart, parse_chat
 from splitserve.engine.tiny_llava import write_llava_checkpoint
 
@@ -107,13 +108,18 @@ def chat_body(parts: list[dict], max_tokens: int = 12) -> dict:
 
 
 def hf_greedy(checkpoint: Path, parts: list[dict], images: list[Image.Image], max_new: int) -> tuple[list, list]:
-    """transformers' prompt ids and greedy tokens for the same content (images as decoded from the bytes)."""
+    """transformers' prompt ids and greedy tokens for the same content (images as decoded from the bytes). Its
+    model gets the pixels of our ClipImageProcessor, which test_llava holds equal to transformers' on PIL: on its
+    torchvision backend (picked wherever torchvision is installed) the resize differs a little."""
     proc = transformers.AutoProcessor.from_pretrained(checkpoint)
     model = transformers.LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
     hf_parts = [{"type": "image"} if p["type"] == "image_url" else p for p in parts]
     text = proc.tokenizer.apply_chat_template([{"role": "user", "content": hf_parts}], add_generation_prompt=True,
                                     tokenize=False)
     inputs = proc(text=text, images=images or None, return_tensors="pt", add_special_tokens=False)
+    if images:
+        ours = ClipImageProcessor.from_folder(checkpoint)
+        inputs["pixel_values"] = torch.stack([ours(image) for image in images])
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
                                            eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
