@@ -17,14 +17,19 @@ then the last layer's o_proj, post-attention norm and MLP, the final norm and th
 that are sampled alone, as the plain forward runs them (LlamaForCausalLM.hidden_states): their count varies, and at
 2,048 tokens the last layer's half at every row would cost ~1 ms of a ~46 ms 8B step for 4 rows' logits.
 Padding rows (n..T) are token 0, run no attention (they store no KV) and read whatever attention output rows hold
-from an earlier step: finite (the buffer is zeroed at allocation and only ever written with attention outputs),
-row-wise, never read by a real row. The projections run at T rows, not n, so a row's rounding is a T-row GEMM's:
-with --disable-cuda-graph the same padded pieces run eagerly, so an engine's tokens do not depend on graphs.
+from an earlier step (the buffer is zeroed at allocation and then written only with attention outputs), row-wise,
+never read by a real row: every real row of every buffer is written before it is read each step (a GPU test fills
+the buffers with NaN before a step and gets the same bits). The projections run at T rows, not n, so a row's
+rounding is a T-row GEMM's: with --disable-cuda-graph the same padded pieces run eagerly, so an engine's tokens do
+not depend on graphs.
 
 Memory: every tensor that outlives a piece (the token ids, the residual stream, the qkv projection, the attention
 output) is a static buffer of the largest bucket's rows, allocated outside the graphs, and the pieces write them in
 place: the norms add into the residual where it lies, the qkv projection's GEMM writes its rows of the buffer, the
-paged extend kernels write the attention output's (only the embedding is copied in, once a step). A first version
+paged extend kernels write the attention output's. Copies remain where a kernel has no `out`: the embedding, once
+a step; the qkv projection where the skinny GEMM or a tuned cuBLASLt algorithm runs it (the 16-token bucket, float32
+at any count, the shapes of --gemm-algos); and the attention of steps off the paged kernels' plan (a lone prompt's
+cuDNN or SDPA path, the CPU's reference). A first version
 copied each piece's residual and qkv in, and the attention output after it: 56 KB a token a layer, ~0.9 ms of an 8B
 step at 2,048 tokens, about what the graphs saved (the ninth session's 0.94-1.00x past 512 tokens). So no graph's
 output lives in the graphs' memory pool, which holds only each piece's temporaries, dead at the piece's end, and
@@ -82,7 +87,7 @@ def piecewise_buckets(max_tokens: int) -> tuple[int, ...]:
 
 
 class PiecewiseGraphs:
-    """A text model's forward as L+1 pieces per bucket (see the module docstring); `run` gives a batch's logits."""
+    """A text model's forward as L pieces per bucket (see the module docstring); `run` gives a batch's logits."""
 
     def __init__(self, model: LlamaForCausalLM, kv: KVPool, max_tokens: int, device: torch.device) -> None:
         """`max_tokens`: the largest step a graph runs; the pieces are captured by `capture` (GPU only), and run

@@ -311,6 +311,10 @@ def test_a_replay_gives_the_eager_padded_bits_the_unpadded_logits_and_kv_and_tou
         finally:
             graphs.graphs = captured
         assert torch.equal(graphed, eager_padded), (decodes, prefix, chunk, fresh)
+        for buffer in (graphs.residual, graphs.qkv, graphs.attn_out):  # a real row reads nothing stale
+            buffer.fill_(float("nan"))
+        assert torch.equal(graphs.run(batch), graphed), (decodes, prefix, chunk, fresh)
+        assert all(torch.equal(p, g) for p, g in zip(pools, graphed_kv, strict=True))
         untouched = torch.ones(pools[0].shape[0], dtype=torch.bool, device=runner.device)
         untouched[step_loc] = False
         untouched[:kv.page_size] = False  # the scratch page
