@@ -108,14 +108,35 @@ def pil_image_processor(folder: Path):
     return pil.from_pretrained(folder) if pil else transformers.AutoImageProcessor.from_pretrained(folder)
 
 
+def transformers_composites_transparency() -> bool:
+    """Whether this transformers turns a transparent pixel white, as ours does (5.24 does; 5.17 drops alpha)."""
+    from transformers.image_transforms import convert_to_rgb
+
+    return np.array(convert_to_rgb(Image.new("RGBA", (1, 1), (0, 0, 0, 0)))).reshape(-1).tolist() == [255] * 3
+
+
 def test_preprocessing_equals_transformers_image_processor(hub_checkpoint: Path) -> None:
     ours = ClipImageProcessor.from_folder(hub_checkpoint)
     hf = pil_image_processor(hub_checkpoint)
+    composites = transformers_composites_transparency()
     for image in sample_images():
         want = hf(images=[image], return_tensors="pt")["pixel_values"][0]
-        got = ours(image)
+        # Where this transformers drops alpha, the rest of its pipeline is still compared, on what it saw.
+        opaque = image.mode == "RGBA" and not composites
+        got = ours(image.convert("RGB") if opaque else image)
         assert got.shape == want.shape == (3, 28, 28)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_transparency_is_composited_over_white() -> None:
+    # No resize, no normalization: the tensor is the composited pixels / 255.
+    processor = ClipImageProcessor.from_dict({"do_resize": False, "crop_size": 4, "do_normalize": False})
+    rgba = np.zeros((4, 4, 4), dtype=np.uint8)
+    rgba[:2] = (255, 0, 0, 255)  # opaque red over a clear half
+    rgba[2:] = (0, 0, 255, 0)
+    got = processor(Image.fromarray(rgba, "RGBA"))
+    torch.testing.assert_close(got[:, :2], torch.tensor([1.0, 0.0, 0.0])[:, None, None].expand(3, 2, 4))
+    torch.testing.assert_close(got[:, 2:], torch.ones(3, 2, 4))
 
 
 @pytest.mark.parametrize("strategy", ["default", "full"])

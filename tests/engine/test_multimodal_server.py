@@ -109,8 +109,9 @@ def chat_body(parts: list[dict], max_tokens: int = 12) -> dict:
 
 def hf_greedy(checkpoint: Path, parts: list[dict], images: list[Image.Image], max_new: int) -> tuple[list, list]:
     """transformers' prompt ids and greedy tokens for the same content (images as decoded from the bytes). Its
-    model gets the pixels of our ClipImageProcessor, which test_llava holds equal to transformers' on PIL: on its
-    torchvision backend (picked wherever torchvision is installed) the resize differs a little."""
+    model gets the pixels of our ClipImageProcessor, which test_llava holds equal to transformers' on PIL: its
+    torchvision backend (picked wherever torchvision is installed) resizes a little differently, and transformers
+    5.17 drops alpha where 5.24 and ours composite over white."""
     proc = transformers.AutoProcessor.from_pretrained(checkpoint)
     model = transformers.LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
     hf_parts = [{"type": "image"} if p["type"] == "image_url" else p for p in parts]
