@@ -14,7 +14,7 @@ registered from 1 MiB past its base (as a buffer inside a larger torch allocatio
 way: a transport that maps the allocation's IPC handle as if it began at the registered address writes 1 MiB
 early.
 
-Variants (each a fresh pair of processes; the environment is set before mooncake is imported):
+Variants (each a fresh pair of processes, both spawned, with the environment set before mooncake is imported):
 - ``tcp``: Mooncake's TCP transport on loopback, what the engine's ``--transfer-protocol tcp`` uses;
 - ``nvlink``: protocol "nvlink" (``NvlinkTransport``, built with USE_MNNVL), default environment;
 - ``nvlink_ipc``: the same with ``MC_USE_NVLINK_IPC=1`` (legacy CUDA IPC handles instead of fabric ones);
@@ -22,7 +22,7 @@ Variants (each a fresh pair of processes; the environment is set before mooncake
 
 What it found on one H200 with ``mooncake-transfer-engine-cuda13==0.3.14`` (transfer/README.md, "Why not
 Mooncake's own GPU transports"): ``nvlink`` does not initialize (no USE_MNNVL in that build), ``nvlink_intra``
-works with torch's allocations and costs ~5.5 us a segment.
+works with torch's allocations and costs 5.5-7 us a segment.
 
 Each pattern is timed over repeats (best and median of the sync call); GB/s = 1e9 bytes/s, each byte once,
 against one contiguous torch device copy of the same bytes in the sender. Results are printed as JSON lines
@@ -32,6 +32,7 @@ and, with ``--output``, written as one JSON file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -48,6 +49,7 @@ POOL_PAGES = 640  # 10,240 tokens: room for the 8,192-token room anywhere in the
 SEED = 1234
 OFFSET_REGISTRATION = 1 << 20
 MAX_BATCH_SEGMENTS = 1024
+REPLY_TIMEOUT_S = 120.0
 
 VARIANTS = {
     "tcp": ("tcp", {}),
@@ -142,21 +144,53 @@ def device_copy_s(nbytes: int, repeats: int) -> float:
     return min(times[1:])
 
 
+def ask(conn, message: tuple | None) -> tuple:
+    """Sends ``message`` (None: only waits) and returns the decode's reply; a decode that reported an error, died
+    or went quiet raises, naming it."""
+    if message is not None:
+        conn.send(message)
+    if not conn.poll(REPLY_TIMEOUT_S):
+        raise RuntimeError(f"decode: no reply within {REPLY_TIMEOUT_S:.0f} s")
+    try:
+        reply = conn.recv()
+    except EOFError:
+        raise RuntimeError("decode: exited without a reply") from None
+    if reply[0] == "error":
+        raise RuntimeError("decode: " + reply[1])
+    return reply
+
+
 def run_variant(name: str, repeats: int) -> dict:
+    """One variant, in a process of its own (so no Mooncake state carries over from another variant)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=sender, args=(child, name, repeats))
+    proc.start()
+    child.close()
+    try:
+        if parent.poll(REPLY_TIMEOUT_S * 4):
+            return parent.recv()
+        return {"variant": name, "patterns": [], "error": "prefill: no result in time"}
+    except EOFError:
+        return {"variant": name, "patterns": [], "error": f"prefill: exited with code {proc.exitcode}"}
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def sender(out, name: str, repeats: int) -> None:
+    """The prefill: spawns the decode, writes every pattern, sends its result to the probe's main process."""
     protocol, env = VARIANTS[name]
+    os.environ.update(env)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=receiver, args=(child, protocol, env), daemon=True)
     proc.start()
+    child.close()
     result: dict = {"variant": name, "protocol": protocol, "env": env, "patterns": []}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        reply = parent.recv()
-        if reply[0] == "error":
-            result["error"] = "decode: " + reply[1]
-            return result
-        _, session, dst_bases, reg_codes = reply
+        _, session, dst_bases, reg_codes = ask(parent, None)
         result["decode_register_memory"] = {str(k): v for k, v in reg_codes.items()}
         import torch
 
@@ -172,8 +206,7 @@ def run_variant(name: str, repeats: int) -> dict:
                     row = {"tokens": tokens, "pages": "scattered" if scattered else "contiguous",
                            "segments": len(segments), "bytes": sum(n for _, _, n in segments),
                            "registered_at": "base" if not shift else f"base + {shift}"}
-                    parent.send(("zero",))
-                    parent.recv()
+                    ask(parent, ("zero",))
                     srcs = [source.data_ptr() + s for s, _, _ in segments]
                     dsts = [dst_bases[shift] + d for _, d, _ in segments]
                     lens = [n for _, _, n in segments]
@@ -185,29 +218,25 @@ def run_variant(name: str, repeats: int) -> dict:
                             j = i + MAX_BATCH_SEGMENTS
                             codes.append(int(engine.batch_transfer_sync_write(session, srcs[i:j], dsts[i:j],
                                                                               lens[i:j])))
+                        torch.cuda.synchronize()  # a sync write is done on return; this makes sure of it
                         times.append(time.perf_counter() - t0)
-                    parent.send(("check", segments, shift))
-                    _, bad, stray = parent.recv()
+                    _, bad, stray = ask(parent, ("check", segments, shift))
                     copy_s = device_copy_s(row["bytes"], 5)
                     row.update(codes=sorted(set(codes)), best_s=min(times), median_s=statistics.median(times),
                                gb_s=row["bytes"] / min(times) / 1e9, copy_gb_s=row["bytes"] / copy_s / 1e9,
                                over_copy=copy_s / min(times), segments_wrong=bad, stray_nonzero_bytes=stray)
                     result["patterns"].append(row)
                     print(json.dumps({"variant": name, **row}), flush=True)
-        parent.send(("stop",))
     except Exception as exc:  # one variant's failure is its result; the others still run
-        result["error"] = f"prefill: {type(exc).__name__}: {exc}"
+        result["error"] = str(exc) if str(exc).startswith("decode: ") else f"prefill: {type(exc).__name__}: {exc}"
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        with contextlib.suppress(OSError):  # the decode may be gone already
+            parent.send(("stop",))
         proc.join(30)
         if proc.is_alive():
             proc.kill()
         result["decode_exit_code"] = proc.exitcode
-    return result
+    out.send(result)
 
 
 def allocator_backend() -> str:

@@ -161,10 +161,10 @@ def test_a_killed_drafter_loses_no_request_and_a_restarted_one_is_joined_again(t
             p.stop()
 
 
-# Prefill -> decode goes over Mooncake whatever the device; CI installs it (scripts/install.sh --test), the GPU image,
-# which runs this file on the CPU by default, does not.
+# Prefill -> decode goes over Mooncake whatever the device. CI installs it (scripts/install.sh --test), and so does the
+# Dockerfile's image; the benchmark GPU machine's image, which runs this file on the CPU by default, does not.
 @pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
-                    reason="prefill -> decode over Mooncake needs mooncake-transfer-engine (the GPU image lacks it)")
+                    reason="prefill -> decode over Mooncake needs mooncake-transfer-engine")
 def test_up_with_drafters_serves_prefill_decode_with_speculation(tmp_path: Path, plain) -> None:
     port = free_port()
     log = (tmp_path / "up.log").open("w+")
