@@ -7,7 +7,7 @@ x 128, bf16: 32 KiB a page and buffer, 128 KiB a token) in one torch allocation 
 base, as the engine registers its pool. The prefill (this process) writes KV rooms of 512 and 8,192 tokens into
 the decode's pool with ``batch_transfer_sync_write``, the call ``transfer/mooncake_engine.py`` makes: pages
 consecutive on the decode (64 segments, one per buffer) and scattered (one 32 KiB segment a page and buffer).
-Writes go in calls of at most 1,024 segments, as the engine sends them (``transfer_max_batch_segments``). The
+Writes go in the engine's batches (``Segments.batches`` of ``transfer_max_batch_segments``, 1,024). The
 decode zeroes its pool before each pattern and then checks every written byte against the source, which it
 rebuilds from the same seed, and that nothing else in the allocation changed. A second decode allocation is
 registered from 1 MiB past its base (as a buffer inside a larger torch allocation would be) and checked the same
@@ -24,8 +24,9 @@ What it found on one H200 with ``mooncake-transfer-engine-cuda13==0.3.14`` (tran
 Mooncake's own GPU transports"): ``nvlink`` does not initialize (no USE_MNNVL in that build), ``nvlink_intra``
 works with torch's allocations and costs 5.5-7 us a segment.
 
-Each pattern is timed over repeats (best and median of the sync call); GB/s = 1e9 bytes/s, each byte once,
-against one contiguous torch device copy of the same bytes in the sender. Results are printed as JSON lines
+Each pattern is timed over repeats (best and median of the sync calls); GB/s = 1e9 bytes/s, each byte once,
+against one contiguous device copy of the same bytes in the sender, timed as the CUDA IPC rooms bench times it
+(``bench_cuda_ipc.device_copy_s``, the median). Results are printed as JSON lines
 and, with ``--output``, written as one JSON file.
 """
 
@@ -40,16 +41,25 @@ import os
 import statistics
 import time
 
+import numpy as np
+
+from splitserve.transfer.bench_cuda_ipc import HEAD_DIM, HEADS, PAGE, device_copy_s
+from splitserve.transfer.config import TransferConfig
+from splitserve.transfer.transfer_plan import Segments
+
 log = logging.getLogger("mooncake_nvlink_probe")
 
-LAYERS, HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+LAYERS = 32
 PAGE_BYTES = PAGE * HEADS * HEAD_DIM * 2  # one page of one buffer (K or V of one layer)
 BUFFERS = LAYERS * 2
 POOL_PAGES = 640  # 10,240 tokens: room for the 8,192-token room anywhere in the pool
 SEED = 1234
 OFFSET_REGISTRATION = 1 << 20
-MAX_BATCH_SEGMENTS = 1024
 REPLY_TIMEOUT_S = 120.0
+
+
+class DecodeFailed(RuntimeError):
+    """The decode process reported an error, died or went quiet."""
 
 VARIANTS = {
     "tcp": ("tcp", {}),
@@ -128,35 +138,19 @@ def receiver(conn, protocol: str, env: dict[str, str]) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def device_copy_s(nbytes: int, repeats: int) -> float:
-    import torch
-
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return min(times[1:])
-
-
 def ask(conn, message: tuple | None) -> tuple:
     """Sends ``message`` (None: only waits) and returns the decode's reply; a decode that reported an error, died
     or went quiet raises, naming it."""
     if message is not None:
         conn.send(message)
     if not conn.poll(REPLY_TIMEOUT_S):
-        raise RuntimeError(f"decode: no reply within {REPLY_TIMEOUT_S:.0f} s")
+        raise DecodeFailed(f"decode: no reply within {REPLY_TIMEOUT_S:.0f} s")
     try:
         reply = conn.recv()
     except EOFError:
-        raise RuntimeError("decode: exited without a reply") from None
+        raise DecodeFailed("decode: exited without a reply") from None
     if reply[0] == "error":
-        raise RuntimeError("decode: " + reply[1])
+        raise DecodeFailed("decode: " + reply[1])
     return reply
 
 
@@ -195,6 +189,7 @@ def sender(out, name: str, repeats: int) -> None:
         import torch
 
         engine = new_engine(protocol)
+        max_segments = TransferConfig().transfer_max_batch_segments
         source = source_pool("cuda")
         result["prefill_register_memory"] = engine.register_memory(source.data_ptr(), source.numel())
         for shift in (0, OFFSET_REGISTRATION):
@@ -207,28 +202,28 @@ def sender(out, name: str, repeats: int) -> None:
                            "segments": len(segments), "bytes": sum(n for _, _, n in segments),
                            "registered_at": "base" if not shift else f"base + {shift}"}
                     ask(parent, ("zero",))
-                    srcs = [source.data_ptr() + s for s, _, _ in segments]
-                    dsts = [dst_bases[shift] + d for _, d, _ in segments]
-                    lens = [n for _, _, n in segments]
+                    offsets = np.array(segments, dtype=np.int64).reshape(-1, 3)
+                    batches = Segments(offsets[:, 0] + source.data_ptr(), offsets[:, 1] + dst_bases[shift],
+                                       offsets[:, 2]).batches(max_segments)
                     times, codes = [], []
                     for _ in range(repeats):
                         torch.cuda.synchronize()
                         t0 = time.perf_counter()
-                        for i in range(0, len(lens), MAX_BATCH_SEGMENTS):
-                            j = i + MAX_BATCH_SEGMENTS
-                            codes.append(int(engine.batch_transfer_sync_write(session, srcs[i:j], dsts[i:j],
-                                                                              lens[i:j])))
+                        for srcs, dsts, lens in batches:
+                            codes.append(int(engine.batch_transfer_sync_write(session, srcs, dsts, lens)))
                         torch.cuda.synchronize()  # a sync write is done on return; this makes sure of it
                         times.append(time.perf_counter() - t0)
                     _, bad, stray = ask(parent, ("check", segments, shift))
-                    copy_s = device_copy_s(row["bytes"], 5)
+                    copy_s = device_copy_s(row["bytes"], 5, "cuda")
                     row.update(codes=sorted(set(codes)), best_s=min(times), median_s=statistics.median(times),
                                gb_s=row["bytes"] / min(times) / 1e9, copy_gb_s=row["bytes"] / copy_s / 1e9,
                                over_copy=copy_s / min(times), segments_wrong=bad, stray_nonzero_bytes=stray)
                     result["patterns"].append(row)
                     print(json.dumps({"variant": name, **row}), flush=True)
-    except Exception as exc:  # one variant's failure is its result; the others still run
-        result["error"] = str(exc) if str(exc).startswith("decode: ") else f"prefill: {type(exc).__name__}: {exc}"
+    except DecodeFailed as exc:  # one variant's failure is its result; the others still run
+        result["error"] = str(exc)
+    except Exception as exc:
+        result["error"] = f"prefill: {type(exc).__name__}: {exc}"
     finally:
         with contextlib.suppress(OSError):  # the decode may be gone already
             parent.send(("stop",))
