@@ -1,0 +1,121 @@
+"""What the GPU's power limit leaves of its peaks when a load is held: the limits the board reports, and the
+rate, SM clock and draw of back-to-back bf16 GEMMs (random and all-zero operands) and of a device copy, each held
+for `--hold-s` seconds.
+
+  python3 -P benchmarks/power_cap_probe.py --output X.json [--hold-s 10]
+
+Issue 16's open targets are ratios to a short burst's limits, while the engine's loads run for seconds at the
+H200's 700 W cap. This tells whether that cap is a setting below the board's maximum (nvidia-smi's
+power.max_limit) and how far it holds each kind of work under its burst rate: a GEMM's power depends on its
+operands' bits (zeros draw less), a copy is bound by HBM, not by the clock. It reads the card's state and
+changes nothing (no -pl, -lgc or -ac: METHOD.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import subprocess
+import threading
+import time
+
+import torch
+
+logger = logging.getLogger("power_cap_probe")
+
+LIMIT_FIELDS = ("power.limit", "power.default_limit", "power.min_limit", "power.max_limit", "enforced.power.limit",
+                "clocks.max.sm")
+SAMPLE_FIELDS = ("clocks.sm", "power.draw", "clocks_event_reasons.active")
+
+
+def query(fields: tuple[str, ...]) -> list[str]:
+    """One nvidia-smi reading of `fields` for GPU 0, as the strings it prints (units dropped)."""
+    text = subprocess.run(["nvidia-smi", "-i", "0", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, check=True).stdout
+    return [v.strip() for v in text.splitlines()[0].split(",")]
+
+
+class Sampler:
+    """Reads the SM clock, the draw and the clock-event reasons every `period_s` on a thread while in use."""
+
+    def __init__(self, period_s: float = 0.2) -> None:
+        self.period_s = period_s
+        self.samples: list[tuple[float, float, float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            clock, draw, reasons = query(SAMPLE_FIELDS)
+            self.samples.append((time.perf_counter(), float(clock), float(draw), reasons))
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def held(name: str, fn, work: float, seconds: float, calls_per_timing: int = 20) -> dict:
+    """`fn` back to back for `seconds`, timed by events in groups of `calls_per_timing`: the first groups' rates
+    (the burst), the median rate of the second half (held), and the clock and draw sampled over that half."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    rates: list[tuple[float, float]] = []
+    with Sampler() as sampler:
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(calls_per_timing):
+                fn()
+            end.record()
+            end.synchronize()
+            rates.append((time.perf_counter(), work * calls_per_timing / (begin.elapsed_time(end) / 1e3)))
+    half = start + seconds / 2
+    late = [s for s in sampler.samples if s[0] >= half]
+    row = {"name": name, "burst_rates": [r for _, r in rates[:3]],
+           "held_rate": statistics.median(r for t, r in rates if t >= half),
+           "held_sm_mhz": [min(s[1] for s in late), statistics.median(s[1] for s in late), max(s[1] for s in late)],
+           "held_draw_w": [min(s[2] for s in late), statistics.median(s[2] for s in late), max(s[2] for s in late)],
+           "held_reasons": sorted({s[3] for s in late})}
+    row["held_over_burst"] = row["held_rate"] / max(row["burst_rates"])
+    logger.info("%s: burst %s, held %.4g (%.3f of the burst), SM %s MHz, draw %s W, reasons %s", name,
+                ", ".join(f"{r:.4g}" for r in row["burst_rates"]), row["held_rate"], row["held_over_burst"],
+                row["held_sm_mhz"], row["held_draw_w"], row["held_reasons"])
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--hold-s", type=float, default=10.0)
+    parser.add_argument("--rest-s", type=float, default=3.0, help="idle between loads, to leave the cap's state")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    limits = dict(zip(LIMIT_FIELDS, query(LIMIT_FIELDS), strict=True))
+    logger.info("limits: %s", limits)
+    n, dev = 8192, torch.device("cuda")
+    a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(2))  # as init_dummy_weights
+    zeros = torch.zeros_like(a)
+    c = torch.empty_like(a)
+    src = torch.empty(4 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    loads = [("gemm_random", lambda: torch.matmul(a, b, out=c), 2 * n**3),
+             ("gemm_zeros", lambda: torch.matmul(zeros, zeros, out=c), 2 * n**3),
+             ("copy", lambda: dst.copy_(src), 2 * src.numel())]  # bytes read + written
+    rows = []
+    for name, fn, work in loads:
+        rows.append(held(name, fn, work, args.hold_s))
+        time.sleep(args.rest_s)
+    with open(args.output, "w") as f:
+        json.dump({"limits": limits, "hold_s": args.hold_s, "loads": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
