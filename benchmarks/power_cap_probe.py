@@ -30,26 +30,43 @@ LIMIT_FIELDS = ("power.limit", "power.default_limit", "power.min_limit", "power.
 SAMPLE_FIELDS = ("clocks.sm", "power.draw", "clocks_event_reasons.active")
 
 
-def query(fields: tuple[str, ...]) -> list[str]:
-    """One nvidia-smi reading of `fields` for GPU 0, as the strings it prints (units dropped)."""
-    text = subprocess.run(["nvidia-smi", "-i", "0", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                          capture_output=True, text=True, check=True).stdout
-    return [v.strip() for v in text.splitlines()[0].split(",")]
+def smi_id(device: torch.device) -> str:
+    """nvidia-smi's name for torch's `device`: its UUID (nvidia-smi numbers GPUs by PCI order and ignores
+    CUDA_VISIBLE_DEVICES, so an index could name another GPU)."""
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
+def query(gpu: str, fields: tuple[str, ...]) -> list[str]:
+    """One nvidia-smi reading of `fields` for `gpu`, as the strings it prints (units dropped)."""
+    text = subprocess.run(["nvidia-smi", "-i", gpu, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, check=True, timeout=10).stdout
+    values = [v.strip() for v in text.splitlines()[0].split(",")]
+    if len(values) != len(fields):
+        raise RuntimeError(f"nvidia-smi gave {values} for {fields}")
+    return values
 
 
 class Sampler:
-    """Reads the SM clock, the draw and the clock-event reasons every `period_s` on a thread while in use."""
+    """Reads the SM clock, the draw and the clock-event reasons every `period_s` on a thread while in use; a
+    reading that fails is counted and logged, not taken."""
 
-    def __init__(self, period_s: float = 0.2) -> None:
+    def __init__(self, gpu: str, period_s: float = 0.2) -> None:
+        self.gpu = gpu
         self.period_s = period_s
         self.samples: list[tuple[float, float, float, str]] = []
+        self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            clock, draw, reasons = query(SAMPLE_FIELDS)
-            self.samples.append((time.perf_counter(), float(clock), float(draw), reasons))
+            at = time.perf_counter()
+            try:
+                clock, draw, reasons = query(self.gpu, SAMPLE_FIELDS)
+                self.samples.append((at, float(clock), float(draw), reasons))
+            except (subprocess.SubprocessError, RuntimeError, ValueError) as exc:
+                self.errors += 1
+                logger.warning("nvidia-smi reading failed: %s", exc)
 
     def __enter__(self) -> Sampler:
         self._thread.start()
@@ -60,14 +77,15 @@ class Sampler:
         self._thread.join()
 
 
-def held(name: str, fn, work: float, seconds: float, calls_per_timing: int = 20) -> dict:
+def held(name: str, fn, work: float, seconds: float, gpu: str, calls_per_timing: int = 20) -> dict:
     """`fn` back to back for `seconds`, timed by events in groups of `calls_per_timing`: the first groups' rates
     (the burst), the median rate of the second half (held), and the clock and draw sampled over that half."""
+    idle_clock, idle_draw, _ = query(gpu, SAMPLE_FIELDS)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     rates: list[tuple[float, float]] = []
-    with Sampler() as sampler:
+    with Sampler(gpu) as sampler:
         start = time.perf_counter()
         while time.perf_counter() - start < seconds:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -79,14 +97,19 @@ def held(name: str, fn, work: float, seconds: float, calls_per_timing: int = 20)
             rates.append((time.perf_counter(), work * calls_per_timing / (begin.elapsed_time(end) / 1e3)))
     half = start + seconds / 2
     late = [s for s in sampler.samples if s[0] >= half]
-    row = {"name": name, "burst_rates": [r for _, r in rates[:3]],
-           "held_rate": statistics.median(r for t, r in rates if t >= half),
+    late_rates = [r for t, r in rates if t >= half]
+    if not late or not late_rates:
+        raise RuntimeError(f"{name}: {len(late_rates)} timed groups and {len(late)} nvidia-smi readings in the second "
+                           f"half of {seconds} s ({sampler.errors} readings failed): hold longer")
+    row = {"name": name, "before": {"sm_mhz": float(idle_clock), "draw_w": float(idle_draw)},
+           "burst_rates": [r for _, r in rates[:3]], "held_rate": statistics.median(late_rates),
            "held_sm_mhz": [min(s[1] for s in late), statistics.median(s[1] for s in late), max(s[1] for s in late)],
            "held_draw_w": [min(s[2] for s in late), statistics.median(s[2] for s in late), max(s[2] for s in late)],
-           "held_reasons": sorted({s[3] for s in late})}
+           "held_reasons": sorted({s[3] for s in late}), "failed_readings": sampler.errors}
     row["held_over_burst"] = row["held_rate"] / max(row["burst_rates"])
-    logger.info("%s: burst %s, held %.4g (%.3f of the burst), SM %s MHz, draw %s W, reasons %s", name,
-                ", ".join(f"{r:.4g}" for r in row["burst_rates"]), row["held_rate"], row["held_over_burst"],
+    logger.info("%s (from %s MHz, %s W): burst %s, held %.4g (%.3f of the burst), SM %s MHz, draw %s W, reasons %s",
+                name, idle_clock, idle_draw, ", ".join(f"{r:.4g}" for r in row["burst_rates"]), row["held_rate"],
+                row["held_over_burst"],
                 row["held_sm_mhz"], row["held_draw_w"], row["held_reasons"])
     return row
 
@@ -95,12 +118,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True)
     parser.add_argument("--hold-s", type=float, default=10.0)
-    parser.add_argument("--rest-s", type=float, default=3.0, help="idle between loads, to leave the cap's state")
+    parser.add_argument("--rest-s", type=float, default=10.0, help="idle between loads, to leave the cap's state")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    limits = dict(zip(LIMIT_FIELDS, query(LIMIT_FIELDS), strict=True))
-    logger.info("limits: %s", limits)
-    n, dev = 8192, torch.device("cuda")
+    dev = torch.device("cuda")
+    gpu = smi_id(dev)
+    limits = dict(zip(LIMIT_FIELDS, query(gpu, LIMIT_FIELDS), strict=True))
+    logger.info("%s (%s): limits %s", torch.cuda.get_device_name(dev), gpu, limits)
+    n = 8192
     a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(2))  # as init_dummy_weights
     zeros = torch.zeros_like(a)
     c = torch.empty_like(a)
@@ -111,10 +136,11 @@ def main() -> None:
              ("copy", lambda: dst.copy_(src), 2 * src.numel())]  # bytes read + written
     rows = []
     for name, fn, work in loads:
-        rows.append(held(name, fn, work, args.hold_s))
+        rows.append(held(name, fn, work, args.hold_s, gpu))
         time.sleep(args.rest_s)
     with open(args.output, "w") as f:
-        json.dump({"limits": limits, "hold_s": args.hold_s, "loads": rows}, f, indent=1)
+        json.dump({"gpu": gpu, "limits": limits, "hold_s": args.hold_s, "rest_s": args.rest_s, "loads": rows}, f,
+                  indent=1)
 
 
 if __name__ == "__main__":
