@@ -4,7 +4,7 @@
 
 Two processes on one GPU, each with a Llama-3-8B-shaped KV pool (32 layers x K/V, 16-token pages of 8 heads
 x 128, bf16: 32 KiB a page and buffer, 128 KiB a token) in one torch allocation that Mooncake registers at its
-base, as the engine registers its pool. The prefill (this process) writes KV rooms of 512 and 8,192 tokens into
+base, as the engine registers its pool. The prefill writes KV rooms of 512 and 8,192 tokens into
 the decode's pool with ``batch_transfer_sync_write``, the call ``transfer/mooncake_engine.py`` makes: pages
 consecutive on the decode (64 segments, one per buffer) and scattered (one 32 KiB segment a page and buffer).
 Writes go in the engine's batches (``Segments.batches`` of ``transfer_max_batch_segments``, 1,024). The
@@ -38,6 +38,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import random
 import statistics
 import time
 
@@ -73,8 +74,6 @@ def room_segments(tokens: int, scattered: bool) -> list[tuple[int, int, int]]:
     """(source offset, destination offset, length) in bytes from the pools' bases for one room: the source
     pages are 0..n-1 in every buffer; the destination pages are consecutive (one segment per buffer) or a
     seeded permutation of the pool's pages (one segment per page and buffer)."""
-    import random
-
     pages = tokens // PAGE
     buffer_bytes = POOL_PAGES * PAGE_BYTES
     if not scattered:

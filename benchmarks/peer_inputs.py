@@ -12,38 +12,22 @@ import argparse
 import json
 import logging
 import statistics
-import subprocess
-import threading
 from pathlib import Path
 
 from splitserve.engine.bench_engine import EngineUnderTest
+from splitserve.engine.gpu_sampler import GpuSampler, nvidia_smi_id
 
 logger = logging.getLogger("peer_inputs")
 
 
-def sample_gpu(stop: threading.Event, into: list[tuple[float, float]]) -> None:
-    """(power W, SM MHz) every ~250 ms until `stop`."""
-    while not stop.wait(0.25):
-        line = subprocess.run(["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, check=False).stdout.split("\n")[0]
-        watts, mhz = (float(v) for v in line.split(","))
-        into.append((watts, mhz))
-
-
 def held_row(eut: EngineUnderTest, uniform: bool, seconds: float, prompts: int, tokens: int) -> dict:
     eut.uniform_ids = uniform
-    samples: list[tuple[float, float]] = []
-    stop = threading.Event()
-    sampler = threading.Thread(target=sample_gpu, args=(stop, samples), daemon=True)
-    sampler.start()
-    try:
+    with GpuSampler(nvidia_smi_id(eut.device), period_s=0.25) as sampler:
         step_s = eut.sustained_prefill_seconds(tokens, prompts, seconds)
-    finally:
-        stop.set()
-        sampler.join()
+    samples = sampler.samples
     late = samples[len(samples) // 2:] or samples  # the held half, as sustained_rate times it
     return {"ids": "one id repeated" if uniform else "random", "tok_s": prompts * tokens / step_s,
-            "power_w": statistics.median(w for w, _ in late), "sm_mhz": statistics.median(m for _, m in late)}
+            "power_w": statistics.median(s[2] for s in late), "sm_mhz": statistics.median(s[1] for s in late)}
 
 
 def main() -> None:

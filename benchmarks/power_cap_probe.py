@@ -17,75 +17,27 @@ import argparse
 import json
 import logging
 import statistics
-import subprocess
-import threading
 import time
 
 import torch
+
+from splitserve.engine.gpu_sampler import SAMPLE_FIELDS, GpuSampler, nvidia_smi_id, nvidia_smi_query, spread
 
 logger = logging.getLogger("power_cap_probe")
 
 LIMIT_FIELDS = ("power.limit", "power.default_limit", "power.min_limit", "power.max_limit", "enforced.power.limit",
                 "clocks.max.sm")
-SAMPLE_FIELDS = ("clocks.sm", "power.draw", "clocks_event_reasons.active")
-
-
-def smi_id(device: torch.device) -> str:
-    """nvidia-smi's name for torch's `device`: its UUID (nvidia-smi numbers GPUs by PCI order and ignores
-    CUDA_VISIBLE_DEVICES, so an index could name another GPU)."""
-    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
-
-
-def query(gpu: str, fields: tuple[str, ...]) -> list[str]:
-    """One nvidia-smi reading of `fields` for `gpu`, as the strings it prints (units dropped)."""
-    text = subprocess.run(["nvidia-smi", "-i", gpu, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                          capture_output=True, text=True, check=True, timeout=10).stdout
-    values = [v.strip() for v in text.splitlines()[0].split(",")]
-    if len(values) != len(fields):
-        raise RuntimeError(f"nvidia-smi gave {values} for {fields}")
-    return values
-
-
-class Sampler:
-    """Reads the SM clock, the draw and the clock-event reasons every `period_s` on a thread while in use; a
-    reading that fails is counted and logged, not taken."""
-
-    def __init__(self, gpu: str, period_s: float = 0.2) -> None:
-        self.gpu = gpu
-        self.period_s = period_s
-        self.samples: list[tuple[float, float, float, str]] = []
-        self.errors = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            at = time.perf_counter()
-            try:
-                clock, draw, reasons = query(self.gpu, SAMPLE_FIELDS)
-                self.samples.append((at, float(clock), float(draw), reasons))
-            except (subprocess.SubprocessError, RuntimeError, ValueError) as exc:
-                self.errors += 1
-                logger.warning("nvidia-smi reading failed: %s", exc)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def held(name: str, fn, work: float, seconds: float, gpu: str, calls_per_timing: int = 20) -> dict:
     """`fn` back to back for `seconds`, timed by events in groups of `calls_per_timing`: the first groups' rates
     (the burst), the median rate of the second half (held), and the clock and draw sampled over that half."""
-    idle_clock, idle_draw, _ = query(gpu, SAMPLE_FIELDS)
+    idle_clock, idle_draw, _ = nvidia_smi_query(gpu, SAMPLE_FIELDS)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     rates: list[tuple[float, float]] = []
-    with Sampler(gpu) as sampler:
+    with GpuSampler(gpu) as sampler:
         start = time.perf_counter()
         while time.perf_counter() - start < seconds:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -103,14 +55,12 @@ def held(name: str, fn, work: float, seconds: float, gpu: str, calls_per_timing:
                            f"half of {seconds} s ({sampler.errors} readings failed): hold longer")
     row = {"name": name, "before": {"sm_mhz": float(idle_clock), "draw_w": float(idle_draw)},
            "burst_rates": [r for _, r in rates[:3]], "held_rate": statistics.median(late_rates),
-           "held_sm_mhz": [min(s[1] for s in late), statistics.median(s[1] for s in late), max(s[1] for s in late)],
-           "held_draw_w": [min(s[2] for s in late), statistics.median(s[2] for s in late), max(s[2] for s in late)],
+           "held_sm_mhz": spread([s[1] for s in late]), "held_draw_w": spread([s[2] for s in late]),
            "held_reasons": sorted({s[3] for s in late}), "failed_readings": sampler.errors}
     row["held_over_burst"] = row["held_rate"] / max(row["burst_rates"])
     logger.info("%s (from %s MHz, %s W): burst %s, held %.4g (%.3f of the burst), SM %s MHz, draw %s W, reasons %s",
                 name, idle_clock, idle_draw, ", ".join(f"{r:.4g}" for r in row["burst_rates"]), row["held_rate"],
-                row["held_over_burst"],
-                row["held_sm_mhz"], row["held_draw_w"], row["held_reasons"])
+                row["held_over_burst"], row["held_sm_mhz"], row["held_draw_w"], row["held_reasons"])
     return row
 
 
@@ -122,8 +72,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dev = torch.device("cuda")
-    gpu = smi_id(dev)
-    limits = dict(zip(LIMIT_FIELDS, query(gpu, LIMIT_FIELDS), strict=True))
+    gpu = nvidia_smi_id(dev)
+    limits = dict(zip(LIMIT_FIELDS, nvidia_smi_query(gpu, LIMIT_FIELDS), strict=True))
     logger.info("%s (%s): limits %s", torch.cuda.get_device_name(dev), gpu, limits)
     n = 8192
     a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(2))  # as init_dummy_weights
