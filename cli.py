@@ -9,10 +9,10 @@ import sys
 # Each subcommand lives in its own module, imported only when used, so that `splitserve
 # operator` never imports torch and `splitserve serve` never imports kopf.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("splitserve.engine.entrypoint", "run an engine: --role unified|prefill|decode|encode|drafter"),
-    "router": ("splitserve.engine.router", "OpenAI-compatible router in front of prefill/decode engines"),
-    "up": ("splitserve.engine.launcher", "a whole local deployment as processes on this machine"),
-    "bench": ("splitserve.engine.bench", "drive a server (or the bare engine) and print figures"),
+    "serve": ("splitserve.api.serve", "run an engine: --role unified|prefill|decode|encode|drafter"),
+    "router": ("splitserve.router", "OpenAI-compatible router in front of prefill/decode engines"),
+    "up": ("splitserve.launcher.up", "a whole local deployment as processes on this machine"),
+    "bench": ("splitserve.bench.command", "drive a server (or the bare engine) and print figures"),
     "operator": ("splitserve.operator.main", "the Kubernetes operator (kopf)"),
 }
 

@@ -35,7 +35,7 @@ from splitserve.engine.layers.decode_splits import num_splits_for
 from splitserve.engine.layers.extend_plan import PrefixChunk, block_tokens, extend_plan_from, extend_plan_values
 from splitserve.engine.layers.prefix_chunk_attention import prefix_chunk_attention
 from splitserve.engine.layers.rotary import RotaryEmbedding
-from splitserve.engine.model_runner import kv_locations
+from splitserve.engine.runner.model_runner import kv_locations
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 TABLE_WIDTH = 1024  # pages per slot, as the engine's table at a 16k context (Triton specializes on it)

@@ -33,16 +33,16 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine import cuda_graph_runner
-from splitserve.engine.bench_engine import device_limits, profiled_device_events, sm_clock_mhz
+from splitserve.bench.engine_steps import device_limits, profiled_device_events, sm_clock_mhz
+from splitserve.engine.checkpoints.model_config import ModelConfig
+from splitserve.engine.checkpoints.model_shapes import SHAPES, write_shape_folder
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.cuda_graph_timing import graph_time_us
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.layers import pdl
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.model_shapes import SHAPES, write_shape_folder
 from splitserve.engine.request import Request
+from splitserve.engine.runner import decode_graphs as cuda_graph_runner
+from splitserve.engine.runner.graph_timing import graph_time_us
+from splitserve.engine.runner.model_runner import ModelRunner
 from splitserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("decode_step_profile")

@@ -8,7 +8,7 @@ that prompt length (the runner's eager forward of the step the loop runs: as man
 the chunk, packed; measured here), and output tok/s over the bound: all
 prompts at the runner's best prefill rate plus ceil(N*O / batch) - 1 decode steps at the HBM
 roofline. Beside that bound, clearly apart, the same with decode steps at the roofline that counts
-compute (engine/step_roofline.py: at 256 rows the projections are compute-bound). Also the first
+compute (bench/step_roofline.py: at 256 rows the projections are compute-bound). Also the first
 request after the engine is built (what a client sees after /health) against the same request warm.
 `--compare-triton-extend`: every load on one engine with long chunks after a prefix through the paged
 extend kernel (the runner's cudnn_chunk None), then through cuDNN, then the loads that have such
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.bench import random_prompts, run_engine_batch
-from splitserve.engine.bench_engine import EngineUnderTest, device_limits, loop_bench_config
+from splitserve.bench.command import random_prompts, run_engine_batch
+from splitserve.bench.engine_steps import EngineUnderTest, device_limits, loop_bench_config
+from splitserve.bench.step_roofline import decode_step_rooflines
+from splitserve.engine.checkpoints.model_shapes import SHAPES, write_shape_folder
 from splitserve.engine.engine import Engine
-from splitserve.engine.model_shapes import SHAPES, write_shape_folder
-from splitserve.engine.step_roofline import decode_step_rooflines
 
 logger = logging.getLogger("engine_loads")
 

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
+from splitserve.bench.step_roofline import projection_shapes
+from splitserve.engine.checkpoints.model_shapes import SHAPES
 from splitserve.engine.layers import cublaslt, gemm_algos
-from splitserve.engine.model_shapes import SHAPES
-from splitserve.engine.step_roofline import projection_shapes
 
 logger = logging.getLogger("gemm_sustained")
 TARGET_REPLAY_US = 8000.0

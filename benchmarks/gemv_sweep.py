@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from splitserve.engine.cuda_graph_timing import graph_time_us
 from splitserve.engine.layers.skinny_gemm_triton import skinny_gemm
+from splitserve.engine.runner.graph_timing import graph_time_us
 
 logger = logging.getLogger("gemv_sweep")
 

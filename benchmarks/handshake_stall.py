@@ -2,7 +2,7 @@
 frozen decode peer hangs: one shared Mooncake engine vs one writer engine per peer, same run.
 
 Mooncake 0.3.13 runs a first handshake under its engine's mutex (every write of the engine takes
-it too) and its socket read gives up after 60 s; transfer/peer_engines.py gives each peer its own
+it too) and its socket read gives up after 60 s; transfer/mooncake/peer_engines.py gives each peer its own
 engine. Real processes on loopback: the prefill and the healthy decode in this process, the
 fresh peer in a subprocess (it sends its metadata, is SIGSTOPped, then the prefill takes the
 metadata in and starts the handshake). Prints seconds per setting and their ratio.

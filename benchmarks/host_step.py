@@ -34,9 +34,9 @@ import threading
 import time
 from pathlib import Path
 
+from splitserve.engine.checkpoints.model_shapes import write_shape_folder
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.engine.model_shapes import write_shape_folder
 from splitserve.engine.offline import generate_tokens
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -152,11 +152,11 @@ def core_sink(engine: Engine):
     close, reader CPU seconds)."""
     import zmq
 
-    from splitserve.engine.core_protocol import InboxFigures, unpack
-    from splitserve.engine.engine_core import OutputSink
+    from splitserve.api.core_protocol import InboxFigures, unpack
+    from splitserve.api.engine_core import OutputSink
     try:
-        from splitserve.engine.detokenizer import TextElsewhere
-        from splitserve.engine.server_detokenizer import ServerDetokenizers, detokenized_by_server
+        from splitserve.api.detokenizer import TextElsewhere
+        from splitserve.api.server_detokenizer import ServerDetokenizers, detokenized_by_server
     except ImportError:  # code from before the API server made text: the core detokenizes every request
         TextElsewhere = ServerDetokenizers = None
 

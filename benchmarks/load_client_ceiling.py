@@ -5,7 +5,7 @@
 
 The source (its own process) holds `--streams` streamed completions open and, every tick, writes one
 SSE event of the server's shape to each of them, as an engine step does, so that every socket read
-carries about one event. The client (engine/bench_client.py, with each `--processes`) takes them;
+carries about one event. The client (bench/load_client.py, with each `--processes`) takes them;
 httpx's `aiter_lines` + `json.loads` on one event loop, the load generator before, is the peer on
 the same source. Printed per tick: events/s offered and taken, the busiest client process's CPU
 busy fraction, client CPU per event, ITL p50 (the tick, when the client keeps up) and the source's
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from splitserve.engine.bench import percentiles
-from splitserve.engine.bench_api_split import cpu_seconds
-from splitserve.engine.bench_client import StreamRequest, client_summary, run_requests
+from splitserve.bench.api_split import cpu_seconds
+from splitserve.bench.command import percentiles
+from splitserve.bench.load_client import StreamRequest, client_summary, run_requests
 
 logger = logging.getLogger("load_client_ceiling")
 

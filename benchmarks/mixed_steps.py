@@ -15,11 +15,11 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 from triton.testing import do_bench
 
-from splitserve.engine.bench_engine import EngineUnderTest
-from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.bench.engine_steps import EngineUnderTest
 from splitserve.engine.layers.attention import PagedAttention
 from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded
-from splitserve.engine.model_runner import build_forward_batch
+from splitserve.engine.runner.forward_batch import ForwardBatch
+from splitserve.engine.runner.model_runner import build_forward_batch
 from splitserve.engine.scheduler import ScheduledChunk
 
 logger = logging.getLogger("mixed_steps")

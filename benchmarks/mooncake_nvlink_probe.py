@@ -5,7 +5,7 @@
 Two processes on one GPU, each with a Llama-3-8B-shaped KV pool (32 layers x K/V, 16-token pages of 8 heads
 x 128, bf16: 32 KiB a page and buffer, 128 KiB a token) in one torch allocation that Mooncake registers at its
 base, as the engine registers its pool. The prefill writes KV rooms of 512 and 8,192 tokens into
-the decode's pool with ``batch_transfer_sync_write``, the call ``transfer/mooncake_engine.py`` makes: pages
+the decode's pool with ``batch_transfer_sync_write``, the call ``transfer/mooncake/engine.py`` makes: pages
 consecutive on the decode (64 segments, one per buffer) and scattered (one 32 KiB segment a page and buffer).
 Writes go in the engine's batches (``Segments.batches`` of ``transfer_max_batch_segments``, 1,024). The
 decode zeroes its pool before each pattern and then checks every written byte against the source, which it
@@ -44,9 +44,9 @@ import time
 
 import numpy as np
 
-from splitserve.transfer.bench_cuda_ipc import HEAD_DIM, HEADS, PAGE, device_copy_s
+from splitserve.bench.cuda_ipc import HEAD_DIM, HEADS, PAGE, device_copy_s
 from splitserve.transfer.config import TransferConfig
-from splitserve.transfer.transfer_plan import Segments
+from splitserve.transfer.kv.plan import Segments
 
 log = logging.getLogger("mooncake_nvlink_probe")
 

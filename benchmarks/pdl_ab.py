@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from decode_step_profile import build, phase_bounds, replay_times_us, sustain
 
-from splitserve.engine.bench_engine import device_limits
+from splitserve.bench.engine_steps import device_limits
+from splitserve.engine.checkpoints.model_shapes import SHAPES
 from splitserve.engine.layers import pdl
-from splitserve.engine.model_shapes import SHAPES
 
 logger = logging.getLogger("pdl_ab")
 

@@ -14,8 +14,8 @@ import logging
 import statistics
 from pathlib import Path
 
-from splitserve.engine.bench_engine import EngineUnderTest
-from splitserve.engine.gpu_sampler import GpuSampler, nvidia_smi_id
+from splitserve.bench.engine_steps import EngineUnderTest
+from splitserve.bench.gpu_sampler import GpuSampler, nvidia_smi_id
 
 logger = logging.getLogger("peer_inputs")
 

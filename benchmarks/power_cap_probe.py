@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from splitserve.engine.gpu_sampler import SAMPLE_FIELDS, GpuSampler, nvidia_smi_id, nvidia_smi_query, spread
+from splitserve.bench.gpu_sampler import SAMPLE_FIELDS, GpuSampler, nvidia_smi_id, nvidia_smi_query, spread
 
 logger = logging.getLogger("power_cap_probe")
 

@@ -8,8 +8,10 @@ median of timed forwards with a synchronize after each; kernels is the sum of th
 profiled forward (torch.profiler; CUPTI sees every launch). wall / kernels near 1: the GPU bounds the step; above
 it, the launches do (the GPU idles between kernels) and the rate measured is the host's, not the hardware's.
 The runner is warmed up first, as an engine's is: a lone prompt attends at its cuDNN bucket, and a lone prompt
-that a lone-prompt CUDA graph holds (engine/prompt_graphs.py, --prompt-graph-tokens) is timed through it too. Every
-step of up to --piecewise-graph-tokens tokens is also timed through the piecewise graphs (engine/piecewise_graphs.py,
+that a lone-prompt CUDA graph holds (engine/runner/prompt_graphs.py, --prompt-graph-tokens) is timed through it too.
+Every
+step of up to --piecewise-graph-tokens tokens is also timed through the piecewise graphs
+(engine/runner/piecewise_graphs.py,
 captured apart from the runner, so that its forward stays the eager one): "pw" columns.
 """
 
@@ -23,8 +25,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from splitserve.engine.bench_engine import EngineUnderTest, sync, timed
-from splitserve.engine.piecewise_graphs import PiecewiseGraphs
+from splitserve.bench.engine_steps import EngineUnderTest, sync, timed
+from splitserve.engine.runner.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger("prefill_host_share")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.bench_engine import (
+from splitserve.bench.engine_steps import (
     EngineUnderTest,
     device_limits,
     profiled_device_events,
@@ -31,7 +31,7 @@ from splitserve.engine.bench_engine import (
     sync,
     timed,
 )
-from splitserve.engine.model_shapes import SHAPES
+from splitserve.engine.checkpoints.model_shapes import SHAPES
 
 logger = logging.getLogger("prefill_step_profile")
 ATTENTION_MARKS = ("_paged_extend", "_paged_decode", "fmha", "flash", "cudnn", "attention")

@@ -29,14 +29,14 @@ from pathlib import Path
 
 import httpx
 
-from splitserve.engine.bench_client import client_line, default_client_processes
+from splitserve.bench.load_client import client_line, default_client_processes
 
 logger = logging.getLogger("profile_http")
 
 
 def start_server(folder: Path, root: Path, switch_ms: float, extra_path: str, max_running: int,
                  log: Path) -> tuple[subprocess.Popen, str]:
-    from splitserve.engine.launcher import free_port, wait_healthy
+    from splitserve.launcher.up import free_port, wait_healthy
 
     port = free_port()
     link = Path(tempfile.mkdtemp(prefix="splitserve-variant-"))
@@ -55,8 +55,8 @@ def start_server(folder: Path, root: Path, switch_ms: float, extra_path: str, ma
 
 
 def run_load(url: str, spec: str, seed: int, client_processes: int) -> dict:
-    from splitserve.engine.bench_serving import fixed_load
-    from splitserve.engine.bench_serving import run_load as serving_load
+    from splitserve.bench.serving import fixed_load
+    from splitserve.bench.serving import run_load as serving_load
 
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     return serving_load(url, model, fixed_load(spec), seed, client_processes)
@@ -95,7 +95,7 @@ def main() -> int:
                         help="client worker processes the load is spread over (default min(8, CPUs))")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    from splitserve.engine.model_shapes import write_shape_folder
+    from splitserve.engine.checkpoints.model_shapes import write_shape_folder
 
     args.out.mkdir(parents=True, exist_ok=True)
     folder = write_shape_folder(args.shape, Path(tempfile.mkdtemp(prefix="splitserve-profile-")))

@@ -4,7 +4,7 @@
 
 The H200's 256 x 512-token sets are bound by the prefill process's Python (``bench --profile transfer``:
 ~75-90 us of CPU a room, the copies 35). This runs the same pipeline on the CPU box: the bench's prefill and
-decode processes (``transfer/bench_cuda_ipc.py``) over Mooncake TCP with a small head (64 buffers of few
+decode processes (``bench/cuda_ipc.py``) over Mooncake TCP with a small head (64 buffers of few
 bytes), the writes merged, pipelined and sent as page runs as cuda_ipc's are, with the copy left out:
 ``launch_pages`` plans the kernel's table (``plan_runs``) and returns at once, so nothing lands in the decode's
 pool (its checksums are not compared) and what is timed is the host's work around the copies.
@@ -34,8 +34,8 @@ import time
 import numpy as np
 
 from splitserve.transfer import KVSender, bench_cuda_ipc, segment_copy
+from splitserve.transfer.cuda_ipc.segment_copy import plan_runs
 from splitserve.transfer.poll_state import KVPoll
-from splitserve.transfer.segment_copy import plan_runs
 
 PAGE = bench_cuda_ipc.PAGE
 BASES = np.arange(64, dtype=np.int64) << 20  # stand-in buffer bases for the kernel's table

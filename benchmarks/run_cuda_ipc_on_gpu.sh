@@ -41,7 +41,7 @@ for jobs in ${PIPELINE_JOBS:-}; do
     PYTHONPATH="/tmp/cipc-after:/tmp/cipc-site" timeout "${CIPC_BENCH_S:-75}" python3 -P -c "import sys
 import splitserve.transfer.peer_workers as workers
 workers.PIPELINE_JOBS = int(sys.argv[1])
-from splitserve.transfer.bench_cuda_ipc import main
+from splitserve.bench.cuda_ipc import main
 sys.exit(main(sys.argv[2:]))" "$jobs" --transfer-protocol cuda_ipc --kv-tokens '' --concurrent 512x256 --lanes 1 \
         --repeats 6 --no-kernel-sweep --json "$out/rooms_jobs$jobs.json" > "$out/rooms_jobs$jobs.txt" 2>&1
     echo "rooms PIPELINE_JOBS=$jobs rc=$?" >> "$out/rooms_jobs$jobs.txt"

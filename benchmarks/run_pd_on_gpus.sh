@@ -39,7 +39,7 @@ for _ in range(10): b.copy_(a)
 torch.cuda.synchronize(); print(f"gpu0->gpu1 copy: {10 * (1 << 30) / (time.perf_counter() - t) / 1e9:.1f} GB/s")
 PY
 folder=/tmp/llama-3.1-8b-shape
-python3 -P -c "from pathlib import Path; from splitserve.engine.model_shapes import write_shape_folder; write_shape_folder('llama-3.1-8b', Path('$folder'))"
+python3 -P -c "from pathlib import Path; from splitserve.engine.checkpoints.model_shapes import write_shape_folder; write_shape_folder('llama-3.1-8b', Path('$folder'))"
 # Each phase has its own deadline and writes its whole log under $out: a call cut short by the
 # device's time limit still brings back how far it got (an earlier run lost everything to `| tail`).
 timeout 420 python3 -P -m splitserve bench --profile pd --model "$folder" --device cuda --unified-replicas 2 \

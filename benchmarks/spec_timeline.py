@@ -2,7 +2,7 @@
 
   python3 -P benchmarks/spec_timeline.py --shape llama-3.1-8b --ks 2 4 --output-len 128 --json OUT.json
 
-The target and the exact drafter of `bench --profile spec` (engine/bench_spec.py). First the drafter
+The target and the exact drafter of `bench --profile spec` (bench/spec.py). First the drafter
 model alone in this process, at batch 1: without the overlap scheduler (the host's time between its
 steps shows) and with the drafter's engine settings (overlap on: its steps back to back on the device).
 Then the verifier in this process and a `serve --role drafter` process (this script again, with the
@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from splitserve.engine import bench_spec
+from splitserve.bench import spec as bench_spec
+from splitserve.engine.checkpoints.tiny_model import TINY_CONFIG
 from splitserve.engine.engine import Engine
-from splitserve.engine.tiny_model import TINY_CONFIG
 
 logger = logging.getLogger("spec_timeline")
 
@@ -54,9 +54,9 @@ class StepTrace:
 
     def install(self) -> None:
         """Wraps Engine's launch/complete, the roles' poll and the drafter's message handling."""
-        from splitserve.engine.model_runner import PendingStep
         from splitserve.engine.roles.drafter import DrafterRole
         from splitserve.engine.roles.verifier import VerifierRole
+        from splitserve.engine.runner.model_runner import PendingStep
 
         trace = self
         launch, complete, result = Engine._launch, Engine._complete, PendingStep.result

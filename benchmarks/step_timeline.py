@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.bench import random_prompts, run_engine_batch
-from splitserve.engine.bench_engine import EngineUnderTest, loop_bench_config, timed
+from splitserve.bench.command import random_prompts, run_engine_batch
+from splitserve.bench.engine_steps import EngineUnderTest, loop_bench_config, timed
+from splitserve.engine.checkpoints.model_shapes import write_shape_folder
 from splitserve.engine.engine import Engine
-from splitserve.engine.model_runner import build_forward_batch
-from splitserve.engine.model_shapes import write_shape_folder
 from splitserve.engine.request import Request
+from splitserve.engine.runner.model_runner import build_forward_batch
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledChunk
 

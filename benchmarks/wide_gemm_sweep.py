@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.cuda_graph_timing import graph_time_us
 from splitserve.engine.layers.wide_gemm_triton import WideLaunch, launch_fits, wide_gemm
+from splitserve.engine.runner.graph_timing import graph_time_us
 
 logger = logging.getLogger("wide_gemm_sweep")
 

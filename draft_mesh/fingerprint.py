@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from splitserve.engine.tokenizer import TextTokenizer
+from splitserve.engine.checkpoints.tokenizer import TextTokenizer
 
 
 def tokenizer_fingerprint(tokenizer: TextTokenizer) -> str:

@@ -75,7 +75,7 @@ class EngineConfig:
         "help": "mixed and other extend steps (prompt chunks, packed prompts, chunks after a cached prefix, decode "
                 "rows beside them) of up to this many tokens run their row-wise layers through piecewise CUDA "
                 "graphs, padded to a bucket, with attention run eagerly between the pieces "
-                "(engine/piecewise_graphs.py); 0: eagerly; -1 (default): 512 on a GPU, eagerly on the CPU"})
+                "(engine/runner/piecewise_graphs.py); 0: eagerly; -1 (default): 512 on a GPU, eagerly on the CPU"})
     pdl: str = field(default="auto", metadata={
         "help": "programmatic dependent launch of the engine's Triton norm, activation, RoPE, paged attention "
                 "(decode and extend), skinny projection and argmax kernels, wherever they run: each may start up "
@@ -90,7 +90,7 @@ class EngineConfig:
         "help": "how the model writes tool calls: hermes (<tool_call> JSON), llama3 (JSON), or auto (from the chat "
                 "template)", "choices": ("auto", "hermes", "llama3")})
     engine_process: bool | None = field(default=None, metadata={
-        "help": "run the engine core in a process of its own (engine/engine_core.py), apart from the HTTP "
+        "help": "run the engine core in a process of its own (api/engine_core.py), apart from the HTTP "
                 "server's (tokenizer, chat templates, SSE), talking over ZeroMQ IPC: no GIL shared between them; "
                 "default: on with a CUDA device, off on the CPU (see runs_engine_process)"})
     log_level: str = field(default="info", metadata={"help": "logging level"})

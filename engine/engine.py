@@ -17,21 +17,27 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.api.detokenizer import IncrementalDetokenizer, add_one_token_each
+from splitserve.engine.checkpoints.model_config import ModelConfig
+from splitserve.engine.checkpoints.model_names import resolve_model_path
+from splitserve.engine.checkpoints.tokenizer import TextTokenizer
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.detokenizer import IncrementalDetokenizer, add_one_token_each
 from splitserve.engine.grammar.compiler import GrammarCompiler
 from splitserve.engine.grammar.slots import GrammarSlots
 from splitserve.engine.kv_cache import KVCache, KVUsage
 from splitserve.engine.metrics import EngineMetrics, observe_times
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_names import resolve_model_path
-from splitserve.engine.model_runner import ROW_INVARIANT_ROWS, ModelRunner, PendingStep, StepOutput, VerifiedChunk
-from splitserve.engine.parallel_state import SINGLE, TensorParallel, check_tp_size
 from splitserve.engine.request import FinishReason, Request, RequestStatus, TokenOutput
 from splitserve.engine.role import ComposedRole, Role, UnifiedRole
+from splitserve.engine.runner.model_runner import (
+    ROW_INVARIANT_ROWS,
+    ModelRunner,
+    PendingStep,
+    StepOutput,
+    VerifiedChunk,
+)
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from splitserve.engine.tokenizer import TextTokenizer
-from splitserve.engine.tp_supervisor import TensorParallelSupervisor
+from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel, check_tp_size
+from splitserve.engine.tp.supervisor import TensorParallelSupervisor
 
 logger = logging.getLogger(__name__)
 

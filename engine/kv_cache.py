@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.host_to_device import to_device
 from splitserve.engine.page_allocator import OutOfPagesError, PageAllocator
 from splitserve.engine.prefix_cache import PrefixCache, PrefixMatch, TreeNode
 from splitserve.engine.request import Request
+from splitserve.engine.runner.host_to_device import to_device
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.engine.image_items import ImageItem, cache_ids
+from splitserve.engine.multimodal.image_items import ImageItem, cache_ids
 from splitserve.engine.prefix_cache import TreeNode
 from splitserve.engine.sampling_params import SamplingParams
 

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from splitserve.engine.gguf_tokenizer import byte_level_alphabet
-from splitserve.engine.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, write_checkpoint
+from splitserve.engine.checkpoints.gguf_tokenizer import byte_level_alphabet
+from splitserve.engine.checkpoints.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, write_checkpoint
 
 LLAMA_GQA_LLAMA3_ROPE: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -113,10 +113,10 @@ def write_gguf(path: Path, config: dict[str, Any], weights: dict[str, torch.Tens
 def cpu_runner(folder: Path, max_running: int = 4) -> tuple[Any, Any]:
     """A float32 CPU ModelRunner of a checkpoint folder (pages of 4 tokens, 512 KV tokens, `max_running`
     requests) and a KVCache over its pool, as the model-level tests drive them."""
+    from splitserve.engine.checkpoints.model_config import ModelConfig
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.kv_cache import KVCache
-    from splitserve.engine.model_config import ModelConfig
-    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.runner.model_runner import ModelRunner
 
     cfg = EngineConfig(model=str(folder), device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
                        max_running_requests=max_running)

@@ -8,7 +8,7 @@ import functools
 import random
 from typing import Any
 
-from splitserve.engine.model_names import smollm2_file
+from splitserve.engine.checkpoints.model_names import smollm2_file
 
 QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?",
              "Write a haiku about the sea."]

@@ -7,8 +7,9 @@ Public API (see README.md in this folder for the protocol and how an engine wire
 - ``KVLayout``, ``layout_for_pool``, ``kv_buffers_from_pool``, ``kv_buffers_from_views``,
   ``aux_buffer_from_tensor``, ``head_range``: what a rank registers.
 - ``AuxData``, ``make_aux_tensor``, ``pack_aux``, ``AuxWriter``, ``unpack_aux``, ``AuxReader``: the aux slot.
-- ``KVManager`` (Mooncake), ``KVSender``, ``KVReceiver``: per engine / per room;
-  ``new_kv_manager`` picks the backend by ``transfer_protocol`` (``CudaIpcKVManager`` for ``cuda_ipc``).
+- ``KVManager`` (one per engine rank, over Mooncake; the CUDA IPC manager subclasses it), ``KVSender``,
+  ``KVReceiver``: per engine / per room; ``new_kv_manager`` picks the backend by ``transfer_protocol``
+  (``CudaIpcKVManager`` for ``cuda_ipc``).
 - ``BootstrapServer``: the prefill replica's layout registry over HTTP.
 - ``agree_poll_states``, ``poll_and_agree``: MIN across TP ranks.
 - errors: ``KVTransferError`` and its subclasses, ``TransferError``.
@@ -21,10 +22,10 @@ from typing import Any
 # with bootstrap_grant) does not import torch and Mooncake with the rest.
 _MODULE_OF = {
     "agree_poll_states": "agreement", "poll_and_agree": "agreement",
-    "AUX_BYTES": "aux_data", "AuxData": "aux_data", "AuxReader": "aux_data", "AuxWriter": "aux_data",
-    "make_aux_tensor": "aux_data",
-    "pack_aux": "aux_data",
-    "unpack_aux": "aux_data",
+    "AUX_BYTES": "kv.aux_data", "AuxData": "kv.aux_data", "AuxReader": "kv.aux_data", "AuxWriter": "kv.aux_data",
+    "make_aux_tensor": "kv.aux_data",
+    "pack_aux": "kv.aux_data",
+    "unpack_aux": "kv.aux_data",
     "DEFAULT_BOOTSTRAP_PORT": "bootstrap_server", "BootstrapServer": "bootstrap_server",
     "TransferConfig": "config",
     **{name: "errors" for name in (
@@ -33,22 +34,20 @@ _MODULE_OF = {
         "KVWorkerError", "KVWriteError",
         "LayoutMismatchError", "RdmaUnavailableError", "RoomInUseError", "TransferEngineUnavailableError",
         "TransferError", "TransferUsageError")},
-    "BaseKVManager": "kv_contract", "BaseKVReceiver": "kv_contract", "BaseKVSender": "kv_contract",
-    **{name: "kv_layout" for name in (
+    "BaseKVManager": "contract", "BaseKVReceiver": "contract", "BaseKVSender": "contract",
+    **{name: "kv.layout" for name in (
         "AuxBuffer", "KVBuffer", "KVLayout", "aux_buffer_from_tensor", "head_range", "kv_buffers_from_pool",
         "kv_buffers_from_views", "layout_for_pool")},
-    "CudaIpcKVManager": "cuda_ipc_manager", "aux_device": "kv_backend", "new_kv_manager": "kv_backend",
-    "MooncakeKVManager": "kv_manager", "MooncakeKVReceiver": "kv_receiver", "MooncakeKVSender": "kv_sender",
+    "CudaIpcKVManager": "cuda_ipc.manager", "aux_device": "kv.backend", "new_kv_manager": "kv.backend",
+    "KVManager": "kv.manager", "KVReceiver": "kv.receiver", "KVSender": "kv.sender",
     "KVPoll": "poll_state",
 }
-_ALIASES = {"KVManager": "MooncakeKVManager", "KVSender": "MooncakeKVSender", "KVReceiver": "MooncakeKVReceiver"}
 
 
 def __getattr__(name: str) -> Any:
-    target = _ALIASES.get(name, name)
-    if target not in _MODULE_OF:
+    if name not in _MODULE_OF:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_MODULE_OF[target]}", __name__), target)
+    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
     globals()[name] = value
     return value
 
@@ -84,9 +83,6 @@ __all__ = [
     "KVWorkerError",
     "KVWriteError",
     "LayoutMismatchError",
-    "MooncakeKVManager",
-    "MooncakeKVReceiver",
-    "MooncakeKVSender",
     "RdmaUnavailableError",
     "RoomInUseError",
     "TransferConfig",

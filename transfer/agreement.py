@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .poll_state import KVPoll
+from splitserve.transfer.poll_state import KVPoll
 
 
 class Pollable(Protocol):

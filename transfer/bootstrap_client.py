@@ -7,9 +7,9 @@ import time
 
 import httpx
 
-from .bootstrap_grant import KEY_HEADER
-from .errors import BootstrapError
-from .kv_layout import KVLayout
+from splitserve.transfer.bootstrap_grant import KEY_HEADER
+from splitserve.transfer.errors import BootstrapError
+from splitserve.transfer.kv.layout import KVLayout
 
 log = logging.getLogger(__name__)
 

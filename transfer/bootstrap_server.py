@@ -27,9 +27,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .bootstrap_grant import KEY_HEADER
-from .errors import BootstrapError, LayoutMismatchError
-from .kv_layout import KVLayout
+from splitserve.transfer.bootstrap_grant import KEY_HEADER
+from splitserve.transfer.errors import BootstrapError, LayoutMismatchError
+from splitserve.transfer.kv.layout import KVLayout
 
 log = logging.getLogger(__name__)
 

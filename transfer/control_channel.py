@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import zmq
 
-from .control_messages import ControlMessage, decode_message, encode_message
-from .errors import ControlMessageError
+from splitserve.transfer.control_messages import ControlMessage, decode_message, encode_message
+from splitserve.transfer.errors import ControlMessageError
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .errors import ControlMessageError
+from splitserve.transfer.errors import ControlMessageError
 
 WIRE_VERSION = b"ss1"
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .transfer_plan import PageCopy, PageRuns, Segments, concat, plan_page_copies, plan_page_runs
+from splitserve.transfer.kv.plan import PageCopy, PageRuns, Segments, concat, plan_page_copies, plan_page_runs
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .errors import KVTimeoutError, KVTransferError
-from .poll_state import KVPoll
+from splitserve.transfer.errors import KVTimeoutError, KVTransferError
+from splitserve.transfer.poll_state import KVPoll
 
 
 class RoomStatus:

@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.layers.prompt_attention import lone_prompt_attention
 from splitserve.engine.layers.rotary import RotaryEmbedding
+from splitserve.engine.runner.forward_batch import ForwardBatch
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,

@@ -8,7 +8,7 @@ from torch import nn
 
 from splitserve.engine.layers import gemm_algos, skinny
 from splitserve.engine.layers.linear import WeightShapeError
-from splitserve.engine.parallel_state import SINGLE, TensorParallel
+from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.layers import gemm_algos, skinny
-from splitserve.engine.parallel_state import SINGLE, TensorParallel
+from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
 
 
 class WeightShapeError(ValueError):

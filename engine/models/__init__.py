@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.parallel_state import SINGLE, TensorParallel
+from splitserve.engine.checkpoints.model_config import ModelConfig
+from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
 
 
 def build_model(cfg: ModelConfig, tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32,

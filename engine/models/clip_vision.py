@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.engine.vision_config import VisionConfig
+from splitserve.engine.multimodal.vision_config import VisionConfig
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.checkpoints.model_config import ModelConfig
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.layers.activation import silu_and_mul
 from splitserve.engine.layers.attention import PagedAttention, causal_padded_mask
@@ -13,8 +13,8 @@ from splitserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbe
 from splitserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from splitserve.engine.layers.rmsnorm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.parallel_state import SINGLE, TensorParallel
+from splitserve.engine.runner.forward_batch import ForwardBatch
+from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
 
 
 def attention_mask(batch: ForwardBatch) -> torch.Tensor | None:
@@ -48,7 +48,7 @@ class LlamaAttention(nn.Module):
                   out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H*D] from the fused projection `qkv` [T, (H + 2 Hkv) D]: qk-norm and RoPE, the KV store and
         attention over the paged cache, all of the layer between its two projections (the part that a
-        piecewise graph leaves to run eagerly: engine/piecewise_graphs.py). `out`: [T, H*D] to write
+        piecewise graph leaves to run eagerly: engine/runner/piecewise_graphs.py). `out`: [T, H*D] to write
         (an extend step's; a decode step's attention is always a new tensor)."""
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         k_cache, v_cache = kv.k_cache(self.layer_index), kv.v_cache(self.layer_index)

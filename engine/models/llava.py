@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.checkpoints.model_config import ModelConfig
+from splitserve.engine.checkpoints.weight_loader import ParamTarget
 from splitserve.engine.kv_pool import KVPool
-from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.models.clip_vision import ClipVisionTower, activation
 from splitserve.engine.models.llama import LlamaForCausalLM
-from splitserve.engine.parallel_state import SINGLE, TensorParallel
-from splitserve.engine.weight_loader import ParamTarget
+from splitserve.engine.runner.forward_batch import ForwardBatch
+from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
 
 # Checkpoint layouts -> the names this model targets. The hub's llava-hf folders nest the tower in
 # `vision_model` and the text model in `language_model.model`; transformers 4.5x's save_pretrained

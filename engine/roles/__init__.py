@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 from splitserve.draft_mesh import SpecConfig
+from splitserve.engine.checkpoints.model_config import ModelConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.epd_config import EPDConfig
-from splitserve.engine.image_inputs import ImageInputConfig
-from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.multimodal.image_inputs import ImageInputConfig
 from splitserve.engine.role import ComposedRole, Role
 from splitserve.transfer import TransferConfig
 
@@ -20,7 +20,7 @@ def build_role(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfig | N
 
 
 def takes_images(cfg: EngineConfig) -> bool:
-    from splitserve.engine.model_names import resolve_model_path
+    from splitserve.engine.checkpoints.model_names import resolve_model_path
     return ModelConfig.from_checkpoint(resolve_model_path(cfg.model, cfg.seed)).takes_images
 
 

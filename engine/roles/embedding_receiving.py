@@ -13,12 +13,12 @@ from typing import Any
 
 from splitserve.engine.engine import Engine
 from splitserve.engine.epd_config import EPDConfig
-from splitserve.engine.image_items import EMBEDDING_TIMEOUT
+from splitserve.engine.multimodal.image_items import EMBEDDING_TIMEOUT
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.role import Role
 from splitserve.transfer import TransferConfig
-from splitserve.transfer.embedding_receiver import EmbeddingReceiver, WantedItem
-from splitserve.transfer.embedding_slots import EmbeddingSlots
+from splitserve.transfer.embedding.receiver import EmbeddingReceiver, WantedItem
+from splitserve.transfer.embedding.slots import EmbeddingSlots
 
 logger = logging.getLogger(__name__)
 

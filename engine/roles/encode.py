@@ -1,6 +1,6 @@
 """The encode role: the vision tower + projector and an embedding sender, nothing else.
 
-The router posts each image item with its room to `/v1/encode` (engine/encode_endpoint.py: the
+The router posts each image item with its room to `/v1/encode` (api/encode_endpoint.py: the
 image is decoded and preprocessed there, a bad one is a 400 before any engine work); `accept`
 opens the call's rooms on the sender (`begin_all`: all, or none and a 409) and queues the items;
 `close_call` closes them again when the call fails before its answer reached the router (its
@@ -22,16 +22,16 @@ from typing import Any
 
 from starlette.routing import Route
 
-from splitserve.engine.encode_endpoint import EncodeCall, EncodeJob, encode_route, room_taken
+from splitserve.api.encode_endpoint import EncodeCall, EncodeJob, encode_route, room_taken
 from splitserve.engine.engine import Engine
 from splitserve.engine.epd_config import EPDConfig
-from splitserve.engine.image_inputs import ImageInputConfig
-from splitserve.engine.image_processor import ClipImageProcessor
+from splitserve.engine.multimodal.image_inputs import ImageInputConfig
+from splitserve.engine.multimodal.image_processor import ClipImageProcessor
 from splitserve.engine.role import Role
 from splitserve.engine.roles.embedding_cache import EmbeddingCache
 from splitserve.transfer import TransferConfig
-from splitserve.transfer.embedding_sender import EmbeddingChunk, EmbeddingSender
-from splitserve.transfer.embedding_slots import EmbeddingSlots
+from splitserve.transfer.embedding.sender import EmbeddingChunk, EmbeddingSender
+from splitserve.transfer.embedding.slots import EmbeddingSlots
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class EncodeRole(Role):
                              lambda call: self.close_call(call.key, call.rooms))]
 
     def core_calls(self) -> dict[str, Any]:
-        from splitserve.engine.core_protocol import encode_call_from_wire
+        from splitserve.api.core_protocol import encode_call_from_wire
 
         def encode(arg: list[Any]) -> list[Any]:
             answer = list(self.accept(encode_call_from_wire(arg)))

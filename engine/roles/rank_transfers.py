@@ -12,10 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.parallel_state import TensorParallel
 from splitserve.engine.roles.kv_transfer_endpoint import aux_slot_count
 from splitserve.engine.roles.replicated_transfers import REPLAYED_METHODS
+from splitserve.engine.runner.model_runner import ModelRunner
+from splitserve.engine.tp.parallel_state import TensorParallel
 from splitserve.transfer import (
     AuxWriter,
     KVPoll,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from splitserve.engine.step_broadcast import StepBroadcaster
+from splitserve.engine.tp.step_broadcast import StepBroadcaster
 from splitserve.transfer import KVPoll, agree_poll_states
 
 # What a worker may be asked to repeat, by method name.

@@ -7,7 +7,7 @@ request's newly committed tokens after every step (`VerifyCommit`) and a `DraftC
 ends. Drafted tokens stream back into a tail buffer per request (draft_mesh/tail_buffer.py);
 before each step the buffer is checked against the committed tokens and up to K of its tokens
 are offered to the scheduler as `Request.draft_tokens`, which verifies them in the step's one
-forward (engine/scheduler.py, engine/model_runner.py).
+forward (engine/scheduler.py, engine/runner/model_runner.py).
 
 It waits for drafts at most `--draft-wait-ms` (default: not at all): a request with no tail then
 decodes one token as usual. How many drafts a request is offered follows how many it had accepted
@@ -50,10 +50,10 @@ from splitserve.draft_mesh.fingerprint import model_fingerprint, tokenizer_finge
 from splitserve.draft_mesh.speculation_gate import PLAIN, SPECULATE, SpeculationGate
 from splitserve.draft_mesh.tail_buffer import TailBuffer
 from splitserve.draft_mesh.wire import WireError, decode_tails, encode_frames
-from splitserve.engine.cuda_graph_runner import DEFAULT_BUCKETS
 from splitserve.engine.engine import Engine
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.role import Role
+from splitserve.engine.runner.decode_graphs import DEFAULT_BUCKETS
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.proto import draft_mesh_pb2 as pb
 from splitserve.transfer import TransferConfig

@@ -10,11 +10,11 @@ import torch
 from engine_checkpoints import write
 from safetensors.torch import load_file, save_file
 
+from splitserve.engine.checkpoints.model_config import ModelConfig, UnsupportedModelError
+from splitserve.engine.checkpoints.weight_loader import CheckpointError
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.layers.linear import WeightShapeError
-from splitserve.engine.model_config import ModelConfig, UnsupportedModelError
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.weight_loader import CheckpointError
+from splitserve.engine.runner.model_runner import ModelRunner
 
 
 def runner_for(folder: Path) -> ModelRunner:

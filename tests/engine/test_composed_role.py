@@ -90,7 +90,7 @@ def test_a_role_needs_a_behaviour() -> None:
 def test_a_composed_role_serves_structured_outputs_if_any_behaviour_does_and_encode_or_drafter_does_not() -> None:
     from splitserve.draft_mesh import SpecConfig
     from splitserve.engine.epd_config import EPDConfig
-    from splitserve.engine.image_inputs import ImageInputConfig
+    from splitserve.engine.multimodal.image_inputs import ImageInputConfig
     from splitserve.engine.roles.drafter import DrafterRole
     from splitserve.engine.roles.encode import EncodeRole
     from splitserve.transfer import TransferConfig

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_group import ServerGroup, png_url
 from servers import TEST_CONTROL_KEY, engine_state
 
-from splitserve.engine.tiny_llava import write_llava_checkpoint
+from splitserve.engine.checkpoints.tiny_llava import write_llava_checkpoint
 from splitserve.transfer.bootstrap_grant import KEY_HEADER
 
 pytestmark = pytest.mark.slow

@@ -32,10 +32,10 @@ from servers import (
     free_port,
 )
 
-from splitserve.engine.image_items import image_digest
-from splitserve.engine.router.backend_pool import Backend
-from splitserve.engine.router.image_encoding import encoder_ring
-from splitserve.engine.tiny_llava import write_llava_checkpoint
+from splitserve.engine.checkpoints.tiny_llava import write_llava_checkpoint
+from splitserve.engine.multimodal.image_items import image_digest
+from splitserve.router.backend_pool import Backend
+from splitserve.router.image_encoding import encoder_ring
 from splitserve.transfer.bootstrap_grant import KEY_HEADER
 
 pytestmark = pytest.mark.slow

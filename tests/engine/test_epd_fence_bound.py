@@ -30,7 +30,7 @@ from servers import (
     free_port,
 )
 
-from splitserve.engine.tiny_llava import write_llava_checkpoint
+from splitserve.engine.checkpoints.tiny_llava import write_llava_checkpoint
 from splitserve.transfer.bootstrap_grant import KEY_HEADER
 
 pytestmark = pytest.mark.slow

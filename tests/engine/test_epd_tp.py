@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 from servers import TEST_CONTROL_KEY, LocalDeployment, assert_kv_back_to_start, engine_state, wait_http_ok
 
-from splitserve.engine.tiny_llava import write_llava_checkpoint
+from splitserve.engine.checkpoints.tiny_llava import write_llava_checkpoint
 
 pytestmark = pytest.mark.slow
 

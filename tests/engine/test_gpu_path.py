@@ -104,7 +104,7 @@ def test_fused_rope_and_kv_store_match_torch() -> None:
 
 @pytest.mark.parametrize("rows", [1, 7, 256, 300])
 def test_fused_decode_inputs_match_the_torch_index_arithmetic(rows: int) -> None:
-    from splitserve.engine.forward_batch import decode_batch
+    from splitserve.engine.runner.forward_batch import decode_batch
 
     gen = torch.Generator().manual_seed(rows)
     slots = torch.randint(0, 9, (rows,), generator=gen)
@@ -353,9 +353,9 @@ def test_paged_extend_and_decode_rows_match_float64(heads: int, kv_heads: int, h
                                                     dtype: torch.dtype) -> None:
     # Decode rows first (the paged decode kernel), then chunks: no prefix, over a prefix, one token,
     # one longer than a program's block; every row written, each close to float64.
-    from splitserve.engine.forward_batch import ForwardBatch
     from splitserve.engine.layers.attention import PagedAttention
     from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, wide_tiles
+    from splitserve.engine.runner.forward_batch import ForwardBatch
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -388,10 +388,10 @@ def test_long_chunks_through_cudnn_beside_the_paged_kernels_match_float64(heads:
     # A decode row, a fresh prompt, a short chunk over a prefix and a full chunk over a prefix that is not
     # whole chunks through the Triton kernels; two full chunks after whole chunks (of 256 here) through
     # cuDNN, merged by their log-sum-exps. Every row close to float64.
-    from splitserve.engine.forward_batch import ForwardBatch
     from splitserve.engine.layers.attention import PagedAttention
     from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, prefix_chunks
-    from splitserve.engine.model_runner import kv_locations
+    from splitserve.engine.runner.forward_batch import ForwardBatch
+    from splitserve.engine.runner.model_runner import kv_locations
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -426,14 +426,14 @@ def test_a_long_prompt_chunked_through_cudnn_gives_the_logits_of_the_triton_path
     # to bf16 rounding. Also the cuDNN graphs the warm-up builds for this context.
     from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
 
+    from splitserve.engine.checkpoints.model_config import ModelConfig
+    from splitserve.engine.checkpoints.tiny_model import write_checkpoint
     from splitserve.engine.kv_cache import KVCache
     from splitserve.engine.layers.extend_plan import cudnn_prefixes
     from splitserve.engine.layers.prefix_chunk_attention import build_cudnn_graphs
-    from splitserve.engine.model_config import ModelConfig
-    from splitserve.engine.model_runner import ModelRunner, build_forward_batch
     from splitserve.engine.request import Request
+    from splitserve.engine.runner.model_runner import ModelRunner, build_forward_batch
     from splitserve.engine.scheduler import ScheduledChunk
-    from splitserve.engine.tiny_model import write_checkpoint
 
     folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 4096}, 1234)
     cfg = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=8192,
@@ -641,13 +641,13 @@ def test_after_warm_up_a_lone_prompt_of_a_new_length_takes_its_bucket_and_one_pa
     # SDPA dispatch's to bf16 rounding. Which function ran is recorded by wrapping the real ones.
     from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
 
+    from splitserve.engine.checkpoints.model_config import ModelConfig
+    from splitserve.engine.checkpoints.tiny_model import write_checkpoint
     from splitserve.engine.kv_cache import KVCache
     from splitserve.engine.layers import prompt_attention
-    from splitserve.engine.model_config import ModelConfig
-    from splitserve.engine.model_runner import ModelRunner, build_forward_batch
     from splitserve.engine.request import Request
+    from splitserve.engine.runner.model_runner import ModelRunner, build_forward_batch
     from splitserve.engine.scheduler import ScheduledChunk
-    from splitserve.engine.tiny_model import write_checkpoint
 
     ran: list[tuple[str, int, int]] = []  # (function, prompt length, padded length)
     cudnn_at_bucket, flash_attention = prompt_attention.cudnn_at_bucket, prompt_attention.flash_attention
@@ -702,10 +702,10 @@ def test_with_sdpas_cudnn_backend_off_the_warm_up_builds_no_bucket(tmp_path: Pat
     # As in a drafter with --no-drafter-cudnn-attention: lone prompts keep SDPA's default dispatch.
     from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
 
+    from splitserve.engine.checkpoints.model_config import ModelConfig
+    from splitserve.engine.checkpoints.tiny_model import write_checkpoint
     from splitserve.engine.kv_cache import KVCache
-    from splitserve.engine.model_config import ModelConfig
-    from splitserve.engine.model_runner import ModelRunner
-    from splitserve.engine.tiny_model import write_checkpoint
+    from splitserve.engine.runner.model_runner import ModelRunner
 
     folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 4096}, 1234)
     cfg = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=8192,

@@ -266,7 +266,7 @@ def test_full_chunks_after_whole_chunks_leave_the_extend_plan_for_the_cudnn_path
 
 
 def test_a_batch_s_cudnn_chunks_carry_the_kv_locations_the_reference_path_would_gather() -> None:
-    from splitserve.engine.model_runner import build_forward_batch
+    from splitserve.engine.runner.model_runner import build_forward_batch
     from splitserve.engine.scheduler import ScheduledChunk
 
     kv = KVCache(600, 16, 4, max_context=8192, device=torch.device("cpu"))

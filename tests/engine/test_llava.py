@@ -14,16 +14,16 @@ from engine_checkpoints import cpu_runner
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from splitserve.engine.image_items import ImageItem, ImagePlaceholderError, expand_image_tokens, image_digest
-from splitserve.engine.image_processor import ClipImageProcessor
+from splitserve.engine.checkpoints.model_config import ModelConfig
+from splitserve.engine.checkpoints.tiny_llava import write_llava_checkpoint
+from splitserve.engine.checkpoints.tokenizer import TextTokenizer
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_runner import build_forward_batch
+from splitserve.engine.multimodal.image_items import ImageItem, ImagePlaceholderError, expand_image_tokens, image_digest
+from splitserve.engine.multimodal.image_processor import ClipImageProcessor
 from splitserve.engine.request import Request
+from splitserve.engine.runner.model_runner import build_forward_batch
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledChunk
-from splitserve.engine.tiny_llava import write_llava_checkpoint
-from splitserve.engine.tokenizer import TextTokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.model_runner import ModelRunner, build_forward_batch
 from splitserve.engine.request import Request
+from splitserve.engine.runner.model_runner import ModelRunner, build_forward_batch
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledChunk
 

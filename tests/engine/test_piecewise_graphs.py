@@ -1,4 +1,5 @@
-"""Piecewise CUDA graphs of extend steps (engine/piecewise_graphs.py): the buckets, which steps take them, that the
+"""Piecewise CUDA graphs of extend steps (engine/runner/piecewise_graphs.py): the buckets, which steps take them,
+that the
 padded pieces give the unpadded forward's logits, and an engine's pages after a mixed load with them (CPU, where
 the pieces run eagerly); on the GPU that a replay gives the eager padded pieces' bits and the unpadded forward's
 logits and KV to bf16 rounding, writes nothing outside the step's rows and the scratch page, that an engine gives
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.engine.piecewise_graphs import BUCKETS, piecewise_buckets
+from splitserve.engine.runner.piecewise_graphs import BUCKETS, piecewise_buckets
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -51,7 +52,7 @@ def test_the_fixed_buckets_pad_at_most_a_third_past_64_tokens_a_quarter_past_96_
 @torch.inference_mode()
 def test_the_writes_in_place_the_pieces_make_give_the_allocating_calls_bits(device: str, dtype: torch.dtype) -> None:
     # The pieces add into the residual buffer where it lies and write the qkv rows of theirs
-    # (engine/piecewise_graphs.py): the same bits as the calls that return new tensors, at a cuBLAS row count
+    # (engine/runner/piecewise_graphs.py): the same bits as the calls that return new tensors, at a cuBLAS row count
     # (2,048) and a row-invariant one (16).
     from splitserve.engine.layers.linear import ColumnParallelLinear
     from splitserve.engine.layers.rmsnorm import RMSNorm
@@ -81,11 +82,11 @@ def cpu_runner(tmp_path: Path, **cfg):
     """A float32 runner of a tiny GQA Llama on the CPU and its KV cache, warmed up (its pieces built)."""
     from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
 
+    from splitserve.engine.checkpoints.model_config import ModelConfig
+    from splitserve.engine.checkpoints.tiny_model import write_checkpoint
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.kv_cache import KVCache
-    from splitserve.engine.model_config import ModelConfig
-    from splitserve.engine.model_runner import ModelRunner
-    from splitserve.engine.tiny_model import write_checkpoint
+    from splitserve.engine.runner.model_runner import ModelRunner
 
     folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 2048}, 1234)
     config = EngineConfig(model=str(folder), device="cpu", page_size=16, max_total_tokens=2048,
@@ -138,7 +139,7 @@ def mixed_step(runner, kv, gen: torch.Generator, decodes: int, prefix: int, chun
 
 
 def step_batch(runner, kv, chunks):
-    from splitserve.engine.model_runner import build_forward_batch
+    from splitserve.engine.runner.model_runner import build_forward_batch
 
     return build_forward_batch(chunks, kv.page_table, kv.page_size, runner.device, runner.next_tokens,
                                runner.extend_block_tokens, runner.cudnn_chunk, runner.prompt_buckets)
@@ -146,7 +147,7 @@ def step_batch(runner, kv, chunks):
 
 @torch.inference_mode()
 def test_only_text_extend_steps_up_to_the_largest_bucket_in_the_default_mode_take_the_pieces(tmp_path: Path) -> None:
-    from splitserve.engine.forward_batch import decode_batch
+    from splitserve.engine.runner.forward_batch import decode_batch
     from splitserve.engine.scheduler import ScheduledChunk
 
     runner, kv = cpu_runner(tmp_path, piecewise_graph_tokens=64)
@@ -187,7 +188,7 @@ def test_only_text_extend_steps_up_to_the_largest_bucket_in_the_default_mode_tak
 
 
 def test_the_default_limit_is_512_tokens_on_a_gpu_and_none_on_the_cpu() -> None:
-    from splitserve.engine.piecewise_graphs import DEFAULT_GPU_TOKENS, piecewise_tokens
+    from splitserve.engine.runner.piecewise_graphs import DEFAULT_GPU_TOKENS, piecewise_tokens
 
     assert DEFAULT_GPU_TOKENS == 512
     assert piecewise_tokens(-1, torch.device("cuda")) == 512 and piecewise_tokens(-1, torch.device("cpu")) == 0
@@ -266,11 +267,11 @@ def test_an_engine_under_a_mixed_load_through_the_pieces_gives_its_pages_back_an
 def bf16_runner(tmp_path: Path, **cfg):
     from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
 
+    from splitserve.engine.checkpoints.model_config import ModelConfig
+    from splitserve.engine.checkpoints.tiny_model import write_checkpoint
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.kv_cache import KVCache
-    from splitserve.engine.model_config import ModelConfig
-    from splitserve.engine.model_runner import ModelRunner
-    from splitserve.engine.tiny_model import write_checkpoint
+    from splitserve.engine.runner.model_runner import ModelRunner
 
     folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 2048}, 1234)
     config = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=16384,
@@ -337,11 +338,11 @@ def test_the_graphs_pool_holds_one_piece_s_temporaries_not_every_piece_s_outputs
     # residual rows) would take sum(buckets) x pieces x (qkv + hidden) x 2 B, ~1 GB; a piece's temporaries at 1,024
     # tokens (the MLP's gate/up rows the largest) ~75 MB. What the capture reserved also holds cuBLAS's workspace
     # for the capture's stream.
+    from splitserve.engine.checkpoints.model_config import ModelConfig
+    from splitserve.engine.checkpoints.model_shapes import write_shape_folder
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.kv_cache import KVCache
-    from splitserve.engine.model_config import ModelConfig
-    from splitserve.engine.model_runner import ModelRunner
-    from splitserve.engine.model_shapes import write_shape_folder
+    from splitserve.engine.runner.model_runner import ModelRunner
 
     folder = write_shape_folder("llama-3.2-1b", tmp_path / "shape")
     config = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", load_format="dummy", page_size=16,
@@ -349,7 +350,7 @@ def test_the_graphs_pool_holds_one_piece_s_temporaries_not_every_piece_s_outputs
                           prompt_graph_tokens=0, piecewise_graph_tokens=1024)
     runner = ModelRunner(config, folder, ModelConfig.from_folder(folder))
     kv = KVCache(runner.kv_shape.num_pages, config.page_size, 8, 2048, runner.device)
-    with caplog.at_level(logging.INFO, logger="splitserve.engine.piecewise_graphs"):
+    with caplog.at_level(logging.INFO, logger="splitserve.engine.runner.piecewise_graphs"):
         runner.warm_up(kv.page_table)
     graphs = runner.piecewise_graphs
     buckets = piecewise_buckets(1024)
@@ -377,11 +378,11 @@ def test_an_engine_gives_the_same_greedy_tokens_through_the_piecewise_graphs_and
     # graphs (no cuDNN buckets): lone prompts take the pieces too.
     from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
 
+    from splitserve.engine.checkpoints.tiny_model import write_checkpoint
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine
     from splitserve.engine.offline import generate_tokens
     from splitserve.engine.sampling_params import SamplingParams
-    from splitserve.engine.tiny_model import write_checkpoint
 
     folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 4096}, 1234)
     gen = torch.Generator().manual_seed(3)

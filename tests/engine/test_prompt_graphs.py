@@ -1,4 +1,5 @@
-"""Lone-prompt CUDA graphs (engine/prompt_graphs.py): which steps take one, which bucket a prompt takes, the batch a
+"""Lone-prompt CUDA graphs (engine/runner/prompt_graphs.py): which steps take one, which bucket a prompt takes, the
+batch a
 graph runs, and on the GPU that a graph's logits and KV are the eager padded batch's bits and the unpadded prompt's
 to bf16 rounding, that it writes nothing but the prompt's pages and the scratch page, and that an engine gives the
 same greedy tokens with and without graphs. The GPU tests run only where CUDA is (the lent H200s)."""
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.engine.prompt_graphs import PromptGraphs, prompt_batch, prompt_constants
+from splitserve.engine.runner.prompt_graphs import PromptGraphs, prompt_batch, prompt_constants
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -58,14 +59,14 @@ def test_only_a_step_of_one_fresh_prompt_chunk_with_every_id_on_the_host_takes_a
     # hand (their capture is GPU only): every kind of step that must keep the eager path.
     from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
 
+    from splitserve.engine.checkpoints.model_config import ModelConfig
+    from splitserve.engine.checkpoints.tiny_model import write_checkpoint
     from splitserve.engine.config import EngineConfig
-    from splitserve.engine.image_items import ImageItem
-    from splitserve.engine.model_config import ModelConfig
-    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.multimodal.image_items import ImageItem
     from splitserve.engine.request import Request
+    from splitserve.engine.runner.model_runner import ModelRunner
     from splitserve.engine.sampling_params import SamplingParams
     from splitserve.engine.scheduler import ScheduledChunk
-    from splitserve.engine.tiny_model import write_checkpoint
 
     folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 4096}, 1234)
     cfg = EngineConfig(model=str(folder), device="cpu", max_total_tokens=64, page_size=16, max_running_requests=4)
@@ -105,11 +106,11 @@ def test_only_a_step_of_one_fresh_prompt_chunk_with_every_id_on_the_host_takes_a
 def bf16_runner(tmp_path: Path, **cfg):
     from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
 
+    from splitserve.engine.checkpoints.model_config import ModelConfig
+    from splitserve.engine.checkpoints.tiny_model import write_checkpoint
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.kv_cache import KVCache
-    from splitserve.engine.model_config import ModelConfig
-    from splitserve.engine.model_runner import ModelRunner
-    from splitserve.engine.tiny_model import write_checkpoint
+    from splitserve.engine.runner.model_runner import ModelRunner
 
     folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 2048}, 1234)
     config = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=8192,
@@ -125,8 +126,8 @@ def bf16_runner(tmp_path: Path, **cfg):
 @torch.inference_mode()
 def test_a_graph_gives_the_eager_padded_bits_the_unpadded_logits_and_kv_and_touches_no_other_page(
         tmp_path: Path) -> None:
-    from splitserve.engine.model_runner import build_forward_batch, kv_locations
     from splitserve.engine.request import Request
+    from splitserve.engine.runner.model_runner import build_forward_batch, kv_locations
     from splitserve.engine.sampling_params import SamplingParams
     from splitserve.engine.scheduler import ScheduledChunk
 
@@ -176,11 +177,11 @@ def test_an_engine_gives_the_same_greedy_tokens_with_lone_prompt_graphs_eagerly_
     # same padded batches eagerly (--disable-cuda-graph), and past the graphs (1100) on the eager path both times.
     from engine_checkpoints import LLAMA_GQA_LLAMA3_ROPE
 
+    from splitserve.engine.checkpoints.tiny_model import write_checkpoint
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine
     from splitserve.engine.offline import generate_tokens
     from splitserve.engine.sampling_params import SamplingParams
-    from splitserve.engine.tiny_model import write_checkpoint
 
     folder = write_checkpoint(tmp_path, {**LLAMA_GQA_LLAMA3_ROPE, "max_position_embeddings": 2048}, 1234)
     gen = torch.Generator().manual_seed(3)

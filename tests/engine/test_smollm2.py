@@ -12,12 +12,12 @@ import torch
 from servers import REPO, free_port, served, splitserve_env
 from smollm2_reference import QUESTIONS, hf_greedy_chat, hf_model, hf_tokenizer
 
+from splitserve.engine.checkpoints.model_config import ModelConfig
+from splitserve.engine.checkpoints.model_names import smollm2_file
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_names import smollm2_file
-from splitserve.engine.model_runner import ModelRunner, build_forward_batch
 from splitserve.engine.request import Request
+from splitserve.engine.runner.model_runner import ModelRunner, build_forward_batch
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledChunk
 

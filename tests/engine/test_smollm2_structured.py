@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 from servers import assert_kv_back_to_start, served
 
-from splitserve.engine.model_names import ModelNotFoundError, smollm2_file
+from splitserve.engine.checkpoints.model_names import ModelNotFoundError, smollm2_file
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")

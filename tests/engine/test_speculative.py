@@ -23,6 +23,7 @@ from splitserve.draft_mesh.fingerprint import tokenizer_fingerprint
 from splitserve.draft_mesh.speculation_gate import PLAIN, SPECULATE
 from splitserve.draft_mesh.tail_buffer import TailBuffer
 from splitserve.draft_mesh.wire import decode_tails, encode_frames
+from splitserve.engine.checkpoints.tiny_model import TINY_CONFIG, write_checkpoint
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.offline import generate_tokens
@@ -32,7 +33,6 @@ from splitserve.engine.roles import drafter as drafter_module
 from splitserve.engine.roles.drafter import DrafterRole, DraftState, drafter_engine_config
 from splitserve.engine.roles.verifier import VerifierRole
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.tiny_model import TINY_CONFIG, write_checkpoint
 from splitserve.proto import draft_mesh_pb2 as pb
 from splitserve.transfer import TransferConfig
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from splitserve.engine.bench_spec import SPEC_CPU, spec_checkpoints
+from splitserve.bench.spec import SPEC_CPU, spec_checkpoints
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.offline import generate_tokens

@@ -10,14 +10,14 @@ import jsonschema
 import pytest
 import torch
 
+from splitserve.engine.checkpoints.tiny_model import EOS, tiny_model_folder
+from splitserve.engine.checkpoints.tokenizer import TextTokenizer
 from splitserve.engine.grammar.bitmask import apply_bitmask, bitmask_of
 from splitserve.engine.grammar.compiler import GrammarCompiler, InvalidGrammar
 from splitserve.engine.grammar.slots import GrammarSlots
 from splitserve.engine.grammar.spec import GrammarSpec, InvalidGrammarField, grammar_spec_from
 from splitserve.engine.sampling import FullSampler, SamplingBatch
 from splitserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
-from splitserve.engine.tiny_model import EOS, tiny_model_folder
-from splitserve.engine.tokenizer import TextTokenizer
 
 xgr = pytest.importorskip("xgrammar")
 

@@ -15,15 +15,15 @@ import torch
 from engine_checkpoints import write
 from servers import ServerProcess, assert_kv_back_to_start, engine_state, free_port, wait_http_ok
 
+from splitserve.engine.checkpoints.model_config import ModelConfig
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.forward_batch import decode_batch
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_runner import ModelRunner, build_forward_batch
-from splitserve.engine.parallel_state import TensorParallelSizeError, check_tp_size
 from splitserve.engine.request import Request
+from splitserve.engine.runner.forward_batch import decode_batch
+from splitserve.engine.runner.model_runner import ModelRunner, build_forward_batch
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledChunk
-from splitserve.engine.tp_supervisor import TensorParallelSupervisor
+from splitserve.engine.tp.parallel_state import TensorParallelSizeError, check_tp_size
+from splitserve.engine.tp.supervisor import TensorParallelSupervisor
 
 MODEL = "tp-llama"
 PAGE_SIZE = 4
@@ -237,8 +237,8 @@ def test_health_reports_a_broken_group_as_soon_as_a_collective_outside_a_step_br
     # A transfer poll agreement that breaks fails its rooms' requests at once; /health must not answer "ok" to a
     # client that already got those errors, before the loop's next turn fails the engine. Checked on the loop
     # thread, in the same turn, so no later turn can have failed the engine first.
+    from splitserve.api.engine_client import engine_health
     from splitserve.engine.engine import Engine
-    from splitserve.engine.engine_client import engine_health
 
     engine = Engine(tp_config(checkpoint, 2))
     engine.start()

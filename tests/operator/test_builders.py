@@ -213,7 +213,7 @@ def test_router_command_parses_with_the_routers_own_flags() -> None:
     import argparse
 
     from splitserve.config_flags import add_config_flags, config_from_args
-    from splitserve.engine.router import RouterConfig
+    from splitserve.router import RouterConfig
 
     cmd = router_command("g", 8100)
     assert cmd[:2] == ["splitserve", "router"]
@@ -229,7 +229,7 @@ def test_router_gets_the_groups_key_from_its_secret_under_the_routers_own_variab
     import argparse
 
     from splitserve.config_flags import add_config_flags, config_from_args, env_name
-    from splitserve.engine.router import RouterConfig
+    from splitserve.router import RouterConfig
 
     deployment = build_router_deployment(group(), IMAGE)
     env = env_of(deployment["spec"]["template"]["spec"]["containers"][0])
@@ -422,8 +422,8 @@ def test_engine_pods_speak_the_engines_own_flags_and_env_vars(role: str) -> None
     parser, and every engine setting the operator passes by env var is a real config field."""
     import dataclasses
 
+    from splitserve.api.serve import build_parser
     from splitserve.engine.config import EngineConfig
-    from splitserve.engine.entrypoint import build_parser
     from splitserve.transfer.config import TransferConfig
 
     sts = build_statefulset(role_body(group(), role), IMAGE)

@@ -22,7 +22,7 @@ import yaml
 from PIL import Image
 from servers import free_port
 
-from splitserve.engine.tiny_llava import write_llava_checkpoint
+from splitserve.engine.checkpoints.tiny_llava import write_llava_checkpoint
 
 
 def _e2e_module():

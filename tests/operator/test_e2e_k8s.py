@@ -25,8 +25,8 @@ from local_node import LocalNode, NodeCapacity
 from servers import free_port
 
 from splitserve.operator.config import OperatorConfig
-from splitserve.operator.envtest import ControlPlane, find_assets, missing_binaries
 from splitserve.operator.kube import Kube
+from splitserve.tests.envtest import ControlPlane, find_assets, missing_binaries
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from splitserve.operator.envtest import kubeconfig_document
 from splitserve.operator.manifests import plain_manifests
+from splitserve.tests.envtest import kubeconfig_document
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 

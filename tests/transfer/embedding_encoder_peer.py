@@ -20,8 +20,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from splitserve.transfer import TransferConfig
-from splitserve.transfer.embedding_sender import EmbeddingChunk, EmbeddingSender
-from splitserve.transfer.embedding_slots import EmbeddingSlots
+from splitserve.transfer.embedding.sender import EmbeddingChunk, EmbeddingSender
+from splitserve.transfer.embedding.slots import EmbeddingSlots
 
 
 def item_rows(seed: int, room: int, rows: int, hidden: int) -> torch.Tensor:

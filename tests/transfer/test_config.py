@@ -8,7 +8,7 @@ import pytest
 
 from splitserve.config_flags import add_config_flags, config_from_args
 from splitserve.transfer import RdmaUnavailableError, TransferConfig
-from splitserve.transfer.mooncake_engine import MooncakeEngine, rdma_devices
+from splitserve.transfer.mooncake.engine import MooncakeEngine, rdma_devices
 
 
 def test_flags_and_env_build_the_config():

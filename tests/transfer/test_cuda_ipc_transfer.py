@@ -28,11 +28,11 @@ from splitserve.transfer import (
     pack_aux,
     unpack_aux,
 )
-from splitserve.transfer.cuda_ipc_engine import check_runs, session_process, translate
+from splitserve.transfer.cuda_ipc.engine import check_runs, session_process, translate
+from splitserve.transfer.cuda_ipc.segment_copy import PIECE_BYTES, SPARE_PROGRAMS, plan_copy, plan_runs
 from splitserve.transfer.errors import CudaIpcError
-from splitserve.transfer.kv_layout import IpcRegion
-from splitserve.transfer.segment_copy import PIECE_BYTES, SPARE_PROGRAMS, plan_copy, plan_runs
-from splitserve.transfer.transfer_plan import EMPTY, PageRuns, Segments
+from splitserve.transfer.kv.layout import IpcRegion
+from splitserve.transfer.kv.plan import EMPTY, PageRuns, Segments
 
 from .conftest import FAST, HEARTBEAT_MISSES, HEARTBEAT_S, SHAPE, fill_pool, poll_until_final, wait_until
 
@@ -114,7 +114,7 @@ def test_page_runs_table_holds_runs_once_and_expands_to_every_run_of_every_buffe
 
 
 def test_page_runs_past_a_buffer_are_refused():
-    from splitserve.transfer.kv_layout import AuxBuffer, KVBuffer
+    from splitserve.transfer.kv.layout import AuxBuffer, KVBuffer
 
     lay = KVLayout(tp_size=1, tp_rank=0, head_start=0, head_count=1, num_kv_heads=1, head_dim=16, page_size=4,
                    dtype="float16", num_layers=1, buffers=(KVBuffer(1 << 20, 128, 10), KVBuffer(2 << 20, 128, 10)),
@@ -184,7 +184,7 @@ def test_cuda_ipc_with_the_pool_in_host_memory_is_a_clear_error():
 
 @needs_cuda
 def test_copy_kernel_moves_every_segment_exactly_and_nothing_else():
-    from splitserve.transfer.segment_copy import CopyShape, SegmentCopier
+    from splitserve.transfer.cuda_ipc.segment_copy import CopyShape, SegmentCopier
 
     rng = np.random.default_rng(3)
     src = torch.randint(-2**62, 2**62, (1 << 22,), dtype=torch.int64, device="cuda").view(torch.uint8)  # 32 MiB
@@ -251,7 +251,7 @@ def test_aux_reads_on_the_gpu_do_not_wait_for_the_stream():
 
 @needs_cuda
 def test_page_runs_kernel_copies_every_run_of_every_buffer_and_the_aux_exactly():
-    from splitserve.transfer.segment_copy import CopyShape, SegmentCopier
+    from splitserve.transfer.cuda_ipc.segment_copy import CopyShape, SegmentCopier
 
     rng = np.random.default_rng(4)
     buffers, page, pages = 6, 4096, 64

@@ -13,9 +13,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from splitserve.transfer import TransferConfig
-from splitserve.transfer.embedding_receiver import FAILED, LANDED, RECEIVING, EmbeddingReceiver, WantedItem
-from splitserve.transfer.embedding_sender import EmbeddingChunk, EmbeddingSender
-from splitserve.transfer.embedding_slots import EmbeddingSlots
+from splitserve.transfer.embedding.receiver import FAILED, LANDED, RECEIVING, EmbeddingReceiver, WantedItem
+from splitserve.transfer.embedding.sender import EmbeddingChunk, EmbeddingSender
+from splitserve.transfer.embedding.slots import EmbeddingSlots
 
 from .conftest import wait_until
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from splitserve.transfer import KVLayout, LayoutMismatchError, head_range, layout_for_pool, make_aux_tensor
-from splitserve.transfer.kv_layout import HeadSource, decode_ranks_per_prefill_rank, head_sources
+from splitserve.transfer.kv.layout import HeadSource, decode_ranks_per_prefill_rank, head_sources
 
 
 def test_pool_becomes_one_buffer_per_layer_and_kv_with_page_strides():

@@ -10,9 +10,9 @@ import pytest
 import zmq
 
 from splitserve.transfer import KVMetadataError, KVPeerFailedError, KVPoll, KVReceiver, KVSender
-from splitserve.transfer import kv_manager as kv_manager_module
 from splitserve.transfer.control_messages import KVMetadata, TransferStatus, decode_message, encode_message
-from splitserve.transfer.kv_layout import layout_digest
+from splitserve.transfer.kv import manager as kv_manager_module
+from splitserve.transfer.kv.layout import layout_digest
 
 from .conftest import poll_until_final, wait_until
 from .test_kv_transfer import SENTINEL, assert_landed

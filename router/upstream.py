@@ -1,0 +1,136 @@
+"""Calls to one engine, and what their failures mean for the router.
+
+A failure has a kind that decides what happens next:
+- ``unreachable``: connect/read error or timeout; the engine is ejected and the request retried;
+- ``server``: a 5xx the engine did not pin on the request; ejected and retried;
+- ``busy``: 503 with Retry-After (the engine's queue is full); retried elsewhere, not ejected;
+- ``request``: the engine is fine but this attempt failed (e.g. its KV transfer); retried;
+- ``client``: a 4xx; the same request would fail anywhere, so it goes back to the client.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from splitserve.router.backend_pool import Backend
+
+EJECTING_KINDS = ("unreachable", "server")
+RETRYABLE_KINDS = ("unreachable", "server", "busy", "request")
+REQUEST_ERROR_CODES = ("generation_failed",)  # engine-side codes that blame the request, not the engine
+
+
+class UpstreamFailure(Exception):
+    """One engine call that failed, with the kind of failure and the engine's answer."""
+
+    def __init__(self, backend: Backend, kind: str, status: int, body: Any) -> None:
+        super().__init__(f"{backend.role} {backend.url}: {kind} ({status or 'no answer'}): {_message_of(body)}")
+        self.backend, self.kind, self.status, self.body = backend, kind, status, body
+
+
+def _message_of(body: Any) -> str:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message", body))
+    return str(body)[:300]
+
+
+def failure_of_status(backend: Backend, response: httpx.Response, body: bytes) -> UpstreamFailure:
+    try:
+        parsed: Any = json.loads(body)
+    except ValueError:
+        parsed = body[:500].decode(errors="replace")
+    status = response.status_code
+    if status < 500:
+        kind = "client"
+    elif status == 503 and "retry-after" in response.headers:
+        kind = "busy"
+    elif isinstance(parsed, dict) and (parsed.get("error") or {}).get("code") in REQUEST_ERROR_CODES:
+        kind = "request"
+    else:
+        kind = "server"
+    return UpstreamFailure(backend, kind, status, parsed)
+
+
+def unreachable(backend: Backend, exc: BaseException) -> UpstreamFailure:
+    return UpstreamFailure(backend, "unreachable", 0, f"{type(exc).__name__}: {exc}")
+
+
+async def post_json(client: httpx.AsyncClient, backend: Backend, path: str, body: dict) -> bytes:
+    """POSTs and reads the whole answer; raises UpstreamFailure unless it is a 200."""
+    try:
+        r = await client.post(f"{backend.url}{path}", json=body)
+    except httpx.HTTPError as exc:
+        raise unreachable(backend, exc) from exc
+    if r.status_code != 200:
+        raise failure_of_status(backend, r, r.content)
+    return r.content
+
+
+async def open_stream(client: httpx.AsyncClient, backend: Backend, path: str, body: dict) -> httpx.Response:
+    """Opens a POST whose answer is read later; raises UpstreamFailure unless it is a 200."""
+    try:
+        r = await client.send(client.build_request("POST", f"{backend.url}{path}", json=body), stream=True)
+    except httpx.HTTPError as exc:
+        raise unreachable(backend, exc) from exc
+    if r.status_code != 200:
+        try:
+            content = await r.aread()
+        except httpx.HTTPError:
+            content = b""
+        finally:
+            await r.aclose()
+        raise failure_of_status(backend, r, content)
+    return r
+
+
+async def sse_events(backend: Backend, response: httpx.Response) -> AsyncIterator[bytes]:
+    """An SSE answer's events, whole (``data: ...\\n\\n``); a broken stream raises UpstreamFailure."""
+    buffer = b""
+    try:
+        async for chunk in response.aiter_raw():
+            buffer += chunk
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                yield event + b"\n\n"
+    except httpx.HTTPError as exc:
+        raise unreachable(backend, exc) from exc
+    if buffer.strip():
+        yield buffer
+
+
+@dataclass
+class EventKind:
+    """What one SSE event of an engine's stream carries."""
+
+    token: bool  # text, token ids or a finish reason: the client has its first answer
+    error: dict | None  # an error event
+    done: bool  # the final [DONE]
+
+
+def event_kind(event: bytes) -> EventKind:
+    data = event.strip()
+    if data.startswith(b"data: "):
+        data = data[6:]
+    if data == b"[DONE]":
+        return EventKind(False, None, True)
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        return EventKind(False, None, False)
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        return EventKind(False, payload, False)
+    for choice in payload.get("choices") or [] if isinstance(payload, dict) else []:
+        delta = choice.get("delta") or {}
+        if choice.get("text") or choice.get("token_ids") or delta.get("content") or choice.get("finish_reason"):
+            return EventKind(True, None, False)
+    return EventKind(False, None, False)
+
+
+def sse_error_event(message: str, code: str = "upstream_failed") -> bytes:
+    """An OpenAI-style error event, for a stream that breaks after its first token."""
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,141 @@
+"""The router's pieces on their own: bootstrap grants (pair requests) and the backend pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.router import pair_request
+from splitserve.router.backend_pool import BackendPool, NoBackend, Overloaded
+from splitserve.transfer.bootstrap_grant import SIGNATURE_FIELD, bootstrap_grant_valid
+
+
+def test_pair_request_is_signed_with_the_groups_key_for_its_exact_triple() -> None:
+    body = {"model": "m", "prompt": [1, 2]}
+    pair = pair_request(body, "10.0.0.7", 8998, 12345, key="k" * 64)
+    assert (pair["bootstrap_host"], pair["bootstrap_port"], pair["bootstrap_room"]) == ("10.0.0.7", 8998, 12345)
+    assert bootstrap_grant_valid("k" * 64, "10.0.0.7", 8998, 12345, pair[SIGNATURE_FIELD])
+    assert not bootstrap_grant_valid("k" * 64, "10.0.0.7", 8998, 12346, pair[SIGNATURE_FIELD])
+    assert not bootstrap_grant_valid("other", "10.0.0.7", 8998, 12345, pair[SIGNATURE_FIELD])
+    assert body == {"model": "m", "prompt": [1, 2]}  # the client's body is left as it was
+
+
+def test_pair_request_without_a_key_carries_no_signature() -> None:
+    assert SIGNATURE_FIELD not in pair_request({"prompt": "a"}, "h", 1, 2, key="")
+
+
+# ---- the backend pool ------------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def healthy_pool(clock: FakeClock, limit: int = 8, **roles: list[str]) -> BackendPool:
+    pool = BackendPool(limit, backoff_s=0.5, backoff_max_s=4.0, clock=clock)
+    for role, urls in roles.items():
+        pool.replace(role, urls)
+        for b in pool.backends(role):
+            pool.admit(b, {"bootstrap_host": "h", "bootstrap_port": 1})
+    return pool
+
+
+def test_new_backends_are_routable_only_after_a_passing_probe() -> None:
+    pool = BackendPool(8, 0.5, 4.0, clock=FakeClock())
+    pool.replace("decode", ["http://d0/"])
+    assert pool.healthy_count("decode") == 0 and [b.url for b in pool.due_for_probe()] == ["http://d0"]
+    with pytest.raises(NoBackend):
+        pool.pick("decode")
+    pool.admit(pool.backends("decode")[0], {})
+    assert pool.pick("decode").backend.url == "http://d0"
+
+
+def test_a_prefill_without_a_bootstrap_port_is_not_admitted() -> None:
+    pool = BackendPool(8, 0.5, 4.0, clock=FakeClock())
+    pool.replace("prefill", ["http://p0"])
+    pool.admit(pool.backends("prefill")[0], {"status": "ok"})
+    assert pool.healthy_count("prefill") == 0
+
+
+def test_ejection_is_at_once_and_probes_back_off_until_one_passes() -> None:
+    clock = FakeClock()
+    pool = healthy_pool(clock, decode=["http://d0", "http://d1"])
+    d0 = pool.backends("decode")[0]
+    pool.eject(d0, "connect error")
+    assert not d0.healthy and d0.ejected.is_set() and d0.ejections == 1
+    assert {pool.pick("decode").backend.url for _ in range(3)} == {"http://d1"}
+    waits = []
+    for _ in range(5):  # each failed probe doubles the wait, up to the cap
+        waits.append(d0.next_probe_at - clock.now)
+        assert d0 not in pool.due_for_probe()
+        clock.now = d0.next_probe_at
+        assert d0 in pool.due_for_probe()
+        pool.eject(d0, "probe failed")
+    assert waits == [0.5, 1.0, 2.0, 4.0, 4.0]
+    assert d0.ejections == 1  # one ejection, however many failed probes
+    pool.admit(d0, {})
+    assert d0.healthy and d0.failures == 0 and not d0.ejected.is_set()
+
+
+def test_pick_prefers_the_least_loaded_avoids_what_failed_and_never_takes_what_must_not_be() -> None:
+    pool = healthy_pool(FakeClock(), decode=["http://d0", "http://d1"])
+    first = pool.pick("decode")
+    assert pool.pick("decode").backend is not first.backend  # least loaded
+    assert pool.pick("decode", avoid={"http://d0"}).backend.url == "http://d1"
+    assert pool.pick("decode", avoid={"http://d0", "http://d1"}).backend.url in ("http://d0", "http://d1")
+    with pytest.raises(NoBackend):
+        pool.pick("decode", never={"http://d0", "http://d1"})
+
+
+def test_ties_go_round_robin_so_one_request_at_a_time_reaches_every_backend() -> None:
+    pool = healthy_pool(FakeClock(), decode=["http://d0", "http://d1", "http://d2"])
+    picked = []
+    for _ in range(6):  # a sequential client: each lease ends before the next pick
+        lease = pool.pick("decode")
+        picked.append(lease.backend.url[-2:])
+        lease.release()
+    assert picked == ["d0", "d1", "d2", "d0", "d1", "d2"]
+    held = pool.pick("decode")  # d0 busy: the least loaded still wins, ties go on in turn
+    assert [pool.pick("decode").backend.url[-2:] for _ in range(2)] == ["d1", "d2"]
+    assert pool.pick("decode").backend.url[-2:] == "d0"  # all at 1 now: the turn comes back to d0
+    held.release()
+    assert [b.in_flight for b in pool.backends("decode")] == [1, 1, 1]
+    assert pool.pick("decode", prefer="http://d2").backend.url == "http://d2"  # a prompt's prefill affinity
+
+
+def test_leases_count_exactly_and_a_full_role_is_overloaded_not_waited_for() -> None:
+    pool = healthy_pool(FakeClock(), limit=2, decode=["http://d0"])
+    a, b = pool.pick("decode"), pool.pick("decode")
+    with pytest.raises(Overloaded):
+        pool.pick("decode")
+    a.release()
+    a.release()  # idempotent
+    assert pool.backends("decode")[0].in_flight == 1
+    b.release()
+    assert pool.backends("decode")[0].in_flight == 0
+
+
+def test_a_removed_backend_drains_then_leaves_and_can_come_back() -> None:
+    pool = healthy_pool(FakeClock(), decode=["http://d0", "http://d1"])
+    lease = pool.pick("decode", avoid={"http://d1"})
+    pool.replace("decode", ["http://d1", "http://d2"])
+    d0 = lease.backend
+    assert d0.draining and pool.urls("decode") == ["http://d1", "http://d2"]
+    assert all(pool.pick("decode").backend.url == "http://d1" for _ in range(3))  # d2 not probed yet
+    lease.release()
+    assert [b.url for b in pool.backends("decode")] == ["http://d1", "http://d2"]  # drained and dropped
+    pool.remove("decode", "http://d2")
+    pool.add("decode", "http://d0")
+    assert pool.urls("decode") == ["http://d1", "http://d0"]
+
+
+def test_the_router_does_not_import_torch() -> None:
+    """It starts (and restarts, under `up`) in a fraction of an engine's time, and holds no torch memory."""
+    import subprocess
+    import sys
+
+    code = "import sys, splitserve.router.app; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[:300]

@@ -1,0 +1,1 @@
+"""The CUDA IPC backend: KV writes between processes on one host's GPUs."""

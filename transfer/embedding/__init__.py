@@ -1,0 +1,1 @@
+"""Image-embedding transfer from encode to prefill: slots, messages, and one item's sender and receiver."""
