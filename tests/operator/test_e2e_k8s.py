@@ -26,7 +26,7 @@ from servers import free_port
 
 from splitserve.operator.config import OperatorConfig
 from splitserve.operator.kube import Kube
-from splitserve.tests.envtest import ControlPlane, find_assets, missing_binaries
+from envtest import ControlPlane, find_assets, missing_binaries
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 

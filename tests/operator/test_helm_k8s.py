@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from splitserve.operator.manifests import plain_manifests
-from splitserve.tests.envtest import kubeconfig_document
+from envtest import kubeconfig_document
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
