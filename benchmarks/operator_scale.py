@@ -34,10 +34,10 @@ import kubernetes
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
+from envtest import ControlPlane, find_assets
 from local_node import LocalNode, NodeCapacity, PodAddresses
 
 from splitserve.operator.kube import Kube
-from envtest import ControlPlane, find_assets
 
 log = logging.getLogger("operator_scale")
 REPO = pathlib.Path(__file__).resolve().parents[1]

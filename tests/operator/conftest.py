@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 
 import kubernetes
 import pytest
+from envtest import ControlPlane, find_assets, free_port, missing_binaries
 
 from splitserve.operator.kube import Kube, KubeError, collection_path
 from splitserve.operator.names import GROUP_API_VERSION, LABEL_GROUP
-from envtest import ControlPlane, find_assets, free_port, missing_binaries
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "manifests" / "examples"

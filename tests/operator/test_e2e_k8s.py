@@ -21,12 +21,12 @@ import httpx
 import kubernetes
 import pytest
 import yaml
+from envtest import ControlPlane, find_assets, missing_binaries
 from local_node import LocalNode, NodeCapacity
 from servers import free_port
 
 from splitserve.operator.config import OperatorConfig
 from splitserve.operator.kube import Kube
-from envtest import ControlPlane, find_assets, missing_binaries
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 

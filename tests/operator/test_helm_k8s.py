@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import yaml
+from envtest import kubeconfig_document
 
 from splitserve.operator.manifests import plain_manifests
-from envtest import kubeconfig_document
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
