@@ -92,7 +92,8 @@ def main() -> int:
     parser.add_argument("--apply-chunk", type=int, default=50, help="groups per parallel `kubectl apply`")
     parser.add_argument("--py-spy", type=pathlib.Path, default=None,
                         help="record the operator with py-spy during convergence into this flame graph (SVG)")
-    parser.add_argument("--out", type=pathlib.Path, default=REPO / "benchmarks" / "results" / "operator_scale.json")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("operator_scale.json"),
+                        help="where the figures go (JSON)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("local_node").setLevel(logging.WARNING)

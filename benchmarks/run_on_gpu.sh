@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# How the GPU figures in benchmarks/results/ were made, on a lent H200 (no network there):
+# The engine benchmark and the GPU tests on one H200 with no network access:
 # the image's python3 has torch, triton and transformers; the few pure-Python packages it may
 # lack travel as wheels in .whl/ and are installed only where missing. splitserve is imported
 # from this checkout through a symlink (the image has no editable install).

@@ -2,10 +2,10 @@
 
 torch's SDPA picks cuDNN for a fresh 16-bit prompt on an H200 (torch 2.11, cuDNN 9.19), and cuDNN builds a
 graph for every shape it has not seen: the first call at a new length took ~62 ms more (median, 453x the
-warm call; benchmarks/results/sdpa_shape_cost_h200.txt), on the engine thread, with every running request
+warm call; benchmarks/sdpa_shape_cost.py), on the engine thread, with every running request
 waiting. Flash attention builds nothing but ran 1.6-1.8x slower warm. So a prompt is padded at the end to
 the next multiple of BUCKET_STEP (q, k and v side by side as the projection wrote them, in one pad a layer:
-the call's device time 1.40x the unpadded call's, against 1.89x padding each of them apart; NOTES-issue16.md)
+the call's device time 1.40x the unpadded call's, against 1.89x padding each of them apart)
 and attends through cuDNN at that length (cudnn_attention.py), whose graph the runner's warm-up built
 (cuDNN's graphs are per thread: the engine thread's warm-up). cuDNN's causal mask is top-left, so a real
 row never sees a padded key (zeros, never garbage: a masked score still multiplies its value) and the
@@ -16,7 +16,7 @@ A lone prompt longer than BUCKET_MAX (chunked prefill off, or a budget over it) 
 coarse buckets (`long_prompt_bucket`: four an octave, at most a quarter of its rows padded) whose graphs are
 built on first use, once each: ~62 ms, against the hundreds of ms such a step already holds the running decodes,
 where flash attention would cost every such prompt 1.6-1.8x cuDNN's attention time (an 8,192-token Llama-3-8B
-prompt 34.9k tok/s against 38.8k; NOTES-issue16, eleventh session). Warming them all up would take a forward at
+prompt 34.9k tok/s against 38.8k on an H200). Warming them all up would take a forward at
 every length up to the context.
 """
 
