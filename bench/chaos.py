@@ -152,7 +152,7 @@ def summarize(records: list[RequestRecord], kills: list[Kill]) -> dict:
             "recovery_s": recovery,
         })
     engine_kills = [k for k in per_kill if k["role"] != "router"]
-    targets = {  # the targets, over the kills of engines (a killed router drops its connections)
+    targets = {  # the targets, over the kills of engines (a killed router drops its connections)
         "hung": counts["hung"],
         "tokenless_ok": sum(k["of_those_ok"] for k in engine_kills),
         "tokenless": sum(k["in_flight_without_token"] for k in engine_kills),

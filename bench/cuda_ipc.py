@@ -129,8 +129,8 @@ def _wait_all(mgr, rooms: Sequence, done: Callable[[object], bool], timeout_s: f
 
 def _freeze_heap() -> None:
     """As the engine does at start (``Engine.start``): the set-up's objects (torch's, the pools') out of the
-    cyclic GC, so a full collection does not land in a measured set (on the CPU box one took 12-108 ms with
-    ~200k objects tracked; the H200 runs before this showed single sets with 120 ms of CPU in the send loop)."""
+    cyclic GC, so a full collection does not land in a measured set (on a 2-core CPU one took 12-108 ms with
+    ~200k objects tracked; on an H200, without the freeze, single sets with 120 ms of CPU in the send loop)."""
     gc.collect()
     gc.freeze()
 

@@ -32,7 +32,7 @@ def projection_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
 def decode_step_rooflines(cfg: dict[str, Any], batch: int, context: float, weight_bytes: int, bandwidth: float,
                           peak_flops: float, dtype_bytes: int = 2) -> dict[str, Any]:
     """Seconds of one decode step of `batch` rows at `context` tokens of KV each: `hbm_s` (weights and
-    KV at the bandwidth, the issue's figure) and `compute_s` (per operation max(bytes / bandwidth,
+    KV at the bandwidth: the HBM roofline) and `compute_s` (per operation max(bytes / bandwidth,
     FLOPs / peak), so never below `hbm_s`), with the per-operation terms and which bound each hit.
     `dtype_bytes`: the weights' and the KV cache's element size."""
     heads, kv_heads, head_dim = attention_dims(cfg)

@@ -1,4 +1,5 @@
-"""The bare engine under the loads of issue 16, each against the bound from this run's limits.
+"""The bare engine under serving loads (a burst of prompts, long prompts, decode steps), each against the
+bound from this run's limits.
 
   python3 -P benchmarks/engine_loads.py --shape llama-3.1-8b --loads 256x512:256 4x8192:1 [--chunk 2048]
 
@@ -82,7 +83,7 @@ def runner_rates(shape: str, device: str, lengths: list[int], batch: int, chunk:
 
 def load_bound(n: int, prompt: int, output: int, batch: int, runner: dict, shape_cfg: dict | None = None) -> float:
     """Seconds at least: every prompt at the runner's best prefill rate, then the decode steps at the HBM
-    roofline (the issue's bound), or with `shape_cfg` at the roofline that counts compute."""
+    roofline (the HBM bound), or with `shape_cfg` at the roofline that counts compute."""
     best_prefill = max(runner["prefill_tok_s"].values())
     rows = min(n, batch)
     steps = max(0, -(-n * output // rows) - 1)

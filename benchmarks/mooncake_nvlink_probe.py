@@ -1,4 +1,4 @@
-"""What Mooncake's NVLink transports need on one GPU, and what they move there (issue 16).
+"""What Mooncake's NVLink transports need on one GPU, and what they move there.
 
   python benchmarks/mooncake_nvlink_probe.py [--variants tcp nvlink nvlink_ipc nvlink_intra] [--output F]
 

@@ -1,6 +1,6 @@
 """Does a prefill peer's input change its rate on a power-capped GPU? The runner's packed step (four fresh
 512-token prompts, as the engine loop packs them) held for seconds with prompts of one id repeated (what
-EngineUnderTest sent before the ninth session) against random ids (what the engine loads send), alternated,
+an earlier EngineUnderTest sent) against random ids (what the engine loads send), alternated,
 with the GPU's power and SM clock sampled through each.
 
   python3 -P benchmarks/peer_inputs.py [--seconds 3] [--rounds 2] [--output peer_inputs.json]

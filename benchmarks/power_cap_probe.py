@@ -4,11 +4,11 @@ for `--hold-s` seconds.
 
   python3 -P benchmarks/power_cap_probe.py --output X.json [--hold-s 10]
 
-Issue 16's open targets are ratios to a short burst's limits, while the engine's loads run for seconds at the
+The serving benchmarks' ratios are to a short burst's limits, while the engine's loads run for seconds at the
 H200's 700 W cap. This tells whether that cap is a setting below the board's maximum (nvidia-smi's
 power.max_limit) and how far it holds each kind of work under its burst rate: a GEMM's power depends on its
 operands' bits (zeros draw less), a copy is bound by HBM, not by the clock. It reads the card's state and
-changes nothing (no -pl, -lgc or -ac: METHOD.md).
+changes nothing (no -pl, -lgc or -ac).
 """
 
 from __future__ import annotations

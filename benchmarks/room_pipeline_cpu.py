@@ -1,9 +1,9 @@
-"""The prefill's Python per KV room on a CPU box: the cuda_ipc room pipeline without a GPU.
+"""The prefill's Python per KV room on a CPU: the cuda_ipc room pipeline without a GPU.
 
   python3 -P benchmarks/room_pipeline_cpu.py [--rooms 256] [--tokens 512] [--sets 20] [--mode one-thread]
 
 The H200's 256 x 512-token sets are bound by the prefill process's Python (``bench --profile transfer``:
-~75-90 us of CPU a room, the copies 35). This runs the same pipeline on the CPU box: the bench's prefill and
+~75-90 us of CPU a room, the copies 35). This runs the same pipeline on a CPU: the bench's prefill and
 decode processes (``bench/cuda_ipc.py``) over Mooncake TCP with a small head (64 buffers of few
 bytes), the writes merged, pipelined and sent as page runs as cuda_ipc's are, with the copy left out:
 ``launch_pages`` plans the kernel's table (``plan_runs``) and returns at once, so nothing lands in the decode's
@@ -11,13 +11,13 @@ pool (its checksums are not compared) and what is timed is the host's work aroun
 
 ``--mode one-thread``: the engine thread's ``send`` calls of a set, then the worker's merged batch run on this
 thread (no other thread competes for the GIL or the manager's lock): each side's thread CPU a room, the least
-over the sets (the box is shared: CPU time grows with contention). ``--mode threaded``: the bench's own sets
+over the sets (on a shared machine CPU time grows with contention). ``--mode threaded``: the bench's own sets
 (the engine thread's sends with the worker and the control thread running beside them): every Python thread's
 CPU a room, and each set's wall time from the first send to the decode's last Success. With ``--copy-gbps``
 (threaded) each launch stands for a copy of Llama-3-8B's pages at that rate on one simulated stream
 (``SimulatedStream``), and a set's wall reads against its copies' time as the H200's rooms bench reads against
-the device copy: at 1930 GB/s this box gave 0.5-0.6 (median sets 16-18 ms against 8.9 of copy), where the H200
-read 0.48-0.53 in the tenth session; the timeline showed the worker starting only once the engine thread's 256
+the device copy: at 1930 GB/s a 2-core CPU gave 0.5-0.6 (median sets 16-18 ms against 8.9 of copy), where the H200
+read 0.48-0.53; the timeline showed the worker starting only once the engine thread's 256
 send calls (4.4-6 ms) were done, the GIL's 5 ms switch interval holding it off.
 """
 

@@ -1,4 +1,4 @@
-"""Where a drafter's and its verifier's time goes when they share one GPU (issue 13), step by step.
+"""Where a drafter's and its verifier's time goes when they share one GPU (speculative decoding), step by step.
 
   python3 -P benchmarks/spec_timeline.py --shape llama-3.1-8b --ks 2 4 --output-len 128 --json OUT.json
 

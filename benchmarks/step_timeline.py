@@ -1,4 +1,4 @@
-"""Where the engine loop's time goes, step by step, under the loads of issue 16 (CUDA only).
+"""Where the engine loop's time goes, step by step, under benchmarks/engine_loads.py's loads (CUDA only).
 
   python3 -P benchmarks/step_timeline.py --shape llama-3.1-8b --loads 256x512:256 16x2048:1 [--chunk 2048]
 

@@ -3,7 +3,7 @@ cuBLAS's per-stream workspaces (torch keeps one per stream cuBLAS ran on, for th
 
   python3 -P benchmarks/stop_memory.py [--engines 3]
 
-Run from the repository root (it builds the tests' small GQA Llama checkpoint). Before the ninth session every
+Run from the repository root (it builds the tests' small GQA Llama checkpoint). Once every
 graph capture took a new side stream, so each engine left one more workspace behind; now every capture shares one
 (engine/cuda_graph_runner.capture_stream) and what is left stays flat.
 """

@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 MAX_MERGED_JOBS = 256  # jobs one merged write takes at most
 # Jobs per launched copy in a pipelined batch: 64 rooms of 512 tokens are ~4 GiB of Llama-3-8B KV (~2.2 ms of copy),
 # about what preparing and finishing 64 rooms costs the host, so each hides the other, and a launch (~0.3-0.5 ms of
-# the H200 host's Python: checks, table, Triton's launch) is paid once per 64 rooms. 256 x 512-token rooms on the
-# H200, one lease: 0.46 / 0.48 of the device copy at 32, 0.63 / 0.56 at 64 (NOTES-issue16, seventh session).
+# the H200 host's Python: checks, table, Triton's launch) is paid once per 64 rooms. 256 x 512-token rooms on an
+# H200: 0.46 / 0.48 of the device copy at 32, 0.63 / 0.56 at 64 (bench --profile transfer --transfer-protocol cuda_ipc).
 PIPELINE_JOBS = 64
 
 

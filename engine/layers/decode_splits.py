@@ -14,9 +14,8 @@ past that limit cuBLAS rounds by row count anyway.
 
 The count is 8, not a lone sequence's 32: at batch 32 a count of 32 launches 32 x 8 x 32 programs a
 layer, most of them empty at short contexts (a 224-key sequence fills 4 splits of 64 keys with either
-count), and the fifth session measured the mode with 32 at 0.77x of plain decoding's tok/s at batch
-32 (NOTES-issue13.md). 8 splits still give a lone sequence 64 programs; what each count costs per
-batch and context: benchmarks/decode_splits_cost.py.
+count), and the mode with 32 ran at 0.77x of plain decoding's tok/s at batch 32 on an H200. 8 splits still
+give a lone sequence 64 programs; what each count costs per batch and context: benchmarks/decode_splits_cost.py.
 """
 
 from __future__ import annotations

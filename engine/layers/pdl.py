@@ -2,7 +2,7 @@
 
 A decode step at batch 1 is ~295 short kernels, each waiting for the one before it to finish
 before it is even scheduled: the launch, the programs' start-up and the gaps between kernels
-were ~120 µs of a 4.4 ms step in the twelfth session's profile. With programmatic dependent
+were ~120 µs of a 4.4 ms step on an H200 (benchmarks/decode_step_profile.py). With programmatic dependent
 launch a kernel may be scheduled onto free multiprocessors while its predecessor still runs; it
 waits (`griddepcontrol.wait`) for that predecessor's completion and memory before its first
 load, so it computes exactly what it computed before, only its start-up overlaps.

@@ -2,7 +2,7 @@
 
 Kept apart from the kernels so that CPU machines, which have no Triton, import nothing of them.
 Up to SKINNY_ROWS rows the skinny kernel (engine/layers/skinny_gemm_triton.py: 16-row tiles,
-about cuBLAS's time); past that its tiles cost 1.8-4x cuBLAS (NOTES-issue13.md), and 16-bit rows
+about cuBLAS's time); past that its tiles cost 1.8-4x cuBLAS (benchmarks/gemv_sweep.py), and 16-bit rows
 take the wide-tile kernel (engine/layers/wide_gemm_triton.py: 64- or 128-row wgmma tiles, no split
 of K, 1.0-1.3x cuBLAS's time at 64-256 rows in its sweep). Both accumulate each output over K in
 the same order in float32, 16 products a step on the tensor cores, so a row's bits do not depend

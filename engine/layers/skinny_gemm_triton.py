@@ -5,7 +5,7 @@ At decode batch sizes a projection is a stream over its weight. For the long-K p
 launch gap costs a few µs per projection inside the CUDA graph; the engine uses this kernel for
 those and for the LM head (measured 0.84-0.97x cuBLAS's time at one row). qkv and gate_up, where
 cuBLAS was as fast or faster, take it too: cuBLAS rounds a row differently at different row
-counts, and a verify step's K+1 rows per request must give plain decoding's bits (issue 13).
+counts, and a verify step's K+1 rows per request must give plain decoding's bits (speculative decoding).
 
 Every 16-row tile of the input is computed the same way, whatever the row count: one tensor-core
 product of the tile with a BLOCK_N x BLOCK_K slice of the weight per step over K, accumulated in
@@ -25,12 +25,12 @@ cuBLAS; on one row it saved 70 µs of a 4.7 ms step, but made batch-1 numerics d
 larger batches, so greedy tokens changed with how requests happened to be batched. SwiGLU alone on
 the one row, rounded as silu_and_mul (the same bits, tested): one launch less a layer, but the down
 projection ran ~3 µs slower a layer, so the graph's step at batch 1 went from 4,414 to 4,478 µs
-(H200, A B A B in one lease, twelfth session, NOTES-issue16.md).
+(H200, A B A B in one run).
 
 Under programmatic dependent launch (engine/layers/pdl.py) a program waits at its top for the kernel before it.
 Also tried: an L2 prefetch of the weight blocks its pipeline loads first, issued before that wait (the weight does
 not depend on the kernel before). It ran slower: the batch-1 graph's replay 4,356 against 4,251 us without it and
-4,299 without PDL, batch 8 4,801 against 4,669 (H200, the three graphs in alternating rounds, thirteenth session).
+4,299 without PDL, batch 8 4,801 against 4,669 (H200, the three graphs in alternating rounds).
 """
 
 from __future__ import annotations

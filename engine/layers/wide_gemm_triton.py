@@ -2,10 +2,10 @@
 the skinny kernel's range (engine/layers/skinny.py), used where a verifier raises its row-invariant
 rows past 32 (batch-invariant mode).
 
-The first idea (issue 16): at 256 rows a decode step's projections are compute-bound, and cuBLAS's
+The first idea: at 256 rows a decode step's projections are compute-bound, and cuBLAS's
 large tiles might leave an H200's 132 SMs short of a wave, so 64-row tiles (Hopper's wgmma) or
 split-K could fill it. Measured on the H200 (benchmarks/wide_gemm_sweep.py, 16 launches against
-cuBLAS in the same run, NOTES-issue16.md): cuBLAS was faster at 128-512 rows for every
+cuBLAS in the same run): cuBLAS was faster at 128-512 rows for every
 Llama-3.1-8B projection (the best launch took 1.04-1.37x its time); only at 64 rows did one win
 (gate_up 0.93x, lm_head 0.90x). So plain decoding keeps cuBLAS.
 

@@ -12,7 +12,7 @@ graph keeps the logits as its `forward` returns them: plain decode graphs take t
 (the argmax of bfloat16 logits is the argmax of their float32 copy) and a sampling step casts
 after the replay, so greedy steps never write the float32 copy.
 
-Verify steps (issue 13) have graphs of their own: `rows_per_request` R = K+1 rows per request
+Verify steps (speculative decoding) have graphs of their own: `rows_per_request` R = K+1 rows per request
 (a request's last token and its drafts, each a decode row at its own position; requests with
 fewer drafts pad with scratch rows), one graph per bucket of requests and per R. Their rows attend
 with the split count plain decoding of that bucket uses (in batch-invariant mode, one count for

@@ -31,7 +31,7 @@ a step; the qkv projection where the skinny GEMM or a tuned cuBLASLt algorithm r
 at any count, the shapes of --gemm-algos); and the attention of steps off the paged kernels' plan (a lone prompt's
 cuDNN or SDPA path, the CPU's reference). A first version
 copied each piece's residual and qkv in, and the attention output after it: 56 KB a token a layer, ~0.9 ms of an 8B
-step at 2,048 tokens, about what the graphs saved (the ninth session's 0.94-1.00x past 512 tokens). So no graph's
+step at 2,048 tokens, about what the graphs saved (0.94-1.00x of eager past 512 tokens on an H200). So no graph's
 output lives in the graphs' memory pool, which holds only each piece's temporaries, dead at the piece's end, and
 all pieces of all buckets share one pool: replays run one at a time on one stream, each graph finished before the
 next starts, so a graph may reuse any memory another graph's temporaries used. (Keeping every piece's outputs of
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 
 
-# The default limit on a GPU. On the H200 (benchmarks/prefill_host_share.py, ninth session) an eager 8B forward costs
+# The default limit on a GPU. On the H200 (benchmarks/prefill_host_share.py) an eager 8B forward costs
 # the host ~18 ms whatever its size, so mixed steps of 72-464 tokens ran 1.13-2.15x faster through the pieces, while
 # steps of 576-1024 tokens, whose kernels take longer than that, ran 0.94-1.00x (padding and the copies between
 # pieces, with nothing to hide). On the CPU no graph runs: the padded pieces would only cost.

@@ -211,7 +211,7 @@ def test_a_heartbeat_unanswered_for_a_moment_keeps_the_lease_and_a_silent_drafte
         stalled = time.monotonic()
         lost = events.get(timeout=5)
         assert lost.kind == "lost" and "silent: no heartbeat answered for" in lost.reason
-        # silent_after_s and one call's timeout, with room for a loaded box: within the 2 s
+        # silent_after_s and one call's timeout, with room for a loaded machine: within 2 s
         assert 0.5 < time.monotonic() - stalled < 2.0
 
 

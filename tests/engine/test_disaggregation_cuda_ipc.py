@@ -1,7 +1,7 @@
 """Prefill and decode as two processes on one GPU, KV over CUDA IPC, behind the router: identical to
 the unified engine on the same GPU, and every page back where it started.
 
-Runs only where CUDA is (the lent H200s); CI has no GPU and skips it.
+Runs only where CUDA is (an H200, say); CI has no GPU and skips it.
 """
 
 from __future__ import annotations

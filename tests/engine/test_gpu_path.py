@@ -1,6 +1,6 @@
 """The GPU fast path: the Triton decode kernel matches the reference, and CUDA graphs change no token.
 
-Runs only where CUDA is (the lent H200s); CI has no GPU and skips it.
+Runs only where CUDA is (an H200, say); CI has no GPU and skips it.
 """
 
 from __future__ import annotations

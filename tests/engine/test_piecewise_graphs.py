@@ -4,7 +4,7 @@ padded pieces give the unpadded forward's logits, and an engine's pages after a 
 the pieces run eagerly); on the GPU that a replay gives the eager padded pieces' bits and the unpadded forward's
 logits and KV to bf16 rounding, writes nothing outside the step's rows and the scratch page, that an engine gives
 the same greedy tokens with the graphs and with --disable-cuda-graph under a mixed load, and the graphs' pool.
-The GPU tests run only where CUDA is (the lent H200s): `pytest tests/engine/test_piecewise_graphs.py`."""
+The GPU tests run only where CUDA is (an H200, say): `pytest tests/engine/test_piecewise_graphs.py`."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 batch a
 graph runs, and on the GPU that a graph's logits and KV are the eager padded batch's bits and the unpadded prompt's
 to bf16 rounding, that it writes nothing but the prompt's pages and the scratch page, and that an engine gives the
-same greedy tokens with and without graphs. The GPU tests run only where CUDA is (the lent H200s)."""
+same greedy tokens with and without graphs. The GPU tests run only where CUDA is (an H200, say)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ than in plain decoding, in batch-invariant mode (`--batch-invariant`: the row-in
 the largest verify step, one attention split count at every batch: engine/layers/decode_splits.py),
 and check a row's attention bits alone and in a batch.
 
-Runs only where CUDA is (the lent H200s); CI has no GPU and skips it.
+Runs only where CUDA is (an H200, say); CI has no GPU and skips it.
 """
 
 from __future__ import annotations

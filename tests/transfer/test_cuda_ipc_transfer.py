@@ -1,7 +1,7 @@
 """The CUDA IPC backend: bytes intact between two processes on one GPU, peers re-mapped after a restart,
 clear errors where it cannot run; and the pure arithmetic it rests on (runs everywhere).
 
-The GPU tests run only where CUDA is (the lent H200s); CI has no GPU and skips them.
+The GPU tests run only where CUDA is (an H200, say); CI has no GPU and skips them.
 """
 
 from __future__ import annotations
