@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse
 
@@ -16,6 +17,27 @@ MAX_BODY_BYTES = 32 << 20
 
 def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def route_error_response(request: HttpRequest, exc: Exception) -> JSONResponse:
+    """Starlette's own 404 (no such path) and 405 (a method the path does not take) as OpenAI-style
+    JSON errors, like every other error of the API (its default answers them in plain text)."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else {}
+    where = f"{request.method} {request.url.path}"
+    if status == 404:
+        err = ApiError(f"Invalid URL ({where}): no such endpoint", status=404, code="not_found")
+    elif status == 405:
+        allowed = headers.get("allow") or headers.get("Allow") or ""
+        err = ApiError(f"Method not allowed ({where})" + (f"; this endpoint takes {allowed}" if allowed else ""),
+                       status=405, code="method_not_allowed", headers=headers)
+    else:
+        detail = exc.detail if isinstance(exc, HTTPException) else str(exc)
+        err = ApiError(f"{detail} ({where})", status=status, code=None, headers=headers)
+    return error_response(err)
+
+
+ROUTE_ERROR_HANDLERS = {404: route_error_response, 405: route_error_response}
 
 
 async def read_json(request: HttpRequest) -> Any:

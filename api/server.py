@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve.api.engine_client import EngineClient
-from splitserve.api.http_request import error_response, read_json, wait_for_disconnect
+from splitserve.api.http_request import ROUTE_ERROR_HANDLERS, error_response, read_json, wait_for_disconnect
 from splitserve.api.openai_protocol import (
     ApiError,
     GenerationRequest,
@@ -139,7 +139,7 @@ class ApiServer:
             Route("/internal/state", self.internal_state, methods=["GET"]),
             Route("/internal/flush_cache", self.flush_cache, methods=["POST"]),
             *client.routes(),
-        ], exception_handlers={ApiError: lambda _r, e: error_response(e)})
+        ], exception_handlers={ApiError: lambda _r, e: error_response(e), **ROUTE_ERROR_HANDLERS})
 
     # ---- endpoints ---------------------------------------------------------------------------
 

@@ -247,6 +247,21 @@ def test_models_and_health(server: str) -> None:
     assert httpx.get(f"{server}/health", timeout=10).json()["status"] == "ok"
 
 
+def test_unknown_path_and_wrong_method_get_openai_json_errors(server: str) -> None:
+    """Starlette's own 404 and 405 come as the same JSON error body as the API's 400s, not plain text."""
+    r = httpx.post(f"{server}/v1/no-such-endpoint", json={}, timeout=10)
+    assert r.status_code == 404 and r.headers["content-type"] == "application/json", r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "not_found", err
+    assert "POST /v1/no-such-endpoint" in err["message"] and "param" in err
+    r = httpx.get(f"{server}/v1/completions", timeout=10)
+    assert r.status_code == 405 and r.headers["content-type"] == "application/json", r.text
+    assert r.headers["allow"] == "POST"
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "method_not_allowed", err
+    assert "GET /v1/completions" in err["message"] and "POST" in err["message"]
+
+
 BAD_REQUESTS = [
     ("invalid json", b"{not json", 400),
     ("empty body", b"", 400),
