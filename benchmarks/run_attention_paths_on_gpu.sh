@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# One H200 call for the cuDNN attention paths (issue 16, seventh session): their GPU tests on this tree,
+# The cuDNN attention paths on one H200, in one run: their GPU tests on this tree,
 # then benchmarks/sdpa_shape_cost.py --engine and benchmarks/cudnn_paths_bits.py on this tree (after) and
-# on a tree before the change (before; BEFORE=path to its root), both in the same call. Run from the
-# repository root the device tool sends, with this tree under TREE (default: the root itself).
+# on a tree before the change (before; BEFORE=path to its root), both in the same run. Run from the
+# repository root with this tree under TREE (default: the root itself); files go to $OUT, wheels from $WHEELS (.whl).
 set -uo pipefail
 out=${OUT:?}
 tree=$(cd "${TREE:-.}" && pwd)
 before=$(cd "${BEFORE:?the tree before the change}" && pwd)
 t0=$(date +%s); el() { echo "$(( $(date +%s) - t0 )) s"; }
-python3 -m pip install -q --no-index --no-deps --target /tmp/site "${WHEELS:-.gpuwt/wl}"/*.whl > /tmp/pip.txt 2>&1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl > /tmp/pip.txt 2>&1
 mkdir -p /tmp/after /tmp/before && ln -sfn "$tree" /tmp/after/splitserve && ln -sfn "$before" /tmp/before/splitserve
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader > "$out/gpu.txt"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Batch-invariant mode (issue 13, bf16 identity) on one H200, in one call: the row-invariant path's bits
+# Batch-invariant mode (bf16 identity with drafts) on one H200, in one run: the row-invariant path's bits
 # at 1-300 rows for every Llama-3.1-8B projection (and whether the skinny and wide kernels agree), its
 # cost per row count against cuBLAS, the decode attention's cost per split count, the spec bench with
 # --batch-invariant at batch 8 and 32, then the GPU tests of the mode.

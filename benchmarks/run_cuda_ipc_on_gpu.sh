@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 16's KV transfer between two processes on one GPU: the CUDA IPC GPU tests, then the rooms benchmark
+# KV transfer between two processes on one GPU: the CUDA IPC GPU tests, then the rooms benchmark
 # (`bench --profile transfer --transfer-protocol cuda_ipc`) of this tree and, where BEFORE names another
-# tree (main's checkout, say), of that tree too, each a ratio to a device copy of the same bytes in its run.
+# tree (the code before a change, say), of that tree too, each a ratio to a device copy of the same bytes in its run.
 #   benchmarks/run_cuda_ipc_on_gpu.sh OUT_DIR
 # Run from the repository root (or a copy of it). Environment:
-#   CIPC_WHEELS    folder of the grpcio/protobuf/pyzmq/... wheels (default .gpuwt/wl), into /tmp/cipc-site
+#   CIPC_WHEELS    folder of the grpcio/protobuf/pyzmq/... wheels (default .whl), into /tmp/cipc-site
 #   BEFORE         another splitserve tree to benchmark first (same bench flags; its JSON: rooms_before.json)
 #   CIPC_TESTS=0   skip tests/transfer/test_cuda_ipc_transfer.py and tests/engine/test_disaggregation_cuda_ipc.py
 #   ROOMS          the bench's --kv-tokens / --concurrent (default "512,8192 512x256,8192x16")
@@ -17,7 +17,7 @@
 set -uo pipefail
 out=${1:?output folder}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --target /tmp/cipc-site "${CIPC_WHEELS:-.gpuwt/wl}"/*.whl \
+python3 -m pip install -q --no-index --no-deps --target /tmp/cipc-site "${CIPC_WHEELS:-.whl}"/*.whl \
     > "$out/pip.txt" 2>&1
 mkdir -p /tmp/cipc-after && ln -sfn "$PWD" /tmp/cipc-after/splitserve
 export PYTHONUNBUFFERED=1

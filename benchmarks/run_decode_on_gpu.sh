@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# gpu-decode's H200 call (issue 16, the 256-row decode step): the step's per-kernel profile on main's code
-# (A, the checkout the device tool sends) and on this branch (B, copied to .gpuwt/gpu-decode), the GPU tests of
-# what B changes, then benchmarks/engine_loads.py on A and on B. Logs and JSON go to $OUT (8 files at most).
-#   benchmarks/run_decode_on_gpu.sh            (from main's checkout, on the device machine)
+# A/B of the 256-row decode step on one H200: the step's per-kernel profile on this checkout (A) and on
+# another tree copied into it (B, at $B_TREE), the GPU tests of
+# what B changes, then benchmarks/engine_loads.py on A and on B. Logs and JSON go to $OUT.
+#   B_TREE=path/to/b OUT=out benchmarks/run_decode_on_gpu.sh     (from the checkout, on the GPU machine; wheels in .whl)
 set -uo pipefail
-source "$(dirname "$0")/ab_trees.sh" .gpuwt/gpu-decode  # out, b, log, mark; /tmp/a and /tmp/b
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpuwt/wl/*.whl >> "$log" 2>&1
+source "$(dirname "$0")/ab_trees.sh"  # out, b, log, mark; /tmp/a and /tmp/b
+python3 -m pip install -q --no-index --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl >> "$log" 2>&1
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv -lms 1000 > "$out/clocks.csv" 2>&1 &
 smi=$!

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# gemm-tune's H200 calls (issue 16, the projections at the power cap), from main's checkout with this branch
-# copied to .gpuwt/gemm-tune (B); A is main's checkout itself. At most 8 files come back from $OUT.
+# A/B of the projections' GEMMs at the H200's power cap: A is this checkout, B another tree copied into it
+# (B_TREE, relative to the checkout's root). Files go to $OUT.
 #   STAGE=sweep benchmarks/run_gemm_on_gpu.sh   the GEMM variants under sustained load (gemm_sustained.py)
 #   STAGE=loads benchmarks/run_gemm_on_gpu.sh   engine_loads.py on A then on B (B with TABLE), then B's GPU tests
 set -uo pipefail
-source "$(dirname "$0")/ab_trees.sh" .gpuwt/gemm-tune  # out, b, log, mark; /tmp/a and /tmp/b
+source "$(dirname "$0")/ab_trees.sh"  # out, b, log, mark; /tmp/a and /tmp/b
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv -lms 250 > "$out/clocks.csv" 2>&1 &
 smi=$!
@@ -19,7 +19,7 @@ if [[ "${STAGE:-sweep}" == sweep ]]; then
         --tb=short tests/engine/test_gemm_algos.py > "$out/gpu_tests.txt" 2>&1; echo "pytest rc=$?" >> "$out/gpu_tests.txt")
     tail -5 "$out/gpu_tests.txt"
 else
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpuwt/wl/*.whl >> "$log" 2>&1
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl >> "$log" 2>&1
     loads() {  # label tree script [flags]
         mark "engine_loads $1"
         PYTHONPATH="/tmp/$2:/tmp/site" timeout "${LOADS_S:-90}" python3 -P "$3" --shape llama-3.1-8b \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The cluster-shape run on a lent 2-GPU H200 machine (no network there): 1 prefill + 1 decode
+# The cluster-shape run on a 2-GPU H200 machine with no network access: 1 prefill + 1 decode
 # engine (one GPU each, KV over Mooncake TCP between the GPUs) against 2 data-parallel unified
 # replicas on the same GPUs, behind the same router, Llama-3.1-8B shape with random weights.
 # What the image lacks travels in .mc/ (git-ignored): Mooncake's CUDA build stripped to the

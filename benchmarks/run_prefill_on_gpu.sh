@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Chunked prefill on one H200 (issue 16): the GPU tests of the extend paths, the extend sweep (the
+# Chunked prefill on one H200: the GPU tests of the extend paths, the extend sweep (the
 # cuDNN path for chunks after a prefix against the paged extend kernel), then engine_loads with the
 # cuDNN path on and off on one engine and the burst's TTFT at three step budgets. Run from a splitserve
-# checkout on the device; logs and JSON under $OUT. Wheels: .gpuwt/wl (see .gpuwt/final.sh).
+# checkout on the GPU machine; logs and JSON under $OUT. Wheels: $WHEELS (default .whl in the checkout).
 set -uo pipefail
 out=${OUT:?}
 here=$(cd "$(dirname "$0")/.." && pwd)
-wheels=${WHEELS:-$here/../wl}
+wheels=${WHEELS:-$here/.whl}
 python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/*.whl > "$out/pip.txt" 2>&1
 mkdir -p /tmp/sp && ln -sfn "$here" /tmp/sp/splitserve
 export PYTHONPATH=/tmp/sp:/tmp/site PYTHONUNBUFFERED=1

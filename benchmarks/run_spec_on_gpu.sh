@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The speculative decoding benchmark of issue 13 on one H200 (verifier and drafters share it):
+# The speculative decoding benchmark on one H200 (verifier and drafters share it):
 # the Llama-3.1-8B shape with random weights, layers 5.. with zero o_proj/down_proj, a 4-layer
 # drafter sharing embeddings/norm/head (every draft accepted) and a perturbed one; batch 1/8/32,
 # K = 2/4/8, tokens/s against plain decoding measured first in the same run.

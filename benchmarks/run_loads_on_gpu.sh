@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Every figure issues 13 and 16 still need, in one call on one H200 (at most 8 files come back from $OUT, so
-# everything lands straight in OUT_DIR): the perturbed drafter on the default gate (the speculation budget),
+# The serving figures of docs/performance.md in one run on one H200 (everything lands straight in OUT_DIR): the perturbed drafter on the default gate (the speculation budget),
 # the engine's loads (the 256 x 512/256 burst with its TTFT, 4 x 8192 prefill, decode steps at batch 1 and
 # 256, the first request), then every GPU test. Each stage is time-boxed; STAGES picks them.
-#   benchmarks/run_open_targets_on_gpu.sh OUT_DIR      (from the repository root or a copy of it)
+#   benchmarks/run_loads_on_gpu.sh OUT_DIR      (from the repository root or a copy of it)
 # Environment: WHEELS (grpcio/protobuf/pyzmq/starlette/uvicorn/httptools/msgpack wheels, default .whl),
 #   STAGES (default "spec loads tests"), SPEC_S / LOADS_S / TEST_S (seconds for each stage).
 set -uo pipefail
