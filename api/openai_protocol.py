@@ -70,6 +70,9 @@ class GenerationRequest:
     images: list[ImagePart] = field(default_factory=list)  # chat: the image parts, in prompt order
     tools: ToolRequest | None = None  # chat: the tools offered and how they may be used
     bootstrap_signature: str | None = None  # the router's grant of the three (transfer/bootstrap_grant.py)
+    # The client named max_tokens (or max_completion_tokens): a prompt plus it over the context is a 400;
+    # the default instead shrinks to the context the prompt leaves.
+    max_tokens_given: bool = False
 
     @property
     def has_bootstrap_fields(self) -> bool:
@@ -209,6 +212,10 @@ def _param_of(message: str) -> str | None:
     return "max_tokens" if head == "max_tokens" else head or None
 
 
+def _max_tokens_given(body: dict[str, Any]) -> bool:
+    return body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None
+
+
 def _common(body: dict[str, Any], served_model: str) -> tuple[str, int, bool, bool]:
     model = _get(body, "model", (str,), served_model)
     if model != served_model:
@@ -263,6 +270,7 @@ def parse_completion(body: Any, served_model: str, vocab_size: int, default_max_
         kind="completion", model=model, prompts=prompts, params=params, n=n, stream=stream,
         include_usage=include_usage, echo=bool(_get(body, "echo", (bool,), False)),
         return_token_ids=bool(_get(body, "return_token_ids", (bool,), False)),
+        max_tokens_given=_max_tokens_given(body),
     )
     if req.echo and stream:
         raise ApiError("'echo' is not supported with 'stream'", "echo")
@@ -313,6 +321,7 @@ def parse_chat(body: Any, served_model: str, vocab_size: int, default_max_tokens
     req = GenerationRequest(
         kind="chat", model=model, prompts=[], params=params, n=n, stream=stream, include_usage=include_usage,
         return_token_ids=bool(_get(body, "return_token_ids", (bool,), False)), images=images, tools=tools,
+        max_tokens_given=_max_tokens_given(body),
     )
     return _bootstrap(body, req), messages
 

@@ -216,18 +216,34 @@ class ApiServer:
                            code="context_length_exceeded")
         return ids
 
+    def _fit_context(self, gen: GenerationRequest, ids: list[int]) -> SamplingParams:
+        """The prompt's sampling parameters: a max_tokens the client named that does not fit in the context
+        with the prompt is a 400 naming both (as vLLM words it); the default shrinks to the room left."""
+        asked = gen.params.max_new_tokens
+        if len(ids) + asked <= self.context_length:
+            return gen.params
+        if gen.max_tokens_given:
+            what = "messages" if gen.kind == "chat" else "prompt"
+            raise ApiError(f"This model's maximum context length is {self.context_length} tokens. However, you "
+                           f"requested {len(ids) + asked} tokens ({len(ids)} in the {what}, {asked} in the "
+                           f"completion). Please reduce the length of the {what} or completion.", "max_tokens",
+                           code="context_length_exceeded")
+        # _tokenize keeps a prompt to at most context - 1 tokens: there is room for one token at least.
+        return dataclasses.replace(gen.params, max_new_tokens=self.context_length - len(ids))
+
     def _choice_streams(self, gen: GenerationRequest, prompts: list[list[int]], images: list[ImageItem]
                         ) -> list[tuple[ChoiceResult, AsyncIterator[TokenOutput]]]:
         streams = []
         bootstrap = (f"{gen.bootstrap_host}:{gen.bootstrap_port}"
                      if gen.bootstrap_host is not None and gen.bootstrap_port is not None else None)
         submitted: list[str] = []
+        params = [self._fit_context(gen, ids) for ids in prompts]  # every prompt is checked before any runs
         try:
             for p, ids in enumerate(prompts):
                 for j in range(gen.n):
                     index = p * gen.n + j
                     rid = gen.request_id if len(prompts) * gen.n == 1 else f"{gen.request_id}-{index}"
-                    stream = self.client.generate(rid, ids, choice_params(gen.params, j), bootstrap,
+                    stream = self.client.generate(rid, ids, choice_params(params[p], j), bootstrap,
                                                   gen.bootstrap_room,
                                                   copies_for_choice(images))
                     submitted.append(rid)

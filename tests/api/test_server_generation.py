@@ -262,6 +262,30 @@ def test_unknown_path_and_wrong_method_get_openai_json_errors(server: str) -> No
     assert "GET /v1/completions" in err["message"] and "POST" in err["message"]
 
 
+def test_max_tokens_over_the_context_gets_a_400_naming_both_numbers(server: str) -> None:
+    """The model's context is 1024 tokens: a prompt plus the max_tokens asked for must fit in it, as in vLLM."""
+    r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": [5] * 10, "max_tokens": 100_000},
+                   timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] == ("This model's maximum context length is 1024 tokens. However, you requested 100010 "
+                              "tokens (10 in the prompt, 100000 in the completion). Please reduce the length of "
+                              "the prompt or completion."), err
+    assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1024}
+    r = httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=10)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "maximum context length is 1024 tokens" in message and "in the messages, 1024 in the completion" in message
+    # Exactly the context is fine; without max_tokens the default shrinks to the room the prompt leaves.
+    out = complete(server, prompt=[5] * 1018, max_tokens=6, temperature=0, ignore_eos=True)
+    assert out["usage"]["completion_tokens"] == 6
+    out = complete(server, prompt=[5] * 1020, temperature=0, ignore_eos=True)  # the default is 16 tokens
+    assert out["usage"]["completion_tokens"] == 4 and out["choices"][0]["finish_reason"] == "length"
+    r = httpx.post(f"{server}/v1/chat/completions", json={**chat, "max_completion_tokens": None}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 BAD_REQUESTS = [
     ("invalid json", b"{not json", 400),
     ("empty body", b"", 400),
@@ -275,6 +299,7 @@ BAD_REQUESTS = [
     ("negative max_tokens", {"model": MODEL, "prompt": "a", "max_tokens": -5}, 400),
     ("zero max_tokens", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400),
     ("huge max_tokens over context", {"model": MODEL, "prompt": "a" * 1100, "max_tokens": 10**9}, 400),
+    ("max_tokens over the room the prompt leaves", {"model": MODEL, "prompt": [5] * 10, "max_tokens": 1015}, 400),
     ("max_tokens a string", {"model": MODEL, "prompt": "a", "max_tokens": "ten"}, 400),
     ("max_tokens a float", {"model": MODEL, "prompt": "a", "max_tokens": 1.5}, 400),
     ("negative temperature", {"model": MODEL, "prompt": "a", "temperature": -1}, 400),
