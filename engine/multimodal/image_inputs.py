@@ -11,11 +11,12 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import re
 import warnings
 from dataclasses import dataclass, field
 
 import httpx
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from splitserve.api.openai_protocol import ApiError, ImagePart
 from splitserve.engine.multimodal.image_items import image_digest
@@ -143,10 +144,19 @@ def decode_image(part: ImagePart, data: bytes, cfg: ImageInputConfig) -> Image.I
             image.load()
     except ApiError:
         raise
+    except UnidentifiedImageError:  # its message names the BytesIO object: nothing for a client
+        raise ApiError(f"{part.where}: the image could not be decoded (its bytes are not a PNG, JPEG or WEBP image)",
+                       part.where, code="invalid_image") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ApiError(f"{part.where}: the image cannot be decoded ({exc})", part.where,
+        raise ApiError(f"{part.where}: the image could not be decoded ({_reason(exc)})", part.where,
                        code="invalid_image") from None
     return image
+
+
+def _reason(exc: BaseException) -> str:
+    """PIL's message without the reprs of Python objects (`<_io.BytesIO object at 0x...>`) it may carry."""
+    text = re.sub(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>", "", str(exc)).strip()
+    return text or type(exc).__name__
 
 
 def _too_large(part: ImagePart, size: int, cfg: ImageInputConfig) -> ApiError:

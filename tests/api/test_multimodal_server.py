@@ -222,6 +222,23 @@ def test_every_kind_of_bad_image_gets_a_400_naming_its_part(server: str, image_h
     assert ok.status_code == 200
 
 
+def test_an_undecodable_image_is_named_by_its_part_without_object_reprs(server: str, image_host) -> None:
+    """PIL's UnidentifiedImageError names the BytesIO it read (`<_io.BytesIO object at 0x...>`): the client
+    gets which part it was and that it could not be decoded, and no Python object in the message."""
+    host, _ = image_host
+    png = encoded(image(20, 20, 5), "PNG")
+    good = {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}
+    for url in (data_url(b"definitely not a png", "image/png"), data_url(png[: len(png) // 2], "image/png"),
+                f"{host}/text"):
+        parts = [good, {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}]
+        r = httpx.post(f"{server}/v1/chat/completions", json=chat_body(parts), timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["message"].startswith("messages[0].content[2]: the image could not be decoded"), err
+        assert " object at 0x" not in err["message"] and "<" not in err["message"], err
+        assert err["param"] == "messages[0].content[2]" and err["code"] == "invalid_image"
+
+
 def test_a_text_only_model_refuses_images_and_accepts_text_parts() -> None:
     part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}
