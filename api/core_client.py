@@ -61,7 +61,7 @@ from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from splitserve.api.serve import ServeConfigs
+    from splitserve.api.serve_config import ServeConfigs
 
 logger = logging.getLogger(__name__)
 

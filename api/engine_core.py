@@ -39,7 +39,8 @@ from splitserve.api.core_protocol import (
 )
 from splitserve.api.detokenizer import TextElsewhere
 from splitserve.api.engine_client import engine_health, engine_state_report
-from splitserve.api.serve import engine_role, parse_configs
+from splitserve.api.serve import engine_role
+from splitserve.api.serve_config import parse_configs
 from splitserve.api.server_detokenizer import detokenized_by_server
 from splitserve.engine.engine import Engine
 from splitserve.engine.grammar.compiler import InvalidGrammar

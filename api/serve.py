@@ -2,69 +2,26 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import sys
-from dataclasses import dataclass
 from types import FrameType
 
 import uvicorn
 
 from splitserve.api.engine_client import EngineClient
+from splitserve.api.serve_config import ServeConfigs, build_parser, parse_configs
 from splitserve.api.server import ApiServer
-from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
-from splitserve.draft_mesh.config import SpecConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.engine.epd_config import EPDConfig
-from splitserve.engine.multimodal.image_inputs import ImageInputConfig
 from splitserve.engine.role import Role
-from splitserve.transfer.config import TransferConfig
 from splitserve.transfer.errors import TransferEngineUnavailableError
 
 logger = logging.getLogger(__name__)
-ENV_PREFIX = "SPLITSERVE"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve serve", description="Run one engine and its HTTP API.")
-    add_config_flags(parser, EngineConfig, ENV_PREFIX)
-    # The transfer layer's flags (used by --role prefill/decode) live in its own dataclass.
-    add_config_flags(parser.add_argument_group("KV transfer (prefill/decode)"), TransferConfig, ENV_PREFIX)
-    add_config_flags(parser.add_argument_group("Images (multimodal models)"), ImageInputConfig, ENV_PREFIX)
-    add_config_flags(parser.add_argument_group("speculative decoding (drafter; decode/unified with --drafter)"),
-                     SpecConfig, ENV_PREFIX)
-    add_config_flags(parser.add_argument_group("Encoder disaggregation (encode/prefill)"), EPDConfig, ENV_PREFIX)
-    return parser
 
 
 def _exit_on_sigterm(_sig: int, _frame: FrameType | None) -> None:
     raise SystemExit(0)
-
-
-@dataclass
-class ServeConfigs:
-    """Every configuration `serve` reads from its flags and env vars."""
-
-    engine: EngineConfig
-    transfer: TransferConfig
-    images: ImageInputConfig
-    spec: SpecConfig
-    epd: EPDConfig
-
-
-def parse_configs(argv: list[str]) -> ServeConfigs:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return ServeConfigs(config_from_args(EngineConfig, args, ENV_PREFIX),
-                            config_from_args(TransferConfig, args, ENV_PREFIX),
-                            config_from_args(ImageInputConfig, args, ENV_PREFIX),
-                            config_from_args(SpecConfig, args, ENV_PREFIX),
-                            config_from_args(EPDConfig, args, ENV_PREFIX))
-    except (ConfigError, ValueError) as exc:
-        parser.error(str(exc))
 
 
 def engine_role(configs: ServeConfigs) -> tuple[EngineConfig, Role | None]:

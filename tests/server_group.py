@@ -21,15 +21,16 @@ class ServerGroup:
         self.tmp, self.checkpoint, self.engine_args = tmp, checkpoint, engine_args
         self.procs: dict[str, tuple[str, ServerProcess]] = {}
 
-    def start(self, name: str, args: list[str]) -> str:
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> str:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        self.procs[name] = (url, ServerProcess([*args, "--port", str(port)], self.tmp / f"{name}.log"))
+        self.procs[name] = (url, ServerProcess([*args, "--port", str(port)], self.tmp / f"{name}.log", env))
         return url
 
-    def engine(self, name: str, role: str, *extra: str) -> str:
+    def engine(self, name: str, role: str, *extra: str, env: dict[str, str] | None = None) -> str:
+        """Starts `serve --role ROLE`; `env` sets test hooks (environment variables only)."""
         return self.start(name, ["serve", "--role", role, "--model", str(self.checkpoint), *self.engine_args,
-                                 *extra])
+                                 *extra], env)
 
     def url(self, name: str) -> str:
         return self.procs[name][0]

@@ -26,7 +26,7 @@ def test_flag_beats_env_beats_default() -> None:
 def test_booleans_and_optionals_from_env() -> None:
     cfg = parse([], {"SPLITSERVE_DISABLE_PREFIX_CACHE": "true", "SPLITSERVE_MAX_TOTAL_TOKENS": "1024"})
     assert cfg.disable_prefix_cache is True and cfg.max_total_tokens == 1024
-    assert parse(["--no-disable-prefix-cache"], {"SPLITSERVE_DISABLE_PREFIX_CACHE": "1"}).disable_prefix_cache is False
+    assert parse(["--disable-prefix-cache"], {}).disable_prefix_cache is True
 
 
 def test_the_engine_core_runs_in_its_own_process_by_default_on_a_gpu_only() -> None:

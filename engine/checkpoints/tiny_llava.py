@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from splitserve.engine.checkpoints.model_names import TINY_LLAVA_NAME  # noqa: F401  (re-exported: the name `--model` takes)
 from splitserve.engine.checkpoints.tiny_model import BOS, EOS, byte_level_tokenizer, random_llama_weights
 
 IMAGE_TOKEN = "<image>"

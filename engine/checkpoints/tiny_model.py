@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from splitserve.engine.checkpoints.gguf_tokenizer import byte_level_alphabet
-from splitserve.engine.checkpoints.model_names import TINY_NAME  # noqa: F401  (re-exported: the name `--model` takes)
 
 logger = logging.getLogger(__name__)
 

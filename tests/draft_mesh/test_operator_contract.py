@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splitserve.api.serve import build_parser
+from splitserve.api.serve_config import build_parser
 from splitserve.config_flags import config_from_args
 from splitserve.draft_mesh.config import SpecConfig, default_verifier_rank, drafters_from_peers
 from splitserve.operator.group_builders import build_peers_configmap, build_serving_role

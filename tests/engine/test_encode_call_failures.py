@@ -4,7 +4,7 @@ client left before the answer (the one-process server and the split). Without th
 (and the slots their rows were encoded into) stay open until the bootstrap timeout, as no prefill
 will ever ask for them. A call answered 200 keeps its rooms open for its prefill.
 
-Late answers, deterministically: the encoders run with `--encode-answer-delay-s`, a test-only
+Late answers, deterministically: the encoders run with `SPLITSERVE_ENCODE_ANSWER_DELAY_S`, a test-only
 flag that holds each call's answer back after its rooms opened (in the split, the core's main
 thread waits before it replies); `late-split` also waits less than that for the core's answer
 (`--encode-call-timeout-s`). Clients leave by their own read timeout, shorter than the delay.
@@ -34,17 +34,18 @@ ANSWER_DELAY_S = 4.0
 CALL_TIMEOUT_S = 1.5  # late-split's wait for its core: shorter than the delay, so its calls time out
 CLIENT_TIMEOUT_S = 1.0  # a client that leaves before the delayed answer
 BACK_WITHIN_S = 12.0  # from the call's start: the delay plus slack, far below the bootstrap timeout
-ENCODER = ["--transfer-control-key", TEST_CONTROL_KEY, "--transfer-bootstrap-timeout-s", str(BOOTSTRAP_TIMEOUT_S),
-           "--encode-answer-delay-s", str(ANSWER_DELAY_S)]
+ENCODER = ["--transfer-control-key", TEST_CONTROL_KEY, "--transfer-bootstrap-timeout-s", str(BOOTSTRAP_TIMEOUT_S)]
+LATE_ANSWERS = {"SPLITSERVE_ENCODE_ANSWER_DELAY_S": str(ANSWER_DELAY_S)}  # a test hook: environment only
 
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("encode-call-failures")
     g = ServerGroup(tmp, write_llava_checkpoint(tmp / "ckpt", seed=7), ENGINE)
-    g.engine("one-process", "encode", *ENCODER)
-    g.engine("late-split", "encode", "--engine-process", "--encode-call-timeout-s", str(CALL_TIMEOUT_S), *ENCODER)
-    g.engine("slow-split", "encode", "--engine-process", *ENCODER)
+    g.engine("one-process", "encode", *ENCODER, env=LATE_ANSWERS)
+    g.engine("late-split", "encode", "--engine-process", "--encode-call-timeout-s", str(CALL_TIMEOUT_S), *ENCODER,
+             env=LATE_ANSWERS)
+    g.engine("slow-split", "encode", "--engine-process", *ENCODER, env=LATE_ANSWERS)
     try:
         g.wait()
         for name in ("late-split", "slow-split"):  # each really is an API server and a core

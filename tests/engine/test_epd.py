@@ -5,7 +5,7 @@ cleanly; an encoder killed -9 mid-write is retried around, and its prefill tells
 at once (abort_room); rows that never come give 408; every engine's slots, rooms and pages return to
 their start.
 
-Mid-write, deterministically: the `encode-slow-*` engines run with `--embedding-write-pause-s`, a
+Mid-write, deterministically: the `encode-slow-*` engines run with `SPLITSERVE_EMBEDDING_WRITE_PAUSE_S`, a
 test-only flag that writes each item's rows in two halves with a pause between; the tests wait
 until the encoder's health says an item is partly written (half its bytes are in the prefill's
 slot), then kill it."""
@@ -57,7 +57,7 @@ def deployment(tmp_path_factory):
     for name in ("encode-a", "encode-b", "encode-c"):
         d.engine(name, "encode", *TRANSFER)
     for name in ("encode-slow-1", "encode-slow-2", "encode-slow-3", "encode-slow-4"):
-        d.engine(name, "encode", "--embedding-write-pause-s", str(WRITE_PAUSE_S), *TRANSFER)
+        d.engine(name, "encode", *TRANSFER, env={"SPLITSERVE_EMBEDDING_WRITE_PAUSE_S": str(WRITE_PAUSE_S)})
     bootstrap = free_port()
     d.engine("prefill", "prefill", "--bootstrap-port", str(bootstrap), "--chunked-prefill-size", "8",
              "--embedding-timeout-s", "3", *TRANSFER)

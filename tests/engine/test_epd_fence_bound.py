@@ -1,5 +1,5 @@
 """Fenced embedding slots are bounded, like fenced KV pages: an encoder SIGSTOPped halfway through
-an item's write (``--embedding-write-pause-s``) fails its items on the prefill, whose slots stay
+an item's write (``SPLITSERVE_EMBEDDING_WRITE_PAUSE_S``) fails its items on the prefill, whose slots stay
 fenced while it is frozen; past ``--transfer-fence-max-fraction`` of the prefill's slots, a new
 image item for that encoder fails at once with a clear error (``splitserve_embedding_items_refused``)
 instead of taking another slot, while items for other encoders go on, token for token as the
@@ -110,7 +110,7 @@ def test_past_the_fence_bound_a_frozen_encoder_s_new_items_fail_at_once_and_othe
         g.engine("prefill", "prefill", "--bootstrap-port", str(bootstrap_port), "--embedding-slots", str(SLOTS),
                  "--transfer-fence-max-fraction", MAX_FRACTION, "--embedding-timeout-s", "20", *TRANSFER)
         g.engine("decode", "decode", *TRANSFER)
-        g.engine("slow", "encode", "--embedding-write-pause-s", str(WRITE_PAUSE_S), *TRANSFER)
+        g.engine("slow", "encode", *TRANSFER, env={"SPLITSERVE_EMBEDDING_WRITE_PAUSE_S": str(WRITE_PAUSE_S)})
         g.engine("healthy", "encode", *TRANSFER)
         g.wait()
         prefill, decode = g.url("prefill"), g.url("decode")

@@ -422,7 +422,7 @@ def test_engine_pods_speak_the_engines_own_flags_and_env_vars(role: str) -> None
     parser, and every engine setting the operator passes by env var is a real config field."""
     import dataclasses
 
-    from splitserve.api.serve import build_parser
+    from splitserve.api.serve_config import build_parser
     from splitserve.engine.config import EngineConfig
     from splitserve.transfer.config import TransferConfig
 
