@@ -11,7 +11,7 @@ For each message size (4 KiB .. 256 MiB) and for real KV page layouts, one run m
 
 Figures are GB/s (1e9 bytes/s) and ratios to each other from the same run. Two managers in
 one process, TCP on 127.0.0.1 (``MC_TCP_BIND_ADDRESS``); run ``main(["--help"])`` for options.
-``--transfer-protocol cuda_ipc`` runs bench_cuda_ipc.py instead (two processes on one GPU).
+``--transfer-protocol cuda_ipc`` runs bench/cuda_ipc.py instead (two processes on one GPU).
 """
 
 from __future__ import annotations
