@@ -20,7 +20,7 @@ Variants (each a fresh pair of processes, both spawned, with the environment set
 - ``nvlink_ipc``: the same with ``MC_USE_NVLINK_IPC=1`` (legacy CUDA IPC handles instead of fabric ones);
 - ``nvlink_intra``: protocol "nvlink_intra" with ``MC_INTRANODE_NVLINK=1`` (``IntraNodeNvlinkTransport``).
 
-What it found on one H200 with ``mooncake-transfer-engine-cuda13==0.3.14`` (transfer/README.md, "Why not
+What it found on one H200 with ``mooncake-transfer-engine-cuda13==0.3.14`` (docs/transfer.md, "Why not
 Mooncake's own GPU transports"): ``nvlink`` does not initialize (no USE_MNNVL in that build), ``nvlink_intra``
 works with torch's allocations and costs 5.5-7 us a segment.
 
