@@ -196,6 +196,18 @@ class Deployment:
         wait_healthy([(router.url, router.proc)], cfg.startup_timeout_s, path="/ready")
         return router.url
 
+    def roles_summary(self) -> tuple[str, str]:
+        """Every role started, as counts ("1 prefill + 1 decode + 2 drafter") and as each role's URLs."""
+        by_role: dict[str, list[str]] = {}
+        for child in self.children:
+            if child.name != "router":
+                by_role.setdefault(child.name.rsplit("-", 1)[0], []).append(child.url)
+        order = ["unified", "prefill", "decode", "encode", "drafter"]
+        roles = sorted(by_role, key=lambda r: order.index(r) if r in order else len(order))
+        counts = " + ".join(f"{len(by_role[r])} {r}" for r in roles)
+        urls = "; ".join(f"{r}: {', '.join(by_role[r])}" for r in roles)
+        return counts, urls
+
     def supervise_once(self) -> None:
         """Restarts the children that exited, each after its backoff (logged, with its count)."""
         now = time.monotonic()
@@ -265,10 +277,8 @@ def main(argv: list[str]) -> int:
     code = 0
     try:
         url = deployment.start()
-        shape = f"{cfg.unified} unified" if cfg.unified else f"{cfg.prefill} prefill + {cfg.decode} decode"
-        if cfg.encode:
-            shape = f"{cfg.encode} encode + {shape}"
-        logger.info("splitserve is up (%s, model %s): %s/v1", shape, cfg.model, url)
+        counts, urls = deployment.roles_summary()
+        logger.info("splitserve is up (%s, model %s): %s/v1 (%s)", counts, cfg.model, url, urls)
         print(f"endpoint: {url}/v1", flush=True)  # the one line a user or a script needs
         code = deployment.watch(stop)
     except (RuntimeError, TimeoutError) as exc:

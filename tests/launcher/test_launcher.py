@@ -30,6 +30,20 @@ def test_up_serves_then_stops_every_process_on_sigterm(shape: list[str], tmp_pat
         up.sigterm_leaves_no_child()
 
 
+def test_up_says_it_is_up_naming_every_role_it_started(tmp_path) -> None:
+    """The "is up" line counts and locates every engine, encoders and drafters too, not just prefill/decode."""
+    with running_up(["--model", "tiny-llava", "--encode", "1", "--drafter", "1"], tmp_path / "up.log") as up:
+        (line,) = [x for x in up.log_text().splitlines() if "splitserve is up" in x]
+        assert "(1 prefill + 1 decode + 1 encode + 1 drafter, model tiny-llava)" in line, line
+        engines = up.engines()
+        assert sorted(engines) == ["decode", "drafter", "encode", "prefill"], engines
+        for role, started in engines.items():
+            ((_, url),) = started
+            assert f"{role}: {url}" in line, line
+        assert f"{up.url}/v1" in line
+        up.sigterm_leaves_no_child()
+
+
 def environ_of(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/environ", "rb") as f:
         return dict(e.decode().split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
