@@ -28,7 +28,7 @@ MODES = {"one process": "--no-engine-process", "engine core process": "--engine-
 def bare_engine_load(folder: Path, device: str, max_running: int, engine_args: str, load, seed: int) -> dict:
     """The load's prompts submitted at once to an engine in this process (then stopped, its memory freed)."""
     from splitserve.api.serve_config import build_parser
-    from splitserve.bench.command import run_engine_batch
+    from splitserve.bench.workload import run_engine_batch
     from splitserve.config_flags import config_from_args
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine

@@ -28,18 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-import torch
 
 from splitserve.bench.chaos import print_chaos_report
 from splitserve.bench.load_client import client_line, default_client_processes
+from splitserve.bench.stats import percentiles, scrape_metric_totals
+from splitserve.bench.workload import random_prompts, run_engine_batch
 from splitserve.config_flags import add_config_flags, config_from_args
 
 logger = logging.getLogger(__name__)
@@ -103,21 +102,6 @@ class BenchConfig:
     output: str | None = field(default=None, metadata={"help": "write the figures as JSON here"})
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
-    ordered = sorted(values)
-
-    def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(ordered)}
-
-
-def random_prompts(n: int, length: int, seed: int, vocab: int = 250) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (n, length), generator=gen).tolist()
-
-
 # ---- HTTP load ------------------------------------------------------------------------------
 
 def http_load(url: str, cfg: BenchConfig) -> dict:
@@ -145,30 +129,6 @@ def http_load(url: str, cfg: BenchConfig) -> dict:
 
 
 # ---- the bare engine ------------------------------------------------------------------------
-
-def run_engine_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
-    """Submits `prompts` at once and times prefill (to the last first token) and decode steps."""
-    from splitserve.engine.offline import generate_tokens
-    from splitserve.engine.sampling_params import SamplingParams
-
-    first_times: list[float] = []
-
-    def note_first_token(out) -> None:
-        if out.token_ids and out.completion_tokens == 1:
-            first_times.append(time.perf_counter())
-
-    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
-    steps_before = engine.steps
-    start = time.perf_counter()
-    generate_tokens(engine, prompts, params, timeout=3600, observe=note_first_token)
-    end = time.perf_counter()
-    prefill_end = max(first_times)
-    decode_steps = max(1, output_len - 1)
-    return {"batch": len(prompts), "prefill_s": prefill_end - start, "decode_s": end - prefill_end,
-            "ttft_p50_s": statistics.median(first_times) - start,
-            "decode_step_s": (end - prefill_end) / decode_steps, "steps": engine.steps - steps_before,
-            "output_tokens_per_s": len(prompts) * output_len / (end - start)}
-
 
 def bare_engine_peer(cfg: BenchConfig) -> dict:
     """The bare engine (no HTTP) on the same prompts and concurrency as the HTTP load."""
@@ -249,23 +209,6 @@ def pd_ttft(cfg: BenchConfig) -> dict:
             "throughput_1p1d_over_unified": pd["output_tokens_per_s"] / uni["output_tokens_per_s"],
         }
     return results
-
-
-def scrape_metric_totals(deployment, prefix: str) -> dict[str, float]:
-    """Each Prometheus metric whose name starts with `prefix`, summed over the deployment's engines
-    and over its labels (histogram buckets and `_created` timestamps left out)."""
-    totals: dict[str, float] = {}
-    for url, _ in deployment.procs:
-        try:
-            text = httpx.get(f"{url}/metrics", timeout=5).text
-        except httpx.HTTPError:
-            continue
-        for line in text.splitlines():
-            if line.startswith(prefix) and "_bucket" not in line and "_created" not in line:
-                name, value = line.rsplit(" ", 1)
-                key = name.split("{", 1)[0]
-                totals[key] = totals.get(key, 0.0) + float(value)
-    return totals
 
 
 def print_pd_report(r: dict) -> None:

@@ -152,7 +152,7 @@ class EngineUnderTest:
         """`n` admitted requests of `length` random token ids, as the engine loads send (a prompt of one id
         repeated makes every row of every activation the same: GEMMs over such rows switch fewer bits and draw
         less power, and on a power-capped GPU power sets the clock, so a peer must compute rows like the loop's)."""
-        from splitserve.bench.command import random_prompts
+        from splitserve.bench.workload import random_prompts
 
         reqs = []
         prompts = random_prompts(n, length, seed=n * 31 + length) if not self.uniform_ids else [[1] * length] * n
@@ -270,7 +270,7 @@ def engine_loop_decode(folder: Path, device: str, batches: list[int], context: i
                        shape_cfg: dict[str, Any] | None = None, peak_flops: float = 0.0) -> list[dict[str, Any]]:
     """Decode step time through the Engine itself: the figure a served request sees (with `shape_cfg`
     and `peak_flops`, also against the roofline that counts compute)."""
-    from splitserve.bench.command import random_prompts, run_engine_batch
+    from splitserve.bench.workload import random_prompts, run_engine_batch
     from splitserve.engine.engine import Engine
 
     engine = Engine(loop_bench_config(folder, device, max(batches), context + output_len))

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from splitserve.bench.command import percentiles, scrape_metric_totals
+from splitserve.bench.stats import percentiles, scrape_metric_totals
 from splitserve.config_flags import add_config_flags, config_from_args
 
 

@@ -150,8 +150,8 @@ def start_server(folder: Path, device: str, max_running: int, engine_args: str) 
 def run_load(url: str, model: str, load: Load, seed: int, client_processes: int) -> dict[str, Any]:
     """Sends every request at its arrival time (open loop) from `client_processes` client workers and
     measures what each request's client saw, and how busy the busiest worker was."""
-    from splitserve.bench.command import percentiles
     from splitserve.bench.load_client import StreamRequest, client_summary, run_requests
+    from splitserve.bench.stats import percentiles
 
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, 250, (n,), generator=gen).tolist() for n in load.prompt_lens]

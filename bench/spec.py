@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitserve.bench.command import random_prompts
+from splitserve.bench.workload import random_prompts
 from splitserve.config_flags import add_config_flags, config_from_args
 from splitserve.draft_mesh import SpecConfig
 from splitserve.draft_mesh.speculation_gate import PLAIN, SPECULATE

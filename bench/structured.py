@@ -42,7 +42,7 @@ def _median(runs: list[dict]) -> dict:
 
 def run_structured_benchmark(cfg) -> dict:
     """cfg: a BenchConfig (model, device, concurrency, input_len, seed, max_running_requests)."""
-    from splitserve.bench.command import random_prompts
+    from splitserve.bench.workload import random_prompts
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine
     from splitserve.engine.sampling_params import SamplingParams

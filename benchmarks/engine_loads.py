@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from splitserve.bench.command import random_prompts, run_engine_batch
 from splitserve.bench.engine_steps import EngineUnderTest, device_limits, loop_bench_config
 from splitserve.bench.step_roofline import decode_step_rooflines
+from splitserve.bench.workload import random_prompts, run_engine_batch
 from splitserve.engine.checkpoints.model_shapes import SHAPES, write_shape_folder
 from splitserve.engine.engine import Engine
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 
 from splitserve.bench.api_split import cpu_seconds
-from splitserve.bench.command import percentiles
 from splitserve.bench.load_client import StreamRequest, client_summary, run_requests
+from splitserve.bench.stats import percentiles
 
 logger = logging.getLogger("load_client_ceiling")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from splitserve.bench.command import random_prompts, run_engine_batch
 from splitserve.bench.engine_steps import EngineUnderTest, loop_bench_config
+from splitserve.bench.workload import random_prompts, run_engine_batch
 from splitserve.engine.checkpoints.model_shapes import write_shape_folder
 from splitserve.engine.engine import Engine
 from splitserve.engine.runner.model_runner import build_forward_batch

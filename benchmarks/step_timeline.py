@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from splitserve.bench.command import random_prompts, run_engine_batch
 from splitserve.bench.engine_steps import EngineUnderTest, loop_bench_config, timed
+from splitserve.bench.workload import random_prompts, run_engine_batch
 from splitserve.engine.checkpoints.model_shapes import write_shape_folder
 from splitserve.engine.engine import Engine
 from splitserve.engine.request import Request

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
-from splitserve.proto.generate import PROTO_DIR, generated_files
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "generate_proto.py"
+_spec = importlib.util.spec_from_file_location("generate_proto", SCRIPT)
+generate_proto = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(generate_proto)
+PROTO_DIR, generated_files = generate_proto.PROTO_DIR, generate_proto.generated_files
 
 
 def test_generated_modules_match_the_proto_files(tmp_path: Path) -> None:
@@ -12,4 +17,4 @@ def test_generated_modules_match_the_proto_files(tmp_path: Path) -> None:
     assert set(fresh) == {"draft_mesh_pb2.py", "draft_mesh_pb2_grpc.py"}
     for name, text in fresh.items():
         committed = (PROTO_DIR / name).read_text()
-        assert committed == text, f"proto/{name} drifted from proto/*.proto: run python -m splitserve.proto.generate"
+        assert committed == text, f"proto/{name} drifted from proto/*.proto: run python3 scripts/generate_proto.py"

@@ -1,4 +1,4 @@
-"""Regenerates the Python modules of the .proto files here (`python -m splitserve.proto.generate`).
+"""Regenerates the Python modules of proto/*.proto (`python3 scripts/generate_proto.py`; needs grpcio-tools).
 
 The generated `*_pb2.py` / `*_pb2_grpc.py` are committed; tests/proto/test_generated.py
 regenerates them into a temporary folder and fails when the committed ones drift.
@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROTO_DIR = Path(__file__).resolve().parent
+PROTO_DIR = Path(__file__).resolve().parents[1] / "proto"
 PROTOS = ("draft_mesh.proto",)
 # Compiled as if at splitserve/proto/, so the generated gRPC module imports its messages as
 # `from splitserve.proto import draft_mesh_pb2`.
@@ -19,7 +19,7 @@ PACKAGE_PATH = "splitserve/proto"
 
 def generated_files(out_dir: Path) -> dict[str, str]:
     """Runs grpc_tools.protoc over PROTOS into `out_dir`; returns {file name: text}."""
-    from grpc_tools import protoc  # test-only dependency (grpcio-tools)
+    from grpc_tools import protoc  # a development dependency (grpcio-tools, in the test extra)
 
     args = ["protoc", f"-I{PACKAGE_PATH}={PROTO_DIR}", f"-I{Path(protoc.__file__).parent / '_proto'}",
             f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", *(f"{PACKAGE_PATH}/{p}" for p in PROTOS)]
