@@ -102,7 +102,7 @@ def check_bootstrap_grant(gen: GenerationRequest, key: str) -> None:
 def load_anyio() -> None:
     """Loads the parts of anyio that starlette's responses use. anyio 4 imports its submodules on first use,
     and a server's first streamed response imported anyio.lowlevel and anyio._core's sockets, streams and testing
-    modules inside the request (12-20 ms of a tiny model's 80-130 ms first request on the CPU box, by
+    modules inside the request (12-20 ms of a tiny model's 80-130 ms first request on a 2-core CPU, by
     PYTHONPROFILEIMPORTTIME): a cold first request that a warm-up of the engine cannot reach."""
     import anyio
     import anyio.lowlevel  # imported by anyio's event loop token on first use

@@ -26,10 +26,12 @@ roofline measured on this machine; both against transformers on the same shape.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import subprocess
 import sys
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,23 +46,34 @@ from splitserve.config_flags import add_config_flags, config_from_args
 logger = logging.getLogger(__name__)
 
 
+PROFILES = {
+    "http": "load a server over HTTP (--url, or one this command starts) against the bare engine on the same work",
+    "engine": "the engine on a real model shape (--shape, random weights): prefill against the measured matmul "
+              "peak, decode steps against the memory-bandwidth roofline, transformers as the peer",
+    "pd": "TTFT of one prefill and one decode engine against one unified engine",
+    "serving": "a server of --shape under open-loop load at --rates, against the bound from this run's limits",
+    "chaos": "two prefill and two decode engines under load while random processes are killed and restarted",
+    "checkpoint": "--model (e.g. smollm2) generating in the engine and in transformers on the same chat prompts",
+    "structured": "decode tokens/s under a JSON schema against unconstrained decoding, on the same prompts",
+    "api-split": "--fixed-loads on a server of --shape, in one process and with --engine-process, against the "
+                 "bare engine",
+    "spec": "decode tokens/s with a drafter against plain decoding, same engine, same run (own flags: "
+            "bench --profile spec --help)",
+    "epd": "encoder disaggregation against the unified engine (own flags: bench --profile epd --help)",
+    "transfer": "the KV transfer layer against raw Mooncake, memcpy and a socket (own flags: "
+                "bench --profile transfer --help)",
+}
+# Profiles that parse flags of their own: `bench --profile NAME ...` hands them the rest.
+OWN_FLAGS = {"spec": "splitserve.bench.spec", "epd": "splitserve.bench.epd", "transfer": "splitserve.bench.transfer"}
+
+
 @dataclass
 class BenchConfig:
     """What load to generate and against what."""
 
     url: str | None = field(default=None, metadata={"help": "server to load (default: start one)"})
     profile: str = field(default="http", metadata={
-        "help": "http: load a server; engine: the model on a real shape; pd: TTFT of 1P1D vs unified; "
-                "transfer: the KV transfer layer vs raw Mooncake, memcpy and a socket; serving: a server of "
-                "--shape under open-loop load at --rates, against the bound from this run's limits; chaos: 2P2D "
-                "under load while random processes are killed and restarted; checkpoint: --model "
-                "(e.g. smollm2) generating in the engine and in transformers on the same chat prompts; epd: "
-                "encoder disaggregation vs unified (its own flags: bench --profile epd --help); structured: "
-                "decode tokens/s under a JSON schema vs unconstrained, on the same prompts; api-split: "
-                "--fixed-loads on a server of --shape, in one process and with --engine-process, against "
-                "the bare engine",
-        "choices": ("http", "engine", "pd", "transfer", "serving", "chaos", "checkpoint", "epd", "structured",
-                    "api-split")})
+        "help": "which benchmark (listed below)", "choices": tuple(PROFILES)})
     model: str = field(default="tiny", metadata={"help": "model for the server/engine this command starts"})
     device: str = field(default="auto", metadata={"help": "device for the engine this command starts"})
     num_requests: int = field(default=64, metadata={"help": "requests to send"})
@@ -249,17 +262,17 @@ def chaos_run(cfg: BenchConfig) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="splitserve bench", description=__doc__,
+    epilog = "profiles:\n" + "\n".join(textwrap.fill(f"{name}: {text}", 100, initial_indent="  ",
+                                                      subsequent_indent="      ") for name, text in PROFILES.items())
+    parser = argparse.ArgumentParser(prog="splitserve bench", description=__doc__, epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    if argv[:2] == ["--profile", "spec"] or argv[:1] == ["--profile=spec"]:
-        from splitserve.bench.spec import main as spec_main  # its own flags
-        return spec_main(argv)
-    if argv[:2] == ["--profile", "epd"] or argv[:1] == ["--profile=epd"]:
-        from splitserve.bench.epd import main as epd_main  # its own flags
-        return epd_main(argv[2:] if argv[:1] == ["--profile"] else argv[1:])
-    if argv[:2] == ["--profile", "transfer"] or argv[:1] == ["--profile=transfer"]:
-        from splitserve.bench.transfer import main as transfer_main  # its own flags
-        return transfer_main(argv[2:] if argv[:1] == ["--profile"] else argv[1:])
+    profile_only = argparse.ArgumentParser(add_help=False)
+    profile_only.add_argument("--profile")
+    chosen, rest = profile_only.parse_known_args(argv)
+    if chosen.profile in OWN_FLAGS:
+        module = importlib.import_module(OWN_FLAGS[chosen.profile])
+        # spec's parser takes --profile itself; the others take the rest of the line.
+        return module.main(argv if chosen.profile == "spec" else rest)
     add_config_flags(parser, BenchConfig, "SPLITSERVE_BENCH")
     cfg = config_from_args(BenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH")
     report: dict = {"config": asdict(cfg)}

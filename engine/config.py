@@ -120,10 +120,10 @@ class EngineConfig:
 
     def runs_engine_process(self) -> bool:
         """Whether `serve` runs the engine core in a process of its own: --engine-process / --no-engine-process,
-        else on with a CUDA device. On one H200 (tenth session, the 256 x 512/256 burst over HTTP, one lease) the
+        else on with a CUDA device. On one H200 (Llama-3.1-8B shape, the 256 x 512/256 burst over HTTP) the
         one-process server's event loop and engine thread share a GIL that cost TTFT p50 1.73 s against 1.54 s
-        split (the bare engine's 1.53) and 9,702 against 10,085 output tok/s; on a 2-core CPU the extra process
-        competes with the engine for the cores instead (benchmarks/results/NOTES-issue16-api-split.md)."""
+        split (the bare engine's 1.53) and 9,702 against 10,085 output tok/s (`splitserve bench --profile
+        api-split`); on a 2-core CPU the extra process competes with the engine for the cores instead."""
         if self.engine_process is not None:
             return self.engine_process
         return self.torch_device().type == "cuda"
@@ -133,7 +133,7 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {self.device} asked for, but this machine has no CUDA device")
+            raise ValueError(f"--device {self.device} asked for, but this host has no CUDA device")
         return device
 
     def torch_dtype(self) -> torch.dtype:
