@@ -9,10 +9,13 @@ import sys
 # Each subcommand lives in its own module, imported only when used, so that `splitserve
 # operator` never imports torch and `splitserve serve` never imports kopf.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("splitserve.api.serve", "run one engine and its OpenAI API: --role unified|prefill|decode|encode|drafter"),
-    "router": ("splitserve.router", "the OpenAI-compatible front door: routes to engines, retries, ejects and probes them"),
+    "serve": ("splitserve.api.serve",
+              "run one engine and its OpenAI API: --role unified|prefill|decode|encode|drafter"),
+    "router": ("splitserve.router",
+               "the OpenAI-compatible front door: routes to engines, retries, ejects and probes them"),
     "up": ("splitserve.launcher.up", "a whole deployment as local processes: engines, then the router in front"),
-    "bench": ("splitserve.bench.command", "benchmarks: load a server or time the bare engine; figures as ratios (--help lists profiles)"),
+    "bench": ("splitserve.bench.command",
+              "benchmarks: load a server or time the bare engine; figures as ratios (--help lists profiles)"),
     "operator": ("splitserve.operator.main", "the Kubernetes operator: reconciles ServingGroups into engine pods"),
 }
 
