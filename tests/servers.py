@@ -236,14 +236,17 @@ def stop_up(proc: subprocess.Popen) -> None:
 class UpProcess:
     """A `splitserve up *args` on a free port, its stderr in `log_path`; ready once it printed its endpoint."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, command: list[str] | None = None,
+                 cwd: Path | None = None) -> None:
+        """`command` runs splitserve (default: this interpreter's `-P -m splitserve`), from `cwd`."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "splitserve", "up", "--port", str(self.port),
-                                      "--device", "cpu", *args], stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env=splitserve_env(), cwd=REPO.parent)
+        command = command or [sys.executable, "-P", "-m", "splitserve"]
+        self.proc = subprocess.Popen([*command, "up", "--port", str(self.port), "--device", "cpu", *args],
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=splitserve_env(),
+                                     cwd=cwd or REPO.parent)
         line = self.proc.stdout.readline()  # the one line `up` prints once everything is ready
         if line.strip() != f"endpoint: {self.url}/v1":
             self.close()
@@ -278,8 +281,9 @@ class UpProcess:
 
 
 @contextlib.contextmanager
-def running_up(args: list[str], log_path: Path) -> Iterator[UpProcess]:
-    up = UpProcess(args, log_path)
+def running_up(args: list[str], log_path: Path, command: list[str] | None = None,
+               cwd: Path | None = None) -> Iterator[UpProcess]:
+    up = UpProcess(args, log_path, command, cwd)
     try:
         yield up
     finally:
