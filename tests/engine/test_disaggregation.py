@@ -259,6 +259,33 @@ def test_unreachable_bootstrap_fails_the_decode_request_and_frees_its_pages(clus
     assert time.monotonic() - started < 15
 
 
+GLOG_ERROR_LINE = re.compile(r"^E\d{4} \d\d:\d\d:\d\d")  # glog's format: E1204 20:28:20.105218 ...
+
+
+def test_a_healthy_pair_prints_no_error_lines(checkpoint: Path, tmp_path: Path) -> None:
+    """Mooncake logs through glog to stderr: starting its engines printed `E... Local segment descriptor not
+    found` and `No RDMA devices found` on every healthy start. A pair that starts, serves through the router
+    (each peer's writer engine is made on its first write) and stops prints no error line at all."""
+    d = new_deployment(tmp_path, checkpoint)
+    try:
+        prefill, decode = d.engine("prefill"), d.engine("decode")
+        d.wait([prefill, decode])
+        router = d.router([prefill], [decode])
+        d.wait([router], timeout=60)
+        for prompt in ([1, 2, 3], list(range(40))):
+            r = httpx.post(f"{router}/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 4},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+    finally:
+        d.stop()
+    for url in (prefill, decode):
+        log = d.procs[url].log.read_text()
+        assert "transfer manager" in log  # the engine's Mooncake side did start
+        bad = [line for line in log.splitlines() if GLOG_ERROR_LINE.match(line) or " ERROR " in line
+               or "No RDMA devices found" in line]
+        assert not bad, f"{url} logged error lines on a healthy run:\n" + "\n".join(bad)
+
+
 def test_prefill_killed_mid_request_is_retried_on_another_or_fails_fast(checkpoint: Path, tmp_path: Path) -> None:
     d = new_deployment(tmp_path, checkpoint)
     try:

@@ -13,10 +13,13 @@ policy) only.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,51 @@ def _retire(engine: object) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(engine))
 
 RDMA_SYSFS = Path("/sys/class/infiniband")
+
+# glog's severities. Mooncake logs through glog to stderr, and starting an engine prints lines a healthy
+# start should not: `E transfer_metadata.cpp] Local segment descriptor not found` (the P2P handshake mode
+# looks its own segment up before it has added it), `W topology.cpp] No RDMA devices found` (it discovers
+# the topology for TCP too) and a dozen I lines. Mooncake returns a status for every failure, which this
+# module checks and raises (and our callers log): its own log is detail, quiet unless asked for.
+GLOG_WARNING, GLOG_FATAL = 1, 3
+# Where the caller picks Mooncake's log level itself (MC_LOG_LEVEL=INFO to see all of it), it is left alone.
+LOG_LEVEL_ENV = ("MC_LOG_LEVEL", "GLOG_minloglevel")
+_glog_lock = threading.Lock()
+
+
+@functools.cache
+def _glog_minloglevel() -> ctypes.c_int32 | None:
+    """glog's FLAGS_minloglevel in the libglog Mooncake loaded (None where it cannot be found: glog
+    linked into Mooncake statically, or no /proc)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libglog" in line and "/" in line})
+        for path in paths:
+            with contextlib.suppress(OSError, ValueError):
+                return ctypes.c_int32.in_dll(ctypes.CDLL(path), "_ZN3fLI17FLAGS_minloglevelE")
+    except OSError:
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def quiet_mooncake_start() -> Iterator[bool]:
+    """While an engine is created and initialized only FATAL lines reach stderr; afterwards WARNING and
+    above do (a failed write's reason still shows). Yields whether it quieted anything: not where the
+    caller set MC_LOG_LEVEL or GLOG_minloglevel."""
+    if any(name in os.environ for name in LOG_LEVEL_ENV):
+        yield False
+        return
+    level = _glog_minloglevel()
+    if level is None:
+        yield False
+        return
+    with _glog_lock:
+        level.value = GLOG_FATAL
+        try:
+            yield True
+        finally:
+            level.value = GLOG_WARNING
 
 
 def rdma_devices() -> list[str]:
@@ -72,11 +120,13 @@ class MooncakeEngine:
         self.host = host
         self.protocol = protocol
         self.devices = devices
-        engine = TransferEngine()
-        code = engine.initialize(host, "P2PHANDSHAKE", protocol, devices)
+        with quiet_mooncake_start() as quiet:
+            engine = TransferEngine()
+            code = engine.initialize(host, "P2PHANDSHAKE", protocol, devices)
         if code != 0:
             _retire(engine)
-            raise MooncakeCallError("initialize", code, f"host {host}, protocol {protocol}")
+            hint = "; MC_LOG_LEVEL=INFO shows Mooncake's own log of it" if quiet else ""
+            raise MooncakeCallError("initialize", code, f"host {host}, protocol {protocol}{hint}")
         self._engine: Any = engine
         self.session_id = f"{host}:{engine.get_rpc_port()}"
         self._registered: list[int] = []
