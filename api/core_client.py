@@ -223,6 +223,9 @@ class CoreClient:
     async def flush_cache(self) -> int:
         return await self._call("flush_cache")
 
+    async def page_events(self, epoch: str | None, seq: int) -> dict[str, Any]:
+        return await self._call("page_events", [epoch, seq])
+
     async def compile_grammar(self, spec: GrammarSpec) -> None:
         await self._call("compile_grammar", dataclasses.asdict(spec))
 

@@ -102,6 +102,9 @@ class EngineClient:
     async def internal_state(self) -> dict[str, Any]:
         return engine_state_report(self.engine)
 
+    async def page_events(self, epoch: str | None, seq: int) -> dict[str, Any]:
+        return self.engine.page_events.since(epoch, seq)
+
     async def flush_cache(self) -> int:
         loop = asyncio.get_running_loop()
         done = loop.create_future()

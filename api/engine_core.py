@@ -140,7 +140,8 @@ class CoreBridge:
                 return
             answers = {"health": lambda: list(engine_health(self.engine)),
                        "metrics": lambda: generate_latest(self.engine.metrics.registry),
-                       "state": lambda: engine_state_report(self.engine)}
+                       "state": lambda: engine_state_report(self.engine),
+                       "page_events": lambda: self.engine.page_events.since(*arg)}
             self._reply(call_id, True, answers[name]())
         except Exception as exc:
             logger.exception("call %s from the API server failed", name)

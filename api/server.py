@@ -138,6 +138,7 @@ class ApiServer:
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/internal/state", self.internal_state, methods=["GET"]),
             Route("/internal/flush_cache", self.flush_cache, methods=["POST"]),
+            Route("/internal/kv_events", self.kv_events, methods=["GET"]),
             *client.routes(),
         ], exception_handlers={ApiError: lambda _r, e: error_response(e), **ROUTE_ERROR_HANDLERS})
 
@@ -199,6 +200,16 @@ class ApiServer:
     async def flush_cache(self, request: HttpRequest) -> Response:
         self._check_internal_key(request)
         return JSONResponse({"freed_pages": await self.client.flush_cache()})
+
+    async def kv_events(self, request: HttpRequest) -> Response:
+        """The page hashes this engine's prefix cache gained and evicted since `?epoch=E&seq=N` (a reset
+        with every hash held now when those cannot be told as events): what cache-aware routers poll."""
+        self._check_internal_key(request)
+        try:
+            seq = int(request.query_params.get("seq", "0"))
+        except ValueError as exc:
+            raise ApiError(f"seq must be an integer, got {request.query_params.get('seq')!r}") from exc
+        return JSONResponse(await self.client.page_events(request.query_params.get("epoch"), seq))
 
     # ---- shared machinery --------------------------------------------------------------------
 

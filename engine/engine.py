@@ -26,6 +26,7 @@ from splitserve.engine.grammar.compiler import GrammarCompiler
 from splitserve.engine.grammar.slots import GrammarSlots
 from splitserve.engine.kv_cache import KVCache, KVUsage
 from splitserve.engine.metrics import EngineMetrics, observe_times
+from splitserve.engine.page_events import PageEvents
 from splitserve.engine.request import FinishReason, Request, RequestStatus, TokenOutput
 from splitserve.engine.role import ComposedRole, Role, UnifiedRole
 from splitserve.engine.runner.model_runner import (
@@ -104,9 +105,11 @@ class Engine:
             tp = self.tp_supervisor.tp
         self.runner = ModelRunner(cfg, self.model_folder, self.model_cfg, tp)
         self.context_length = self.runner.context_length
+        # The full pages the prefix cache holds, as events routers poll (`/internal/kv_events`).
+        self.page_events = PageEvents(cfg.page_size)
         self.kv = KVCache(self.runner.kv_shape.num_pages, cfg.page_size, cfg.max_running_requests,
                           self.context_length, self.runner.device, prefix_caching=not cfg.disable_prefix_cache,
-                          copy_page=self.runner.copy_kv_page)
+                          copy_page=self.runner.copy_kv_page, page_events=self.page_events)
         if self.tp_supervisor is not None:
             self.tp_supervisor.attach(self.runner, self.kv.page_table, self.kv.padding_slot)
         self.runner.capture_decode_graphs(self.kv.page_table, self.kv.padding_slot)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.page_allocator import OutOfPagesError, PageAllocator
+from splitserve.engine.page_events import PageEvents
 from splitserve.engine.prefix_cache import PrefixCache, PrefixMatch, TreeNode
 from splitserve.engine.request import Request
 from splitserve.engine.runner.host_to_device import to_device
@@ -53,7 +54,7 @@ class KVCache:
 
     def __init__(self, num_pages: int, page_size: int, max_slots: int, max_context: int,
                  device: torch.device, prefix_caching: bool = True,
-                 copy_page: Callable[[int, int], None] | None = None) -> None:
+                 copy_page: Callable[[int, int], None] | None = None, page_events: PageEvents | None = None) -> None:
         self.page_size = page_size
         self.copy_page = copy_page  # (src, dst): the runner's copy of one KV page (None: never copy)
         # Request id -> its computed prompt's tail (path node, tokens, page); one holder's is listed.
@@ -61,7 +62,7 @@ class KVCache:
         self.max_slots = max_slots
         self.max_pages_per_request = -(-max_context // page_size)
         self.allocator = PageAllocator(num_pages)
-        self.prefix_cache = PrefixCache(page_size, self.allocator, enabled=prefix_caching)
+        self.prefix_cache = PrefixCache(page_size, self.allocator, enabled=prefix_caching, events=page_events)
         # The request-to-page table: row `slot` lists the request's pages in order. The runner
         # gathers token locations from it on the device, without rebuilding lists every step.
         # One extra row, never handed out, points at the scratch page: padded rows (CUDA-graph

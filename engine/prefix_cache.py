@@ -9,6 +9,10 @@ are computed (`extend`), so a request with the same prompt arriving meanwhile sh
 the partial last page of a computed prompt is listed as a *tail* of its path while its request
 holds it, and may stay in the tree after it (a leaf keyed by fewer than a page of tokens), so
 that such a request can copy that page instead of computing it again.
+
+Every full page's node carries its page hash (`engine/page_hash.py`: the whole prefix it ends); with
+an events sink (`PageEvents`) the cache reports each full page it gains and evicts, so routers know
+where a prefix lives.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from splitserve.engine.page_allocator import PageAllocator
+from splitserve.engine.page_events import PageEvents
+from splitserve.engine.page_hash import next_hash, root_hash
 
 
 @dataclass(eq=False)
@@ -34,6 +40,7 @@ class TreeNode:
     tails: dict[tuple[int, ...], int] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    hash: int | None = None  # the page hash of a full page (and the root's seed); None for a partial leaf
 
 
 @dataclass
@@ -51,11 +58,13 @@ class PrefixMatch:
 class PrefixCache:
     """Page-granular radix tree with reference counts and LRU eviction."""
 
-    def __init__(self, page_size: int, allocator: PageAllocator, enabled: bool = True) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator, enabled: bool = True,
+                 events: PageEvents | None = None) -> None:
         self.page_size = page_size
         self.allocator = allocator
         self.enabled = enabled
-        self.root = TreeNode(key=(), page=-1, parent=None)
+        self.events = events
+        self.root = TreeNode(key=(), page=-1, parent=None, hash=root_hash(page_size))
         self._clock = itertools.count(1)
         self.cached_pages = 0
         self.locked_pages = 0
@@ -116,9 +125,7 @@ class PrefixCache:
         for i, chunk in enumerate(chunks):
             child = node.children.get(chunk)
             if child is None:
-                child = TreeNode(key=chunk, page=pages[i], parent=node)
-                node.children[chunk] = child
-                self.cached_pages += 1
+                child = self._new_page_node(chunk, pages[i], node)
             elif child.page != pages[i]:
                 leftover.append(pages[i])
             child.last_access = now
@@ -131,6 +138,15 @@ class PrefixCache:
         leftover.extend(rest)
         return leftover, node
 
+    def _new_page_node(self, chunk: tuple[int, ...], page: int, parent: TreeNode) -> TreeNode:
+        """A full page's node under `parent`, hashed, counted and reported."""
+        child = TreeNode(key=chunk, page=page, parent=parent, hash=next_hash(parent.hash, chunk))
+        parent.children[chunk] = child
+        self.cached_pages += 1
+        if self.events is not None:
+            self.events.stored(child.hash)
+        return child
+
     def extend(self, node: TreeNode, chunks: Sequence[tuple[int, ...]], pages: Sequence[int]) -> TreeNode:
         """Hangs `pages` (KV of `chunks`, one page each) below `node`, the deepest node of the
         path they continue; returns the new deepest node. Stops at a chunk cached already with
@@ -141,9 +157,7 @@ class PrefixCache:
         for chunk, page in zip(chunks, pages, strict=True):
             child = node.children.get(chunk)
             if child is None:
-                child = TreeNode(key=chunk, page=page, parent=node)
-                node.children[chunk] = child
-                self.cached_pages += 1
+                child = self._new_page_node(chunk, page, node)
             elif child.page != page:
                 break
             child.last_access = now
@@ -180,6 +194,8 @@ class PrefixCache:
             del parent.children[node.key]
             freed.append(node.page)
             self.cached_pages -= 1
+            if self.events is not None and len(node.key) == self.page_size:
+                self.events.removed(node.hash)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         self.allocator.free(freed)
