@@ -123,7 +123,7 @@ def test_engine_metrics_reach_the_api_servers_metrics(split: str) -> None:
 
 
 def test_client_disconnect_mid_stream_aborts_in_the_core(split: str) -> None:
-    with httpx.stream("POST", f"{split}/v1/completions", json={**body([1, 2], 2000), "stream": True},
+    with httpx.stream("POST", f"{split}/v1/completions", json={**body([1, 2], 1000), "stream": True},
                       timeout=60) as r:
         for line in r.iter_lines():
             if '"token_ids":[' in line and '"token_ids":[]' not in line:
@@ -206,7 +206,7 @@ def test_a_server_killed_takes_its_core_with_it(checkpoint: Path, tmp_path: Path
 def stream_errors_after(url: str, interrupt: Callable[[], object]) -> tuple[list[str], list[str]]:
     """Streams a long completion, calls `interrupt()` once its first token has arrived, and returns
     the error messages among the lines after it, and those lines: the stream must end within 5 s."""
-    with httpx.stream("POST", f"{url}/v1/completions", json={**body([1, 2], 5000), "stream": True},
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body([1, 2], 1000), "stream": True},
                       timeout=60) as r:
         lines = r.iter_lines()
         for line in lines:
@@ -222,7 +222,7 @@ def test_a_core_killed_fails_its_requests_clearly_and_health_turns_503(checkpoin
     with split_server(checkpoint, tmp_path) as (url, proc):
         core = engine_state(url, key="")["engine_core_pid"]
         waiting: dict = {}
-        non_streamed = threading.Thread(target=lambda: waiting.update(r=post(url, body([4, 5], 5000), 60)))
+        non_streamed = threading.Thread(target=lambda: waiting.update(r=post(url, body([4, 5], 1000), 60)))
         non_streamed.start()
         errors, rest = stream_errors_after(url, lambda: os.kill(core, signal.SIGKILL))
         assert errors and "engine core process" in errors[0] and "killed by signal 9" in errors[0], rest[-3:]
