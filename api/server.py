@@ -22,6 +22,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from splitserve.api.chat_prompt import chat_prompt_text
 from splitserve.api.engine_client import EngineClient
 from splitserve.api.http_request import ROUTE_ERROR_HANDLERS, error_response, read_json, wait_for_disconnect
 from splitserve.api.openai_protocol import (
@@ -33,9 +34,8 @@ from splitserve.api.openai_protocol import (
     parse_completion,
     samples_usage,
 )
-from splitserve.api.tools.formats import format_for, messages_for_template, template_renders_tools
+from splitserve.api.tools.formats import format_for
 from splitserve.api.tools.streaming import ToolCallStream, final_message
-from splitserve.engine.checkpoints.tokenizer import ChatTemplateError
 from splitserve.engine.engine import EngineOverloaded
 from splitserve.engine.grammar.compiler import InvalidGrammar
 from splitserve.engine.multimodal.image_inputs import ImageInputConfig
@@ -129,6 +129,7 @@ class ApiServer:
         self.tokenizer = client.tokenizer
         self.vocab_size = client.model_cfg.vocab_size
         self.tool_format = format_for(client.tool_call_parser, self.tokenizer.chat_template)
+        self._tokenizer_parts: dict[str, Any] | None = None  # /internal/tokenizer's answer, made on first use
         self.context_length = client.context_length
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -139,6 +140,7 @@ class ApiServer:
             Route("/internal/state", self.internal_state, methods=["GET"]),
             Route("/internal/flush_cache", self.flush_cache, methods=["POST"]),
             Route("/internal/kv_events", self.kv_events, methods=["GET"]),
+            Route("/internal/tokenizer", self.tokenizer_parts, methods=["GET"]),
             *client.routes(),
         ], exception_handlers={ApiError: lambda _r, e: error_response(e), **ROUTE_ERROR_HANDLERS})
 
@@ -160,15 +162,7 @@ class ApiServer:
         if gen.images and self.vision is not None:  # every image is checked before any engine work
             items = await image_items(gen.images, self.image_cfg, self.image_processor, self.vision,
                                       accept_refs=self.client.role_name != "unified")
-        renders_tools = template_renders_tools(self.tokenizer.chat_template)
-        tools = [f.as_openai() for f in gen.tools.tools] if gen.tools is not None and renders_tools else None
-        try:
-            messages = messages_for_template(messages, gen.tools, self.tool_format, renders_tools)
-            text = self.tokenizer.apply_chat_template(messages, tools=tools)
-        except ChatTemplateError as exc:
-            raise ApiError(str(exc), "messages") from None
-        except Exception as exc:  # a template that breaks on these messages (a type it does not expect)
-            raise ApiError(f"the chat template cannot render these messages: {exc!r}", "messages") from None
+        text = chat_prompt_text(self.tokenizer, messages, gen.tools, self.tool_format)
         # The template already spells the special tokens (BOS, role markers) out.
         ids = self._tokenize(text, add_special=False)
         if self.vision is not None:
@@ -210,6 +204,13 @@ class ApiServer:
         except ValueError as exc:
             raise ApiError(f"seq must be an integer, got {request.query_params.get('seq')!r}") from exc
         return JSONResponse(await self.client.page_events(request.query_params.get("epoch"), seq))
+
+    async def tokenizer_parts(self, request: HttpRequest) -> Response:
+        """This engine's tokenizer, chat template and tool-call format, so that a router tokenizes as it does."""
+        self._check_internal_key(request)
+        if self._tokenizer_parts is None:
+            self._tokenizer_parts = {**self.tokenizer.parts(), "tool_format": self.tool_format}
+        return JSONResponse(self._tokenizer_parts)
 
     # ---- shared machinery --------------------------------------------------------------------
 

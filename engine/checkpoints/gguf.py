@@ -13,10 +13,12 @@ import time
 from collections.abc import Iterator
 from functools import cache, cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +159,7 @@ class GGUFCheckpoint:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor as (Hugging Face name, float32 tensor in Hugging Face layout), logging progress."""
+        import torch  # here, not at the top: the router reads a GGUF file's tokenizer without torch
         from gguf.quants import dequantize
 
         heads = self.hf_config["num_attention_heads"]

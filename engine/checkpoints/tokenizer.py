@@ -3,6 +3,7 @@ Hugging Face folder, or the metadata of a GGUF file."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,14 @@ class ChatTemplateError(ValueError):
 class TextTokenizer:
     """Encodes prompts, decodes outputs and renders chat messages for one checkpoint."""
 
-    def __init__(self, path: str | Path) -> None:
-        gguf_file = find_gguf_file(path)
-        if gguf_file is not None:
-            parts = gguf_tokenizer(open_gguf(gguf_file))
-            tokenizer, bos, eos, template = parts.tokenizer, parts.bos_token, parts.eos_token, parts.chat_template
+    def __init__(self, path: str | Path | None = None, parts: dict[str, Any] | None = None) -> None:
+        """From a checkpoint (`path`), or from another tokenizer's `parts()` (a router's copy of an engine's)."""
+        if parts is not None:
+            tokenizer, bos, eos, template = (Tokenizer.from_str(parts["tokenizer_json"]), parts["bos_token"],
+                                             parts["eos_token"], parts["chat_template"])
+        elif (gguf_file := find_gguf_file(path)) is not None:
+            gguf = gguf_tokenizer(open_gguf(gguf_file))
+            tokenizer, bos, eos, template = gguf.tokenizer, gguf.bos_token, gguf.eos_token, gguf.chat_template
         else:
             tokenizer, bos, eos, template = folder_tokenizer(Path(path))
         self.tokenizer = tokenizer
@@ -35,6 +39,12 @@ class TextTokenizer:
         self.chat_template = template
         self._template: jinja2.Template | None = None
         self._decoded_ids: dict[bool, bytearray] = {}
+
+    def parts(self) -> dict[str, Any]:
+        """Everything that makes this tokenizer, as JSON values; `digest` names them."""
+        parts = {"tokenizer_json": self.tokenizer.to_str(), "bos_token": self.bos_token, "eos_token": self.eos_token,
+                 "chat_template": self.chat_template}
+        return {**parts, "digest": hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]}
 
     @property
     def vocab_size(self) -> int:
