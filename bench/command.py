@@ -62,9 +62,12 @@ PROFILES = {
     "epd": "encoder disaggregation against the unified engine (own flags: bench --profile epd --help)",
     "transfer": "the KV transfer layer against raw Mooncake, memcpy and a socket (own flags: "
                 "bench --profile transfer --help)",
+    "prefix": "cache-aware routing against round-robin on shared-prefix, fresh and multi-turn loads, and one "
+              "cache holding everything as the hit rate's ceiling (own flags: bench --profile prefix --help)",
 }
 # Profiles that parse flags of their own: `bench --profile NAME ...` hands them the rest.
-OWN_FLAGS = {"spec": "splitserve.bench.spec", "epd": "splitserve.bench.epd", "transfer": "splitserve.bench.transfer"}
+OWN_FLAGS = {"spec": "splitserve.bench.spec", "epd": "splitserve.bench.epd", "transfer": "splitserve.bench.transfer",
+             "prefix": "splitserve.bench.prefix_routing"}
 
 
 @dataclass
@@ -271,8 +274,8 @@ def main(argv: list[str]) -> int:
     chosen, rest = profile_only.parse_known_args(argv)
     if chosen.profile in OWN_FLAGS:
         module = importlib.import_module(OWN_FLAGS[chosen.profile])
-        # spec's parser takes --profile itself; the others take the rest of the line.
-        return module.main(argv if chosen.profile == "spec" else rest)
+        # spec's and prefix's parsers take --profile themselves; the others take the rest of the line.
+        return module.main(argv if chosen.profile in ("spec", "prefix") else rest)
     add_config_flags(parser, BenchConfig, "SPLITSERVE_BENCH")
     cfg = config_from_args(BenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH")
     report: dict = {"config": asdict(cfg)}
