@@ -1,4 +1,5 @@
-"""Image preprocessing as a checkpoint's `preprocessor_config.json` says (CLIP's recipe), with Pillow:
+"""Image preprocessing as a checkpoint's `preprocessor_config.json` (or, from transformers 5, the
+`image_processor` object in `processor_config.json`) says (CLIP's recipe), with Pillow:
 convert to RGB (transparency over white), resize the shortest edge, center crop, rescale, normalize.
 
 It reproduces the Hugging Face CLIP image processor step for step (the same PIL resampling, the
@@ -18,6 +19,8 @@ from PIL import Image
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+PREPROCESSOR_CONFIG = "preprocessor_config.json"  # transformers 4: the image processor's own file
+PROCESSOR_CONFIG = "processor_config.json"  # transformers 5: the processor's, the image processor nested in it
 
 
 class ImageProcessorError(ValueError):
@@ -63,11 +66,7 @@ class ClipImageProcessor:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ClipImageProcessor:
-        path = Path(folder) / "preprocessor_config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no preprocessor_config.json in model folder {folder} (a multimodal "
-                                    "checkpoint needs one)")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(image_processor_settings(folder))
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) after resizing: the shortest edge to `shortest_edge`, the other in proportion."""
@@ -92,6 +91,28 @@ class ClipImageProcessor:
         if self.mean is not None and self.std is not None:
             out = (out - np.asarray(self.mean, dtype=np.float32)) / np.asarray(self.std, dtype=np.float32)
         return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1)))
+
+
+def image_processor_settings(folder: str | Path) -> dict[str, Any]:
+    """The image processor's settings in a checkpoint folder, where either transformers generation puts them:
+    transformers 5 nests them under `image_processor` in `processor_config.json`, earlier versions (and most
+    hub folders) write `preprocessor_config.json`. The nested object wins where both are there, as in
+    transformers' own loading."""
+    folder = Path(folder)
+    processor_path, preprocessor_path = folder / PROCESSOR_CONFIG, folder / PREPROCESSOR_CONFIG
+    if processor_path.is_file():
+        processor = json.loads(processor_path.read_text())
+        nested = processor.get("image_processor") if isinstance(processor, dict) else None
+        if nested is not None:
+            if not isinstance(nested, dict):
+                raise ImageProcessorError(f"{processor_path}: image_processor is not an object")
+            return nested
+    if preprocessor_path.is_file():
+        return json.loads(preprocessor_path.read_text())
+    raise FileNotFoundError(
+        f"no image processor settings in model folder {folder}: a multimodal checkpoint needs "
+        f"{PREPROCESSOR_CONFIG} (transformers 4) or {PROCESSOR_CONFIG} with an image_processor object in it "
+        "(transformers 5)")
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

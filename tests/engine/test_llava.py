@@ -62,13 +62,32 @@ def relayout(src: Path, dst: Path, rename) -> Path:
 
 
 def transformers_saved(src: Path, dst: Path) -> Path:
-    """What this transformers version's save_pretrained writes for the same weights."""
+    """What this transformers version writes for the same checkpoint: `LlavaForConditionalGeneration` and
+    `LlavaProcessor` each loaded from `src` and saved with save_pretrained, nothing copied. Transformers 5 puts the
+    image processor's settings under `image_processor` in `processor_config.json` and writes no
+    `preprocessor_config.json`; where the installed transformers (4.x) still writes that file, its settings are
+    moved into `processor_config.json` under `image_processor` here, as transformers 5 does, so the folder has
+    the transformers-5 layout whichever version made it."""
     model = transformers.LlavaForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
     model.save_pretrained(dst)
-    for f in src.iterdir():
-        if not (dst / f.name).exists():
-            (dst / f.name).write_bytes(f.read_bytes())
+    transformers.AutoProcessor.from_pretrained(src).save_pretrained(dst)
+    preprocessor = dst / "preprocessor_config.json"
+    if preprocessor.is_file():
+        processor_path = dst / "processor_config.json"
+        processor = json.loads(processor_path.read_text()) if processor_path.is_file() else {}
+        processor["image_processor"] = json.loads(preprocessor.read_text())
+        processor_path.write_text(json.dumps(processor, indent=2))
+        preprocessor.unlink()
     return dst
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(hub_checkpoint: Path, tmp_path_factory) -> Path:
+    folder = transformers_saved(hub_checkpoint, tmp_path_factory.mktemp("llava-saved"))
+    assert not (folder / "preprocessor_config.json").exists()
+    nested = json.loads((folder / "processor_config.json").read_text())["image_processor"]
+    assert nested["crop_size"] == {"height": 28, "width": 28}
+    return folder
 
 
 def v4_layout(name: str) -> str:  # transformers 4.52-4.57: model.language_model / model.vision_tower
@@ -115,17 +134,50 @@ def transformers_composites_transparency() -> bool:
     return np.array(convert_to_rgb(Image.new("RGBA", (1, 1), (0, 0, 0, 0)))).reshape(-1).tolist() == [255] * 3
 
 
-def test_preprocessing_equals_transformers_image_processor(hub_checkpoint: Path) -> None:
-    ours = ClipImageProcessor.from_folder(hub_checkpoint)
-    hf = pil_image_processor(hub_checkpoint)
+def assert_preprocessing_equals_transformers(folder: Path, crop: tuple[int, int] = (28, 28)) -> None:
+    ours = ClipImageProcessor.from_folder(folder)
+    hf = pil_image_processor(folder)
     composites = transformers_composites_transparency()
     for image in sample_images():
         want = hf(images=[image], return_tensors="pt")["pixel_values"][0]
         # Where this transformers drops alpha, the rest of its pipeline is still compared, on what it saw.
         opaque = image.mode == "RGBA" and not composites
         got = ours(image.convert("RGB") if opaque else image)
-        assert got.shape == want.shape == (3, 28, 28)
+        assert got.shape == want.shape == (3, *crop)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_preprocessing_equals_transformers_image_processor(hub_checkpoint: Path) -> None:
+    """The hub layout: `preprocessor_config.json` (what transformers 4 writes), a processor_config.json
+    without the image processor in it."""
+    assert "image_processor" not in json.loads((hub_checkpoint / "processor_config.json").read_text())
+    assert_preprocessing_equals_transformers(hub_checkpoint)
+
+
+def test_preprocessing_from_transformers_5_processor_config(saved_checkpoint: Path) -> None:
+    """The transformers-5 layout: no preprocessor_config.json, the settings nested in processor_config.json."""
+    assert_preprocessing_equals_transformers(saved_checkpoint)
+
+
+def test_nested_image_processor_wins_over_preprocessor_config(hub_checkpoint: Path, tmp_path: Path) -> None:
+    """With both files there, the nested settings are the ones used, as transformers does."""
+    folder = relayout(hub_checkpoint, tmp_path / "both", lambda name: name)
+    processor = json.loads((folder / "processor_config.json").read_text())
+    settings = json.loads((folder / "preprocessor_config.json").read_text())
+    processor["image_processor"] = {**settings, "size": {"shortest_edge": 21}, "crop_size": {"height": 14,
+                                                                                             "width": 21}}
+    (folder / "processor_config.json").write_text(json.dumps(processor))
+    assert_preprocessing_equals_transformers(folder, crop=(14, 21))
+
+
+def test_folder_without_image_processor_settings_names_both_files(hub_checkpoint: Path, tmp_path: Path) -> None:
+    folder = relayout(hub_checkpoint, tmp_path / "none", lambda name: name)
+    (folder / "preprocessor_config.json").unlink()  # processor_config.json stays, with no image_processor
+    with pytest.raises(FileNotFoundError, match=r"preprocessor_config\.json.*processor_config\.json"):
+        ClipImageProcessor.from_folder(folder)
+    (folder / "processor_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"preprocessor_config\.json.*processor_config\.json"):
+        ClipImageProcessor.from_folder(folder)
 
 
 def test_transparency_is_composited_over_white() -> None:
@@ -159,17 +211,22 @@ def test_placeholders_expand_as_the_transformers_processor_does(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("layout", ["hub", "transformers-save_pretrained", "transformers-4.5x"])
-def test_logits_equal_transformers_for_0_1_2_images(hub_checkpoint: Path, tmp_path: Path, layout: str) -> None:
-    folder = {"hub": lambda: hub_checkpoint,
-              "transformers-save_pretrained": lambda: transformers_saved(hub_checkpoint, tmp_path / "saved"),
+def test_logits_equal_transformers_for_0_1_2_images(hub_checkpoint: Path, saved_checkpoint: Path, tmp_path: Path,
+                                                    layout: str) -> None:
+    """hub: our writer's folder (preprocessor_config.json); transformers-save_pretrained: model and processor
+    saved by the installed transformers (transformers 5: processor_config.json with the image processor nested);
+    transformers-4.5x: 4.52-4.57 tensor names with preprocessor_config.json."""
+    folder = {"hub": lambda: hub_checkpoint, "transformers-save_pretrained": lambda: saved_checkpoint,
               "transformers-4.5x": lambda: relayout(hub_checkpoint, tmp_path / "v4", v4_layout)}[layout]()
     names = load_file(folder / "model.safetensors").keys()
     assert any(n.startswith({"hub": "vision_tower.vision_model.", "transformers-save_pretrained": "vision_tower.",
                              "transformers-4.5x": "model.vision_tower."}[layout]) for n in names)
-    hf = transformers.LlavaForConditionalGeneration.from_pretrained(hub_checkpoint, dtype=torch.float32).eval()
-    proc = transformers.AutoProcessor.from_pretrained(hub_checkpoint)
+    reference = saved_checkpoint if layout == "transformers-save_pretrained" else hub_checkpoint
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(reference, dtype=torch.float32).eval()
+    proc = transformers.AutoProcessor.from_pretrained(reference)
     mc = ModelConfig.from_folder(folder)
     assert mc.vision is not None
+    ClipImageProcessor.from_folder(folder)  # the folder's preprocessing loads (its equality has its own tests)
     for n, text in PROMPTS.items():
         images = sample_images(seed=n)[:n]
         hf_in = proc(text=text, images=images or None, return_tensors="pt", add_special_tokens=False)
