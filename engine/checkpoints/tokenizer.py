@@ -107,6 +107,8 @@ def folder_tokenizer(folder: Path) -> tuple[Tokenizer, str | None, str | None, s
     if isinstance(template, list):  # named templates: take the default one
         named = {t["name"]: t["template"] for t in template}
         template = named.get("default", next(iter(named.values()), None))
+    if template is None and (folder / "chat_template.jinja").is_file():  # where transformers 5 saves it
+        template = (folder / "chat_template.jinja").read_text()
     return Tokenizer.from_file(str(path)), _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")), \
         template
 

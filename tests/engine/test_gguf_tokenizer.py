@@ -72,3 +72,4 @@ def test_chat_template_from_metadata_renders_as_transformers_does(ours: TextToke
         want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert ours.apply_chat_template(messages) == want
         assert want.startswith("<|im_start|>system\n") and want.endswith("<|im_start|>assistant\n")
+
