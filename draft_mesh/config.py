@@ -45,7 +45,9 @@ class SpecConfig:
                 "while its budget is spent. On by default: on an H200 (spec bench, 96-token runs, exact "
                 "drafter) it kept every batch 1/8/32, K=2/4/8 cell at 1.02x of plain or better (batch 1 "
                 "1.49/1.82/2.24x) where the gate alone lost 0.92-0.95x at batch 32 K=2. "
-                "--no-speculation-budget: the gate's rates alone decide. What /health and the metrics show of "
+                "--no-speculation-budget: the gate's rates alone decide. Probes that get no drafts (a drafter still "
+                "taking the requests in) count as no evidence, and a debt is forgiven after a bounded, growing wait, "
+                "so a drafter's warm-up does not keep speculation off. What /health and the metrics show of "
                 "the budget is accounted either way"})
     speculation_margin: float = field(default=MARGIN, metadata={
         "help": "with the speculation budget: of decoding time at each batch, what speculating may lose against "
@@ -67,7 +69,8 @@ class SpecConfig:
                 "requests share its step nor on how many: greedy output with drafts is then plain decoding's "
                 "bit for bit in bfloat16 at every batch, as long as no prompt chunk shares a step with decoding "
                 "requests (such a step takes the extend path, whose rows round otherwise). GPU only; the CPU "
-                "reference is exact already. Its cost: benchmarks/results/NOTES-issue13.md"})
+                "reference is exact already. It costs speed: every step takes the row-invariant projections and the "
+                "one split count"})
     draft_rpc_timeout_s: float = field(default=0.5, metadata={
         "help": "seconds a Join/Heartbeat call may take before it counts as unanswered"})
     draft_silent_after_s: float = field(default=1.0, metadata={
@@ -85,7 +88,7 @@ class SpecConfig:
         "help": "the drafter's overlap scheduler: its next step queued on the device before the last one's token is "
                 "read back, so a drafter sharing its verifier's GPU holds work whenever it gets the device. On an "
                 "H200 beside an 8B verifier, batch 1, K=2/4/8: 1.21/1.89/2.32x of plain decoding with it, "
-                "0.91/1.06/1.02x without it (one lease)"})
+                "0.91/1.06/1.02x without it (one run)"})
     drafter_prefix_cache: bool = field(default=True, metadata={
         "help": "the drafter's radix prefix cache: a synced request prefills only the part of its prompt (and "
                 "committed output) the drafter has not cached, as the verifier's prefill does. A drafted "
@@ -94,7 +97,7 @@ class SpecConfig:
                 "(--no-drafter-prefix-cache: every sync prefilled whole)"})
     drafter_cudnn_attention: bool = field(default=True, metadata={
         "help": "the drafter process's one-prompt prefills may attend through cuDNN (torch SDPA's backend). "
-                "cuDNN builds a plan per new sequence length (50-110 ms each on an H200, issue 16's sweep), and "
+                "cuDNN builds a plan per new sequence length (50-110 ms each on an H200, measured), and "
                 "a drafter prefills every synced request at a length of its own (on the H200 two of its steps at a "
                 "run's start took ~100 ms and a K=2 run had no draft for 220 ms: the likely cause, not shown). "
                 "The runner's cuDNN prompt buckets (engine/layers/prompt_attention.py, built at warm-up) now cover "
