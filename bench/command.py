@@ -62,7 +62,7 @@ PROFILES = {
     "epd": "encoder disaggregation against the unified engine (own flags: bench --profile epd --help)",
     "transfer": "the KV transfer layer against raw Mooncake, memcpy and a socket (own flags: "
                 "bench --profile transfer --help)",
-    "prefix": "cache-aware routing against round-robin on shared-prefix, fresh and multi-turn loads, and one "
+    "prefix": "cache-aware routing against least-loaded routing on shared-prefix, fresh and multi-turn loads, and one "
               "cache holding everything as the hit rate's ceiling (own flags: bench --profile prefix --help)",
 }
 # Profiles that parse flags of their own: `bench --profile NAME ...` hands them the rest.

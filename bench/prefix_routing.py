@@ -1,4 +1,4 @@
-"""`splitserve bench --profile prefix`: cache-aware routing against round-robin routing, in one run.
+"""`splitserve bench --profile prefix`: cache-aware routing against least-loaded routing, in one run.
 
 Three loads, each replayed through `splitserve up --unified N` twice (the router choosing by cached prefix,
 then by load alone), and the shared-prefix load once more on one engine with N times the KV (the cache that
@@ -230,7 +230,7 @@ def run(cfg: PrefixBenchConfig) -> dict[str, Any]:
     loads = {name: loads[name] for name in cfg.loads}
     report: dict[str, Any] = {"config": dataclasses.asdict(cfg)}
     report["cache-aware"] = run_deployment(cfg, cfg.engines, cfg.kv_tokens, "cache-aware", loads)
-    report["round-robin"] = run_deployment(cfg, cfg.engines, cfg.kv_tokens, "round-robin", loads)
+    report["least-loaded"] = run_deployment(cfg, cfg.engines, cfg.kv_tokens, "least-loaded", loads)
     if "shared" in loads:
         report["one-cache"] = run_deployment(cfg, 1, cfg.kv_tokens * cfg.engines, "cache-aware",
                                              {"shared": loads["shared"]})
@@ -239,7 +239,7 @@ def run(cfg: PrefixBenchConfig) -> dict[str, Any]:
 
 def print_report(report: dict[str, Any]) -> None:
     for load in report["config"]["loads"]:
-        for routing in ("cache-aware", "round-robin", "one-cache"):
+        for routing in ("cache-aware", "least-loaded", "one-cache"):
             r = report.get(routing, {}).get(load)
             if r is None:
                 continue
@@ -248,18 +248,18 @@ def print_report(report: dict[str, Any]) -> None:
                   f"p99 {r['ttft_s']['p99'] * 1e3:7.1f} ms | ITL p50 {r['itl_s']['p50'] * 1e3:6.2f} ms "
                   f"p99 {r['itl_s']['p99'] * 1e3:6.2f} ms | {r['output_tokens_per_s']:7.1f} tok/s | "
                   f"{r['failed']}/{r['requests']} failed")
-    ca, rr, one = report["cache-aware"], report["round-robin"], report.get("one-cache", {})
+    ca, rr, one = report["cache-aware"], report["least-loaded"], report.get("one-cache", {})
     if "shared" in ca and "shared" in one:
         print(f"shared: cache-aware hit rate / one cache's: {ca['shared']['hit_rate'] / one['shared']['hit_rate']:.3f}"
-              f"; round-robin's / one cache's: {rr['shared']['hit_rate'] / one['shared']['hit_rate']:.3f}")
-        print(f"shared: TTFT p50 round-robin / cache-aware: "
+              f"; least-loaded's / one cache's: {rr['shared']['hit_rate'] / one['shared']['hit_rate']:.3f}")
+        print(f"shared: TTFT p50 least-loaded / cache-aware: "
               f"{rr['shared']['ttft_s']['p50'] / ca['shared']['ttft_s']['p50']:.2f}")
     if "fresh" in ca:
-        print(f"fresh: throughput cache-aware / round-robin: "
+        print(f"fresh: throughput cache-aware / least-loaded: "
               f"{ca['fresh']['output_tokens_per_s'] / rr['fresh']['output_tokens_per_s']:.3f}")
     if "multiturn" in ca:
         print(f"multiturn: hit rate cache-aware {ca['multiturn']['hit_rate']:.3f}, "
-              f"round-robin {rr['multiturn']['hit_rate']:.3f}")
+              f"least-loaded {rr['multiturn']['hit_rate']:.3f}")
     decisions = ca.get("router", {})
     count = decisions.get("splitserve_router_route_decision_seconds_count", 0)
     if count:

@@ -27,12 +27,15 @@ from splitserve.api.http_request import error_response, read_json, wait_for_disc
 from splitserve.api.openai_protocol import ApiError
 from splitserve.engine.multimodal.image_inputs import ImageInputConfig
 from splitserve.router.backend_pool import BackendPool, NoBackend, Overloaded
+from splitserve.router.cache_routing import CacheAwareRouting
 from splitserve.router.config import RouterConfig
 from splitserve.router.endpoints_watch import SERVICE_ACCOUNT_DIR, EndpointsWatch, InClusterAccess
 from splitserve.router.fan_out import fan_out, split_sequences
 from splitserve.router.health_prober import HealthProber
 from splitserve.router.image_encoding import EncodersUnavailable, ImageEncoding
+from splitserve.router.kv_events import KVEventsPoller
 from splitserve.router.pair_routing import Answer, PairRouter, PrefillAffinity
+from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.upstream import EJECTING_KINDS, UpstreamFailure, sse_error_event
 
 logger = logging.getLogger(__name__)
@@ -106,8 +109,17 @@ class Router:
         self.ejections = Gauge("splitserve_router_backend_ejections", "Times a backend was ejected",
                                ["role", "url"], registry=self.registry)
         self.images = ImageEncoding(self.pool, self.client, images or ImageInputConfig(), cfg.transfer_control_key)
+        self.kv_events: KVEventsPoller | None = None
+        routing = None
+        if cfg.routing == "cache-aware":
+            index = PrefixIndex(approximate_pages=cfg.approximate_cache_pages)
+            cached_role = "prefill" if cfg.disaggregated else "unified"
+            self.kv_events = KVEventsPoller(index, self.client, lambda: self.pool.urls(cached_role),
+                                            cfg.transfer_control_key, cfg.kv_events_interval_s)
+            routing = CacheAwareRouting(index, self.kv_events, cfg.cache_aware_max_load_tokens, self.registry)
         self.pairs = PairRouter(self.pool, self.client, cfg.transfer_control_key, cfg.retries, self.retries.inc,
-                                prepare=self.images.prepare)  # images go to encoders, when there are any
+                                prepare=self.images.prepare,  # images go to encoders, when there are any
+                                routing=routing)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -121,6 +133,8 @@ class Router:
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         await self.prober.probe_due()  # serve knowing who is up (and every prefill's bootstrap port)
         tasks = [asyncio.ensure_future(self.prober.run())]
+        if self.kv_events is not None:
+            tasks.append(asyncio.ensure_future(self.kv_events.run()))
         if self.cfg.kube_group:
             tasks.append(asyncio.ensure_future(self._watch_endpoints()))
         yield

@@ -62,12 +62,15 @@ class Lease:
 
     def __init__(self, pool: BackendPool, backend: Backend) -> None:
         self.pool, self.backend, self.released = pool, backend, False
+        self.on_release: list[Callable[[], None]] = []  # what else ends with the lease (a routing choice's load)
         backend.in_flight += 1
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.backend.in_flight -= 1
+            for done in self.on_release:
+                done()
             self.pool._drop_if_drained(self.backend)
 
 
@@ -126,11 +129,11 @@ class BackendPool:
         return sum(b.routable for b in self._roles[role].values())
 
     def pick(self, role: str, avoid: set[str] = frozenset(), never: set[str] = frozenset(),  # type: ignore[assignment]
-             prefer: str | None = None) -> Lease:
-        """Leases the least-loaded routable backend of ``role``: one not in ``avoid`` if there is
-        one, never one in ``never``; ``prefer`` if it is among those and under its limit (the
-        samples of one prompt share a prefill). Raises NoBackend, or Overloaded when all are at
-        the limit."""
+             prefer: str | None = None, choose: Callable[[list[Backend]], Backend] | None = None) -> Lease:
+        """Leases the least-loaded routable backend of ``role`` (or the one ``choose`` picks of them, in
+        round-robin order): one not in ``avoid`` if there is one, never one in ``never``; ``prefer`` if
+        it is among those and under its limit (the samples of one prompt share a prefill). Raises
+        NoBackend, or Overloaded when all are at the limit."""
         candidates = [b for b in self._roles[role].values() if b.routable and b.url not in never]
         if not candidates:
             raise NoBackend(f"no healthy {role} backend" + (" left to retry on" if never else ""))
@@ -141,8 +144,19 @@ class BackendPool:
         sticky = next((b for b in preferred if b.url == prefer), None)
         if sticky is not None:
             return Lease(self, sticky)
+        if choose is not None:
+            chosen = choose(self._in_turn(role, preferred))
+            self._last_pick[role] = chosen.url
+            return Lease(self, chosen)
         least = min(b.in_flight for b in preferred)
         return Lease(self, self._next_in_turn(role, [b for b in preferred if b.in_flight == least]))
+
+    def _in_turn(self, role: str, backends: list[Backend]) -> list[Backend]:
+        """`backends` in round-robin order: the first after the role's last pick first."""
+        order = list(self._roles[role])
+        last = self._last_pick.get(role)
+        start = order.index(last) + 1 if last in order else 0
+        return sorted(backends, key=lambda b: (order.index(b.url) - start) % len(order))
 
     def _next_in_turn(self, role: str, tied: list[Backend]) -> Backend:
         """Of equally loaded backends, the first after the role's last pick (round robin): a

@@ -33,6 +33,18 @@ class RouterConfig:
     max_in_flight_per_backend: int = field(default=256, metadata={
         "help": "requests in flight on one engine; when every healthy one is full, 503 with Retry-After"})
     retry_after_s: int = field(default=1, metadata={"help": "the Retry-After of a 503 for a full router"})
+    routing: str = field(default="cache-aware", metadata={
+        "help": "how a unified replica or a prefill engine is chosen: cache-aware (where the longest cached prefix "
+                "of the prompt is, balanced against load; see docs/routing.md) or least-loaded (fewest requests in "
+                "flight, ties in turn)", "choices": ("cache-aware", "least-loaded")})
+    cache_aware_max_load_tokens: int = field(default=16384, metadata={
+        "help": "cache-aware: a backend whose in-flight prompt tokens (uncached) reach this is saturated and "
+                "loses its stickiness; the request goes where it adds least work"})
+    kv_events_interval_s: float = field(default=0.05, metadata={
+        "help": "cache-aware: seconds between polls of each engine's page events"})
+    approximate_cache_pages: int = field(default=1 << 17, metadata={
+        "help": "cache-aware, for engines that publish no page events: pages remembered per engine from the "
+                "prompts sent to it"})
     kube_group: str = field(default="", metadata={
         "help": "in a Kubernetes pod: find the prefill and decode engines by watching the Endpoints of this "
                 "ServingGroup's role Services (instead of --prefill/--decode URLs)"})
@@ -52,6 +64,9 @@ class RouterConfig:
                      "eject_backoff_s", "eject_backoff_max_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.kv_events_interval_s <= 0 or self.cache_aware_max_load_tokens < 1 or self.approximate_cache_pages < 1:
+            raise ValueError("kv_events_interval_s, cache_aware_max_load_tokens and approximate_cache_pages "
+                             "must be > 0")
         if self.max_in_flight < 1 or self.max_in_flight_per_backend < 1:
             raise ValueError("max_in_flight and max_in_flight_per_backend must be >= 1")
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from splitserve.router.backend_pool import Backend, BackendPool, Lease, NoBackend
+from splitserve.router.cache_routing import CacheAwareRouting, RoutePlan
 from splitserve.router.upstream import (
     EJECTING_KINDS,
     UpstreamFailure,
@@ -105,9 +106,11 @@ class PairRouter:
     """Runs requests on pairs (or unified replicas) from the pool, with retries."""
 
     def __init__(self, pool: BackendPool, client: httpx.AsyncClient, key: str, retries: int,
-                 on_retry=lambda: None, prepare=None) -> None:
+                 on_retry=lambda: None, prepare=None, routing: CacheAwareRouting | None = None) -> None:
         self.pool, self.client, self.key, self.retries = pool, client, key, retries
         self.on_retry = on_retry
+        # Chooses the unified replica or the prefill by cached prefix (None: by load alone).
+        self.routing = routing
         # Per attempt, before any backend is leased: the images sent to encoders (new rooms each time);
         # returns an object with the attempt's `body` and the `encoders` to watch.
         self.prepare = prepare
@@ -120,18 +123,20 @@ class PairRouter:
         avoid: set[str] = set()  # backends of failed attempts: others first
         never: set[str] = set()  # backends that failed themselves
         last: UpstreamFailure | None = None
+        plan = self.routing.plan(path, body) if self.routing is not None else None
         for attempt in range(1 + max(0, self.retries)):
             prepared = await self.prepare(body) if self.prepare is not None else None
             attempt_body = prepared.body if prepared is not None else body
             encoders = prepared.encoders if prepared is not None else []
             try:
-                main = self.pool.pick("decode" if disaggregated else "unified", avoid, never)
+                main = self._pick("decode" if disaggregated else "unified", avoid, never,
+                                  plan=None if disaggregated else plan)
             except NoBackend:
                 if last is not None:
                     raise last from None
                 raise
             try:
-                prefill = (self.pool.pick("prefill", avoid, never, affinity.url if affinity else None)
+                prefill = (self._pick("prefill", avoid, never, affinity.url if affinity else None, plan)
                            if disaggregated else None)
             except BaseException:
                 main.release()
@@ -156,6 +161,15 @@ class PairRouter:
                     never.add(failure.backend.url)
         assert last is not None
         raise last
+
+    def _pick(self, role: str, avoid: set[str], never: set[str], prefer: str | None = None,
+              plan: RoutePlan | None = None) -> Lease:
+        """A lease on a backend of `role`: by cached prefix and load with a plan, else by load."""
+        if plan is None:
+            return self.pool.pick(role, avoid, never, prefer)
+        lease = self.pool.pick(role, avoid, never, prefer, choose=plan.choose)
+        lease.on_release.append(plan.take_release())
+        return lease
 
     async def _attempt(self, prefill: Lease | None, main: Lease, path: str, body: dict, stream: bool,
                        encoders: list[Backend] | None = None) -> Answer:

@@ -1,0 +1,91 @@
+"""Cache-aware routing through real engines: a prompt goes where its prefix is cached (the engines' page
+events tell the router), a new prefix goes where it adds least work, and the router's tokenizer is the
+engines' own (fetched from them), for completions and chats alike."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+from server_group import ServerGroup
+from servers import TEST_CONTROL_KEY
+
+from splitserve.engine.checkpoints.tiny_model import tiny_model_folder
+
+pytestmark = pytest.mark.slow
+
+ENGINE = ["--served-model-name", "m", "--device", "cpu", "--page-size", "4", "--max-total-tokens", "4096",
+          "--transfer-control-key", TEST_CONTROL_KEY]
+PREFIX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    g = ServerGroup(tmp_path_factory.mktemp("cache-aware"), tiny_model_folder(0), ENGINE)
+    urls = [g.engine(f"unified-{i}", "unified") for i in range(3)]
+    for name, routing in (("router", "cache-aware"), ("router-least-loaded", "least-loaded")):
+        g.start(name, ["router", "--unified", *urls, "--routing", routing, "--transfer-control-key",
+                       TEST_CONTROL_KEY, "--kv-events-interval-s", "0.05", "--health-interval-s", "0.5"])
+    try:
+        g.wait()
+        yield g
+    finally:
+        g.stop()
+
+
+def complete(router: str, prompt: list[int]) -> dict:
+    r = httpx.post(f"{router}/v1/completions", timeout=60, json={
+        "model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def cached(usage: dict) -> int:
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+def run_turns(router: str, seed: int) -> list[int]:
+    """Seven prefixes (not a multiple of the three engines, so turns in order do not line up with them), each
+    asked four times with a fresh question: the cached tokens of every repeat."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 250) for _ in range(PREFIX_LEN)] for _ in range(7)]
+    hits = []
+    for turn in range(4):
+        for prefix in prefixes:
+            usage = complete(router, prefix + [rng.randrange(3, 250) for _ in range(9)])
+            if turn:
+                hits.append(cached(usage))
+    return hits
+
+
+def test_repeats_of_a_prefix_find_it_cached_where_least_loaded_routing_does_not(group) -> None:
+    aware = run_turns(group.url("router"), seed=1)
+    assert all(h >= PREFIX_LEN for h in aware), aware  # every repeat found its whole prefix
+    blind = run_turns(group.url("router-least-loaded"), seed=2)  # requests in turn over three engines
+    assert sum(h >= PREFIX_LEN for h in blind) <= len(blind) // 2, blind
+    metrics = httpx.get(f"{group.url('router')}/metrics", timeout=10).text
+    assert 'splitserve_router_route_decisions_total{reason="cache"}' in metrics
+    assert "splitserve_router_route_decision_seconds_count" in metrics
+
+
+def test_chat_turns_of_one_conversation_stay_where_their_history_is(group) -> None:
+    router = group.url("router")
+    messages = [{"role": "system", "content": "You answer briefly. " * 12}]
+    hits = []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"question number {turn} about the weather in town {turn}"})
+        r = httpx.post(f"{router}/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": messages, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        hits.append(cached(answer["usage"]) / answer["usage"]["prompt_tokens"])
+        messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"] or "ok"})
+    assert min(hits[1:]) > 0.5, hits  # each turn reuses the history the previous turn left
+
+
+def test_the_router_tokenizes_with_the_engines_tokenizer(group) -> None:
+    parts = httpx.get(f"{group.url('unified-0')}/internal/tokenizer", timeout=10,
+                      headers={"x-splitserve-key": TEST_CONTROL_KEY}).json()
+    assert {"tokenizer_json", "chat_template", "digest", "tool_format"} <= set(parts)
+    assert httpx.get(f"{group.url('unified-0')}/internal/tokenizer", timeout=10).status_code == 401
