@@ -54,6 +54,10 @@ class EngineConfig:
                 "burst's prompts get their first tokens sooner)"})
     context_length: int | None = field(default=None, metadata={"help": "max tokens per request (default: model's)"})
     disable_prefix_cache: bool = field(default=False, metadata={"help": "turn off the radix prefix cache"})
+    host_kv_tokens: int = field(default=0, metadata={
+        "help": "a host-memory tier of this many tokens' KV pages under the prefix cache (pinned on CUDA): pages "
+                "the device cache evicts are written back there, by page hash, and loaded again when a prompt "
+                "continues past its device match (docs/kv_tiers.md); 0: off"})
     tp_size: int = field(default=1, metadata={
         "help": "tensor-parallel size: this process is rank 0 and starts the other ranks as processes"})
     dist_init_addr: str | None = field(default=None, metadata={
@@ -111,6 +115,10 @@ class EngineConfig:
             raise ValueError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.host_kv_tokens < 0 or 0 < self.host_kv_tokens < self.page_size:
+            raise ValueError(f"--host-kv-tokens must be 0 (off) or >= --page-size, got {self.host_kv_tokens}")
+        if self.host_kv_tokens and self.tp_size > 1:
+            raise ValueError("--host-kv-tokens does not work with --tp-size > 1 yet")
         if self.piecewise_graph_tokens < -1:
             raise ValueError(f"--piecewise-graph-tokens must be >= 0, or -1 for the default, got "
                              f"{self.piecewise_graph_tokens}")

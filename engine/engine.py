@@ -24,6 +24,7 @@ from splitserve.engine.checkpoints.tokenizer import TextTokenizer
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.grammar.compiler import GrammarCompiler
 from splitserve.engine.grammar.slots import GrammarSlots
+from splitserve.engine.host_kv import HostKVPool
 from splitserve.engine.kv_cache import KVCache, KVUsage
 from splitserve.engine.metrics import EngineMetrics, observe_times
 from splitserve.engine.page_events import PageEvents
@@ -43,6 +44,7 @@ from splitserve.engine.tp.supervisor import TensorParallelSupervisor
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
+HOST_LOAD_POLL_S = 0.0002  # the idle loop's poll while a request waits for its pages from the host tier
 RETRY_AFTER_S = 1  # what an overloaded engine tells clients to wait
 
 
@@ -107,9 +109,13 @@ class Engine:
         self.context_length = self.runner.context_length
         # The full pages the prefix cache holds, as events routers poll (`/internal/kv_events`).
         self.page_events = PageEvents(cfg.page_size)
+        # --host-kv-tokens: pages the prefix cache evicts go to host memory and come back from there.
+        self.host_kv = (HostKVPool(self.runner.kv_pool.buffer, cfg.host_kv_tokens // cfg.page_size)
+                        if cfg.host_kv_tokens > 0 and not cfg.disable_prefix_cache else None)
         self.kv = KVCache(self.runner.kv_shape.num_pages, cfg.page_size, cfg.max_running_requests,
                           self.context_length, self.runner.device, prefix_caching=not cfg.disable_prefix_cache,
-                          copy_page=self.runner.copy_kv_page, page_events=self.page_events)
+                          copy_page=self.runner.copy_kv_page, page_events=self.page_events, host=self.host_kv)
+        self._host_kv_published = (0, 0, 0)  # hit tokens, pages written, pages loaded: as last published
         if self.tp_supervisor is not None:
             self.tp_supervisor.attach(self.runner, self.kv.page_table, self.kv.padding_slot)
         self.runner.capture_decode_graphs(self.kv.page_table, self.kv.padding_slot)
@@ -215,6 +221,8 @@ class Engine:
             self.tp_supervisor.stop(graceful=self._thread is None or not self._thread.is_alive())
         if self._thread is None or not self._thread.is_alive():
             gc.unfreeze()  # the runner's cycles (its graphs) must be collectable again
+            if self.host_kv is not None:
+                self.host_kv.close()
             self.runner.close()  # the device memory goes back: another engine may start in this process
 
     def submit(self, req: Request, admitted: bool = False) -> None:
@@ -331,6 +339,8 @@ class Engine:
                     self._fail_engine(lost)
             self._drain_inbox()
             self.role.poll()
+            if self.host_kv is not None:
+                self.kv.reap_loads()
             plan = self.scheduler.schedule()
             for req in plan.cache_full:
                 self.finish(req, FinishReason.LENGTH)
@@ -353,7 +363,9 @@ class Engine:
             self._after_step()
             if not plan:
                 # Idle: sleep until a request arrives, but keep polling the role's transfers.
-                self._wake.wait(timeout=self.role.idle_poll_interval() or IDLE_WAIT_S)
+                # (A request waiting for a host-tier load runs as soon as it lands.)
+                idle = HOST_LOAD_POLL_S if self.kv.loading else self.role.idle_poll_interval() or IDLE_WAIT_S
+                self._wake.wait(timeout=idle)
                 self._wake.clear()
         if self._inflight is not None:
             self._complete(self._inflight)
@@ -661,3 +673,19 @@ class Engine:
         pc = self.kv.prefix_cache
         if pc.queried_tokens:
             self.metrics.prefix_hit_rate.set(pc.hit_tokens / pc.queried_tokens)
+        if self.host_kv is not None:
+            self._publish_host_kv()
+
+    def _publish_host_kv(self) -> None:
+        host, m = self.host_kv, self.metrics
+        assert host is not None
+        hits, written, loaded = self._host_kv_published
+        m.host_kv_hit_tokens.inc(host.hit_tokens - hits)
+        m.host_kv_written_bytes.inc((host.written_pages - written) * host.page_bytes)
+        m.host_kv_loaded_bytes.inc((host.loaded_pages - loaded) * host.page_bytes)
+        self._host_kv_published = (host.hit_tokens, host.written_pages, host.loaded_pages)
+        for seconds in host.load_seconds:
+            m.host_kv_load_seconds.observe(seconds)
+        host.load_seconds.clear()
+        m.host_kv_pages.set(host.held)
+        m.host_kv_capacity_pages.set(host.capacity)

@@ -13,6 +13,12 @@ partial last page of a running request's computed prompt, which `publish_prompt`
 path while the request holds it (the n samples of one prompt), or such a page the prefix cache
 kept when its request ended with no output in it (`release`: a prefill engine's request). Only
 the last token then runs.
+
+Host tier (`host`, engine/host_kv.py): where the device match ends, the prompt's following full pages
+are looked up by page hash in the host pool; the hits are loaded into fresh pages and hung in the
+prefix tree below the match (locked by the request like any matched page, counted in `cached_len`).
+On CUDA the load is asynchronous: the request, and any other that matches those pages before the load
+is done, waits (`waits_for_load`) while the other requests run.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.host_kv import HostKVPool, PendingLoad
 from splitserve.engine.page_allocator import OutOfPagesError, PageAllocator
 from splitserve.engine.page_events import PageEvents
+from splitserve.engine.page_hash import next_hash
 from splitserve.engine.prefix_cache import PrefixCache, PrefixMatch, TreeNode
 from splitserve.engine.request import Request
 from splitserve.engine.runner.host_to_device import to_device
@@ -54,7 +62,8 @@ class KVCache:
 
     def __init__(self, num_pages: int, page_size: int, max_slots: int, max_context: int,
                  device: torch.device, prefix_caching: bool = True,
-                 copy_page: Callable[[int, int], None] | None = None, page_events: PageEvents | None = None) -> None:
+                 copy_page: Callable[[int, int], None] | None = None, page_events: PageEvents | None = None,
+                 host: HostKVPool | None = None) -> None:
         self.page_size = page_size
         self.copy_page = copy_page  # (src, dst): the runner's copy of one KV page (None: never copy)
         # Request id -> its computed prompt's tail (path node, tokens, page); one holder's is listed.
@@ -63,6 +72,14 @@ class KVCache:
         self.max_pages_per_request = -(-max_context // page_size)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(page_size, self.allocator, enabled=prefix_caching, events=page_events)
+        # The host tier (None: off; nothing to do without a prefix cache).
+        self.host = host if prefix_caching else None
+        if self.host is not None:
+            self.prefix_cache.spill = self.host.write_back
+            self.prefix_cache.on_flush = self.host.clear
+        # Loads in flight (CUDA): per request that waits for them, and per tree node they fill.
+        self._loads: dict[str, list[PendingLoad]] = {}
+        self._loading_nodes: dict[TreeNode, PendingLoad] = {}
         # The request-to-page table: row `slot` lists the request's pages in order. The runner
         # gathers token locations from it on the device, without rebuilding lists every step.
         # One extra row, never handed out, points at the scratch page: padded rows (CUDA-graph
@@ -102,6 +119,10 @@ class KVCache:
             raise OutOfPagesError("no free request slot")
         match = self.prefix_cache.match(req.cache_ids, max_prefix_tokens)
         self.prefix_cache.lock(match.node)
+        if self._loading_nodes:
+            self._wait_for_loads_on_path(req, match.node)
+        if self.host is not None and self.host.held:
+            match = self._load_from_host(req, match, max_prefix_tokens)
         req.slot = self._free_slots.pop()
         req.prefix_node = match.node
         req.pages = list(match.pages)
@@ -110,6 +131,85 @@ class KVCache:
             self.page_table[req.slot, : match.num_pages] = to_device(match.pages, torch.int32, self.page_table.device)
         if copy_partial and self.copies_partial_pages:
             self._copy_partial_page(req, match, max_prefix_tokens)
+
+    def _load_from_host(self, req: Request, match: PrefixMatch, max_prefix_tokens: int) -> PrefixMatch:
+        """Continues `match` (locked) with the prompt's next full pages found in the host tier, loaded into
+        fresh pages and hung in the tree; returns the longer match, locked instead of `match`."""
+        host = self.host
+        assert host is not None
+        ps, key = self.page_size, req.cache_ids
+        limit = min(max_prefix_tokens, len(key)) // ps
+        start = match.num_pages
+        h = match.node.hash
+        if start >= limit or h is None:
+            return match
+        hashes: list[int] = []
+        chunks: list[tuple[int, ...]] = []
+        for i in range(start, limit):
+            chunk = tuple(key[i * ps:(i + 1) * ps])
+            h = next_hash(h, chunk)
+            if h not in host:
+                break
+            hashes.append(h)
+            chunks.append(chunk)
+        if not hashes:
+            return match
+        # Pinned first: taking device pages may evict some, which writes back, which may evict host pages.
+        slots = host.pin(hashes)
+        n = min(len(hashes), self.available_pages())
+        pages = self.take_pages(n) if n else None
+        if pages is None:
+            host.unpin(slots)
+            return match
+        host.unpin(slots[n:])
+        load = host.load(slots[:n], pages)
+        node = self.prefix_cache.extend(match.node, chunks[:n], pages)  # new nodes: nothing on this path
+        self.prefix_cache.lock(node)
+        self.prefix_cache.unlock(match.node)
+        host.hit_tokens += n * ps
+        if load is not None:
+            self._loads.setdefault(req.request_id, []).append(load)
+            walk = node
+            while walk is not match.node:
+                load.nodes.append(walk)
+                self._loading_nodes[walk] = load
+                walk = walk.parent  # type: ignore[assignment]
+        return PrefixMatch(pages=[*match.pages, *pages], node=node)
+
+    def _wait_for_loads_on_path(self, req: Request, node: TreeNode) -> None:
+        """`req` matched pages a load still fills (another request's): it waits for that load too."""
+        waits: list[PendingLoad] = []
+        while node.parent is not None:
+            load = self._loading_nodes.get(node)
+            if load is not None and load not in waits:
+                waits.append(load)
+            node = node.parent
+        if waits:
+            self._loads.setdefault(req.request_id, []).extend(waits)
+
+    @property
+    def loading(self) -> bool:
+        """Whether any request waits for a host load (CUDA)."""
+        return bool(self._loads)
+
+    def waits_for_load(self, req: Request) -> bool:
+        """Whether `req`'s pages are still being loaded from the host tier (it must not run yet)."""
+        loads = self._loads.get(req.request_id)
+        if loads is None:
+            return False
+        if all(load.ready() for load in loads):
+            del self._loads[req.request_id]
+            return False
+        return True
+
+    def reap_loads(self) -> None:
+        """Bookkeeping of the host loads that completed (their host pages unpinned, latencies noted)."""
+        if self.host is None:
+            return
+        for load in self.host.reap():
+            for node in load.nodes:
+                if self._loading_nodes.get(node) is load:
+                    del self._loading_nodes[node]
 
     def _copy_partial_page(self, req: Request, match: PrefixMatch, max_prefix_tokens: int) -> None:
         """The tokens past the matched pages, up to `max_prefix_tokens` (fewer than a page), copied
@@ -125,6 +225,8 @@ class KVCache:
         pages = self.take_pages(1)
         if pages is None:
             return
+        if self._loading_nodes and self.host is not None:
+            self.host.fence()  # the source page may be one a load still fills
         self.copy_page(src, pages[0])  # type: ignore[misc]  (copies_partial_pages: set)
         req.pages.append(pages[0])
         self.page_table[req.slot, match.num_pages] = to_device(pages, torch.int32, self.page_table.device)
@@ -224,6 +326,13 @@ class KVCache:
         """Gives back everything `req` holds; its computed full pages go to the prefix cache."""
         if req.slot < 0:
             return
+        loads = self._loads.pop(req.request_id, None)
+        if loads and self.page_table.device.type == "cuda":
+            # Its pages may be freed or evicted now: nothing queued later may touch them before they are loaded.
+            main = torch.cuda.current_stream(self.page_table.device)
+            for load in loads:
+                if not load.ready():
+                    main.wait_event(load.event)
         self._unlist_tail(req)  # before its page is freed: nobody may copy it any more
         own_tokens = req.cache_ids[: req.kv_len] if cache_prefix else []
         if cache_prefix:

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0, 30.0, 60.0)
+HOST_LOAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class EngineMetrics:
@@ -65,6 +66,21 @@ class EngineMetrics:
         self.spec_gate_saved_seconds = Gauge(
             "splitserve_spec_gate_saved_seconds", "Decoding seconds speculating saved against plain decoding's "
             "measured rate, all batch buckets (negative: lost)", labels, registry=r).labels(model_name)
+        # The host-memory KV tier (--host-kv-tokens; engine/host_kv.py).
+        self.host_kv_hit_tokens = Counter("splitserve_host_kv_hit_tokens", "Prompt tokens whose KV pages were "
+                                          "loaded from the host tier instead of computed", labels,
+                                          registry=r).labels(model_name)
+        self.host_kv_written_bytes = Counter("splitserve_host_kv_written_bytes", "Bytes of evicted KV pages "
+                                             "written back to the host tier", labels, registry=r).labels(model_name)
+        self.host_kv_loaded_bytes = Counter("splitserve_host_kv_loaded_bytes", "Bytes of KV pages loaded from the "
+                                            "host tier into device pages", labels, registry=r).labels(model_name)
+        self.host_kv_load_seconds = Histogram("splitserve_host_kv_load_seconds", "A host-tier load, issued to done "
+                                              "(as the engine loop saw it)", labels, buckets=HOST_LOAD_BUCKETS,
+                                              registry=r).labels(model_name)
+        self.host_kv_pages = Gauge("splitserve_host_kv_pages", "KV pages the host tier holds", labels,
+                                   registry=r).labels(model_name)
+        self.host_kv_capacity_pages = Gauge("splitserve_host_kv_capacity_pages", "KV pages the host tier can hold",
+                                            labels, registry=r).labels(model_name)
         self._finished = Counter("splitserve_requests_finished", "Requests finished, by reason",
                                  [*labels, "reason"], registry=r)
         self.model_name = model_name

@@ -13,13 +13,16 @@ that such a request can copy that page instead of computing it again.
 Every full page's node carries its page hash (`engine/page_hash.py`: the whole prefix it ends); with
 an events sink (`PageEvents`) the cache reports each full page it gains and evicts, so routers know
 where a prefix lives.
+
+With a lower tier (`engine/host_kv.py`: `spill`), the full pages it evicts are written back there first,
+by hash, and `KVCache.admit` brings them back into the tree; `flush` empties that tier too.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from splitserve.engine.page_allocator import PageAllocator
@@ -71,6 +74,10 @@ class PrefixCache:
         # Hit-rate counters, in tokens, for /metrics.
         self.queried_tokens = 0
         self.hit_tokens = 0
+        # A lower tier: `spill` takes the (hash, page) of the full pages evicted, before they are freed;
+        # `on_flush` is called when the cache is flushed.
+        self.spill: Callable[[list[tuple[int, int]]], None] | None = None
+        self.on_flush: Callable[[], object] | None = None
 
     def _chunks(self, tokens: Sequence[int], max_pages: int) -> list[tuple[int, ...]]:
         n = min(len(tokens) // self.page_size, max_pages)
@@ -182,11 +189,14 @@ class PrefixCache:
         child = node.children.get(key)
         return child.page if child is not None else node.tails.get(key)
 
-    def evict(self, num_pages: int) -> int:
-        """Frees up to `num_pages` unlocked pages, least recently used leaves first."""
+    def evict(self, num_pages: int, spill: bool = True) -> int:
+        """Frees up to `num_pages` unlocked pages, least recently used leaves first (their full pages
+        written back to the lower tier first, if there is one and `spill`)."""
         heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
+        spilled: list[tuple[int, int]] = []
+        spill = spill and self.spill is not None
         while heap and len(freed) < num_pages:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
@@ -194,16 +204,24 @@ class PrefixCache:
             del parent.children[node.key]
             freed.append(node.page)
             self.cached_pages -= 1
-            if self.events is not None and len(node.key) == self.page_size:
-                self.events.removed(node.hash)
+            if len(node.key) == self.page_size:
+                if self.events is not None:
+                    self.events.removed(node.hash)
+                if spill:
+                    spilled.append((node.hash, node.page))
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        if spilled:
+            self.spill(spilled)  # type: ignore[misc]  (spill: set)
         self.allocator.free(freed)
         return len(freed)
 
     def flush(self) -> int:
-        """Evicts every unlocked page; returns how many were freed."""
-        return self.evict(self.cached_pages)
+        """Evicts every unlocked page (the lower tier forgets its pages too); returns how many were freed."""
+        freed = self.evict(self.cached_pages, spill=False)
+        if self.on_flush is not None:
+            self.on_flush()
+        return freed
 
     def _leaves(self) -> list[TreeNode]:
         leaves, stack = [], [self.root]

@@ -19,6 +19,8 @@ that keeps inter-token latency steady:
    computed (the n samples of one request, or the same prompt sent twice) waits for those pages
    to reach the prefix cache instead of computing them again, and, when the KV cache copies
    partial pages, for the page with its last tokens too (then only its last token runs).
+   A request whose matched pages are still being loaded from the host tier (engine/host_kv.py, on
+   CUDA) is admitted but runs nothing until the load is done; the others run meanwhile.
 A step then costs about the same whatever its mix: a decode's wait behind a prompt (its
 inter-token latency) stays bounded by the budget, and the GPU gets full-size matmuls.
 """
@@ -146,6 +148,7 @@ class Scheduler:
         (a few hundred rows every step)."""
         context, page = self.config.context_length, self.kv.page_size
         running = RequestStatus.RUNNING
+        loading = self.kv.loading
         for req in list(self.running):
             kv_len, prompt_len = req.kv_len, len(req.prompt_ids)
             pending = prompt_len + len(req.output_ids) - kv_len
@@ -157,6 +160,8 @@ class Scheduler:
                 continue  # at the context limit: the step in flight (overlap) ends it
             if pending == 0 and len(req.output_ids) + 1 >= req.params.max_new_tokens:
                 continue  # its last token is in flight (overlap): nothing more to run for it
+            if loading and self.kv.waits_for_load(req):
+                continue  # (a decode engine's request) its prefix pages are still coming from the host tier
             draft = self._take_draft(req) if req.draft_tokens else []
             length = 1 + len(draft)
             if kv_len + length <= len(req.pages) * page:  # its pages hold it already: nothing to grow
@@ -252,6 +257,8 @@ class Scheduler:
         return draft[:max(room, 0)]
 
     def _schedule_prefill(self, req: Request, budget: int, plan: StepPlan) -> int:
+        if self.kv.loading and self.kv.waits_for_load(req):
+            return 0  # its prefix pages are still coming from the host tier
         length = min(req.pending_len, budget)
         if not self.kv.grow(req, req.kv_len + length):
             return 0
