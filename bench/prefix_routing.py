@@ -39,6 +39,8 @@ class PrefixBenchConfig:
     """The loads and the deployment they run on."""
 
     model: str = field(default="tiny", metadata={"help": "model of the engines"})
+    shape: str = field(default="", metadata={
+        "help": "a real model's shape with random weights instead of --model (e.g. llama-3.1-8b)"})
     device: str = field(default="auto", metadata={"help": "device of the engines"})
     engines: int = field(default=4, metadata={"help": "unified engines behind the router"})
     kv_tokens: int = field(default=2048, metadata={
@@ -225,6 +227,14 @@ def run_deployment(cfg: PrefixBenchConfig, engines: int, kv_tokens: int, routing
 
 
 def run(cfg: PrefixBenchConfig) -> dict[str, Any]:
+    if cfg.shape:
+        import tempfile
+        from pathlib import Path
+
+        from splitserve.engine.checkpoints.model_shapes import write_shape_folder
+
+        folder = write_shape_folder(cfg.shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{cfg.shape}-")))
+        cfg = dataclasses.replace(cfg, model=str(folder), engine_args=f"--load-format dummy {cfg.engine_args}")
     loads = {"shared": shared_load(cfg, fresh=False), "fresh": shared_load(cfg, fresh=True),
              "multiturn": multiturn_load(cfg)}
     loads = {name: loads[name] for name in cfg.loads}
