@@ -277,3 +277,19 @@ def test_the_flag_is_checked() -> None:
     with pytest.raises(ValueError, match="host-kv-tokens"):
         EngineConfig(model="tiny", device="cpu", page_size=4, host_kv_tokens=64, tp_size=2)
     assert EngineConfig().host_kv_tokens == 0
+
+
+def test_the_kv_tiers_benchmark_runs_both_sides_on_the_same_trace(tmp_path, capsys) -> None:
+    import json
+
+    from splitserve.bench.kv_tiers import main
+
+    out = tmp_path / "kv_tiers.json"
+    assert main(["--conversations", "4", "--turns", "3", "--system-len", "96", "--user-len", "16", "--output-len", "4",
+                 "--page-size", "4", "--max-total-tokens", "192", "--host-kv-tokens", "1024",
+                 "--max-running-requests", "2", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["same_outputs"] and 2 <= report["working_set_over_device_kv"] <= 4
+    assert report["host_tier"]["host_hit_tokens"] > 0 and report["device_only"]["host_hit_tokens"] == 0
+    assert report["ratios"]["prompt_tokens_computed"] < 1
+    assert "ratios (tier / none)" in capsys.readouterr().out

@@ -1,0 +1,206 @@
+"""`splitserve bench --profile kv-tiers`: the host-memory KV tier (--host-kv-tokens) against the device
+prefix cache alone, on the bare engine (no HTTP), in one run.
+
+A seeded multi-turn trace: `--conversations` conversations, each a fresh `--system-len`-token opening,
+then `--turns` turns; every turn's prompt is the conversation so far (the last prompt, its answer) plus
+a new `--user-len`-token message. All conversations run at once, each sending its next turn as soon as
+its answer is in (closed loop), so their prefixes compete for the device KV (`--max-total-tokens`),
+which holds a fraction of the working set (printed: the conversations' final lengths summed, over the
+device KV). The same trace runs on an engine without the tier and on one with `--host-kv-tokens`;
+printed: mean and p50 TTFT, output and total throughput, prompt tokens computed and the tier's hits,
+and the ratios (tier / none). Greedy, so both runs see the same tokens (checked).
+
+    splitserve bench --profile kv-tiers --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+from typing import Any
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.request import Request, TokenOutput
+from splitserve.engine.sampling_params import SamplingParams
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="splitserve bench --profile kv-tiers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", choices=["kv-tiers"], default="kv-tiers", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="tiny", help="model of the engine")
+    p.add_argument("--device", default="cpu", help="device of the engine")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-total-tokens", type=int, default=4096, help="device KV, in tokens")
+    p.add_argument("--host-kv-tokens", type=int, default=32768, help="the host tier, in tokens")
+    p.add_argument("--max-running-requests", type=int, default=8)
+    p.add_argument("--chunked-prefill-size", type=int, default=512)
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=384, help="tokens of each conversation's opening")
+    p.add_argument("--user-len", type=int, default=64, help="tokens of each new message")
+    p.add_argument("--output-len", type=int, default=16, help="tokens of each answer")
+    p.add_argument("--engine-args", default="", help="extra EngineConfig fields, as key=value,key=value")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="", help="write the figures as JSON here")
+    return p.parse_args(argv)
+
+
+def working_set_tokens(args: argparse.Namespace) -> int:
+    per_conversation = args.system_len + args.turns * args.user_len + (args.turns - 1) * args.output_len
+    return args.conversations * per_conversation
+
+
+def engine_config(args: argparse.Namespace, host_kv_tokens: int) -> EngineConfig:
+    extra: dict[str, Any] = {}
+    for item in filter(None, args.engine_args.split(",")):
+        key, value = item.split("=", 1)
+        extra[key.replace("-", "_")] = json.loads(value) if value[:1] in "0123456789-[{tf" else value
+    return EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
+                        max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
+                        chunked_prefill_size=args.chunked_prefill_size, host_kv_tokens=host_kv_tokens,
+                        context_length=max(4096, working_set_tokens(args) // max(1, args.conversations) + 64),
+                        **extra)
+
+
+def run_trace(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
+    """The multi-turn trace, closed loop per conversation; TTFT per turn, wall time, outputs."""
+    rng = random.Random(args.seed)
+    vocab = 250
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(1, vocab) for _ in range(n)]
+
+    history = [fresh(args.system_len) for _ in range(args.conversations)]
+    # Every message drawn up front: both runs get the same trace whatever the engine's timing.
+    messages = [[fresh(args.user_len) for _ in range(args.turns)] for _ in range(args.conversations)]
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    lock = threading.Lock()
+    done = threading.Event()
+    ttfts: list[float] = []
+    outputs: dict[tuple[int, int], list[int]] = {}
+    cached = [0]
+    remaining = [args.conversations]
+    errors: list[str] = []
+
+    def submit(conv: int, turn: int) -> None:
+        prompt = history[conv] + messages[conv][turn]
+        sent = time.perf_counter()
+        tokens: list[int] = []
+
+        def on_output(out: TokenOutput) -> None:
+            if out.token_ids and not tokens:
+                with lock:
+                    ttfts.append(time.perf_counter() - sent)
+            tokens.extend(out.token_ids)
+            if out.finish_reason is None:
+                return
+            with lock:
+                if out.error:
+                    errors.append(out.error)
+                outputs[(conv, turn)] = list(tokens)
+                cached[0] += out.cached_tokens
+            history[conv] = prompt + tokens
+            if turn + 1 < args.turns and not out.error:
+                submit(conv, turn + 1)  # on the engine's thread: submit only queues it
+            else:
+                with lock:
+                    remaining[0] -= 1
+                    if not remaining[0]:
+                        done.set()
+
+        engine.submit(Request(f"kvt-{conv}-{turn}", prompt, params, on_output))
+
+    start = time.perf_counter()
+    for conv in range(args.conversations):
+        submit(conv, 0)
+    if not done.wait(3600):
+        raise TimeoutError("the trace did not finish in an hour")
+    wall = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[:3]}")
+    out_tokens = sum(len(t) for t in outputs.values())
+    prompt_tokens = sum(args.system_len + (t + 1) * args.user_len + t * args.output_len
+                        for t in range(args.turns)) * args.conversations
+    reg = engine.metrics.registry
+
+    def metric(name: str) -> float:
+        return reg.get_sample_value(name, {"model": engine.cfg.model_name}) or 0.0
+
+    return {
+        "requests": len(outputs), "wall_s": wall, "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p50_s": statistics.median(ttfts), "output_tokens_per_s": out_tokens / wall,
+        "total_tokens_per_s": (out_tokens + prompt_tokens) / wall, "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached[0], "prompt_tokens_computed": metric("splitserve_prompt_tokens_computed_total"),
+        "host_hit_tokens": metric("splitserve_host_kv_hit_tokens_total"),
+        "host_written_bytes": metric("splitserve_host_kv_written_bytes_total"),
+        "host_loaded_bytes": metric("splitserve_host_kv_loaded_bytes_total"),
+        "host_pages": metric("splitserve_host_kv_pages"),
+        "host_load_mean_s": (metric("splitserve_host_kv_load_seconds_sum")
+                             / max(1.0, metric("splitserve_host_kv_load_seconds_count"))),
+        "outputs": [outputs[k] for k in sorted(outputs)],
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "profile"},
+                              "working_set_tokens": working_set_tokens(args),
+                              "working_set_over_device_kv": working_set_tokens(args) / args.max_total_tokens}
+    for name, host in (("device_only", 0), ("host_tier", args.host_kv_tokens)):
+        engine = Engine(engine_config(args, host))
+        engine.start()
+        try:
+            report[name] = run_trace(engine, args)
+        finally:
+            engine.stop()
+    off, on = report["device_only"], report["host_tier"]
+    report["same_outputs"] = off.pop("outputs") == on.pop("outputs")
+    report["ratios"] = {
+        "ttft_mean": on["ttft_mean_s"] / off["ttft_mean_s"],
+        "ttft_p50": on["ttft_p50_s"] / off["ttft_p50_s"],
+        "output_tokens_per_s": on["output_tokens_per_s"] / off["output_tokens_per_s"],
+        "total_tokens_per_s": on["total_tokens_per_s"] / off["total_tokens_per_s"],
+        "prompt_tokens_computed": on["prompt_tokens_computed"] / max(1.0, off["prompt_tokens_computed"]),
+    }
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    cfg = report["config"]
+    print(f"kv-tiers: {cfg['conversations']} conversations x {cfg['turns']} turns on {cfg['model']} ({cfg['device']}); "
+          f"working set {report['working_set_tokens']} tokens = {report['working_set_over_device_kv']:.1f}x the "
+          f"device KV ({cfg['max_total_tokens']}); host tier {cfg['host_kv_tokens']} tokens")
+    print(f"{'':14}{'TTFT mean':>11}{'TTFT p50':>10}{'out tok/s':>11}{'tot tok/s':>11}{'computed':>10}"
+          f"{'cached':>9}{'host hits':>10}{'wall s':>8}")
+    for name in ("device_only", "host_tier"):
+        r = report[name]
+        print(f"{name:14}{r['ttft_mean_s'] * 1e3:9.1f}ms{r['ttft_p50_s'] * 1e3:8.1f}ms"
+              f"{r['output_tokens_per_s']:11.1f}{r['total_tokens_per_s']:11.1f}{r['prompt_tokens_computed']:10.0f}"
+              f"{r['cached_tokens']:9.0f}{r['host_hit_tokens']:10.0f}{r['wall_s']:8.2f}")
+    on = report["host_tier"]
+    print(f"host tier: {on['host_written_bytes'] / 2**20:.1f} MiB written back, {on['host_loaded_bytes'] / 2**20:.1f} "
+          f"MiB loaded, mean load {on['host_load_mean_s'] * 1e3:.3f} ms, {on['host_pages']:.0f} pages held")
+    r = report["ratios"]
+    print(f"ratios (tier / none): TTFT mean {r['ttft_mean']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, output throughput "
+          f"{r['output_tokens_per_s']:.2f}x, total throughput {r['total_tokens_per_s']:.2f}x, prompt tokens computed "
+          f"{r['prompt_tokens_computed']:.2f}x; same greedy outputs: {report['same_outputs']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(argv or []))
+    report = run(args)
+    print_report(report)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if report["same_outputs"] else 1
+
+
+if __name__ == "__main__":
+    import sys
+    raise SystemExit(main(sys.argv[1:]))
