@@ -2,7 +2,8 @@
 
 A group owns one ServingRole per role in ``spec.roles`` (each becomes a StatefulSet and a
 headless Service through ``role_builders``), the router Deployment and Service, a ConfigMap
-with the peer-discovery information, and a Secret with a random shared key.
+with the peer-discovery information, a Secret with a random shared key, and two
+NetworkPolicies: the engines admit only the group's own pods, the router its HTTP port.
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ from splitserve.operator.names import (
     CONTROL_KEY,
     DEFAULT_HTTP_PORT,
     GROUP_API_VERSION,
+    LABEL_GROUP,
+    LABEL_ROLE,
     PEERS_FILE,
     PEERS_MOUNT,
     ROLE_KIND,
     ROLE_NAMES,
     ROUTER_ROLE,
     control_secret_name,
+    engine_network_policy_name,
     peers_configmap_name,
     role_object_name,
     router_name,
+    router_network_policy_name,
 )
 from splitserve.operator.role_builders import common_labels, container_resources, env_var, selector_labels
 from splitserve.operator.role_table import ROLE_TRAITS, bootstrap_port, mesh_port, traits
@@ -306,3 +311,68 @@ def build_control_secret(group_body: Body, key: bytes) -> dict[str, Any]:
     }
     kopf.adopt(secret, owner=dict(group_body))
     return secret
+
+
+NETWORK_POLICY_COMPONENT = "network"
+
+
+def group_pods_selector(group: str) -> dict[str, Any]:
+    """Every pod of a group, engines and router: the pods the operator labels with the group."""
+    return {"matchLabels": {LABEL_GROUP: group}}
+
+
+def build_engine_network_policy(group_body: Body) -> dict[str, Any]:
+    """The NetworkPolicy over a group's engine pods (every pod of the group but the router's):
+    ingress only from the group's own pods (its engines and its router), on every port.
+
+    Every port, not a list: besides the named ones (http, the prefill's bootstrap port, the
+    embedding control port, the drafters' mesh gRPC port) the engines listen on ports they pick
+    at run time (Mooncake's RPC handshake and TCP data ports, the transfer control socket, the
+    draft mesh's data sockets). Nothing outside the group reaches an engine; egress is left open.
+    The kubelet's probes still pass: CNI plugins admit a node's own traffic to its pods.
+    Other policies add to this one (NetworkPolicies are a union), e.g. to let a Prometheus scrape
+    the engines' /metrics.
+    """
+    meta = group_body["metadata"]
+    group = meta["name"]
+    policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": engine_network_policy_name(group), "namespace": meta.get("namespace", "default"),
+                     "labels": common_labels(group, NETWORK_POLICY_COMPONENT)},
+        "spec": {
+            # NotIn rather than In the engine roles: a pod of the group without a role label, or of
+            # a role added later, is closed too.
+            "podSelector": {**group_pods_selector(group), "matchExpressions": [
+                {"key": LABEL_ROLE, "operator": "NotIn", "values": [ROUTER_ROLE]}]},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": group_pods_selector(group)}]}],
+        },
+    }
+    kopf.adopt(policy, owner=dict(group_body))
+    return policy
+
+
+def build_router_network_policy(group_body: Body) -> dict[str, Any]:
+    """The NetworkPolicy over a group's router pods: their HTTP port (``spec.router.port``) from
+    anywhere, the group's endpoint for its clients (through the router Service); nothing else."""
+    meta, spec = group_body["metadata"], group_body["spec"]
+    group = meta["name"]
+    policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": router_network_policy_name(group), "namespace": meta.get("namespace", "default"),
+                     "labels": common_labels(group, NETWORK_POLICY_COMPONENT)},
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(group, ROUTER_ROLE)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"ports": [{"protocol": "TCP", "port": router_port(spec)}]}],
+        },
+    }
+    kopf.adopt(policy, owner=dict(group_body))
+    return policy
+
+
+def build_network_policies(group_body: Body) -> list[dict[str, Any]]:
+    """A group's NetworkPolicies: its engines', then its router's."""
+    return [build_engine_network_policy(group_body), build_router_network_policy(group_body)]

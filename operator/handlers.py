@@ -26,6 +26,7 @@ from splitserve.operator.coalescing import Coalescer, Dispatcher
 from splitserve.operator.config import OperatorConfig
 from splitserve.operator.group_builders import (
     build_control_secret,
+    build_network_policies,
     build_peers_configmap,
     build_router_deployment,
     build_router_role_binding,
@@ -72,7 +73,8 @@ CACHED_KINDS = [
     CachedKind(GROUP_API_VERSION, ROLE_KIND, notify_listed=True),
     *(CachedKind(api_version, kind, MANAGED) for api_version, kind in (
         ("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ConfigMap"),
-        ("v1", "Secret"), ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "RoleBinding"))),
+        ("v1", "Secret"), ("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+        ("networking.k8s.io/v1", "NetworkPolicy"))),
 ]
 
 
@@ -191,6 +193,8 @@ class Reconciler:
         partitions = rollout_partitions(progress, max_skew)
 
         desired = [
+            # The policies first: no engine pod of the group runs without them.
+            *build_network_policies(group),
             build_control_secret(group, secrets.token_hex(CONTROL_KEY_BYTES).encode()),
             build_peers_configmap(group, replicas),
             *(build_serving_role(group, role, revision, partitions[role], existing[role]) for role in roles),

@@ -31,6 +31,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Endpoints"): "endpoints",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("apps/v1", "StatefulSet"): "statefulsets",
     ("apps/v1", "Deployment"): "deployments",
     (GROUP_API_VERSION, "ServingGroup"): GROUP_PLURAL,

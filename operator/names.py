@@ -64,6 +64,16 @@ def peers_configmap_name(group: str) -> str:
     return f"{group}-peers"
 
 
+def engine_network_policy_name(group: str) -> str:
+    """Name of the NetworkPolicy over a group's engine pods (every role but the router)."""
+    return f"{group}-engines"
+
+
+def router_network_policy_name(group: str) -> str:
+    """Name of the NetworkPolicy over a group's router pods (the router Deployment's name)."""
+    return router_name(group)
+
+
 def control_secret_name(group: str) -> str:
     """Name of a group's Secret with the shared control-plane key."""
     return f"{group}-control"

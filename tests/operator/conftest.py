@@ -119,7 +119,8 @@ class Cluster:
         labels = {LABEL_GROUP: group}
         return {kind: self.kube.list(api_version, kind, namespace, labels) for api_version, kind in (
             (GROUP_API_VERSION, "ServingRole"), ("apps/v1", "StatefulSet"), ("v1", "Service"),
-            ("apps/v1", "Deployment"), ("v1", "ConfigMap"), ("v1", "Secret"), ("v1", "Pod"))}
+            ("apps/v1", "Deployment"), ("v1", "ConfigMap"), ("v1", "Secret"), ("v1", "Pod"),
+            ("networking.k8s.io/v1", "NetworkPolicy"))}
 
     def mark_pods_ready(self, namespace: str) -> int:
         """Does the kubelet's part: every pod of the namespace becomes Running and Ready."""

@@ -11,8 +11,11 @@ import pytest
 
 from splitserve.operator.group_builders import (
     build_control_secret,
+    build_engine_network_policy,
+    build_network_policies,
     build_peers_configmap,
     build_router_deployment,
+    build_router_network_policy,
     build_router_role_binding,
     build_router_service_account,
     build_serving_role,
@@ -284,6 +287,78 @@ def test_control_secret_holds_the_key_base64_encoded() -> None:
     secret = build_control_secret(group(), b"\x01" * 32)
     assert base64.b64decode(secret["data"]["key"]) == b"\x01" * 32
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-g"
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector's meaning (matchLabels, and In/NotIn/Exists/DoesNotExist expressions)."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def pod_labels_of_group(g: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The labels of every pod the group's children create, by role (router included)."""
+    pods = {role: build_statefulset(role_body(g, role), IMAGE)["spec"]["template"]["metadata"]["labels"]
+            for role in group_roles(g["spec"])}
+    pods["router"] = build_router_deployment(g, IMAGE)["spec"]["template"]["metadata"]["labels"]
+    return pods
+
+
+def test_engine_network_policy_admits_only_the_groups_own_pods_on_every_port() -> None:
+    g = group(roles={"prefill": {}, "decode": {}, "encode": {}, "drafter": {}},
+              speculative={"draftModel": {"name": "d", "imagePath": "/d"}})
+    policy = build_engine_network_policy(g)
+    assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
+    assert (policy["metadata"]["name"], policy["metadata"]["namespace"]) == ("g-engines", "ns")
+    assert policy["metadata"]["labels"][LABEL_GROUP] == "g"
+    (ref,) = policy["metadata"]["ownerReferences"]
+    assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("ServingGroup", "g", "uid-g", True)
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]  # egress stays open
+    pods = pod_labels_of_group(g)
+    # It closes every engine pod, and not the router's.
+    assert {role for role, labels in pods.items() if selects(spec["podSelector"], labels)} == {
+        "prefill", "decode", "encode", "drafter"}
+    # One rule: from the group's pods (engines and router), with no port list (all ports: Mooncake's
+    # handshake and data ports are picked at run time), and from nothing else (no ipBlock, no namespace).
+    (rule,) = spec["ingress"]
+    assert "ports" not in rule
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}
+    assert all(selects(peer["podSelector"], labels) for labels in pods.values())
+    other = pod_labels_of_group({**group(), "metadata": {"name": "h", "namespace": "ns", "uid": "uid-h"}})
+    assert not any(selects(peer["podSelector"], labels) for labels in other.values())
+    assert not any(selects(spec["podSelector"], labels) for labels in other.values())
+    # A pod of the group whose role label is missing is closed too (NotIn, not In).
+    assert selects(spec["podSelector"], {LABEL_GROUP: "g"})
+
+
+def test_router_network_policy_admits_its_http_port_from_anywhere_and_nothing_else() -> None:
+    g = group(router={"replicas": 2, "port": 8080})
+    policy = build_router_network_policy(g)
+    assert policy["metadata"]["name"] == "g-router"
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-g"
+    spec = policy["spec"]
+    pods = pod_labels_of_group(g)
+    assert [role for role, labels in pods.items() if selects(spec["podSelector"], labels)] == ["router"]
+    assert spec["policyTypes"] == ["Ingress"]
+    assert spec["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8080}]}]  # no "from": any source
+    deployment = build_router_deployment(g, IMAGE)
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] == 8080
+
+
+def test_network_policies_follow_the_group_and_ignore_replicas() -> None:
+    g = group()
+    assert [p["metadata"]["name"] for p in build_network_policies(g)] == ["g-engines", "g-router"]
+    scaled = group()
+    scaled["spec"]["roles"]["decode"]["replicas"] = 9
+    assert build_network_policies(scaled) == build_network_policies(g)
 
 
 def test_group_roles_are_listed_in_reconcile_order() -> None:

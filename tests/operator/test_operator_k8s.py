@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from splitserve.operator.kube import collection_path
 from splitserve.operator.names import GROUP_API_VERSION, LABEL_REVISION, LABEL_ROLE
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -238,6 +239,61 @@ def test_deleting_the_group_deletes_every_child(cluster: Any, operator: Any) -> 
     cluster.wait_for(all_gone, "garbage collection of every child", timeout=90)
 
 
+def test_each_group_gets_network_policies_closing_its_engines_to_all_but_its_own_pods(cluster: Any,
+                                                                                      operator: Any) -> None:
+    ns = cluster.namespace("op-netpol")
+    cluster.apply_yaml(ns, small_group("np", prefill=1, decode=2))
+    cluster.apply_yaml(ns, small_group("other"))
+    group = cluster.wait_for(lambda: cluster.group(ns, "np"), "the group")
+
+    def policies() -> dict[str, dict[str, Any]] | None:
+        found = {p["metadata"]["name"]: p for p in cluster.children(ns, "np")["NetworkPolicy"]}
+        return found if sorted(found) == ["np-engines", "np-router"] else None
+
+    found = cluster.wait_for(policies, "the group's two NetworkPolicies")
+    for policy in found.values():
+        (ref,) = policy["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+            "ServingGroup", "np", group["metadata"]["uid"], True)
+    engines, router = found["np-engines"]["spec"], found["np-router"]["spec"]
+    assert engines["podSelector"] == {
+        "matchLabels": {"splitserve.io/group": "np"},
+        "matchExpressions": [{"key": "splitserve.io/role", "operator": "NotIn", "values": ["router"]}]}
+    assert engines["policyTypes"] == ["Ingress"]
+    # From the group's own pods, on every port (no port list), and from nothing else.
+    assert engines["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"splitserve.io/group": "np"}}}]}]
+    assert router["podSelector"] == {"matchLabels": {"splitserve.io/group": "np", "splitserve.io/role": "router"}}
+    assert router["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
+
+    # The API server's own label selection: the engine policy holds exactly the group's engine pods
+    # (1 prefill + 2 decode), the router policy its router pod, the peers every pod of the group
+    # and none of the other group's.
+    def pods(selector: str) -> list[str]:
+        items = cluster.kube.request("GET", collection_path("v1", "Pod", ns),
+                                     query=[("labelSelector", selector)]).get("items", [])
+        return sorted(p["metadata"]["name"] for p in items)
+
+    everything = cluster.wait_for(lambda: (lambda names: names if len(names) == 7 else None)(pods("")),
+                                  "the pods of both groups (4 and 3)")
+    engine_pods = pods("splitserve.io/group=np,splitserve.io/role notin (router)")
+    assert len(engine_pods) == 3 and all(n.startswith(("np-prefill-", "np-decode-")) for n in engine_pods)
+    (router_pod,) = pods("splitserve.io/group=np,splitserve.io/role=router")
+    assert router_pod.startswith("np-router-")
+    assert pods("splitserve.io/group=np") == sorted([*engine_pods, router_pod])
+    assert set(everything) - set(pods("splitserve.io/group=np")) == set(pods("splitserve.io/group=other"))
+
+    # Level-based like every child: a deleted policy comes back, a hand edit is reverted.
+    uid = found["np-engines"]["metadata"]["uid"]
+    cluster.kubectl("delete", "networkpolicy", "np-engines", "-n", ns)
+    again = cluster.wait_for(lambda: (lambda p: p if p and p["metadata"]["uid"] != uid else None)(
+        cluster.get("networking.k8s.io/v1", "NetworkPolicy", ns, "np-engines")), "np-engines recreated")
+    assert again["spec"]["ingress"] == engines["ingress"]
+    cluster.kubectl("patch", "networkpolicy/np-router", "-n", ns, "--type=merge", "-p",
+                    '{"spec":{"ingress":[{}]}}')  # an edit that would admit every port
+    cluster.wait_for(lambda: cluster.get("networking.k8s.io/v1", "NetworkPolicy", ns, "np-router")["spec"][
+        "ingress"] == router["ingress"], "np-router's rule reverted")
+
+
 def test_a_deleted_child_is_recreated_and_hand_edits_are_reverted(cluster: Any, operator: Any) -> None:
     ns = cluster.namespace("op-drift")
     cluster.apply_yaml(ns, small_group("dr"))
@@ -309,7 +365,8 @@ def test_an_operator_restarted_mid_way_converges_without_duplicates(cluster: Any
     def converged() -> dict[str, list[dict[str, Any]]] | None:
         kids = cluster.children(ns, "llama-2p4d")
         counts = {k: len(v) for k, v in kids.items() if k != "Pod"}
-        want = {"ServingRole": 2, "StatefulSet": 2, "Service": 3, "Deployment": 1, "ConfigMap": 1, "Secret": 1}
+        want = {"ServingRole": 2, "StatefulSet": 2, "Service": 3, "Deployment": 1, "ConfigMap": 1, "Secret": 1,
+                "NetworkPolicy": 2}
         return kids if counts == want else None
 
     kids = cluster.wait_for(converged, "exactly one of each child", timeout=60)
