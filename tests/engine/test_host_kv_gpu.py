@@ -1,0 +1,92 @@
+"""The host KV tier on a CUDA device: write-backs and loads on their side streams keep every page's KV
+(against steps queued on the compute stream), and greedy output is the same with the tier and without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.host_kv import HostKVPool
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_pool import KVPool, KVPoolShape
+from splitserve.engine.page_hash import page_hashes
+from splitserve.engine.request import Request
+from splitserve.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PAGE = 16
+
+
+def fill(kv: KVCache, pool: KVPool, req: Request) -> None:
+    """A step on the compute stream, slowed down, writes each of `req`'s computed pages with its hash's value."""
+    assert kv.grow(req, len(req.prompt_ids))
+    torch.cuda._sleep(2_000_000)  # the copies on the side streams must wait for this, not race it
+    for i, h in enumerate(page_hashes(req.prompt_ids, PAGE)):
+        if i * PAGE >= req.cached_len:
+            pool.buffer[:, :, req.pages[i]] = float(h % 100_003)
+    req.kv_len = len(req.prompt_ids)
+
+
+def test_pages_survive_write_back_reuse_and_load_on_the_side_streams() -> None:
+    dev = torch.device("cuda")
+    pool = KVPool(KVPoolShape(num_layers=4, num_pages=17, page_size=PAGE, num_kv_heads=8, head_dim=128,
+                              dtype=torch.float32), dev)
+    host = HostKVPool(pool.buffer, 64)
+    assert host.buffer.is_pinned()
+    kv = KVCache(17, PAGE, 2, max_context=1024, device=dev, copy_page=pool.copy_page, host=host)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 250, (PAGE * 12,), generator=gen).tolist() for _ in range(4)]
+    for rnd in range(3):
+        for i, p in enumerate(prompts):
+            req = Request(f"{rnd}-{i}", [*p, rnd], SamplingParams(max_new_tokens=1), on_output=lambda _o: None)
+            kv.admit(req, max_prefix_tokens=len(req.prompt_ids) - 1)
+            if rnd:
+                assert req.cached_len == PAGE * 12
+            while kv.waits_for_load(req):
+                kv.reap_loads()
+            for j, h in enumerate(page_hashes(p, PAGE)):
+                got = pool.buffer[:, :, req.pages[j]]
+                assert torch.all(got == float(h % 100_003)), f"round {rnd} prompt {i} page {j}"
+            fill(kv, pool, req)  # evicts (writes back) others' pages and rewrites them at once
+            kv.release(req)
+            u = kv.usage()
+            assert u.free + u.cached == u.capacity and u.locked == 0
+    torch.cuda.synchronize()
+    kv.reap_loads()
+    assert host.hit_tokens > 0 and not host._pins and not host.pending
+
+
+def test_greedy_output_is_the_same_with_the_host_tier_on_cuda() -> None:
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine
+    from splitserve.engine.offline import generate_tokens
+
+    gen = torch.Generator().manual_seed(7)
+    convs = [torch.randint(1, 250, (60,), generator=gen).tolist() for _ in range(6)]
+    rounds = []
+    for _ in range(3):
+        convs = [[*c, *torch.randint(1, 250, (5,), generator=gen).tolist()] for c in convs]
+        rounds.append([list(c) for c in convs])
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(host_kv_tokens: int) -> tuple[list[list[int]], float, float]:
+        engine = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", page_size=4,
+                                     max_total_tokens=128, max_running_requests=2, chunked_prefill_size=32,
+                                     host_kv_tokens=host_kv_tokens))
+        engine.start()
+        try:
+            outs = []
+            for prompts in rounds:
+                outs += generate_tokens(engine, prompts, params, timeout=120)
+            reg = engine.metrics.registry
+            hits = reg.get_sample_value("splitserve_host_kv_hit_tokens_total", {"model": "tiny"}) or 0.0
+            computed = reg.get_sample_value("splitserve_prompt_tokens_computed_total", {"model": "tiny"})
+            return outs, hits, computed
+        finally:
+            engine.stop()
+
+    plain, _, computed_off = run(0)
+    tiered, hits, computed_on = run(1024)
+    assert tiered == plain
+    assert hits > 0 and computed_on < computed_off
