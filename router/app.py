@@ -23,10 +23,10 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from splitserve.api.http_request import error_response, read_json, wait_for_disconnect
+from splitserve.api.http_request import ROUTE_ERROR_HANDLERS, error_response, read_json, wait_for_disconnect
 from splitserve.api.openai_protocol import ApiError
 from splitserve.engine.multimodal.image_inputs import ImageInputConfig
-from splitserve.router.backend_pool import BackendPool, NoBackend, Overloaded
+from splitserve.router.backend_pool import ROLES, BackendPool, NoBackend, Overloaded
 from splitserve.router.cache_routing import CacheAwareRouting
 from splitserve.router.config import RouterConfig
 from splitserve.router.endpoints_watch import SERVICE_ACCOUNT_DIR, EndpointsWatch, InClusterAccess
@@ -36,7 +36,7 @@ from splitserve.router.image_encoding import EncodersUnavailable, ImageEncoding
 from splitserve.router.kv_events import KVEventsPoller
 from splitserve.router.pair_routing import Answer, PairRouter, PrefillAffinity
 from splitserve.router.prefix_index import PrefixIndex
-from splitserve.router.upstream import EJECTING_KINDS, UpstreamFailure, sse_error_event
+from splitserve.router.upstream import EJECTING_KINDS, UpstreamClient, UpstreamFailure, sse_error_event
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +92,8 @@ class Router:
         self.pool = BackendPool(cfg.max_in_flight_per_backend, cfg.eject_backoff_s, cfg.eject_backoff_max_s)
         for role in ("prefill", "decode", "unified", "encode"):
             self.pool.replace(role, getattr(cfg, role))
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.client = UpstreamClient(httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
+                                     cfg.upstream_keepalive_expiry_s)
         self.prober = HealthProber(self.pool, self.client, cfg.health_interval_s, cfg.health_timeout_s)
         self.admission = Admission(cfg.max_in_flight)
         self.registry = CollectorRegistry()
@@ -108,7 +107,10 @@ class Router:
                                      ["role", "url"], registry=self.registry)
         self.ejections = Gauge("splitserve_router_backend_ejections", "Times a backend was ejected",
                                ["role", "url"], registry=self.registry)
-        self.images = ImageEncoding(self.pool, self.client, images or ImageInputConfig(), cfg.transfer_control_key)
+        self.stale_retries = Gauge("splitserve_router_dead_connection_retries", "Engine calls sent once more on a "
+                                   "fresh connection after their pooled one was found closed", registry=self.registry)
+        self.images = ImageEncoding(self.pool, self.client, images or ImageInputConfig(), cfg.transfer_control_key,
+                                    cfg.verdict_wait_s)
         self.kv_events: KVEventsPoller | None = None
         routing = None
         if cfg.routing == "cache-aware":
@@ -119,7 +121,7 @@ class Router:
             routing = CacheAwareRouting(index, self.kv_events, cfg.cache_aware_max_load_tokens, self.registry)
         self.pairs = PairRouter(self.pool, self.client, cfg.transfer_control_key, cfg.retries, self.retries.inc,
                                 prepare=self.images.prepare,  # images go to encoders, when there are any
-                                routing=routing)
+                                routing=routing, verdict_wait_s=cfg.verdict_wait_s)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -127,7 +129,8 @@ class Router:
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-        ], exception_handlers={ApiError: lambda _r, e: error_response(e)}, lifespan=self._lifespan)
+        ], exception_handlers={ApiError: lambda _r, e: error_response(e), **ROUTE_ERROR_HANDLERS},
+            lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -174,15 +177,26 @@ class Router:
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     def readiness(self) -> tuple[bool, str]:
+        """Ready with a healthy prefill and decode (or unified replica); the summary counts every role the
+        router has engines for, encoders included (they serve only requests with images)."""
         if self.cfg.disaggregated:
             p, d = self.pool.healthy_count("prefill"), self.pool.healthy_count("decode")
-            return p >= 1 and d >= 1, f"{p} healthy prefill, {d} healthy decode"
+            ready, summary = p >= 1 and d >= 1, f"{p} healthy prefill, {d} healthy decode"
+            if self.pool.backends("encode"):
+                summary += f", {self.pool.healthy_count('encode')} healthy encode"
+            return ready, summary
         u = self.pool.healthy_count("unified")
         return u >= 1, f"{u} healthy unified"
 
+    def role_counts(self) -> dict[str, dict[str, int]]:
+        """Per role the router has engines for: how many, how many healthy (routable)."""
+        return {role: {"healthy": self.pool.healthy_count(role), "total": len(self.pool.backends(role))}
+                for role in ROLES if self.pool.backends(role)}
+
     async def health(self, _request: HttpRequest) -> Response:
         ready, summary = self.readiness()
-        return JSONResponse({"status": "ok", "ready": ready, "summary": summary, "in_flight": self.admission.count,
+        return JSONResponse({"status": "ok", "ready": ready, "summary": summary, "roles": self.role_counts(),
+                             "in_flight": self.admission.count,
                              "backends": [b.describe() for b in self.pool.backends()]})
 
     async def ready(self, _request: HttpRequest) -> Response:
@@ -191,6 +205,7 @@ class Router:
 
     async def metrics(self, _request: HttpRequest) -> Response:
         self.in_flight.set(self.admission.count)
+        self.stale_retries.set(self.client.stale_retries)
         for gauge in (self.backend_in_flight, self.backend_healthy, self.ejections):
             gauge.clear()
         for b in self.pool.backends():
@@ -301,7 +316,7 @@ class Router:
             except UpstreamFailure as failure:
                 outcome = "broken_stream"
                 if failure.kind in EJECTING_KINDS:
-                    self.pool.eject(failure.backend, str(failure))
+                    self.pool.report_failure(failure.backend, str(failure))
                 logger.warning("stream broke after its first token: %s", failure)
                 yield sse_error_event(f"the stream broke after its first token: {failure}")
                 yield b"data: [DONE]\n\n"

@@ -3,7 +3,10 @@
 A backend is routable while it is healthy (its last probe passed and nothing failed since)
 and not draining. A failure (a connect error, a 5xx, a timeout, a failed probe) ejects it at
 once; the prober then tries it again after a backoff that doubles with each failure in a row,
-and a passing probe brings it back. The set of URLs per role can change at runtime
+and a passing probe brings it back. A failed request alone (``report_failure``) does not eject
+the last routable backend of a role: it becomes suspect instead (no new requests), is probed at
+once, and the probe decides; meanwhile requests for the role may wait for the verdict
+(``awaiting_verdict``, ``wait_for_change``). The set of URLs per role can change at runtime
 (``replace``): new URLs join once a probe passes, URLs that leave drain (no new requests) and
 are dropped when their last request ends. Load is counted by leases, released exactly once;
 the least loaded gets the next request, ties going round robin.
@@ -12,6 +15,7 @@ the least loaded gets the next request, ties going round robin.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -46,15 +50,16 @@ class Backend:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     ejected: asyncio.Event = field(default_factory=asyncio.Event)  # set while ejected; wakes its requests
+    suspect: bool = False  # a request on it failed while it was its role's last: a probe decides
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and not self.suspect
 
     def describe(self) -> dict:
         return {"url": self.url, "role": self.role, "healthy": self.healthy, "draining": self.draining,
                 "in_flight": self.in_flight, "failures": self.failures, "ejections": self.ejections,
-                "last_error": self.last_error}
+                "suspect": self.suspect, "last_error": self.last_error}
 
 
 class Lease:
@@ -84,6 +89,8 @@ class BackendPool:
         self.clock = clock
         self._roles: dict[str, dict[str, Backend]] = {role: {} for role in ROLES}
         self._last_pick: dict[str, str] = {}  # per role: where the round robin among ties goes on from
+        self.on_suspect: Callable[[Backend], None] = lambda _b: None  # the prober probes it at once
+        self._change = asyncio.Event()  # set (and replaced) whenever a backend's health changes
 
     # ---- the set of backends -----------------------------------------------------------------
 
@@ -170,8 +177,42 @@ class BackendPool:
 
     # ---- health ------------------------------------------------------------------------------
 
+    def report_failure(self, backend: Backend, reason: str) -> bool:
+        """A request on ``backend`` failed (a passive signal). Ejects it, unless it is the last
+        routable backend of its role: then it is suspect until its probe (run at once) passes or
+        fails. True if it was ejected."""
+        others = [b for b in self._roles[backend.role].values() if b.routable and b is not backend]
+        if not backend.healthy or others:
+            self.eject(backend, reason)
+            return not backend.healthy
+        backend.last_error = reason
+        if not backend.suspect:
+            backend.suspect = True
+            logger.warning("backend %s (%s), the last healthy %s, failed a request (%s): not ejected; probing it",
+                           backend.url, backend.role, backend.role, reason)
+            self._changed()
+            self.on_suspect(backend)
+        return False
+
+    def awaiting_verdict(self, role: str, never: Iterable[str] = ()) -> bool:
+        """Whether a backend of ``role`` (not in ``never``) is suspect, its probe's verdict pending."""
+        return any(b.suspect and b.healthy and not b.draining and b.url not in never
+                   for b in self._roles[role].values())
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Returns when a backend's health changes, or after ``timeout`` seconds."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._change.wait(), timeout)
+
+    def _changed(self) -> None:
+        self._change.set()
+        self._change = asyncio.Event()
+
     def eject(self, backend: Backend, reason: str) -> None:
         """Takes a backend out of rotation at once; the prober tries it again after a backoff."""
+        if backend.suspect:
+            backend.suspect = False
+            self._changed()
         backend.failures += 1
         backend.last_error = reason
         backend.next_probe_at = self.clock() + min(self.backoff_max_s, self.backoff_s * 2 ** (backend.failures - 1))
@@ -180,6 +221,7 @@ class BackendPool:
             backend.ejections += 1
             backend.ejected.set()
             logger.warning("backend %s (%s) ejected: %s", backend.url, backend.role, reason)
+            self._changed()
         else:
             logger.debug("backend %s (%s) still failing (%d in a row): %s", backend.url, backend.role,
                          backend.failures, reason)
@@ -194,8 +236,14 @@ class BackendPool:
         if not backend.healthy:
             logger.info("backend %s (%s) healthy%s", backend.url, backend.role,
                         f" again after {backend.failures} failed probe(s)" if backend.ejections else "")
-        backend.healthy, backend.failures, backend.last_error = True, 0, ""
+        elif backend.suspect:
+            logger.info("backend %s (%s) passed its probe after a failed request: it stays", backend.url,
+                        backend.role)
+        changed = not backend.healthy or backend.suspect
+        backend.healthy, backend.suspect, backend.failures, backend.last_error = True, False, 0, ""
         backend.ejected.clear()
+        if changed:
+            self._changed()
 
     def due_for_probe(self) -> list[Backend]:
         """Healthy backends (every round) and ejected ones whose backoff has passed."""

@@ -18,6 +18,10 @@ class RouterConfig:
         "help": "encode engine URLs: each image goes to one (by a hash of its bytes) before prefill"})
     request_timeout_s: float = field(default=600.0, metadata={"help": "upstream read timeout"})
     connect_timeout_s: float = field(default=3.0, metadata={"help": "upstream connect timeout"})
+    upstream_keepalive_expiry_s: float = field(default=3.0, metadata={
+        "help": "seconds an idle connection to an engine stays pooled for reuse; keep it below the engines' "
+                "keep-alive timeout (5 s, uvicorn's default) so the router never reuses a connection the "
+                "engine is closing"})
     retries: int = field(default=2, metadata={
         "help": "retries on other backends (another decode and another prefill) before the first token"})
     transfer_control_key: str = field(default="", metadata={
@@ -28,6 +32,9 @@ class RouterConfig:
     eject_backoff_s: float = field(default=0.5, metadata={
         "help": "first wait before an ejected backend is probed again (doubles per failure)"})
     eject_backoff_max_s: float = field(default=5.0, metadata={"help": "longest wait between probes of one"})
+    verdict_wait_s: float = field(default=3.0, metadata={
+        "help": "a failed request does not eject the last healthy engine of its role: the engine is probed at "
+                "once, and requests for that role wait up to this long for the probe's verdict (then 503)"})
     max_in_flight: int = field(default=1024, metadata={
         "help": "requests the router takes at once; past it, 503 with Retry-After"})
     max_in_flight_per_backend: int = field(default=256, metadata={
@@ -61,12 +68,14 @@ class RouterConfig:
         if not self.kube_group and not self.unified and not (self.prefill and self.decode):
             raise ValueError("need --prefill and --decode URLs (or --unified URLs, or --kube-group)")
         for name in ("request_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",
-                     "eject_backoff_s", "eject_backoff_max_s"):
+                     "eject_backoff_s", "eject_backoff_max_s", "upstream_keepalive_expiry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kv_events_interval_s <= 0 or self.cache_aware_max_load_tokens < 1 or self.approximate_cache_pages < 1:
             raise ValueError("kv_events_interval_s, cache_aware_max_load_tokens and approximate_cache_pages "
                              "must be > 0")
+        if self.verdict_wait_s < 0:
+            raise ValueError(f"verdict_wait_s must be >= 0, got {self.verdict_wait_s}")
         if self.max_in_flight < 1 or self.max_in_flight_per_backend < 1:
             raise ValueError("max_in_flight and max_in_flight_per_backend must be >= 1")
 

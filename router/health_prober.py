@@ -1,4 +1,5 @@
-"""Active health: probes each backend's ``/health``, every round while healthy, with backoff once ejected."""
+"""Active health: probes each backend's ``/health``, every round while healthy, with backoff once ejected,
+and at once a backend the pool marks suspect (the last of its role, after a failed request)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,15 @@ class HealthProber:
     def __init__(self, pool: BackendPool, client: httpx.AsyncClient, interval_s: float, timeout_s: float) -> None:
         self.pool, self.client = pool, client
         self.interval_s, self.timeout_s = interval_s, timeout_s
+        self._soon: dict[Backend, asyncio.Task] = {}
+        pool.on_suspect = self.probe_soon
+
+    def probe_soon(self, backend: Backend) -> None:
+        """Probes ``backend`` now, outside the rounds (once at a time per backend)."""
+        if backend not in self._soon:
+            task = asyncio.ensure_future(self.probe(backend))
+            self._soon[backend] = task
+            task.add_done_callback(lambda _t: self._soon.pop(backend, None))
 
     async def probe(self, backend: Backend) -> None:
         try:

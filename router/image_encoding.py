@@ -99,8 +99,8 @@ class ImageEncoding:
     """Sends a request's images to encoders and rewrites the request for prefill and decode."""
 
     def __init__(self, pool: BackendPool, client: httpx.AsyncClient, images: ImageInputConfig,
-                 control_key: str = "") -> None:
-        self.pool, self.client, self.images = pool, client, images
+                 control_key: str = "", verdict_wait_s: float = 0.0) -> None:
+        self.pool, self.client, self.images, self.verdict_wait_s = pool, client, images, verdict_wait_s
         self.headers = {KEY_HEADER: control_key} if control_key else {}  # encoders of a keyed group ask for it
 
     async def prepare(self, body: Any) -> Prepared:
@@ -124,8 +124,14 @@ class ImageEncoding:
                 slots.append(ImageSlot(i, j, where, url, data, hashlib.sha256(data).hexdigest()))
         failed: set[str] = set()
         pending = list(slots)
+        verdicts = 2  # times to wait for the probe of a last encoder that failed a call
         while pending:
             healthy = [b for b in self.pool.backends("encode") if b.routable and b.url not in failed]
+            if not healthy and verdicts and self.pool.awaiting_verdict("encode"):
+                verdicts -= 1
+                await self.pool.wait_for_change(self.verdict_wait_s)
+                failed -= {b.url for b in self.pool.backends("encode") if b.routable}  # passed: try it again
+                continue
             if not healthy:
                 raise EncodersUnavailable(f"no encoder could take the images (failed: {sorted(failed)})")
             groups: dict[str, list[ImageSlot]] = {}
@@ -139,7 +145,7 @@ class ImageEncoding:
         return Prepared(rewritten(body, slots), list(used.values()))
 
     async def _encode(self, group: list[ImageSlot]) -> bool:
-        """Posts one encoder's items; False if the encoder failed (it is ejected; try another)."""
+        """Posts one encoder's items; False if the encoder failed (it is ejected or probed; try another)."""
         backend = group[0].encoder
         assert backend is not None
         items = [{"room": s.room, "where": s.where, "image_url": {"url": s.url}} for s in group]
@@ -162,13 +168,13 @@ class ImageEncoding:
         try:
             r = call.result()
         except httpx.HTTPError as exc:
-            self.pool.eject(backend, f"encode call: {type(exc).__name__}: {exc}")
+            self.pool.report_failure(backend, f"encode call: {type(exc).__name__}: {exc}")
             return False
         if r.status_code == 400:
             err = r.json().get("error", {})
             raise ApiError(err.get("message", "bad image"), err.get("param"), code=err.get("code"))
         if r.status_code != 200:
-            self.pool.eject(backend, f"encode call answered {r.status_code}: {r.text[:200]}")
+            self.pool.report_failure(backend, f"encode call answered {r.status_code}: {r.text[:200]}")
             return False
         answer = r.json()
         for slot, item in zip(group, answer["items"], strict=True):

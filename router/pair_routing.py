@@ -10,6 +10,9 @@ anything goes to the client, so that a decode failing before it is retried too. 
 attempt's images went to are watched the same way until the prefill answered (their rows are in
 by then): an encoder ejected meanwhile ends the attempt, and the retry encodes again elsewhere
 (a failed encoder does not make the next attempt avoid the prefill and decode it used).
+A failed request does not eject the last healthy backend of its role (the pool probes it at once);
+while that probe's verdict is pending, a request for the role waits for it (up to
+``verdict_wait_s``) and is retried there when the probe passes.
 """
 
 from __future__ import annotations
@@ -106,8 +109,10 @@ class PairRouter:
     """Runs requests on pairs (or unified replicas) from the pool, with retries."""
 
     def __init__(self, pool: BackendPool, client: httpx.AsyncClient, key: str, retries: int,
-                 on_retry=lambda: None, prepare=None, routing: CacheAwareRouting | None = None) -> None:
+                 on_retry=lambda: None, prepare=None, routing: CacheAwareRouting | None = None,
+                 verdict_wait_s: float = 0.0) -> None:
         self.pool, self.client, self.key, self.retries = pool, client, key, retries
+        self.verdict_wait_s = verdict_wait_s
         self.on_retry = on_retry
         # Chooses the unified replica or the prefill by cached prefix (None: by load alone).
         self.routing = routing
@@ -129,14 +134,14 @@ class PairRouter:
             attempt_body = prepared.body if prepared is not None else body
             encoders = prepared.encoders if prepared is not None else []
             try:
-                main = self._pick("decode" if disaggregated else "unified", avoid, never,
-                                  plan=None if disaggregated else plan)
+                main = await self._lease("decode" if disaggregated else "unified", avoid, never,
+                                         plan=None if disaggregated else plan)
             except NoBackend:
                 if last is not None:
                     raise last from None
                 raise
             try:
-                prefill = (self._pick("prefill", avoid, never, affinity.url if affinity else None, plan)
+                prefill = (await self._lease("prefill", avoid, never, affinity.url if affinity else None, plan)
                            if disaggregated else None)
             except BaseException:
                 main.release()
@@ -157,10 +162,24 @@ class PairRouter:
                 last = failure
                 if failure.backend.role != "encode":  # the pair was not at fault for a dead encoder
                     avoid |= {main.backend.url, *([prefill.backend.url] if prefill else [])}
-                if failure.kind in EJECTING_KINDS:
-                    never.add(failure.backend.url)
+                if failure.kind in EJECTING_KINDS and not failure.backend.healthy:
+                    never.add(failure.backend.url)  # ejected (a suspect may pass its probe: then retried there)
         assert last is not None
         raise last
+
+    async def _lease(self, role: str, avoid: set[str], never: set[str], prefer: str | None = None,
+                     plan: RoutePlan | None = None) -> Lease:
+        """`_pick`, waiting (up to verdict_wait_s) while the role's only candidate awaits its probe's verdict."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.verdict_wait_s
+        while True:
+            try:
+                return self._pick(role, avoid, never, prefer, plan)
+            except NoBackend:
+                left = deadline - loop.time()
+                if left <= 0 or not self.pool.awaiting_verdict(role, never):
+                    raise
+                await self.pool.wait_for_change(left)
 
     def _pick(self, role: str, avoid: set[str], never: set[str], prefer: str | None = None,
               plan: RoutePlan | None = None) -> Lease:
@@ -189,7 +208,7 @@ class PairRouter:
                 failures = [t.exception() for t in done if t is not watch and t.exception() is not None]
                 for f in failures:
                     if isinstance(f, UpstreamFailure) and f.kind in EJECTING_KINDS:
-                        self.pool.eject(f.backend, str(f))
+                        self.pool.report_failure(f.backend, str(f))
                 if failures:
                     # The failure that blames an engine explains the others (a decode whose prefill died).
                     raise min(failures, key=lambda f: not (isinstance(f, UpstreamFailure)

@@ -1,16 +1,23 @@
 """Calls to one engine, and what their failures mean for the router.
 
 A failure has a kind that decides what happens next:
-- ``unreachable``: connect/read error or timeout; the engine is ejected and the request retried;
+- ``unreachable``: connect/read error or timeout; the engine is ejected (unless it is the last healthy
+  one of its role: then it is probed at once) and the request retried;
 - ``server``: a 5xx the engine did not pin on the request; ejected and retried;
 - ``busy``: 503 with Retry-After (the engine's queue is full); retried elsewhere, not ejected;
 - ``request``: the engine is fine but this attempt failed (e.g. its KV transfer); retried;
 - ``client``: a 4xx; the same request would fail anywhere, so it goes back to the client.
+
+Connections to engines are pooled (``UpstreamClient``): an idle one is let go of before the engine's
+own keep-alive timeout closes it, and a request whose pooled connection turns out dead before any
+answer byte (the engine's close crossed it) is sent once more on a fresh connection before its
+failure counts against the engine.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,9 +26,70 @@ import httpx
 
 from splitserve.router.backend_pool import Backend
 
+logger = logging.getLogger(__name__)
+
 EJECTING_KINDS = ("unreachable", "server")
 RETRYABLE_KINDS = ("unreachable", "server", "busy", "request")
 REQUEST_ERROR_CODES = ("generation_failed",)  # engine-side codes that blame the request, not the engine
+
+
+# What a request on a pooled keep-alive connection the engine has closed meets: a reset (ReadError,
+# WriteError) or a closed socket ("Server disconnected without sending a response").
+DEAD_CONNECTION_ERRORS = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+class _ConnectionTrace:
+    """httpcore's trace of one request: whether it opened a connection, and whether an answer began."""
+
+    def __init__(self, outer: Any) -> None:
+        self.outer, self.opened, self.answered = outer, False, False
+
+    async def __call__(self, name: str, info: dict) -> None:
+        if name.startswith("connection.connect_tcp."):
+            self.opened = True
+        elif name.endswith("receive_response_headers.complete"):
+            self.answered = True
+        if self.outer is not None:
+            await self.outer(name, info)
+
+
+class UpstreamClient(httpx.AsyncClient):
+    """The router's client for engines. Idle connections stay pooled for ``keepalive_expiry_s``
+    (below the engines' keep-alive timeout, so the router lets go of a connection before the engine
+    closes it); a request that meets a dead pooled connection before any answer byte is sent once
+    more on a fresh connection (``stale_retries`` counts them)."""
+
+    def __init__(self, timeout: httpx.Timeout, keepalive_expiry_s: float, max_keepalive: int = 256) -> None:
+        super().__init__(timeout=timeout, limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=max_keepalive, keepalive_expiry=keepalive_expiry_s))
+        self.fresh = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
+                                                                            max_keepalive_connections=0))
+        self.stale_retries = 0
+
+    async def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:  # type: ignore[override]
+        outer = request.extensions.get("trace")
+        trace = _ConnectionTrace(outer)
+        request.extensions["trace"] = trace
+        try:
+            return await super().send(request, **kwargs)
+        except DEAD_CONNECTION_ERRORS as exc:
+            if trace.opened or trace.answered:  # a new connection that failed, or an answer cut short
+                raise
+            self.stale_retries += 1
+            logger.info("%s %s: pooled connection dead (%s: %s); once more on a fresh one", request.method,
+                        request.url, type(exc).__name__, exc)
+        finally:
+            if outer is None:
+                request.extensions.pop("trace", None)
+            else:
+                request.extensions["trace"] = outer
+        return await self.fresh.send(request, **kwargs)
+
+    async def aclose(self) -> None:
+        try:
+            await self.fresh.aclose()
+        finally:
+            await super().aclose()
 
 
 class UpstreamFailure(Exception):

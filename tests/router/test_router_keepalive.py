@@ -205,3 +205,53 @@ def test_requests_after_an_idle_gap_longer_than_the_engines_keepalive_all_succee
         assert relay.crossed == 0
     finally:
         relay.close()
+
+
+def test_a_request_on_a_pooled_connection_the_engine_closed_is_sent_again_on_a_fresh_one(engine, tmp_path) -> None:
+    """With the router keeping idle connections past the engine's keep-alive, the requests after the
+    gap do meet connections the engine closed: each is sent once more on a fresh connection, and
+    the engine stays in rotation."""
+    relay = KeepAliveRelay(engine[0], latency_s=LATENCY_S)
+    try:
+        with router_over(tmp_path, [relay.url], "--health-timeout-s", "5",
+                         "--upstream-keepalive-expiry-s", "30") as (router, _):
+            codes, errors = burst_gap_then_requests(router, ENGINE_KEEPALIVE_S - LATENCY_S / 2)
+            state = backend_state(router)
+            metrics = httpx.get(f"{router}/metrics", timeout=5).text
+        assert relay.crossed > 0  # the scenario happened
+        assert codes.count(200) == len(codes), f"{len(codes) - codes.count(200)} failed: {errors[:3]}; {state}"
+        assert state["ejections"] == 0, state
+        retried = next(float(line.split()[-1]) for line in metrics.splitlines()
+                       if line.startswith("splitserve_router_dead_connection_retries "))
+        assert retried >= relay.crossed > 0
+    finally:
+        relay.close()
+
+
+def test_the_last_engine_is_not_ejected_for_a_failed_request_but_its_probe_decides(engine, tmp_path) -> None:
+    """Two resets in a row (a dead pooled connection and then a fresh one) fail a request on the only
+    engine: it is probed at once instead of ejected, the probe passes, and the request is retried
+    there. An engine that is really gone is ejected by its probe, and requests get a 503 soon."""
+    port, proc = engine
+    relay = KeepAliveRelay(port)
+    try:
+        with router_over(tmp_path, [relay.url]) as (router, _):
+            assert httpx.post(f"{router}/v1/completions", json=BODY, timeout=60).status_code == 200
+            relay.reset_posts(2)
+            r = httpx.post(f"{router}/v1/completions", json=BODY, timeout=60)
+            assert r.status_code == 200, r.text
+            assert relay.injected == 2
+            state = backend_state(router)
+            assert state["healthy"] and not state["suspect"] and state["ejections"] == 0, state
+
+            proc.kill()
+            started = time.monotonic()
+            r = httpx.post(f"{router}/v1/completions", json=BODY, timeout=60)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert time.monotonic() - started < 10
+            state = backend_state(router)
+            assert not state["healthy"] and state["ejections"] == 1, state
+            ready = httpx.get(f"{router}/ready", timeout=5)
+            assert ready.status_code == 503 and ready.json()["summary"] == "0 healthy unified"
+    finally:
+        relay.close()
