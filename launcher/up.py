@@ -26,6 +26,8 @@ from splitserve.config_flags import ConfigError, add_config_flags, config_from_a
 from splitserve.engine.checkpoints.model_names import ModelNotFoundError, check_model_exists
 
 logger = logging.getLogger(__name__)
+# Where every engine listens (its --engine-args may say otherwise).
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass
@@ -163,8 +165,10 @@ class Deployment:
 
     def _engine(self, role: str, index: int, extra: list[str] | None = None) -> str:
         port = free_port()
-        args = ["serve", "--role", role, "--model", self.cfg.model, "--port", str(port),
-                "--device", engine_device(self.cfg.device, self._engines_started)]
+        # Everything on loopback (HTTP, bootstrap, ZeroMQ control, Mooncake's ports: the engine narrows
+        # those to a loopback transfer host): one machine, and the transfer ports take no credentials.
+        args = ["serve", "--role", role, "--model", self.cfg.model, "--host", LOOPBACK, "--port", str(port),
+                "--transfer-host", LOOPBACK, "--device", engine_device(self.cfg.device, self._engines_started)]
         self._engines_started += 1
         if role == "prefill":
             args += ["--bootstrap-port", str(free_port())]

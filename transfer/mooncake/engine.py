@@ -5,10 +5,11 @@ Mooncake calls return an int status and never raise; each is checked here and tu
 answers, 30 s on a frozen one), so only the manager's worker threads call ``write``; the
 engine's scheduler never does.
 
-Mooncake's ports (RPC handshake and TCP data) listen on all interfaces with no
-authentication unless ``MC_TCP_BIND_ADDRESS`` narrows the data port: anyone who can reach
-them can write into registered memory. Run it on a private network (Kubernetes network
-policy) only.
+Mooncake's ports (RPC handshake and TCP data) listen with no authentication: anyone who can
+reach them can write into registered memory. Mooncake itself binds them to every interface
+whatever host it is given (``MC_TCP_BIND_ADDRESS`` only picks the address it advertises); with
+a loopback transfer host (one machine: ``splitserve up``) they are narrowed to loopback by
+``loopback_bind``. Elsewhere run it on a private network (the operator's NetworkPolicy) only.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.transfer.errors import MooncakeCallError, RdmaUnavailableError, TransferEngineUnavailableError
+from splitserve.transfer.mooncake.loopback_bind import bind_mooncake_to_loopback, loopback_for
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +109,9 @@ class MooncakeEngine:
                 raise RdmaUnavailableError(devices, found)
         elif protocol != "tcp":
             raise ValueError(f"unknown transfer protocol {protocol!r} (rdma or tcp)")
-        if host in ("127.0.0.1", "localhost"):
-            # Keep the TCP data port on loopback when we only advertise loopback.
+        loopback = loopback_for(host) is not None
+        if loopback:
+            # The address Mooncake advertises when it has to pick one itself.
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         try:
             from mooncake.engine import TransferEngine
@@ -117,6 +120,9 @@ class MooncakeEngine:
                 f"cannot import mooncake ({exc}); install the transfer-cpu extra "
                 "(mooncake-transfer-engine-non-cuda) and Debian's libibverbs1"
             ) from exc
+        if loopback:
+            # We only advertise loopback: Mooncake's listening ports go there too, not on every interface.
+            bind_mooncake_to_loopback(host)
         self.host = host
         self.protocol = protocol
         self.devices = devices
