@@ -100,17 +100,18 @@ class PlannerConfig:
     startup_s: float = 120.0  # a new pod, until it serves: the prediction horizon
     transfer_s: float = 0.05
     trend_intervals: int = 8
+    trend_fit_weighting: bool = False  # extrapolate slope * R^2 of the fitted line (steadier, later on ramps)
     trend_damping: float = 1.0  # share of the fitted trend extrapolated over the horizon
     trend_short_intervals: int = 0
     down_horizon_s: float = 60.0
     rate_z: float = 2.0  # standard errors of the fitted level added to it
     rate_margin: float = 0.05  # headroom on the fitted rate, for what the trend cannot see yet
-    prefill_utilization: float = 0.9
-    prefill_down_utilization: float = 0.75
+    prefill_utilization: float = 0.95
+    prefill_down_utilization: float = 0.85
     service_cv2: float = 0.5  # squared coefficient of variation of prefill service (0: fixed lengths)
     itl_headroom: float = 0.85
     decode_utilization: float = 0.95
-    decode_throughput_utilization: float = 0.9  # of a replica's ceiling (1 / per-token step cost at the context)
+    decode_throughput_utilization: float = 0.7  # of a replica's ceiling (1 / per-token step cost at the context)
     decode_down_utilization: float = 0.75
     kv_target: float = 0.9
     kv_high: float = 0.9  # KV usage above which a TTFT breach is blamed on decode (prefill waits on its pages)
@@ -195,14 +196,17 @@ class SLOPlanner:
     # ---- prediction ----
 
     @staticmethod
-    def _fit(points: Sequence[tuple[float, float]], time_s: float) -> tuple[float, float]:
-        """Least-squares line through (time, rate) points: (value at ``time_s``, slope)."""
+    def _fit(points: Sequence[tuple[float, float]], time_s: float) -> tuple[float, float, float]:
+        """Least-squares line through (time, rate) points: (value at ``time_s``, slope, R^2 of the line)."""
         n = len(points)
         mt = sum(t for t, _ in points) / n
         mr = sum(r for _, r in points) / n
         var = sum((t - mt) ** 2 for t, _ in points)
         slope = sum((t - mt) * (r - mr) for t, r in points) / var if var > 0 else 0.0
-        return max(0.0, mr + slope * (time_s - mt)), slope
+        total = sum((r - mr) ** 2 for _, r in points)
+        resid = sum((r - mr - slope * (t - mt)) ** 2 for t, r in points)
+        r2 = 1 - resid / total if total > 0 else 0.0
+        return max(0.0, mr + slope * (time_s - mt)), slope, r2
 
     def predict(self, time_s: float, rate: float) -> tuple[float, float]:
         """Record this interval's rate; return (rate to scale up for, rate to scale down to).
@@ -217,14 +221,16 @@ class SLOPlanner:
         if len(history) < 2:
             level, slope = rate, 0.0
         else:
-            level, slope = self._fit(history, time_s)
+            level, slope, r2 = self._fit(history, time_s)
             if cfg.trend_short_intervals >= 3 and len(history) >= 3:
                 slope = max(slope, self._fit(history[-cfg.trend_short_intervals:], time_s)[1])
+            if cfg.trend_fit_weighting:
+                slope *= max(0.0, r2)  # a line that explains little of the window (a V, a blip) is not a trend
         self.slope = slope
         noise = cfg.rate_z * math.sqrt(max(level, 0.1) / (len(history) * cfg.interval_s)) + cfg.rate_margin * level
         horizon = (cfg.startup_s + cfg.interval_s) * cfg.trend_damping
         up = level + max(0.0, slope * horizon) + noise
-        down = level + max(0.0, slope * cfg.down_horizon_s) + noise
+        down = max(level + max(0.0, slope * cfg.down_horizon_s) + noise, rate)  # never below what just arrived
         return up, down
 
     # ---- sizing ----

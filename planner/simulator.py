@@ -375,9 +375,7 @@ class Simulation:
             return
         e.state = "stopped"
         nxt = e.switch_to
-        if nxt is None:
-            e.gpu.stop = self.t
-        elif nxt.cancelled:
+        if nxt is None or nxt.cancelled:
             e.gpu.stop = self.t
         else:
             self.at(self.t + self.group.switch_s, lambda: self._ready(nxt))

@@ -58,7 +58,7 @@ def oscillating_trace(duration_s: float = 1800.0, phase_s: float = 60.0, seed: i
     decode-heavy one (short prompts, long outputs), with quiet gaps: made to drive many scale-downs and switches."""
     rng = random.Random(seed)
     out: list[TraceRequest] = []
-    phases = [(4.0, 6000, 20), (0.3, 500, 100), (6.0, 300, 600), (0.3, 500, 100)]  # rate, prompt, output
+    phases = [(4.0, 6000, 20), (6.0, 300, 600), (0.3, 500, 100)]  # rate, prompt, output
     start, i = 0.0, 0
     while start < duration_s:
         rate, prompt, output = phases[i % len(phases)]
