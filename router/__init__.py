@@ -1,17 +1,23 @@
 """`splitserve router`: the OpenAI-compatible front door of a deployment.
 
 Disaggregated (`--prefill URL... --decode URL...`, or `--kube-group G` in Kubernetes, which watches the
-Endpoints of the group's role Services): each request goes to the least-loaded
-healthy prefill and decode at once, with `bootstrap_host/port/room` (and the group key's
+Endpoints of the group's role Services): each request goes to a healthy prefill (see --routing)
+and the least-loaded healthy decode at once, with `bootstrap_host/port/room` (and the group key's
 signature) telling them where to meet; decode's answer goes back to the client. Before the
 first token reaches the client a failed attempt is retried on another decode and another
 prefill; after it, a failure ends the stream with an error event. Unified (`--unified URL...`):
-least-loaded proxying to data-parallel replicas, with the same retries.
+proxying to data-parallel replicas (chosen the same way as prefills), with the same retries.
 
-Modules: `backend_pool` (backends per role, health state, leases; `replace` changes the set at
-runtime), `health_prober` (active `/health` probes), `upstream` (engine calls and what their
-failures mean), `pair_routing` (attempts and retries), `app` (the HTTP app), `config`.
+Every engine's `/health` is probed; one that fails its probe, or a request (connect error, 5xx,
+timeout), is taken out of rotation and probed again with a growing backoff. The last healthy
+engine of a role is not taken out for a failed request alone: it is probed at once, and requests
+wait for that verdict. Idle connections to engines are closed before the engines' own keep-alive
+timeout, and a request that meets a connection the engine has just closed is sent again on a new
+one. `/health` is liveness (with every engine's state), `/ready` readiness, `/metrics` Prometheus.
 """
+
+# The code: backend_pool (engines per role, health, load), health_prober, upstream (engine calls and
+# what their failures mean), pair_routing (attempts and retries), app (the HTTP app), config.
 
 from __future__ import annotations
 

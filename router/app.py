@@ -266,44 +266,70 @@ class Router:
             sequences = split_sequences(body)
             if len(sequences) > 1:
                 prefills = {s.prompt_index: PrefillAffinity() for s in sequences}
-                return await fan_out(body, sequences,
-                                     lambda one: self._one_sequence(one.body, path, prefills[one.prompt_index]))
+                merged = await fan_out(body, sequences,
+                                       lambda one: self._one_sequence(one.body, path, prefills[one.prompt_index]))
+                # Counted once, as the client's one request (its sequences are not counted).
+                if isinstance(merged, StreamingResponse):
+                    merged.body_iterator = self._counted_stream(merged.body_iterator)
+                else:
+                    self.requests.labels(_outcome_of(merged)).inc()
+                return merged
             body = sequences[0].body
         return await self._dispatch(body, path)
 
+    async def _counted_stream(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """A fanned-out stream, counted once when it ends (broken if a sequence's stream broke)."""
+        outcome = "ok"
+        try:
+            async for chunk in events:
+                if isinstance(chunk, bytes) and chunk.startswith(b'data: {"error"'):
+                    outcome = "broken_stream"
+                yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "client_gone"
+            raise
+        finally:
+            self.requests.labels(outcome).inc()
+            await events.aclose()  # type: ignore[attr-defined]
+
     async def _one_sequence(self, body: dict, path: str, prefill: PrefillAffinity) -> Response:
         """One sequence of a fanned-out request, as a response the fan-out merges."""
-        answer = await self._dispatch(body, path, prefill)
+        answer = await self._dispatch(body, path, prefill, count=False)
         if not isinstance(answer, Answer):
             return answer
         if answer.events is None:
             await answer.close()
             return Response(answer.content, media_type="application/json")
-        return RelayResponse(self._relay(answer, None), media_type="text/event-stream")
+        return RelayResponse(self._relay(answer, None, count=False), media_type="text/event-stream")
 
-    async def _dispatch(self, body: dict, path: str, prefill: PrefillAffinity | None = None) -> Answer | Response:
+    async def _dispatch(self, body: dict, path: str, prefill: PrefillAffinity | None = None,
+                        count: bool = True) -> Answer | Response:
         stream = body.get("stream") is True
+
+        def counted(outcome: str) -> None:
+            if count:
+                self.requests.labels(outcome).inc()
         try:
             return await self.pairs.dispatch(path, body, stream, self.cfg.disaggregated, prefill)
         except Overloaded as exc:
-            self.requests.labels("overloaded").inc()
+            counted("overloaded")
             return error_json(str(exc), 503, "overloaded", retry_after=self.cfg.retry_after_s)
         except EncodersUnavailable as exc:
-            self.requests.labels("no_backend").inc()
+            counted("no_backend")
             return error_json(str(exc), 503, "no_encoder", retry_after=self.cfg.retry_after_s)
         except NoBackend as exc:
-            self.requests.labels("no_backend").inc()
+            counted("no_backend")
             return error_json(str(exc), 503, "no_backend", retry_after=self.cfg.retry_after_s)
         except UpstreamFailure as failure:
             if failure.kind == "client":
-                self.requests.labels("client_error").inc()
+                counted("client_error")
                 return Response(json.dumps(failure.body).encode(), status_code=failure.status,
                                 media_type="application/json")
-            self.requests.labels("error").inc()
+            counted("error")
             return error_json(f"request failed on every backend tried; last: {failure}", 503, "upstream_failed",
                               retry_after=self.cfg.retry_after_s)
 
-    async def _relay(self, answer: Answer, ticket: Admission.Ticket | None) -> AsyncIterator[bytes]:
+    async def _relay(self, answer: Answer, ticket: Admission.Ticket | None, count: bool = True) -> AsyncIterator[bytes]:
         """Relays a stream that has its first token; a failure from here on ends it with an error event."""
         outcome = "ok"
         try:
@@ -324,12 +350,29 @@ class Router:
             outcome = "client_gone"
             raise
         finally:
-            self.requests.labels(outcome).inc()
+            if count:
+                self.requests.labels(outcome).inc()
             try:
                 await answer.close()
             finally:
                 if ticket is not None:
                     ticket.release()
+
+
+OUTCOME_OF_CODE = {"overloaded": "overloaded", "no_backend": "no_backend", "no_encoder": "no_backend"}
+
+
+def _outcome_of(response: Response) -> str:
+    """The request counter's outcome for a whole answer (a fanned-out request's merged one)."""
+    if response.status_code == 200:
+        return "ok"
+    if response.status_code < 500:
+        return "client_error"
+    try:
+        code = (json.loads(bytes(response.body)).get("error") or {}).get("code")
+    except (ValueError, AttributeError):
+        code = None
+    return OUTCOME_OF_CODE.get(code, "error")
 
 
 async def _release_at_end(events: AsyncIterator[bytes], ticket: Admission.Ticket) -> AsyncIterator[bytes]:

@@ -20,7 +20,7 @@ class RouterConfig:
     connect_timeout_s: float = field(default=3.0, metadata={"help": "upstream connect timeout"})
     upstream_keepalive_expiry_s: float = field(default=3.0, metadata={
         "help": "seconds an idle connection to an engine stays pooled for reuse; keep it below the engines' "
-                "keep-alive timeout (5 s, uvicorn's default) so the router never reuses a connection the "
+                "keep-alive timeout (uvicorn's 5 s) so the router never reuses a connection the "
                 "engine is closing"})
     retries: int = field(default=2, metadata={
         "help": "retries on other backends (another decode and another prefill) before the first token"})
