@@ -139,3 +139,40 @@ def test_the_router_does_not_import_torch() -> None:
     code = "import sys, splitserve.router.app; print(sorted(m for m in sys.modules if m.startswith('torch')))"
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout[:300]
+
+
+def test_a_failed_request_ejects_a_backend_unless_it_is_the_last_of_its_role_then_a_probe_decides() -> None:
+    import asyncio
+
+    clock = FakeClock()
+    pool = healthy_pool(clock, decode=["http://d0", "http://d1"], unified=["http://u0"])
+    probed = []
+    pool.on_suspect = probed.append
+    d0, d1 = pool.backends("decode")
+    assert pool.report_failure(d0, "ReadError") and not d0.healthy and d0.ejections == 1  # d1 is left
+    assert not pool.report_failure(d1, "ReadError")  # the last one: suspect, not ejected
+    assert d1.healthy and d1.suspect and not d1.routable and d1.ejections == 0 and probed == [d1]
+    assert pool.awaiting_verdict("decode") and not pool.awaiting_verdict("decode", never={"http://d1"})
+    with pytest.raises(NoBackend):
+        pool.pick("decode")
+    assert not pool.report_failure(d1, "again") and probed == [d1]  # one probe per suspicion
+
+    asyncio.run(verdict_on(pool, d1, passes=True))  # the waiting requests are woken at once
+    assert d1.routable and not d1.suspect and pool.pick("decode").backend is d1
+    u0 = pool.backends("unified")[0]
+    assert not pool.report_failure(u0, "5xx") and u0.suspect
+    asyncio.run(verdict_on(pool, u0, passes=False))
+    assert not u0.healthy and not u0.suspect and u0.ejections == 1 and not pool.awaiting_verdict("unified")
+
+
+async def verdict_on(pool: BackendPool, backend, passes: bool) -> None:
+    """A probe's verdict on a suspect backend, with a request waiting for it (woken at once)."""
+    import asyncio
+
+    waiter = asyncio.ensure_future(pool.wait_for_change(5))
+    await asyncio.sleep(0)
+    if passes:
+        pool.admit(backend, {})
+    else:
+        pool.eject(backend, "probe failed")
+    await asyncio.wait_for(waiter, 1)
