@@ -7,8 +7,10 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from splitserve.planner.simulator import SimResult
+if TYPE_CHECKING:  # the simulator's CLI imports this module to draw its result
+    from splitserve.planner.simulator import SimResult
 
 logger = logging.getLogger(__name__)
 
