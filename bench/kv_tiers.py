@@ -21,6 +21,7 @@ import random
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from splitserve.engine.config import EngineConfig
@@ -34,6 +35,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=["kv-tiers"], default="kv-tiers", help=argparse.SUPPRESS)
     p.add_argument("--model", default="tiny", help="model of the engine")
+    p.add_argument("--shape", default="", help="a real model's shape with random weights instead of --model")
+    p.add_argument("--reload-tokens", type=int, default=0, help="also time one prompt of this many tokens "
+                   "computed, then again after its pages went to the host tier (0: skip)")
     p.add_argument("--device", default="cpu", help="device of the engine")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-total-tokens", type=int, default=4096, help="device KV, in tokens")
@@ -61,6 +65,8 @@ def engine_config(args: argparse.Namespace, host_kv_tokens: int) -> EngineConfig
     for item in filter(None, args.engine_args.split(",")):
         key, value = item.split("=", 1)
         extra[key.replace("-", "_")] = json.loads(value) if value[:1] in "0123456789-[{tf" else value
+    if args.shape:
+        extra.setdefault("load_format", "dummy")
     return EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
                         max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
                         chunked_prefill_size=args.chunked_prefill_size, host_kv_tokens=host_kv_tokens,
@@ -147,7 +153,46 @@ def run_trace(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def time_reload(engine: Engine, tokens: int, seed: int) -> dict[str, float]:
+    """One prompt computed (TTFT cold), its device pages then evicted to the host tier, and the prompt
+    plus one token again (TTFT with its prefix loaded from host memory)."""
+    rng = random.Random(seed + 99)
+    prompt = [rng.randrange(1, 250) for _ in range(tokens)]
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def ttft(ids: list[int], rid: str) -> tuple[float, int]:
+        done, got = threading.Event(), {}
+        sent = time.perf_counter()
+
+        def on_output(out: TokenOutput) -> None:
+            if out.finish_reason is not None:
+                got.update(t=time.perf_counter() - sent, cached=out.cached_tokens, error=out.error)
+                done.set()
+
+        engine.submit(Request(rid, ids, params, on_output))
+        if not done.wait(600) or got.get("error"):
+            raise RuntimeError(f"reload probe {rid} failed: {got}")
+        return got["t"], got["cached"]
+
+    ttft([rng.randrange(1, 250) for _ in range(256)], "reload-warm")  # the first request's one-time costs
+    computed_s, _ = ttft(prompt, "reload-cold")
+    evicted = threading.Event()
+    engine.call_soon(lambda: (engine.kv.prefix_cache.evict(engine.kv.prefix_cache.cached_pages), evicted.set()))
+    evicted.wait(60)
+    time.sleep(0.5)  # the write-back completes off the step
+    loaded_s, cached = ttft([*prompt, 7], "reload-host")
+    return {"tokens": tokens, "computed_ttft_s": computed_s, "host_loaded_ttft_s": loaded_s,
+            "cached_tokens": cached, "speedup": computed_s / loaded_s}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.shape:
+        import tempfile
+
+        from splitserve.engine.checkpoints.model_shapes import write_shape_folder
+
+        folder = write_shape_folder(args.shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{args.shape}-")))
+        args = argparse.Namespace(**{**vars(args), "model": str(folder)})
     report: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "profile"},
                               "working_set_tokens": working_set_tokens(args),
                               "working_set_over_device_kv": working_set_tokens(args) / args.max_total_tokens}
@@ -156,6 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.start()
         try:
             report[name] = run_trace(engine, args)
+            if host and args.reload_tokens:
+                report["reload"] = time_reload(engine, args.reload_tokens, args.seed)
         finally:
             engine.stop()
     off, on = report["device_only"], report["host_tier"]
@@ -191,10 +238,19 @@ def print_report(report: dict[str, Any]) -> None:
           f"{r['prompt_tokens_computed']:.2f}x; same greedy outputs: {report['same_outputs']}")
 
 
+def print_reload(report: dict[str, Any]) -> None:
+    r = report.get("reload")
+    if r:
+        print(f"reload of a {r['tokens']}-token prompt: computed {r['computed_ttft_s'] * 1e3:.1f} ms, from the host "
+              f"tier {r['host_loaded_ttft_s'] * 1e3:.1f} ms ({r['cached_tokens']} tokens cached): "
+              f"{r['speedup']:.2f}x faster")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(argv or []))
     report = run(args)
     print_report(report)
+    print_reload(report)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=1)
