@@ -67,11 +67,13 @@ def engine_config(args: argparse.Namespace, host_kv_tokens: int) -> EngineConfig
         extra[key.replace("-", "_")] = json.loads(value) if value[:1] in "0123456789-[{tf" else value
     if args.shape:
         extra.setdefault("load_format", "dummy")
-    return EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
-                        max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
-                        chunked_prefill_size=args.chunked_prefill_size, host_kv_tokens=host_kv_tokens,
-                        context_length=max(4096, working_set_tokens(args) // max(1, args.conversations) + 64),
-                        **extra)
+    fields: dict[str, Any] = {
+        "model": args.model, "device": args.device, "page_size": args.page_size,
+        "max_total_tokens": args.max_total_tokens, "max_running_requests": args.max_running_requests,
+        "chunked_prefill_size": args.chunked_prefill_size, "host_kv_tokens": host_kv_tokens,
+        "context_length": max(4096, working_set_tokens(args) // max(1, args.conversations) + 64,
+                              args.reload_tokens + 64)}
+    return EngineConfig(**{**fields, **extra})
 
 
 def run_trace(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
