@@ -38,7 +38,7 @@ pip_install() {
     log "  done in $((SECONDS - t0)) s"
 }
 
-# torch first and pinned: this machine carries the 2.13.0 CPU build on disk; an unpinned
+# torch first and pinned to its CPU build (2.13.0); an unpinned
 # torch (asked for by any other package) would pull a multi-GB CUDA build.
 if ! "$PY" -c 'import torch' 2>/dev/null; then
     log "installing torch==2.13.0 (CPU build)"
