@@ -24,7 +24,7 @@ USER_FLAGS = frozenset({
     # the engine
     "role", "model", "served_model_name", "host", "port", "device", "dtype", "log_level", "tool_call_parser",
     # memory and batching
-    "mem_fraction", "max_total_tokens", "context_length", "max_running_requests", "page_size",
+    "mem_fraction", "max_total_tokens", "host_kv_tokens", "context_length", "max_running_requests", "page_size",
     "chunked_prefill_size", "disable_prefix_cache", "disable_cuda_graph",
     # parallelism
     "tp_size", "dist_init_addr",
