@@ -26,6 +26,7 @@ from starlette.routing import Route
 from splitserve.api.http_request import ROUTE_ERROR_HANDLERS, error_response, read_json, wait_for_disconnect
 from splitserve.api.openai_protocol import ApiError
 from splitserve.engine.multimodal.image_inputs import ImageInputConfig
+from splitserve.router.api_keys import ApiKeys
 from splitserve.router.backend_pool import ROLES, BackendPool, NoBackend, Overloaded
 from splitserve.router.cache_routing import CacheAwareRouting
 from splitserve.router.config import RouterConfig
@@ -122,6 +123,7 @@ class Router:
         self.pairs = PairRouter(self.pool, self.client, cfg.transfer_control_key, cfg.retries, self.retries.inc,
                                 prepare=self.images.prepare,  # images go to encoders, when there are any
                                 routing=routing, verdict_wait_s=cfg.verdict_wait_s)
+        self.api_keys = ApiKeys(cfg.api_key, cfg.api_key_file)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -160,12 +162,15 @@ class Router:
     # ---- endpoints ---------------------------------------------------------------------------
 
     async def completions(self, request: HttpRequest) -> Response:
+        self.api_keys.check(request.headers.get("authorization"))
         return await self._route(request, "/v1/completions")
 
     async def chat_completions(self, request: HttpRequest) -> Response:
+        self.api_keys.check(request.headers.get("authorization"))
         return await self._route(request, "/v1/chat/completions")
 
-    async def models(self, _request: HttpRequest) -> Response:
+    async def models(self, request: HttpRequest) -> Response:
+        self.api_keys.check(request.headers.get("authorization"))
         role = "decode" if self.cfg.disaggregated else "unified"
         backends = [b for b in self.pool.backends(role) if b.routable]
         if not backends:

@@ -52,6 +52,11 @@ class RouterConfig:
     approximate_cache_pages: int = field(default=1 << 17, metadata={
         "help": "cache-aware, for engines that publish no page events: pages remembered per engine from the "
                 "prompts sent to it"})
+    api_key: str = field(default="", metadata={
+        "help": "a key clients must send as 'Authorization: Bearer KEY' on /v1/* (empty, and no --api-key-file: "
+                "open); prefer the environment variable to the flag, which other local users can read"})
+    api_key_file: str = field(default="", metadata={
+        "help": "a file of client keys, one per line (a mounted Kubernetes Secret); read again when it changes"})
     kube_group: str = field(default="", metadata={
         "help": "in a Kubernetes pod: find the prefill and decode engines by watching the Endpoints of this "
                 "ServingGroup's role Services (instead of --prefill/--decode URLs)"})
