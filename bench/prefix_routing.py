@@ -57,6 +57,11 @@ class PrefixBenchConfig:
         "help": "which loads to run", "choices": ("shared", "fresh", "multiturn")})
     engine_args: str = field(default="", metadata={"help": "extra flags for every engine"})
     seed: int = field(default=0, metadata={"help": "seed of the prompts, arrivals and sessions"})
+    decision_backends: int = field(default=16, metadata={
+        "help": "the decision-time measurement (in process, no servers): backends in the index"})
+    decision_pages: int = field(default=100_000, metadata={
+        "help": "the decision-time measurement: cached pages per backend"})
+    decision_only: bool = field(default=False, metadata={"help": "measure the decision time only"})
     output: str = field(default="", metadata={"help": "write the figures as JSON here"})
 
 
@@ -226,7 +231,56 @@ def run_deployment(cfg: PrefixBenchConfig, engines: int, kv_tokens: int, routing
     return out
 
 
+def decision_latency(backends: int, pages: int, prompt_tokens: int = 2176, page_size: int = 16,
+                     samples: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """The router's choice timed in process: an index of `backends` x `pages` cached pages (each backend holds
+    prefixes of its own and a few shared ones), prompts of `prompt_tokens` that hit one, several or none."""
+    from prometheus_client import CollectorRegistry
+
+    from splitserve.router.backend_pool import Backend
+    from splitserve.router.cache_routing import CacheAwareRouting, RoutePlan
+    from splitserve.router.kv_events import KVEventsPoller
+    from splitserve.router.prefix_index import PrefixIndex
+
+    rng = random.Random(seed)
+    index = PrefixIndex()
+    urls = [f"http://b{i}" for i in range(backends)]
+    per_prompt = prompt_tokens // page_size
+    prompts: list[list[int]] = []
+    for b, url in enumerate(urls):
+        stored: list[int] = []
+        while len(stored) < pages:  # whole prompts' pages, as an engine's cache holds them
+            ids = [rng.randrange(3, 32000) for _ in range(prompt_tokens)]
+            if b < 4 and len(prompts) < 64:
+                prompts.append(ids)
+            stored += RoutePlan(None, ids).hashes(page_size)  # type: ignore[arg-type]
+        index.apply_events(url, {"epoch": "e", "seq": 1, "page_size": page_size, "hash_version": 1,
+                                 "reset": True, "events": [["stored", "device", stored[:pages]]]})
+    for shared in prompts[:8]:  # a few prefixes held everywhere
+        for url in urls:
+            index.sent(url, RoutePlan(None, shared).hashes(page_size))  # type: ignore[arg-type]
+    poller = KVEventsPoller(index, None, lambda: urls, "", 1.0)  # type: ignore[arg-type]
+    poller.page_size = dict.fromkeys(urls, page_size)
+    routing = CacheAwareRouting(index, poller, max_load_tokens=1 << 30, registry=CollectorRegistry())
+    candidates = [Backend(url, "unified", healthy=True) for url in urls]
+    times = []
+    for i in range(samples):
+        ids = (rng.choice(prompts) if i % 2 else [rng.randrange(3, 32000) for _ in range(per_prompt * page_size)])
+        ids = [*ids[: prompt_tokens - 64], *(rng.randrange(3, 32000) for _ in range(64))]
+        start = time.perf_counter()
+        plan = RoutePlan(routing, ids)  # hashing the prompt is part of the decision
+        plan.choose(candidates)
+        times.append(time.perf_counter() - start)
+        plan.take_release()()
+    times.sort()
+    return {"backends": backends, "pages_per_backend": pages, "prompt_tokens": prompt_tokens,
+            "p50_s": times[len(times) // 2], "p99_s": times[int(len(times) * 0.99)], "samples": samples}
+
+
 def run(cfg: PrefixBenchConfig) -> dict[str, Any]:
+    if cfg.decision_only:
+        return {"config": dataclasses.asdict(cfg), "decision": decision_latency(cfg.decision_backends,
+                                                                              cfg.decision_pages, seed=cfg.seed)}
     if cfg.shape:
         import tempfile
         from pathlib import Path
@@ -248,6 +302,13 @@ def run(cfg: PrefixBenchConfig) -> dict[str, Any]:
 
 
 def print_report(report: dict[str, Any]) -> None:
+    d = report.get("decision")
+    if d:
+        print(f"decision: {d['backends']} backends x {d['pages_per_backend']} cached pages, {d['prompt_tokens']}-token "
+              f"prompts, hashing included: p50 {d['p50_s'] * 1e6:.0f} us, p99 {d['p99_s'] * 1e6:.0f} us "
+              f"({d['samples']} decisions)")
+        if "cache-aware" not in report:
+            return
     for load in report["config"]["loads"]:
         for routing in ("cache-aware", "least-loaded", "one-cache"):
             r = report.get(routing, {}).get(load)
