@@ -19,6 +19,9 @@ class OperatorConfig:
     liveness_port: int = field(default=8080, metadata={
         "help": "port of the /healthz liveness endpoint (0 disables it)"})
     liveness_host: str = field(default="0.0.0.0", metadata={"help": "address of the liveness endpoint"})
+    metrics_port: int = field(default=0, metadata={
+        "help": "port of the operator's Prometheus /metrics (the SLO planner's splitserve_planner_* gauges); "
+                "0: none (the chart sets 8081)"})
     resync_seconds: float = field(default=600.0, metadata={
         "help": "period of the level-based resync of every group and role (a safety net: events of the "
                 "children repair drift as it happens, and each period costs a full reconcile of every object)"})
@@ -41,3 +44,5 @@ class OperatorConfig:
             raise ValueError(f"--resync-seconds must be > 0, got {self.resync_seconds}")
         if not 0 <= self.liveness_port <= 65535:
             raise ValueError(f"--liveness-port must be within 0..65535, got {self.liveness_port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be within 0..65535, got {self.metrics_port}")

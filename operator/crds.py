@@ -259,6 +259,91 @@ def rollout_schema() -> Schema:
     )
 
 
+def _number(description: str, minimum: float | None = None, maximum: float | None = None,
+            exclusive_minimum: bool = False, **extra: Any) -> Schema:
+    schema: Schema = {"type": "number", "description": description}
+    if minimum is not None:
+        schema["minimum"] = minimum
+        if exclusive_minimum:
+            schema["exclusiveMinimum"] = True
+    if maximum is not None:
+        schema["maximum"] = maximum
+    schema.update(extra)
+    return schema
+
+
+PLANNED_ROLES = ("prefill", "decode")
+
+
+def slo_schema() -> Schema:
+    """``spec.slo``: latency targets the operator's planner sizes prefill and decode to."""
+    limits = {
+        role: _obj(
+            {"minReplicas": _int(f"Fewest {role} replicas the planner may set.", 1, 1000, default=1),
+             "maxReplicas": _int(f"Most {role} replicas the planner may set (at least minReplicas).",
+                                 1, 1000, default=8)},
+            f"Bounds on the planner's {role} replicas.", default={})
+        for role in PLANNED_ROLES
+    }
+    return _obj(
+        {
+            "enabled": {"type": "boolean", "default": False, "description": (
+                "Run the planner: every intervalSeconds it reads the group's metrics and sets the prefill "
+                "and decode ServingRoles' replicas (their scale subresource) to meet the targets. Off: "
+                "replicas stay where spec.roles, kubectl scale or an autoscaler put them.")},
+            "ttftSeconds": _number("Time-to-first-token target, seconds, at the percentile.", 0, 600,
+                                   exclusive_minimum=True),
+            "itlSeconds": _number("Inter-token latency target, seconds, at the percentile.", 0, 10,
+                                  exclusive_minimum=True),
+            "percentile": _number("Percentile of requests the targets hold for (e.g. 90 or 99).", 50, 99.9,
+                                  default=90),
+            "intervalSeconds": _int("Seconds between two planner decisions (and the metrics window).",
+                                    5, 3600, default=15),
+            "startupSeconds": _int("Seconds a new engine pod takes to serve: the planner sizes for the load "
+                                   "this far ahead.", 0, 7200, default=120),
+            "scaleDownIntervals": _int("Consecutive intervals a role must be oversized before it is "
+                                       "scaled down.", 1, 100, default=4),
+            "roles": _obj(limits, "Per-role replica bounds.", default={}),
+        },
+        "Service-level objectives and the planner that sizes prefill and decode to them.",
+        required=["ttftSeconds", "itlSeconds"],
+    )
+
+
+def planner_status_schema() -> Schema:
+    """``status.planner``: what the planner saw and decided last."""
+    per_role_int = _obj({role: _int(f"The {role} role.", 0) for role in PLANNED_ROLES}, "Per role.")
+    return _obj(
+        {
+            "lastRunTime": _str("When the planner last ran.", format="date-time"),
+            "lastDecisionTime": _str("When the planner last changed replicas.", format="date-time"),
+            "observed": _obj(
+                {
+                    "ttftSeconds": _number("TTFT at the SLO percentile over the last interval."),
+                    "itlSeconds": _number("Inter-token latency at the SLO percentile over the last interval."),
+                    "arrivalRate": _number("Requests per second arriving at the router."),
+                    "promptTokens": _number("Mean prompt tokens per request."),
+                    "outputTokens": _number("Mean output tokens per request."),
+                    "prefillQueueTokens": _int("Prompt tokens queued at prefill (estimated).", 0),
+                    "waiting": {**per_role_int, "description": "Requests waiting, summed over each role's pods."},
+                    "running": {**per_role_int, "description": "Requests running, summed over each role's pods."},
+                    "kvUsage": _number("Mean fraction of decode KV pages in use.", 0, 1),
+                    "scraped": _str("Pods scraped / pods found, per role."),
+                },
+                "The last interval as the metrics showed it."),
+            "current": _str("prefill:decode replicas when the planner last ran."),
+            "desired": _str("prefill:decode replicas the planner wants."),
+            "replicas": _obj(
+                {role: _obj({"current": _int("Replicas before the decision.", 0),
+                             "desired": _int("Replicas the planner set.", 0)}, f"The {role} role.")
+                 for role in PLANNED_ROLES}, "Replicas per role."),
+            "lastDecision": _str("The last change of replicas and why."),
+            "message": _str("The last run in words: why nothing changed, or what failed."),
+        },
+        "The SLO planner's view (only with spec.slo.enabled).",
+    )
+
+
 def _conditions() -> Schema:
     return {
         "type": "array",
@@ -304,6 +389,7 @@ def serving_group_schema() -> Schema:
             "transfer": transfer_schema(),
             "speculative": speculative_schema(),
             "rollout": rollout_schema(),
+            "slo": slo_schema(),
         },
         "One model served by disaggregated roles.",
         required=["model", "roles"],
@@ -313,11 +399,14 @@ def serving_group_schema() -> Schema:
             "observedGeneration": _int("metadata.generation last reconciled.", 0),
             "revision": _str("Revision of the pod-affecting spec; pods carry it as a label."),
             "rolesReady": _str("Ready/desired pods per role, for kubectl get."),
+            "pd": _str("Ready prefill:decode pods."),
+            "desiredPD": _str("Desired prefill:decode pods (the roles' replicas: what the planner or a scale set)."),
             "routerEndpoint": _str("URL of the router's Service inside the cluster."),
             "roles": _obj({role: _replica_counts(f"The {role} role.") for role in ROLE_NAMES},
                           "Pod counts per role."),
             "router": _replica_counts("Router pods."),
             "conditions": _conditions(),
+            "planner": planner_status_schema(),
         },
         "Observed state.",
     )
@@ -391,7 +480,12 @@ def serving_group_crd() -> dict[str, Any]:
     """The ServingGroup CustomResourceDefinition."""
     columns = [
         {"name": "Roles Ready", "type": "string", "jsonPath": ".status.rolesReady"},
+        {"name": "P:D", "type": "string", "description": "Ready prefill:decode pods.", "jsonPath": ".status.pd"},
+        {"name": "Desired P:D", "type": "string", "description": "Desired prefill:decode pods.",
+         "jsonPath": ".status.desiredPD"},
         {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        {"name": "Planner", "type": "string", "priority": 1, "description": "The planner's last decision.",
+         "jsonPath": ".status.planner.lastDecision"},
         {"name": "Router", "type": "string", "jsonPath": ".status.routerEndpoint"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]

@@ -349,8 +349,23 @@ def build_engine_network_policy(group_body: Body) -> dict[str, Any]:
             "ingress": [{"from": [{"podSelector": group_pods_selector(group)}]}],
         },
     }
+    if planner_enabled(group_body.get("spec") or {}):
+        # The operator's planner reads the engines' /metrics (HTTP port only), from its own namespace.
+        policy["spec"]["ingress"].append({
+            "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}],
+            "ports": [{"protocol": "TCP", "port": DEFAULT_HTTP_PORT}],
+        })
     kopf.adopt(policy, owner=dict(group_body))
     return policy
+
+
+# The operator pod's labels (the chart's selector labels, any release): what the planner scrapes from.
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "splitserve-operator"}
+
+
+def planner_enabled(spec: Mapping[str, Any]) -> bool:
+    """Whether the group's ``spec.slo`` turns the SLO planner on."""
+    return bool((spec.get("slo") or {}).get("enabled"))
 
 
 def build_router_network_policy(group_body: Body) -> dict[str, Any]:

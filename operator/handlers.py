@@ -49,6 +49,7 @@ from splitserve.operator.names import (
     role_object_name,
     router_name,
 )
+from splitserve.operator.planner_loop import PlannerLoop
 from splitserve.operator.role_builders import build_role_children, selector_labels
 from splitserve.operator.rollout import RoleProgress, group_revision, rollout_partitions
 from splitserve.operator.status import group_status, now_rfc3339, role_status, statefulset_settled
@@ -102,15 +103,20 @@ class Reconciler:
         self.cache = ObjectCache(cache_api, CACHED_KINDS, config.namespaces, self.on_change)
         self._stopped = threading.Event()
         self._resync_queue: list[tuple[str, str, str]] = []
+        # The SLO planner of every group with spec.slo.enabled (operator/planner_loop.py).
+        self.planner = PlannerLoop(kube, lambda kind, ns, name: self.cache.lookup(kind, ns, name)[1],
+                                   lambda: self.cache.kinds[GROUP_KIND].names())
 
     def start(self) -> None:
-        """Starts the watch caches (each group and role is reconciled once its kind is first listed)
-        and the periodic resync."""
+        """Starts the watch caches (each group and role is reconciled once its kind is first listed),
+        the periodic resync and the SLO planner's loop."""
         self.cache.start()
         threading.Thread(target=self._resync_forever, daemon=True, name="resync").start()
+        self.planner.start()
 
     def stop(self) -> None:
         self._stopped.set()
+        self.planner.stop()
         self.cache.stop()
 
     def _current(self, api_version: str, kind: str, namespace: str, name: str,

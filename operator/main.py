@@ -7,6 +7,7 @@ import os
 
 import kopf
 import kubernetes
+from prometheus_client import start_http_server
 
 from splitserve.config_flags import parse_config
 from splitserve.operator.config import OperatorConfig
@@ -46,6 +47,11 @@ def main(argv: list[str]) -> int:
     reconciler = Reconciler(Kube(api_client(config, config.workers + 4)), config,
                             cache_api=api_client(config, len(CACHED_KINDS) + 2))
     register_handlers(registry)
+    if config.metrics_port:
+        try:
+            start_http_server(config.metrics_port, config.liveness_host, registry=reconciler.planner.metrics.registry)
+        except OSError as exc:  # the planner works without it
+            log.warning("no /metrics on port %d: %s", config.metrics_port, exc)
     reconciler.start()
     liveness = (f"http://{config.liveness_host}:{config.liveness_port}/healthz"
                 if config.liveness_port else None)

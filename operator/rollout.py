@@ -20,7 +20,7 @@ from typing import Any
 from splitserve.operator.names import SKEW_BOUND_ROLES
 
 # Group spec fields that reach no pod of a role: changing them never rolls the engines.
-GROUP_FIELDS_OUTSIDE_PODS = ("router", "rollout")
+GROUP_FIELDS_OUTSIDE_PODS = ("router", "rollout", "slo")
 # ServingRole spec fields that say how many pods or which pods roll, not what a pod is.
 ROLE_FIELDS_OUTSIDE_PODS = ("replicas", "updatePartition", "revision")
 

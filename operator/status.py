@@ -144,6 +144,8 @@ def group_status(group_body: Body, revision: str, roles: Mapping[str, Body | Non
         "observedGeneration": generation,
         "revision": revision,
         "rolesReady": summary,
+        "pd": f"{counts.get('prefill', {}).get('ready', 0)}:{counts.get('decode', {}).get('ready', 0)}",
+        "desiredPD": f"{counts.get('prefill', {}).get('desired', 0)}:{counts.get('decode', {}).get('desired', 0)}",
         "routerEndpoint": endpoint,
         "roles": counts,
         "router": router_counts,

@@ -66,6 +66,16 @@ def group_spec_problems(name: str, spec: Mapping[str, Any]) -> list[str]:
         fed = traits(role).feeds
         if roles.get(role) is not None and fed and int(roles.get(fed, {}).get("replicas", 1)) == 0:
             problems.append(f"spec.roles.{role} is set but {fed} has 0 replicas: {role} pods feed {fed} pods")
+    return problems + slo_problems(spec.get("slo"))
+
+
+def slo_problems(slo: Mapping[str, Any] | None) -> list[str]:
+    """Problems of ``spec.slo`` that span fields: each role's minReplicas above its maxReplicas."""
+    problems = []
+    for role, limits in ((slo or {}).get("roles") or {}).items():
+        low, high = int((limits or {}).get("minReplicas", 1)), int((limits or {}).get("maxReplicas", 8))
+        if low > high:
+            problems.append(f"spec.slo.roles.{role}.minReplicas ({low}) is above its maxReplicas ({high})")
     return problems
 
 
