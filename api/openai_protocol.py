@@ -20,6 +20,11 @@ from splitserve.transfer.bootstrap_grant import SIGNATURE_FIELD
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+# Internal (router to engine): a streamed request with this field true gets the SSE comment FIRST_TOKEN_EVENT just
+# before its first token's chunk, whatever that chunk's text (a first token may decode to none: part of a UTF-8
+# character, a special token), so the router knows the stream has started. The router never relays it.
+FIRST_TOKEN_FIELD = "first_token_event"
+FIRST_TOKEN_EVENT = b": first_token\n\n"
 
 
 class ApiError(Exception):

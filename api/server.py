@@ -26,6 +26,8 @@ from splitserve.api.chat_prompt import chat_prompt_text
 from splitserve.api.engine_client import EngineClient
 from splitserve.api.http_request import ROUTE_ERROR_HANDLERS, error_response, read_json, wait_for_disconnect
 from splitserve.api.openai_protocol import (
+    FIRST_TOKEN_EVENT,
+    FIRST_TOKEN_FIELD,
     ApiError,
     GenerationRequest,
     chat_logprobs,
@@ -44,7 +46,16 @@ from splitserve.engine.multimodal.image_processor import ClipImageProcessor
 from splitserve.engine.multimodal.prompt_images import copies_for_choice, image_items, place_images
 from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.transfer.bootstrap_grant import KEY_HEADER, SIGNATURE_FIELD, bootstrap_grant_valid
+from splitserve.transfer.bootstrap_grant import (
+    KEY_HEADER,
+    PROMPT_DIGEST_FIELD,
+    PROMPT_FIELDS,
+    PROMPT_IDS_FIELD,
+    PROMPT_SIGNATURE_FIELD,
+    SIGNATURE_FIELD,
+    bootstrap_grant_valid,
+    prompt_grant_valid,
+)
 
 if TYPE_CHECKING:
     from splitserve.api.core_client import CoreClient
@@ -99,6 +110,37 @@ def check_bootstrap_grant(gen: GenerationRequest, key: str) -> None:
                        SIGNATURE_FIELD, status=403, kind="permission_error", code="bootstrap_not_granted")
 
 
+INTERNAL_FIELDS = (*PROMPT_FIELDS, FIRST_TOKEN_FIELD)
+
+
+def internal_fields(body: Any) -> dict[str, Any]:
+    """Takes the router's internal fields out of a request body (the API's parsers do not know them)."""
+    if not isinstance(body, dict):
+        return {}
+    return {name: body.pop(name) for name in INTERNAL_FIELDS if name in body}
+
+
+def granted_prompt(internal: dict[str, Any], key: str) -> tuple[list[int], str] | None:
+    """The router's token ids of the prompt and the digest of the tokenizer that made them, when the request
+    carries them; a client cannot send them: ids without the router's signature under the group's key are a
+    401 naming the field."""
+    if not any(name in internal for name in PROMPT_FIELDS):
+        return None
+    if not key:
+        raise ApiError(f"this engine has no --transfer-control-key, so it takes no '{PROMPT_IDS_FIELD}'",
+                       PROMPT_IDS_FIELD, status=401, kind="authentication_error", code="prompt_not_granted")
+    ids, digest = internal.get(PROMPT_IDS_FIELD), internal.get(PROMPT_DIGEST_FIELD)
+    if not isinstance(ids, list) or not ids:
+        raise ApiError(f"'{PROMPT_IDS_FIELD}' must be a non-empty array of token ids", PROMPT_IDS_FIELD)
+    if not isinstance(digest, str):
+        raise ApiError(f"'{PROMPT_DIGEST_FIELD}' must be a string", PROMPT_DIGEST_FIELD)
+    if not prompt_grant_valid(key, digest, ids, internal.get(PROMPT_SIGNATURE_FIELD)):
+        raise ApiError(f"'{PROMPT_SIGNATURE_FIELD}' is missing or is not the router's signature of "
+                       f"'{PROMPT_IDS_FIELD}' and '{PROMPT_DIGEST_FIELD}'", PROMPT_SIGNATURE_FIELD, status=401,
+                       kind="authentication_error", code="prompt_not_granted")
+    return ids, digest
+
+
 def load_anyio() -> None:
     """Loads the parts of anyio that starlette's responses use. anyio 4 imports its submodules on first use,
     and a server's first streamed response imported anyio.lowlevel and anyio._core's sockets, streams and testing
@@ -130,6 +172,7 @@ class ApiServer:
         self.vocab_size = client.model_cfg.vocab_size
         self.tool_format = format_for(client.tool_call_parser, self.tokenizer.chat_template)
         self._tokenizer_parts: dict[str, Any] | None = None  # /internal/tokenizer's answer, made on first use
+        self._other_digests: set[str] = set()  # router tokenizers unlike ours, logged once each
         self.context_length = client.context_length
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -148,13 +191,21 @@ class ApiServer:
 
     async def completions(self, request: HttpRequest) -> Response:
         body = await read_json(request)
+        internal = internal_fields(body)
+        granted = granted_prompt(internal, self.control_key)
         gen = parse_completion(body, self.model_name, self.vocab_size)
         check_bootstrap_grant(gen, self.control_key)
-        prompts = [self._tokenize(p, add_special=True) for p in gen.prompts]
-        return await self._respond(request, gen, prompts)
+        if granted is not None and len(gen.prompts) != 1:
+            raise ApiError(f"'{PROMPT_IDS_FIELD}' is one prompt's ids; this request has {len(gen.prompts)} prompts",
+                           PROMPT_IDS_FIELD)
+        ids = self._granted_ids(granted)
+        prompts = [ids] if ids is not None else [self._tokenize(p, add_special=True) for p in gen.prompts]
+        return await self._respond(request, gen, prompts, first_token_event=internal.get(FIRST_TOKEN_FIELD) is True)
 
     async def chat_completions(self, request: HttpRequest) -> Response:
         body = await read_json(request)
+        internal = internal_fields(body)
+        granted = granted_prompt(internal, self.control_key)
         gen, messages = parse_chat(body, self.model_name, self.vocab_size, default_max_tokens=256,
                                    takes_images=self.vision is not None)
         check_bootstrap_grant(gen, self.control_key)
@@ -162,12 +213,37 @@ class ApiServer:
         if gen.images and self.vision is not None:  # every image is checked before any engine work
             items = await image_items(gen.images, self.image_cfg, self.image_processor, self.vision,
                                       accept_refs=self.client.role_name != "unified")
-        text = chat_prompt_text(self.tokenizer, messages, gen.tools, self.tool_format)
-        # The template already spells the special tokens (BOS, role markers) out.
-        ids = self._tokenize(text, add_special=False)
-        if self.vision is not None:
-            ids = place_images(ids, items, self.vision)
-        return await self._respond(request, gen, [self._tokenize(ids, add_special=False)], items)
+        # A model that takes images renders content parts in its template (the router joins their text): such
+        # a chat is templated here, as is one with images (the router cannot place their tokens).
+        parts = self.vision is not None and any(isinstance(m.get("content"), list) for m in messages)
+        ids = self._granted_ids(granted) if not gen.images and not parts else None
+        if ids is None:
+            text = chat_prompt_text(self.tokenizer, messages, gen.tools, self.tool_format)
+            # The template already spells the special tokens (BOS, role markers) out.
+            ids = self._tokenize(text, add_special=False)
+            if self.vision is not None:
+                ids = place_images(ids, items, self.vision)
+        return await self._respond(request, gen, [self._tokenize(ids, add_special=False)], items,
+                                   first_token_event=internal.get(FIRST_TOKEN_FIELD) is True)
+
+    def prompt_digest(self) -> str:
+        """What the router's `tokenizer_digest` must be for its ids to be ours: the tokenizer's digest (its
+        vocabulary, special tokens and chat template) and the tool-call format (how tools are rendered)."""
+        return f"{self._parts()['digest']}/{self.tool_format}"
+
+    def _granted_ids(self, granted: tuple[list[int], str] | None) -> list[int] | None:
+        """The router's ids of the prompt, when its tokenizer is ours; None to tokenize here (a rolling update
+        with two tokenizer revisions: logged once per other digest)."""
+        if granted is None:
+            return None
+        ids, digest = granted
+        if digest == self.prompt_digest():
+            return self._tokenize(ids, add_special=False)
+        if digest not in self._other_digests:
+            self._other_digests.add(digest)
+            logger.warning("the router tokenized with tokenizer %s, this engine has %s: tokenizing here instead",
+                           digest, self.prompt_digest())
+        return None
 
     async def models(self, _request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -208,9 +284,12 @@ class ApiServer:
     async def tokenizer_parts(self, request: HttpRequest) -> Response:
         """This engine's tokenizer, chat template and tool-call format, so that a router tokenizes as it does."""
         self._check_internal_key(request)
+        return JSONResponse(self._parts())
+
+    def _parts(self) -> dict[str, Any]:
         if self._tokenizer_parts is None:
             self._tokenizer_parts = {**self.tokenizer.parts(), "tool_format": self.tool_format}
-        return JSONResponse(self._tokenizer_parts)
+        return self._tokenizer_parts
 
     # ---- shared machinery --------------------------------------------------------------------
 
@@ -279,11 +358,11 @@ class ApiServer:
             raise ApiError(str(exc), spec.source_field) from None
 
     async def _respond(self, request: HttpRequest, gen: GenerationRequest, prompts: list[list[int]],
-                       images: list[ImageItem] | None = None) -> Response:
+                       images: list[ImageItem] | None = None, first_token_event: bool = False) -> Response:
         await self._compile_grammar(gen)
         streams = self._choice_streams(gen, prompts, images or [])
         if gen.stream:
-            return StreamingResponse(self._sse(gen, streams), media_type="text/event-stream",
+            return StreamingResponse(self._sse(gen, streams, first_token_event), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
         work = asyncio.ensure_future(self._collect(streams))
         gone = asyncio.ensure_future(wait_for_disconnect(request))
@@ -302,6 +381,12 @@ class ApiServer:
             return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
                                            "code": "timeout" if timed_out else "generation_failed"}},
                                 status_code=408 if timed_out else 503)
+        if gen.has_bootstrap_fields and self.client.role_name == "prefill":
+            # The router reads only the status of a prefill's answer (the decode answers the client): no
+            # completion body is shaped (detokenized, parsed for tool calls) only to be thrown away.
+            usage = _choices_usage(choices, gen.n)
+            return JSONResponse({"prefilled": True, "prompt_tokens": usage["prompt_tokens"],
+                                 "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})
         return JSONResponse(self._final_body(gen, choices))
 
     async def _collect(self, streams) -> list[ChoiceResult]:
@@ -350,7 +435,7 @@ class ApiServer:
             "usage": _choices_usage(choices, gen.n),
         }
 
-    async def _sse(self, gen: GenerationRequest, streams) -> AsyncIterator[bytes]:
+    async def _sse(self, gen: GenerationRequest, streams, first_token_event: bool = False) -> AsyncIterator[bytes]:
         if len(streams) == 1:  # one choice: read its stream here (no pump task, no second queue per token)
             tasks: list[asyncio.Future] = []
             choice, stream = streams[0]
@@ -390,6 +475,9 @@ class ApiServer:
                     open_streams -= 1
                     continue
                 choice.add(out)
+                if first_token_event and (out.token_ids or out.finish_reason not in (None, FinishReason.ERROR)):
+                    first_token_event = False
+                    yield FIRST_TOKEN_EVENT
                 if out.finish_reason == FinishReason.ERROR:
                     yield _sse_event({"error": {"message": out.error or "generation failed",
                                                 "type": "server_error", "code": "generation_failed"}})

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import httpx
@@ -28,10 +28,10 @@ from splitserve.api.openai_protocol import ApiError
 from splitserve.engine.multimodal.image_inputs import ImageInputConfig
 from splitserve.router.api_keys import ApiKeys
 from splitserve.router.backend_pool import ROLES, BackendPool, NoBackend, Overloaded
-from splitserve.router.cache_routing import CacheAwareRouting
+from splitserve.router.cache_routing import CacheAwareRouting, TokenizedPrompt
 from splitserve.router.config import RouterConfig
 from splitserve.router.endpoints_watch import SERVICE_ACCOUNT_DIR, EndpointsWatch, InClusterAccess
-from splitserve.router.fan_out import fan_out, split_sequences
+from splitserve.router.fan_out import Sequence, fan_out, split_sequences
 from splitserve.router.health_prober import HealthProber
 from splitserve.router.image_encoding import EncodersUnavailable, ImageEncoding
 from splitserve.router.kv_events import KVEventsPoller
@@ -113,13 +113,14 @@ class Router:
         self.images = ImageEncoding(self.pool, self.client, images or ImageInputConfig(), cfg.transfer_control_key,
                                     cfg.verdict_wait_s)
         self.kv_events: KVEventsPoller | None = None
-        routing = None
+        routing: CacheAwareRouting | None = None
         if cfg.routing == "cache-aware":
             index = PrefixIndex(approximate_pages=cfg.approximate_cache_pages)
             cached_role = "prefill" if cfg.disaggregated else "unified"
             self.kv_events = KVEventsPoller(index, self.client, lambda: self.pool.urls(cached_role),
                                             cfg.transfer_control_key, cfg.kv_events_interval_s)
             routing = CacheAwareRouting(index, self.kv_events, cfg.cache_aware_max_load_tokens, self.registry)
+        self.routing = routing
         self.pairs = PairRouter(self.pool, self.client, cfg.transfer_control_key, cfg.retries, self.retries.inc,
                                 prepare=self.images.prepare,  # images go to encoders, when there are any
                                 routing=routing, verdict_wait_s=cfg.verdict_wait_s)
@@ -264,6 +265,12 @@ class Router:
             if not relaying:
                 ticket.release()
 
+    def _tokenized(self, path: str, body: dict) -> TokenizedPrompt | None:
+        """The prompt's ids with the engines' tokenizer (cache-aware routing holds it), or None."""
+        if self.routing is None:
+            return None
+        return self.routing.tokenize(path, body, self.cfg.transfer_control_key)
+
     async def _answer(self, body: Any, path: str) -> Answer | Response:
         if not isinstance(body, dict):
             raise ApiError("request body must be a JSON object")
@@ -271,8 +278,16 @@ class Router:
             sequences = split_sequences(body)
             if len(sequences) > 1:
                 prefills = {s.prompt_index: PrefillAffinity() for s in sequences}
-                merged = await fan_out(body, sequences,
-                                       lambda one: self._one_sequence(one.body, path, prefills[one.prompt_index]))
+                prompts: dict[int, TokenizedPrompt | None] = {}  # each prompt tokenized once for its samples
+                for s in sequences:
+                    if s.prompt_index not in prompts:
+                        prompts[s.prompt_index] = self._tokenized(path, s.body)
+
+                def send_one(one: Sequence) -> Awaitable[Response]:
+                    prompt = prompts[one.prompt_index]
+                    return self._one_sequence({**one.body, **(prompt.fields if prompt else {})}, path,
+                                              prefills[one.prompt_index], prompt.ids if prompt else None)
+                merged = await fan_out(body, sequences, send_one)
                 # Counted once, as the client's one request (its sequences are not counted).
                 if isinstance(merged, StreamingResponse):
                     merged.body_iterator = self._counted_stream(merged.body_iterator)
@@ -280,7 +295,10 @@ class Router:
                     self.requests.labels(_outcome_of(merged)).inc()
                 return merged
             body = sequences[0].body
-        return await self._dispatch(body, path)
+        prompt = self._tokenized(path, body)
+        if prompt is None:
+            return await self._dispatch(body, path)
+        return await self._dispatch({**body, **prompt.fields}, path, prompt_ids=prompt.ids)
 
     async def _counted_stream(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """A fanned-out stream, counted once when it ends (broken if a sequence's stream broke)."""
@@ -297,9 +315,10 @@ class Router:
             self.requests.labels(outcome).inc()
             await events.aclose()  # type: ignore[attr-defined]
 
-    async def _one_sequence(self, body: dict, path: str, prefill: PrefillAffinity) -> Response:
+    async def _one_sequence(self, body: dict, path: str, prefill: PrefillAffinity,
+                            prompt_ids: list[int] | None) -> Response:
         """One sequence of a fanned-out request, as a response the fan-out merges."""
-        answer = await self._dispatch(body, path, prefill, count=False)
+        answer = await self._dispatch(body, path, prefill, count=False, prompt_ids=prompt_ids)
         if not isinstance(answer, Answer):
             return answer
         if answer.events is None:
@@ -308,14 +327,14 @@ class Router:
         return RelayResponse(self._relay(answer, None, count=False), media_type="text/event-stream")
 
     async def _dispatch(self, body: dict, path: str, prefill: PrefillAffinity | None = None,
-                        count: bool = True) -> Answer | Response:
+                        count: bool = True, prompt_ids: list[int] | None = None) -> Answer | Response:
         stream = body.get("stream") is True
 
         def counted(outcome: str) -> None:
             if count:
                 self.requests.labels(outcome).inc()
         try:
-            return await self.pairs.dispatch(path, body, stream, self.cfg.disaggregated, prefill)
+            return await self.pairs.dispatch(path, body, stream, self.cfg.disaggregated, prefill, prompt_ids)
         except Overloaded as exc:
             counted("overloaded")
             return error_json(str(exc), 503, "overloaded", retry_after=self.cfg.retry_after_s)

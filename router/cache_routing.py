@@ -1,5 +1,6 @@
-"""Cache-aware routing, wired: a request's prompt is tokenized once with the engines' tokenizer, its page hashes
-looked up in the prefix index, and the backend chosen by `cache_aware.choose`; the choice is remembered in the
+"""Cache-aware routing, wired: a request's prompt is tokenized once with the engines' tokenizer (and the ids, signed,
+go to the engines with the body, so that they skip templating and tokenizing it), its page hashes looked up in
+the prefix index, and the backend chosen by `cache_aware.choose`; the choice is remembered in the
 index (a prediction until the backend's events confirm it) and its uncached tokens count as that backend's
 load until the request ends. Requests the router cannot tokenize (several prompts, images, before any
 engine's tokenizer arrived) are routed by load alone.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -18,6 +20,12 @@ from splitserve.router.cache_aware import LoadTokens, choose
 from splitserve.router.kv_events import KVEventsPoller
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.prompt_pages import prompt_page_hashes
+from splitserve.transfer.bootstrap_grant import (
+    PROMPT_DIGEST_FIELD,
+    PROMPT_IDS_FIELD,
+    PROMPT_SIGNATURE_FIELD,
+    sign_prompt,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +52,38 @@ class CacheAwareRouting:
                                      "Prompt tokens of the requests routed by cached prefix", ["url"],
                                      registry=registry)
 
-    def plan(self, path: str, body: dict[str, Any]) -> RoutePlan | None:
+    def tokenize(self, path: str, body: dict[str, Any], key: str) -> TokenizedPrompt | None:
+        """The request's prompt as the engines' tokenizer makes it (None where the router cannot tell: several
+        prompts, images, no tokenizer yet, a body the engine will refuse), with the signed fields that hand the
+        ids to the engines (`prompt_token_ids`, `tokenizer_digest`, `prompt_signature`), so that they neither
+        template nor tokenize it again; none for a prompt of token ids (the body holds them) or without a key."""
         tokenizer = next(iter(self.poller.tokenizers.values()), None)
         if tokenizer is None:
             return None
         ids = tokenizer.prompt_ids(path, body)
+        if not ids:
+            return None
+        fields: dict[str, Any] = {}
+        if key and (path.endswith("/chat/completions") or _text_prompt(body.get("prompt"))):
+            fields = {PROMPT_IDS_FIELD: ids, PROMPT_DIGEST_FIELD: tokenizer.prompt_digest,
+                      PROMPT_SIGNATURE_FIELD: sign_prompt(key, tokenizer.prompt_digest, ids)}
+        return TokenizedPrompt(ids, fields)
+
+    def plan(self, ids: Sequence[int] | None) -> RoutePlan | None:
+        """The choice of a backend for a prompt of these ids (`tokenize`); None routes by load alone."""
         return RoutePlan(self, ids) if ids else None
+
+
+def _text_prompt(prompt: Any) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str))
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """One prompt's token ids and the body fields that carry them, signed, to the engines."""
+
+    ids: list[int]
+    fields: dict[str, Any]
 
 
 class RoutePlan:

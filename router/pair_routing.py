@@ -6,7 +6,10 @@ prefill's bootstrap timeout. Until the client has its first token (for a non-str
 until the whole answer is in), a failed attempt is dropped, closing its calls so the engines
 abort and free its pages, and the request is retried on another decode and another prefill;
 never on a backend that just failed. A streamed answer is read up to its first token before
-anything goes to the client, so that a decode failing before it is retried too. The encoders an
+anything goes to the client, so that a decode failing before it is retried too: the engine marks that
+token with an SSE comment (asked for with the internal `first_token_event`), whatever its text, so a
+first token that decodes to no text yet (part of a UTF-8 character, a skipped special token) does not
+hold the stream back; the rest is relayed as it arrives, unparsed. The encoders an
 attempt's images went to are watched the same way until the prefill answered (their rows are in
 by then): an encoder ejected meanwhile ends the attempt, and the retry encodes again elsewhere
 (a failed encoder does not make the next attempt avoid the prefill and decode it used).
@@ -21,11 +24,12 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
+from splitserve.api.openai_protocol import FIRST_TOKEN_FIELD
 from splitserve.router.backend_pool import Backend, BackendPool, Lease, NoBackend
 from splitserve.router.cache_routing import CacheAwareRouting, RoutePlan
 from splitserve.router.upstream import (
@@ -121,14 +125,15 @@ class PairRouter:
         self.prepare = prepare
 
     async def dispatch(self, path: str, body: dict, stream: bool, disaggregated: bool,
-                       affinity: PrefillAffinity | None = None) -> Answer:
+                       affinity: PrefillAffinity | None = None, prompt_ids: Sequence[int] | None = None) -> Answer:
         """Runs one request until an attempt answers; raises the last UpstreamFailure (or NoBackend
         / Overloaded when there is nothing to try). With an `affinity`, the prefill it names is
-        preferred (and the first pick names it)."""
+        preferred (and the first pick names it). With the prompt's ids (`CacheAwareRouting.tokenize`),
+        the unified replica or prefill is chosen by cached prefix."""
         avoid: set[str] = set()  # backends of failed attempts: others first
         never: set[str] = set()  # backends that failed themselves
         last: UpstreamFailure | None = None
-        plan = self.routing.plan(path, body) if self.routing is not None else None
+        plan = self.routing.plan(prompt_ids) if self.routing is not None else None
         for attempt in range(1 + max(0, self.retries)):
             prepared = await self.prepare(body) if self.prepare is not None else None
             attempt_body = prepared.body if prepared is not None else body
@@ -246,6 +251,8 @@ class PairRouter:
     async def _answer(self, lease: Lease, path: str, body: dict, stream: bool) -> Answer:
         """The decode's (or unified replica's) answer: whole, or streamed up to its first token."""
         backend = lease.backend
+        if stream:  # the engine marks its first token, whatever its text (it may decode to none yet)
+            body = {**body, FIRST_TOKEN_FIELD: True}
         response = await open_stream(self.client, backend, path, body)
         answer = Answer(lease, response=response)
         try:
@@ -260,6 +267,8 @@ class PairRouter:
                 kind = event_kind(event)
                 if kind.error is not None:
                     raise UpstreamFailure(backend, "request", 200, kind.error)
+                if kind.first_token:  # the engine's marker: consumed here, never relayed
+                    return answer
                 answer.head.append(event)
                 if kind.token or kind.done:
                     return answer

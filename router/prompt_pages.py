@@ -21,6 +21,9 @@ class PromptTokenizer:
     def __init__(self, parts: dict[str, Any]) -> None:
         self.digest: str = parts["digest"]
         self.tool_format: str = parts["tool_format"]
+        # What an engine compares with its own before it takes the router's ids: the tool-call format shapes a
+        # chat's prompt too (api/server.py `prompt_digest`).
+        self.prompt_digest = f"{self.digest}/{self.tool_format}"
         self.tokenizer = TextTokenizer(parts=parts)
 
     def prompt_ids(self, path: str, body: Any) -> list[int] | None:

@@ -24,9 +24,12 @@ from typing import Any
 
 import httpx
 
+from splitserve.api.openai_protocol import FIRST_TOKEN_EVENT
 from splitserve.router.backend_pool import Backend
 
 logger = logging.getLogger(__name__)
+
+FIRST_TOKEN_MARK = FIRST_TOKEN_EVENT.strip()
 
 EJECTING_KINDS = ("unreachable", "server")
 RETRYABLE_KINDS = ("unreachable", "server", "busy", "request")
@@ -177,10 +180,13 @@ class EventKind:
     token: bool  # text, token ids or a finish reason: the client has its first answer
     error: dict | None  # an error event
     done: bool  # the final [DONE]
+    first_token: bool = False  # the engine's marker of its first token (FIRST_TOKEN_EVENT), not for the client
 
 
 def event_kind(event: bytes) -> EventKind:
     data = event.strip()
+    if data == FIRST_TOKEN_MARK:
+        return EventKind(True, None, False, first_token=True)
     if data.startswith(b"data: "):
         data = data[6:]
     if data == b"[DONE]":
