@@ -32,6 +32,10 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={
         "help": "weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)", "choices": tuple(DTYPES)})
     seed: int = field(default=0, metadata={"help": "seed of the built-in tiny model's weights"})
+    quantization: str = field(default="auto", metadata={
+        "help": "auto: the checkpoint's own (an FP8 checkpoint, compressed-tensors or ModelOpt, runs FP8); fp8: "
+                "also quantize a 16/32-bit or GGUF checkpoint's projections on load (per-channel e4m3 weights, "
+                "activations quantized per token on the GPU; docs/fp8.md)", "choices": ("auto", "fp8")})
     load_format: str = field(default="safetensors", metadata={
         "help": "safetensors: the checkpoint's weights (its safetensors shards, or a GGUF file's tensors); "
                 "dummy: random weights of its shape (benchmarks)",

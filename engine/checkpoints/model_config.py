@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.engine.multimodal.vision_config import MULTIMODAL_ARCHITECTURES, VisionConfig
+from splitserve.engine.quantization.fp8 import Fp8Scheme, UnsupportedQuantizationError, scheme_from_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
 
@@ -45,6 +46,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     hidden_act: str = "silu"
     vision: VisionConfig | None = None  # a multimodal checkpoint's image side (None: text only)
+    # FP8 projections: the checkpoint's (compressed-tensors, ModelOpt) or --quantization fp8's (docs/fp8.md)
+    quantization: Fp8Scheme | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -95,6 +98,7 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            quantization=_quantization(cfg),
             raw=cfg,
         )
 
@@ -112,14 +116,17 @@ class ModelConfig:
         vision = VisionConfig.from_llava(cfg, base.hidden_size)
         if not 0 <= vision.image_token_id < base.vocab_size:
             raise UnsupportedModelError(f"image_token_index {vision.image_token_id} is outside the vocabulary")
-        return dataclasses.replace(base, vision=vision, raw=cfg)
+        return dataclasses.replace(base, vision=vision, quantization=_quantization(cfg), raw=cfg)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {folder}")
-        return cls.from_dict(json.loads(path.read_text()))
+        cfg = cls.from_dict(json.loads(path.read_text()))
+        if cfg.quantization is None and (Path(folder) / "hf_quant_config.json").is_file():  # ModelOpt's own file
+            cfg = dataclasses.replace(cfg, quantization=_quantization(cfg.raw, folder))
+        return cfg
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> ModelConfig:
@@ -130,6 +137,13 @@ class ModelConfig:
         if gguf_file is not None:
             return cls.from_dict(open_gguf(gguf_file).hf_config)
         return cls.from_folder(path)
+
+
+def _quantization(cfg: dict[str, Any], folder: str | Path | None = None) -> Fp8Scheme | None:
+    try:
+        return scheme_from_config(cfg, folder)
+    except UnsupportedQuantizationError as e:
+        raise UnsupportedModelError(str(e)) from e
 
 
 def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the model recomputes or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
+# An FP8 checkpoint's KV-cache scales (ModelOpt's k_proj.k_scale, compressed-tensors' self_attn.k_scale): the KV
+# cache stays in the model's dtype, so they are not used.
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 
 
 class CheckpointError(ValueError):
@@ -83,15 +86,21 @@ def load_weights(model: nn.Module, path: str | Path, tied_lm_head: bool) -> None
     # Multimodal checkpoints come in several layouts: the model maps each name to the one it targets.
     canonical = getattr(model, "checkpoint_name", lambda n: n)
     remaining = set(targets)
+    kv_scales = 0
     for stored, tensor in checkpoint_tensors(path):
         name = canonical(stored)
         if name.endswith(IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
+            continue
+        if name.endswith(KV_SCALE_SUFFIXES) and name not in targets:
+            kv_scales += 1
             continue
         if name not in targets:
             raise CheckpointError(f"{path}: unexpected tensor {name!r} (wrong architecture?)")
         module, shard = targets[name]
         _copy_into(module, name, tensor, shard)
         remaining.discard(name)
+    if kv_scales:
+        logger.info("%d KV-cache scales in the checkpoint left unused (the KV cache is not FP8)", kv_scales)
     if remaining:
         missing = sorted(remaining)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

@@ -13,8 +13,16 @@ from splitserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbe
 from splitserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from splitserve.engine.layers.rmsnorm import RMSNorm
 from splitserve.engine.layers.rotary import RotaryEmbedding
+from splitserve.engine.quantization.fp8 import Fp8Scheme
 from splitserve.engine.runner.forward_batch import ForwardBatch
 from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
+
+
+def projection_quant(cfg: ModelConfig, layer_index: int, name: str) -> Fp8Scheme | None:
+    """The FP8 scheme of layer `layer_index`'s projection `name` (`self_attn.q_proj`), None if it stays
+    unquantized (no scheme, or the checkpoint's ignore list names it). A fused layer asks for its first part."""
+    quant = cfg.quantization
+    return quant if quant is not None and quant.quantizes(f"model.layers.{layer_index}.{name}") else None
 
 
 def attention_mask(batch: ForwardBatch) -> torch.Tensor | None:
@@ -37,8 +45,10 @@ class LlamaAttention(nn.Module):
         self.layer_index = layer_index
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
-                                             bias=cfg.attention_bias, tp=tp, dtype=dtype)
-        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=False, tp=tp, dtype=dtype)
+                                             bias=cfg.attention_bias, tp=tp, dtype=dtype,
+                                             quant=projection_quant(cfg, layer_index, "self_attn.q_proj"))
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=False, tp=tp, dtype=dtype,
+                                        quant=projection_quant(cfg, layer_index, "self_attn.o_proj"))
         self.rotary = rotary
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -72,11 +82,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with a fused gate/up projection."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype, layer_index: int = 0) -> None:
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], bias=False, tp=tp, dtype=dtype)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=False, tp=tp, dtype=dtype)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], bias=False, tp=tp, dtype=dtype,
+                                                 quant=projection_quant(cfg, layer_index, "mlp.gate_proj"))
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=False, tp=tp, dtype=dtype,
+                                           quant=projection_quant(cfg, layer_index, "mlp.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -91,7 +103,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(cfg, layer_index, rotary, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, tp, dtype)
+        self.mlp = LlamaMLP(cfg, tp, dtype, layer_index)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv: KVPool, mask: torch.Tensor | None, rows: torch.Tensor | None = None
@@ -193,6 +205,12 @@ class LlamaForCausalLM(nn.Module):
                 parent = name.rsplit(".", 1)[0] + "." if "." in name else ""
                 module = modules[f"layers.{i}.{parent}{ours}"]
                 targets[f"{prefix}.{name}.weight"] = (module, shard)
+                quant = getattr(module, "quant", None)
+                if quant is not None and quant.checkpoint_fp8 and quant.quantizes(f"{prefix}.{name}"):
+                    # An FP8 checkpoint's scales (a part the ignore list names comes 16-bit, quantized on load)
+                    targets[f"{prefix}.{name}.weight_scale"] = (module, shard)
+                    if quant.static_input:
+                        targets[f"{prefix}.{name}.input_scale"] = (module, shard)
                 if self.cfg.attention_bias and leaf in ("q_proj", "k_proj", "v_proj"):
                     targets[f"{prefix}.{name}.bias"] = (module, shard)
         return targets

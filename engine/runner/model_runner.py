@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -30,6 +31,7 @@ from splitserve.engine.layers.extend_plan import (
 from splitserve.engine.layers.prompt_attention import bucket_lengths, bucket_limit
 from splitserve.engine.models import build_model
 from splitserve.engine.multimodal.prompt_embeds import image_rows, missing_embeddings, touches_images
+from splitserve.engine.quantization.fp8 import online_scheme
 from splitserve.engine.request import Request
 from splitserve.engine.runner.decode_graphs import DecodeGraphs
 from splitserve.engine.runner.forward_batch import ForwardBatch, decode_batch, kv_token_locations
@@ -270,11 +272,17 @@ def kv_pages_for_budget(cfg: EngineConfig, shape_args: dict, device: torch.devic
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights in place (norms at 1), for benchmarks of a shape without its checkpoint."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    quantized = [m for m in model.modules() if getattr(m, "quant", None) is not None]
+    skip = {id(p) for m in quantized for p in m.parameters(recurse=False)}
     for name, param in model.named_parameters():
+        if id(param) in skip:
+            continue
         if "norm" in name:
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=gen)
+    for module in quantized:  # FP8 projections: normal weights quantized per channel (engine/layers/linear.py)
+        module.init_random(gen)
 
 
 class ModelRunner:
@@ -289,6 +297,8 @@ class ModelRunner:
         self.tp = tp
         self.context_length = cfg.context_length or model_cfg.max_position_embeddings
         started = time.monotonic()
+        if cfg.quantization == "fp8" and model_cfg.quantization is None:  # FP8 on load (docs/fp8.md)
+            model_cfg = self.model_cfg = dataclasses.replace(model_cfg, quantization=online_scheme())
         with torch.device(self.device):
             self.model = build_model(model_cfg, tp, self.dtype, max_positions=self.context_length)
         if cfg.load_format == "dummy":
@@ -302,9 +312,13 @@ class ModelRunner:
                            if cfg.gemm_algos and self.device.type == "cuda" else {})
         pdl.install(pdl.resolve(cfg.pdl, self.device))
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("model %s loaded: %.1f M parameters, %.2f GiB in %s on %s, %.1f s",
-                    model_cfg.architecture, weight_bytes / self.dtype.itemsize / 1e6, weight_bytes / 2**30,
-                    self.dtype, self.device, time.monotonic() - started)
+        fp8 = model_cfg.quantization
+        logger.info("model %s loaded: %.1f M parameters, %.2f GiB in %s%s on %s, %.1f s",
+                    model_cfg.architecture, sum(p.numel() for p in self.model.parameters()) / 1e6,
+                    weight_bytes / 2**30, self.dtype,
+                    f" (FP8 projections: {fp8.source}, {fp8.weight_strategy} weight scales, {fp8.activation} "
+                    f"activations{'' if self.device.type == 'cuda' else '; dequantized on load'})" if fp8 else "",
+                    self.device, time.monotonic() - started)
         attn = self.model.layers[0].self_attn
         shape_args = {"num_layers": model_cfg.num_layers, "num_kv_heads": attn.num_kv_heads,
                       "head_dim": attn.head_dim, "dtype": self.dtype}
