@@ -146,6 +146,9 @@ def role_template_properties() -> dict[str, Schema]:
         "dtype": _str("Weights and activations dtype (engine --dtype).",
                       enum=["auto", "float32", "float16", "bfloat16"]),
         "pageSize": _int("KV cache page size in tokens (engine --page-size).", 1, 1024),
+        "drainSeconds": _int("On scale-down or deletion, how long a pod may finish its requests in flight "
+                             "(its preStop hook waits until the engine is idle; the grace period is this + 10). "
+                             "Default 120.", 0, 3600),
         "engineArgs": {
             "type": "array",
             "description": "Extra engine flags, each written --flag or --flag=value.",

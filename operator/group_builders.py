@@ -43,7 +43,7 @@ Body = Mapping[str, Any]
 # Fields of spec.speculative that name a role's own model (not copied into the roles' specs).
 OWN_MODEL_FIELDS = {t.own_model for t in ROLE_TRAITS.values() if t.own_model}
 ROLE_TEMPLATE_FIELDS = ("tensorParallelSize", "resources", "nodeSelector", "tolerations", "dtype",
-                        "pageSize", "engineArgs", "env")
+                        "pageSize", "engineArgs", "env", "drainSeconds")
 
 
 def group_roles(spec: Mapping[str, Any]) -> list[str]:

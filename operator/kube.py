@@ -17,7 +17,15 @@ from typing import Any
 
 from kubernetes.client import ApiClient
 
-from splitserve.operator.names import ANNOTATION_APPLIED_HASH, GROUP_API_VERSION, GROUP_PLURAL, ROLE_PLURAL
+from splitserve.operator.names import (
+    ANNOTATION_APPLIED_HASH,
+    GROUP_API_VERSION,
+    GROUP_PLURAL,
+    LABEL_MANAGED_BY,
+    LABEL_ROLE,
+    MANAGED_BY,
+    ROLE_PLURAL,
+)
 from splitserve.operator.rollout import stable_hash
 
 log = logging.getLogger(__name__)
@@ -245,6 +253,9 @@ def needs_update(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> boo
     return update_reason(existing, desired) is not None
 
 
+OPERATOR_LABELS_REMOVED_WHEN_ABSENT = (LABEL_ROLE,)
+
+
 def merge_for_update(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
     """The body of a PUT: desired content over the existing object's identity and metadata.
 
@@ -260,6 +271,13 @@ def merge_for_update(existing: Mapping[str, Any], desired: Mapping[str, Any]) ->
     meta = merged.setdefault("metadata", {})
     for field in ("labels", "annotations"):
         meta[field] = {**(meta.get(field) or {}), **(desired["metadata"].get(field) or {})}
+    wanted_labels = desired["metadata"].get("labels") or {}
+    if wanted_labels.get(LABEL_MANAGED_BY) == MANAGED_BY:
+        # Labels only the operator sets, which the desired object no longer carries (the role label of a
+        # role's peer Service, which the router must not route by): removed, not kept.
+        for key in OPERATOR_LABELS_REMOVED_WHEN_ABSENT:
+            if key not in wanted_labels:
+                meta["labels"].pop(key, None)
     if desired["metadata"].get("ownerReferences"):
         meta["ownerReferences"] = copy.deepcopy(desired["metadata"]["ownerReferences"])
     if desired["kind"] == "Service":

@@ -216,6 +216,12 @@ def engine_pod_spec(name: str, spec: Mapping[str, Any], revision: str, namespace
         "readinessProbe": {**health, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**health, "periodSeconds": 20, "failureThreshold": 3},
     }
+    drain = drain_seconds(spec)
+    # Scale-down loses no request: the pod leaves its serving Service's Endpoints (the router stops sending it
+    # new requests) and this hook holds the SIGTERM back until the engine is idle (operator/prestop.py).
+    container["lifecycle"] = {"preStop": {"exec": {"command": [
+        "python3", "-m", "splitserve.operator.prestop", "--port", str(DEFAULT_HTTP_PORT),
+        "--settle", str(PRESTOP_SETTLE_S), "--timeout", str(drain)]}}}
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
     if (spec.get("transfer") or {}).get("protocol") == "rdma":
@@ -227,13 +233,30 @@ def engine_pod_spec(name: str, spec: Mapping[str, Any], revision: str, namespace
         # Engines never talk to the Kubernetes API.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        # The preStop hook's wait, then the engine's own graceful shutdown.
+        "terminationGracePeriodSeconds": drain + SHUTDOWN_GRACE_S,
     }
     if spec.get("nodeSelector"):
         pod["nodeSelector"] = dict(spec["nodeSelector"])
     if spec.get("tolerations"):
         pod["tolerations"] = copy.deepcopy(list(spec["tolerations"]))
     return pod
+
+
+DEFAULT_DRAIN_S = 120
+PRESTOP_SETTLE_S = 5
+SHUTDOWN_GRACE_S = 10
+
+
+def drain_seconds(spec: Mapping[str, Any]) -> int:
+    """Seconds a terminating engine pod may finish its requests (``drainSeconds``, default 120)."""
+    value = spec.get("drainSeconds")
+    return DEFAULT_DRAIN_S if value is None else int(value)
+
+
+def serving_service_name(role_name: str) -> str:
+    """The Service whose Endpoints the router routes to: ``<group>-<role>-serving``."""
+    return f"{role_name}-serving"
 
 
 def build_statefulset(role_body: Body, default_image: str) -> dict[str, Any]:
@@ -274,11 +297,13 @@ def build_headless_service(role_body: Body) -> dict[str, Any]:
     group, role = spec["group"], spec["role"]
     ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
              for p in container_ports(role, spec)]
+    # No role label: the router routes by the role label of Endpoints, and these Endpoints keep terminating
+    # pods (publishNotReadyAddresses); the serving Service's do not.
+    labels = {k: v for k, v in common_labels(group, role).items() if k != LABEL_ROLE}
     svc = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": meta["name"], "namespace": meta.get("namespace", "default"),
-                     "labels": common_labels(group, role)},
+        "metadata": {"name": meta["name"], "namespace": meta.get("namespace", "default"), "labels": labels},
         "spec": {
             "clusterIP": "None",
             "selector": selector_labels(group, role),
@@ -291,6 +316,27 @@ def build_headless_service(role_body: Body) -> dict[str, Any]:
     return svc
 
 
+def build_serving_service(role_body: Body) -> dict[str, Any]:
+    """The headless Service the router watches (by its group and role labels): only ready pods, and a pod leaves
+    its Endpoints as soon as it is terminating, so a scaled-down pod gets no new request while it drains."""
+    meta, spec = role_body["metadata"], role_body["spec"]
+    group, role = spec["group"], spec["role"]
+    svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": serving_service_name(meta["name"]), "namespace": meta.get("namespace", "default"),
+                     "labels": common_labels(group, role)},
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(group, role),
+            "ports": [{"name": "http", "port": DEFAULT_HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+    kopf.adopt(svc, owner=dict(role_body))
+    return svc
+
+
 def build_role_children(role_body: Body, default_image: str) -> list[dict[str, Any]]:
     """Every child of a ServingRole, in the order to apply them."""
-    return [build_headless_service(role_body), build_statefulset(role_body, default_image)]
+    return [build_headless_service(role_body), build_serving_service(role_body),
+            build_statefulset(role_body, default_image)]

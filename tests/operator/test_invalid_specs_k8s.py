@@ -125,6 +125,34 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
      ["spec.router.port", "greater than or equal to 1"]),
     ("skew-over-100", edit(VALID_GROUP, spec_set("rollout.maxSkewPercent", 150)),
      ["spec.rollout.maxSkewPercent", "less than or equal to 100"]),
+    ("slo-without-ttft", edit(VALID_GROUP, spec_set("slo", {"enabled": True, "itlSeconds": 0.05})),
+     [REQUIRED.format(field="ttftSeconds", parent="ServingGroup.spec.slo", path="spec.slo.ttftSeconds")]),
+    ("slo-ttft-zero", edit(VALID_GROUP, spec_set("slo", {"ttftSeconds": 0, "itlSeconds": 0.05})),
+     ["spec.slo.ttftSeconds", "greater than 0"]),
+    ("slo-itl-negative", edit(VALID_GROUP, spec_set("slo", {"ttftSeconds": 1, "itlSeconds": -0.1})),
+     ["spec.slo.itlSeconds", "greater than 0"]),
+    ("slo-ttft-string", edit(VALID_GROUP, spec_set("slo", {"ttftSeconds": "fast", "itlSeconds": 0.05})),
+     ["spec.slo.ttftSeconds", "number"]),
+    ("slo-percentile-100", edit(VALID_GROUP, spec_set("slo", {"ttftSeconds": 1, "itlSeconds": 0.05,
+                                                              "percentile": 100})),
+     ["spec.slo.percentile", "less than or equal to 99.9"]),
+    ("slo-percentile-low", edit(VALID_GROUP, spec_set("slo", {"ttftSeconds": 1, "itlSeconds": 0.05,
+                                                              "percentile": 10})),
+     ["spec.slo.percentile", "greater than or equal to 50"]),
+    ("slo-interval-short", edit(VALID_GROUP, spec_set("slo", {"ttftSeconds": 1, "itlSeconds": 0.05,
+                                                              "intervalSeconds": 1})),
+     ["spec.slo.intervalSeconds", "greater than or equal to 5"]),
+    ("slo-min-zero", edit(VALID_GROUP, spec_set("slo", {"ttftSeconds": 1, "itlSeconds": 0.05,
+                                                        "roles": {"decode": {"minReplicas": 0}}})),
+     ["spec.slo.roles.decode.minReplicas", "greater than or equal to 1"]),
+    ("slo-max-huge", edit(VALID_GROUP, spec_set("slo", {"ttftSeconds": 1, "itlSeconds": 0.05,
+                                                        "roles": {"prefill": {"maxReplicas": 5000}}})),
+     ["spec.slo.roles.prefill.maxReplicas", "less than or equal to 1000"]),
+    ("slo-enabled-string", edit(VALID_GROUP, spec_set("slo", {"ttftSeconds": 1, "itlSeconds": 0.05,
+                                                              "enabled": "yes"})),
+     ["spec.slo.enabled", "boolean"]),
+    ("drain-negative", edit(VALID_GROUP, spec_set("roles.decode.drainSeconds", -1)),
+     ["spec.roles.decode.drainSeconds", "greater than or equal to 0"]),
     ("role-kind", edit(VALID_ROLE, spec_set("role", "cook")), ["spec.role", "supported values"]),
     ("role-replicas-negative", edit(VALID_ROLE, spec_set("replicas", -2)),
      ["spec.replicas", "greater than or equal to 0"]),
@@ -154,6 +182,16 @@ def test_the_valid_base_documents_are_accepted(cluster: Any) -> None:
     for doc in (VALID_GROUP, VALID_ROLE):
         cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
     assert cluster.kubectl("get", "sg", "bad", "-n", ns, "-o", "jsonpath={.spec.rollout.maxSkewPercent}").stdout == "25"
+
+
+def test_a_valid_slo_is_accepted_with_its_defaults(cluster: Any) -> None:
+    ns = cluster.namespace("valid-slo")
+    doc = edit(VALID_GROUP, spec_set("slo", {"enabled": True, "ttftSeconds": 2, "itlSeconds": 0.05}))
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+    slo = cluster.get("splitserve.io/v1alpha1", "ServingGroup", ns, "bad")["spec"]["slo"]
+    assert slo["percentile"] == 90 and slo["intervalSeconds"] == 15 and slo["startupSeconds"] == 120
+    assert slo["roles"] == {"prefill": {"minReplicas": 1, "maxReplicas": 8},
+                            "decode": {"minReplicas": 1, "maxReplicas": 8}}
 
 
 def test_the_server_refuses_a_missing_field_without_kubectl_validation(cluster: Any) -> None:

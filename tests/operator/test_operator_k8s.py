@@ -77,7 +77,7 @@ def test_example_applies_and_every_child_is_owned_and_configured(cluster: Any, o
         kids = cluster.children(ns, group_name)
         ok = (len(kids["ServingRole"]) == len(roles) and len(kids["StatefulSet"]) == len(roles)
               and len(kids["Deployment"]) == 1 and len(kids["ConfigMap"]) == 1 and len(kids["Secret"]) == 1
-              and len(kids["Service"]) == len(roles) + 1)
+              and len(kids["Service"]) == 2 * len(roles) + 1)  # per role: peers and serving
         return kids if ok else None
 
     kids = cluster.wait_for(converged, f"children of {example_name}")
@@ -115,6 +115,9 @@ def test_example_applies_and_every_child_is_owned_and_configured(cluster: Any, o
     for r in roles:
         assert services[f"{group_name}-{r}"]["spec"]["clusterIP"] == "None"
         assert owner_names(services[f"{group_name}-{r}"]) == [("ServingRole", f"{group_name}-{r}")]
+        # The router routes by the serving Service's Endpoints (ready, not terminating pods) only.
+        assert "splitserve.io/role" not in services[f"{group_name}-{r}"]["metadata"]["labels"]
+        assert services[f"{group_name}-{r}-serving"]["metadata"]["labels"]["splitserve.io/role"] == r
     assert services[f"{group_name}-router"]["spec"]["ports"][0]["port"] == 8000
     if "encode" in roles:
         assert [p["name"] for p in services[f"{group_name}-encode"]["spec"]["ports"]] == ["http", "embedding"]
@@ -365,7 +368,7 @@ def test_an_operator_restarted_mid_way_converges_without_duplicates(cluster: Any
     def converged() -> dict[str, list[dict[str, Any]]] | None:
         kids = cluster.children(ns, "llama-2p4d")
         counts = {k: len(v) for k, v in kids.items() if k != "Pod"}
-        want = {"ServingRole": 2, "StatefulSet": 2, "Service": 3, "Deployment": 1, "ConfigMap": 1, "Secret": 1,
+        want = {"ServingRole": 2, "StatefulSet": 2, "Service": 5, "Deployment": 1, "ConfigMap": 1, "Secret": 1,
                 "NetworkPolicy": 2}
         return kids if counts == want else None
 

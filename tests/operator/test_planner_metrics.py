@@ -282,3 +282,69 @@ def test_the_top_quantile_of_one_observation_is_its_bucket_bound() -> None:
     Histogram("x_seconds", "x", buckets=LATENCY_BUCKETS, registry=registry).observe(0.3)
     assert histogram_quantile(1.0, histogram_buckets(parse_metrics(generate_latest(registry).decode()),
                                                      "x_seconds")) == 0.5
+
+
+# Scale-down drains -------------------------------------------------------------------------------------------
+
+
+def test_engine_pods_drain_before_sigterm_and_the_router_watches_only_serving_pods() -> None:
+    from splitserve.operator.names import LABEL_ROLE
+    from splitserve.operator.role_builders import build_role_children
+
+    role = {"apiVersion": "splitserve.io/v1alpha1", "kind": "ServingRole",
+            "metadata": {"name": "g-decode", "namespace": "ns", "uid": "r-1"},
+            "spec": {"group": "g", "role": "decode", "model": {"name": "m", "builtin": "tiny"}}}
+    peers, serving, sts = build_role_children(role, "img")
+    # The peer Service keeps terminating pods (publishNotReadyAddresses): no role label, the router ignores it.
+    assert peers["spec"]["publishNotReadyAddresses"] is True and LABEL_ROLE not in peers["metadata"]["labels"]
+    # The serving Service: ready pods only; a terminating pod leaves its Endpoints at once.
+    assert serving["metadata"]["name"] == "g-decode-serving"
+    assert serving["metadata"]["labels"][LABEL_ROLE] == "decode"
+    assert serving["metadata"]["labels"]["splitserve.io/group"] == "g"
+    assert "publishNotReadyAddresses" not in serving["spec"]
+    assert serving["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    pod = sts["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == [
+        "python3", "-m", "splitserve.operator.prestop", "--port", "8000", "--settle", "5", "--timeout", "120"]
+    assert pod["terminationGracePeriodSeconds"] == 130
+    role["spec"]["drainSeconds"] = 600
+    (container,) = build_role_children(role, "img")[2]["spec"]["template"]["spec"]["containers"]
+    assert container["lifecycle"]["preStop"]["exec"]["command"][-1] == "600"
+
+
+def test_an_update_drops_the_role_label_the_peer_service_no_longer_carries() -> None:
+    from splitserve.operator.kube import merge_for_update
+    from splitserve.operator.role_builders import build_headless_service
+
+    role = {"apiVersion": "splitserve.io/v1alpha1", "kind": "ServingRole",
+            "metadata": {"name": "g-decode", "namespace": "ns", "uid": "r-1"},
+            "spec": {"group": "g", "role": "decode", "model": {"name": "m", "builtin": "tiny"}}}
+    desired = build_headless_service(role)
+    existing = {**desired, "metadata": {**desired["metadata"], "labels": {
+        **desired["metadata"]["labels"], "splitserve.io/role": "decode", "team": "a"}}}
+    labels = merge_for_update(existing, desired)["metadata"]["labels"]
+    assert "splitserve.io/role" not in labels and labels["team"] == "a"
+
+
+def test_prestop_waits_for_the_engine_to_be_idle() -> None:
+    from splitserve.operator.prestop import in_flight, wait_idle
+
+    assert in_flight(engine_text(waiting=2, running=3)) == 5
+    busy = [engine_text(running=2), engine_text(running=1), engine_text(), engine_text(), engine_text(running=9)]
+    t = [0.0]
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        t[0] += s
+
+    assert wait_idle("u", 5, 60, clock=lambda: t[0], sleep=sleep, fetch=lambda _u: busy.pop(0)) == "idle"
+    assert sleeps[0] == 5 and len(busy) == 1  # settled first, then two quiet polls in a row
+    assert wait_idle("u", 1, 3, clock=lambda: t[0], sleep=sleep,
+                     fetch=lambda _u: engine_text(running=1)) == "timeout"
+
+    def gone(_u: str) -> str:
+        raise OSError("connection refused")
+
+    assert wait_idle("u", 0, 3, clock=lambda: t[0], sleep=sleep, fetch=gone) == "gone"
