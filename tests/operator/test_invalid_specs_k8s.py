@@ -135,7 +135,7 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
      ["spec.slo.ttftSeconds", "number"]),
     ("slo-percentile-100", edit(VALID_GROUP, spec_set("slo", {"ttftSeconds": 1, "itlSeconds": 0.05,
                                                               "percentile": 100})),
-     ["spec.slo.percentile", "less than or equal to 99.9"]),
+     ["spec.slo.percentile", "less than or equal to 99"]),
     ("slo-percentile-low", edit(VALID_GROUP, spec_set("slo", {"ttftSeconds": 1, "itlSeconds": 0.05,
                                                               "percentile": 10})),
      ["spec.slo.percentile", "greater than or equal to 50"]),

@@ -45,6 +45,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: ["splitserve.io"]
   resources: ["servinggroups/status", "servingroles/status"]
   verbs: ["get", "update", "patch"]
+# The SLO planner sizes prefill and decode through each ServingRole's scale subresource.
+- apiGroups: ["splitserve.io"]
+  resources: ["servingroles/scale"]
+  verbs: ["get", "update", "patch"]
 - apiGroups: ["apps"]
   resources: ["statefulsets", "deployments"]
   verbs: ["get", "list", "watch", "create", "update", "patch"]
