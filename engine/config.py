@@ -62,6 +62,23 @@ class EngineConfig:
         "help": "a host-memory tier of this many tokens' KV pages under the prefix cache (pinned on CUDA): pages "
                 "the device cache evicts are written back there, by page hash, and loaded again when a prompt "
                 "continues past its device match (docs/kv_tiers.md); 0: off"})
+    kv_store: str = field(default="", metadata={
+        "help": "HOST:PORT of a Mooncake Store master: a tier shared by the deployment's engines under the host tier. "
+                "Full pages leaving the device are written through to it once (keyed by model, page size, KV dtype "
+                "and page hash); an admission loads the prompt's pages found there after the device and host "
+                "matches (docs/kv_tiers.md); empty: off"})
+    kv_store_metadata: str = field(default="P2PHANDSHAKE", metadata={
+        "help": "the store's transfer metadata: P2PHANDSHAKE (no metadata server: clients handshake directly) or "
+                "an http://HOST:PORT/metadata server (the master's, with --enable_http_metadata_server)"})
+    kv_store_protocol: str = field(default="tcp", metadata={"help": "the store's transfer protocol (tcp, rdma)"})
+    kv_store_segment_mb: int = field(default=512, metadata={
+        "help": "MiB of host memory this engine contributes to the store's pool (its Mooncake global segment; "
+                "the pool is the sum of its clients' segments); 0: a client that holds none"})
+    kv_store_buffer_mb: int = field(default=64, metadata={
+        "help": "MiB of host staging memory (registered with the store) for pages on their way in and out"})
+    kv_store_timeout_ms: float = field(default=100.0, metadata={
+        "help": "how long an admission waits for a store lookup before it goes on without it (the store then "
+                "counts a failure and is left alone for a backoff)"})
     tp_size: int = field(default=1, metadata={
         "help": "tensor-parallel size: this process is rank 0 and starts the other ranks as processes"})
     dist_init_addr: str | None = field(default=None, metadata={
@@ -123,6 +140,12 @@ class EngineConfig:
             raise ValueError(f"--host-kv-tokens must be 0 (off) or >= --page-size, got {self.host_kv_tokens}")
         if self.host_kv_tokens and self.tp_size > 1:
             raise ValueError("--host-kv-tokens does not work with --tp-size > 1 yet")
+        if self.kv_store and self.tp_size > 1:
+            raise ValueError("--kv-store does not work with --tp-size > 1 yet")
+        if self.kv_store_segment_mb < 0 or self.kv_store_buffer_mb < 1 or self.kv_store_timeout_ms <= 0:
+            raise ValueError(f"--kv-store-segment-mb must be >= 0, --kv-store-buffer-mb >= 1 and --kv-store-timeout-ms "
+                             f"> 0, got {self.kv_store_segment_mb}, {self.kv_store_buffer_mb} and "
+                             f"{self.kv_store_timeout_ms}")
         if self.piecewise_graph_tokens < -1:
             raise ValueError(f"--piecewise-graph-tokens must be >= 0, or -1 for the default, got "
                              f"{self.piecewise_graph_tokens}")

@@ -38,6 +38,7 @@ from splitserve.engine.runner.model_runner import (
     VerifiedChunk,
 )
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from splitserve.engine.store_kv import open_store
 from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel, check_tp_size
 from splitserve.engine.tp.supervisor import TensorParallelSupervisor
 
@@ -112,9 +113,12 @@ class Engine:
         # --host-kv-tokens: pages the prefix cache evicts go to host memory and come back from there.
         self.host_kv = (HostKVPool(self.runner.kv_pool.buffer, cfg.host_kv_tokens // cfg.page_size)
                         if cfg.host_kv_tokens > 0 and not cfg.disable_prefix_cache else None)
+        # --kv-store: a Mooncake Store shared by the deployment's engines, under the host tier.
+        self.kv_store = open_store(cfg, self.runner.kv_pool.buffer, self.model_folder)
         self.kv = KVCache(self.runner.kv_shape.num_pages, cfg.page_size, cfg.max_running_requests,
                           self.context_length, self.runner.device, prefix_caching=not cfg.disable_prefix_cache,
-                          copy_page=self.runner.copy_kv_page, page_events=self.page_events, host=self.host_kv)
+                          copy_page=self.runner.copy_kv_page, page_events=self.page_events, host=self.host_kv,
+                          store=self.kv_store)
         self._host_kv_published = (0, 0, 0)  # hit tokens, pages written, pages loaded: as last published
         if self.tp_supervisor is not None:
             self.tp_supervisor.attach(self.runner, self.kv.page_table, self.kv.padding_slot)
@@ -223,6 +227,8 @@ class Engine:
             gc.unfreeze()  # the runner's cycles (its graphs) must be collectable again
             if self.host_kv is not None:
                 self.host_kv.close()
+            if self.kv_store is not None:
+                self.kv_store.close()
             self.runner.close()  # the device memory goes back: another engine may start in this process
 
     def submit(self, req: Request, admitted: bool = False) -> None:
@@ -675,6 +681,8 @@ class Engine:
             self.metrics.prefix_hit_rate.set(pc.hit_tokens / pc.queried_tokens)
         if self.host_kv is not None:
             self._publish_host_kv()
+        if self.kv_store is not None:
+            self.kv_store.publish(self.metrics)
 
     def _publish_host_kv(self) -> None:
         host, m = self.host_kv, self.metrics

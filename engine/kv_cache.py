@@ -19,6 +19,11 @@ are looked up by page hash in the host pool; the hits are loaded into fresh page
 prefix tree below the match (locked by the request like any matched page, counted in `cached_len`).
 On CUDA the load is asynchronous: the request, and any other that matches those pages before the load
 is done, waits (`waits_for_load`) while the other requests run.
+
+Store tier (`store`, engine/store_kv.py, shared by the deployment's engines): the full pages the tree
+evicts are also written through to it (after the host tier's write-back); where the host match ends,
+the following pages are looked up there by key and the hits loaded into fresh pages the same way
+(synchronously: the lookup waits at most the store's timeout, the copy is queued on the compute stream).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from splitserve.engine.page_hash import next_hash
 from splitserve.engine.prefix_cache import PrefixCache, PrefixMatch, TreeNode
 from splitserve.engine.request import Request
 from splitserve.engine.runner.host_to_device import to_device
+from splitserve.engine.store_kv import StoreKV
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class KVCache:
     def __init__(self, num_pages: int, page_size: int, max_slots: int, max_context: int,
                  device: torch.device, prefix_caching: bool = True,
                  copy_page: Callable[[int, int], None] | None = None, page_events: PageEvents | None = None,
-                 host: HostKVPool | None = None) -> None:
+                 host: HostKVPool | None = None, store: StoreKV | None = None) -> None:
         self.page_size = page_size
         self.copy_page = copy_page  # (src, dst): the runner's copy of one KV page (None: never copy)
         # Request id -> its computed prompt's tail (path node, tokens, page); one holder's is listed.
@@ -77,6 +83,10 @@ class KVCache:
         if self.host is not None:
             self.prefix_cache.spill = self.host.write_back
             self.prefix_cache.on_flush = self.host.clear
+        # The shared store tier (None: off): written through as pages leave the device, after the host tier.
+        self.store = store if prefix_caching else None
+        if self.store is not None:
+            self.prefix_cache.spill = self._spill_to_store if self.host is not None else self.store.offer
         # Loads in flight (CUDA): per request that waits for them, and per tree node they fill.
         self._loads: dict[str, list[PendingLoad]] = {}
         self._loading_nodes: dict[TreeNode, PendingLoad] = {}
@@ -123,6 +133,8 @@ class KVCache:
             self._wait_for_loads_on_path(req, match.node)
         if self.host is not None and self.host.held:
             match = self._load_from_host(req, match, max_prefix_tokens)
+        if self.store is not None:
+            match = self._load_from_store(req, match, max_prefix_tokens)
         req.slot = self._free_slots.pop()
         req.prefix_node = match.node
         req.pages = list(match.pages)
@@ -174,6 +186,45 @@ class KVCache:
                 load.nodes.append(walk)
                 self._loading_nodes[walk] = load
                 walk = walk.parent  # type: ignore[assignment]
+        return PrefixMatch(pages=[*match.pages, *pages], node=node)
+
+    def _spill_to_store(self, evicted: list[tuple[int, int]]) -> None:
+        assert self.host is not None and self.store is not None
+        self.host.write_back(evicted)
+        self.store.offer(evicted)
+
+    def _load_from_store(self, req: Request, match: PrefixMatch, max_prefix_tokens: int) -> PrefixMatch:
+        """Continues `match` (locked) with the prompt's next full pages found in the store, copied into fresh
+        pages and hung in the tree; returns the longer match, locked instead of `match`."""
+        store = self.store
+        assert store is not None
+        ps, key = self.page_size, req.cache_ids
+        limit = min(max_prefix_tokens, len(key)) // ps
+        start = match.num_pages
+        h = match.node.hash
+        if start >= limit or h is None or not store.available():
+            return match
+        hashes: list[int] = []
+        chunks: list[tuple[int, ...]] = []
+        for i in range(start, limit):
+            chunk = tuple(key[i * ps:(i + 1) * ps])
+            h = next_hash(h, chunk)
+            hashes.append(h)
+            chunks.append(chunk)
+        found = store.fetch(hashes)
+        if found is None:
+            return match
+        slots, started = found
+        n = min(len(slots), self.available_pages())
+        pages = self.take_pages(n) if n else None
+        if pages is None:
+            store.give_back(slots)
+            return match
+        store.give_back(slots[n:])
+        store.load_into(slots[:n], pages, started)
+        node = self.prefix_cache.extend(match.node, chunks[:n], pages)
+        self.prefix_cache.lock(node)
+        self.prefix_cache.unlock(match.node)
         return PrefixMatch(pages=[*match.pages, *pages], node=node)
 
     def _wait_for_loads_on_path(self, req: Request, node: TreeNode) -> None:

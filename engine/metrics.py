@@ -81,6 +81,25 @@ class EngineMetrics:
                                    registry=r).labels(model_name)
         self.host_kv_capacity_pages = Gauge("splitserve_host_kv_capacity_pages", "KV pages the host tier can hold",
                                             labels, registry=r).labels(model_name)
+        # The shared store tier (--kv-store; engine/store_kv.py).
+        self.kv_store_hit_tokens = Counter("splitserve_kv_store_hit_tokens", "Prompt tokens whose KV pages were "
+                                           "loaded from the shared store instead of computed", labels,
+                                           registry=r).labels(model_name)
+        self.kv_store_written_bytes = Counter("splitserve_kv_store_written_bytes", "Bytes of KV pages written "
+                                              "through to the store", labels, registry=r).labels(model_name)
+        self.kv_store_read_bytes = Counter("splitserve_kv_store_read_bytes", "Bytes of KV pages read from the store "
+                                           "into device pages", labels, registry=r).labels(model_name)
+        self.kv_store_load_seconds = Histogram("splitserve_kv_store_load_seconds", "A store load: lookup, read and "
+                                               "copy into device pages", labels, buckets=HOST_LOAD_BUCKETS,
+                                               registry=r).labels(model_name)
+        self.kv_store_failures = Counter("splitserve_kv_store_failures", "Store calls that failed or timed out "
+                                         "(each takes the store out of use for a backoff)", labels,
+                                         registry=r).labels(model_name)
+        self.kv_store_dropped_pages = Counter("splitserve_kv_store_dropped_pages", "Write-throughs dropped: the store "
+                                              "out of use, or the staging buffer full", labels,
+                                              registry=r).labels(model_name)
+        self.kv_store_up = Gauge("splitserve_kv_store_up", "1 while the store is set up and in use", labels,
+                                 registry=r).labels(model_name)
         self._finished = Counter("splitserve_requests_finished", "Requests finished, by reason",
                                  [*labels, "reason"], registry=r)
         self.model_name = model_name

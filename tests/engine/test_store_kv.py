@@ -1,0 +1,267 @@
+"""The shared store tier (--kv-store) on a real Mooncake Store master on loopback (TCP, P2PHANDSHAKE):
+pages one engine evicts are found by another, keys keep models apart, greedy output does not change,
+and a master that dies or hangs costs only its hits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("mooncake.store")
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_pool import KVPool, KVPoolShape
+from splitserve.engine.offline import generate_tokens
+from splitserve.engine.page_hash import page_hashes
+from splitserve.engine.request import Request, TokenOutput
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.store_kv import StoreKV, start_master, store_namespace
+
+PAGE = 4
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def master():
+    proc, address = start_master()
+    yield proc, address
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+    proc.wait()
+
+
+def wait_ready(store: StoreKV, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not store.ready:
+        assert time.monotonic() < deadline, "the store client never got set up"
+        time.sleep(0.05)
+
+
+# ---- the KV cache over a store --------------------------------------------------------------------
+
+def store_cache(address: str, namespace: str = "test/ns", pages: int = 9) -> tuple[KVCache, KVPool, StoreKV]:
+    pool = KVPool(KVPoolShape(num_layers=2, num_pages=pages, page_size=PAGE, num_kv_heads=1, head_dim=2,
+                              dtype=torch.float32), torch.device("cpu"))
+    store = StoreKV(pool.buffer, address, namespace, segment_bytes=16 << 20, buffer_bytes=1 << 20, timeout_s=2.0)
+    kv = KVCache(pages, PAGE, 2, max_context=256, device=torch.device("cpu"), copy_page=pool.copy_page, store=store)
+    wait_ready(store)
+    return kv, pool, store
+
+
+def page_value(page_hash: int) -> float:
+    return float(page_hash % 100_003)
+
+
+def run_one(kv: KVCache, pool: KVPool, prompt: list[int], rid: str) -> Request:
+    req = Request(rid, list(prompt), SamplingParams(max_new_tokens=4), on_output=lambda _o: None)
+    kv.admit(req, max_prefix_tokens=len(prompt) - 1)
+    assert kv.grow(req, len(prompt))
+    for i, h in enumerate(page_hashes(prompt, PAGE)):
+        if i * PAGE >= req.cached_len:
+            pool.buffer[:, :, req.pages[i]] = page_value(h)
+    req.kv_len = len(prompt)
+    kv.release(req)
+    u = kv.usage()
+    assert u.locked == 0 and u.slots_in_use == 0 and u.free + u.cached == u.capacity
+    return req
+
+
+def wait_written(store: StoreKV, pages: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while store.written_pages < pages:
+        assert time.monotonic() < deadline, f"{store.written_pages} of {pages} pages written"
+        time.sleep(0.02)
+
+
+def test_pages_one_cache_evicts_are_loaded_by_another_with_their_kv_and_other_namespaces_miss(master) -> None:
+    _, address = master
+    kv1, pool1, store1 = store_cache(address, pages=7)
+    kv2, pool2, store2 = store_cache(address)
+    kv3, _, store3 = store_cache(address, namespace="other/model")
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randint(1, 250, (24,), generator=gen).tolist()  # 6 full pages
+        b = torch.randint(1, 250, (24,), generator=gen).tolist()  # 6, the whole pool: evicts all of a's
+        run_one(kv1, pool1, a, "a")
+        run_one(kv1, pool1, b, "b")
+        wait_written(store1, 6)
+        for i in range(3):  # evicted again and again, each page is written once
+            run_one(kv1, pool1, a, f"a{i}")
+            run_one(kv1, pool1, b, f"b{i}")
+        time.sleep(0.3)
+        assert store1.written_pages <= 6 + 6
+        # A cache that never saw `a` loads its evicted pages from the store, with their KV.
+        req = Request("a2", [*a, 7, 7, 7], SamplingParams(max_new_tokens=4), on_output=lambda _o: None)
+        kv2.admit(req, max_prefix_tokens=len(req.prompt_ids) - 1)
+        hits = store2.hit_tokens
+        assert hits == 6 * PAGE and req.cached_len == hits and store2.read_pages == hits // PAGE
+        for i, h in enumerate(page_hashes(a, PAGE)[:hits // PAGE]):
+            assert torch.all(pool2.buffer[:, :, req.pages[i]] == page_value(h)), f"page {i} of a"
+        assert kv2.usage().locked == hits // PAGE  # tree pages, locked by the request like any match
+        kv2.release(req)
+        assert store2.load_seconds
+        # Another model's namespace: the same prompt misses.
+        run_one(kv3, pool1, [*a, 7], "a3")
+        assert store3.hit_tokens == 0
+        assert store1.failures == store2.failures == store3.failures == 0
+    finally:
+        for s in (store1, store2, store3):
+            s.close()
+
+
+def test_a_hung_master_costs_one_timeout_then_lookups_answer_at_once(master) -> None:
+    proc, address = master
+    kv, pool, store = store_cache(address)
+    store.timeout_s = 0.2
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        gen = torch.Generator().manual_seed(1)
+        a = torch.randint(1, 250, (24,), generator=gen).tolist()
+        started = time.monotonic()
+        run_one(kv, pool, a, "a")  # the lookup times out: computed instead
+        assert time.monotonic() - started < 1.0
+        assert store.failures >= 1 and not store.available()
+        started = time.monotonic()
+        for i in range(5):  # backing off (and the worker still stuck): no store call, no wait
+            run_one(kv, pool, torch.randint(1, 250, (24,), generator=gen).tolist(), f"r{i}")
+        assert time.monotonic() - started < 0.5
+        assert store.dropped_pages > 0  # write-throughs dropped while it is out of use
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        store.close()
+
+
+# ---- engines --------------------------------------------------------------------------------------
+
+def multi_turn_prompts(seed: int, conversations: int = 6, prefix: int = 60, turns: int = 3) -> list[list[list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    convs = [torch.randint(1, 250, (prefix,), generator=gen).tolist() for _ in range(conversations)]
+    rounds = []
+    for _ in range(turns):
+        convs = [[*c, *torch.randint(1, 250, (5,), generator=gen).tolist()] for c in convs]
+        rounds.append([list(c) for c in convs])
+    return rounds
+
+
+def make_engine(kv_store: str = "", host_kv_tokens: int = 0) -> Engine:
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE, max_total_tokens=128,
+                                 max_running_requests=2, chunked_prefill_size=32, host_kv_tokens=host_kv_tokens,
+                                 kv_store=kv_store, kv_store_segment_mb=16, kv_store_buffer_mb=1,
+                                 kv_store_timeout_ms=2000))
+    if engine.kv_store is not None:
+        wait_ready(engine.kv_store)
+    engine.start()
+    return engine
+
+
+def metric(engine: Engine, name: str) -> float:
+    time.sleep(0.2)  # the loop publishes once a turn (every 50 ms when idle)
+    return engine.metrics.registry.get_sample_value(f"splitserve_{name}", {"model": "tiny"}) or 0.0
+
+
+def run(engine: Engine, rounds: list[list[list[int]]]) -> tuple[list[list[int]], list[int]]:
+    """Outputs of every prompt, one at a time, and the cached tokens each reported."""
+    outs: list[list[int]] = []
+    cached: list[int] = []
+
+    def observe(out: TokenOutput) -> None:
+        if out.finish_reason is not None:
+            cached.append(out.cached_tokens)
+
+    for prompts in rounds:
+        for p in prompts:
+            outs += generate_tokens(engine, [p], GREEDY, timeout=120, observe=observe)
+    return outs, cached
+
+
+@pytest.mark.parametrize("host_kv_tokens", [0, 256], ids=["no-host-tier", "host-tier"])
+def test_greedy_output_is_the_same_with_the_store_and_a_second_engine_gets_store_hits(master, host_kv_tokens) -> None:
+    _, address = master
+    rounds = multi_turn_prompts(seed=21)  # ~3x the 128-token device KV (and the 256-token host tier)
+    plain = make_engine()
+    try:
+        expected, _ = run(plain, rounds)
+        computed_plain = metric(plain, "prompt_tokens_computed_total")
+    finally:
+        plain.stop()
+    first = make_engine(address, host_kv_tokens)
+    second = make_engine(address, host_kv_tokens)
+    try:
+        outs, _ = run(first, rounds)
+        assert outs == expected
+        assert metric(first, "kv_store_written_bytes_total") > 0
+        deadline = time.monotonic() + 10
+        while first.kv_store.jobs_pending():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        # The second engine never saw these prompts: the first's evicted pages come from the store.
+        outs, cached = run(second, rounds)
+        assert outs == expected
+        hits = metric(second, "kv_store_hit_tokens_total")
+        assert hits > 0 and sum(cached) >= hits
+        assert metric(second, "prompt_tokens_computed_total") < computed_plain
+        assert metric(second, "kv_store_read_bytes_total") > 0
+        assert metric(second, "kv_store_load_seconds_count") > 0
+        assert metric(second, "kv_store_failures_total") == 0 and metric(second, "kv_store_up") == 1
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_master_killed_mid_load_fails_no_request_and_changes_no_output(master) -> None:
+    proc, address = master
+    rounds = multi_turn_prompts(seed=22, conversations=8)
+    plain = make_engine()
+    try:
+        expected, _ = run(plain, rounds)
+    finally:
+        plain.stop()
+    engine = make_engine(address, host_kv_tokens=256)
+    try:
+        engine.kv_store.timeout_s = 0.3
+        killer = threading.Timer(1.0, lambda: os.kill(proc.pid, signal.SIGKILL))
+        killer.start()
+        prompts = [p for r in rounds for p in r]
+        outs = generate_tokens(engine, prompts[:len(prompts) // 2], GREEDY, timeout=120, stagger_s=0.1)
+        killer.join()
+        outs += generate_tokens(engine, prompts[len(prompts) // 2:], GREEDY, timeout=120)
+        assert proc.wait(timeout=5) == -signal.SIGKILL
+        flat = [o for o in expected]
+        assert outs == flat
+        assert metric(engine, "kv_store_failures_total") >= 1
+        assert metric(engine, "kv_store_up") == 0
+    finally:
+        engine.stop()
+
+
+def test_keys_keep_models_page_sizes_and_dtypes_apart(tmp_path) -> None:
+    a = tmp_path / "a"
+    b = tmp_path / "b"
+    for folder, layers in ((a, 2), (b, 3)):
+        folder.mkdir()
+        (folder / "config.json").write_text(f'{{"num_hidden_layers": {layers}}}')
+    shape = (2, 2, 16, 1, 8)
+    base = store_namespace("m", a, None, 16, torch.bfloat16, shape)
+    assert base == store_namespace("m", a, None, 16, torch.bfloat16, shape)
+    others = {store_namespace("m", b, None, 16, torch.bfloat16, shape),
+              store_namespace("m", a, None, 32, torch.bfloat16, (2, 2, 32, 1, 8)),
+              store_namespace("m", a, None, 16, torch.float16, shape),
+              store_namespace("m", a, 1, 16, torch.bfloat16, shape),
+              store_namespace("other", a, None, 16, torch.bfloat16, shape)}
+    assert base not in others and len(others) == 5
+
+
+def test_the_flags_are_checked() -> None:
+    assert EngineConfig().kv_store == ""
+    with pytest.raises(ValueError, match="kv-store"):
+        EngineConfig(model="tiny", device="cpu", kv_store="127.0.0.1:1", tp_size=2)
+    with pytest.raises(ValueError, match="kv-store"):
+        EngineConfig(model="tiny", device="cpu", kv_store="127.0.0.1:1", kv_store_buffer_mb=0)
