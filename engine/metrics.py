@@ -98,8 +98,8 @@ class EngineMetrics:
         self.kv_store_dropped_pages = Counter("splitserve_kv_store_dropped_pages", "Write-throughs dropped: the store "
                                               "out of use, or the staging buffer full", labels,
                                               registry=r).labels(model_name)
-        self.kv_store_up = Gauge("splitserve_kv_store_up", "1 while the store is set up and in use", labels,
-                                 registry=r).labels(model_name)
+        self.kv_store_up = Gauge("splitserve_kv_store_up", "1 while the store is set up and its last call "
+                                 "succeeded", labels, registry=r).labels(model_name)
         self._finished = Counter("splitserve_requests_finished", "Requests finished, by reason",
                                  [*labels, "reason"], registry=r)
         self.model_name = model_name

@@ -29,6 +29,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import queue
 import socket
 import threading
@@ -40,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from splitserve.transfer.mooncake.engine import GLOG_WARNING, LOG_LEVEL_ENV, _glog_minloglevel
+from splitserve.transfer.mooncake.loopback_bind import bind_mooncake_to_loopback, loopback_for
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +202,16 @@ class StoreKV:
     # ---- the worker --------------------------------------------------------------------------
 
     def _setup(self) -> bool:
+        loopback = loopback_for(self.local_host) is not None
+        if loopback:
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_host)  # the address it advertises
         from mooncake.store import MooncakeDistributedStore  # only with --kv-store
 
+        if loopback:  # a loopback master: the client's own ports stay on loopback too (they take writes)
+            bind_mooncake_to_loopback(self.local_host)
+        level = _glog_minloglevel()
+        if level is not None and not any(name in os.environ for name in LOG_LEVEL_ENV):
+            level.value = max(level.value, GLOG_WARNING)  # Mooncake's INFO lines (a dozen a client) off
         store = MooncakeDistributedStore()
         rc = store.setup(self.local_host, self.metadata, self.segment_bytes, 16 << 20, self.protocol, "",
                          self.address)
@@ -382,7 +394,7 @@ class StoreKV:
         for seconds in self.load_seconds:
             metrics.kv_store_load_seconds.observe(seconds)
         self.load_seconds.clear()
-        metrics.kv_store_up.set(1 if self.available() else 0)
+        metrics.kv_store_up.set(1 if self.ready and not self._failing else 0)
 
     def close(self) -> None:
         """Stops the worker (not waiting long for one stuck in a call) and closes the client."""
