@@ -313,6 +313,7 @@ def build_headless_service(role_body: Body) -> dict[str, Any]:
         },
     }
     kopf.adopt(svc, owner=dict(role_body))
+    svc["metadata"]["labels"].pop(LABEL_ROLE, None)  # adopt copies the ServingRole's labels, its role's too
     return svc
 
 

@@ -292,7 +292,8 @@ def test_engine_pods_drain_before_sigterm_and_the_router_watches_only_serving_po
     from splitserve.operator.role_builders import build_role_children
 
     role = {"apiVersion": "splitserve.io/v1alpha1", "kind": "ServingRole",
-            "metadata": {"name": "g-decode", "namespace": "ns", "uid": "r-1"},
+            "metadata": {"name": "g-decode", "namespace": "ns", "uid": "r-1",
+                         "labels": {"splitserve.io/group": "g", LABEL_ROLE: "decode"}},
             "spec": {"group": "g", "role": "decode", "model": {"name": "m", "builtin": "tiny"}}}
     peers, serving, sts = build_role_children(role, "img")
     # The peer Service keeps terminating pods (publishNotReadyAddresses): no role label, the router ignores it.
