@@ -95,6 +95,9 @@ def load_weights(model: nn.Module, path: str | Path, tied_lm_head: bool) -> None
             kv_scales += 1
             continue
         if name not in targets:
+            if name.endswith((".weight_scale", ".input_scale")):
+                raise CheckpointError(f"{path}: FP8 scale {name!r}, but its config names no FP8 quantization for "
+                                      "that layer (quantization_config in config.json, or hf_quant_config.json)")
             raise CheckpointError(f"{path}: unexpected tensor {name!r} (wrong architecture?)")
         module, shard = targets[name]
         _copy_into(module, name, tensor, shard)
