@@ -10,6 +10,12 @@ device KV). The same trace runs on an engine without the tier and on one with `-
 printed: mean and p50 TTFT, output and total throughput, prompt tokens computed and the tier's hits,
 and the ratios (tier / none). Greedy, so both runs see the same tokens (checked).
 
+With `--kv-store local` (a Mooncake Store master started here on loopback) or `--kv-store HOST:PORT`, a
+store leg follows: a first instance (host tier and store) runs the trace, then a second one that never
+saw it runs the same sessions beside it (a new replica taking the first's conversations over); printed:
+the second instance's store hits over its prompt tokens (its hit rate on the first's sessions), its
+TTFT and prompt tokens computed, and their ratios against the host-tier leg (a cold instance).
+
     splitserve bench --profile kv-tiers --device cpu
 """
 
@@ -49,6 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--system-len", type=int, default=384, help="tokens of each conversation's opening")
     p.add_argument("--user-len", type=int, default=64, help="tokens of each new message")
     p.add_argument("--output-len", type=int, default=16, help="tokens of each answer")
+    p.add_argument("--kv-store", default="", help="add the store leg: 'local' (start a mooncake_master on "
+                   "loopback) or a master's HOST:PORT; empty: skip it")
+    p.add_argument("--kv-store-segment-mb", type=int, default=256, help="each instance's share of the store")
     p.add_argument("--engine-args", default="", help="extra EngineConfig fields, as key=value,key=value")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="", help="write the figures as JSON here")
@@ -60,8 +69,10 @@ def working_set_tokens(args: argparse.Namespace) -> int:
     return args.conversations * per_conversation
 
 
-def engine_config(args: argparse.Namespace, host_kv_tokens: int) -> EngineConfig:
+def engine_config(args: argparse.Namespace, host_kv_tokens: int, kv_store: str = "") -> EngineConfig:
     extra: dict[str, Any] = {}
+    if kv_store:
+        extra.update(kv_store=kv_store, kv_store_segment_mb=args.kv_store_segment_mb, kv_store_timeout_ms=1000.0)
     for item in filter(None, args.engine_args.split(",")):
         key, value = item.split("=", 1)
         extra[key.replace("-", "_")] = json.loads(value) if value[:1] in "0123456789-[{tf" else value
@@ -151,6 +162,12 @@ def run_trace(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
         "host_pages": metric("splitserve_host_kv_pages"),
         "host_load_mean_s": (metric("splitserve_host_kv_load_seconds_sum")
                              / max(1.0, metric("splitserve_host_kv_load_seconds_count"))),
+        "store_hit_tokens": metric("splitserve_kv_store_hit_tokens_total"),
+        "store_written_bytes": metric("splitserve_kv_store_written_bytes_total"),
+        "store_read_bytes": metric("splitserve_kv_store_read_bytes_total"),
+        "store_failures": metric("splitserve_kv_store_failures_total"),
+        "store_load_mean_s": (metric("splitserve_kv_store_load_seconds_sum")
+                              / max(1.0, metric("splitserve_kv_store_load_seconds_count"))),
         "outputs": [outputs[k] for k in sorted(outputs)],
     }
 
@@ -207,8 +224,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 report["reload"] = time_reload(engine, args.reload_tokens, args.seed)
         finally:
             engine.stop()
+    if args.kv_store:
+        report.update(run_store_leg(args))
     off, on = report["device_only"], report["host_tier"]
-    report["same_outputs"] = off.pop("outputs") == on.pop("outputs")
+    expected = off["outputs"]
+    report["same_outputs"] = all(report[leg].pop("outputs") == expected
+                                 for leg in ("host_tier", "store_first", "store_second") if leg in report)
+    off.pop("outputs")
+    if "store_second" in report:
+        second = report["store_second"]
+        report["store_hit_rate"] = second["store_hit_tokens"] / second["prompt_tokens"]
+        report["store_ratios"] = {
+            "ttft_mean": second["ttft_mean_s"] / on["ttft_mean_s"],
+            "ttft_p50": second["ttft_p50_s"] / on["ttft_p50_s"],
+            "total_tokens_per_s": second["total_tokens_per_s"] / on["total_tokens_per_s"],
+            "prompt_tokens_computed": second["prompt_tokens_computed"] / max(1.0, on["prompt_tokens_computed"]),
+        }
     report["ratios"] = {
         "ttft_mean": on["ttft_mean_s"] / off["ttft_mean_s"],
         "ttft_p50": on["ttft_p50_s"] / off["ttft_p50_s"],
@@ -219,6 +250,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def run_store_leg(args: argparse.Namespace) -> dict[str, Any]:
+    """The first instance runs the trace (writing through to the store as its pages leave the device), then a
+    second one runs the same sessions while the first is still up (its store segment holds the pages)."""
+    from splitserve.engine.store_kv import start_master
+
+    master = None
+    address = args.kv_store
+    if address == "local":
+        master, address = start_master()
+    engines: list[Engine] = []
+    legs: dict[str, Any] = {}
+    try:
+        for name in ("store_first", "store_second"):
+            engine = Engine(engine_config(args, args.host_kv_tokens, address))
+            engines.append(engine)
+            store = engine.kv_store
+            assert store is not None
+            deadline = time.monotonic() + 120
+            while not store.ready:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the store at {address} did not answer in 120 s")
+                time.sleep(0.05)
+            engine.start()
+            legs[name] = run_trace(engine, args)
+            while store.jobs_pending():  # the write-throughs are in before the next instance asks
+                time.sleep(0.01)
+    finally:
+        for engine in engines:
+            engine.stop()
+        if master is not None:
+            master.kill()
+            master.wait()
+    return legs
+
+
 def print_report(report: dict[str, Any]) -> None:
     cfg = report["config"]
     print(f"kv-tiers: {cfg['conversations']} conversations x {cfg['turns']} turns on {cfg['model']} ({cfg['device']}); "
@@ -226,7 +292,9 @@ def print_report(report: dict[str, Any]) -> None:
           f"device KV ({cfg['max_total_tokens']}); host tier {cfg['host_kv_tokens']} tokens")
     print(f"{'':14}{'TTFT mean':>11}{'TTFT p50':>10}{'out tok/s':>11}{'tot tok/s':>11}{'computed':>10}"
           f"{'cached':>9}{'host hits':>10}{'wall s':>8}")
-    for name in ("device_only", "host_tier"):
+    for name in ("device_only", "host_tier", "store_first", "store_second"):
+        if name not in report:
+            continue
         r = report[name]
         print(f"{name:14}{r['ttft_mean_s'] * 1e3:9.1f}ms{r['ttft_p50_s'] * 1e3:8.1f}ms"
               f"{r['output_tokens_per_s']:11.1f}{r['total_tokens_per_s']:11.1f}{r['prompt_tokens_computed']:10.0f}"
@@ -238,6 +306,16 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"ratios (tier / none): TTFT mean {r['ttft_mean']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, output throughput "
           f"{r['output_tokens_per_s']:.2f}x, total throughput {r['total_tokens_per_s']:.2f}x, prompt tokens computed "
           f"{r['prompt_tokens_computed']:.2f}x; same greedy outputs: {report['same_outputs']}")
+    if "store_second" in report:
+        first, second, r = report["store_first"], report["store_second"], report["store_ratios"]
+        print(f"store: the first instance wrote {first['store_written_bytes'] / 2**20:.1f} MiB; the second read "
+              f"{second['store_read_bytes'] / 2**20:.1f} MiB, mean load {second['store_load_mean_s'] * 1e3:.2f} ms, "
+              f"failures {first['store_failures'] + second['store_failures']:.0f}")
+        print(f"store hit rate of the second instance on the first's sessions: {report['store_hit_rate']:.1%} of its "
+              f"prompt tokens ({second['store_hit_tokens']:.0f} of {second['prompt_tokens']})")
+        print(f"ratios (second instance with the store / cold instance with the host tier): TTFT mean "
+              f"{r['ttft_mean']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, total throughput {r['total_tokens_per_s']:.2f}x, "
+              f"prompt tokens computed {r['prompt_tokens_computed']:.2f}x")
 
 
 def print_reload(report: dict[str, Any]) -> None:

@@ -60,6 +60,13 @@ class UpConfig:
         "help": "drafter engines (speculative decoding): every decode (or unified) engine joins them all"})
     draft_model: str = field(default="", metadata={"help": "the drafters' checkpoint folder (default: --model)"})
     speculative_tokens: int = field(default=4, metadata={"help": "draft tokens verified per request and step"})
+    kv_store: bool = field(default=False, metadata={
+        "help": "a KV store tier shared by every engine: starts a Mooncake Store master (mooncake_master, on "
+                "loopback, a free port) before the engines, wires each to it (--kv-store), watches it like the "
+                "other processes and stops it last (docs/kv_tiers.md)"})
+    kv_store_segment_mb: int = field(default=512, metadata={
+        "help": "MiB of host memory each engine contributes to the store (the store holds the engines' "
+                "segments summed; the master holds metadata only and evicts at its watermark)"})
 
     def __post_init__(self) -> None:
         if self.encode and self.unified:
@@ -124,6 +131,7 @@ class Child:
     restarts: int = 0
     failures_in_a_row: int = 0
     restart_at: float | None = None  # set while it is down and waiting for its restart
+    command: list[str] | None = None  # a program of its own (the store's master), not `splitserve ARGS`
 
 
 class Deployment:
@@ -135,14 +143,15 @@ class Deployment:
         self.children: list[Child] = []
         self._engines_started = 0
         self.key = cfg.transfer_control_key or secrets.token_hex(32)
+        self.kv_store = ""  # the store master's address, once started (--kv-store)
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
         return [(c.url, c.proc) for c in self.children if c.proc is not None]
 
     def _spawn(self, child: Child) -> None:
-        cmd = [sys.executable, "-P", "-m", "splitserve", *child.args]
-        logger.info("starting %s: %s", child.name, " ".join(child.args))
+        cmd = child.command or [sys.executable, "-P", "-m", "splitserve", *child.args]
+        logger.info("starting %s: %s", child.name, " ".join(child.command or child.args))
         # The key goes in the environment, not argv (which every local user can read).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITSERVE_TRANSFER_CONTROL_KEY": self.key,
                "SPLITSERVE_ROUTER_TRANSFER_CONTROL_KEY": self.key}
@@ -172,14 +181,29 @@ class Deployment:
         self._engines_started += 1
         if role == "prefill":
             args += ["--bootstrap-port", str(free_port())]
+        if self.kv_store and role in ("unified", "prefill", "decode"):
+            args += ["--kv-store", self.kv_store, "--kv-store-segment-mb", str(self.cfg.kv_store_segment_mb)]
         args += self.cfg.engine_args.split() + (extra or [])
         child = Child(f"{role}-{index}", f"http://127.0.0.1:{port}", args)
         self.children.append(child)
         self._spawn(child)
         return child.url
 
+    def _kv_store_master(self) -> None:
+        """Starts the Mooncake Store master on loopback (its RPC port, and its admin port: /health)."""
+        from splitserve.engine.store_kv import master_command
+
+        port, admin = free_port(), free_port()
+        master = Child("kv-store", f"http://{LOOPBACK}:{admin}", [], command=master_command(port, LOOPBACK, admin))
+        self.children.append(master)
+        self._spawn(master)
+        wait_healthy([(master.url, master.proc)], self.cfg.startup_timeout_s)
+        self.kv_store = f"{LOOPBACK}:{port}"
+
     def start(self) -> str:
         cfg = self.cfg
+        if cfg.kv_store:
+            self._kv_store_master()
         drafters = [self._drafter(i) for i in range(cfg.drafter)]
         if cfg.unified:
             unified = [self._engine("unified", i, self._verifier_args(drafters, i)) for i in range(cfg.unified)]
@@ -204,7 +228,7 @@ class Deployment:
         """Every role started, as counts ("1 prefill + 1 decode + 2 drafter") and as each role's URLs."""
         by_role: dict[str, list[str]] = {}
         for child in self.children:
-            if child.name != "router":
+            if child.name != "router" and child.command is None:
                 by_role.setdefault(child.name.rsplit("-", 1)[0], []).append(child.url)
         order = ["unified", "prefill", "decode", "encode", "drafter"]
         roles = sorted(by_role, key=lambda r: order.index(r) if r in order else len(order))
@@ -239,20 +263,23 @@ class Deployment:
         return 0
 
     def stop(self) -> None:
-        # The router first, so no new work reaches engines that are going away.
-        for child in reversed(self.children):
-            if child.proc is not None and child.proc.poll() is None:
-                child.proc.terminate()
-        deadline = time.monotonic() + 20
-        for child in self.children:
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time; killing it", child.name)
-                child.proc.kill()
-                child.proc.wait()
+        # The router first, so no new work reaches engines that are going away; the store's master last,
+        # once no engine uses it.
+        last = [c for c in self.children if c.command is not None]
+        for group in ([c for c in self.children if c.command is None], last):
+            for child in reversed(group):
+                if child.proc is not None and child.proc.poll() is None:
+                    child.proc.terminate()
+            deadline = time.monotonic() + 20
+            for child in group:
+                if child.proc is None:
+                    continue
+                try:
+                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in time; killing it", child.name)
+                    child.proc.kill()
+                    child.proc.wait()
 
 
 def main(argv: list[str]) -> int:
