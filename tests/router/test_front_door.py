@@ -10,6 +10,7 @@ router and a prefill+decode pair behind another.
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import time
@@ -67,6 +68,40 @@ def test_the_first_token_marker_starts_a_stream_and_empty_chunks_do_not() -> Non
     empty = b'data: {"choices":[{"index":0,"text":"","finish_reason":null}]}\n\n'
     assert not event_kind(empty).token and not event_kind(empty).first_token
     assert event_kind(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n').token
+
+
+def test_the_router_signs_the_ids_of_text_prompts_only() -> None:
+    """Chats and text completions carry the router's ids, signed, with the tokenizer's digest and tool format; a
+    prompt of token ids carries none (the body has them), nor does anything without a key; an image is not
+    tokenized at all (the router cannot expand its tokens)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from splitserve.engine.checkpoints.tiny_model import tiny_model_folder
+    from splitserve.engine.checkpoints.tokenizer import TextTokenizer
+    from splitserve.router.cache_routing import CacheAwareRouting
+    from splitserve.router.prompt_pages import PromptTokenizer
+
+    text = TextTokenizer(tiny_model_folder(0))
+    tokenizer = PromptTokenizer({**text.parts(), "tool_format": "hermes"})
+    poller = SimpleNamespace(tokenizers={tokenizer.digest: tokenizer}, page_size={})
+    routing = CacheAwareRouting(None, poller, 1000, CollectorRegistry())  # type: ignore[arg-type]
+    chat_body = {"model": "m", "messages": MESSAGES}
+    prompt = routing.tokenize("/v1/chat/completions", chat_body, "k")
+    assert prompt is not None and prompt.ids == tokenizer.prompt_ids("/v1/chat/completions", chat_body)
+    assert prompt.fields[PROMPT_IDS_FIELD] == prompt.ids
+    assert prompt.fields[PROMPT_DIGEST_FIELD] == f"{text.parts()['digest']}/hermes"
+    fields = prompt.fields
+    assert prompt_grant_valid("k", fields[PROMPT_DIGEST_FIELD], prompt.ids, fields[PROMPT_SIGNATURE_FIELD])
+    completion = routing.tokenize("/v1/completions", {"prompt": "hello"}, "k")
+    assert completion is not None and completion.ids == text.encode("hello") and completion.fields
+    ids = routing.tokenize("/v1/completions", {"prompt": [256, 5, 6]}, "k")
+    assert ids is not None and ids.ids == [256, 5, 6] and ids.fields == {}
+    assert routing.tokenize("/v1/chat/completions", chat_body, "").fields == {}  # type: ignore[union-attr]
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}
+    assert routing.tokenize("/v1/chat/completions", {"messages": [image]}, "k") is None
+    assert routing.tokenize("/v1/completions", {"prompt": ["a", "b"]}, "k") is None  # two prompts
 
 
 # ---- through real engines ----------------------------------------------------------------------------------
@@ -127,11 +162,21 @@ def streamed_chat(url: str, body: dict) -> list[dict]:
         assert r.status_code == 200
         lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]"
-    return [{k: v for k, v in json.loads(x).items() if k not in ("id", "created")} for x in lines[:-1]]
+    return [without_call_ids({k: v for k, v in json.loads(x).items() if k not in ("id", "created")})
+            for x in lines[:-1]]
+
+
+def without_call_ids(event: dict) -> dict:
+    """Tool calls' ids are random: everything else must be equal."""
+    for choice in event.get("choices") or []:
+        for part in (choice.get("delta"), choice.get("message")):
+            for call in (part or {}).get("tool_calls") or []:
+                call.pop("id", None)
+    return event
 
 
 def answer(body: dict) -> tuple[list[dict], int, int]:
-    return body["choices"], body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
+    return without_call_ids(body)["choices"], body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
 
 
 CHATS = [
@@ -257,19 +302,17 @@ def test_a_stream_whose_tokens_have_no_text_yet_flows_through_the_router(group, 
     started = time.monotonic()
     with httpx.stream("POST", f"{group[where]}{path}", json=body, timeout=120) as r:
         assert r.status_code == 200
-        events = []
-        for line in r.iter_lines():
+        lines = r.iter_lines()  # held: a line iterator dropped mid-stream closes the connection
+        for line in lines:
             if not line.startswith("data: "):
                 assert not line.startswith(":"), "the router relayed the engine's first-token marker"
                 continue
-            event = json.loads(line[6:])
-            events.append(event)
-            choice = event["choices"][0]
-            if "delta" not in choice or choice["delta"].get("role") is None:  # past chat's role chunk
+            choice = json.loads(line[6:])["choices"][0]
+            if choice.get("delta", {}).get("role") is None:  # past a chat's role chunk: the first token's
                 break
         first_at = time.monotonic() - started
-        state = engine_state(engine)
-        assert state["running"] == 1, f"the first chunk came only after the stream ended ({first_at:.2f} s)"
-        assert choice.get("text", "") == "" and not choice["delta" if "delta" in choice else "text"]
-        assert choice["finish_reason"] is None
+        assert engine_state(engine)["running"] == 1, f"the first chunk came after the stream ended ({first_at:.2f} s)"
+        assert choice.get("text", "") == "" and not choice.get("delta") and choice["finish_reason"] is None
+        later = sum(1 for line in itertools.islice(lines, 40) if line.startswith("data: "))
+        assert later == 20  # the next tokens flow too (an event and a blank line each)
     assert_kv_back_to_start(engine, timeout=20)  # the client left: aborted, pages back
