@@ -65,10 +65,12 @@ PROFILES = {
     "prefix": "cache-aware routing against least-loaded routing on shared-prefix, fresh and multi-turn loads, and one "
               "cache holding everything as the hit rate's ceiling (own flags: bench --profile prefix --help)",
     "kv-tiers": "the host-memory KV tier against the device prefix cache alone on a multi-turn trace (own flags)",
+    "fp8": "FP8 weights against bfloat16: a decode step at batch 1, prefill, a burst (own flags)",
 }
 # Profiles that parse flags of their own: `bench --profile NAME ...` hands them the rest.
 OWN_FLAGS = {"spec": "splitserve.bench.spec", "epd": "splitserve.bench.epd", "transfer": "splitserve.bench.transfer",
-             "prefix": "splitserve.bench.prefix_routing", "kv-tiers": "splitserve.bench.kv_tiers"}
+             "prefix": "splitserve.bench.prefix_routing", "kv-tiers": "splitserve.bench.kv_tiers",
+             "fp8": "splitserve.bench.fp8"}
 
 
 @dataclass

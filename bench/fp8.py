@@ -1,0 +1,136 @@
+"""`splitserve bench --profile fp8`: FP8 weights against bfloat16 on a real model shape with random weights
+(`--load-format dummy`; `--quantization fp8` quantizes them per channel on load), same device, same run.
+
+Times, each side in turn (the runner driven directly, as bench/engine_steps.py does):
+- a decode step at batch 1 (`--context` tokens of KV; through the decode CUDA graph, one host sync a step);
+- a prefill of one `--prefill-len`-token prompt, eagerly, in tokens/s;
+- the burst `--burst` (N prompts of I tokens, O output tokens each, all at once) through the bare engine
+  (bench/api_split.py's), output tokens/s;
+and prints fp8 / bf16 ratios (decode: bf16 time over fp8 time, > 1 when FP8 is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from splitserve.bench.engine_steps import EngineUnderTest
+from splitserve.engine.checkpoints.model_config import ModelConfig
+from splitserve.engine.checkpoints.model_shapes import write_shape_folder
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+MODES = {"bf16": "auto", "fp8": "fp8"}  # side -> --quantization
+
+
+class QuantizedEngineUnderTest(EngineUnderTest):
+    """EngineUnderTest with --quantization (the same runner, KV cache and decode graphs otherwise)."""
+
+    def __init__(self, shape: str, device: str, max_batch: int, max_tokens: int, quantization: str) -> None:
+        self.folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
+        self.cfg = EngineConfig(model=str(self.folder), device=device, load_format="dummy",
+                                max_running_requests=max_batch, max_total_tokens=max_tokens,
+                                context_length=16384, page_size=16, cuda_graph_max_batch=max_batch,
+                                piecewise_graph_tokens=0, quantization=quantization)
+        self.model_cfg = ModelConfig.from_folder(self.folder)
+        self.runner = ModelRunner(self.cfg, self.folder, self.model_cfg)
+        self.device = self.runner.device
+        self.kv = KVCache(self.runner.kv_shape.num_pages, self.cfg.page_size, max_batch, 16384, self.device)
+        self.runner.capture_decode_graphs(self.kv.page_table, self.kv.padding_slot)
+        self.uniform_ids = False
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="splitserve bench --profile fp8", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.1-8b", help="model shape (random weights)")
+    parser.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
+    parser.add_argument("--context", type=int, default=1024, help="KV tokens of the batch-1 decode step")
+    parser.add_argument("--prefill-len", type=int, default=8192, help="tokens of the timed prompt")
+    parser.add_argument("--burst", default="256x512:256", help="NxI:O through the bare engine ('' skips it)")
+    parser.add_argument("--reps", type=int, default=5, help="timed prefills (the median counts)")
+    parser.add_argument("--out", default=None, help="write the report here as JSON")
+    return parser.parse_args(argv)
+
+
+def free_device() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure(args: argparse.Namespace, side: str) -> dict[str, Any]:
+    quantization = MODES[side]
+    eut = QuantizedEngineUnderTest(args.shape, args.device, 1, args.prefill_len + args.context + 256, quantization)
+    try:
+        row: dict[str, Any] = {"weight_bytes": eut.weight_bytes}
+        row["decode_b1_s"] = eut.decode_step_seconds(1, args.context)
+        row["prefill_tok_s"] = args.prefill_len / eut.prefill_seconds(args.prefill_len, reps=args.reps)
+        folder = eut.folder
+    finally:
+        del eut
+        free_device()
+    logger.info("%s: decode b1 %.3f ms, prefill %d: %.0f tok/s", side, row["decode_b1_s"] * 1e3, args.prefill_len,
+                row["prefill_tok_s"])
+    if args.burst:
+        from splitserve.bench.api_split import bare_engine_load
+        from splitserve.bench.serving import fixed_load
+
+        load = fixed_load(args.burst)
+        extra = "" if quantization == "auto" else f"--quantization {quantization}"
+        burst = bare_engine_load(folder, args.device, len(load.prompt_lens), extra, load, seed=0)
+        row["burst_tok_s"] = burst["output_tokens_per_s"]
+        row["burst_ttft_p50_s"] = burst["ttft_p50_s"]
+        free_device()
+    return row
+
+
+def ratios(report: dict[str, Any]) -> dict[str, float]:
+    bf16, fp8 = report["bf16"], report["fp8"]
+    out = {"decode_b1_speedup": bf16["decode_b1_s"] / fp8["decode_b1_s"],
+           "prefill_speedup": fp8["prefill_tok_s"] / bf16["prefill_tok_s"],
+           "weight_bytes_ratio": fp8["weight_bytes"] / bf16["weight_bytes"]}
+    if "burst_tok_s" in bf16 and "burst_tok_s" in fp8:
+        out["burst_speedup"] = fp8["burst_tok_s"] / bf16["burst_tok_s"]
+    return out
+
+
+def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"FP8 vs bf16, {args.shape} (random weights) on {report['device']}")
+    print(f"{'':6} | {'weights GiB':>11} | {'decode b1 ms':>12} | {f'prefill {args.prefill_len} tok/s':>18} | "
+          f"{f'burst {args.burst} tok/s':>24}")
+    for side in MODES:
+        r = report[side]
+        burst = f"{r['burst_tok_s']:24.0f}" if "burst_tok_s" in r else f"{'-':>24}"
+        print(f"{side:6} | {r['weight_bytes'] / 2**30:11.2f} | {r['decode_b1_s'] * 1e3:12.3f} | "
+              f"{r['prefill_tok_s']:18.0f} | {burst}")
+    print("ratios (fp8 over bf16, > 1: fp8 faster): " + ", ".join(f"{k} {v:.3f}" for k, v in report["ratios"].items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv or [])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = EngineConfig(device=args.device).torch_device()
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                              "args": vars(args)}
+    for side in MODES:
+        report[side] = measure(args, side)
+    report["ratios"] = ratios(report)
+    print_report(report, args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
