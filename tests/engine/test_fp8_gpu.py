@@ -1,0 +1,119 @@
+"""FP8 products on CUDA against the dequantized reference (skipped without CUDA): the skinny kernel at decode
+rows (weight-only: exact math, bfloat16 rounding of the output), the per-token / static W8A8 GEMM past them
+(FP8 tolerance), CUDA-graph capture, row invariance, and a model with --quantization fp8 against bfloat16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitserve.engine.quantization.fp8 import fp8_linear, fp8_linear_reference, quantize_per_channel
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Llama-3.1-8B's projections (N, K): qkv, o_proj, gate_up, down_proj
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def operands(n: int, k: int, rows: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    q, scale = quantize_per_channel(w)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    return x, q, scale
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["qkv", "o", "gate_up", "down"])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 256, 2048])
+def test_fp8_linear_matches_the_dequantized_reference(shape: tuple[int, int], rows: int) -> None:
+    n, k = shape
+    x, q, scale = operands(n, k, rows)
+    got = fp8_linear(x, q, scale, None, None, "dynamic-token", skinny_rows=16)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    if rows <= 16:  # the skinny kernel: W8A16, float32 accumulation; only the output's bfloat16 rounding differs
+        want = fp8_linear_reference(x, q, scale, None, None, None)
+        assert relative_error(got, want) < 4e-3
+    else:  # activations quantized per token the same way; the GEMM accumulates in float32
+        want = fp8_linear_reference(x, q, scale, None, None, "dynamic-token")
+        assert relative_error(got, want) < 1e-2
+        # and against the unquantized product: e4m3 on both operands, ~3.7% rms
+        assert relative_error(got, x.float() @ (q.float() * scale[:, None]).t()) < 6e-2
+
+
+@pytest.mark.parametrize("rows", [4, 300])
+def test_static_input_scale_and_bias(rows: int) -> None:
+    x, q, scale = operands(1024, 2048, rows, seed=1)
+    input_scale = (x.float().abs().amax() / 448).reshape(1)
+    bias = torch.randn(1024, device="cuda").to(torch.bfloat16)
+    got = fp8_linear(x, q, scale, input_scale, bias, "static-tensor", skinny_rows=16)
+    want = fp8_linear_reference(x, q, scale, input_scale, bias, None if rows <= 16 else "static-tensor")
+    assert relative_error(got, want) < 1e-2
+
+
+def test_float32_rows_take_the_skinny_kernel_at_any_count() -> None:
+    x, q, scale = operands(512, 1024, 40, seed=2)
+    x = x.float()
+    got = fp8_linear(x, q, scale, None, None, "dynamic-token", skinny_rows=16)
+    want = fp8_linear_reference(x, q, scale, None, None, None)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_skinny_rows_do_not_depend_on_the_row_count() -> None:
+    x, q, scale = operands(4096, 4096, 16, seed=3)
+    alone = fp8_linear(x[:1], q, scale, None, None, "dynamic-token", skinny_rows=16)
+    together = fp8_linear(x, q, scale, None, None, "dynamic-token", skinny_rows=16)
+    assert torch.equal(alone[0], together[0])
+
+
+@pytest.mark.parametrize("rows", [1, 256])
+def test_fp8_linear_replays_in_a_cuda_graph(rows: int) -> None:
+    x, q, scale = operands(4096, 4096, rows, seed=4)
+    static_x = x.clone()
+    eager = fp8_linear(static_x, q, scale, None, None, "dynamic-token", skinny_rows=16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fp8_linear(static_x, q, scale, None, None, "dynamic-token", skinny_rows=16)  # warm (Triton compiles)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear(static_x, q, scale, None, None, "dynamic-token", skinny_rows=16)
+    static_x.copy_(x * 2)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = fp8_linear(x * 2, q, scale, None, None, "dynamic-token", skinny_rows=16)
+    assert torch.equal(out, want) and not torch.equal(out, eager)
+
+
+@torch.inference_mode()
+def test_quantization_fp8_model_on_cuda_stays_close_to_bfloat16(tmp_path: Path) -> None:
+    """The tiny model in bfloat16 on CUDA, --quantization fp8 (decode graphs captured, warmed up) against the
+    same model unquantized: the CPU test's tolerances (tests/engine/test_fp8.py)."""
+    from test_fp8 import MAX_MEAN_KL, MIN_TOP1, accuracy
+
+    from splitserve.engine.checkpoints.model_config import ModelConfig
+    from splitserve.engine.checkpoints.tiny_model import TINY_CONFIG, write_checkpoint
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.kv_cache import KVCache
+    from splitserve.engine.runner.model_runner import ModelRunner
+
+    folder = write_checkpoint(tmp_path / "tiny", TINY_CONFIG, seed=0)
+    sides = []
+    for quantization in ("auto", "fp8"):
+        cfg = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=4, max_total_tokens=512,
+                           max_running_requests=4, quantization=quantization)
+        runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
+        kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 1024, runner.device)
+        runner.capture_decode_graphs(kv.page_table, kv.padding_slot)
+        runner.warm_up(kv.page_table)
+        sides.append((runner, kv))
+    assert sides[1][0].model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    got = accuracy(sides[0], sides[1], TINY_CONFIG["vocab_size"])
+    print(f"tiny bf16 --quantization fp8 vs bf16 on CUDA: {got}")
+    assert got["mean_kl"] < 1.5 * MAX_MEAN_KL and got["top1"] >= MIN_TOP1, got
