@@ -1,6 +1,6 @@
 """`splitserve up --kv-store`: a Mooncake Store master on loopback before the engines, every engine wired
 to it, a second engine served from pages the first one evicted, the master restarted like any child
-(the engines serving throughout), and stopped last."""
+(the engines serving throughout, and using it again once it is back), and stopped last."""
 
 from __future__ import annotations
 
@@ -85,5 +85,12 @@ def test_up_kv_store_shares_evicted_pages_between_engines_and_survives_its_maste
             assert complete(second, p)["choices"][0]["text"] == expected[i]
         wait_for(lambda: master_of(up)[0] not in (0, pid), 30, "the master was not restarted")
         assert f"--rpc_port={port}" in master_of(up)[1]
+
+        def back() -> bool:  # the clients reconnect to the new master (empty) once their backoff ends
+            complete(second, prompts[rng.randrange(6)] + " again")
+            return metric(second, "splitserve_kv_store_up") == 1
+
+        wait_for(back, 60, "the second engine's store never came back")
+        assert metric(second, "splitserve_kv_store_failures_total") >= 1
         assert "kv-store" in up.log_text()
         up.sigterm_leaves_no_child()  # the master included
