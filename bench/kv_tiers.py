@@ -234,6 +234,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "store_second" in report:
         second = report["store_second"]
         report["store_hit_rate"] = second["store_hit_tokens"] / second["prompt_tokens"]
+        # Of the prompt tokens the second instance did not find in its own device and host caches (what a
+        # cold instance computes), the share the store gave it.
+        report["store_share_of_misses"] = second["store_hit_tokens"] / max(
+            1.0, second["store_hit_tokens"] + second["prompt_tokens_computed"])
         report["store_ratios"] = {
             "ttft_mean": second["ttft_mean_s"] / on["ttft_mean_s"],
             "ttft_p50": second["ttft_p50_s"] / on["ttft_p50_s"],
@@ -312,7 +316,8 @@ def print_report(report: dict[str, Any]) -> None:
               f"{second['store_read_bytes'] / 2**20:.1f} MiB, mean load {second['store_load_mean_s'] * 1e3:.2f} ms, "
               f"failures {first['store_failures'] + second['store_failures']:.0f}")
         print(f"store hit rate of the second instance on the first's sessions: {report['store_hit_rate']:.1%} of its "
-              f"prompt tokens ({second['store_hit_tokens']:.0f} of {second['prompt_tokens']})")
+              f"prompt tokens ({second['store_hit_tokens']:.0f} of {second['prompt_tokens']}); "
+              f"{report['store_share_of_misses']:.1%} of what its own caches missed")
         print(f"ratios (second instance with the store / cold instance with the host tier): TTFT mean "
               f"{r['ttft_mean']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, total throughput {r['total_tokens_per_s']:.2f}x, "
               f"prompt tokens computed {r['prompt_tokens_computed']:.2f}x")

@@ -265,3 +265,24 @@ def test_the_flags_are_checked() -> None:
         EngineConfig(model="tiny", device="cpu", kv_store="127.0.0.1:1", tp_size=2)
     with pytest.raises(ValueError, match="kv-store"):
         EngineConfig(model="tiny", device="cpu", kv_store="127.0.0.1:1", kv_store_buffer_mb=0)
+
+
+def test_the_kv_tiers_benchmark_has_a_store_leg(tmp_path, capsys) -> None:
+    import json
+
+    from splitserve.bench.kv_tiers import main
+
+    out = tmp_path / "kv_tiers.json"
+    assert main(["--conversations", "4", "--turns", "3", "--system-len", "96", "--user-len", "16", "--output-len", "4",
+                 "--page-size", "4", "--max-total-tokens", "192", "--host-kv-tokens", "1024",
+                 "--max-running-requests", "2", "--kv-store", "local", "--kv-store-segment-mb", "32",
+                 "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["same_outputs"]
+    first, second = report["store_first"], report["store_second"]
+    assert first["store_written_bytes"] > 0 and first["store_failures"] == second["store_failures"] == 0
+    assert second["store_hit_tokens"] > 0 and 0 < report["store_hit_rate"] < 1
+    assert 0 < report["store_share_of_misses"] <= 1
+    assert report["store_ratios"]["prompt_tokens_computed"] < 1
+    printed = capsys.readouterr().out
+    assert "store hit rate of the second instance" in printed and "ratios (second instance" in printed
