@@ -15,6 +15,7 @@ import argparse
 import gc
 import json
 import logging
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,7 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv or [])
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = EngineConfig(device=args.device).torch_device()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

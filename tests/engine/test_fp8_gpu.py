@@ -95,6 +95,9 @@ def test_fp8_linear_replays_in_a_cuda_graph(rows: int) -> None:
 def test_quantization_fp8_model_on_cuda_stays_close_to_bfloat16(tmp_path: Path) -> None:
     """The tiny model in bfloat16 on CUDA, --quantization fp8 (decode graphs captured, warmed up) against the
     same model unquantized: the CPU test's tolerances (tests/engine/test_fp8.py)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))  # the CPU test's helpers, whatever pytest's import mode
     from test_fp8 import MAX_MEAN_KL, MIN_TOP1, accuracy
 
     from splitserve.engine.checkpoints.model_config import ModelConfig
@@ -106,8 +109,9 @@ def test_quantization_fp8_model_on_cuda_stays_close_to_bfloat16(tmp_path: Path) 
     folder = write_checkpoint(tmp_path / "tiny", TINY_CONFIG, seed=0)
     sides = []
     for quantization in ("auto", "fp8"):
-        cfg = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=4, max_total_tokens=512,
-                           max_running_requests=4, quantization=quantization)
+        cfg = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", page_size=4, max_total_tokens=4096,
+                           context_length=1024, chunked_prefill_size=512, max_running_requests=4,
+                           quantization=quantization)  # room for warm_up's prompts
         runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
         kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 1024, runner.device)
         runner.capture_decode_graphs(kv.page_table, kv.padding_slot)
