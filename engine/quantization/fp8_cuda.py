@@ -23,9 +23,11 @@ import triton.language as tl
 
 from splitserve.engine.layers.pdl import launch_kwargs
 from splitserve.engine.layers.pdl_triton import wait_for_previous
-from splitserve.engine.quantization.fp8 import FP8_MAX, MIN_SCALE, quantize_activation
 
 TILE_ROWS = 16
+# engine/quantization/fp8.py's (not imported: it imports this module, lazily, on CUDA)
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12
 
 
 @triton.jit
@@ -107,7 +109,15 @@ def quantize_rows(x: torch.Tensor, activation: str, input_scale: torch.Tensor | 
     """(e4m3 [M, K], float32 [M, 1]) of x [M, K]: per token, or with the static scale, in one kernel; per
     tensor from the rows (a two-pass reduction) in torch ops."""
     if activation == "dynamic-tensor" or x.stride(-1) != 1:
-        return quantize_activation(x, activation, input_scale)
+        xf = x.float()
+        if activation == "static-tensor":
+            scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+        elif activation == "dynamic-tensor":
+            scale = (xf.abs().amax() / FP8_MAX).clamp(min=MIN_SCALE).reshape(1, 1).expand(x.shape[0], 1)
+        else:
+            scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+        q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return q, scale.contiguous()
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
