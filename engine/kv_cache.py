@@ -204,6 +204,8 @@ class KVCache:
         h = match.node.hash
         if start >= limit or h is None or not store.available():
             return match
+        if self.available_pages() < self.pages_for(req.total_len) - start:
+            return match  # the scheduler would release it at once for want of pages: no store call for it
         hashes: list[int] = []
         chunks: list[tuple[int, ...]] = []
         for i in range(start, limit):

@@ -53,6 +53,7 @@ TRANSPORT_ERRORS = frozenset({-900, -901})  # RPC_FAIL, RPC_TIMEOUT
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 KNOWN_KEYS = 1 << 20  # page hashes this engine knows the store holds (skip their puts)
+MISS_TTL_S = 0.5  # a lookup whose first page missed is not asked again for this long (a request retried)
 
 
 def store_namespace(model: str, model_folder: str | Path, seed: int | None, page_size: int,
@@ -126,6 +127,8 @@ class StoreKV:
         self._free = list(range(capacity - 1, -1, -1))  # staging rows (under _lock)
         self._known: OrderedDict[int, None] = OrderedDict()  # hashes the store holds (under _lock)
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._misses: OrderedDict[int, float] = OrderedDict()  # first page hash -> when it missed (engine thread)
+        self.lookups = 0  # lookups asked of the store
         self._seq = itertools.count()
         self._store: Any = None
         self._stopping = False
@@ -337,6 +340,11 @@ class StoreKV:
         worker), and when the lookup started; None if none (or the store is out of use, or slow)."""
         if not hashes or not self.available():
             return None
+        now = time.monotonic()
+        while self._misses and next(iter(self._misses.values())) < now - MISS_TTL_S:
+            self._misses.popitem(last=False)
+        if hashes[0] in self._misses:
+            return None
         slots = self._take(len(hashes))
         if not slots:
             return None
@@ -350,8 +358,10 @@ class StoreKV:
         if job.abandoned:
             self._failed(f"a lookup took longer than {self.timeout_s * 1000:.0f} ms")
             return None
+        self.lookups += 1
         if not job.hits:
             self._give(slots)
+            self._misses[hashes[0]] = time.monotonic()
             return None
         self._give(slots[job.hits:])
         with self._lock:
