@@ -73,6 +73,8 @@ class UpConfig:
             raise ValueError("--encode goes with --prefill/--decode; a unified engine encodes its images itself")
         if self.unified and (self.prefill or self.decode) and (self.prefill, self.decode) != (1, 1):
             raise ValueError("--unified replaces --prefill/--decode; give one or the other")
+        if self.kv_store_segment_mb < 0:
+            raise ValueError(f"--kv-store-segment-mb must be >= 0, got {self.kv_store_segment_mb}")
         if not self.unified and (self.prefill < 1 or self.decode < 1):
             raise ValueError(f"need at least one prefill and one decode engine, got {self.prefill}P{self.decode}D")
 
