@@ -22,9 +22,11 @@ ENV_PREFIX = "SPLITSERVE"
 
 USER_FLAGS = frozenset({
     # the engine
-    "role", "model", "served_model_name", "host", "port", "device", "dtype", "log_level", "tool_call_parser",
+    "role", "model", "served_model_name", "host", "port", "device", "dtype", "quantization", "log_level",
+    "tool_call_parser",
     # memory and batching
-    "mem_fraction", "max_total_tokens", "host_kv_tokens", "context_length", "max_running_requests", "page_size",
+    "mem_fraction", "max_total_tokens", "host_kv_tokens", "kv_store", "context_length", "max_running_requests",
+    "page_size",
     "chunked_prefill_size", "disable_prefix_cache", "disable_cuda_graph",
     # parallelism
     "tp_size", "dist_init_addr",
@@ -34,7 +36,7 @@ USER_FLAGS = frozenset({
     # images and encoder disaggregation
     "allow_image_urls", "max_images_per_request", "encode_cache_size", "embedding_slots",
     # speculative decoding
-    "drafter", "peers_file", "num_draft_tokens", "verifier_rank", "draft_mesh_port", "draft_data_port",
+    "drafter", "num_draft_tokens", "draft_mesh_port", "draft_data_port",
 })
 # Delays a test injects to hold a transfer or an answer mid-way: environment variables only.
 TEST_HOOKS = frozenset({"embedding_write_pause_s", "encode_answer_delay_s"})
