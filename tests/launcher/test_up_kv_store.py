@@ -91,6 +91,7 @@ def test_up_kv_store_shares_evicted_pages_between_engines_and_survives_its_maste
             return metric(second, "splitserve_kv_store_up") == 1
 
         wait_for(back, 60, "the second engine's store never came back")
-        assert metric(second, "splitserve_kv_store_failures_total") >= 1
+        # Whether a lookup met the dead master depends on how fast `up` restarted it: the failure count is
+        # pinned where the kill's timing is controlled (tests/engine/test_store_kv.py), not here.
         assert "kv-store" in up.log_text()
         up.sigterm_leaves_no_child()  # the master included
