@@ -243,6 +243,13 @@ def router_schema() -> Schema:
             "resources": _resources(with_gpus=False),
             "nodeSelector": _string_map("Node labels the router pods must match."),
             "tolerations": _tolerations(),
+            "apiKeySecret": _obj(
+                {"name": _str("The Secret's name.", minLength=1, maxLength=253),
+                 "key": _str("The Secret's key holding the keys, one per line.", minLength=1, maxLength=253,
+                             default="api-keys")},
+                "A Secret of client API keys: clients must send one as 'Authorization: Bearer KEY'. Mounted as a "
+                "file the router reads again when it changes, so a rotated Secret needs no restart.",
+                required=["name"]),
         },
         "The router in front of prefill and decode.",
         default={},

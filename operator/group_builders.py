@@ -115,6 +115,9 @@ def build_serving_role(group_body: Body, role: str, revision: str, partition: in
     return obj
 
 
+API_KEYS_MOUNT = "/etc/splitserve/api-keys"
+
+
 def router_command(group: str, port: int) -> list[str]:
     """``splitserve router --kube-group G --host 0.0.0.0 --port P``.
 
@@ -161,9 +164,19 @@ def build_router_deployment(group_body: Body, default_image: str) -> dict[str, A
     }
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
+    volumes: list[dict[str, Any]] = [
+        {"name": "peers", "configMap": {"name": peers_configmap_name(group), "optional": True}}]
+    secret = router.get("apiKeySecret")
+    if secret:
+        # A mounted file, not an env var: the kubelet updates it when the Secret changes, and the router rereads it.
+        key = secret.get("key", "api-keys")
+        volumes.append({"name": "api-keys", "secret": {"secretName": secret["name"],
+                                                      "items": [{"key": key, "path": "keys"}]}})
+        container["volumeMounts"].append({"name": "api-keys", "mountPath": API_KEYS_MOUNT, "readOnly": True})
+        container["env"].append({"name": env_var("ROUTER_API_KEY_FILE"), "value": f"{API_KEYS_MOUNT}/keys"})
     pod: dict[str, Any] = {
         "containers": [container],
-        "volumes": [{"name": "peers", "configMap": {"name": peers_configmap_name(group), "optional": True}}],
+        "volumes": volumes,
         "serviceAccountName": router_name(group),
         "enableServiceLinks": False,
     }

@@ -227,6 +227,27 @@ def test_router_command_parses_with_the_routers_own_flags() -> None:
     assert (cfg.host, cfg.port, cfg.kube_group, cfg.kube_namespace) == ("0.0.0.0", 8100, "g", "ns")
 
 
+def test_router_reads_client_api_keys_from_a_mounted_secret_only_when_the_spec_names_one() -> None:
+    """A file the router rereads, so a rotated Secret takes effect without a restart; no Secret, an open router."""
+    from splitserve.config_flags import env_name
+
+    variable = env_name("SPLITSERVE_ROUTER", "api_key_file")
+    plain = build_router_deployment(group(), IMAGE)["spec"]["template"]["spec"]
+    assert variable not in env_of(plain["containers"][0])
+    assert [v["name"] for v in plain["volumes"]] == ["peers"]
+    spec = build_router_deployment(group(router={"replicas": 1, "port": 8000,
+                                                 "apiKeySecret": {"name": "clients", "key": "keys.txt"}}),
+                                   IMAGE)["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    assert env_of(container)[variable] == "/etc/splitserve/api-keys/keys"
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "api-keys"]
+    assert volume["secret"] == {"secretName": "clients", "items": [{"key": "keys.txt", "path": "keys"}]}
+    assert {"name": "api-keys", "mountPath": "/etc/splitserve/api-keys", "readOnly": True} in container["volumeMounts"]
+    default_key = build_router_deployment(group(router={"apiKeySecret": {"name": "clients"}}), IMAGE)
+    (volume,) = [v for v in default_key["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-keys"]
+    assert volume["secret"]["items"] == [{"key": "api-keys", "path": "keys"}]
+
+
 def test_router_gets_the_groups_key_from_its_secret_under_the_routers_own_variable() -> None:
     """The router signs bootstrap grants with the key the engines check them with."""
     import argparse

@@ -123,6 +123,8 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
      ["spec.router.serviceType", "supported values"]),
     ("router-port-zero", edit(VALID_GROUP, spec_set("router.port", 0)),
      ["spec.router.port", "greater than or equal to 1"]),
+    ("router-api-key-secret-without-name", edit(VALID_GROUP, spec_set("router.apiKeySecret", {"key": "k"})),
+     ["spec.router.apiKeySecret", "name", "required || Required"]),
     ("skew-over-100", edit(VALID_GROUP, spec_set("rollout.maxSkewPercent", 150)),
      ["spec.rollout.maxSkewPercent", "less than or equal to 100"]),
     ("slo-without-ttft", edit(VALID_GROUP, spec_set("slo", {"enabled": True, "itlSeconds": 0.05})),
