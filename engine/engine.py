@@ -111,7 +111,8 @@ class Engine:
         # The full pages the prefix cache holds, as events routers poll (`/internal/kv_events`).
         self.page_events = PageEvents(cfg.page_size)
         # --host-kv-tokens: pages the prefix cache evicts go to host memory and come back from there.
-        self.host_kv = (HostKVPool(self.runner.kv_pool.buffer, cfg.host_kv_tokens // cfg.page_size)
+        self.host_kv = (HostKVPool(self.runner.kv_pool.buffer, cfg.host_kv_tokens // cfg.page_size,
+                                   events=self.page_events)
                         if cfg.host_kv_tokens > 0 and not cfg.disable_prefix_cache else None)
         # --kv-store: a Mooncake Store shared by the deployment's engines, under the host tier.
         self.kv_store = open_store(cfg, self.runner.kv_pool.buffer, self.model_folder)

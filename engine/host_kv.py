@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.engine.page_events import HOST, PageEvents
+
 
 @dataclass(eq=False)
 class PendingLoad:
@@ -57,7 +59,7 @@ class HostKVPool:
     """`capacity` pages of host memory holding KV pages of the device pool `device_buffer`
     ([layers, 2, pages, page_size, kv_heads, head_dim]), by page hash, least recently used out first."""
 
-    def __init__(self, device_buffer: torch.Tensor, capacity: int) -> None:
+    def __init__(self, device_buffer: torch.Tensor, capacity: int, events: PageEvents | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"the host KV pool needs at least one page, got {capacity}")
         self.device_buffer: torch.Tensor | None = device_buffer
@@ -67,6 +69,7 @@ class HostKVPool:
         self.buffer = torch.empty((capacity, *self.page_shape), dtype=device_buffer.dtype,
                                   pin_memory=self.cuda)
         self.capacity = capacity
+        self.events = events  # the host tier's pages, reported as the "host" tier (routers count them as held)
         self.page_bytes = self.buffer[0].numel() * self.buffer.element_size()
         self._index: OrderedDict[int, int] = OrderedDict()  # page hash -> host slot, least recent first
         self._free = list(range(capacity - 1, -1, -1))
@@ -121,6 +124,8 @@ class HostKVPool:
         for h, slot in self._index.items():  # least recently used first
             if slot not in self._pins:
                 del self._index[h]
+                if self.events is not None:
+                    self.events.removed(h, HOST)
                 return slot
         return None  # every page is being loaded: nothing to give up
 
@@ -139,6 +144,8 @@ class HostKVPool:
             if slot is None:
                 break
             self._index[h] = slot
+            if self.events is not None:
+                self.events.stored(h, HOST)
             copies.append((slot, page))
         if not copies:
             return
@@ -217,6 +224,8 @@ class HostKVPool:
         dropped = [h for h, slot in self._index.items() if slot not in self._pins]
         for h in dropped:
             self._free.append(self._index.pop(h))
+            if self.events is not None:
+                self.events.removed(h, HOST)
         return len(dropped)
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """Which backends hold which prefixes, by page hash, and how much of a prompt each holds.
 
-Two sources per backend: the page events it publishes (`/internal/kv_events`: exact, what its prefix cache
-holds), and the prompts the router sent it (predicted: a page the backend is computing now, or holds but has
+Two sources per backend: the page events it publishes (`/internal/kv_events`: exact, what its prefix cache and
+its host KV tier hold; a page in host memory counts as held, since loading it costs a fraction of computing it),
+and the prompts the router sent it (predicted: a page the backend is computing now, or holds but has
 not reported yet). A backend that publishes no events is known by its predictions alone (the approximate
 mode), bounded per backend and least recently sent first out; an exact backend's predictions expire after
 a few seconds, by when its events have told the truth.
@@ -19,15 +20,21 @@ from typing import Any
 
 
 class _Holdings:
-    """One backend's pages: reported (exact) and predicted (hash -> when the prediction lapses)."""
+    """One backend's pages: reported per tier (exact) and predicted (hash -> when the prediction lapses)."""
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
-        self.exact: set[int] = set()
+        self.tiers: dict[str, set[int]] = {}  # reported: tier ("device", "host") -> its hashes
         self.predicted: collections.OrderedDict[int, float] = collections.OrderedDict()
         self.publishes = False  # it answered /internal/kv_events at least once
         self.epoch: str | None = None
         self.seq = 0
+
+    def reported(self, h: int) -> bool:
+        return any(h in hashes for hashes in self.tiers.values())
+
+    def all_reported(self) -> set[int]:
+        return set().union(*self.tiers.values())
 
 
 class PrefixIndex:
@@ -58,7 +65,7 @@ class PrefixIndex:
         held = self._backends.pop(url, None)
         if held is None:
             return
-        for h in held.exact | set(held.predicted):
+        for h in held.all_reported() | set(held.predicted):
             self._clear(h, held.bit)
         self._free_bits.append(held.bit)
 
@@ -71,9 +78,14 @@ class PrefixIndex:
         held = self._backends.get(url)
         return held is not None and held.publishes
 
+    def tier_pages(self, url: str) -> dict[str, int]:
+        """Pages per tier a backend reported holding."""
+        held = self._backends.get(url)
+        return {} if held is None else {tier: len(hashes) for tier, hashes in held.tiers.items()}
+
     def pages(self, url: str) -> int:
         held = self._backends.get(url)
-        return 0 if held is None else len(held.exact | set(held.predicted))
+        return 0 if held is None else len(held.all_reported() | set(held.predicted))
 
     # ---- updates -----------------------------------------------------------------------------
 
@@ -92,19 +104,20 @@ class PrefixIndex:
         held = self._holdings(url)
         held.publishes = True
         if answer["reset"]:
-            for h in held.exact:
+            for h in held.all_reported():
                 if h not in held.predicted:
                     self._clear(h, held.bit)
-            held.exact = set()
-        for op, _tier, hashes in answer["events"]:
+            held.tiers = {}
+        for op, tier, hashes in answer["events"]:
+            reported = held.tiers.setdefault(tier, set())
             if op == "stored":
-                held.exact.update(hashes)
+                reported.update(hashes)
                 for h in hashes:
                     self._set(h, held.bit)
             else:
-                held.exact.difference_update(hashes)
+                reported.difference_update(hashes)
                 for h in hashes:
-                    if h not in held.predicted:
+                    if h not in held.predicted and not held.reported(h):
                         self._clear(h, held.bit)
         held.epoch, held.seq = answer["epoch"], answer["seq"]
 
@@ -127,7 +140,7 @@ class PrefixIndex:
             if not over and (not held.publishes or lapses > now):
                 break
             del held.predicted[h]
-            if h not in held.exact:
+            if not held.reported(h):
                 self._clear(h, held.bit)
 
     # ---- lookups -----------------------------------------------------------------------------

@@ -293,3 +293,31 @@ def test_the_kv_tiers_benchmark_runs_both_sides_on_the_same_trace(tmp_path, caps
     assert report["host_tier"]["host_hit_tokens"] > 0 and report["device_only"]["host_hit_tokens"] == 0
     assert report["ratios"]["prompt_tokens_computed"] < 1
     assert "ratios (tier / none)" in capsys.readouterr().out
+
+
+def test_the_host_tier_reports_its_pages_as_host_events_that_follow_its_evictions() -> None:
+    """What a router's index learns: a page the device evicts to host memory moves from the device tier to the
+    host tier, a page the host pool gives up leaves it, and a reset reports both tiers."""
+    from splitserve.engine.page_events import PageEvents
+
+    events = PageEvents(PAGE)
+    pool = KVPool(KVPoolShape(num_layers=2, num_pages=9, page_size=PAGE, num_kv_heads=1, head_dim=2,
+                              dtype=torch.float32), torch.device("cpu"))
+    host = HostKVPool(pool.buffer, 5, events=events)
+    kv = KVCache(9, PAGE, 2, max_context=256, device=torch.device("cpu"), copy_page=pool.copy_page, host=host,
+                 page_events=events)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 250, (28,), generator=gen).tolist() for _ in range(4)]
+    for i, p in enumerate(prompts):
+        run_one(kv, pool, make_request(f"r{i}", p))
+    state = events.since(None, 0)
+    tiers = {tier: set(hashes) for op, tier, hashes in state["events"]}
+    assert state["reset"] and set(tiers) == {"device", "host"}
+    assert len(tiers["host"]) == host.held == events.held_in("host") <= 5
+    assert tiers["host"] == {h for h in (x for p in prompts for x in page_hashes(p, PAGE)) if h in host}
+    assert not tiers["host"] & tiers["device"]  # a page on the host was evicted from the device
+    before = state["seq"]
+    host.clear()
+    gone = events.since(state["epoch"], before)
+    assert [(op, tier) for op, tier, _ in gone["events"]] == [("removed", "host")]
+    assert set(gone["events"][0][2]) == tiers["host"] and events.held_in("host") == 0

@@ -87,3 +87,19 @@ def test_an_uncached_prompt_goes_where_it_adds_least_to_the_queue() -> None:
     assert (choice.url, choice.cached_tokens, choice.best_cached_tokens) == ("c", 0, 0)
     # the whole prompt cached leaves its last token to compute: never predict more than prompt - 1
     assert choose([("a", 0)], {"a": 100}, 16, 64, LoadTokens(), 1000).cached_tokens == 63
+
+
+def test_a_page_moved_to_the_host_tier_still_counts_and_leaves_with_its_last_tier() -> None:
+    index = PrefixIndex()
+    prompt = page_hashes(list(range(40)), 4)
+    index.apply_events("a", events("e", 1, prompt, reset=True))
+    moved = {"epoch": "e", "seq": 2, "page_size": 4, "hash_version": 1, "reset": False,
+             "events": [["removed", "device", prompt[5:]], ["stored", "host", prompt[5:]]]}
+    index.apply_events("a", moved)
+    assert index.match(prompt, ["a"]) == {"a": 10}  # in host memory: a load away, still held
+    assert index.tier_pages("a") == {"device": 5, "host": 5}
+    index.apply_events("a", {**moved, "seq": 3, "events": [["removed", "host", prompt[8:]]]})
+    assert index.match(prompt, ["a"]) == {"a": 8}
+    reset = {**moved, "seq": 4, "reset": True, "events": [["stored", "host", prompt[:2]]]}
+    index.apply_events("a", reset)
+    assert index.match(prompt, ["a"]) == {"a": 2} and index.tier_pages("a") == {"host": 2}
