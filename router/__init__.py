@@ -54,7 +54,8 @@ def main(argv: list[str]) -> int:
     router = Router(cfg, images)
     logger.info("router on http://%s:%d: prefill %s, decode %s, unified %s", cfg.host, cfg.port, cfg.prefill,
                 cfg.decode, cfg.unified)
-    uvicorn.run(router.app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.run(router.app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5,
+                timeout_keep_alive=cfg.client_keepalive_s)
     return 0
 
 

@@ -22,6 +22,9 @@ class RouterConfig:
         "help": "seconds an idle connection to an engine stays pooled for reuse; keep it below the engines' "
                 "keep-alive timeout (uvicorn's 5 s) so the router never reuses a connection the "
                 "engine is closing"})
+    client_keepalive_s: float = field(default=65.0, metadata={
+        "help": "seconds the router keeps a client's idle connection open: longer than clients keep idle connections "
+                "in their pools (httpx and the OpenAI SDK: 5 s), so a client never reuses one the router is closing"})
     retries: int = field(default=2, metadata={
         "help": "retries on other backends (another decode and another prefill) before the first token"})
     transfer_control_key: str = field(default="", metadata={
@@ -73,7 +76,7 @@ class RouterConfig:
         if not self.kube_group and not self.unified and not (self.prefill and self.decode):
             raise ValueError("need --prefill and --decode URLs (or --unified URLs, or --kube-group)")
         for name in ("request_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",
-                     "eject_backoff_s", "eject_backoff_max_s", "upstream_keepalive_expiry_s"):
+                     "eject_backoff_s", "eject_backoff_max_s", "upstream_keepalive_expiry_s", "client_keepalive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kv_events_interval_s <= 0 or self.cache_aware_max_load_tokens < 1 or self.approximate_cache_pages < 1:
