@@ -28,7 +28,7 @@ the following pages are looked up there by key and the hits loaded into fresh pa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -149,17 +149,9 @@ class KVCache:
         fresh pages and hung in the tree; returns the longer match, locked instead of `match`."""
         host = self.host
         assert host is not None
-        ps, key = self.page_size, req.cache_ids
-        limit = min(max_prefix_tokens, len(key)) // ps
-        start = match.num_pages
-        h = match.node.hash
-        if start >= limit or h is None:
-            return match
         hashes: list[int] = []
         chunks: list[tuple[int, ...]] = []
-        for i in range(start, limit):
-            chunk = tuple(key[i * ps:(i + 1) * ps])
-            h = next_hash(h, chunk)
+        for h, chunk in self._pages_after(req, match, max_prefix_tokens):
             if h not in host:
                 break
             hashes.append(h)
@@ -175,10 +167,9 @@ class KVCache:
             return match
         host.unpin(slots[n:])
         load = host.load(slots[:n], pages)
-        node = self.prefix_cache.extend(match.node, chunks[:n], pages)  # new nodes: nothing on this path
-        self.prefix_cache.lock(node)
-        self.prefix_cache.unlock(match.node)
-        host.hit_tokens += n * ps
+        longer = self._hang(match, chunks[:n], pages)  # new nodes: nothing on this path
+        node = longer.node
+        host.hit_tokens += n * self.page_size
         if load is not None:
             self._loads.setdefault(req.request_id, []).append(load)
             walk = node
@@ -186,7 +177,7 @@ class KVCache:
                 load.nodes.append(walk)
                 self._loading_nodes[walk] = load
                 walk = walk.parent  # type: ignore[assignment]
-        return PrefixMatch(pages=[*match.pages, *pages], node=node)
+        return longer
 
     def _spill_to_store(self, evicted: list[tuple[int, int]]) -> None:
         assert self.host is not None and self.store is not None
@@ -198,21 +189,15 @@ class KVCache:
         pages and hung in the tree; returns the longer match, locked instead of `match`."""
         store = self.store
         assert store is not None
-        ps, key = self.page_size, req.cache_ids
-        limit = min(max_prefix_tokens, len(key)) // ps
-        start = match.num_pages
-        h = match.node.hash
-        if start >= limit or h is None or not store.available():
+        if not store.available():
             return match
-        if self.available_pages() < self.pages_for(req.total_len) - start:
+        if self.available_pages() < self.pages_for(req.total_len) - match.num_pages:
             return match  # the scheduler would release it at once for want of pages: no store call for it
-        hashes: list[int] = []
-        chunks: list[tuple[int, ...]] = []
-        for i in range(start, limit):
-            chunk = tuple(key[i * ps:(i + 1) * ps])
-            h = next_hash(h, chunk)
-            hashes.append(h)
-            chunks.append(chunk)
+        following = list(self._pages_after(req, match, max_prefix_tokens))
+        if not following:
+            return match
+        hashes = [h for h, _ in following]
+        chunks = [chunk for _, chunk in following]
         found = store.fetch(hashes)
         if found is None:
             return match
@@ -224,7 +209,25 @@ class KVCache:
             return match
         store.give_back(slots[n:])
         store.load_into(slots[:n], pages, started)
-        node = self.prefix_cache.extend(match.node, chunks[:n], pages)
+        return self._hang(match, chunks[:n], pages)
+
+    def _pages_after(self, req: Request, match: PrefixMatch,
+                     max_prefix_tokens: int) -> Iterator[tuple[int, tuple[int, ...]]]:
+        """(page hash, tokens) of the prompt's full pages after `match`, up to `max_prefix_tokens`: what a lower
+        tier may hold; hashed as they are taken (a lookup that stops at a miss hashes no further). None when
+        the match ends on a partial page or at the limit."""
+        ps, key = self.page_size, req.cache_ids
+        h = match.node.hash
+        if h is None:
+            return
+        for i in range(match.num_pages, min(max_prefix_tokens, len(key)) // ps):
+            chunk = tuple(key[i * ps:(i + 1) * ps])
+            h = next_hash(h, chunk)
+            yield h, chunk
+
+    def _hang(self, match: PrefixMatch, chunks: list[tuple[int, ...]], pages: list[int]) -> PrefixMatch:
+        """Hangs `pages` (filled with `chunks`' KV) in the tree below `match` and moves the lock to the new end."""
+        node = self.prefix_cache.extend(match.node, chunks, pages)
         self.prefix_cache.lock(node)
         self.prefix_cache.unlock(match.node)
         return PrefixMatch(pages=[*match.pages, *pages], node=node)
