@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from multi_turn import multi_turn_prompts
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
@@ -202,16 +203,6 @@ def test_an_aborted_request_still_loading_gives_its_pages_and_host_pages_back() 
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
-
-def multi_turn_prompts(seed: int, conversations: int = 6, prefix: int = 60, turns: int = 3) -> list[list[list[int]]]:
-    """Turns of several conversations: each turn's prompt is the conversation so far plus a few new tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    convs = [torch.randint(1, 250, (prefix,), generator=gen).tolist() for _ in range(conversations)]
-    rounds = []
-    for _ in range(turns):
-        convs = [[*c, *torch.randint(1, 250, (5,), generator=gen).tolist()] for c in convs]
-        rounds.append([list(c) for c in convs])
-    return rounds
 
 
 def counter(engine: Engine, name: str) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from multi_turn import multi_turn_prompts
 
 from splitserve.engine.host_kv import HostKVPool
 from splitserve.engine.kv_cache import KVCache
@@ -62,12 +63,7 @@ def test_greedy_output_is_the_same_with_the_host_tier_on_cuda() -> None:
     from splitserve.engine.engine import Engine
     from splitserve.engine.offline import generate_tokens
 
-    gen = torch.Generator().manual_seed(7)
-    convs = [torch.randint(1, 250, (60,), generator=gen).tolist() for _ in range(6)]
-    rounds = []
-    for _ in range(3):
-        convs = [[*c, *torch.randint(1, 250, (5,), generator=gen).tolist()] for c in convs]
-        rounds.append([list(c) for c in convs])
+    rounds = multi_turn_prompts(seed=7)
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
     def run(host_kv_tokens: int) -> tuple[list[list[int]], float, float]:

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from multi_turn import multi_turn_prompts
 
 pytest.importorskip("mooncake.store")
 
@@ -140,15 +141,6 @@ def test_a_hung_master_costs_one_timeout_then_lookups_answer_at_once(master) -> 
 
 
 # ---- engines --------------------------------------------------------------------------------------
-
-def multi_turn_prompts(seed: int, conversations: int = 6, prefix: int = 60, turns: int = 3) -> list[list[list[int]]]:
-    gen = torch.Generator().manual_seed(seed)
-    convs = [torch.randint(1, 250, (prefix,), generator=gen).tolist() for _ in range(conversations)]
-    rounds = []
-    for _ in range(turns):
-        convs = [[*c, *torch.randint(1, 250, (5,), generator=gen).tolist()] for c in convs]
-        rounds.append([list(c) for c in convs])
-    return rounds
 
 
 def make_engine(kv_store: str = "", host_kv_tokens: int = 0) -> Engine:
