@@ -277,8 +277,7 @@ def main(argv: list[str]) -> int:
     chosen, rest = profile_only.parse_known_args(argv)
     if chosen.profile in OWN_FLAGS:
         module = importlib.import_module(OWN_FLAGS[chosen.profile])
-        # spec's and prefix's parsers take --profile themselves; the others take the rest of the line.
-        return module.main(argv if chosen.profile in ("spec", "prefix") else rest)
+        return module.main(rest)
     add_config_flags(parser, BenchConfig, "SPLITSERVE_BENCH")
     cfg = config_from_args(BenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH")
     report: dict = {"config": asdict(cfg)}

@@ -241,6 +241,7 @@ def decision_latency(backends: int, pages: int, prompt_tokens: int = 2176, page_
     from splitserve.router.cache_routing import CacheAwareRouting, RoutePlan
     from splitserve.router.kv_events import KVEventsPoller
     from splitserve.router.prefix_index import PrefixIndex
+    from splitserve.router.prompt_pages import prompt_page_hashes
 
     rng = random.Random(seed)
     index = PrefixIndex()
@@ -253,12 +254,12 @@ def decision_latency(backends: int, pages: int, prompt_tokens: int = 2176, page_
             ids = [rng.randrange(3, 32000) for _ in range(prompt_tokens)]
             if b < 4 and len(prompts) < 64:
                 prompts.append(ids)
-            stored += RoutePlan(None, ids).hashes(page_size)  # type: ignore[arg-type]
+            stored += prompt_page_hashes(ids, page_size)
         index.apply_events(url, {"epoch": "e", "seq": 1, "page_size": page_size, "hash_version": 1,
                                  "reset": True, "events": [["stored", "device", stored[:pages]]]})
     for shared in prompts[:8]:  # a few prefixes held everywhere
         for url in urls:
-            index.sent(url, RoutePlan(None, shared).hashes(page_size))  # type: ignore[arg-type]
+            index.sent(url, prompt_page_hashes(shared, page_size))
     poller = KVEventsPoller(index, None, lambda: urls, "", 1.0)  # type: ignore[arg-type]
     poller.page_size = dict.fromkeys(urls, page_size)
     routing = CacheAwareRouting(index, poller, max_load_tokens=1 << 30, registry=CollectorRegistry())
@@ -341,7 +342,6 @@ def print_report(report: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="splitserve bench --profile prefix", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profile", choices=["prefix"], default="prefix")
     add_config_flags(parser, PrefixBenchConfig, "SPLITSERVE_BENCH")
     cfg = config_from_args(PrefixBenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH")
     report = run(cfg)
