@@ -9,6 +9,7 @@ what each does). Test hooks are environment variables only.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args, read_config_file
@@ -78,8 +79,6 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
 
 def parse_configs(argv: list[str], environ: dict[str, str] | None = None) -> ServeConfigs:
     """Parses `serve`'s flags, config file and environment; exits 2 with the reason on a bad value."""
-    import os
-
     environ = os.environ if environ is None else environ
     parser = build_parser()
     args = parser.parse_args(argv)
