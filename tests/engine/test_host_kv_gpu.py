@@ -86,3 +86,36 @@ def test_greedy_output_is_the_same_with_the_host_tier_on_cuda() -> None:
     tiered, hits, computed_on = run(1024)
     assert tiered == plain
     assert hits > 0 and computed_on < computed_off
+
+
+def test_bf16_prefix_from_the_host_tier_is_the_prefix_from_device_memory() -> None:
+    """In bfloat16 a prefix read from cache and one recomputed round differently (prompt and extend attention
+    paths differ), so tier on against tier off compares a load with a recompute. What the tier owes is that its
+    pages are the device's pages: one request at a time, a run whose prefixes come back from host memory gives
+    the same tokens as a run whose device cache is roomy enough to keep them all."""
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine
+    from splitserve.engine.offline import generate_tokens
+
+    rounds = multi_turn_prompts(seed=11)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(max_total_tokens: int, host_kv_tokens: int) -> tuple[list[list[int]], float, float]:
+        engine = Engine(EngineConfig(model="tiny", device="cuda", dtype="bfloat16", page_size=4,
+                                     max_total_tokens=max_total_tokens, max_running_requests=1,
+                                     chunked_prefill_size=32, host_kv_tokens=host_kv_tokens))
+        engine.start()
+        try:
+            outs = [generate_tokens(engine, [p], params, timeout=120)[0] for prompts in rounds for p in prompts]
+            reg = engine.metrics.registry
+            host_hits = reg.get_sample_value("splitserve_host_kv_hit_tokens_total", {"model": "tiny"}) or 0.0
+            computed = reg.get_sample_value("splitserve_prompt_tokens_computed_total", {"model": "tiny"})
+            return outs, host_hits, computed
+        finally:
+            engine.stop()
+
+    roomy, roomy_host_hits, roomy_computed = run(4096, 0)
+    tiered, host_hits, tiered_computed = run(128, 1024)
+    assert roomy_host_hits == 0 and host_hits > 0
+    assert tiered_computed == roomy_computed  # the same prefixes hit in both runs, from different memories
+    assert tiered == roomy
