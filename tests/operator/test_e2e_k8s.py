@@ -8,8 +8,10 @@ chart's pod, under the chart's ServiceAccount and RBAC; so does each group's rou
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
+import re
 import signal
 import threading
 import time
@@ -347,3 +349,106 @@ def test_decode_drafter_example_speculates_on_the_cpu(local: LocalCluster, start
     drafted = sum(metric_total(url, "splitserve_spec_draft_tokens") for url in decodes) - drafted_before
     accepted = sum(metric_total(url, "splitserve_spec_accepted_tokens") for url in decodes)
     assert drafted > 0 and accepted > 0, (drafted, accepted)
+
+
+class ShiftingLoad:
+    """Open-loop load through the router at ``rate`` requests a second, each prompt ``prompt_len()`` tokens long
+    when it is sent (so the test can shift it), recording each request's status and token count."""
+
+    def __init__(self, url: str, rate: float, prompt_len: Callable[[], int], max_tokens: int = 8) -> None:
+        import concurrent.futures
+
+        self.url, self.rate, self.prompt_len, self.max_tokens = url, rate, prompt_len, max_tokens
+        self.outcomes: list[tuple[int, int, str]] = []  # (prompt tokens, status, problem)
+        self._stop = threading.Event()
+        self._pool = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="load")
+        self._client = httpx.Client(timeout=120, limits=httpx.Limits(max_connections=32))
+        self._ticker = threading.Thread(target=self._tick, daemon=True)
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        sent, start = 0, time.monotonic()
+        while not self._stop.is_set():
+            length = self.prompt_len()
+            prompt = [(7 * sent + 3 * i) % 250 + 1 for i in range(length)]  # no two alike: no prefix hits
+            self._pool.submit(self._one, prompt)
+            sent += 1
+            self._stop.wait(max(0.0, start + sent / self.rate - time.monotonic()))
+
+    def _one(self, prompt: list[int]) -> None:
+        try:
+            r = self._client.post(f"{self.url}/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            tokens = len(r.json()["choices"][0]["token_ids"]) if r.status_code == 200 else 0
+            problem = "" if tokens == self.max_tokens else r.text[:300]
+            self.outcomes.append((len(prompt), r.status_code, problem))
+        except Exception as exc:  # counted as a failure, never lost
+            self.outcomes.append((len(prompt), 0, repr(exc)))
+
+    def stop(self) -> list[tuple[int, int, str]]:
+        self._stop.set()
+        self._ticker.join(timeout=10)
+        self._pool.shutdown(wait=True)
+        self._client.close()
+        return self.outcomes
+
+
+def role_replicas(local: LocalCluster, ns: str, group: str) -> tuple[int, int]:
+    """(prefill, decode) replicas the planner has set on the roles' scale subresources."""
+    def one(role: str) -> int:
+        sr = local.kube.get("splitserve.io/v1alpha1", "ServingRole", ns, f"{group}-{role}") or {}
+        return int((sr.get("spec") or {}).get("replicas", 0))
+    return one("prefill"), one("decode")
+
+
+def test_the_planner_moves_a_group_from_1p2d_to_2p1d_when_prompts_grow(local: LocalCluster) -> None:
+    """spec.slo on the tiny CPU group, started 1P2D: under short prompts the planner keeps one prefill; when the
+    prompts grow to 3,000 tokens at the same rate it adds a prefill (the queue its sizing predicts) and, once
+    decode has been oversized for scaleDownIntervals, drains one decode: 2P1D, with every request answered and
+    the same greedy tokens as before."""
+    doc = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
+    doc["metadata"]["name"] = "planned"
+    doc["spec"]["roles"]["decode"]["replicas"] = 2
+    doc["spec"]["slo"] = {"enabled": True, "ttftSeconds": 1.0, "itlSeconds": 0.5, "percentile": 90,
+                          "intervalSeconds": 5, "startupSeconds": 30, "scaleDownIntervals": 4,
+                          "roles": {"prefill": {"minReplicas": 1, "maxReplicas": 2},
+                                    "decode": {"minReplicas": 1, "maxReplicas": 2}}}
+    ns, group, router = local.deploy("planned", yaml.safe_dump(doc))
+    probes = [[1, 2, 3], list(range(40, 75))]
+    before = completions(router, probes)
+    assert role_replicas(local, ns, group) == (1, 2)
+
+    long_prompts = threading.Event()
+    load = ShiftingLoad(router, rate=4.0, prompt_len=lambda: 3000 if long_prompts.is_set() else 32)
+    history: list[tuple[float, tuple[int, int]]] = []
+    try:
+        start = time.monotonic()
+        while time.monotonic() - start < 15:  # short prompts: one prefill is plenty
+            history.append((time.monotonic() - start, role_replicas(local, ns, group)))
+            time.sleep(0.5)
+        assert all(p == 1 for _, (p, _) in history), history
+        long_prompts.set()
+        shifted = time.monotonic()
+
+        def moved() -> bool:
+            history.append((time.monotonic() - start, role_replicas(local, ns, group)))
+            return history[-1][1] == (2, 1) and local.ready(local.pod(ns, f"{group}-prefill-1")) and len(
+                local.pods(ns, f"splitserve.io/group={group},splitserve.io/role=decode")) == 1
+        local.wait_for(moved, "the planner at 2P1D with its pods", timeout=120)
+        moved_s = time.monotonic() - shifted
+        time.sleep(3)  # requests keep flowing through the new shape
+    finally:
+        outcomes = load.stop()
+    failed = [o for o in outcomes if o[1] != 200 or o[2]]
+    assert len(outcomes) > 60 and failed == [], failed[:5]
+    assert {length for length, _, _ in outcomes} == {32, 3000}
+    assert completions(router, probes) == before
+    sg = local.wait_for(lambda: (s := local.kube.get("splitserve.io/v1alpha1", "ServingGroup", ns, group))
+                        and s["status"].get("pd") == "2:1" and s, "status.pd 2:1")
+    planner = sg["status"]["planner"]
+    assert planner["desired"] == "2:1" and planner["observed"]["promptTokens"] > 1000, planner
+    columns = local.kubectl("get", "sg", group, "-n", ns).splitlines()
+    assert re.search(r"\s2:1\s+2:1\s", columns[1]), columns  # P:D ready and desired
+    logging.getLogger(__name__).info("1P2D -> 2P1D %.1f s after the prompts grew; %d requests, replicas %s",
+                                     moved_s, len(outcomes), history[::10])
