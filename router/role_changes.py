@@ -10,6 +10,7 @@ reaches the router through its probes, whatever listed the engine (static lists,
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from splitserve.router.backend_pool import Backend, BackendPool
@@ -39,3 +40,16 @@ def follow_engine_role(pool: BackendPool, backend: Backend, info: dict[str, Any]
     logger.info("backend %s switched role %s -> %s (%d request(s) still on it as %s)", url, old, role,
                 backend.in_flight, old)
     return True
+
+
+def with_reported_roles(urls: Mapping[str, list[str]], pool: BackendPool) -> dict[str, list[str]]:
+    """An Endpoints watch's role -> URLs with each prefill or decode engine under the role its probes last
+    reported: a pod of the prefill StatefulSet that switched to decode stays a decode backend when the
+    Endpoints change, instead of leaving the decode set (and coming back to prefill until its next probe)."""
+    reported = {b.url: b.role for b in pool.backends() if b.healthy and not b.draining and b.role in MOVABLE}
+    out: dict[str, list[str]] = {}
+    for role, role_urls in urls.items():
+        for url in role_urls:
+            now = reported.get(url.rstrip("/"), role) if role in MOVABLE else role
+            out.setdefault(now, []).append(url)
+    return {role: sorted(role_urls) for role, role_urls in out.items()}

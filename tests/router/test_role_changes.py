@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.router.backend_pool import BackendPool, NoBackend
-from splitserve.router.role_changes import follow_engine_role
+from splitserve.router.role_changes import follow_engine_role, with_reported_roles
 
 
 def pool_of(**roles: list[str]) -> BackendPool:
@@ -68,3 +68,17 @@ def test_other_roles_and_a_missing_role_are_not_moved() -> None:
     assert pool.urls("decode") == ["http://d0"] and pool.healthy_count("decode") == 1
     with pytest.raises(NoBackend):
         pool.pick("prefill")
+
+
+def test_an_endpoints_change_keeps_a_switched_engine_in_the_role_it_reported() -> None:
+    pool = pool_of(prefill=["http://p0", "http://p1"], decode=["http://d0"])
+    probe(pool, "http://p1", "prefill", {"role": "decode"})  # p1's pod is still in the prefill Service
+    listed = {"prefill": ["http://p0", "http://p1", "http://p2"], "decode": ["http://d0"], "encode": ["http://e0"]}
+    assert with_reported_roles(listed, pool) == {"prefill": ["http://p0", "http://p2"],
+                                                 "decode": ["http://d0", "http://p1"], "encode": ["http://e0"]}
+    for role, urls in with_reported_roles(listed, pool).items():
+        pool.replace(role, urls)
+    assert pool.urls("decode") == ["http://d0", "http://p1"] and pool.healthy_count("decode") == 2
+    # Restarted, it is a prefill again: its probe moves it back, and the Endpoints list has it there.
+    probe(pool, "http://p1", "decode", {"role": "prefill", "bootstrap_port": 1})
+    assert with_reported_roles(listed, pool)["prefill"] == ["http://p0", "http://p1", "http://p2"]
