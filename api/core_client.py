@@ -82,6 +82,8 @@ class CoreGone(RuntimeError):
 class CoreClient:
     """The engine as the HTTP server sees it, running in a core process of its own."""
 
+    role_switch = None  # a core in its own process does not switch roles (POST /internal/role answers 409)
+
     def __init__(self, proc: subprocess.Popen, context: zmq.Context, to_core: zmq.Socket, from_core: zmq.Socket,
                  folder: str, info: dict[str, Any], configs: ServeConfigs) -> None:
         self.proc = proc

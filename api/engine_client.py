@@ -15,7 +15,7 @@ import asyncio
 import threading
 import weakref
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import generate_latest
 from starlette.routing import Route
@@ -25,6 +25,9 @@ from splitserve.engine.grammar.spec import GrammarSpec
 from splitserve.engine.multimodal.image_items import ImageItem
 from splitserve.engine.request import Request, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.engine.role_switch import RoleSwitch
 
 
 class Outbox:
@@ -54,7 +57,9 @@ def engine_health(engine: Engine) -> tuple[bool, dict[str, Any]]:
     """/health's answer: whether the engine serves, and the body."""
     if not engine.alive:
         return False, {"status": engine.failed or "engine loop not running"}
-    return True, {"status": "ok", "role": engine.role.name, **engine.role.health_info()}
+    # `draining`: new requests are refused (a role switch): routers pick it no more, its requests go on.
+    return True, {"status": "ok", "role": engine.role.name, "draining": engine.refusing is not None,
+                  **engine.role.health_info()}
 
 
 def engine_state_report(engine: Engine) -> dict[str, Any]:
@@ -62,20 +67,23 @@ def engine_state_report(engine: Engine) -> dict[str, Any]:
     s = engine.state()
     kv = s.kv
     return {
-        "running": s.running, "waiting": s.waiting, "parked": s.parked, "requests": len(engine.requests),
+        "role": engine.role.name, "running": s.running, "waiting": s.waiting, "parked": s.parked,
+        "requests": len(engine.requests),
         "kv_capacity": kv.capacity, "kv_free": kv.free, "kv_cached": kv.cached, "kv_locked": kv.locked,
         "kv_available": kv.available, "kv_used_by_requests": kv.used_by_requests,
         "slots_in_use": kv.slots_in_use, "steps": engine.steps,
         "prefix_hit_tokens": engine.kv.prefix_cache.hit_tokens, "failure": engine.failed,
         "tp_worker_pids": engine.tp_supervisor.pids() if engine.tp_supervisor is not None else {},
+        "role_held": engine.role.held(),  # the role's transfer rooms, aux slots, fenced pages in use
     }
 
 
 class EngineClient:
     """Bridges the engine's loop thread and the server's event loop (the engine runs in this process)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, role_switch: RoleSwitch | None = None) -> None:
         self.engine = engine
+        self.role_switch = role_switch  # switches prefill <-> decode at runtime (POST /internal/role)
         self._outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Outbox] = weakref.WeakKeyDictionary()
         self.model_name = engine.cfg.model_name
         self.model_cfg = engine.model_cfg
@@ -84,7 +92,11 @@ class EngineClient:
         self.context_length = engine.context_length
         self.max_prompt_tokens = engine.max_prompt_tokens
         self.tool_call_parser = engine.cfg.tool_call_parser
-        self.role_name = engine.role.name
+
+    @property
+    def role_name(self) -> str:
+        """The engine's role now (a role switch changes it)."""
+        return self.engine.role.name
 
     def routes(self) -> list[Route]:
         """The role's own endpoints (the encoder's /v1/encode)."""
@@ -94,7 +106,10 @@ class EngineClient:
         self.engine.abort(request_id, reason)
 
     async def health(self) -> tuple[bool, dict[str, Any]]:
-        return engine_health(self.engine)
+        ok, body = engine_health(self.engine)
+        if ok and self.role_switch is not None:
+            body.update(self.role_switch.status())
+        return ok, body
 
     async def metrics(self) -> bytes:
         return generate_latest(self.engine.metrics.registry)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -15,6 +16,7 @@ from splitserve.api.server import ApiServer
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.role import Role
+from splitserve.engine.role_switch import RoleSwitch
 from splitserve.transfer.errors import TransferEngineUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,16 @@ def engine_role(configs: ServeConfigs) -> tuple[EngineConfig, Role | None]:
         cfg = drafter_engine_config(cfg, overlap=configs.spec.drafter_overlap,
                                     prefix_cache=configs.spec.drafter_prefix_cache)
     return cfg, role
+
+
+def role_switch(engine: Engine, configs: ServeConfigs) -> RoleSwitch:
+    """The engine's runtime role switch (prefill <-> decode; other roles are refused): the same flags,
+    another --role."""
+    def build(role: str) -> Role:
+        from splitserve.engine.roles import build_role  # the roles need the transfer layer
+        return build_role(dataclasses.replace(configs.engine, role=role), configs.transfer, configs.spec,
+                          epd=configs.epd, images=configs.images)
+    return RoleSwitch(engine, build)
 
 
 def main(argv: list[str]) -> int:
@@ -73,7 +85,7 @@ def main(argv: list[str]) -> int:
         except (FileNotFoundError, ValueError, MemoryError, OSError, TransferEngineUnavailableError) as exc:
             logger.error("cannot start the engine: %s", exc)
             return 1
-        client = EngineClient(engine)
+        client = EngineClient(engine, role_switch(engine, configs))
         stop = engine.stop
     server = ApiServer(client, configs.images, control_key=configs.transfer.transfer_control_key)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal; as SystemExit it lets

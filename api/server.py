@@ -36,6 +36,7 @@ from splitserve.api.openai_protocol import (
     parse_completion,
     samples_usage,
 )
+from splitserve.api.role_endpoint import role_route
 from splitserve.api.tools.formats import format_for
 from splitserve.api.tools.streaming import ToolCallStream, final_message
 from splitserve.engine.engine import EngineOverloaded
@@ -184,6 +185,7 @@ class ApiServer:
             Route("/internal/flush_cache", self.flush_cache, methods=["POST"]),
             Route("/internal/kv_events", self.kv_events, methods=["GET"]),
             Route("/internal/tokenizer", self.tokenizer_parts, methods=["GET"]),
+            role_route(client, control_key, self._check_internal_key),
             *client.routes(),
         ], exception_handlers={ApiError: lambda _r, e: error_response(e), **ROUTE_ERROR_HANDLERS})
 

@@ -8,6 +8,7 @@ cache and the scheduler are only ever touched by the loop thread.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import queue
@@ -135,6 +136,7 @@ class Engine:
         self._role_sees_chunks = overrides_hook(self.role, "on_chunk_done")
         self._role_sees_tokens = overrides_hook(self.role, "on_token")
         self.requests: dict[str, Request] = {}
+        self.refusing: str | None = None  # why new requests are refused (a role switch drains the engine)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._closing = threading.Lock()
         self._inbox_closed = False
@@ -239,6 +241,8 @@ class Engine:
         the bounds already (the engine core's API server, which answers the 503 itself)."""
         with self._closing:  # the loop closes the inbox under this lock when it dies: no request is lost
             if not self._inbox_closed:
+                if not admitted and self.refusing is not None:
+                    raise EngineOverloaded(self.refusing)
                 if not admitted and self._inbox_adds >= self.cfg.max_inbox:
                     raise EngineOverloaded(f"the engine's inbox is full ({self.cfg.max_inbox} requests)")
                 if not admitted and self.waiting_requests >= self.cfg.max_waiting_requests:
@@ -250,6 +254,25 @@ class Engine:
                 return
         self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR,
                                     error=self.failure or "the engine is not running"))
+
+    def refuse(self, reason: str | None) -> None:
+        """From now on `submit` refuses new requests with `reason` (EngineOverloaded: clients retry
+        elsewhere); None takes them again. Requests already handed over are not affected."""
+        with self._closing:
+            self.refusing = reason
+
+    def use_role(self, role: Role) -> None:
+        """Attaches `role` and makes it the loop's (a role switch, on the loop thread while no
+        request is held: engine/role_switch.py)."""
+        previous, self.cfg = self.cfg, dataclasses.replace(self.cfg, role=role.name)  # what the role reads
+        try:
+            role.attach(self)
+        except BaseException:
+            self.cfg = previous
+            raise
+        self._role_sees_chunks = overrides_hook(role, "on_chunk_done")
+        self._role_sees_tokens = overrides_hook(role, "on_token")
+        self.role = role
 
     def abort(self, request_id: str, reason: str = "aborted by the client") -> None:
         self._inbox.put(("abort", (request_id, reason)))

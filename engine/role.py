@@ -81,8 +81,13 @@ class Role:
         """Whether requests that reach this engine may carry a grammar (so its compiler is built at start)."""
         return True
 
+    def held(self) -> dict[str, int]:
+        """What the role still holds beyond its requests (transfer rooms, aux slots, fenced pages), by
+        name: every count 0 when it is idle (a role switch waits for that before closing the role)."""
+        return {}
+
     def close(self) -> None:
-        """The engine is stopping."""
+        """The engine is stopping (or switching to another role: engine/role_switch.py)."""
 
 
 class UnifiedRole(Role):
@@ -100,7 +105,7 @@ class ComposedRole(Role):
       never saw, when an earlier one refused them); `close`: every one, in reverse.
     - `health_info`: the behaviours' fields merged; `idle_poll_interval`: the shortest asked for;
       `allows_overlap`: only if every behaviour allows it; `serves_structured_outputs`: if any does;
-      `routes`, `core_calls`: every behaviour's.
+      `routes`, `core_calls`: every behaviour's; `held`: the behaviours' counts added up.
     """
 
     def __init__(self, name: str, behaviours: list[Role]) -> None:
@@ -167,6 +172,13 @@ class ComposedRole(Role):
 
     def serves_structured_outputs(self) -> bool:
         return any(b.serves_structured_outputs() for b in self.behaviours)
+
+    def held(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for b in self.behaviours:
+            for name, n in b.held().items():
+                counts[name] = counts.get(name, 0) + n
+        return counts
 
     def close(self) -> None:
         for b in reversed(self.behaviours):

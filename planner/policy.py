@@ -181,6 +181,25 @@ def wait_quantile(servers: int, rate: float, service_rate: float, percentile: fl
     return math.log(waits / (1 - percentile)) / (servers * service_rate - rate)
 
 
+def plan_switches(target: Mapping[str, int], current: Mapping[str, int], idle_need: Mapping[str, int],
+                  limits: Mapping[str, RoleLimits], startup_s: float) -> list[RoleSwitch]:
+    """The role switches to prefer over new pods: when a role's target is above its replicas while the
+    other role has more replicas than even its conservative sizing (`idle_need`) and its minimum ask
+    for, the shortfall (up to that surplus) comes from switching those idle engines across (seconds,
+    no weight reload) instead of pods that take `startup_s` to serve."""
+    switches = []
+    for role in ROLES:
+        donor = other(role)
+        deficit = target[role] - current[role]
+        surplus = current[donor] - max(idle_need[donor], limits[donor].min)
+        if deficit > 0 and surplus > 0:
+            k = min(deficit, surplus)
+            switches.append(RoleSwitch(donor, role, k, (
+                f"{donor} idle ({current[donor]} serving, {idle_need[donor]} needed) while {role} needs "
+                f"{target[role]}: switch {k} ({startup_s:.0f} s for a new pod)")))
+    return switches
+
+
 class SLOPlanner:
     """Sizes prefill and decode to TTFT and ITL targets, one ``decide`` call per interval (keeps the rate history
     and the scale-down windows between calls)."""
@@ -363,22 +382,14 @@ class SLOPlanner:
             target[role] = min(lim[role].max, max(lim[role].min, target[role]))
 
         # One pool short while the other idles: switch engines across before starting pods.
-        switches: list[RoleSwitch] = []
+        switches = plan_switches(target, current, down, lim, cfg.startup_s) if cfg.allow_switch else []
         via: dict[str, int] = {PREFILL: 0, DECODE: 0}
-        if cfg.allow_switch:
-            for role in ROLES:
-                donor = other(role)
-                deficit = target[role] - current[role]
-                surplus = current[donor] - max(down[donor], lim[donor].min)
-                if deficit > 0 and surplus > 0:
-                    k = min(deficit, surplus)
-                    target[donor] = min(target[donor], current[donor] - k)
-                    self._down_needs[donor].clear()
-                    via[role] = k
-                    text = (f"{donor} idle ({current[donor]} serving, {down[donor]} needed) while {role} needs "
-                            f"{target[role]}: switch {k} ({cfg.startup_s:.0f} s for a new pod)")
-                    switches.append(RoleSwitch(donor, role, k, text))
-                    reasons[donor] = f"switch {k} to {role}: {donor} needs {max(down[donor], lim[donor].min)}"
+        for sw in switches:
+            target[sw.from_role] = min(target[sw.from_role], current[sw.from_role] - sw.count)
+            self._down_needs[sw.from_role].clear()
+            via[sw.to_role] = sw.count
+            reasons[sw.from_role] = (f"switch {sw.count} to {sw.to_role}: {sw.from_role} needs "
+                                     f"{max(down[sw.from_role], lim[sw.from_role].min)}")
         changes = [RoleChange(r, current[r], target[r], reasons.get(r, ""), via[r])
                    for r in ROLES if target[r] != current[r]]
         for ch in changes:

@@ -37,6 +37,7 @@ from splitserve.router.image_encoding import EncodersUnavailable, ImageEncoding
 from splitserve.router.kv_events import KVEventsPoller
 from splitserve.router.pair_routing import Answer, PairRouter, PrefillAffinity
 from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.role_changes import with_reported_roles
 from splitserve.router.upstream import EJECTING_KINDS, UpstreamClient, UpstreamFailure, sse_error_event
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ class Router:
         namespace = self.cfg.kube_namespace or (SERVICE_ACCOUNT_DIR / "namespace").read_text().strip()
 
         def replace(urls: dict[str, list[str]]) -> None:
+            urls = with_reported_roles(urls, self.pool)  # an engine that switched roles stays in its new one
             for role in ("prefill", "decode", "encode"):
                 self.pool.replace(role, urls.get(role, []))
 

@@ -51,13 +51,15 @@ class Backend:
     bootstrap_port: int | None = None
     ejected: asyncio.Event = field(default_factory=asyncio.Event)  # set while ejected; wakes its requests
     suspect: bool = False  # a request on it failed while it was its role's last: a probe decides
+    engine_draining: bool = False  # its /health says it refuses new requests (a role switch): its own go on
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining and not self.suspect
+        return self.healthy and not self.draining and not self.suspect and not self.engine_draining
 
     def describe(self) -> dict:
         return {"url": self.url, "role": self.role, "healthy": self.healthy, "draining": self.draining,
+                "engine_draining": self.engine_draining,
                 "in_flight": self.in_flight, "failures": self.failures, "ejections": self.ejections,
                 "suspect": self.suspect, "last_error": self.last_error}
 

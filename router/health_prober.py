@@ -9,6 +9,7 @@ import logging
 import httpx
 
 from splitserve.router.backend_pool import Backend, BackendPool
+from splitserve.router.role_changes import follow_engine_role
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,9 @@ class HealthProber:
         if info is None:
             self.pool.eject(backend, f"health probe answered {r.status_code}: {r.text[:200]}")
         else:
-            self.pool.admit(backend, info if isinstance(info, dict) else {})
+            info = info if isinstance(info, dict) else {}
+            if not follow_engine_role(self.pool, backend, info):  # a role switch moves it (or it drains)
+                self.pool.admit(backend, info)
 
     async def probe_due(self) -> None:
         await asyncio.gather(*(self.probe(b) for b in self.pool.due_for_probe()))

@@ -204,5 +204,10 @@ class DecodeRole(Role):
         self.fenced = kept
         self.engine.metrics.kv_fenced.set(self.fenced_pages)
 
+    def held(self) -> dict[str, int]:
+        stats = self.endpoint.manager.stats()
+        return {"aux_slots": aux_slot_count(self.engine.cfg) - len(self.free_aux), "pending": len(self.pending),
+                "fenced_pages": self.fenced_pages, "rooms": stats["rooms"], "fences": stats["fences"]}
+
     def close(self) -> None:
         self.endpoint.close()

@@ -155,6 +155,11 @@ class PrefillRole(Role):
             # A write still in flight only reads this slot (and the request's pages): reusing them is safe.
             self.free_aux.append(state.aux_index)
 
+    def held(self) -> dict[str, int]:
+        stats = self.endpoint.manager.stats()
+        return {"aux_slots": self.endpoint.aux.shape[0] - len(self.free_aux), "rooms": stats["rooms"],
+                "writes_in_flight": stats["writes_in_flight"]}
+
     def close(self) -> None:
         self.endpoint.close()
         self.bootstrap.stop()

@@ -16,6 +16,7 @@ from splitserve.planner.policy import (
     RoleLimits,
     SLOPlanner,
     erlang_c,
+    plan_switches,
     wait_quantile,
 )
 
@@ -145,3 +146,20 @@ def test_min_and_max_respected() -> None:
     feed(pl, 6.0, 6, 2, 4, prompt=300, output=600, running=150)
     d = pl.decide(obs(5 * INTERVAL, 6.0, 6, 2, prompt=300, output=600, running=150, itl=0.045))
     assert d.replicas[PREFILL] >= 5 and d.replicas[DECODE] <= 3
+
+
+def test_plan_switches_takes_the_shortfall_from_the_idle_role_only_down_to_its_need_and_minimum() -> None:
+    limits = {PREFILL: RoleLimits(2, 8), DECODE: RoleLimits(1, 8)}
+    current = {PREFILL: 6, DECODE: 2}
+    # Decode short by 3, prefill idle: needs 2 (its minimum too) of its 6, so 3 of the 4 spare switch.
+    sw = plan_switches({PREFILL: 6, DECODE: 5}, current, {PREFILL: 2, DECODE: 5}, limits, 120.0)
+    assert [(s.from_role, s.to_role, s.count) for s in sw] == [(PREFILL, DECODE, 3)]
+    # Short by more than the idle surplus: only the surplus switches (the rest are new pods).
+    sw = plan_switches({PREFILL: 6, DECODE: 9}, current, {PREFILL: 4, DECODE: 9}, limits, 120.0)
+    assert [(s.from_role, s.count) for s in sw] == [(PREFILL, 2)]
+    # The minimum bounds the donor even when its need is lower.
+    assert plan_switches({PREFILL: 2, DECODE: 3}, {PREFILL: 2, DECODE: 2}, {PREFILL: 1, DECODE: 3}, limits,
+                         120.0) == []
+    # No shortfall, or no idle donor: nothing.
+    assert plan_switches(current, current, {PREFILL: 2, DECODE: 2}, limits, 120.0) == []
+    assert plan_switches({PREFILL: 6, DECODE: 4}, current, {PREFILL: 6, DECODE: 4}, limits, 120.0) == []
