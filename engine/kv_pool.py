@@ -64,7 +64,7 @@ class KVPool:
                    for i in range(shape.num_layers)]
         self._v = [self.buffer[i, 1].view(tokens, shape.num_kv_heads, shape.head_dim)
                    for i in range(shape.num_layers)]
-        # [layers, 2 (k, v), kv_heads] float32: static, 1.0 unless the checkpoint calibrated them (set_scales).
+        # [layers, 2 (k, v), kv_heads] float32: static, 1.0 unless set (set_scales) before any page is written.
         self.scales = (torch.ones(shape.num_layers, 2, shape.num_kv_heads, dtype=torch.float32, device=device)
                        if shape.fp8 else None)
 

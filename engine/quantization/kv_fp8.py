@@ -3,14 +3,14 @@
 A key or value x is stored as e4m3(clamp(x / scale, +-448)) and read as that times the scale. The scales are
 static: a page carries no scale of its own, so every engine that reads a page (the decode engine a prefill
 engine sends it to, the host and store tiers, another request that shares it through the prefix cache) must
-read it with the scale it was written with, and a scale fixed by the model (1.0, or the checkpoint's
-calibrated `k_scale`/`v_scale`) is the same in every one of them without any agreement beyond the KV dtype.
+read it with the scale it was written with, and a fixed scale (1.0) is the same in every one of them without
+any agreement beyond the KV dtype. (A checkpoint's calibrated `k_scale`/`v_scale` would be fixed by the model
+too and fit `KVPool.set_scales`; they are not read yet.)
 A scale computed at run time (from the first prompts an engine sees) would differ from engine to engine and
 make pages untransferable. 1.0 is what vLLM and SGLang use without checkpoint scales: e4m3 keeps 3 mantissa
 bits (a relative error of at most 1/16) from 2^-6 to 448, which holds the post-RoPE keys and the values of the
-Llama family (docs/fp8.md has the measured accuracy). Scales are per KV head so that a checkpoint's per-head
-calibration fits; the kernels read one scale per (layer, K/V, head), a per-tensor scale being the same
-value in every head.
+Llama family (docs/fp8.md has the measured accuracy). The kernels read one scale per (layer, K/V, KV head),
+so per-head scales cost nothing; a per-tensor scale is the same value in every head.
 
 Where it is read (engine/layers/attention.py): the torch path dequantizes the gathered pages; the Triton decode
 and extend kernels load e4m3 tiles, widen them to the query's dtype and fold the key scale into the softmax
