@@ -50,6 +50,12 @@ class KVPoolShape:
         return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
 
 
+def page_bytes_view(buffer: torch.Tensor) -> torch.Tensor:
+    """The pool's buffer as the tiers copy it: an FP8 pool's as uint8 of the same shape (its pages move as their
+    bytes; torch's index_select and index_copy_ take no float8), any other as it is."""
+    return buffer.view(torch.uint8) if buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else buffer
+
+
 class KVPool:
     """Owns the KV tensor; hands each attention layer flat [tokens, heads, dim] views."""
 
