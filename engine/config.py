@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.layers import pdl
+from splitserve.engine.quantization.kv_fp8 import KV_CACHE_DTYPES, kv_storage_dtype
 
 ROLES = ("unified", "prefill", "decode", "encode", "drafter")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,6 +37,11 @@ class EngineConfig:
         "help": "auto: the checkpoint's own (an FP8 checkpoint, compressed-tensors or ModelOpt, runs FP8); fp8: "
                 "also quantize a 16/32-bit or GGUF checkpoint's projections on load (per-channel e4m3 weights, "
                 "activations quantized per token on the GPU; docs/fp8.md)", "choices": ("auto", "fp8")})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "what the KV pages hold: auto (the model's dtype) or fp8_e4m3 (e4m3 with a static scale of 1.0, "
+                "writes saturated at +-448: twice the tokens of a 16-bit cache in the same memory; docs/fp8.md). "
+                "Prefill and decode engines must agree on it",
+        "choices": KV_CACHE_DTYPES})
     load_format: str = field(default="safetensors", metadata={
         "help": "safetensors: the checkpoint's weights (its safetensors shards, or a GGUF file's tensors); "
                 "dummy: random weights of its shape (benchmarks)",
@@ -162,6 +168,10 @@ class EngineConfig:
         if self.engine_process is not None:
             return self.engine_process
         return self.torch_device().type == "cuda"
+
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the KV pool's pages."""
+        return kv_storage_dtype(self.kv_cache_dtype, self.torch_dtype())
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.engine.kv_pool import page_bytes_view
 from splitserve.engine.page_events import HOST, PageEvents
 
 
@@ -62,6 +63,7 @@ class HostKVPool:
     def __init__(self, device_buffer: torch.Tensor, capacity: int, events: PageEvents | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"the host KV pool needs at least one page, got {capacity}")
+        device_buffer = page_bytes_view(device_buffer)  # an FP8 pool's pages move as bytes
         self.device_buffer: torch.Tensor | None = device_buffer
         layers, two, _, page_size, heads, dim = device_buffer.shape
         self.page_shape = (layers, two, page_size, heads, dim)

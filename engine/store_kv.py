@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from splitserve.engine.kv_pool import page_bytes_view
 from splitserve.transfer.mooncake.engine import GLOG_WARNING, LOG_LEVEL_ENV, _glog_minloglevel
 from splitserve.transfer.mooncake.loopback_bind import bind_mooncake_to_loopback, loopback_for
 
@@ -110,6 +111,7 @@ class StoreKV:
                  metadata: str = "P2PHANDSHAKE", protocol: str = "tcp", segment_bytes: int = 512 << 20,
                  buffer_bytes: int = 64 << 20, timeout_s: float = 0.1, local_host: str | None = None) -> None:
         layers, two, _, page_size, heads, dim = device_buffer.shape
+        device_buffer = page_bytes_view(device_buffer)  # an FP8 pool's pages move as bytes
         self.device_buffer: torch.Tensor | None = device_buffer
         self.page_size = page_size
         self.page_shape = (layers, two, page_size, heads, dim)

@@ -19,8 +19,8 @@ logger = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the model recomputes or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
-# An FP8 checkpoint's KV-cache scales (ModelOpt's k_proj.k_scale, compressed-tensors' self_attn.k_scale): the KV
-# cache stays in the model's dtype, so they are not used.
+# An FP8 checkpoint's KV-cache scales (ModelOpt's k_proj.k_scale, compressed-tensors' self_attn.k_scale): not used
+# (an FP8 KV cache, --kv-cache-dtype fp8_e4m3, runs with scales of 1.0).
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 
 
@@ -103,7 +103,7 @@ def load_weights(model: nn.Module, path: str | Path, tied_lm_head: bool) -> None
         _copy_into(module, name, tensor, shard)
         remaining.discard(name)
     if kv_scales:
-        logger.info("%d KV-cache scales in the checkpoint left unused (the KV cache is not FP8)", kv_scales)
+        logger.info("%d KV-cache scales in the checkpoint left unused (an FP8 KV cache uses scales of 1.0)", kv_scales)
     if remaining:
         missing = sorted(remaining)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

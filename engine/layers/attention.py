@@ -14,6 +14,9 @@ New keys and values are written into the pool at each token's slot, then:
   everywhere else (the same maths, used to test the kernel). A verify step is a decode batch
   whose rows share slots (a request's K+1 positions, each a row): every row's KV is stored
   first, then each row attends as plain decoding at its position would.
+With an FP8 pool (`scales` given), every path reads the e4m3 pages and dequantizes them
+(engine/quantization/kv_fp8.py): the kernels in registers, the torch paths on the gathered copy; a fresh
+prompt attends to its keys and values read back from the pages, as any later step reads them.
 """
 
 from __future__ import annotations
@@ -23,13 +26,19 @@ from torch import nn
 
 from splitserve.engine.layers.prompt_attention import lone_prompt_attention
 from splitserve.engine.layers.rotary import RotaryEmbedding
+from splitserve.engine.quantization.kv_fp8 import KVScales, quantize_kv, read_kv
 from splitserve.engine.runner.forward_batch import ForwardBatch
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
-    k_cache[loc] = k.to(k_cache.dtype)
-    v_cache[loc] = v.to(v_cache.dtype)
+             k: torch.Tensor, v: torch.Tensor, scales: KVScales | None = None) -> None:
+    """Writes k, v [T, Hkv, D] at `loc`: cast to the cache's dtype, or quantized with `scales` (FP8 pool)."""
+    if scales is None:
+        k_cache[loc] = k.to(k_cache.dtype)
+        v_cache[loc] = v.to(v_cache.dtype)
+    else:
+        k_cache[loc] = quantize_kv(k, scales.k)
+        v_cache[loc] = quantize_kv(v, scales.v)
 
 
 def causal_padded_mask(batch: ForwardBatch) -> torch.Tensor:
@@ -45,14 +54,16 @@ def causal_padded_mask(batch: ForwardBatch) -> torch.Tensor:
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                page_table: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
-                               page_size: int, scale: float) -> torch.Tensor:
-    """q: [B, H, D] -> [B, H, D]; gathers each sequence's KV through the page table."""
+                               page_size: int, scale: float, scales: KVScales | None = None) -> torch.Tensor:
+    """q: [B, H, D] -> [B, H, D]; gathers each sequence's KV through the page table (dequantized with
+    `scales` from an FP8 pool)."""
     max_kv = int(seq_lens.max())
     pos = torch.arange(max_kv, device=q.device)
     loc = page_table[slots][:, pos // page_size].long() * page_size + pos % page_size  # [B, max_kv]
     visible = pos.unsqueeze(0) < seq_lens.unsqueeze(1)
     loc = torch.where(visible, loc, 0)
-    keys, values = k_cache[loc].to(q.dtype), v_cache[loc].to(q.dtype)  # [B, max_kv, Hkv, D]
+    keys = read_kv(k_cache, loc, q.dtype, None if scales is None else scales.k)  # [B, max_kv, Hkv, D]
+    values = read_kv(v_cache, loc, q.dtype, None if scales is None else scales.v)
     out = nn.functional.scaled_dot_product_attention(
         q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible[:, None, None, :],
         scale=scale, enable_gqa=q.shape[1] != k_cache.shape[1],
@@ -74,16 +85,21 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor | None,
-                kv_stored: bool = False, qkv: torch.Tensor | None = None, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                kv_stored: bool = False, qkv: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                scales: KVScales | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; returns [T, H*D]. `kv_stored`: a fused kernel already wrote k, v.
         `qkv`: the [T, (H + 2 Hkv) D] projection q, k and v are column views of, if they are. `out`: a
         contiguous [T, H*D] to write and return instead of a new tensor (the paged extend kernels write it,
-        the other paths are copied in)."""
+        the other paths are copied in). `scales`: the layer's, when the pool is FP8."""
         if not kv_stored:
-            store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+            store_kv(k_cache, v_cache, batch.out_cache_loc, k, v, scales)
+        if scales is not None and batch.no_prefix and batch.batch_size == 1 and not batch.is_decode:
+            # A fresh prompt attends to what its pages hold, as every later step reads them.
+            k = read_kv(k_cache, batch.out_cache_loc, q.dtype, scales.k)
+            v = read_kv(v_cache, batch.out_cache_loc, q.dtype, scales.v)
+            qkv = None
         if batch.is_decode:
-            result = self._decode(q, batch, k_cache, v_cache)
+            result = self._decode(q, batch, k_cache, v_cache, scales)
         elif batch.no_prefix and batch.batch_size == 1 and batch.prompt_buckets is not None:
             result = lone_prompt_attention(q, k.to(q.dtype), v.to(q.dtype), self.scale, batch.prompt_buckets, qkv)
         elif batch.no_prefix and batch.batch_size == 1:
@@ -92,38 +108,40 @@ class PagedAttention(nn.Module):
                 v.transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True, scale=self.scale, enable_gqa=self.gqa,
             ).squeeze(0).transpose(0, 1)
         elif batch.attn_meta is not None:  # the kernels write `out` itself: no copy
-            paged = self._paged_extend(q, batch, k_cache, v_cache, None if out is None else out.view(q.shape))
+            paged = self._paged_extend(q, batch, k_cache, v_cache, None if out is None else out.view(q.shape),
+                                       scales)
             return paged.view(q.shape[0], -1) if out is None else out
         else:
-            result = self._extend(q, batch, k_cache, v_cache, mask)
+            result = self._extend(q, batch, k_cache, v_cache, mask, scales)
         result = result.reshape(q.shape[0], self.num_heads * self.head_dim)
         return result if out is None else out.copy_(result)
 
     def decode_new_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, rotary: RotaryEmbedding,
+                         scales: KVScales | None = None) -> torch.Tensor:
         """Decode on CUDA from the unrotated projection: the kernel applies RoPE, stores k and v, attends."""
         from splitserve.engine.layers.paged_decode_triton import NewTokenKV, paged_decode_attention, store_rotated_kv
 
         assert batch.page_table is not None and batch.slots is not None
         new = NewTokenKV(k, v, rotary.cos, rotary.sin, batch.out_cache_loc)
         if batch.rows_share_slots:  # verify rows: each reads the rows before it from the cache
-            store_rotated_kv(new, batch.positions, k_cache, v_cache)
+            store_rotated_kv(new, batch.positions, k_cache, v_cache, scales)
         out = paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.slots, batch.seq_lens,
                                      batch.page_size, self.scale, new, splits=batch.decode_splits,
-                                     new_kv_stored=batch.rows_share_slots)
+                                     new_kv_stored=batch.rows_share_slots, scales=scales)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
-    def _decode(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
-                ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                scales: KVScales | None = None) -> torch.Tensor:
         assert batch.page_table is not None and batch.slots is not None
         args = (q, k_cache, v_cache, batch.page_table, batch.slots, batch.seq_lens, batch.page_size, self.scale)
         if q.is_cuda:
             from splitserve.engine.layers.paged_decode_triton import paged_decode_attention
-            return paged_decode_attention(*args, splits=batch.decode_splits)
-        return decode_attention_reference(*args)
+            return paged_decode_attention(*args, splits=batch.decode_splits, scales=scales)
+        return decode_attention_reference(*args, scales=scales)
 
     def _paged_extend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, scales: KVScales | None = None) -> torch.Tensor:
         """Writes the step's attention into `out` [T, H, D] (a new one if None) and returns it."""
         from splitserve.engine.layers.paged_decode_triton import paged_decode_attention
         from splitserve.engine.layers.paged_extend_triton import paged_extend_attention
@@ -136,23 +154,24 @@ class PagedAttention(nn.Module):
             # One split per row: a mixed step's decode rows come in every count, and each split count
             # would be its own compile; the prompt chunk beside them fills the GPU anyway.
             out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, batch.page_table, decode_slots, decode_lens,
-                                             batch.page_size, self.scale, splits=1)
+                                             batch.page_size, self.scale, splits=1, scales=scales)
         if batch.prefix_chunks:
             from splitserve.engine.layers.prefix_chunk_attention import prefix_chunk_attention
 
-            keys = k_cache[batch.prefix_chunk_loc].to(q.dtype)
-            values = v_cache[batch.prefix_chunk_loc].to(q.dtype)
+            keys = read_kv(k_cache, batch.prefix_chunk_loc, q.dtype, None if scales is None else scales.k)
+            values = read_kv(v_cache, batch.prefix_chunk_loc, q.dtype, None if scales is None else scales.v)
             for c in batch.prefix_chunks:
                 kv = slice(c.loc_start, c.loc_start + c.kv_len)
                 prefix_chunk_attention(q, keys[kv], values[kv], c, self.scale, out)
-        return paged_extend_attention(q, k_cache, v_cache, batch.page_table, plan, batch.page_size, self.scale, out)
+        return paged_extend_attention(q, k_cache, v_cache, batch.page_table, plan, batch.page_size, self.scale, out,
+                                      scales=scales)
 
     def _extend(self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None, scales: KVScales | None = None) -> torch.Tensor:
         assert batch.kv_indices is not None and mask is not None
         bsz = batch.batch_size
-        keys = k_cache[batch.kv_indices].to(q.dtype)  # [B, max_kv, Hkv, D]
-        values = v_cache[batch.kv_indices].to(q.dtype)
+        keys = read_kv(k_cache, batch.kv_indices, q.dtype, None if scales is None else scales.k)  # [B, max_kv, Hkv, D]
+        values = read_kv(v_cache, batch.kv_indices, q.dtype, None if scales is None else scales.v)
         queries = q.new_zeros(bsz, batch.max_extend, self.num_heads, self.head_dim)
         queries[batch.token_batch_index, batch.token_query_index] = q
         out = nn.functional.scaled_dot_product_attention(

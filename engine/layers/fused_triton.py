@@ -14,8 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.layers.kv_fp8_triton import to_cache
 from splitserve.engine.layers.pdl import launch_kwargs
 from splitserve.engine.layers.pdl_triton import wait_for_previous
+from splitserve.engine.quantization.kv_fp8 import KVScales
 
 
 @triton.jit
@@ -90,10 +92,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_store_kernel(QKV, Pos, Cos, Sin, KCache, VCache, Loc,
+def _rope_store_kernel(QKV, Pos, Cos, Sin, KCache, VCache, Loc, KScale, VScale,
                        stride_t, stride_cos, stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h,
                        NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       Q_PAD: tl.constexpr, KV_PAD: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
+                       Q_PAD: tl.constexpr, KV_PAD: tl.constexpr, STORE: tl.constexpr, KV_FP8: tl.constexpr,
+                       PDL: tl.constexpr):
     wait_for_previous(PDL)
     t = tl.program_id(0)
     half: tl.constexpr = HEAD_DIM // 2
@@ -123,25 +126,36 @@ def _rope_store_kernel(QKV, Pos, Cos, Sin, KCache, VCache, Loc,
     if STORE:
         loc = tl.load(Loc + t).to(tl.int64)
         kc = KCache + loc * stride_kc_t + hk[:, None] * stride_kc_h + i[None, :]
-        tl.store(kc, r1.to(KCache.dtype.element_ty), mask=mk)
-        tl.store(kc + half, r2.to(KCache.dtype.element_ty), mask=mk)
         d = tl.arange(0, HEAD_DIM)
         vp = base + (NUM_Q + NUM_KV) * HEAD_DIM + hk[:, None] * HEAD_DIM + d[None, :]
         v = tl.load(vp, mask=mk, other=0.0)
-        tl.store(VCache + loc * stride_vc_t + hk[:, None] * stride_vc_h + d[None, :], v.to(VCache.dtype.element_ty),
-                 mask=mk)
+        if KV_FP8:  # quantized per KV head (engine/layers/kv_fp8_triton.py)
+            ks = tl.load(KScale + hk, mask=hk < NUM_KV, other=1.0)[:, None]
+            vs = tl.load(VScale + hk, mask=hk < NUM_KV, other=1.0)[:, None]
+            tl.store(kc, to_cache(r1.to(tl.float32), ks, KCache.dtype.element_ty, True), mask=mk)
+            tl.store(kc + half, to_cache(r2.to(tl.float32), ks, KCache.dtype.element_ty, True), mask=mk)
+            tl.store(VCache + loc * stride_vc_t + hk[:, None] * stride_vc_h + d[None, :],
+                     to_cache(v.to(tl.float32), vs, VCache.dtype.element_ty, True), mask=mk)
+        else:
+            tl.store(kc, r1.to(KCache.dtype.element_ty), mask=mk)
+            tl.store(kc + half, r2.to(KCache.dtype.element_ty), mask=mk)
+            tl.store(VCache + loc * stride_vc_t + hk[:, None] * stride_vc_h + d[None, :],
+                     v.to(VCache.dtype.element_ty), mask=mk)
 
 
 def rope_and_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       num_q: int, num_kv: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      loc: torch.Tensor) -> None:
-    """Rotates q and k of a fused [T, (Hq + 2 Hkv) * D] projection in place and writes k, v to the cache."""
+                      loc: torch.Tensor, scales: KVScales | None = None) -> None:
+    """Rotates q and k of a fused [T, (Hq + 2 Hkv) * D] projection in place and writes k, v to the cache
+    (quantized with `scales`: an FP8 cache)."""
     assert qkv.is_contiguous() and cos.is_contiguous()
+    k_scale, v_scale = scales if scales is not None else (cos, cos)  # read only with an FP8 cache
     _rope_store_kernel[(qkv.shape[0],)](
-        qkv, positions, cos, sin, k_cache, v_cache, loc, qkv.stride(0), cos.stride(0),
+        qkv, positions, cos, sin, k_cache, v_cache, loc, k_scale, v_scale, qkv.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim, Q_PAD=triton.next_power_of_2(num_q),
-        KV_PAD=triton.next_power_of_2(num_kv), STORE=True, num_warps=4, **launch_kwargs(),
+        KV_PAD=triton.next_power_of_2(num_kv), STORE=True, KV_FP8=scales is not None, num_warps=4,
+        **launch_kwargs(),
     )
 
 

@@ -62,21 +62,22 @@ class LlamaAttention(nn.Module):
         (an extend step's; a decode step's attention is always a new tensor)."""
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         k_cache, v_cache = kv.k_cache(self.layer_index), kv.v_cache(self.layer_index)
+        scales = kv.layer_scales(self.layer_index)  # None unless the pool is FP8
         q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if qkv.is_cuda and self.q_norm is None:
             if batch.is_decode:  # RoPE, the KV store and attention: one kernel
-                return self.attn.decode_new_token(q, k, v, batch, k_cache, v_cache, self.rotary)
+                return self.attn.decode_new_token(q, k, v, batch, k_cache, v_cache, self.rotary, scales)
             from splitserve.engine.layers.fused_triton import rope_and_store_kv
             rope_and_store_kv(qkv, batch.positions, self.rotary.cos, self.rotary.sin, self.num_heads,
-                              self.num_kv_heads, self.head_dim, k_cache, v_cache, batch.out_cache_loc)
-            return self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=True, qkv=qkv, out=out)
+                              self.num_kv_heads, self.head_dim, k_cache, v_cache, batch.out_cache_loc, scales)
+            return self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=True, qkv=qkv, out=out, scales=scales)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
-        return self.attn(q, k, v, batch, k_cache, v_cache, mask, out=out)
+        return self.attn(q, k, v, batch, k_cache, v_cache, mask, out=out, scales=scales)
 
 
 class LlamaMLP(nn.Module):

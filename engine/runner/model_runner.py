@@ -321,12 +321,12 @@ class ModelRunner:
                     self.device, time.monotonic() - started)
         attn = self.model.layers[0].self_attn
         shape_args = {"num_layers": model_cfg.num_layers, "num_kv_heads": attn.num_kv_heads,
-                      "head_dim": attn.head_dim, "dtype": self.dtype}
+                      "head_dim": attn.head_dim, "dtype": cfg.kv_dtype()}
         num_pages = kv_pages_for_budget(cfg, shape_args, self.device, weight_bytes)
         self.kv_shape = KVPoolShape(num_pages=num_pages, page_size=cfg.page_size, **shape_args)
         self.kv_pool = KVPool(self.kv_shape, self.device)
-        logger.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages - 1, cfg.page_size,
-                    self.kv_shape.total_bytes / 2**30)
+        logger.info("KV cache: %d pages of %d tokens (%.2f GiB of %s)", num_pages - 1, cfg.page_size,
+                    self.kv_shape.total_bytes / 2**30, self.kv_shape.dtype)
         max_slots = cfg.max_running_requests
         # Extend batches on CUDA run the paged kernels, planned in blocks of this many queries.
         wide = wide_tiles(attn.head_dim, self.dtype.itemsize)

@@ -210,9 +210,10 @@ def counter(engine: Engine, name: str) -> float:
 
 
 def run_engine(host_kv_tokens: int, rounds: list[list[list[int]]], together: bool = False,
-               ) -> tuple[list[list[int]], dict[str, float]]:
+               kv_cache_dtype: str = "auto") -> tuple[list[list[int]], dict[str, float]]:
     engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE, max_total_tokens=128,
-                                 max_running_requests=2, chunked_prefill_size=32, host_kv_tokens=host_kv_tokens))
+                                 max_running_requests=2, chunked_prefill_size=32, host_kv_tokens=host_kv_tokens,
+                                 kv_cache_dtype=kv_cache_dtype))
     engine.start()
     try:
         outs: list[list[int]] = []
@@ -252,6 +253,18 @@ def test_greedy_output_is_the_same_with_the_host_tier_and_fewer_prompt_tokens_ar
     assert on["host_kv_load_seconds_count"] > 0
     assert 0 < on["host_kv_pages"] <= on["host_kv_capacity_pages"] == 1024 // PAGE
     assert off["host_kv_hit_tokens_total"] == 0
+
+
+def test_fp8_pages_go_through_the_host_tier_unchanged() -> None:
+    """An FP8 KV cache's e4m3 pages are written back and loaded as their bytes: the same greedy output as FP8
+    without the tier, and a quarter of float32's bytes per loaded token."""
+    rounds = multi_turn_prompts(seed=11)
+    plain, _ = run_engine(0, rounds, kv_cache_dtype="fp8_e4m3")
+    tiered, on = run_engine(1024, rounds, kv_cache_dtype="fp8_e4m3")
+    assert tiered == plain
+    assert on["host_kv_hit_tokens_total"] > 0
+    layers, kv_heads, head_dim = 4, 2, 32  # the tiny model
+    assert on["host_kv_loaded_bytes_total"] == on["host_kv_hit_tokens_total"] * 2 * layers * kv_heads * head_dim
 
 
 def test_a_host_tier_smaller_than_the_working_set_stays_within_its_bound() -> None:

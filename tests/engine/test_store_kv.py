@@ -143,9 +143,10 @@ def test_a_hung_master_costs_one_timeout_then_lookups_answer_at_once(master) -> 
 # ---- engines --------------------------------------------------------------------------------------
 
 
-def make_engine(kv_store: str = "", host_kv_tokens: int = 0) -> Engine:
+def make_engine(kv_store: str = "", host_kv_tokens: int = 0, kv_cache_dtype: str = "auto") -> Engine:
     engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE, max_total_tokens=128,
                                  max_running_requests=2, chunked_prefill_size=32, host_kv_tokens=host_kv_tokens,
+                                 kv_cache_dtype=kv_cache_dtype,
                                  kv_store=kv_store, kv_store_segment_mb=16, kv_store_buffer_mb=1,
                                  kv_store_timeout_ms=2000))
     if engine.kv_store is not None:
@@ -174,18 +175,21 @@ def run(engine: Engine, rounds: list[list[list[int]]]) -> tuple[list[list[int]],
     return outs, cached
 
 
-@pytest.mark.parametrize("host_kv_tokens", [0, 256], ids=["no-host-tier", "host-tier"])
-def test_greedy_output_is_the_same_with_the_store_and_a_second_engine_gets_store_hits(master, host_kv_tokens) -> None:
+@pytest.mark.parametrize(("host_kv_tokens", "kv_cache_dtype"), [(0, "auto"), (256, "auto"), (256, "fp8_e4m3")],
+                         ids=["no-host-tier", "host-tier", "host-tier-fp8-kv"])
+def test_greedy_output_is_the_same_with_the_store_and_a_second_engine_gets_store_hits(master, host_kv_tokens,
+                                                                                      kv_cache_dtype) -> None:
+    """(FP8 KV: e4m3 pages, under keys of their own dtype, compared with FP8 KV without the store.)"""
     _, address = master
     rounds = multi_turn_prompts(seed=21)  # ~3x the 128-token device KV (and the 256-token host tier)
-    plain = make_engine()
+    plain = make_engine(kv_cache_dtype=kv_cache_dtype)
     try:
         expected, _ = run(plain, rounds)
         computed_plain = metric(plain, "prompt_tokens_computed_total")
     finally:
         plain.stop()
-    first = make_engine(address, host_kv_tokens)
-    second = make_engine(address, host_kv_tokens)
+    first = make_engine(address, host_kv_tokens, kv_cache_dtype)
+    second = make_engine(address, host_kv_tokens, kv_cache_dtype)
     try:
         outs, _ = run(first, rounds)
         assert outs == expected

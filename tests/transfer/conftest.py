@@ -108,11 +108,12 @@ def make_rank() -> Iterator[Callable[..., Rank]]:
 
     def make(seed: int | None = None, *, config: TransferConfig = FAST, tp_size: int = 1, tp_rank: int = 0,
              num_kv_heads: int | None = None, registry: CollectorRegistry | None = None,
-             shape: dict | None = None, fill: float = 0.0, device: str = "cpu") -> Rank:
+             shape: dict | None = None, fill: float = 0.0, device: str = "cpu",
+             dtype: torch.dtype = torch.float16) -> Rank:
         s = {**SHAPE, **(shape or {})}
         dims = (s["layers"], 2, s["pages"], s["page_size"], s["heads"], s["head_dim"])
         pool = fill_pool(dims, seed) if seed is not None else torch.full(dims, fill, dtype=torch.float16)
-        pool = pool.to(device)
+        pool = pool.to(device=device, dtype=dtype)
         aux = make_aux_tensor(32, device=aux_device(config, pool.device))
         layout = layout_for_pool(pool, aux, tp_size=tp_size, tp_rank=tp_rank, num_kv_heads=num_kv_heads)
         rank = Rank(new_kv_manager(config, layout, metrics_registry=registry or CollectorRegistry()), pool, aux)

@@ -106,6 +106,12 @@ class KVReceiver(KVRoom, BaseKVReceiver):
             self._expected = decode_ranks_per_prefill_rank(len(layouts), local.tp_size, local.num_kv_heads)
         except (LayoutMismatchError, ValueError) as exc:
             self.fail_locked(KVMetadataError(self.room, str(exc)), notify=False)
+            # The prefill ranks wait for this room's metadata, which never comes: told why now (a KV dtype or
+            # page layout the two sides do not share), they fail the room and free its pages at once instead
+            # of at their bootstrap timeout.
+            for lay in layouts:
+                self.mgr.send(lay.control_endpoint, AbortRoom(self.room, self.bootstrap_addr, self.mgr.endpoint,
+                                                              self.mgr.instance_id, str(exc)))
             return
         if self.status.final:
             # Aborted before the layout was known: tell the prefill ranks now.

@@ -1,0 +1,63 @@
+"""FP8 (e4m3) KV cache: pages hold `float8_e4m3fn`, with a static float32 scale per layer, K or V and KV head.
+
+A key or value x is stored as e4m3(clamp(x / scale, +-448)) and read as that times the scale. The scales are
+static: a page carries no scale of its own, so every engine that reads a page (the decode engine a prefill
+engine sends it to, the host and store tiers, another request that shares it through the prefix cache) must
+read it with the scale it was written with, and a fixed scale (1.0) is the same in every one of them without
+any agreement beyond the KV dtype. (A checkpoint's calibrated `k_scale`/`v_scale` would be fixed by the model
+too and fit `KVPool.set_scales`; they are not read yet.)
+A scale computed at run time (from the first prompts an engine sees) would differ from engine to engine and
+make pages untransferable. 1.0 is what vLLM and SGLang use without checkpoint scales: e4m3 keeps 3 mantissa
+bits (a relative error of at most 1/16) from 2^-6 to 448, which holds the post-RoPE keys and the values of the
+Llama family (docs/fp8.md has the measured accuracy). The kernels read one scale per (layer, K/V, KV head),
+so per-head scales cost nothing; a per-tensor scale is the same value in every head.
+
+Where it is read (engine/layers/attention.py): the torch path dequantizes the gathered pages; the Triton decode
+and extend kernels load e4m3 tiles, widen them to the query's dtype and fold the key scale into the softmax
+scale and the value scale into the output; the cuDNN paths (lone prompts, chunks after a cached prefix) attend
+over the dequantized keys and values read back from the pages, so a prompt attends to exactly what later steps
+read.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from splitserve.engine.quantization.fp8 import FP8_DTYPE, FP8_MAX
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+
+
+class KVScales(NamedTuple):
+    """One layer's key and value scales, float32 [kv_heads] each, on the pool's device."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the pool's pages hold: the model's for `auto`, e4m3 for `fp8_e4m3`."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8_e4m3":
+        return FP8_DTYPE
+    raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., kv_heads, D] -> e4m3 of x / scale (scale [kv_heads]), saturated at +-448. x is rounded to its own
+    dtype first (it is: the projection's output), then divided in float32, as the kernels do."""
+    return (x.float() / scale.view(-1, 1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 [..., kv_heads, D] -> q * scale in `dtype` (computed in float32)."""
+    return (q.float() * scale.view(-1, 1)).to(dtype)
+
+
+def read_kv(cache: torch.Tensor, loc: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """The cache's rows at `loc` in `dtype`: dequantized when the cache is FP8 (`scale` given)."""
+    rows = cache[loc]
+    return rows.to(dtype) if scale is None else dequantize_kv(rows, scale, dtype)
