@@ -79,15 +79,16 @@ ROW_KEY, ROW_TOKENS, ROW_TEXT, ROW_FINISH = 0, 1, 2, 5
 def output_to_wire(out: TokenOutput) -> list[Any]:
     return [out.request_id, out.token_ids, out.text, out.logprobs, out.top_logprobs,
             out.finish_reason.value if out.finish_reason is not None else None, out.error,
-            out.prompt_tokens, out.completion_tokens, out.cached_tokens]
+            out.prompt_tokens, out.completion_tokens, out.cached_tokens, out.phase_marks]
 
 
 def output_from_wire(row: list[Any]) -> TokenOutput:
-    rid, token_ids, text, logprobs, top, finish, error, prompt_tokens, completion_tokens, cached = row
+    rid, token_ids, text, logprobs, top, finish, error, prompt_tokens, completion_tokens, cached, marks = row
     return TokenOutput(rid, token_ids, text, logprobs=logprobs,
                        top_logprobs=[[(t, v) for t, v in step] for step in top] if top is not None else None,
                        finish_reason=FinishReason(finish) if finish is not None else None, error=error,
-                       prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached)
+                       prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached,
+                       phase_marks=marks)
 
 
 def tensor_to_wire(t: torch.Tensor) -> list[Any]:

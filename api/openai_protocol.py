@@ -6,6 +6,7 @@ field, and the OpenAI error type, so the server answers a clear 4xx and keeps se
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +26,28 @@ MAX_STOP_STRINGS = 16
 # character, a special token), so the router knows the stream has started. The router never relays it.
 FIRST_TOKEN_FIELD = "first_token_event"
 FIRST_TOKEN_EVENT = b": first_token\n\n"
+
+
+def first_token_marker(marks: dict[str, float] | None) -> bytes:
+    """FIRST_TOKEN_EVENT carrying the request's phase stamps (engine/phase_timing.py), for the router's
+    attribution of its TTFT: ``: first_token {"taken": ..., ...}``."""
+    if not marks:
+        return FIRST_TOKEN_EVENT
+    return b": first_token " + json.dumps(marks, separators=(",", ":")).encode() + b"\n\n"
+
+
+def first_token_marks(event: bytes) -> dict[str, float] | None:
+    """The stamps a first-token event carries (None: none, or not readable)."""
+    payload = event.strip()[len(FIRST_TOKEN_EVENT.strip()):].strip()
+    if not payload:
+        return None
+    try:
+        marks = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(marks, dict) or not all(isinstance(v, (int, float)) for v in marks.values()):
+        return None
+    return marks
 
 
 class ApiError(Exception):

@@ -11,6 +11,7 @@ from types import FrameType
 import uvicorn
 
 from splitserve.api.engine_client import EngineClient
+from splitserve.api.otel import Tracing, TracingUnavailable, otel_endpoint
 from splitserve.api.serve_config import ServeConfigs, build_parser, parse_configs
 from splitserve.api.server import ApiServer
 from splitserve.engine.config import EngineConfig
@@ -58,6 +59,11 @@ def main(argv: list[str]) -> int:
     # The event loop and the engine thread share one interpreter: a shorter interval lets the engine
     # thread back in sooner after each CUDA wait while the loop is busy streaming tokens.
     sys.setswitchinterval(cfg.gil_switch_interval_ms / 1e3)
+    try:  # before the engine starts: a missing exporter is said at once
+        tracing = Tracing.from_endpoint(otel_endpoint(cfg.otel_endpoint), f"splitserve-{cfg.role}")
+    except TracingUnavailable as exc:
+        logger.error("cannot start: %s", exc)
+        return 1
     try:
         split = cfg.runs_engine_process()
     except ValueError as exc:  # --device cuda on a machine without one
@@ -87,7 +93,7 @@ def main(argv: list[str]) -> int:
             return 1
         client = EngineClient(engine, role_switch(engine, configs))
         stop = engine.stop
-    server = ApiServer(client, configs.images, control_key=configs.transfer.transfer_control_key)
+    server = ApiServer(client, configs.images, control_key=configs.transfer.transfer_control_key, tracing=tracing)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal; as SystemExit it lets
     # the `finally` below stop the engine (and its tensor-parallel workers) before the process ends.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -96,6 +102,8 @@ def main(argv: list[str]) -> int:
         uvicorn.run(server.app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
         stop()
+        if tracing is not None:
+            tracing.shutdown()
     return 0
 
 

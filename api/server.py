@@ -13,7 +13,7 @@ import dataclasses
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -26,12 +26,12 @@ from splitserve.api.chat_prompt import chat_prompt_text
 from splitserve.api.engine_client import EngineClient
 from splitserve.api.http_request import ROUTE_ERROR_HANDLERS, error_response, read_json, wait_for_disconnect
 from splitserve.api.openai_protocol import (
-    FIRST_TOKEN_EVENT,
     FIRST_TOKEN_FIELD,
     ApiError,
     GenerationRequest,
     chat_logprobs,
     completion_logprobs,
+    first_token_marker,
     parse_chat,
     parse_completion,
     samples_usage,
@@ -60,6 +60,7 @@ from splitserve.transfer.bootstrap_grant import (
 
 if TYPE_CHECKING:
     from splitserve.api.core_client import CoreClient
+    from splitserve.api.otel import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,11 @@ class ChoiceResult:
         self.error: str | None = None
         self.cached_tokens = 0
         self.tool_stream: ToolCallStream | None = None  # streamed chat with tools: content and call deltas
+        self.phase_marks: dict[str, float] | None = None  # where its time to first token went (phase_timing.py)
 
     def add(self, out: TokenOutput) -> None:
+        if out.phase_marks is not None:
+            self.phase_marks = out.phase_marks
         self.text += out.text
         self.token_ids += out.token_ids
         if out.logprobs:
@@ -160,9 +164,10 @@ class ApiServer:
     (the engine in this process) or a `CoreClient` (an engine core process)."""
 
     def __init__(self, client: EngineClient | CoreClient, images: ImageInputConfig | None = None,
-                 control_key: str = "") -> None:
+                 control_key: str = "", tracing: Tracing | None = None) -> None:
         load_anyio()
         self.client = client
+        self.tracing = tracing  # with --otel-endpoint: each request's phases here as spans (api/otel.py)
         self.control_key = control_key  # the group's transfer_control_key: bootstrap grants, /internal/*
         self.image_cfg = images or ImageInputConfig()
         self.vision = client.model_cfg.vision
@@ -363,8 +368,9 @@ class ApiServer:
                        images: list[ImageItem] | None = None, first_token_event: bool = False) -> Response:
         await self._compile_grammar(gen)
         streams = self._choice_streams(gen, prompts, images or [])
+        spans = self.tracing.engine_sink(self.client.role_name, request.headers) if self.tracing is not None else None
         if gen.stream:
-            return StreamingResponse(self._sse(gen, streams, first_token_event), media_type="text/event-stream",
+            return StreamingResponse(self._sse(gen, streams, first_token_event, spans), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
         work = asyncio.ensure_future(self._collect(streams))
         gone = asyncio.ensure_future(wait_for_disconnect(request))
@@ -376,6 +382,9 @@ class ApiServer:
             return Response(status_code=499)
         gone.cancel()
         choices = work.result()
+        for c in choices if spans is not None else []:
+            if c.phase_marks is not None:
+                spans(c.phase_marks)
         failed = [c for c in choices if c.finish_reason == FinishReason.ERROR.value]
         if failed:
             message = failed[0].error or "generation failed"
@@ -388,7 +397,8 @@ class ApiServer:
             # completion body is shaped (detokenized, parsed for tool calls) only to be thrown away.
             usage = _choices_usage(choices, gen.n)
             return JSONResponse({"prefilled": True, "prompt_tokens": usage["prompt_tokens"],
-                                 "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})
+                                 "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                 "phase_marks": choices[0].phase_marks})
         return JSONResponse(self._final_body(gen, choices))
 
     async def _collect(self, streams) -> list[ChoiceResult]:
@@ -437,7 +447,8 @@ class ApiServer:
             "usage": _choices_usage(choices, gen.n),
         }
 
-    async def _sse(self, gen: GenerationRequest, streams, first_token_event: bool = False) -> AsyncIterator[bytes]:
+    async def _sse(self, gen: GenerationRequest, streams, first_token: bool = False,
+                   spans: Callable[[dict[str, float]], None] | None = None) -> AsyncIterator[bytes]:
         if len(streams) == 1:  # one choice: read its stream here (no pump task, no second queue per token)
             tasks: list[asyncio.Future] = []
             choice, stream = streams[0]
@@ -477,9 +488,11 @@ class ApiServer:
                     open_streams -= 1
                     continue
                 choice.add(out)
-                if first_token_event and (out.token_ids or out.finish_reason not in (None, FinishReason.ERROR)):
-                    first_token_event = False
-                    yield FIRST_TOKEN_EVENT
+                if spans is not None and out.phase_marks is not None:
+                    spans(out.phase_marks)
+                if first_token and (out.token_ids or out.finish_reason not in (None, FinishReason.ERROR)):
+                    first_token = False  # the marker carries the stamps the router attributes TTFT with
+                    yield first_token_marker(choice.phase_marks)
                 if out.finish_reason == FinishReason.ERROR:
                     yield _sse_event({"error": {"message": out.error or "generation failed",
                                                 "type": "server_error", "code": "generation_failed"}})

@@ -124,6 +124,10 @@ class EngineConfig:
         "help": "run the engine core in a process of its own (api/engine_core.py), apart from the HTTP "
                 "server's (tokenizer, chat templates, SSE), talking over ZeroMQ IPC: no GIL shared between them; "
                 "default: on with a CUDA device, off on the CPU (see runs_engine_process)"})
+    otel_endpoint: str = field(default="", metadata={
+        "help": "an OTLP/HTTP collector (http://host:4318) to export each request's phases in this engine to as "
+                "OpenTelemetry spans, under the router's span (needs splitserve[otel]); unset: "
+                "OTEL_EXPORTER_OTLP_ENDPOINT's, else no spans"})
     log_level: str = field(default="info", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:

@@ -29,6 +29,7 @@ from splitserve.engine.host_kv import HostKVPool
 from splitserve.engine.kv_cache import KVCache, KVUsage
 from splitserve.engine.metrics import EngineMetrics, observe_times
 from splitserve.engine.page_events import PageEvents
+from splitserve.engine.phase_timing import FIRST_TOKEN, SCHEDULED, TAKEN, mark, take
 from splitserve.engine.request import FinishReason, Request, RequestStatus, TokenOutput
 from splitserve.engine.role import ComposedRole, Role, UnifiedRole
 from splitserve.engine.runner.model_runner import (
@@ -442,6 +443,7 @@ class Engine:
             self._emit(req, TokenOutput(req.request_id, [], "", finish_reason=FinishReason.ERROR, error=error))
             return
         self.requests[req.request_id] = req
+        mark(req, TAKEN)
         req.argmax_only = req.params.wants_argmax_only  # its params are final now; read every step
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         with self.request_fault(req, "admitting the request"):
@@ -458,6 +460,7 @@ class Engine:
                 and all(c.request.argmax_only and not c.draft for c in step.chunks))
 
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
+        launched_at = time.time()  # the prompt chunks' `scheduled` stamp (on the CPU, launch runs the step)
         try:
             pending = self.runner.launch(chunks, self.kv.page_table)
         except Exception as exc:  # a bug or an OOM: fail this step's requests, keep serving others
@@ -469,6 +472,7 @@ class Engine:
             if c.start < len(req.prompt_ids):  # a prompt chunk
                 self.metrics.prompt_tokens_computed.inc(min(c.start + c.length, len(req.prompt_ids)) - c.start)
                 req.publishing = True
+                mark(req, SCHEDULED, launched_at)
             req.kv_len += c.length
         # A request's slot is its identity in the step: one preempted meanwhile gets its token discarded.
         return LaunchedStep(chunks, [c.request.slot for c in chunks], pending)
@@ -588,6 +592,7 @@ class Engine:
 
     def _first_token(self, req: Request, now: float, logprobs: list[float] | None) -> None:
         req.first_token_time = now
+        mark(req, FIRST_TOKEN)
         req.first_token_logprob = logprobs[0] if logprobs else 0.0
         self.metrics.ttft.observe(now - req.arrival_time)
 
@@ -623,9 +628,10 @@ class Engine:
             return  # the role took the request over (e.g. prefill hands it to decode)
         text = req.detokenizer.take_delta(final=finish is not None)
         # By position (once per row): request id, token ids, text, logprobs, top logprobs, finish, error (none),
-        # prompt tokens, completion tokens, cached tokens.
+        # prompt tokens, completion tokens, cached tokens, phase stamps (the first output's).
         self._emit(req, TokenOutput(req.request_id, [token], text, logprobs, top, finish, None,
-                                    len(req.prompt_ids), len(req.output_ids), req.cached_len))
+                                    len(req.prompt_ids), len(req.output_ids), req.cached_len,
+                                    take(req, self.metrics) if req.phase_marks is not None else None))
         if finish is not None:
             self._retire(req, finish)
 
@@ -648,9 +654,11 @@ class Engine:
         if req.finished:
             return
         text = req.detokenizer.take_delta(final=True) if req.detokenizer is not None else ""
+        completed = reason in (FinishReason.STOP, FinishReason.LENGTH)  # (a prefill's handoff done, too)
         self._emit(req, TokenOutput(req.request_id, [], text, finish_reason=reason, error=error,
                                     prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
-                                    cached_tokens=req.cached_len))
+                                    cached_tokens=req.cached_len,
+                                    phase_marks=take(req, self.metrics if completed else None)))
         self._retire(req, reason, cache_prefix=reason is not FinishReason.ERROR)
 
     @contextlib.contextmanager

@@ -6,6 +6,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0, 30.0, 60.0)
+# A request's phases (engine/phase_timing.py, router/phases.py): tens of microseconds to seconds.
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0,
+                 30.0)
 HOST_LOAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -100,12 +103,18 @@ class EngineMetrics:
                                               registry=r).labels(model_name)
         self.kv_store_up = Gauge("splitserve_kv_store_up", "1 while the store is set up and its last call "
                                  "succeeded", labels, registry=r).labels(model_name)
+        self._phase_seconds = Histogram("splitserve_phase_seconds", "A request's time to first token as this engine "
+                                        "saw it, by phase (engine/phase_timing.py)", [*labels, "phase"],
+                                        buckets=PHASE_BUCKETS, registry=r)
         self._finished = Counter("splitserve_requests_finished", "Requests finished, by reason",
                                  [*labels, "reason"], registry=r)
         self.model_name = model_name
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
+
+    def phase(self, phase: str, seconds: float) -> None:
+        self._phase_seconds.labels(self.model_name, phase).observe(seconds)
 
 
 def observe_times(histogram: Histogram, amount: float, times: int) -> None:

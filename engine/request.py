@@ -41,6 +41,8 @@ class TokenOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # The request's phase stamps (engine/phase_timing.py), on its first output only.
+    phase_marks: dict[str, float] | None = None
 
 
 @dataclass(eq=False)
@@ -84,6 +86,8 @@ class Request:
     stop_ids: frozenset[int] | None = None
     # `params.wants_argmax_only`, read once at admission (the overlap check asks it every step).
     argmax_only: bool = False
+    # Where its time to first token went (engine/phase_timing.py); None once sent out with its first output.
+    phase_marks: dict[str, float] | None = field(default_factory=dict)
 
     @property
     def all_ids(self) -> list[int]:

@@ -51,7 +51,11 @@ def main(argv: list[str]) -> int:
         images = config_from_args(ImageInputConfig, args, "SPLITSERVE_ROUTER")
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
-    router = Router(cfg, images)
+    from splitserve.api.otel import TracingUnavailable
+    try:
+        router = Router(cfg, images)
+    except TracingUnavailable as exc:
+        parser.error(str(exc))
     logger.info("router on http://%s:%d: prefill %s, decode %s, unified %s", cfg.host, cfg.port, cfg.prefill,
                 cfg.decode, cfg.unified)
     uvicorn.run(router.app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5,

@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -25,6 +26,7 @@ from starlette.routing import Route
 
 from splitserve.api.http_request import ROUTE_ERROR_HANDLERS, error_response, read_json, wait_for_disconnect
 from splitserve.api.openai_protocol import ApiError
+from splitserve.api.otel import Tracing, otel_endpoint
 from splitserve.engine.multimodal.image_inputs import ImageInputConfig
 from splitserve.router.api_keys import ApiKeys
 from splitserve.router.backend_pool import ROLES, BackendPool, NoBackend, Overloaded
@@ -36,6 +38,7 @@ from splitserve.router.health_prober import HealthProber
 from splitserve.router.image_encoding import EncodersUnavailable, ImageEncoding
 from splitserve.router.kv_events import KVEventsPoller
 from splitserve.router.pair_routing import Answer, PairRouter, PrefillAffinity
+from splitserve.router.phases import PHASES_HEADER, PhaseRecorder, RequestTiming, phases_comment
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.role_changes import with_reported_roles
 from splitserve.router.upstream import EJECTING_KINDS, UpstreamClient, UpstreamFailure, sse_error_event
@@ -126,6 +129,9 @@ class Router:
                                 prepare=self.images.prepare,  # images go to encoders, when there are any
                                 routing=routing, verdict_wait_s=cfg.verdict_wait_s)
         self.api_keys = ApiKeys(cfg.api_key, cfg.api_key_file)
+        # Raises TracingUnavailable (at start) when spans are asked for and cannot be made.
+        self.tracing = Tracing.from_endpoint(otel_endpoint(cfg.otel_endpoint), "splitserve-router")
+        self.phases = PhaseRecorder(self.registry, cfg.disaggregated, self.tracing)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -150,6 +156,8 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.client.aclose()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     async def _watch_endpoints(self) -> None:
         """--kube-group: the role Services' Endpoints are the backend sets (scaling never restarts us)."""
@@ -165,12 +173,14 @@ class Router:
     # ---- endpoints ---------------------------------------------------------------------------
 
     async def completions(self, request: HttpRequest) -> Response:
+        received = time.time()
         self.api_keys.check(request.headers.get("authorization"))
-        return await self._route(request, "/v1/completions")
+        return await self._route(request, "/v1/completions", received)
 
     async def chat_completions(self, request: HttpRequest) -> Response:
+        received = time.time()
         self.api_keys.check(request.headers.get("authorization"))
-        return await self._route(request, "/v1/chat/completions")
+        return await self._route(request, "/v1/chat/completions", received)
 
     async def models(self, request: HttpRequest) -> Response:
         self.api_keys.check(request.headers.get("authorization"))
@@ -224,9 +234,13 @@ class Router:
 
     # ---- routing -----------------------------------------------------------------------------
 
-    async def _route(self, request: HttpRequest, path: str) -> Response:
+    async def _route(self, request: HttpRequest, path: str, received: float) -> Response:
         """Routes one request; a client that leaves before the answer cancels the upstream calls
         (closing their connections, so the engines abort the request and free its pages)."""
+        report = request.headers.get(PHASES_HEADER, "").strip().lower() in ("1", "true")
+
+        def timing() -> RequestTiming:  # one per sequence sent to the engines
+            return self.phases.start(received, request.headers, report)
         try:
             ticket = self.admission.enter()
         except Overloaded as exc:
@@ -235,7 +249,7 @@ class Router:
         relaying = False
         try:
             body = await read_json(request)
-            work = asyncio.ensure_future(self._answer(body, path))
+            work = asyncio.ensure_future(self._answer(body, path, timing))
             gone = asyncio.ensure_future(wait_for_disconnect(request))
             try:
                 await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -258,6 +272,7 @@ class Router:
                 return result
             if result.events is None:  # non-streamed: the whole answer is in
                 await result.close()
+                self.phases.close(result.timing)
                 self.requests.labels("ok").inc()
                 return Response(result.content, media_type="application/json")
             relaying = True
@@ -273,7 +288,7 @@ class Router:
             return None
         return self.routing.tokenize(path, body, self.cfg.transfer_control_key)
 
-    async def _answer(self, body: Any, path: str) -> Answer | Response:
+    async def _answer(self, body: Any, path: str, timing: Callable[[], RequestTiming]) -> Answer | Response:
         if not isinstance(body, dict):
             raise ApiError("request body must be a JSON object")
         if self.cfg.disaggregated:  # one sequence per pair: n > 1 and prompt lists fan out
@@ -288,7 +303,7 @@ class Router:
                 def send_one(one: Sequence) -> Awaitable[Response]:
                     prompt = prompts[one.prompt_index]
                     return self._one_sequence({**one.body, **(prompt.fields if prompt else {})}, path,
-                                              prefills[one.prompt_index], prompt.ids if prompt else None)
+                                              prefills[one.prompt_index], prompt.ids if prompt else None, timing())
                 merged = await fan_out(body, sequences, send_one)
                 # Counted once, as the client's one request (its sequences are not counted).
                 if isinstance(merged, StreamingResponse):
@@ -299,8 +314,8 @@ class Router:
             body = sequences[0].body
         prompt = self._tokenized(path, body)
         if prompt is None:
-            return await self._dispatch(body, path)
-        return await self._dispatch({**body, **prompt.fields}, path, prompt_ids=prompt.ids)
+            return await self._dispatch(body, path, timing=timing())
+        return await self._dispatch({**body, **prompt.fields}, path, prompt_ids=prompt.ids, timing=timing())
 
     async def _counted_stream(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """A fanned-out stream, counted once when it ends (broken if a sequence's stream broke)."""
@@ -318,25 +333,40 @@ class Router:
             await events.aclose()  # type: ignore[attr-defined]
 
     async def _one_sequence(self, body: dict, path: str, prefill: PrefillAffinity,
-                            prompt_ids: list[int] | None) -> Response:
+                            prompt_ids: list[int] | None, timing: RequestTiming) -> Response:
         """One sequence of a fanned-out request, as a response the fan-out merges."""
-        answer = await self._dispatch(body, path, prefill, count=False, prompt_ids=prompt_ids)
+        answer = await self._dispatch(body, path, prefill, count=False, prompt_ids=prompt_ids, timing=timing)
         if not isinstance(answer, Answer):
             return answer
         if answer.events is None:
             await answer.close()
+            self.phases.close(timing)
             return Response(answer.content, media_type="application/json")
         return RelayResponse(self._relay(answer, None, count=False), media_type="text/event-stream")
 
     async def _dispatch(self, body: dict, path: str, prefill: PrefillAffinity | None = None,
-                        count: bool = True, prompt_ids: list[int] | None = None) -> Answer | Response:
+                        count: bool = True, prompt_ids: list[int] | None = None,
+                        timing: RequestTiming | None = None) -> Answer | Response:
+        """`_send`, with the request's timing handed to its answer (or closed, when there is none)."""
+        result: Answer | Response | None = None
+        try:
+            result = await self._send(body, path, prefill, count, prompt_ids, timing)
+            return result
+        finally:
+            if isinstance(result, Answer):
+                result.timing = timing
+            else:
+                self.phases.close(timing, "no answer" if result is None else f"HTTP {result.status_code}")
+
+    async def _send(self, body: dict, path: str, prefill: PrefillAffinity | None, count: bool,
+                    prompt_ids: list[int] | None, timing: RequestTiming | None) -> Answer | Response:
         stream = body.get("stream") is True
 
         def counted(outcome: str) -> None:
             if count:
                 self.requests.labels(outcome).inc()
         try:
-            return await self.pairs.dispatch(path, body, stream, self.cfg.disaggregated, prefill, prompt_ids)
+            return await self.pairs.dispatch(path, body, stream, self.cfg.disaggregated, prefill, prompt_ids, timing)
         except Overloaded as exc:
             counted("overloaded")
             return error_json(str(exc), 503, "overloaded", retry_after=self.cfg.retry_after_s)
@@ -358,13 +388,21 @@ class Router:
     async def _relay(self, answer: Answer, ticket: Admission.Ticket | None, count: bool = True) -> AsyncIterator[bytes]:
         """Relays a stream that has its first token; a failure from here on ends it with an error event."""
         outcome = "ok"
+        timing = answer.timing
         try:
             for event in answer.head:
                 yield event
             assert answer.events is not None
             try:
                 async for event in answer.events:
+                    if timing is not None and timing.report and event.startswith(b"data: [DONE]"):
+                        phases = await self.phases.settle(timing, answer.prefill_task)
+                        yield phases_comment(timing, phases, self.cfg.disaggregated)
+                    if timing is not None and timing.relayed is None:  # the first token's chunk goes out
+                        timing.relayed = time.time()
                     yield event
+                if timing is not None:
+                    await self.phases.settle(timing, answer.prefill_task)
             except UpstreamFailure as failure:
                 outcome = "broken_stream"
                 if failure.kind in EJECTING_KINDS:
@@ -378,6 +416,7 @@ class Router:
         finally:
             if count:
                 self.requests.labels(outcome).inc()
+            self.phases.close(timing, None if outcome == "ok" else outcome)
             try:
                 await answer.close()
             finally:

@@ -65,6 +65,9 @@ class RouterConfig:
                 "ServingGroup's role Services (instead of --prefill/--decode URLs)"})
     kube_namespace: str = field(default="", metadata={
         "help": "the group's namespace (default: the pod's own, from its service account)"})
+    otel_endpoint: str = field(default="", metadata={
+        "help": "an OTLP/HTTP collector (http://host:4318) to export each request's phases to as OpenTelemetry spans "
+                "(needs splitserve[otel]); unset: OTEL_EXPORTER_OTLP_ENDPOINT's, else no spans"})
 
     def __post_init__(self) -> None:
         if self.kube_group and (self.unified or self.prefill or self.decode):

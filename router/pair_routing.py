@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
-from splitserve.api.openai_protocol import FIRST_TOKEN_FIELD
+from splitserve.api.openai_protocol import FIRST_TOKEN_FIELD, first_token_marks
 from splitserve.router.backend_pool import Backend, BackendPool, Lease, NoBackend
 from splitserve.router.cache_routing import CacheAwareRouting, RoutePlan
+from splitserve.router.phases import RequestTiming
 from splitserve.router.upstream import (
     EJECTING_KINDS,
     UpstreamFailure,
@@ -66,6 +69,7 @@ class Answer:
     events: AsyncIterator[bytes] | None = None  # streamed: the rest
     response: httpx.Response | None = None
     prefill_task: asyncio.Task | None = None  # the prefill call, if it has not answered yet
+    timing: RequestTiming | None = None  # where its time to first token went (router/phases.py)
 
     @property
     def backend(self) -> Backend:
@@ -125,11 +129,13 @@ class PairRouter:
         self.prepare = prepare
 
     async def dispatch(self, path: str, body: dict, stream: bool, disaggregated: bool,
-                       affinity: PrefillAffinity | None = None, prompt_ids: Sequence[int] | None = None) -> Answer:
+                       affinity: PrefillAffinity | None = None, prompt_ids: Sequence[int] | None = None,
+                       timing: RequestTiming | None = None) -> Answer:
         """Runs one request until an attempt answers; raises the last UpstreamFailure (or NoBackend
         / Overloaded when there is nothing to try). With an `affinity`, the prefill it names is
         preferred (and the first pick names it). With the prompt's ids (`CacheAwareRouting.tokenize`),
-        the unified replica or prefill is chosen by cached prefix."""
+        the unified replica or prefill is chosen by cached prefix. With a `timing`, the attempt that answers
+        stamps it (sent, first token) and the engines' stamps land there (router/phases.py)."""
         avoid: set[str] = set()  # backends of failed attempts: others first
         never: set[str] = set()  # backends that failed themselves
         last: UpstreamFailure | None = None
@@ -160,7 +166,7 @@ class PairRouter:
                 logger.warning("retrying on %s after: %s", main.backend.url if prefill is None else
                                f"{prefill.backend.url} + {main.backend.url}", last)
             try:
-                return await self._attempt(prefill, main, path, attempt_body, stream, encoders)
+                return await self._attempt(prefill, main, path, attempt_body, stream, encoders, timing)
             except UpstreamFailure as failure:
                 if failure.kind == "client":
                     raise
@@ -196,13 +202,16 @@ class PairRouter:
         return lease
 
     async def _attempt(self, prefill: Lease | None, main: Lease, path: str, body: dict, stream: bool,
-                       encoders: list[Backend] | None = None) -> Answer:
+                       encoders: list[Backend] | None = None, timing: RequestTiming | None = None) -> Answer:
         if prefill is not None:
             backend = prefill.backend
             body = pair_request(body, backend.bootstrap_host or "", backend.bootstrap_port or 0,
                                 secrets.randbits(63), self.key)
-        main_task = asyncio.ensure_future(self._answer(main, path, body, stream))
-        prefill_task = asyncio.ensure_future(self._prefill(prefill, path, body)) if prefill is not None else None
+        if timing is not None:
+            timing.sent, timing.engine, timing.prefill = time.time(), None, None  # this attempt's, not an earlier one's
+        main_task = asyncio.ensure_future(self._answer(main, path, body, stream, timing))
+        prefill_task = (asyncio.ensure_future(self._prefill(prefill, path, body, timing)) if prefill is not None
+                        else None)
         watch = asyncio.ensure_future(_first_ejected([main.backend, *([prefill.backend] if prefill else []),
                                                       *(encoders or [])]))
         waiting = {main_task, watch, *([prefill_task] if prefill_task else [])}
@@ -240,20 +249,24 @@ class PairRouter:
                     await _abandon(prefill_task)
                 main.release()
 
-    async def _prefill(self, lease: Lease, path: str, body: dict) -> None:
+    async def _prefill(self, lease: Lease, path: str, body: dict, timing: RequestTiming | None = None) -> None:
         prefill_body = {**body, "stream": False}
         prefill_body.pop("stream_options", None)
         try:
-            await post_json(self.client, lease.backend, path, prefill_body)
+            content = await post_json(self.client, lease.backend, path, prefill_body,
+                                      timing.headers if timing is not None else None)
         finally:
             lease.release()
+        if timing is not None:
+            timing.prefill = _prefill_marks(content)
 
-    async def _answer(self, lease: Lease, path: str, body: dict, stream: bool) -> Answer:
+    async def _answer(self, lease: Lease, path: str, body: dict, stream: bool,
+                      timing: RequestTiming | None = None) -> Answer:
         """The decode's (or unified replica's) answer: whole, or streamed up to its first token."""
         backend = lease.backend
         if stream:  # the engine marks its first token, whatever its text (it may decode to none yet)
             body = {**body, FIRST_TOKEN_FIELD: True}
-        response = await open_stream(self.client, backend, path, body)
+        response = await open_stream(self.client, backend, path, body, timing.headers if timing is not None else None)
         answer = Answer(lease, response=response)
         try:
             if not stream:
@@ -268,11 +281,24 @@ class PairRouter:
                 if kind.error is not None:
                     raise UpstreamFailure(backend, "request", 200, kind.error)
                 if kind.first_token:  # the engine's marker: consumed here, never relayed
+                    if timing is not None:
+                        timing.first_token, timing.engine = time.time(), first_token_marks(event)
                     return answer
                 answer.head.append(event)
                 if kind.token or kind.done:
+                    if timing is not None:
+                        timing.first_token = time.time()
                     return answer
             raise UpstreamFailure(backend, "unreachable", 200, "the stream ended before its first token")
         except BaseException:
             await response.aclose()
             raise
+
+
+def _prefill_marks(content: bytes) -> dict[str, float] | None:
+    """The phase stamps in a prefill's answer to a handoff (engine/phase_timing.py), if it has them."""
+    try:
+        marks = json.loads(content).get("phase_marks")
+    except (ValueError, AttributeError):
+        return None
+    return marks if isinstance(marks, dict) else None

@@ -130,10 +130,11 @@ def unreachable(backend: Backend, exc: BaseException) -> UpstreamFailure:
     return UpstreamFailure(backend, "unreachable", 0, f"{type(exc).__name__}: {exc}")
 
 
-async def post_json(client: httpx.AsyncClient, backend: Backend, path: str, body: dict) -> bytes:
+async def post_json(client: httpx.AsyncClient, backend: Backend, path: str, body: dict,
+                    headers: dict[str, str] | None = None) -> bytes:
     """POSTs and reads the whole answer; raises UpstreamFailure unless it is a 200."""
     try:
-        r = await client.post(f"{backend.url}{path}", json=body)
+        r = await client.post(f"{backend.url}{path}", json=body, headers=headers)
     except httpx.HTTPError as exc:
         raise unreachable(backend, exc) from exc
     if r.status_code != 200:
@@ -141,10 +142,12 @@ async def post_json(client: httpx.AsyncClient, backend: Backend, path: str, body
     return r.content
 
 
-async def open_stream(client: httpx.AsyncClient, backend: Backend, path: str, body: dict) -> httpx.Response:
+async def open_stream(client: httpx.AsyncClient, backend: Backend, path: str, body: dict,
+                      headers: dict[str, str] | None = None) -> httpx.Response:
     """Opens a POST whose answer is read later; raises UpstreamFailure unless it is a 200."""
     try:
-        r = await client.send(client.build_request("POST", f"{backend.url}{path}", json=body), stream=True)
+        r = await client.send(client.build_request("POST", f"{backend.url}{path}", json=body, headers=headers),
+                              stream=True)
     except httpx.HTTPError as exc:
         raise unreachable(backend, exc) from exc
     if r.status_code != 200:
@@ -185,7 +188,7 @@ class EventKind:
 
 def event_kind(event: bytes) -> EventKind:
     data = event.strip()
-    if data == FIRST_TOKEN_MARK:
+    if data.startswith(FIRST_TOKEN_MARK) and data[len(FIRST_TOKEN_MARK):len(FIRST_TOKEN_MARK) + 1] in (b"", b" "):
         return EventKind(True, None, False, first_token=True)
     if data.startswith(b"data: "):
         data = data[6:]

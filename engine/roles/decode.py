@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from splitserve.engine.engine import Engine
+from splitserve.engine.phase_timing import ADMITTED, ARRIVED, mark
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.role import Role
 from splitserve.engine.roles.kv_transfer_endpoint import KVTransferEndpoint, aux_slot_count
@@ -121,6 +122,7 @@ class DecodeRole(Role):
         self.metadata_sent.add(req.request_id)  # from here on the prefill may write into the pages
         receiver.send_metadata(req.pages[: self.engine.kv.pages_for(len(req.prompt_ids))],
                                self.aux_of[req.request_id], decode_prefix_len)
+        mark(req, ADMITTED)
 
     def poll(self) -> None:
         self._release_fenced()
@@ -135,6 +137,7 @@ class DecodeRole(Role):
     def _receiver_polled(self, req: Request, status: KVPoll) -> None:
         receiver: KVReceiver = req.role_state
         if status == KVPoll.Success:
+            mark(req, ARRIVED)
             self.receiving.pop(req.request_id)
             self.metadata_sent.discard(req.request_id)  # every write landed: nothing more can
             aux_slot = self.aux_of.pop(req.request_id)

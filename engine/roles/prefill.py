@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.engine.engine import Engine
+from splitserve.engine.phase_timing import BOOTSTRAPPED, SHIPPED, mark
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.role import Role
 from splitserve.engine.roles.kv_transfer_endpoint import KVTransferEndpoint
@@ -99,6 +100,7 @@ class PrefillRole(Role):
         self.endpoint.pack_aux(state.aux_index, AuxData(req.output_ids[0], req.first_token_logprob, req.cached_len))
         prompt_pages = self.engine.kv.pages_for(len(req.prompt_ids))
         state.sender.send(req.pages[state.pages_sent:prompt_pages], last_chunk=True)
+        mark(req, SHIPPED)
         state.pages_sent = prompt_pages
         state.finish = finish or FinishReason.LENGTH
         self.engine.park(req)
@@ -125,6 +127,7 @@ class PrefillRole(Role):
             self.engine.finish(req, FinishReason.ERROR, f"KV transfer to decode failed before the prompt ran: "
                                                         f"{req.role_state.sender.failure_exception()}")
         else:  # the decode's pages are reserved and its metadata is here: now compute the prompt
+            mark(req, BOOTSTRAPPED)
             self.engine.scheduler.add(req)
 
     def _transfer_polled(self, req: Request, status: KVPoll) -> None:

@@ -1,0 +1,177 @@
+"""`splitserve bench --profile phases`: where the time to first token goes, 1P1D against unified, in one run.
+
+The same seeded open-loop load (mixed lengths, at each --rates) goes through the router to one unified engine and
+to one prefill + one decode engine. Every request asks the router for its phases (router/phases.py: the
+`x-splitserve-phases` SSE comment); the report gives, per deployment and rate, the p50 of each phase, the client's
+TTFT p50, and the attributed fraction (the phases' sum over the client's TTFT, per request: p50 and minimum).
+The 1P1D-minus-unified difference of each phase's p50 says where disaggregation's extra TTFT goes.
+
+  splitserve bench --profile phases --model tiny --device cpu --num-requests 40 --rates 4
+  splitserve bench --profile phases --shape llama-3.1-8b --device cuda:0 --rates 8 16 24 \\
+      --pd-engine-args "--transfer-protocol cuda_ipc"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from splitserve.bench.stats import percentiles
+from splitserve.config_flags import add_config_flags, config_from_args
+from splitserve.router.phases import DISAGGREGATED, PHASES_HEADER, UNIFIED
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PhasesBenchConfig:
+    """The load, and the two deployments it goes to."""
+
+    model: str = field(default="tiny", metadata={"help": "checkpoint for the engines (ignored with --shape)"})
+    shape: str = field(default="", metadata={
+        "help": "a model shape with random weights (e.g. llama-3.1-8b) instead of --model"})
+    device: str = field(default="auto", metadata={"help": "device of every engine (cuda:0: all on one GPU)"})
+    rates: list[float] = field(default_factory=lambda: [8.0, 24.0], metadata={"help": "request rates (req/s)"})
+    num_requests: int = field(default=200, metadata={"help": "requests per rate and deployment"})
+    input_lens: list[int] = field(default_factory=lambda: [64, 2048], metadata={
+        "help": "prompt lengths, drawn uniformly between the two (tokens)"})
+    output_lens: list[int] = field(default_factory=lambda: [32, 512], metadata={
+        "help": "output lengths, drawn uniformly between the two (tokens)"})
+    engine_args: str = field(default="", metadata={"help": "extra flags for every engine"})
+    pd_engine_args: str = field(default="", metadata={
+        "help": "extra flags for the prefill and decode engines (e.g. --transfer-protocol cuda_ipc)"})
+    seed: int = field(default=0, metadata={"help": "seed of the prompts, lengths and arrival times"})
+    output: str = field(default="", metadata={"help": "write the figures as JSON here"})
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request: the client's TTFT and the router's phases (None: the router sent none)."""
+
+    ttft: float
+    phases: dict[str, float] | None
+    error: str | None = None
+
+
+def workload(cfg: PhasesBenchConfig, vocab: int) -> list[tuple[float, list[int], int]]:
+    """(arrival offset s, prompt ids, max tokens) per request, seeded; Poisson arrivals at rate 1 (scaled later)."""
+    rng = random.Random(cfg.seed)
+    lo, hi = sorted(cfg.input_lens[:2]) if len(cfg.input_lens) > 1 else (cfg.input_lens[0],) * 2
+    olo, ohi = sorted(cfg.output_lens[:2]) if len(cfg.output_lens) > 1 else (cfg.output_lens[0],) * 2
+    t, out = 0.0, []
+    for _ in range(cfg.num_requests):
+        t += rng.expovariate(1.0)
+        out.append((t, [rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))], rng.randint(olo, ohi)))
+    return out
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Sample:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    start, ttft, phases = time.perf_counter(), None, None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers={PHASES_HEADER: "1"}) as r:
+            if r.status_code != 200:
+                return Sample(0.0, None, f"HTTP {r.status_code}")
+            async for line in r.aiter_lines():
+                if ttft is None and line.startswith("data: {") and "token_ids" in line:
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    if choices[0].get("token_ids"):
+                        ttft = time.perf_counter() - start
+                elif line.startswith(": phases "):
+                    phases = json.loads(line[len(": phases "):]).get("phases")
+    except httpx.HTTPError as exc:
+        return Sample(0.0, None, f"{type(exc).__name__}: {exc}")
+    return Sample(ttft, phases) if ttft is not None else Sample(0.0, None, "no token")
+
+
+async def run_load(url: str, model: str, requests: list[tuple[float, list[int], int]], rate: float) -> list[Sample]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        begin = time.perf_counter()
+
+        async def at(offset: float, prompt: list[int], max_tokens: int) -> Sample:
+            await asyncio.sleep(max(0.0, begin + offset / rate - time.perf_counter()))
+            return await one_request(client, url, model, prompt, max_tokens)
+        return list(await asyncio.gather(*(at(*r) for r in requests)))
+
+
+def summarize(samples: list[Sample], names: list[str]) -> dict[str, Any]:
+    """p50 of each phase and of the client's TTFT; the attributed fraction per request (p50, minimum)."""
+    ok = [s for s in samples if s.error is None]
+    told = [s for s in ok if s.phases is not None]
+    fractions = [sum(s.phases.values()) / s.ttft for s in told if s.ttft > 0]  # type: ignore[union-attr]
+    return {
+        "requests": len(samples), "ok": len(ok), "with_phases": len(told),
+        "errors": sorted({s.error for s in samples if s.error})[:3],
+        "ttft_s": percentiles([s.ttft for s in ok]),
+        "phases_p50_s": {n: percentiles([s.phases.get(n, 0.0) for s in told])["p50"]  # type: ignore[union-attr]
+                         for n in names},
+        "attributed_p50": percentiles(fractions)["p50"], "attributed_min": min(fractions, default=float("nan")),
+    }
+
+
+def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
+    from splitserve.launcher.up import Deployment, UpConfig, free_port
+
+    model = cfg.model
+    if cfg.shape:
+        import tempfile
+
+        from splitserve.engine.checkpoints.model_shapes import write_shape_folder
+        model = str(write_shape_folder(cfg.shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{cfg.shape}-"))))
+    report: dict[str, Any] = {"config": asdict(cfg), "unified": {}, "1p1d": {}}
+    shapes = (("unified", {"unified": 1}, [p for p, _, _ in UNIFIED], cfg.engine_args),
+              ("1p1d", {"prefill": 1, "decode": 1}, [p for p, _, _ in DISAGGREGATED],
+               f"{cfg.engine_args} {cfg.pd_engine_args}".strip()))
+    for name, shape, names, engine_args in shapes:
+        deployment = Deployment(UpConfig(model=model, device=cfg.device, port=free_port(), engine_args=engine_args,
+                                         **shape))
+        try:
+            url = deployment.start()
+            served = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+            requests = workload(cfg, vocab=300)  # ids every model here has (the tiny model's vocabulary: 320)
+            asyncio.run(run_load(url, served, requests[:4], 1000.0))  # warm-up
+            for rate in cfg.rates:
+                report[name][rate] = summarize(asyncio.run(run_load(url, served, requests, rate)), names)
+        finally:
+            deployment.stop()
+    return report
+
+
+def print_phases_report(report: dict[str, Any]) -> None:
+    for rate in report["config"]["rates"]:
+        uni, pd = report["unified"][rate], report["1p1d"][rate]
+        print(f"rate {rate:g} req/s: TTFT p50 unified {uni['ttft_s']['p50'] * 1e3:.1f} ms, 1P1D "
+              f"{pd['ttft_s']['p50'] * 1e3:.1f} ms ({uni['ok']}/{uni['requests']} and {pd['ok']}/{pd['requests']} ok)")
+        for name, r in (("unified", uni), ("1p1d", pd)):
+            print(f"  {name:>8}: attributed p50 {r['attributed_p50']:.3f}, min {r['attributed_min']:.3f} "
+                  f"({r['with_phases']} with phases)")
+        print(f"  {'phase':>16} {'unified p50':>12} {'1P1D p50':>10} {'1P1D - unified':>15}")
+        for phase in pd["phases_p50_s"]:
+            u = uni["phases_p50_s"].get(phase)
+            p = pd["phases_p50_s"][phase]
+            diff = f"{(p - u) * 1e3:+12.2f} ms" if u is not None else f"{p * 1e3:+12.2f} ms"
+            print(f"  {phase:>16} {'' if u is None else f'{u * 1e3:9.2f} ms':>12} {p * 1e3:7.2f} ms {diff:>15}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="splitserve bench --profile phases", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser, PhasesBenchConfig, "SPLITSERVE_BENCH")
+    cfg = config_from_args(PhasesBenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH")
+    report = run_phases_benchmark(cfg)
+    print_phases_report(report)
+    if cfg.output:
+        Path(cfg.output).write_text(json.dumps(report, indent=2, default=str))
+    failed = sum(r["requests"] - r["ok"] for name in ("unified", "1p1d") for r in report[name].values())
+    return 0 if failed == 0 else 1
