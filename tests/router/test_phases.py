@@ -92,7 +92,10 @@ def test_tracing_without_its_packages_fails_at_start_and_says_what_to_install(tm
     """A process asked for spans where OpenTelemetry cannot be imported exits at once, naming the packages."""
     blocker = tmp_path / "sitecustomize.py"  # makes `import opentelemetry` fail in the child
     blocker.write_text("import sys\nsys.modules['opentelemetry'] = None\n")
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # No empty entry: it would put the working directory (the repo root, whose operator/ shadows the standard
+    # library's) on the child's path.
+    path = [str(tmp_path), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     router = subprocess.run([sys.executable, "-P", "-m", "splitserve", "router", "--unified", "http://127.0.0.1:1",
                              "--otel-endpoint", "http://127.0.0.1:4318"], env=env, capture_output=True, text=True,
                             timeout=60)
