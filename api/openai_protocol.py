@@ -28,26 +28,33 @@ FIRST_TOKEN_FIELD = "first_token_event"
 FIRST_TOKEN_EVENT = b": first_token\n\n"
 
 
-def first_token_marker(marks: dict[str, float] | None) -> bytes:
+CACHED_TOKENS_MARK = "cached_tokens"  # beside the stamps in a first-token event: the prompt tokens the cache held
+
+
+def first_token_marker(marks: dict[str, float] | None, cached_tokens: int | None = None) -> bytes:
     """FIRST_TOKEN_EVENT carrying the request's phase stamps (engine/phase_timing.py), for the router's
-    attribution of its TTFT: ``: first_token {"taken": ..., ...}``."""
-    if not marks:
+    attribution of its TTFT, and the prompt tokens its prefix cache held, for the router's count of what its
+    cache-aware choices got: ``: first_token {"taken": ..., ..., "cached_tokens": 96}``."""
+    payload = {**(marks or {}), **({CACHED_TOKENS_MARK: cached_tokens} if cached_tokens is not None else {})}
+    if not payload:
         return FIRST_TOKEN_EVENT
-    return b": first_token " + json.dumps(marks, separators=(",", ":")).encode() + b"\n\n"
+    return b": first_token " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def first_token_marks(event: bytes) -> dict[str, float] | None:
-    """The stamps a first-token event carries (None: none, or not readable)."""
+def first_token_marks(event: bytes) -> tuple[dict[str, float] | None, int | None]:
+    """(the stamps, the cached prompt tokens) a first-token event carries (None: none, or not readable)."""
     payload = event.strip()[len(FIRST_TOKEN_EVENT.strip()):].strip()
     if not payload:
-        return None
+        return None, None
     try:
         marks = json.loads(payload)
     except ValueError:
-        return None
-    if not isinstance(marks, dict) or not all(isinstance(v, (int, float)) for v in marks.values()):
-        return None
-    return marks
+        return None, None
+    if not isinstance(marks, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              for v in marks.values()):
+        return None, None
+    cached = marks.pop(CACHED_TOKENS_MARK, None)
+    return marks or None, int(cached) if cached is not None and cached >= 0 else None
 
 
 class ApiError(Exception):

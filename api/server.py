@@ -492,7 +492,7 @@ class ApiServer:
                     spans(out.phase_marks)
                 if first_token and (out.token_ids or out.finish_reason not in (None, FinishReason.ERROR)):
                     first_token = False  # the marker carries the stamps the router attributes TTFT with
-                    yield first_token_marker(choice.phase_marks)
+                    yield first_token_marker(choice.phase_marks, choice.cached_tokens)
                 if out.finish_reason == FinishReason.ERROR:
                     yield _sse_event({"error": {"message": out.error or "generation failed",
                                                 "type": "server_error", "code": "generation_failed"}})

@@ -51,6 +51,14 @@ class CacheAwareRouting:
         self.prompt_tokens = Counter("splitserve_router_routed_prompt_tokens",
                                      "Prompt tokens of the requests routed by cached prefix", ["url"],
                                      registry=registry)
+        self.reported_cached = Counter("splitserve_router_reported_cached_tokens",
+                                       "Prompt tokens the chosen backend reported from its prefix cache (what the "
+                                       "prediction got)", ["url"], registry=registry)
+
+    def reported(self, url: str, cached_tokens: int | None) -> None:
+        """Counts what a backend chosen here reported from its cache (None: it did not say)."""
+        if cached_tokens is not None and cached_tokens >= 0:
+            self.reported_cached.labels(url).inc(cached_tokens)
 
     def tokenize(self, path: str, body: dict[str, Any], key: str) -> TokenizedPrompt | None:
         """The request's prompt as the engines' tokenizer makes it (None where the router cannot tell: several

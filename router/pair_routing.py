@@ -70,6 +70,7 @@ class Answer:
     response: httpx.Response | None = None
     prefill_task: asyncio.Task | None = None  # the prefill call, if it has not answered yet
     timing: RequestTiming | None = None  # where its time to first token went (router/phases.py)
+    cached_tokens: int | None = None  # the prompt tokens the engine's prefix cache held, as it reported them
 
     @property
     def backend(self) -> Backend:
@@ -166,7 +167,8 @@ class PairRouter:
                 logger.warning("retrying on %s after: %s", main.backend.url if prefill is None else
                                f"{prefill.backend.url} + {main.backend.url}", last)
             try:
-                return await self._attempt(prefill, main, path, attempt_body, stream, encoders, timing)
+                return await self._attempt(prefill, main, path, attempt_body, stream, encoders, timing,
+                                           planned=plan is not None)
             except UpstreamFailure as failure:
                 if failure.kind == "client":
                     raise
@@ -202,7 +204,10 @@ class PairRouter:
         return lease
 
     async def _attempt(self, prefill: Lease | None, main: Lease, path: str, body: dict, stream: bool,
-                       encoders: list[Backend] | None = None, timing: RequestTiming | None = None) -> Answer:
+                       encoders: list[Backend] | None = None, timing: RequestTiming | None = None,
+                       planned: bool = False) -> Answer:
+        """One try on a pair (or a unified replica). `planned`: the cache-aware choice picked it, so what the
+        engine reports from its cache is counted against the prediction."""
         if prefill is not None:
             backend = prefill.backend
             body = pair_request(body, backend.bootstrap_host or "", backend.bootstrap_port or 0,
@@ -210,8 +215,8 @@ class PairRouter:
         if timing is not None:
             timing.sent, timing.engine, timing.prefill = time.time(), None, None  # this attempt's, not an earlier one's
         main_task = asyncio.ensure_future(self._answer(main, path, body, stream, timing))
-        prefill_task = (asyncio.ensure_future(self._prefill(prefill, path, body, timing)) if prefill is not None
-                        else None)
+        prefill_task = (asyncio.ensure_future(self._prefill(prefill, path, body, timing, planned))
+                        if prefill is not None else None)
         watch = asyncio.ensure_future(_first_ejected([main.backend, *([prefill.backend] if prefill else []),
                                                       *(encoders or [])]))
         waiting = {main_task, watch, *([prefill_task] if prefill_task else [])}
@@ -229,6 +234,8 @@ class PairRouter:
                                                            and f.kind in EJECTING_KINDS))
                 if main_task in done:
                     answer = main_task.result()
+                    if prefill is None and planned and self.routing is not None:  # a pair's: its prefill's
+                        self.routing.reported(main.backend.url, answer.cached_tokens)
                     answer.prefill_task = prefill_task if prefill_task is not None and not prefill_task.done() \
                         else None
                     answered = True
@@ -249,7 +256,8 @@ class PairRouter:
                     await _abandon(prefill_task)
                 main.release()
 
-    async def _prefill(self, lease: Lease, path: str, body: dict, timing: RequestTiming | None = None) -> None:
+    async def _prefill(self, lease: Lease, path: str, body: dict, timing: RequestTiming | None = None,
+                       planned: bool = False) -> None:
         prefill_body = {**body, "stream": False}
         prefill_body.pop("stream_options", None)
         try:
@@ -259,6 +267,8 @@ class PairRouter:
             lease.release()
         if timing is not None:
             timing.prefill = _prefill_marks(content)
+        if planned and self.routing is not None:
+            self.routing.reported(lease.backend.url, _usage_cached_tokens(content))
 
     async def _answer(self, lease: Lease, path: str, body: dict, stream: bool,
                       timing: RequestTiming | None = None) -> Answer:
@@ -274,6 +284,7 @@ class PairRouter:
                     answer.content = await response.aread()
                 except httpx.HTTPError as exc:
                     raise unreachable(backend, exc) from exc
+                answer.cached_tokens = _usage_cached_tokens(answer.content) if self.routing is not None else None
                 return answer
             answer.events = sse_events(backend, response)
             async for event in answer.events:
@@ -281,8 +292,9 @@ class PairRouter:
                 if kind.error is not None:
                     raise UpstreamFailure(backend, "request", 200, kind.error)
                 if kind.first_token:  # the engine's marker: consumed here, never relayed
+                    marks, answer.cached_tokens = first_token_marks(event)
                     if timing is not None:
-                        timing.first_token, timing.engine = time.time(), first_token_marks(event)
+                        timing.first_token, timing.engine = time.time(), marks
                     return answer
                 answer.head.append(event)
                 if kind.token or kind.done:
@@ -293,6 +305,18 @@ class PairRouter:
         except BaseException:
             await response.aclose()
             raise
+
+
+def _usage_cached_tokens(content: bytes) -> int | None:
+    """Cached prompt tokens in an engine's answer: a prefill's (`cached_tokens`) or a whole completion's
+    (`usage.prompt_tokens_details.cached_tokens`); None where it has none."""
+    try:
+        body = json.loads(content)
+        if "cached_tokens" in body:
+            return int(body["cached_tokens"])
+        return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def _prefill_marks(content: bytes) -> dict[str, float] | None:

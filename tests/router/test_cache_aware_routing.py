@@ -4,6 +4,7 @@ engines' own (fetched from them), for completions and chats alike."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import httpx
@@ -45,28 +46,59 @@ def cached(usage: dict) -> int:
     return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
-def run_turns(router: str, seed: int) -> list[int]:
+def run_turns(router: str, seed: int) -> tuple[list[int], int]:
     """Seven prefixes (not a multiple of the three engines, so turns in order do not line up with them), each
-    asked four times with a fresh question: the cached tokens of every repeat."""
+    asked four times with a fresh question: the cached tokens of every repeat, and of every request."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, 250) for _ in range(PREFIX_LEN)] for _ in range(7)]
-    hits = []
+    hits, total = [], 0
     for turn in range(4):
         for prefix in prefixes:
             usage = complete(router, prefix + [rng.randrange(3, 250) for _ in range(9)])
+            total += cached(usage)
             if turn:
                 hits.append(cached(usage))
-    return hits
+    return hits, total
+
+
+def metric_sum(router: str, name: str) -> float:
+    """A counter's samples summed over its labels (every backend)."""
+    text = httpx.get(f"{router}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def test_repeats_of_a_prefix_find_it_cached_where_least_loaded_routing_does_not(group) -> None:
-    aware = run_turns(group.url("router"), seed=1)
+    router = group.url("router")
+    reported = metric_sum(router, "splitserve_router_reported_cached_tokens_total")
+    predicted = metric_sum(router, "splitserve_router_predicted_cached_tokens_total")
+    aware, total = run_turns(router, seed=1)
     assert all(h >= PREFIX_LEN for h in aware), aware  # every repeat found its whole prefix
-    blind = run_turns(group.url("router-least-loaded"), seed=2)  # requests in turn over three engines
+    blind, _ = run_turns(group.url("router-least-loaded"), seed=2)  # requests in turn over three engines
     assert sum(h >= PREFIX_LEN for h in blind) <= len(blind) // 2, blind
-    metrics = httpx.get(f"{group.url('router')}/metrics", timeout=10).text
+    metrics = httpx.get(f"{router}/metrics", timeout=10).text
     assert 'splitserve_router_route_decisions_total{reason="cache"}' in metrics
     assert "splitserve_router_route_decision_seconds_count" in metrics
+    # Per backend, what the engines reported of their caches beside what the router predicted: the engines'
+    # counts are the clients' (usage), and the prediction (whole pages the events showed) never exceeds them.
+    got = metric_sum(router, "splitserve_router_reported_cached_tokens_total") - reported
+    assert got == total > 0
+    assert 0.75 * got <= metric_sum(router, "splitserve_router_predicted_cached_tokens_total") - predicted <= got
+
+
+def test_a_streamed_answer_reports_its_cached_tokens_to_the_router(group) -> None:
+    router = group.url("router")
+    prompt = [random.Random(5).randrange(3, 250) for _ in range(PREFIX_LEN)]
+    complete(router, [*prompt, 7])
+    before = metric_sum(router, "splitserve_router_reported_cached_tokens_total")
+    with httpx.stream("POST", f"{router}/v1/completions", timeout=60, json={
+            "model": "m", "prompt": [*prompt, 9], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: {")]
+    usage = [e for e in events if '"usage": {' in e or '"usage":{' in e][-1]
+    hit = cached(json.loads(usage[len("data: "):])["usage"])
+    assert hit >= PREFIX_LEN
+    assert metric_sum(router, "splitserve_router_reported_cached_tokens_total") - before == hit
 
 
 def test_chat_turns_of_one_conversation_stay_where_their_history_is(group) -> None:

@@ -79,13 +79,16 @@ def test_each_role_has_its_own_engine_phases() -> None:
         ("decode_admission", 0.25), ("kv_wait", 2.75), ("first_step", 0.5)]
 
 
-def test_the_first_token_marker_carries_the_stamps() -> None:
+def test_the_first_token_marker_carries_the_stamps_and_the_cached_tokens() -> None:
     marks = {"taken": 1.5, "first_token": 2.25}
     event = first_token_marker(marks)
-    assert event_kind(event).first_token and first_token_marks(event) == marks
-    assert first_token_marker(None) == FIRST_TOKEN_EVENT and first_token_marks(FIRST_TOKEN_EVENT) is None
+    assert event_kind(event).first_token and first_token_marks(event) == (marks, None)
+    assert first_token_marks(first_token_marker(marks, 96)) == (marks, 96)
+    assert first_token_marks(first_token_marker(None, 0)) == (None, 0)
+    assert first_token_marker(None) == FIRST_TOKEN_EVENT and first_token_marks(FIRST_TOKEN_EVENT) == (None, None)
     assert not event_kind(b": first_tokenish\n\n").first_token
-    assert first_token_marks(b': first_token {"taken": "soon"}\n\n') is None  # not numbers: not stamps
+    assert first_token_marks(b': first_token {"taken": "soon"}\n\n') == (None, None)  # not numbers: not stamps
+    assert first_token_marks(b': first_token {"taken": 1, "cached_tokens": -3}\n\n') == ({"taken": 1}, None)
 
 
 def test_tracing_without_its_packages_fails_at_start_and_says_what_to_install(tmp_path) -> None:
@@ -221,6 +224,7 @@ def test_the_phases_account_for_the_ttft_of_every_request(group, shape) -> None:
     url = group[shape]
     names = [p for p, _, _ in (DISAGGREGATED if shape == "pd" else UNIFIED)]
     before = metric_count(url, "splitserve_phase_seconds", "router")
+    fractions = []
     with httpx.Client(timeout=120) as client:
         timed_stream(client, url, "warm the connection", phases=False)
         for i in range(REQUESTS):
@@ -235,8 +239,16 @@ def test_the_phases_account_for_the_ttft_of_every_request(group, shape) -> None:
             phases = comment["phases"]
             assert list(phases) == names and all(v >= 0 for v in phases.values()), phases
             assert phases["prefill_compute"] > 0 and phases["router"] > 0
-            assert sum(phases.values()) >= 0.95 * ttft, (sum(phases.values()), ttft, phases, comment["client"])
-            assert sum(phases.values()) <= ttft  # all of it inside what the client saw
+            attributed = sum(phases.values())
+            assert attributed <= ttft  # all of it inside what the client saw
+            # Nothing goes missing: the client's TTFT is the phases plus its own time on either side of the
+            # router's window (its request reaching the router, its read of the relayed chunk).
+            client_side = comment["client"]["before"] + comment["client"]["after"]
+            assert attributed + client_side >= 0.99 * ttft, (attributed, client_side, ttft, phases)
+            fractions.append(attributed / ttft)
+    # The client's own milliseconds are scheduling on a busy CPU: one request may lose a few per cent to them, the
+    # typical one may not.
+    assert sorted(fractions)[len(fractions) // 2] >= 0.95, fractions
     # The router records a stream as it ends; every one of them, the warm-up's too.
     deadline = time.monotonic() + 10
     while metric_count(url, "splitserve_phase_seconds", "router") < before + REQUESTS + 1:
