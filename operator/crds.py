@@ -314,6 +314,12 @@ def slo_schema() -> Schema:
             "scaleDownIntervals": _int("Consecutive intervals a role must be oversized before it is "
                                        "scaled down.", 1, 100, default=4),
             "roles": _obj(limits, "Per-role replica bounds.", default={}),
+            "roleSwitch": {"type": "boolean", "default": True, "description": (
+                "When one of prefill and decode needs replicas while the other has idle ones, switch idle "
+                "engines across at run time (seconds: they drain, swap roles and keep their weights; a switched "
+                "pod stays in its StatefulSet, annotated splitserve.io/serving-role) before starting pods "
+                "(minutes). A switch an engine refuses (tensor parallel, an engine core in its own process) is "
+                "made up for by scaling in the same interval.")},
         },
         "Service-level objectives and the planner that sizes prefill and decode to them.",
         required=["ttftSeconds", "itlSeconds"],
@@ -341,8 +347,11 @@ def planner_status_schema() -> Schema:
                     "scraped": _str("Pods scraped / pods found, per role."),
                 },
                 "The last interval as the metrics showed it."),
-            "current": _str("prefill:decode replicas when the planner last ran."),
+            "current": _str("prefill:decode replicas serving when the planner last ran."),
             "desired": _str("prefill:decode replicas the planner wants."),
+            "serving": _str("prefill:decode replicas serving after its decision (switched pods under the role "
+                            "they serve)."),
+            "switched": _str("Pods serving the other role than their StatefulSet's."),
             "replicas": _obj(
                 {role: _obj({"current": _int("Replicas before the decision.", 0),
                              "desired": _int("Replicas the planner set.", 0)}, f"The {role} role.")
@@ -493,6 +502,9 @@ def serving_group_crd() -> dict[str, Any]:
         {"name": "P:D", "type": "string", "description": "Ready prefill:decode pods.", "jsonPath": ".status.pd"},
         {"name": "Desired P:D", "type": "string", "description": "Desired prefill:decode pods.",
          "jsonPath": ".status.desiredPD"},
+        {"name": "Serving P:D", "type": "string",
+         "description": "prefill:decode the engines serve (a pod switched at run time counts in its new role).",
+         "jsonPath": ".status.planner.serving"},
         {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
         {"name": "Planner", "type": "string", "priority": 1, "description": "The planner's last decision.",
          "jsonPath": ".status.planner.lastDecision"},

@@ -8,25 +8,33 @@ Each group's interval (``spec.slo.intervalSeconds``) the loop:
    histogram bucket increases, rates from counter increases, gauges) and an ``Observation`` with the roles'
    replicas (their ``spec.replicas``) and ready pods (their status);
 3. calls the group's ``SLOPlanner.decide`` (one planner per group, kept between intervals for its rate history
-   and scale-down windows; a new one when ``spec.slo`` changes);
-4. writes each changed role's replicas through its ServingRole's ``/scale`` subresource (the group never undoes
-   that: it pushes its own ``spec.roles.<role>.replicas`` only when that value changes), and the planner's view
-   into the group's ``status.planner`` (a merge patch: the reconciler's status keys are untouched);
-5. sets the operator's own gauges (``splitserve_planner_*``), served on ``--metrics-port``.
+   and scale-down windows; a new one when ``spec.slo`` changes) on the replicas the engines serve (a pod switched
+   to the other role counts there: operator/role_switch.py);
+4. makes the role switches the decision prefers (``spec.slo.roleSwitch``): ``POST /internal/role`` to each donor
+   pod, in parallel, and the pod's serving-role annotation once it has switched; a refused or failed switch is
+   made up for by scaling in the same interval. Pods switched earlier whose engine reports its home role again
+   (a restart) are asked once more;
+5. writes each StatefulSet size that changes through its ServingRole's ``/scale`` subresource (the group never
+   undoes that: it pushes its own ``spec.roles.<role>.replicas`` only when that value changes), and the planner's
+   view into the group's ``status.planner`` (a merge patch: the reconciler's status keys are untouched);
+6. sets the operator's own gauges (``splitserve_planner_*``), served on ``--metrics-port``.
 
 The first interval of a group (and after an operator restart) only takes a baseline: counters have no previous
 value to subtract yet. The loop is one thread ticking every second; not kopf timers, which would put a finalizer
-on every group.
+on every group. A switch blocks the loop while the engine drains (seconds: ``SWITCH_SETTLE_S`` and its in-flight
+requests), bounded by ``SWITCH_TIMEOUT_S``.
 """
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import hashlib
 import json
 import logging
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from splitserve.operator.group_builders import planner_enabled, router_port
 from splitserve.operator.kube import Kube, KubeError, collection_path
 from splitserve.operator.names import (
+    CONTROL_KEY,
     DEFAULT_HTTP_PORT,
     GROUP_API_VERSION,
     GROUP_KIND,
@@ -44,6 +53,7 @@ from splitserve.operator.names import (
     LABEL_ROLE,
     ROLE_KIND,
     ROUTER_ROLE,
+    control_secret_name,
     role_object_name,
 )
 from splitserve.operator.planner_metrics import (
@@ -51,27 +61,51 @@ from splitserve.operator.planner_metrics import (
     Samples,
     observation,
     parse_metrics,
+    pd,
     planner_config,
     planner_status,
     scale_body,
     scale_patches,
     summarize,
 )
+from splitserve.operator.role_switch import (
+    SERVING_ROLE,
+    home_role,
+    serving,
+    serving_role,
+    statefulset_sizes,
+    switch_donors,
+)
 from splitserve.operator.status import now_rfc3339
-from splitserve.planner.policy import ROLES, SLOPlanner
+from splitserve.planner.policy import ROLES, Decision, SLOPlanner
+from splitserve.transfer.bootstrap_grant import KEY_HEADER
 
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0
 SCRAPE_TIMEOUT_S = 3.0
 SCRAPED_ROLES = (*ROLES, ROUTER_ROLE)
+SWITCH_SETTLE_S = 2.0  # an engine refuses new work this long before it swaps: every router's probe sees it drain
+SWITCH_TIMEOUT_S = 120.0  # its in-flight requests finish within this, or the switch is called off
 Fetch = Callable[[str, float], str]
+Post = Callable[[str, dict[str, Any], dict[str, str], float], tuple[int, str]]
 
 
 def fetch_text(url: str, timeout: float) -> str:
     """GET ``url``; the body as text."""
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return response.read().decode()
+
+
+def post_json(url: str, body: dict[str, Any], headers: dict[str, str], timeout: float) -> tuple[int, str]:
+    """POST ``body`` as JSON; (status, body text), an HTTP error's too."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json", **headers},
+                                     method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
 
 
 class PlannerMetrics:
@@ -115,16 +149,27 @@ class GroupPlanner:
     lengths: tuple[float, float] = (0.0, 0.0)  # the last mean prompt and output tokens seen
 
 
+def _serving(pod: dict[str, Any], role: str) -> dict[str, Any]:
+    """The pod with its serving-role annotation set to ``role`` (removed when ``role`` is its home)."""
+    meta = dict(pod["metadata"])
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != SERVING_ROLE}
+    if role != home_role(pod):
+        annotations[SERVING_ROLE] = role
+    meta["annotations"] = annotations
+    return {**pod, "metadata": meta}
+
+
 def slo_key(slo: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(slo, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def group_targets(pods: list[Mapping[str, Any]], spec: Mapping[str, Any]) -> list[tuple[str, str, str]]:
-    """(role, pod name, metrics URL) of each running router, prefill and decode pod with an IP."""
+    """(role, pod name, metrics URL) of each running router, prefill and decode pod with an IP; an engine under
+    the role it serves (a switched pod's queue and batch are its new role's)."""
     targets = []
     for pod in pods:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-        role = (meta.get("labels") or {}).get(LABEL_ROLE)
+        role = serving_role(pod) if home_role(pod) in ROLES else (meta.get("labels") or {}).get(LABEL_ROLE)
         if role not in SCRAPED_ROLES or meta.get("deletionTimestamp") or not status.get("podIP"):
             continue
         if status.get("phase") not in (None, "Running"):
@@ -142,12 +187,12 @@ class PlannerLoop:
     def __init__(self, kube: Kube, lookup: Callable[[str, str, str], dict[str, Any] | None],
                  groups: Callable[[], list[tuple[str, str]]], metrics: PlannerMetrics | None = None,
                  fetch: Fetch = fetch_text, clock: Callable[[], float] = time.monotonic,
-                 scrape_workers: int = 8) -> None:
+                 scrape_workers: int = 8, post: Post = post_json) -> None:
         """``lookup(kind, namespace, name)``: an object from the watch caches; ``groups()``: the (namespace,
         name) of every group held."""
         self.kube, self.lookup, self.groups = kube, lookup, groups
         self.metrics = metrics or PlannerMetrics()
-        self.fetch, self.clock = fetch, clock
+        self.fetch, self.clock, self.post = fetch, clock, post
         self._planners: dict[tuple[str, str], GroupPlanner] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(scrape_workers, thread_name_prefix="scrape")
         self._stopped = threading.Event()
@@ -217,7 +262,6 @@ class PlannerLoop:
         if any(r is None for r in roles.values()):
             return None  # the reconciler has not created them yet
         replicas = {r: int((roles[r].get("spec") or {}).get("replicas", 0)) for r in ROLES}
-        ready = {r: int((roles[r].get("status") or {}).get("readyReplicas", 0) or 0) for r in ROLES}
         pods = self.kube.list("v1", "Pod", namespace, {LABEL_GROUP: name}, from_cache=True)
         scrapes = self.scrape(group_targets(pods, spec))
         for s in scrapes:
@@ -238,28 +282,38 @@ class PlannerLoop:
                       "message": f"no engine metrics: scraped {interval.scraped}; replicas left as they are"}
             self._write_status(namespace, name, status)
             return status
-        obs = observation(interval, now, replicas, ready, state.lengths)
+        view = serving(pods, replicas)
+        obs = observation(interval, now, view.replicas, view.ready, state.lengths)
         if interval.prompt_tokens and interval.output_tokens:
             state.lengths = (interval.prompt_tokens, interval.output_tokens)
         decision = state.planner.decide(obs)
-        message = ""
-        for role, count in scale_patches(decision, replicas).items():
+        notes = self._reassert_switches(group, pods, view.switched)
+        pods, switch_notes = self._switch(group, pods, replicas, decision)
+        notes += switch_notes
+        sizes, short = statefulset_sizes(pods, replicas, decision.replicas)
+        notes += [f"{role}: {n} to shed, none at the top of a StatefulSet yet" for role, n in short.items() if n]
+        for role, count in scale_patches(Decision(sizes, [], [], 0.0), replicas).items():
             try:
                 self.kube.request("PATCH", f"{collection_path(GROUP_API_VERSION, ROLE_KIND, namespace)}/"
                                            f"{role_object_name(name, role)}/scale", body=scale_body(count),
                                   content_type="application/merge-patch+json")
                 self.metrics.decisions.labels(namespace, name, role,
                                               "up" if count > replicas[role] else "down").inc()
-                log.info("planner %s/%s: %s %d -> %d", namespace, name, role, replicas[role], count)
+                log.info("planner %s/%s: %s StatefulSet %d -> %d", namespace, name, role, replicas[role], count)
             except KubeError as exc:
-                message = f"scaling {role} to {count} failed: {exc}"
-                log.warning("planner %s/%s: %s", namespace, name, message)
+                notes.append(f"scaling {role} to {count} failed: {exc}")
+                log.warning("planner %s/%s: %s", namespace, name, notes[-1])
+        message = "; ".join(notes)
+        after = serving(pods, sizes)
         status = planner_status(interval, obs, decision, now_rfc3339(), previous_status, message)
+        status["serving"] = pd(after.replicas)
+        status["switched"] = ", ".join(f"{pod} serves {role}"
+                                       for pod, role in sorted(after.switched.items())) or None
         self._write_status(namespace, name, status)
         slo = spec["slo"]
         for role in ROLES:
             self.metrics.desired.labels(namespace, name, role).set(decision.replicas[role])
-            self.metrics.current.labels(namespace, name, role).set(replicas[role])
+            self.metrics.current.labels(namespace, name, role).set(obs.replicas[role])
         self.metrics.ttft_target.labels(**labels).set(float(slo["ttftSeconds"]))
         self.metrics.itl_target.labels(**labels).set(float(slo["itlSeconds"]))
         self.metrics.arrival_rate.labels(**labels).set(interval.arrival_rate)
@@ -268,6 +322,94 @@ class PlannerLoop:
         if interval.itl_s is not None:
             self.metrics.itl.labels(**labels).set(interval.itl_s)
         return status
+
+    # ---- role switches ----
+
+    def _control_key(self, namespace: str, group: str) -> str:
+        """The group's key, which /internal/* of its engines asks for ('' where the Secret is not there)."""
+        secret = self.kube.get("v1", "Secret", namespace, control_secret_name(group)) or {}
+        value = (secret.get("data") or {}).get(CONTROL_KEY)
+        return base64.b64decode(value).decode() if value else ""
+
+    def _ask_switch(self, pod: Mapping[str, Any], role: str, key: str) -> str | None:
+        """Asks the pod's engine to serve ``role``; None once it does, else why not."""
+        host = pod["status"]["podIP"]
+        host = f"[{host}]" if ":" in host else host
+        url = f"http://{host}:{DEFAULT_HTTP_PORT}/internal/role"
+        try:
+            status, text = self.post(url, {"role": role, "settle_s": SWITCH_SETTLE_S, "timeout_s": SWITCH_TIMEOUT_S},
+                                     {KEY_HEADER: key} if key else {}, SWITCH_TIMEOUT_S + 30)
+        except Exception as exc:  # unreachable, timed out: this switch is off, the interval scales instead
+            return f"{pod['metadata']['name']}: {exc}"
+        if status != 200:
+            return f"{pod['metadata']['name']} refused ({status}): {text[:200]}"
+        return None
+
+    def _annotate(self, pod: Mapping[str, Any], role: str) -> None:
+        """Marks the pod as serving ``role`` (no mark: its home role)."""
+        meta = pod["metadata"]
+        value = None if role == home_role(pod) else role
+        self.kube.request("PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                          body={"metadata": {"annotations": {SERVING_ROLE: value}}},
+                          content_type="application/merge-patch+json")
+
+    def _switch(self, group: Mapping[str, Any], pods: list[dict[str, Any]], replicas: Mapping[str, int],
+                decision: Decision) -> tuple[list[dict[str, Any]], list[str]]:
+        """Makes the decision's switches (in parallel); returns the pods as they are after them (switched ones
+        annotated) and what went wrong. A switch that does not happen leaves its pod where it was: sizing the
+        StatefulSets afterwards scales for it."""
+        asks = [(pod, sw.to_role) for sw in decision.switches
+                for pod in switch_donors(pods, replicas, sw.from_role, sw.to_role, sw.count)]
+        if not asks:
+            return pods, []
+        meta = group["metadata"]
+        key = self._control_key(meta["namespace"], meta["name"])
+        started = self.clock()
+        errors = list(self._pool.map(lambda ask: self._ask_switch(ask[0], ask[1], key), asks))
+        notes, switched = [], {}
+        for (pod, role), error in zip(asks, errors, strict=True):
+            if error is not None:
+                notes.append(f"switch to {role} failed, scaling instead: {error}")
+                log.warning("planner %s/%s: %s", meta["namespace"], meta["name"], notes[-1])
+                continue
+            try:
+                self._annotate(pod, role)
+            except KubeError as exc:  # it serves `role` all the same; the next interval counts it by /health
+                notes.append(f"{pod['metadata']['name']} switched to {role}, not annotated: {exc}")
+            switched[pod["metadata"]["name"]] = role
+            log.info("planner %s/%s: %s switched %s -> %s in %.1f s", meta["namespace"], meta["name"],
+                     pod["metadata"]["name"], serving_role(pod), role, self.clock() - started)
+        return [_serving(p, switched[p["metadata"]["name"]]) if p["metadata"]["name"] in switched else p
+                for p in pods], notes
+
+    def _reassert_switches(self, group: Mapping[str, Any], pods: list[dict[str, Any]],
+                           switched: Mapping[str, str]) -> list[str]:
+        """Switched pods whose engine reports another role (it restarted in its home role) are asked again."""
+        notes: list[str] = []
+        if not switched:
+            return notes
+        meta = group["metadata"]
+        by_name = {p["metadata"]["name"]: p for p in pods if (p.get("status") or {}).get("podIP")}
+        stray = []
+        for name, role in switched.items():
+            pod = by_name.get(name)
+            if pod is None:
+                continue
+            host = pod["status"]["podIP"]
+            try:
+                reported = json.loads(self.fetch(f"http://{host}:{DEFAULT_HTTP_PORT}/health", SCRAPE_TIMEOUT_S))
+            except Exception:  # not serving yet: its probes decide; asked again next interval
+                continue
+            if reported.get("role") != role and not reported.get("draining"):
+                stray.append((pod, role))
+        if stray:
+            key = self._control_key(meta["namespace"], meta["name"])
+            for (pod, role), error in zip(stray, self._pool.map(lambda s: self._ask_switch(s[0], s[1], key), stray),
+                                          strict=True):
+                if error is not None:
+                    notes.append(f"{pod['metadata']['name']} came back as {home_role(pod)}; asking it to serve "
+                                 f"{role} again failed: {error}")
+        return notes
 
     def _write_status(self, namespace: str, name: str, planner: Mapping[str, Any]) -> None:
         self.kube.patch_status(GROUP_API_VERSION, GROUP_KIND, namespace, name, {"planner": dict(planner)})

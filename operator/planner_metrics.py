@@ -235,8 +235,7 @@ def planner_config(slo: Mapping[str, Any]) -> PlannerConfig:
         interval_s=float(slo.get("intervalSeconds", 15)),
         startup_s=float(slo.get("startupSeconds", 120)),
         scale_down_intervals=int(slo.get("scaleDownIntervals", 4)),
-        # Switching an engine's role at run time is not built yet: the operator only scales.
-        allow_switch=False,
+        allow_switch=bool(slo.get("roleSwitch", True)),
     )
 
 

@@ -404,9 +404,9 @@ def role_replicas(local: LocalCluster, ns: str, group: str) -> tuple[int, int]:
 
 def test_the_planner_moves_a_group_from_1p2d_to_2p1d_when_prompts_grow(local: LocalCluster) -> None:
     """spec.slo on the tiny CPU group, started 1P2D: under short prompts the planner keeps one prefill; when the
-    prompts grow to 3,000 tokens at the same rate it adds a prefill (the queue its sizing predicts) and, once
-    decode has been oversized for scaleDownIntervals, drains one decode: 2P1D, with every request answered and
-    the same greedy tokens as before."""
+    prompts grow to 3,000 tokens at the same rate prefill needs a second replica while one decode is idle, and
+    the planner switches that decode to prefill at run time (no pod started, none stopped): 2P1D in seconds,
+    with every request answered and the same greedy tokens as before."""
     doc = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
     doc["metadata"]["name"] = "planned"
     doc["spec"]["roles"]["decode"]["replicas"] = 2
@@ -419,36 +419,46 @@ def test_the_planner_moves_a_group_from_1p2d_to_2p1d_when_prompts_grow(local: Lo
     before = completions(router, probes)
     assert role_replicas(local, ns, group) == (1, 2)
 
+    def planner() -> dict[str, Any]:
+        sg = local.kube.get("splitserve.io/v1alpha1", "ServingGroup", ns, group) or {}
+        return (sg.get("status") or {}).get("planner") or {}
+
     long_prompts = threading.Event()
     load = ShiftingLoad(router, rate=4.0, prompt_len=lambda: 3000 if long_prompts.is_set() else 32)
-    history: list[tuple[float, tuple[int, int]]] = []
+    history: list[tuple[float, str | None]] = []
     try:
         start = time.monotonic()
         while time.monotonic() - start < 15:  # short prompts: one prefill is plenty
-            history.append((time.monotonic() - start, role_replicas(local, ns, group)))
+            history.append((time.monotonic() - start, planner().get("serving")))
             time.sleep(0.5)
-        assert all(p == 1 for _, (p, _) in history), history
+        assert all(s in (None, "1:2", "1:1") for _, s in history), history
         long_prompts.set()
         shifted = time.monotonic()
 
         def moved() -> bool:
-            history.append((time.monotonic() - start, role_replicas(local, ns, group)))
-            return history[-1][1] == (2, 1) and local.ready(local.pod(ns, f"{group}-prefill-1")) and len(
-                local.pods(ns, f"splitserve.io/group={group},splitserve.io/role=decode")) == 1
-        local.wait_for(moved, "the planner at 2P1D with its pods", timeout=120)
+            history.append((time.monotonic() - start, planner().get("serving")))
+            return history[-1][1] == "2:1"
+        local.wait_for(moved, "the planner serving 2P1D", timeout=90)
         moved_s = time.monotonic() - shifted
-        time.sleep(3)  # requests keep flowing through the new shape
+        switched = local.pod(ns, f"{group}-decode-1")
+        assert switched is not None and switched["metadata"]["annotations"][
+            "splitserve.io/serving-role"] == "prefill", switched["metadata"]
+        url = f"http://{switched['status']['podIP']}:8000"
+        assert httpx.get(f"{url}/health", timeout=5).json()["role"] == "prefill"
+        served = metric_total(url, "splitserve_prompt_tokens_total")
+        local.wait_for(lambda: metric_total(url, "splitserve_prompt_tokens_total") > served,
+                       "the switched engine prefilling the router's requests", timeout=30)
     finally:
         outcomes = load.stop()
     failed = [o for o in outcomes if o[1] != 200 or o[2]]
     assert len(outcomes) > 60 and failed == [], failed[:5]
     assert {length for length, _, _ in outcomes} == {32, 3000}
     assert completions(router, probes) == before
-    sg = local.wait_for(lambda: (s := local.kube.get("splitserve.io/v1alpha1", "ServingGroup", ns, group))
-                        and s["status"].get("pd") == "2:1" and s, "status.pd 2:1")
-    planner = sg["status"]["planner"]
-    assert planner["desired"] == "2:1" and planner["observed"]["promptTokens"] > 1000, planner
+    assert role_replicas(local, ns, group) == (1, 2)  # no pod started or stopped: a switch
+    assert local.pod(ns, f"{group}-prefill-1") is None
+    status = planner()
+    assert status["switched"] == f"{group}-decode-1 serves prefill", status
     columns = local.kubectl("get", "sg", group, "-n", ns).splitlines()
-    assert re.search(r"\s2:1\s+2:1\s", columns[1]), columns  # P:D ready and desired
-    logging.getLogger(__name__).info("1P2D -> 2P1D %.1f s after the prompts grew; %d requests, replicas %s",
-                                     moved_s, len(outcomes), history[::10])
+    assert "SERVING P:D" in columns[0] and re.search(r"\s2:1\s", columns[1]), columns
+    logging.getLogger(__name__).info("1P2D -> 2P1D by a switch %.1f s after the prompts grew; %d requests, "
+                                     "serving %s", moved_s, len(outcomes), history[::10])

@@ -138,7 +138,8 @@ def test_planner_config_from_the_spec() -> None:
     assert config.interval_s == 10.0 and config.startup_s == 120.0
     assert (config.limits["decode"].min, config.limits["decode"].max) == (2, 6)
     assert (config.limits["prefill"].min, config.limits["prefill"].max) == (1, 8)
-    assert config.allow_switch is False
+    assert config.allow_switch is True  # engines switch roles before pods start
+    assert planner_config({"ttftSeconds": 2, "itlSeconds": 0.05, "roleSwitch": False}).allow_switch is False
 
 
 def test_a_decision_becomes_scale_patches_and_a_status() -> None:
@@ -220,8 +221,8 @@ class FakeKube:
 
 
 def pod(name: str, role: str, ip: str) -> dict[str, Any]:
-    return {"metadata": {"name": name, "labels": {"splitserve.io/role": role}},
-            "status": {"phase": "Running", "podIP": ip}}
+    return {"metadata": {"name": name, "namespace": "ns", "labels": {"splitserve.io/role": role}},
+            "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
 def test_one_interval_of_the_loop_scales_prefill_through_the_scale_subresource() -> None:

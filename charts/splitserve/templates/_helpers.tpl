@@ -70,9 +70,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   resources: ["clusterroles"]
   verbs: ["bind"]
   resourceNames: [{{ include "splitserve.routerClusterRole" . | quote }}]
+# The planner marks an engine it switched to the other role (its serving-role annotation).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
