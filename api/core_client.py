@@ -58,6 +58,7 @@ from splitserve.engine.grammar.spec import GrammarSpec
 from splitserve.engine.multimodal.image_items import ImageItem
 from splitserve.engine.multimodal.image_processor import ClipImageProcessor
 from splitserve.engine.request import FinishReason, TokenOutput
+from splitserve.engine.role_switch import RoleSwitchRefused, SwitchResult
 from splitserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -79,10 +80,44 @@ class CoreGone(RuntimeError):
     """The engine core process is not running any more."""
 
 
+class CoreRoleSwitch:
+    """The core process's role switch (engine/role_switch.py, run there) as POST /internal/role sees it. While it
+    runs, the server refuses new requests itself (503: the router retries them elsewhere): those it sent before
+    the switch's call reach the core first (one ordered socket) and are drained there."""
+
+    def __init__(self, client: CoreClient) -> None:
+        self.client = client
+
+    def status(self) -> dict[str, Any]:
+        return {}  # the core's /health answer carries its own
+
+    async def switch(self, role: Any, settle_s: float, timeout_s: float) -> SwitchResult:
+        c = self.client
+        if c._switching is not None:
+            raise RoleSwitchRefused(f"a switch is in progress ({c._switching})", 409, "switch_in_progress")
+        c._switching = f"the engine is switching its role to {role}; retry on another"
+        try:
+            result = await c._call("switch_role", {"role": role, "settle_s": settle_s, "timeout_s": timeout_s},
+                                   timeout=timeout_s + CALL_TIMEOUT_S, raw_errors=True)
+        except CoreCallFailed as exc:
+            raise RoleSwitchRefused(exc.body["error"], int(exc.body.get("status", 500)),
+                                    exc.body.get("code", "role_switch_failed")) from None
+        finally:
+            c._switching = None
+        c.role_name = result["to_role"]
+        return SwitchResult(**result)
+
+
+class CoreCallFailed(RuntimeError):
+    """A call the core answered with an error body (for callers that read it)."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body.get("error", "the call failed in the engine core"))
+        self.body = body
+
+
 class CoreClient:
     """The engine as the HTTP server sees it, running in a core process of its own."""
-
-    role_switch = None  # a core in its own process does not switch roles (POST /internal/role answers 409)
 
     def __init__(self, proc: subprocess.Popen, context: zmq.Context, to_core: zmq.Socket, from_core: zmq.Socket,
                  folder: str, info: dict[str, Any], configs: ServeConfigs) -> None:
@@ -99,7 +134,9 @@ class CoreClient:
         self.context_length: int = info["context_length"]
         self.max_prompt_tokens: int = info["max_prompt_tokens"]
         self.tool_call_parser: str = info["tool_call_parser"]
-        self.role_name: str = info["role_name"]
+        self.role_name: str = info["role_name"]  # a role switch changes it
+        self._switching: str | None = None  # while a role switch runs: why new requests are refused
+        self.role_switch = CoreRoleSwitch(self)
         self.core_calls: list[str] = info["core_calls"]  # the core side of the role's endpoints
         self._control_key = configs.transfer.transfer_control_key
         self._image_cfg = configs.images
@@ -112,6 +149,7 @@ class CoreClient:
         self._keys = itertools.count()
         self._streams: dict[int, asyncio.Queue[TokenOutput]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._raw_error_calls: set[int] = set()  # calls whose error body goes to the caller whole
         self._ops: list[list[Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
@@ -186,6 +224,8 @@ class CoreClient:
         if self.failure is not None:
             outputs.put_nowait(_error(request_id, self.failure))
             return self._outputs(-1, request_id, outputs)
+        if self._switching is not None:
+            raise EngineOverloaded(self._switching)
         f = self._figures
         if (self._sent_adds - f.received) + f.in_inbox >= self.max_inbox:
             raise EngineOverloaded(f"the engine's inbox is full ({self.max_inbox} requests)")
@@ -248,18 +288,23 @@ class CoreClient:
         if ops and self.failure is None:
             self._to_core.send(pack(ops))
 
-    async def _call(self, name: str, arg: Any = None, timeout: float = CALL_TIMEOUT_S) -> Any:
+    async def _call(self, name: str, arg: Any = None, timeout: float = CALL_TIMEOUT_S,
+                    raw_errors: bool = False) -> Any:
+        """The core's answer to a call; its error as RuntimeError (CoreCallFailed with `raw_errors`)."""
         if self.failure is not None:
             raise CoreGone(self.failure)
         self._bind_loop()
         call_id = next(self._keys)
         done = asyncio.get_running_loop().create_future()
+        if raw_errors:
+            self._raw_error_calls.add(call_id)
         self._calls[call_id] = done
         self._send(["rpc", call_id, name, arg])
         try:
             return await asyncio.wait_for(done, timeout)
         finally:
             self._calls.pop(call_id, None)
+            self._raw_error_calls.discard(call_id)
 
     async def _outputs(self, key: int, request_id: str, outputs: asyncio.Queue[TokenOutput]
                        ) -> AsyncIterator[TokenOutput]:
@@ -293,6 +338,8 @@ class CoreClient:
                     done.set_result(value)
                 elif value.get("invalid_grammar"):
                     done.set_exception(InvalidGrammar(value["error"]))
+                elif call_id in self._raw_error_calls:
+                    done.set_exception(CoreCallFailed(value))
                 else:
                     done.set_exception(RuntimeError(value["error"]))
 

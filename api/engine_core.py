@@ -7,11 +7,14 @@ The API server process spawns it with its own `serve` flags and the folder of tw
 batched, every output of one engine step goes out in one message. The main thread reads the
 inbound socket and answers the server's calls (health, metrics, state from the engine's
 snapshots, and the role's own `core_calls`: the encode role's jobs of /v1/encode); the engine
-loop runs in its own thread as in-process. The core stops on SIGTERM and when the API server process is gone.
+loop runs in its own thread as in-process. A role switch (engine/role_switch.py) runs here, in a
+thread of its own while it drains, and answers its call when done. The core stops on SIGTERM and
+when the API server process is gone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -39,13 +42,14 @@ from splitserve.api.core_protocol import (
 )
 from splitserve.api.detokenizer import TextElsewhere
 from splitserve.api.engine_client import engine_health, engine_state_report
-from splitserve.api.serve import engine_role
+from splitserve.api.serve import engine_role, role_switch
 from splitserve.api.serve_config import parse_configs
 from splitserve.api.server_detokenizer import detokenized_by_server
 from splitserve.engine.engine import Engine
 from splitserve.engine.grammar.compiler import InvalidGrammar
 from splitserve.engine.grammar.spec import GrammarSpec
 from splitserve.engine.request import Request, TokenOutput
+from splitserve.engine.role_switch import RoleSwitch, RoleSwitchRefused
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +89,10 @@ class OutputSink:
 class CoreBridge:
     """Takes the API server's batches to the engine and answers its calls."""
 
-    def __init__(self, engine: Engine, sink: OutputSink) -> None:
+    def __init__(self, engine: Engine, sink: OutputSink, switch: RoleSwitch | None = None) -> None:
         self.engine = engine
         self.sink = sink
+        self.switch = switch  # prefill <-> decode at run time (the API server's POST /internal/role)
         self.received = 0
         self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._role_calls = engine.role.core_calls()  # the core side of the role's endpoints (/v1/encode)
@@ -138,7 +143,11 @@ class CoreBridge:
             if name in self._role_calls:
                 self._reply(call_id, True, self._role_calls[name](arg))
                 return
-            answers = {"health": lambda: list(engine_health(self.engine)),
+            if name == "switch_role":  # drains for seconds: off this thread, which keeps taking the server's calls
+                threading.Thread(target=self._switch_role, args=(call_id, arg), name="role-switch",
+                                 daemon=True).start()
+                return
+            answers = {"health": self._health,
                        "metrics": lambda: generate_latest(self.engine.metrics.registry),
                        "state": lambda: engine_state_report(self.engine),
                        "page_events": lambda: self.engine.page_events.since(*arg)}
@@ -146,6 +155,30 @@ class CoreBridge:
         except Exception as exc:
             logger.exception("call %s from the API server failed", name)
             self._reply(call_id, False, {"error": f"{name} failed in the engine core: {exc!r}"})
+
+    def _health(self) -> list[Any]:
+        ok, body = engine_health(self.engine)
+        if ok and self.switch is not None:
+            body.update(self.switch.status())
+        return [ok, body]
+
+    def _switch_role(self, call_id: int, arg: dict[str, Any]) -> None:
+        if self.switch is None:
+            self._reply(call_id, False, {"error": "this engine core has no role switch", "status": 409,
+                                         "code": "role_not_switchable"})
+            return
+        try:
+            result = asyncio.run(self.switch.switch(arg["role"], arg["settle_s"], arg["timeout_s"]))
+        except RoleSwitchRefused as exc:
+            self._reply(call_id, False, {"error": str(exc), "status": exc.status, "code": exc.code})
+            return
+        except Exception as exc:
+            logger.exception("the role switch failed")
+            self._reply(call_id, False, {"error": f"the role switch failed in the engine core: {exc!r}",
+                                         "status": 500, "code": "role_switch_failed"})
+            return
+        self._role_calls = self.engine.role.core_calls()
+        self._reply(call_id, True, result.as_dict())
 
     def _compile(self, call_id: int, spec: GrammarSpec) -> None:
         try:
@@ -195,7 +228,7 @@ def serve_core(argv: list[str], folder: str) -> int:
         sink.send(["failed", f"{type(exc).__name__}: {exc}"])
         context.destroy(linger=5000)
         return 1
-    bridge = CoreBridge(engine, sink)
+    bridge = CoreBridge(engine, sink, role_switch(engine, configs))
     sink.send(["ready", ready_info(engine)])
     logger.info("engine core %d serving its API server %d", os.getpid(), parent)
     try:

@@ -5,8 +5,8 @@ Authenticated like every /internal endpoint (the group's key in the key header);
 must be that key too (a caller that meant another group's engine is told so). The answer, once the
 switch is done: `{"from_role", "to_role", "switched", "drain_s", "swap_s", "total_s"}` (`switched` is
 false, and nothing happened, when the engine already has the role). Errors: 400 for a role that is not
-prefill or decode; 409 for an engine that cannot switch (unified, encode, drafter, tensor-parallel, or
-an engine core in a process of its own) and while another switch runs; 503 when the drain did not
+prefill or decode; 409 for an engine that cannot switch (unified, encode, drafter, tensor-parallel) and while
+another switch runs; 503 when the drain did not
 end in `timeout_s` (the engine keeps its role and serves again). See engine/role_switch.py.
 """
 
@@ -58,8 +58,8 @@ def role_route(client: EngineClient | CoreClient, control_key: str,
             raise ApiError(f"'timeout_s' ({timeout_s:g}) must be at least 'settle_s' ({settle_s:g})", "timeout_s")
         switch = client.role_switch
         if switch is None:
-            raise ApiError(f"this {client.role_name} engine cannot switch roles (an engine core in a process of its "
-                           "own, --engine-process, does not)", "role", status=409, code="role_not_switchable")
+            raise ApiError(f"this {client.role_name} engine cannot switch roles", "role", status=409,
+                           code="role_not_switchable")
         try:
             result = await switch.switch(body.get("role"), settle_s, timeout_s)
         except RoleSwitchRefused as exc:

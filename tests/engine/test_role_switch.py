@@ -1,5 +1,7 @@
 """A prefill engine switches to decode and back at runtime (POST /internal/role) while requests flow
 through the router: real processes, Mooncake TCP on loopback, the router following the role from /health.
+The engine that switches under load runs its engine core in a process of its own (--engine-process, the GPU
+default); the error cases' engines run it in-process, and one of them switches too.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def group(tmp_path_factory):
                         ENGINE_ARGS, TRANSFER_ARGS)
     try:
         unified = d.engine("unified")
-        prefill = [d.engine("prefill"), d.engine("prefill")]
+        prefill = [d.engine("prefill"), d.engine("prefill", "--engine-process")]
         decode = d.engine("decode")
         d.wait([unified, *prefill, decode])
         router = d.router(prefill, [decode], *ROUTER_ARGS)
