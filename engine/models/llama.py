@@ -12,7 +12,7 @@ from splitserve.engine.layers.attention import PagedAttention, causal_padded_mas
 from splitserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, with_image_rows
 from splitserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from splitserve.engine.layers.rmsnorm import RMSNorm
-from splitserve.engine.layers.rotary import RotaryEmbedding
+from splitserve.engine.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from splitserve.engine.quantization.fp8 import Fp8Scheme
 from splitserve.engine.runner.forward_batch import ForwardBatch
 from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
@@ -66,7 +66,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if qkv.is_cuda and self.q_norm is None:
+        if qkv.is_cuda and self.q_norm is None and batch.rope_positions is None:
             if batch.is_decode:  # RoPE, the KV store and attention: one kernel
                 return self.attn.decode_new_token(q, k, v, batch, k_cache, v_cache, self.rotary)
             from splitserve.engine.layers.fused_triton import rope_and_store_kv
@@ -75,7 +75,7 @@ class LlamaAttention(nn.Module):
             return self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=True, qkv=qkv, out=out)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
+        q, k = self.rotary(batch.positions if batch.rope_positions is None else batch.rope_positions, q, k)
         return self.attn(q, k, v, batch, k_cache, v_cache, mask, out=out)
 
 
@@ -144,8 +144,12 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                      cfg.rope_theta, cfg.rope_scaling)
+        positions = max_positions or cfg.max_position_embeddings
+        if cfg.mrope:  # Qwen2-VL's text model
+            self.rotary: RotaryEmbedding = MRotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta,
+                                                            cfg.vision.mrope_section)  # type: ignore[union-attr]
+        else:
+            self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, self.rotary, tp, dtype) for i in range(cfg.num_layers)
         )

@@ -65,6 +65,9 @@ class ForwardBatch:
     # all-reduce pairs up across ranks) and writes the rows over them; the rows travel with the batch.
     image_rows: torch.Tensor | None = None  # [N, hidden]
     image_positions: torch.Tensor | None = None  # [N] int64
+    # M-RoPE (Qwen2-VL): each token's (t, h, w) rotary positions when a request's differ from `positions` (its
+    # image tokens and everything after them); None: the rotary positions are `positions`.
+    rope_positions: torch.Tensor | None = None  # [3, T] int64
 
     @property
     def batch_size(self) -> int:

@@ -30,6 +30,7 @@ from splitserve.engine.layers.extend_plan import (
 )
 from splitserve.engine.layers.prompt_attention import bucket_lengths, bucket_limit
 from splitserve.engine.models import build_model
+from splitserve.engine.multimodal.mrope import batch_rope_positions
 from splitserve.engine.multimodal.prompt_embeds import image_rows, missing_embeddings, touches_images
 from splitserve.engine.quantization.fp8 import online_scheme
 from splitserve.engine.request import Request
@@ -378,14 +379,17 @@ class ModelRunner:
         prepares the next step meanwhile). Sampled tokens also go to the relay buffer, by slot."""
         sampled = [c for c in chunks if c.sample]
         argmax = None
-        if any(c.draft for c in chunks) and verify_shaped(chunks) and not touches_images(chunks):
+        # Requests with images on an M-RoPE model rotate at positions of their own: eager extend steps.
+        rope_positions = self.rope_positions(chunks)
+        plain = rope_positions is None and not touches_images(chunks)
+        if any(c.draft for c in chunks) and verify_shaped(chunks) and plain:
             return self._verify_rows(chunks, page_table)
-        if all(c.length == 1 for c in chunks) and not touches_images(chunks):
+        if all(c.length == 1 for c in chunks) and plain:
             logits, argmax = self._decode(chunks, page_table)
             if len(sampled) < len(chunks):  # a one-token prompt chunk rides along: it samples nothing
                 rows = to_device([i for i, c in enumerate(chunks) if c.sample], torch.int64, self.device)
                 logits, argmax = logits[rows], (argmax[rows] if argmax is not None else None)
-        elif self._lone_prompt_graph_runs(chunks):
+        elif plain and self._lone_prompt_graph_runs(chunks):
             (c,) = chunks
             logits = self.prompt_graphs.run(c.request.all_ids[:c.length], c.request.slot)
         else:
@@ -393,6 +397,8 @@ class ModelRunner:
                                         self.extend_block_tokens, self.cudnn_chunk, self.prompt_buckets)
             if touches_images(chunks):
                 batch.image_rows, batch.image_positions = self.prompt_image_rows(chunks)
+            if rope_positions is not None:
+                batch.rope_positions = rope_positions.to(self.device)
             logits = self.forward(batch)
             if any(c.draft for c in chunks):
                 return self._sample_and_verify(logits, sampled)
@@ -407,17 +413,30 @@ class ModelRunner:
         logprobs = self._to_host(out.logprobs) if out.logprobs is not None else None
         return PendingStep(sampled, tokens, logprobs, out.top_logprobs, self._record_done())
 
-    def encode_images(self, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each image's embedding rows [tokens_per_image, hidden] (vision tower + projector)."""
+    def encode_images(self, pixels: list[torch.Tensor], grids: list[tuple[int, int, int]] | None = None
+                      ) -> list[torch.Tensor]:
+        """Each image's embedding rows [its tokens, hidden] (vision tower + projector). Qwen-VL images come as
+        patches of any count with their patch grids, in one tower pass; LLaVA's as equal-size pixel arrays."""
+        if self.model_cfg.mrope:
+            assert grids is not None, "Qwen-VL images need their patch grids"
+            return self.model.encode_images([p.to(self.device) for p in pixels], grids)  # type: ignore[operator]
         rows = self.model.encode_images(torch.stack(pixels).to(self.device))  # type: ignore[operator]
         return list(rows.unbind(0))
+
+    def rope_positions(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """[3, T] M-RoPE positions of a step with a request with images (Qwen-VL), else None."""
+        vision = self.model_cfg.vision
+        if not self.model_cfg.mrope or vision is None:
+            return None
+        return batch_rope_positions(chunks, vision.spatial_merge_size)  # type: ignore[union-attr]
 
     def prompt_image_rows(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunks' image rows and their flat positions; images not yet encoded are, now (on this
         rank alone: the vision tower is not sharded, and the rows reach the other ranks with the batch)."""
         missing = missing_embeddings(chunks)
         if missing:
-            for item, rows in zip(missing, self.encode_images([m.pixels for m in missing]), strict=True):
+            rows_of = self.encode_images([m.pixels for m in missing], [m.grid for m in missing])  # type: ignore[misc]
+            for item, rows in zip(missing, rows_of, strict=True):
                 item.embedding, item.pixels = rows, None
         return image_rows(chunks, self.device)
 
@@ -579,6 +598,7 @@ class ModelRunner:
         splits are plain decoding's (else padding a step would change which projection path its rows take)."""
         graphs = self.piecewise_graphs
         return (graphs is not None and not batch.is_decode and batch.image_rows is None
+                and batch.rope_positions is None
                 and graphs.can_run(batch.input_ids.shape[0]) and self._piecewise_mode())
 
     def _piecewise_mode(self) -> bool:
