@@ -123,9 +123,11 @@ def image_from_wire(row: list[Any]) -> ImageItem:
 
 
 def encode_call_to_wire(call: EncodeCall) -> list[Any]:
-    return [call.key, [[j.room, j.digest, tensor_to_wire(j.pixels)] for j in call.jobs]]
+    return [call.key, [[j.room, j.digest, tensor_to_wire(j.pixels), list(j.grid) if j.grid else None]
+                       for j in call.jobs]]
 
 
 def encode_call_from_wire(row: list[Any]) -> EncodeCall:
     key, jobs = row
-    return EncodeCall(key, [EncodeJob(room, digest, tensor_from_wire(pixels)) for room, digest, pixels in jobs])
+    return EncodeCall(key, [EncodeJob(room, digest, tensor_from_wire(pixels), tuple(grid) if grid else None)
+                            for room, digest, pixels, grid in jobs])

@@ -31,6 +31,14 @@ def image_processor_for(vision: VisionConfig | QwenVisionConfig, folder: str | P
     return ClipImageProcessor.from_folder(folder)
 
 
+def max_image_tokens(vision: VisionConfig | QwenVisionConfig, processor: ImageProcessor) -> int:
+    """The most rows one image has: LLaVA's fixed count, Qwen-VL's at the processor's max_pixels."""
+    if isinstance(processor, QwenVLImageProcessor):
+        return processor.max_tokens
+    assert isinstance(vision, VisionConfig)
+    return vision.tokens_per_image
+
+
 def preprocess(processor: ImageProcessor, vision: VisionConfig | QwenVisionConfig, loaded: LoadedImage) -> ImageItem:
     """An item with the image's pixels (Qwen-VL: patches and grid) and its token count."""
     if isinstance(processor, QwenVLImageProcessor):
@@ -45,6 +53,21 @@ def preprocess(processor: ImageProcessor, vision: VisionConfig | QwenVisionConfi
     return ImageItem(loaded.digest, -1, vision.tokens_per_image, pixels=processor(loaded.image))
 
 
+def image_ref_item(part: ImagePart, vision: VisionConfig | QwenVisionConfig) -> ImageItem:
+    """An item whose rows an encode engine ships; a Qwen-VL image's token count and positions follow from the
+    grid its encoder answered with."""
+    if isinstance(vision, QwenVisionConfig):
+        if part.grid is None:
+            raise ApiError(f"{part.where}: an image_ref for a Qwen-VL model needs the image's 'grid'", part.where)
+        _, h, w = part.grid
+        merge = vision.spatial_merge_size
+        if h % merge or w % merge:
+            raise ApiError(f"{part.where}: grid {list(part.grid)} is not whole merge blocks of {merge}", part.where)
+        return ImageItem(part.digest or "", -1, vision.tokens_for_grid(part.grid), encoder_addr=part.encoder_addr,
+                         room=part.room, grid=part.grid)
+    return ImageItem(part.digest or "", -1, vision.tokens_per_image, encoder_addr=part.encoder_addr, room=part.room)
+
+
 async def image_items(parts: list[ImagePart], cfg: ImageInputConfig, processor: ImageProcessor | None,
                       vision: VisionConfig | QwenVisionConfig, accept_refs: bool) -> list[ImageItem]:
     """One item per part, in order: decoded and preprocessed pixels, or an encoder reference."""
@@ -54,11 +77,7 @@ async def image_items(parts: list[ImagePart], cfg: ImageInputConfig, processor: 
         raise ApiError(f"{refs[0].where}: image_ref parts are written by the router for a disaggregated prefill "
                        "or decode engine; send image_url parts", refs[0].where)
     if refs:
-        if isinstance(vision, QwenVisionConfig):
-            raise ApiError(f"{refs[0].where}: encoder disaggregation does not run Qwen-VL models yet; serve them "
-                           "without encode engines", refs[0].where)
-        return [ImageItem(p.digest or "", -1, vision.tokens_per_image, encoder_addr=p.encoder_addr, room=p.room)
-                for p in refs]
+        return [image_ref_item(p, vision) for p in refs]
     assert processor is not None
     loaded = await load_images(parts, cfg)
     # Resizing is CPU work: off the event loop.

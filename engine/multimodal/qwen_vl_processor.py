@@ -97,6 +97,12 @@ class QwenVLImageProcessor:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    @property
+    def max_tokens(self) -> int:
+        """Prompt tokens of an image at max_pixels (what an embedding slot holds; only images of extreme aspect
+        ratios, whose short side is held at one merge block, come out larger)."""
+        return max(self.max_pixels // self.factor ** 2, 1)
+
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) the image is resized to."""
         if not self.do_resize:

@@ -19,21 +19,9 @@ def build_role(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfig | N
                                                   images or ImageInputConfig()))
 
 
-def model_config(cfg: EngineConfig) -> ModelConfig:
-    from splitserve.engine.checkpoints.model_names import resolve_model_path
-    return ModelConfig.from_checkpoint(resolve_model_path(cfg.model, cfg.seed))
-
-
 def takes_images(cfg: EngineConfig) -> bool:
-    return model_config(cfg).takes_images
-
-
-def encodes_remotely(cfg: EngineConfig) -> bool:
-    """Whether the model's images can come from encode engines: LLaVA's (a fixed row count per image). A Qwen-VL
-    image's rows depend on its size and its grid must travel with them: not built yet, so its prefill
-    engines encode their images themselves."""
-    mc = model_config(cfg)
-    return mc.takes_images and not mc.mrope
+    from splitserve.engine.checkpoints.model_names import resolve_model_path
+    return ModelConfig.from_checkpoint(resolve_model_path(cfg.model, cfg.seed)).takes_images
 
 
 def role_behaviours(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfig, epd: EPDConfig,
@@ -41,7 +29,7 @@ def role_behaviours(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfi
     """What `--role` adds to the loop, one behaviour per concern (the KV sender of prefill, ...)."""
     if cfg.role == "prefill":
         from splitserve.engine.roles.prefill import PrefillRole
-        if encodes_remotely(cfg):  # the KV sender, and the receiver of encoder-computed image rows
+        if takes_images(cfg):  # the KV sender, and the receiver of encoder-computed image rows
             from splitserve.engine.roles.embedding_receiving import EmbeddingReceivingRole
             return [PrefillRole(transfer), EmbeddingReceivingRole(transfer, epd)]
         return [PrefillRole(transfer)]  # the KV sender
@@ -57,9 +45,6 @@ def role_behaviours(cfg: EngineConfig, transfer: TransferConfig, spec: SpecConfi
         from splitserve.engine.roles.encode import EncodeRole
         if not takes_images(cfg):
             raise ValueError(f"--role encode needs a multimodal model; {cfg.model} takes no images")
-        if not encodes_remotely(cfg):
-            raise ValueError(f"--role encode does not run Qwen-VL models yet ({cfg.model}); serve them without "
-                             "encode engines (prefill engines encode their own images)")
         if cfg.tp_size > 1:
             raise ValueError("--role encode runs on one rank (the vision tower is not sharded): give it "
                              "--tp-size 1 and scale encode replicas instead")

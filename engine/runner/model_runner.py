@@ -7,6 +7,7 @@ import gc
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -413,13 +414,13 @@ class ModelRunner:
         logprobs = self._to_host(out.logprobs) if out.logprobs is not None else None
         return PendingStep(sampled, tokens, logprobs, out.top_logprobs, self._record_done())
 
-    def encode_images(self, pixels: list[torch.Tensor], grids: list[tuple[int, int, int]] | None = None
+    def encode_images(self, pixels: list[torch.Tensor], grids: Sequence[tuple[int, int, int] | None] | None = None
                       ) -> list[torch.Tensor]:
         """Each image's embedding rows [its tokens, hidden] (vision tower + projector). Qwen-VL images come as
         patches of any count with their patch grids, in one tower pass; LLaVA's as equal-size pixel arrays."""
         if self.model_cfg.mrope:
-            assert grids is not None, "Qwen-VL images need their patch grids"
-            return self.model.encode_images([p.to(self.device) for p in pixels], grids)  # type: ignore[operator]
+            assert grids is not None and all(g is not None for g in grids), "Qwen-VL images need their patch grids"
+            return self.model.encode_images([p.to(self.device) for p in pixels], list(grids))  # type: ignore[operator]
         rows = self.model.encode_images(torch.stack(pixels).to(self.device))  # type: ignore[operator]
         return list(rows.unbind(0))
 
