@@ -32,6 +32,15 @@ def attention_mask(batch: ForwardBatch) -> torch.Tensor | None:
     return causal_padded_mask(batch) if needs_mask else None
 
 
+def rotary_positions(batch: ForwardBatch) -> torch.Tensor:
+    """The positions tokens rotate at: their KV positions, or M-RoPE's ([3, T], or shifted decode rows)."""
+    if batch.rope_positions is not None:
+        return batch.rope_positions
+    if batch.rope_offsets is not None:
+        return batch.positions + batch.rope_offsets
+    return batch.positions
+
+
 class LlamaAttention(nn.Module):
     """Fused QKV projection, RoPE, paged attention, output projection: parts the decoder layer calls in turn
     (its last layer keeps only the sampled rows between attention and the output projection)."""
@@ -66,7 +75,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if qkv.is_cuda and self.q_norm is None and batch.rope_positions is None:
+        # The fused kernels rotate at the KV position: not M-RoPE rows, whose rotary positions differ from it.
+        if qkv.is_cuda and self.q_norm is None and batch.rope_positions is None and batch.rope_offsets is None:
             if batch.is_decode:  # RoPE, the KV store and attention: one kernel
                 return self.attn.decode_new_token(q, k, v, batch, k_cache, v_cache, self.rotary)
             from splitserve.engine.layers.fused_triton import rope_and_store_kv
@@ -75,7 +85,7 @@ class LlamaAttention(nn.Module):
             return self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=True, qkv=qkv, out=out)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions if batch.rope_positions is None else batch.rope_positions, q, k)
+        q, k = self.rotary(rotary_positions(batch), q, k)
         return self.attn(q, k, v, batch, k_cache, v_cache, mask, out=out)
 
 

@@ -64,6 +64,22 @@ def request_mrope(request: Request, merge_size: int) -> tuple[torch.Tensor, int]
     return request.mrope
 
 
+def decode_rope_offsets(chunks: list[ScheduledChunk], merge_size: int) -> list[int]:
+    """Each one-token chunk's M-RoPE offset (rotary position minus KV position): the request's delta past its
+    last image, 0 for text-only requests. A text token's three positions are equal, so it rotates as plain
+    RoPE at position + offset (a decode graph's input row); image tokens never take this path."""
+    offsets = []
+    for c in chunks:
+        if not c.request.images:
+            offsets.append(0)
+            continue
+        table, delta = request_mrope(c.request, merge_size)
+        t, h, w = (int(x) for x in chunk_rope_positions(table, delta, c.start, 1)[:, 0])
+        assert t == h == w, "an image token is never a decode row"
+        offsets.append(t - c.start)
+    return offsets
+
+
 def batch_rope_positions(chunks: list[ScheduledChunk], merge_size: int) -> torch.Tensor | None:
     """[3, T] rotary positions of a step's flattened tokens, or None when no request has images (then every
     token's three positions are its index: plain RoPE, the graphs' and fused kernels' path)."""

@@ -31,7 +31,7 @@ from splitserve.engine.layers.extend_plan import (
 )
 from splitserve.engine.layers.prompt_attention import bucket_lengths, bucket_limit
 from splitserve.engine.models import build_model
-from splitserve.engine.multimodal.mrope import batch_rope_positions
+from splitserve.engine.multimodal.mrope import batch_rope_positions, decode_rope_offsets
 from splitserve.engine.multimodal.prompt_embeds import image_rows, missing_embeddings, touches_images
 from splitserve.engine.quantization.fp8 import online_scheme
 from splitserve.engine.request import Request
@@ -380,12 +380,13 @@ class ModelRunner:
         prepares the next step meanwhile). Sampled tokens also go to the relay buffer, by slot."""
         sampled = [c for c in chunks if c.sample]
         argmax = None
-        # Requests with images on an M-RoPE model rotate at positions of their own: eager extend steps.
-        rope_positions = self.rope_positions(chunks)
-        plain = rope_positions is None and not touches_images(chunks)
+        # Requests with images on an M-RoPE model rotate at positions of their own: their prompt chunks and
+        # verify steps run eagerly with [3, T] positions, their decode rows shifted by an offset (graphs too).
+        mrope_images = self.model_cfg.mrope and any(c.request.images for c in chunks)
+        plain = not mrope_images and not touches_images(chunks)
         if any(c.draft for c in chunks) and verify_shaped(chunks) and plain:
             return self._verify_rows(chunks, page_table)
-        if all(c.length == 1 for c in chunks) and plain:
+        if all(c.length == 1 for c in chunks) and not touches_images(chunks):
             logits, argmax = self._decode(chunks, page_table)
             if len(sampled) < len(chunks):  # a one-token prompt chunk rides along: it samples nothing
                 rows = to_device([i for i, c in enumerate(chunks) if c.sample], torch.int64, self.device)
@@ -398,8 +399,8 @@ class ModelRunner:
                                         self.extend_block_tokens, self.cudnn_chunk, self.prompt_buckets)
             if touches_images(chunks):
                 batch.image_rows, batch.image_positions = self.prompt_image_rows(chunks)
-            if rope_positions is not None:
-                batch.rope_positions = rope_positions.to(self.device)
+            if mrope_images:
+                batch.rope_positions = self.rope_positions(chunks).to(self.device)  # type: ignore[union-attr]
             logits = self.forward(batch)
             if any(c.draft for c in chunks):
                 return self._sample_and_verify(logits, sampled)
@@ -430,6 +431,13 @@ class ModelRunner:
         if not self.model_cfg.mrope or vision is None:
             return None
         return batch_rope_positions(chunks, vision.spatial_merge_size)  # type: ignore[union-attr]
+
+    def decode_rope_offsets(self, chunks: list[ScheduledChunk]) -> list[int] | None:
+        """Each decode row's M-RoPE offset on a Qwen-VL model (0 for text-only requests), else None."""
+        vision = self.model_cfg.vision
+        if not self.model_cfg.mrope or vision is None:
+            return None
+        return decode_rope_offsets(chunks, vision.spatial_merge_size)  # type: ignore[union-attr]
 
     def prompt_image_rows(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunks' image rows and their flat positions; images not yet encoded are, now (on this
@@ -532,14 +540,17 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of a step of one-token chunks, and their argmax when a CUDA graph ran it."""
         ids, positions, slots = build_decode_inputs(chunks)
+        offsets = self.decode_rope_offsets(chunks)
         graphs = self.decode_graphs
         # Tensor-parallel rank 0 broadcasts the batch it built (its workers replay from that).
         if graphs is not None and self.step_broadcaster is None and graphs.can_run(len(chunks)):
-            return graphs.replay(ids, positions, slots)
+            return graphs.replay(ids, positions, slots, offsets)
         ids_t, positions_t, slots_t = (to_device(x, torch.int64, self.device) for x in (ids, positions, slots))
         return self.forward(decode_batch(ids_t, positions_t, slots_t, page_table, self.cfg.page_size,
                                          self.next_tokens,
-                                         decode_splits=self.decode_splits_for(len(chunks), len(chunks)))), None
+                                         decode_splits=self.decode_splits_for(len(chunks), len(chunks)),
+                                         rope_offsets=None if offsets is None else
+                                         to_device(offsets, torch.int64, self.device))), None
 
     def _lone_prompt_graph_runs(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether a step is one fresh prompt chunk (nothing cached before it, no drafts, no images) that a
@@ -632,7 +643,8 @@ class ModelRunner:
         # The graphs keep the model's dtype: the argmax needs no float32 copy (sampling steps cast after).
         graphs = DecodeGraphs(lambda b: self.model.logits(b, self.kv_pool), page_table, self.cfg.page_size,
                               padding_slot, min(self.cfg.max_running_requests, self.cfg.cuda_graph_max_batch),
-                              self.device, self.next_tokens, decode_splits=self.decode_splits_for)
+                              self.device, self.next_tokens, decode_splits=self.decode_splits_for,
+                              rope_offsets=self.model_cfg.mrope)
         graphs.capture()
         self.decode_graphs = graphs
 
