@@ -66,11 +66,13 @@ PROFILES = {
               "cache holding everything as the hit rate's ceiling (own flags: bench --profile prefix --help)",
     "kv-tiers": "the host-memory KV tier against the device prefix cache alone on a multi-turn trace (own flags)",
     "fp8": "FP8 weights against bfloat16: a decode step at batch 1, prefill, a burst (own flags)",
+    "qwen-vl": "Qwen2.5-VL (7B-shaped): the vision tower against its FLOP bound, embedding transfer against a device "
+               "copy, image-heavy chat on the unified engine against encode + prefill + decode (own flags)",
 }
 # Profiles that parse flags of their own: `bench --profile NAME ...` hands them the rest.
 OWN_FLAGS = {"spec": "splitserve.bench.spec", "epd": "splitserve.bench.epd", "transfer": "splitserve.bench.transfer",
              "prefix": "splitserve.bench.prefix_routing", "kv-tiers": "splitserve.bench.kv_tiers",
-             "fp8": "splitserve.bench.fp8"}
+             "fp8": "splitserve.bench.fp8", "qwen-vl": "splitserve.bench.qwen_vl"}
 
 
 @dataclass

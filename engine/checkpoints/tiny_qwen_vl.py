@@ -102,6 +102,44 @@ def write_qwen_vl_checkpoint(folder: str | Path, seed: int = 0,
     return folder
 
 
+# Qwen2.5-VL-7B-Instruct's shape (its hub config), with this tokenizer's vision token ids: benchmarks run it with
+# --load-format dummy (random weights of the shape, no checkpoint).
+QWEN2_5_VL_7B: dict[str, Any] = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+    "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "max_position_embeddings": 128000, "tie_word_embeddings": False, "hidden_act": "silu",
+    "bos_token_id": 256, "eos_token_id": 257, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"depth": 32, "hidden_size": 1280, "out_hidden_size": 3584, "intermediate_size": 3420,
+                      "num_heads": 16, "hidden_act": "silu", "patch_size": 14, "spatial_merge_size": 2,
+                      "temporal_patch_size": 2, "in_channels": 3, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2},
+    "image_token_id": 262, "video_token_id": 263, "vision_start_token_id": 260, "vision_end_token_id": 261,
+    "torch_dtype": "bfloat16",
+}
+
+
+def write_qwen_vl_shape(folder: str | Path, config: dict[str, Any] = QWEN2_5_VL_7B,
+                        max_pixels: int = 1344 * 1344) -> Path:
+    """A weightless folder of a Qwen-VL shape (config, tokenizer, chat template, processor) for --load-format
+    dummy; `max_pixels` bounds an image's tokens (and the embedding slots of encoder disaggregation)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tok = byte_level_tokenizer()
+    tok.add_special_tokens(VISION_TOKENS)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": config["max_position_embeddings"], "chat_template": QWEN_VL_CHAT_TEMPLATE}, indent=2))
+    vision = config["vision_config"]
+    factor = vision["patch_size"] * vision["spatial_merge_size"]
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        **PREPROCESSOR, "min_pixels": 4 * factor ** 2, "max_pixels": max_pixels, "patch_size": vision["patch_size"],
+        "merge_size": vision["spatial_merge_size"]}, indent=2))
+    return folder
+
+
 def tiny_qwen_vl_folder(seed: int = 0, architecture: str = "Qwen2_5_VLForConditionalGeneration") -> Path:
     """A tiny Qwen-VL's folder, written once into the user's cache and reused."""
     cache = Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))

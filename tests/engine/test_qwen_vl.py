@@ -226,3 +226,14 @@ def test_prefix_cache_hit_past_an_image_keeps_its_positions(checkpoint: tuple[Pa
     cached, _ = engine_logits(runner, kv, ids, others, [])
     assert cached == items[0].offset // 4 * 4
     assert kv.usage().locked == 0 and kv.usage().slots_in_use == 0
+
+
+def test_tiny_qwen_vl_is_a_model_name(tmp_path: Path, monkeypatch) -> None:
+    from splitserve.engine.checkpoints.model_names import check_model_exists, resolve_model_path
+
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path))
+    check_model_exists("tiny-qwen2.5-vl")  # nothing written for the check
+    assert not list(tmp_path.iterdir())
+    folder = resolve_model_path("tiny-qwen2.5-vl")
+    mc = ModelConfig.from_folder(folder)
+    assert mc.mrope and mc.vision.is_qwen2_5 and resolve_model_path("tiny-qwen2.5-vl") == folder
