@@ -74,7 +74,10 @@ def decode_rope_offsets(chunks: list[ScheduledChunk], merge_size: int) -> list[i
             offsets.append(0)
             continue
         table, delta = request_mrope(c.request, merge_size)
-        t, h, w = (int(x) for x in chunk_rope_positions(table, delta, c.start, 1)[:, 0])
+        if c.start >= table.shape[1]:  # past the last image: every decode step
+            offsets.append(delta)
+            continue
+        t, h, w = (int(x) for x in table[:, c.start])  # a one-token prompt chunk between images
         assert t == h == w, "an image token is never a decode row"
         offsets.append(t - c.start)
     return offsets

@@ -237,3 +237,20 @@ def test_tiny_qwen_vl_is_a_model_name(tmp_path: Path, monkeypatch) -> None:
     folder = resolve_model_path("tiny-qwen2.5-vl")
     mc = ModelConfig.from_folder(folder)
     assert mc.mrope and mc.vision.is_qwen2_5 and resolve_model_path("tiny-qwen2.5-vl") == folder
+
+
+def test_decode_row_offsets_between_and_past_images() -> None:
+    """A one-token chunk rotates at position + offset: text between two images at its table position, a decode
+    row past the last image at index + delta; a text-only request's rows at 0."""
+    from splitserve.engine.multimodal.mrope import decode_rope_offsets
+
+    ids = [1] * 3 + [262] * 6 + [1] * 2 + [262] * 4 + [1] * 3  # images of 2x3 and 2x2 merged blocks
+    req = Request("r", ids, SamplingParams(), on_output=lambda _o: None)
+    req.images = [ImageItem("a" * 64, 3, 6, grid=(1, 4, 6)), ImageItem("b" * 64, 11, 4, grid=(1, 4, 4))]
+    text = Request("t", [1] * 5, SamplingParams(), on_output=lambda _o: None)
+    table, delta = mrope_positions(len(ids), [(3, (1, 4, 6)), (11, (1, 4, 4))], 2)
+    chunks = [ScheduledChunk(req, 9, 1, False), ScheduledChunk(req, 16, 1, True), ScheduledChunk(req, 25, 1, True),
+              ScheduledChunk(text, 5, 1, True)]
+    want = [int(chunk_rope_positions(table, delta, c.start, 1)[0, 0]) - c.start for c in chunks[:3]]
+    assert decode_rope_offsets(chunks, 2) == [*want, 0]
+    assert want == [-3, -5, -5] and delta == -5  # 3 text, image 1 spans 3 positions for 6 tokens, ...
