@@ -68,15 +68,22 @@ def window_order(grids: list[Grid], merge: int, window: int) -> tuple[torch.Tens
     return torch.cat(order), bounds
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """Bidirectional attention within each segment [bounds[i], bounds[i+1]) of [N, H, D] q, k, v; segments of
-    one length run as one batch."""
-    out = torch.empty_like(q)
+def segment_groups(bounds: list[int], device: torch.device) -> list[torch.Tensor]:
+    """The rows of the segments [bounds[i], bounds[i+1]), grouped by length: one [S, L] index per length (built
+    once per tower pass, read by every block)."""
     by_length: dict[int, list[int]] = {}
     for lo, hi in itertools.pairwise(bounds):
-        by_length.setdefault(hi - lo, []).append(lo)
-    for length, starts in by_length.items():
-        index = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).to(q.device)  # [S, L]
+        if hi > lo:
+            by_length.setdefault(hi - lo, []).append(lo)
+    return [(torch.tensor(starts).unsqueeze(1) + torch.arange(length)).to(device)
+            for length, starts in by_length.items()]
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[torch.Tensor]) -> torch.Tensor:
+    """Bidirectional attention within each segment of [N, H, D] q, k, v (`segment_groups`); segments of one
+    length run as one batch."""
+    out = torch.empty_like(q)
+    for index in groups:
         qs, ks, vs = (x[index].transpose(1, 2) for x in (q, k, v))  # [S, H, L, D]
         res = nn.functional.scaled_dot_product_attention(qs, ks, vs)
         out[index.flatten()] = res.transpose(1, 2).reshape(-1, *q.shape[1:])
@@ -113,9 +120,10 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, dtype=dtype)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[torch.Tensor]
+                ) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
-        out = segment_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, bounds)
+        out = segment_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, groups)
         return self.proj(out.reshape(x.shape[0], -1))
 
 
@@ -148,8 +156,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg, dtype)
         self.mlp = VisionMLP(cfg, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, bounds)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[torch.Tensor]
+                ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, groups)
         return x + self.mlp(self.norm2(x))
 
 
@@ -208,9 +217,11 @@ class QwenVisionTower(nn.Module):
                 return t.reshape(-1, unit, t.shape[-1])[order].reshape(t.shape)
 
             x, cos, sin = by_window(x), by_window(cos), by_window(sin)
+        full_groups = segment_groups(full, x.device)
+        window_groups = segment_groups(windowed, x.device) if windowed is not full else full_groups
         for i, block in enumerate(self.blocks):
             full_attention = not self.cfg.window_size or i in self.cfg.fullatt_block_indexes
-            x = block(x, cos, sin, full if full_attention else windowed)
+            x = block(x, cos, sin, full_groups if full_attention else window_groups)
         merged = self.merger(x)
         if order is not None:
             merged = merged[torch.argsort(order)]
