@@ -56,7 +56,7 @@ from splitserve.engine.engine import EngineOverloaded
 from splitserve.engine.grammar.compiler import InvalidGrammar
 from splitserve.engine.grammar.spec import GrammarSpec
 from splitserve.engine.multimodal.image_items import ImageItem
-from splitserve.engine.multimodal.image_processor import ClipImageProcessor
+from splitserve.engine.multimodal.prompt_images import image_processor_for
 from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.role_switch import RoleSwitchRefused, SwitchResult
 from splitserve.engine.sampling_params import SamplingParams
@@ -195,8 +195,11 @@ class CoreClient:
         """The role's endpoints: their HTTP side here, their engine side a call to the core."""
         if "encode" not in self.core_calls:
             return []
-        processor = ClipImageProcessor.from_folder(self.model_folder)
-        return [encode_route(self._control_key, self._image_cfg, processor, self._encode, self._close_encode)]
+        vision = self.model_cfg.vision
+        assert vision is not None, "the encode role runs multimodal models only"
+        processor = image_processor_for(vision, self.model_folder)
+        return [encode_route(self._control_key, self._image_cfg, processor, vision, self._encode,
+                             self._close_encode)]
 
     async def _encode(self, call: EncodeCall) -> tuple[int, dict[str, Any]]:
         """/v1/encode's jobs, preprocessed here, taken by the core's encode role."""

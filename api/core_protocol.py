@@ -111,20 +111,24 @@ def image_to_wire(item: ImageItem) -> list[Any]:
     """An image item as data: its description, and its pixels or rows when it has them."""
     return [item.digest, item.offset, item.num_tokens, item.encoder_addr, item.room,
             tensor_to_wire(item.pixels) if item.pixels is not None else None,
-            tensor_to_wire(item.embedding) if item.embedding is not None else None]
+            tensor_to_wire(item.embedding) if item.embedding is not None else None,
+            list(item.grid) if item.grid is not None else None]
 
 
 def image_from_wire(row: list[Any]) -> ImageItem:
-    digest, offset, num_tokens, encoder_addr, room, pixels, embedding = row
+    digest, offset, num_tokens, encoder_addr, room, pixels, embedding, grid = row
     return ImageItem(digest, offset, num_tokens, encoder_addr=encoder_addr, room=room,
                      pixels=tensor_from_wire(pixels) if pixels is not None else None,
-                     embedding=tensor_from_wire(embedding) if embedding is not None else None)
+                     embedding=tensor_from_wire(embedding) if embedding is not None else None,
+                     grid=tuple(grid) if grid is not None else None)
 
 
 def encode_call_to_wire(call: EncodeCall) -> list[Any]:
-    return [call.key, [[j.room, j.digest, tensor_to_wire(j.pixels)] for j in call.jobs]]
+    return [call.key, [[j.room, j.digest, tensor_to_wire(j.pixels), list(j.grid) if j.grid else None]
+                       for j in call.jobs]]
 
 
 def encode_call_from_wire(row: list[Any]) -> EncodeCall:
     key, jobs = row
-    return EncodeCall(key, [EncodeJob(room, digest, tensor_from_wire(pixels)) for room, digest, pixels in jobs])
+    return EncodeCall(key, [EncodeJob(room, digest, tensor_from_wire(pixels), tuple(grid) if grid else None)
+                            for room, digest, pixels, grid in jobs])

@@ -30,7 +30,9 @@ from starlette.routing import Route
 from splitserve.api.http_request import wait_for_disconnect
 from splitserve.api.openai_protocol import ApiError, ImagePart
 from splitserve.engine.multimodal.image_inputs import ImageInputConfig, load_images
-from splitserve.engine.multimodal.image_processor import ClipImageProcessor
+from splitserve.engine.multimodal.prompt_images import ImageProcessor, max_image_tokens, preprocess
+from splitserve.engine.multimodal.qwen_vl_config import QwenVisionConfig
+from splitserve.engine.multimodal.vision_config import VisionConfig
 from splitserve.transfer.bootstrap_grant import KEY_HEADER
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class EncodeJob:
     room: int
     digest: str
     pixels: torch.Tensor
+    grid: tuple[int, int, int] | None = None  # Qwen-VL: the patch grid of `pixels` (its patches)
 
 
 @dataclass
@@ -83,11 +86,12 @@ def parse_encode_items(body: Any) -> list[tuple[int, ImagePart]]:
     return out
 
 
-def encode_route(control_key: str, images: ImageInputConfig, processor: ClipImageProcessor,
-                 accept: AcceptCall, close: CloseCall) -> Route:
+def encode_route(control_key: str, images: ImageInputConfig, processor: ImageProcessor,
+                 vision: VisionConfig | QwenVisionConfig, accept: AcceptCall, close: CloseCall) -> Route:
     """The `/v1/encode` route: checks and preprocesses here, then hands the call to `accept`, and
     to `close` if it fails."""
     keys = itertools.count()
+    max_rows = max_image_tokens(vision, processor)
 
     async def endpoint(request: HttpRequest) -> Response:
         if control_key and not hmac.compare_digest(request.headers.get(KEY_HEADER, ""), control_key):
@@ -101,10 +105,15 @@ def encode_route(control_key: str, images: ImageInputConfig, processor: ClipImag
         try:
             pairs = parse_encode_items(body)
             loaded = await load_images([p for _, p in pairs], images)
+            items = await asyncio.to_thread(lambda: [preprocess(processor, vision, img) for img in loaded])
+            for it, img in zip(items, loaded, strict=True):
+                if it.num_tokens > max_rows:  # an extreme aspect ratio: more rows than an embedding slot holds
+                    raise ApiError(f"{img.part.where}: the image becomes {it.num_tokens} tokens; an encoder's slots "
+                                   f"hold {max_rows}", img.part.where, code="image_too_large")
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
-        pixels = await asyncio.to_thread(lambda: [processor(img.image) for img in loaded])
-        jobs = [EncodeJob(room, img.digest, px) for (room, _), img, px in zip(pairs, loaded, pixels, strict=True)]
+        jobs = [EncodeJob(room, it.digest, it.pixels, it.grid)  # type: ignore[arg-type]
+                for (room, _), it in zip(pairs, items, strict=True)]
         return await answer_or_close(request, EncodeCall(next(keys), jobs), accept, close)
 
     return Route("/v1/encode", endpoint, methods=["POST"])

@@ -81,6 +81,7 @@ class ImagePart:
     digest: str | None = None
     encoder_addr: str | None = None
     room: int | None = None
+    grid: tuple[int, int, int] | None = None  # Qwen-VL: the image's patch grid (t, h, w), from its encoder
 
 
 @dataclass
@@ -402,7 +403,12 @@ def _content_part(part: Any, where: str, images: list[ImagePart]) -> dict[str, A
                 isinstance(room, int) and not isinstance(room, bool) and 0 <= room < 2**63 and isinstance(addr, str))):
             raise ApiError(f"{where}: an image_ref names both 'encoder_addr' and a 'room' in [0, 2^63), or neither",
                            where)
-        images.append(ImagePart(where, digest=ref["digest"], encoder_addr=addr, room=room))
+        grid = ref.get("grid")
+        if grid is not None and not (isinstance(grid, list) and len(grid) == 3 and all(
+                isinstance(g, int) and not isinstance(g, bool) and 0 < g < 2**16 for g in grid)):
+            raise ApiError(f"{where}: an image_ref's 'grid' is three positive integers (t, h, w)", where)
+        images.append(ImagePart(where, digest=ref["digest"], encoder_addr=addr, room=room,
+                                grid=tuple(grid) if grid is not None else None))
         return {"type": "image"}
     raise ApiError(f"{where}: content parts must be text or image_url parts, got {kind!r}", where)
 

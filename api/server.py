@@ -43,8 +43,12 @@ from splitserve.engine.engine import EngineOverloaded
 from splitserve.engine.grammar.compiler import InvalidGrammar
 from splitserve.engine.multimodal.image_inputs import ImageInputConfig
 from splitserve.engine.multimodal.image_items import EMBEDDING_TIMEOUT, ImageItem
-from splitserve.engine.multimodal.image_processor import ClipImageProcessor
-from splitserve.engine.multimodal.prompt_images import copies_for_choice, image_items, place_images
+from splitserve.engine.multimodal.prompt_images import (
+    copies_for_choice,
+    image_items,
+    image_processor_for,
+    place_images,
+)
 from splitserve.engine.request import FinishReason, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.transfer.bootstrap_grant import (
@@ -171,7 +175,7 @@ class ApiServer:
         self.control_key = control_key  # the group's transfer_control_key: bootstrap grants, /internal/*
         self.image_cfg = images or ImageInputConfig()
         self.vision = client.model_cfg.vision
-        self.image_processor = (ClipImageProcessor.from_folder(client.model_folder)
+        self.image_processor = (image_processor_for(self.vision, client.model_folder)
                                 if self.vision is not None else None)
         self.model_name = client.model_name
         self.tokenizer = client.tokenizer

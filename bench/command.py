@@ -68,11 +68,13 @@ PROFILES = {
     "fp8": "FP8 weights against bfloat16: a decode step at batch 1, prefill, a burst (own flags)",
     "phases": "where the time to first token goes, phase by phase, for 1P1D against unified under the same load "
               "(own flags: bench --profile phases --help)",
+    "qwen-vl": "Qwen2.5-VL (7B-shaped): the vision tower against its FLOP bound, embedding transfer against a device "
+               "copy, image-heavy chat on the unified engine against encode + prefill + decode (own flags)",
 }
 # Profiles that parse flags of their own: `bench --profile NAME ...` hands them the rest.
 OWN_FLAGS = {"spec": "splitserve.bench.spec", "epd": "splitserve.bench.epd", "transfer": "splitserve.bench.transfer",
              "prefix": "splitserve.bench.prefix_routing", "kv-tiers": "splitserve.bench.kv_tiers",
-             "fp8": "splitserve.bench.fp8", "phases": "splitserve.bench.phases"}
+             "fp8": "splitserve.bench.fp8", "phases": "splitserve.bench.phases", "qwen-vl": "splitserve.bench.qwen_vl"}
 
 
 @dataclass

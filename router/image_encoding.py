@@ -60,6 +60,7 @@ class ImageSlot:
     room: int = 0
     encoder: Backend | None = None
     endpoint: str = ""
+    grid: list[int] | None = None  # Qwen-VL: the image's patch grid, from the encoder's answer
 
 
 def image_parts(body: dict) -> list[tuple[int, int, str, str]]:
@@ -180,6 +181,7 @@ class ImageEncoding:
         for slot, item in zip(group, answer["items"], strict=True):
             slot.endpoint = answer["endpoint"]
             slot.digest = item["digest"]
+            slot.grid = item.get("grid")
         return True
 
 
@@ -188,7 +190,9 @@ def rewritten(body: dict, slots: list[ImageSlot]) -> dict:
     messages = [dict(m) if isinstance(m, dict) else m for m in body["messages"]]
     for slot in slots:
         content = list(messages[slot.message]["content"])
-        content[slot.part] = {"type": "image_ref", "image_ref": {"digest": slot.digest,
-                                                                 "encoder_addr": slot.endpoint, "room": slot.room}}
+        ref: dict[str, Any] = {"digest": slot.digest, "encoder_addr": slot.endpoint, "room": slot.room}
+        if slot.grid is not None:
+            ref["grid"] = slot.grid
+        content[slot.part] = {"type": "image_ref", "image_ref": ref}
         messages[slot.message]["content"] = content
     return {**body, "messages": messages}

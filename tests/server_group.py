@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -68,3 +72,31 @@ def chat_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
             return await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json=b) for b in bodies))
     return asyncio.run(run())
+
+
+def kill_mid_write(d: ServerGroup, name: str) -> float:
+    """Waits until encoder `name` has an item partly written (it pauses there with
+    SPLITSERVE_EMBEDDING_WRITE_PAUSE_S), kills it -9 and returns when it died."""
+    url, victim = d.procs[name]
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{url}/health", timeout=5).json()["embedding"]["partly_written"] == 0:
+        assert time.monotonic() < deadline, f"{name} never got an item partly written"
+        time.sleep(0.02)
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    victim.proc.wait()
+    return killed_at
+
+
+def answer_across_a_kill_mid_write(d: ServerGroup, router: str, case: dict,
+                                   encoder: str) -> tuple[httpx.Response, float, float]:
+    """Posts `case` to `router` and kills `encoder` -9 mid-write meanwhile: the answer, when it
+    came and when the encoder died."""
+    done: list[tuple[httpx.Response, float]] = []
+    sender = threading.Thread(target=lambda: done.append((httpx.post(
+        f"{d.url(router)}/v1/chat/completions", json=case, timeout=120), time.monotonic())))
+    sender.start()
+    killed_at = kill_mid_write(d, encoder)
+    sender.join(timeout=120)
+    (answer, answered_at), = done
+    return answer, answered_at, killed_at

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from splitserve.engine.multimodal.qwen_vl_config import QWEN_VL_ARCHITECTURES, QwenVisionConfig
 from splitserve.engine.multimodal.vision_config import MULTIMODAL_ARCHITECTURES, VisionConfig
 from splitserve.engine.quantization.fp8 import Fp8Scheme, UnsupportedQuantizationError, scheme_from_config
 
@@ -45,7 +46,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     hidden_act: str = "silu"
-    vision: VisionConfig | None = None  # a multimodal checkpoint's image side (None: text only)
+    vision: VisionConfig | QwenVisionConfig | None = None  # a multimodal checkpoint's image side (None: text only)
     # FP8 projections: the checkpoint's (compressed-tensors, ModelOpt) or --quantization fp8's (docs/fp8.md)
     quantization: Fp8Scheme | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -54,16 +55,23 @@ class ModelConfig:
     def takes_images(self) -> bool:
         return self.vision is not None
 
+    @property
+    def mrope(self) -> bool:
+        """Whether positions are multimodal (Qwen2-VL's M-RoPE: image tokens take (t, h, w) positions)."""
+        return isinstance(self.vision, QwenVisionConfig)
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         if any(a in MULTIMODAL_ARCHITECTURES for a in archs):
             return cls._multimodal(cfg)
+        if any(a in QWEN_VL_ARCHITECTURES for a in archs):
+            return cls._qwen_vl(cfg)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
                 f"architectures {archs} not supported; this engine runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES + MULTIMODAL_ARCHITECTURES)}"
+                f"{', '.join(SUPPORTED_ARCHITECTURES + MULTIMODAL_ARCHITECTURES + QWEN_VL_ARCHITECTURES)}"
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} not supported (only silu)")
@@ -116,6 +124,32 @@ class ModelConfig:
         vision = VisionConfig.from_llava(cfg, base.hidden_size)
         if not 0 <= vision.image_token_id < base.vocab_size:
             raise UnsupportedModelError(f"image_token_index {vision.image_token_id} is outside the vocabulary")
+        return dataclasses.replace(base, vision=vision, quantization=_quantization(cfg), raw=cfg)
+
+    @classmethod
+    def _qwen_vl(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """A Qwen2-VL / Qwen2.5-VL checkpoint: a Qwen2 text model (from `text_config` as transformers 5 writes
+        it, or the top level as the hub's folders have it) with M-RoPE, and the vision tower beside it."""
+        text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "mrope"):
+            raise UnsupportedModelError(f"Qwen-VL rope type {kind!r} not supported (default M-RoPE)")
+        theta = float(rope.get("rope_theta", text.get("rope_theta", 1000000.0)))
+        # The sections go to the vision config; the text model's frequencies are plain RoPE's.
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+        text.pop("rope_scaling", None)
+        text["architectures"] = ["Qwen2ForCausalLM"]
+        text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        text.setdefault("eos_token_id", cfg.get("eos_token_id"))
+        text.setdefault("bos_token_id", cfg.get("bos_token_id"))
+        base = cls.from_dict(text)
+        try:
+            vision = QwenVisionConfig.from_config(cfg, base.hidden_size, base.head_dim)
+        except ValueError as exc:
+            raise UnsupportedModelError(str(exc)) from exc
+        if not 0 <= vision.image_token_id < base.vocab_size:
+            raise UnsupportedModelError(f"image_token_id {vision.image_token_id} is outside the vocabulary")
         return dataclasses.replace(base, vision=vision, quantization=_quantization(cfg), raw=cfg)
 
     @classmethod

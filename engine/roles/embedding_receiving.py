@@ -14,6 +14,7 @@ from typing import Any
 from splitserve.engine.engine import Engine
 from splitserve.engine.epd_config import EPDConfig
 from splitserve.engine.multimodal.image_items import EMBEDDING_TIMEOUT
+from splitserve.engine.multimodal.prompt_images import image_processor_for, max_image_tokens
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.role import Role
 from splitserve.transfer import TransferConfig
@@ -37,8 +38,8 @@ class EmbeddingReceivingRole(Role):
         super().attach(engine)
         vision = engine.model_cfg.vision
         assert vision is not None, "the embedding receiver is only built for multimodal models"
-        self.slots = EmbeddingSlots(self.epd.embedding_slots, vision.tokens_per_image, engine.model_cfg.hidden_size,
-                                    engine.runner.dtype)
+        rows = max_image_tokens(vision, image_processor_for(vision, engine.model_folder))
+        self.slots = EmbeddingSlots(self.epd.embedding_slots, rows, engine.model_cfg.hidden_size, engine.runner.dtype)
         self.receiver = EmbeddingReceiver(self.transfer, self.slots, self.epd.embedding_timeout_s,
                                           engine.metrics.registry)
 

@@ -26,7 +26,8 @@ from splitserve.api.encode_endpoint import EncodeCall, EncodeJob, encode_route, 
 from splitserve.engine.engine import Engine
 from splitserve.engine.epd_config import EPDConfig
 from splitserve.engine.multimodal.image_inputs import ImageInputConfig
-from splitserve.engine.multimodal.image_processor import ClipImageProcessor
+from splitserve.engine.multimodal.prompt_images import image_processor_for, max_image_tokens
+from splitserve.engine.multimodal.qwen_vl_config import QwenVisionConfig
 from splitserve.engine.role import Role
 from splitserve.engine.roles.embedding_cache import EmbeddingCache
 from splitserve.transfer import TransferConfig
@@ -53,9 +54,10 @@ class EncodeRole(Role):
         if vision is None:
             raise ValueError(f"--role encode needs a multimodal model; {engine.cfg.model} takes no images")
         self.vision = vision
-        self.processor = ClipImageProcessor.from_folder(engine.model_folder)
-        self.slots = EmbeddingSlots(self.epd.encode_cache_size, vision.tokens_per_image, engine.model_cfg.hidden_size,
-                                    engine.runner.dtype)
+        self.processor = image_processor_for(vision, engine.model_folder)
+        # A slot holds the largest image's rows (Qwen-VL: at the processor's max_pixels).
+        self.slots = EmbeddingSlots(self.epd.encode_cache_size, max_image_tokens(vision, self.processor),
+                                    engine.model_cfg.hidden_size, engine.runner.dtype)
         self.sender = EmbeddingSender(self.transfer, self.slots, engine.metrics.registry,
                                      pause_halfway_s=self.epd.embedding_write_pause_s)
         self.cache = EmbeddingCache(self.epd.encode_cache_size)
@@ -68,7 +70,7 @@ class EncodeRole(Role):
             answer = self.accept(call)
             await asyncio.sleep(self.epd.encode_answer_delay_s)  # tests only: a late answer (0 in production)
             return answer
-        return [encode_route(self.transfer.transfer_control_key, self.images, self.processor, accept,
+        return [encode_route(self.transfer.transfer_control_key, self.images, self.processor, self.vision, accept,
                              lambda call: self.close_call(call.key, call.rooms))]
 
     def core_calls(self) -> dict[str, Any]:
@@ -102,7 +104,15 @@ class EncodeRole(Role):
             self.sender.close_rooms(call.key, call.rooms, "the encode engine could not take the call")
             raise
         return 200, {"endpoint": self.sender.endpoint, "items": [
-            {"room": j.room, "digest": j.digest, "rows": self.vision.tokens_per_image} for j in call.jobs]}
+            {"room": j.room, "digest": j.digest, "rows": self.rows(j)} | ({"grid": list(j.grid)} if j.grid else {})
+            for j in call.jobs]}
+
+    def rows(self, job: EncodeJob) -> int:
+        """The image's embedding rows: LLaVA's fixed count, a Qwen-VL image's from its grid."""
+        if isinstance(self.vision, QwenVisionConfig):
+            assert job.grid is not None, "a Qwen-VL encode job carries its grid"
+            return self.vision.tokens_for_grid(job.grid)
+        return self.vision.tokens_per_image
 
     def close_call(self, key: int, rooms: list[int]) -> list[int]:
         """The call `key` failed before its answer reached the router: its rooms still open close now
@@ -149,7 +159,7 @@ class EncodeRole(Role):
         if misses:
             started = time.monotonic()
             try:
-                rows = self.engine.runner.encode_images([j.pixels for j, _ in misses])
+                rows = self.engine.runner.encode_images([j.pixels for j, _ in misses], [j.grid for j, _ in misses])
             except Exception as exc:  # a bug or an OOM: these items fail, the engine keeps serving
                 logger.exception("encoding %d images failed", len(misses))
                 for job, slot in misses:
@@ -172,7 +182,7 @@ class EncodeRole(Role):
                 self._ship(job, slot)
 
     def _ship(self, job: EncodeJob, slot: int) -> None:
-        rows = self.vision.tokens_per_image
+        rows = self.rows(job)
         taken = self.sender.send(EmbeddingChunk(job.room, slot, rows, self.slots.hidden, self.dtype_name,
                                                 rows * self.slots.hidden * self.slots.buffer.element_size()))
         if not taken:  # the room failed or was aborted meanwhile

@@ -90,11 +90,11 @@ class DecodeGraphs:
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], page_table: torch.Tensor, page_size: int,
                  padding_slot: int, max_batch: int, device: torch.device, relay: torch.Tensor,
-                 rows_per_request: int = 1, decode_splits: Callable[[int, int], int | None] | None = None
-                 ) -> None:
+                 rows_per_request: int = 1, decode_splits: Callable[[int, int], int | None] | None = None,
+                 rope_offsets: bool = False) -> None:
         """`rows_per_request` > 1: verify graphs (see the module docstring); `decode_splits(bucket, rows)`:
         the paged decode kernel's split count for a bucket of requests in `rows` rows (None: the kernel's
-        default for the rows)."""
+        default for the rows); `rope_offsets`: a fourth input row, each row's M-RoPE offset (Qwen-VL)."""
         self.forward = forward
         self.rows_per_request = rows_per_request
         self.decode_splits = decode_splits
@@ -104,10 +104,11 @@ class DecodeGraphs:
         self.buckets = buckets_up_to(max_batch)
         self.device = device
         self.relay = relay
+        self.rope_offsets = rope_offsets
         # [3, bucket] int64 per bucket: token ids, positions, slots (padding rows: token 0 at
-        # position 0 of the padding slot, whose only page is the scratch page).
-        self.inputs = {b: torch.tensor([[0] * b * rows_per_request, [0] * b * rows_per_request,
-                                        [padding_slot] * b * rows_per_request], dtype=torch.int64, device=device)
+        # position 0 of the padding slot, whose only page is the scratch page); then the M-RoPE offsets.
+        fill = [0, 0, padding_slot, 0][:4 if rope_offsets else 3]
+        self.inputs = {b: torch.tensor([[v] * b * rows_per_request for v in fill], dtype=torch.int64, device=device)
                        for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -127,11 +128,12 @@ class DecodeGraphs:
 
     def _step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What each graph runs: the whole decode step of a bucket, from its input rows."""
-        ids, positions, slots = self.inputs[bucket]
+        ids, positions, slots = self.inputs[bucket][:3]
+        offsets = self.inputs[bucket][3] if self.rope_offsets else None
         verify = self.rows_per_request > 1
         splits = self.decode_splits(bucket, bucket * self.rows_per_request) if self.decode_splits else None
         logits = self.forward(decode_batch(ids, positions, slots, self.page_table, self.page_size, self.relay,
-                                           rows_share_slots=verify, decode_splits=splits))
+                                           rows_share_slots=verify, decode_splits=splits, rope_offsets=offsets))
         argmax = argmax_tokens(logits)
         if not verify:  # a verify step's next input is known only once its drafts are verified
             # Greedy rows' next input, for the overlap scheduler; a sampling step overwrites its rows after.
@@ -144,14 +146,17 @@ class DecodeGraphs:
     def _bucket(self, bsz: int) -> int:
         return next(b for b in self.buckets if b >= bsz)
 
-    def replay(self, ids: list[int], positions: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, ids: list[int], positions: list[int], slots: list[int], offsets: list[int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B*R, V] (in the dtype the graph's forward gave them) and their argmax [B*R] of a step
-        given as host lists of R rows per request (-1 ids: from the relay)."""
+        given as host lists of R rows per request (-1 ids: from the relay); `offsets`: M-RoPE graphs' rows'."""
         rows = len(ids)
         bucket = self._bucket(rows // self.rows_per_request)
         pad = bucket * self.rows_per_request - rows
-        copy_to_device([*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[self.padding_slot] * pad],
-                       self.inputs[bucket].view(-1))
+        values = [*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[self.padding_slot] * pad]
+        if self.rope_offsets:
+            values += [*(offsets or [0] * rows), *[0] * pad]
+        copy_to_device(values, self.inputs[bucket].view(-1))
         self.graphs[bucket].replay()
         return self.logits[bucket][:rows], self.argmax[bucket][:rows]
 
@@ -162,8 +167,14 @@ class DecodeGraphs:
         inputs = self.inputs[bucket]
         for row, values in enumerate((batch.input_ids, batch.positions, batch.slots)):
             inputs[row, :bsz].copy_(values, non_blocking=True)
+        if self.rope_offsets:
+            if batch.rope_offsets is None:
+                inputs[3, :bsz].zero_()
+            else:
+                inputs[3, :bsz].copy_(batch.rope_offsets, non_blocking=True)
         if bucket > bsz:
             inputs[:2, bsz:].zero_()
             inputs[2, bsz:].fill_(self.padding_slot)
+            inputs[3:, bsz:].zero_()
         self.graphs[bucket].replay()
         return self.logits[bucket][:bsz].float()

@@ -65,6 +65,12 @@ class ForwardBatch:
     # all-reduce pairs up across ranks) and writes the rows over them; the rows travel with the batch.
     image_rows: torch.Tensor | None = None  # [N, hidden]
     image_positions: torch.Tensor | None = None  # [N] int64
+    # M-RoPE (Qwen2-VL): each token's (t, h, w) rotary positions when a request's differ from `positions` (its
+    # image tokens and everything after them); None: the rotary positions are `positions`.
+    rope_positions: torch.Tensor | None = None  # [3, T] int64
+    # M-RoPE decode rows (a token past a request's last image: its three positions equal): each rotates at
+    # position + offset (the request's delta; 0 for text-only requests). A decode graph takes it as an input row.
+    rope_offsets: torch.Tensor | None = None  # [T] int64
 
     @property
     def batch_size(self) -> int:
@@ -92,7 +98,7 @@ def kv_token_locations(page_table: torch.Tensor, slots: torch.Tensor | int, posi
 
 def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
                  page_size: int, relay: torch.Tensor | None = None, rows_share_slots: bool = False,
-                 decode_splits: int | None = None) -> ForwardBatch:
+                 decode_splits: int | None = None, rope_offsets: torch.Tensor | None = None) -> ForwardBatch:
     """A decode batch whose KV locations are computed on the device (CUDA-graph friendly).
 
     Token ids of -1 are taken from `relay[slot]`, the device buffer of each slot's latest token.
@@ -110,5 +116,5 @@ def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.
     return ForwardBatch(
         input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
         logits_index=logits_index, slots=slots, page_table=page_table, page_size=page_size,
-        rows_share_slots=rows_share_slots, decode_splits=decode_splits,
+        rows_share_slots=rows_share_slots, decode_splits=decode_splits, rope_offsets=rope_offsets,
     )

@@ -7,6 +7,7 @@ import gc
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from splitserve.engine.layers.extend_plan import (
 )
 from splitserve.engine.layers.prompt_attention import bucket_lengths, bucket_limit
 from splitserve.engine.models import build_model
+from splitserve.engine.multimodal.mrope import batch_rope_positions, decode_rope_offsets
 from splitserve.engine.multimodal.prompt_embeds import image_rows, missing_embeddings, touches_images
 from splitserve.engine.quantization.fp8 import online_scheme
 from splitserve.engine.request import Request
@@ -378,14 +380,18 @@ class ModelRunner:
         prepares the next step meanwhile). Sampled tokens also go to the relay buffer, by slot."""
         sampled = [c for c in chunks if c.sample]
         argmax = None
-        if any(c.draft for c in chunks) and verify_shaped(chunks) and not touches_images(chunks):
+        # Requests with images on an M-RoPE model rotate at positions of their own: their prompt chunks and
+        # verify steps run eagerly with [3, T] positions, their decode rows shifted by an offset (graphs too).
+        mrope_images = self.model_cfg.mrope and any(c.request.images for c in chunks)
+        plain = not mrope_images and not touches_images(chunks)
+        if any(c.draft for c in chunks) and verify_shaped(chunks) and plain:
             return self._verify_rows(chunks, page_table)
         if all(c.length == 1 for c in chunks) and not touches_images(chunks):
             logits, argmax = self._decode(chunks, page_table)
             if len(sampled) < len(chunks):  # a one-token prompt chunk rides along: it samples nothing
                 rows = to_device([i for i, c in enumerate(chunks) if c.sample], torch.int64, self.device)
                 logits, argmax = logits[rows], (argmax[rows] if argmax is not None else None)
-        elif self._lone_prompt_graph_runs(chunks):
+        elif plain and self._lone_prompt_graph_runs(chunks):
             (c,) = chunks
             logits = self.prompt_graphs.run(c.request.all_ids[:c.length], c.request.slot)
         else:
@@ -393,6 +399,8 @@ class ModelRunner:
                                         self.extend_block_tokens, self.cudnn_chunk, self.prompt_buckets)
             if touches_images(chunks):
                 batch.image_rows, batch.image_positions = self.prompt_image_rows(chunks)
+            if mrope_images:
+                batch.rope_positions = self.rope_positions(chunks).to(self.device)  # type: ignore[union-attr]
             logits = self.forward(batch)
             if any(c.draft for c in chunks):
                 return self._sample_and_verify(logits, sampled)
@@ -407,17 +415,37 @@ class ModelRunner:
         logprobs = self._to_host(out.logprobs) if out.logprobs is not None else None
         return PendingStep(sampled, tokens, logprobs, out.top_logprobs, self._record_done())
 
-    def encode_images(self, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each image's embedding rows [tokens_per_image, hidden] (vision tower + projector)."""
+    def encode_images(self, pixels: list[torch.Tensor], grids: Sequence[tuple[int, int, int] | None] | None = None
+                      ) -> list[torch.Tensor]:
+        """Each image's embedding rows [its tokens, hidden] (vision tower + projector). Qwen-VL images come as
+        patches of any count with their patch grids, in one tower pass; LLaVA's as equal-size pixel arrays."""
+        if self.model_cfg.mrope:
+            assert grids is not None and all(g is not None for g in grids), "Qwen-VL images need their patch grids"
+            return self.model.encode_images([p.to(self.device) for p in pixels], list(grids))  # type: ignore[operator]
         rows = self.model.encode_images(torch.stack(pixels).to(self.device))  # type: ignore[operator]
         return list(rows.unbind(0))
+
+    def rope_positions(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """[3, T] M-RoPE positions of a step with a request with images (Qwen-VL), else None."""
+        vision = self.model_cfg.vision
+        if not self.model_cfg.mrope or vision is None:
+            return None
+        return batch_rope_positions(chunks, vision.spatial_merge_size)  # type: ignore[union-attr]
+
+    def decode_rope_offsets(self, chunks: list[ScheduledChunk]) -> list[int] | None:
+        """Each decode row's M-RoPE offset on a Qwen-VL model (0 for text-only requests), else None."""
+        vision = self.model_cfg.vision
+        if not self.model_cfg.mrope or vision is None:
+            return None
+        return decode_rope_offsets(chunks, vision.spatial_merge_size)  # type: ignore[union-attr]
 
     def prompt_image_rows(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunks' image rows and their flat positions; images not yet encoded are, now (on this
         rank alone: the vision tower is not sharded, and the rows reach the other ranks with the batch)."""
         missing = missing_embeddings(chunks)
         if missing:
-            for item, rows in zip(missing, self.encode_images([m.pixels for m in missing]), strict=True):
+            rows_of = self.encode_images([m.pixels for m in missing], [m.grid for m in missing])  # type: ignore[misc]
+            for item, rows in zip(missing, rows_of, strict=True):
                 item.embedding, item.pixels = rows, None
         return image_rows(chunks, self.device)
 
@@ -512,14 +540,17 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of a step of one-token chunks, and their argmax when a CUDA graph ran it."""
         ids, positions, slots = build_decode_inputs(chunks)
+        offsets = self.decode_rope_offsets(chunks)
         graphs = self.decode_graphs
         # Tensor-parallel rank 0 broadcasts the batch it built (its workers replay from that).
         if graphs is not None and self.step_broadcaster is None and graphs.can_run(len(chunks)):
-            return graphs.replay(ids, positions, slots)
+            return graphs.replay(ids, positions, slots, offsets)
         ids_t, positions_t, slots_t = (to_device(x, torch.int64, self.device) for x in (ids, positions, slots))
         return self.forward(decode_batch(ids_t, positions_t, slots_t, page_table, self.cfg.page_size,
                                          self.next_tokens,
-                                         decode_splits=self.decode_splits_for(len(chunks), len(chunks)))), None
+                                         decode_splits=self.decode_splits_for(len(chunks), len(chunks)),
+                                         rope_offsets=None if offsets is None else
+                                         to_device(offsets, torch.int64, self.device))), None
 
     def _lone_prompt_graph_runs(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether a step is one fresh prompt chunk (nothing cached before it, no drafts, no images) that a
@@ -579,6 +610,7 @@ class ModelRunner:
         splits are plain decoding's (else padding a step would change which projection path its rows take)."""
         graphs = self.piecewise_graphs
         return (graphs is not None and not batch.is_decode and batch.image_rows is None
+                and batch.rope_positions is None
                 and graphs.can_run(batch.input_ids.shape[0]) and self._piecewise_mode())
 
     def _piecewise_mode(self) -> bool:
@@ -611,7 +643,8 @@ class ModelRunner:
         # The graphs keep the model's dtype: the argmax needs no float32 copy (sampling steps cast after).
         graphs = DecodeGraphs(lambda b: self.model.logits(b, self.kv_pool), page_table, self.cfg.page_size,
                               padding_slot, min(self.cfg.max_running_requests, self.cfg.cuda_graph_max_batch),
-                              self.device, self.next_tokens, decode_splits=self.decode_splits_for)
+                              self.device, self.next_tokens, decode_splits=self.decode_splits_for,
+                              rope_offsets=self.model_cfg.mrope)
         graphs.capture()
         self.decode_graphs = graphs
 

@@ -23,7 +23,15 @@ import time
 
 import httpx
 import pytest
-from server_group import ServerGroup, chat_all, image, png_bytes, png_url
+from server_group import (
+    ServerGroup,
+    answer_across_a_kill_mid_write,
+    chat_all,
+    image,
+    kill_mid_write,
+    png_bytes,
+    png_url,
+)
 from servers import (
     TEST_CONTROL_KEY,
     assert_kv_back_to_start,
@@ -245,34 +253,6 @@ def test_a_killed_encoder_is_retried_around_or_fails_cleanly(deployment: ServerG
     assert dec.status_code == 503
     assert time.monotonic() - started < 3
     assert_everything_back(deployment)
-
-
-def kill_mid_write(d: ServerGroup, name: str) -> float:
-    """Waits until encoder `name` has an item partly written (it pauses there), kills it -9 and
-    returns when it died."""
-    url, victim = d.procs[name]
-    deadline = time.monotonic() + 60
-    while health(url)["embedding"]["partly_written"] == 0:
-        assert time.monotonic() < deadline, f"{name} never got an item partly written"
-        time.sleep(0.02)
-    os.kill(victim.proc.pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    victim.proc.wait()
-    return killed_at
-
-
-def answer_across_a_kill_mid_write(d: ServerGroup, router: str, case: dict,
-                                   encoder: str) -> tuple[httpx.Response, float, float]:
-    """Posts `case` to `router` and kills `encoder` -9 mid-write meanwhile: the answer, when it
-    came and when the encoder died."""
-    done: list[tuple[httpx.Response, float]] = []
-    sender = threading.Thread(target=lambda: done.append((httpx.post(
-        f"{d.url(router)}/v1/chat/completions", json=case, timeout=120), time.monotonic())))
-    sender.start()
-    killed_at = kill_mid_write(d, encoder)
-    sender.join(timeout=120)
-    (answer, answered_at), = done
-    return answer, answered_at, killed_at
 
 
 def router_retries(url: str) -> float:
