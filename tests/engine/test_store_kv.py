@@ -20,10 +20,11 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_pool import KVPool, KVPoolShape
 from splitserve.engine.offline import generate_tokens
+from splitserve.engine.page_events import PageEvents
 from splitserve.engine.page_hash import page_hashes
 from splitserve.engine.request import Request, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.store_kv import StoreKV, start_master, store_namespace
+from splitserve.engine.store_kv import MISS_TTL_S, StoreKV, start_master, store_namespace
 
 PAGE = 4
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -48,11 +49,14 @@ def wait_ready(store: StoreKV, timeout: float = 60.0) -> None:
 
 # ---- the KV cache over a store --------------------------------------------------------------------
 
-def store_cache(address: str, namespace: str = "test/ns", pages: int = 9) -> tuple[KVCache, KVPool, StoreKV]:
+def store_cache(address: str, namespace: str = "test/ns", pages: int = 9,
+                events: PageEvents | None = None) -> tuple[KVCache, KVPool, StoreKV]:
     pool = KVPool(KVPoolShape(num_layers=2, num_pages=pages, page_size=PAGE, num_kv_heads=1, head_dim=2,
                               dtype=torch.float32), torch.device("cpu"))
-    store = StoreKV(pool.buffer, address, namespace, segment_bytes=16 << 20, buffer_bytes=1 << 20, timeout_s=2.0)
-    kv = KVCache(pages, PAGE, 2, max_context=256, device=torch.device("cpu"), copy_page=pool.copy_page, store=store)
+    store = StoreKV(pool.buffer, address, namespace, segment_bytes=16 << 20, buffer_bytes=1 << 20, timeout_s=2.0,
+                    events=events)
+    kv = KVCache(pages, PAGE, 2, max_context=256, device=torch.device("cpu"), copy_page=pool.copy_page, store=store,
+                 page_events=events)
     wait_ready(store)
     return kv, pool, store
 
@@ -138,6 +142,60 @@ def test_a_hung_master_costs_one_timeout_then_lookups_answer_at_once(master) -> 
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         store.close()
+
+
+def store_tier(events: PageEvents) -> set[int]:
+    """The "store" pages a reader of every event so far sees."""
+    held: set[int] = set()
+    for op, tier, hashes in events.since(None, 0)["events"]:
+        if tier == "store":
+            (held.update if op == "stored" else held.difference_update)(hashes)
+    return held
+
+
+def test_store_pages_are_published_as_the_store_tier_until_the_engine_learns_they_are_gone(master) -> None:
+    proc, address = master
+    events1, events2 = PageEvents(PAGE), PageEvents(PAGE)
+    kv1, pool1, store1 = store_cache(address, pages=7, events=events1)
+    kv2, _, store2 = store_cache(address, events=events2)
+    try:
+        assert events1.since(None, 0)["store"] == events2.since(None, 0)["store"] == f"{address}/test/ns"
+        gen = torch.Generator().manual_seed(3)
+        a = torch.randint(1, 250, (24,), generator=gen).tolist()
+        b = torch.randint(1, 250, (24,), generator=gen).tolist()
+        run_one(kv1, pool1, a, "a")
+        assert store_tier(events1) == set()  # nothing put yet: a is on the device
+        run_one(kv1, pool1, b, "b")  # evicts a's 6 pages: written through
+        wait_written(store1, 6)
+        pages_a = page_hashes(a, PAGE)
+        deadline = time.monotonic() + 5
+        while store_tier(events1) != set(pages_a):  # published once the put returns
+            assert time.monotonic() < deadline, store_tier(events1)
+            time.sleep(0.02)
+        # Another engine that reads them publishes them too; the device tier has what it loaded.
+        req = Request("a2", [*a, 7], SamplingParams(max_new_tokens=4), on_output=lambda _o: None)
+        kv2.admit(req, max_prefix_tokens=len(req.prompt_ids) - 1)
+        kv2.release(req)
+        assert store_tier(events2) == set(pages_a) and events2.held_in("device") == 6
+        # A page the master no longer has (evicted; removed here) is reported removed once a lookup sees it gone.
+        assert store1._store.remove(store1.key(pages_a[3]), True) == 0
+        time.sleep(MISS_TTL_S)  # kv1's own first lookup of a missed: not asked again before this
+        req = Request("a3", [*a[:16], 7], SamplingParams(max_new_tokens=1), on_output=lambda _o: None)
+        kv1.admit(req, max_prefix_tokens=len(req.prompt_ids) - 1)
+        assert req.cached_len == 3 * PAGE
+        kv1.release(req)
+        assert store_tier(events1) == set(pages_a) - {pages_a[3]}
+        # A store that fails may come back empty: every page of it is reported removed.
+        os.kill(proc.pid, signal.SIGSTOP)
+        store1.timeout_s = 0.3
+        run_one(kv1, pool1, torch.randint(1, 250, (24,), generator=gen).tolist(), "c")
+        assert store1.failures >= 1 and store_tier(events1) == set()
+        answer = events1.since(None, 0)
+        assert answer["reset"] and all(tier != "store" for _, tier, _ in answer["events"])
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        store1.close()
+        store2.close()
 
 
 # ---- engines --------------------------------------------------------------------------------------
