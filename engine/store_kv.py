@@ -414,6 +414,16 @@ class StoreKV:
         self.hit_tokens += len(pages) * self.page_size
         self.load_seconds.append(time.monotonic() - started)
 
+    def rows_free(self) -> int:
+        """Staging rows not held by a write-through, a lookup or a load (all of them when idle)."""
+        with self._lock:
+            return len(self._free)
+
+    def known_keys(self) -> int:
+        """Keys this engine knows the store holds or is being given (bounded by KNOWN_KEYS)."""
+        with self._lock:
+            return len(self._known)
+
     def jobs_pending(self) -> bool:
         """Whether the worker has calls queued or running."""
         return not self._jobs.empty() or self._busy_since is not None

@@ -15,6 +15,7 @@ from multi_turn import multi_turn_prompts
 
 pytest.importorskip("mooncake.store")
 
+from splitserve.engine import store_kv
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.kv_cache import KVCache
@@ -79,6 +80,14 @@ def run_one(kv: KVCache, pool: KVPool, prompt: list[int], rid: str) -> Request:
     return req
 
 
+def wait_idle(store: StoreKV, timeout: float = 40.0) -> None:
+    """Until the worker has no call queued or running (a call to a stopped master returns after 30 s)."""
+    deadline = time.monotonic() + timeout
+    while store.jobs_pending():
+        assert time.monotonic() < deadline, "the store worker is still busy"
+        time.sleep(0.05)
+
+
 def wait_written(store: StoreKV, pages: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while store.written_pages < pages:
@@ -139,6 +148,9 @@ def test_a_hung_master_costs_one_timeout_then_lookups_answer_at_once(master) -> 
             run_one(kv, pool, torch.randint(1, 250, (24,), generator=gen).tolist(), f"r{i}")
         assert time.monotonic() - started < 0.5
         assert store.dropped_pages > 0  # write-throughs dropped while it is out of use
+        os.kill(proc.pid, signal.SIGCONT)
+        wait_idle(store)  # the stuck call returns: the rows it held come back
+        assert store.rows_free() == store.capacity
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         store.close()
@@ -153,7 +165,7 @@ def store_tier(events: PageEvents) -> set[int]:
     return held
 
 
-def test_store_pages_are_published_as_the_store_tier_until_the_engine_learns_they_are_gone(master) -> None:
+def test_store_pages_are_published_as_the_store_tier_until_the_engine_learns_they_are_gone(master, monkeypatch) -> None:
     proc, address = master
     events1, events2 = PageEvents(PAGE), PageEvents(PAGE)
     kv1, pool1, store1 = store_cache(address, pages=7, events=events1)
@@ -185,6 +197,14 @@ def test_store_pages_are_published_as_the_store_tier_until_the_engine_learns_the
         assert req.cached_len == 3 * PAGE
         kv1.release(req)
         assert store_tier(events1) == set(pages_a) - {pages_a[3]}
+        # The set of keys known to be in the store, and so the published store tier, stays within its bound.
+        with monkeypatch.context() as m:
+            m.setattr(store_kv, "KNOWN_KEYS", 4)
+            run_one(kv1, pool1, a, "a4")  # a's pages in kv1's device again: b's, the last 4 known, are put
+            run_one(kv1, pool1, b, "b4")
+            wait_idle(store1)
+            assert store1.known_keys() == 4 and len(store_tier(events1)) <= 4
+        assert store1.rows_free() == store1.capacity
         # A store that fails may come back empty: every page of it is reported removed.
         os.kill(proc.pid, signal.SIGSTOP)
         store1.timeout_s = 0.3
@@ -288,6 +308,10 @@ def test_a_master_killed_mid_load_fails_no_request_and_changes_no_output(master)
         assert outs == flat
         assert metric(engine, "kv_store_failures_total") >= 1
         assert metric(engine, "kv_store_up") == 0
+        wait_idle(engine.kv_store)
+        assert engine.kv_store.rows_free() == engine.kv_store.capacity  # no staging row lost to the failures
+        usage = engine.kv.usage()
+        assert usage.locked == 0 and usage.slots_in_use == 0 and usage.free + usage.cached == usage.capacity
     finally:
         engine.stop()
 
