@@ -26,6 +26,7 @@ from splitserve.engine.page_hash import page_hashes
 from splitserve.engine.request import Request, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.store_kv import MISS_TTL_S, StoreKV, start_master, store_namespace
+from splitserve.router.prefix_index import PrefixIndex
 
 PAGE = 4
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -281,6 +282,19 @@ def test_greedy_output_is_the_same_with_the_store_and_a_second_engine_gets_store
         assert metric(second, "kv_store_read_bytes_total") > 0
         assert metric(second, "kv_store_load_seconds_count") > 0
         assert metric(second, "kv_store_failures_total") == 0 and metric(second, "kv_store_up") == 1
+        # Both publish their store pages under the same store's name: a router's index reaches them from a new
+        # engine on that store that holds nothing itself.
+        answers = {"first": first.page_events.since(None, 0), "second": second.page_events.since(None, 0)}
+        assert answers["first"]["store"] == answers["second"]["store"]
+        assert answers["first"]["store"].startswith(f"{address}/splitserve/")
+        assert any(tier == "store" and hashes for _, tier, hashes in answers["first"]["events"])
+        answers["new"] = {**answers["first"], "epoch": "new", "events": []}
+        index = PrefixIndex()
+        for url, answer in answers.items():
+            index.apply_events(url, answer)
+        prompt = page_hashes(rounds[0][0], PAGE)
+        depth = index.match(prompt, list(answers))
+        assert depth["new"] == 0 and index.store_match(prompt, depth)["new"] >= 1
     finally:
         first.stop()
         second.stop()
