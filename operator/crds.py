@@ -41,6 +41,7 @@ QUANTITY_PATTERN = (
     r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+SERVICE_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"  # RFC 1035 labels
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ABSOLUTE_PATH_PATTERN = r"^/.*$"
 ENGINE_ARG_PATTERN = r"^--[a-z0-9][a-z0-9-]*(=.*)?$"
@@ -266,8 +267,8 @@ def kv_store_schema() -> Schema:
             "scope": _str("group: a master of the group's own (<group>-kv-store); namespace: one shared by every "
                           "group of the namespace that names it, deleted with the last of them.",
                           enum=["group", "namespace"], default="group"),
-            "name": _str("The namespace store's name (scope namespace; default splitserve-kv-store).",
-                         pattern=DNS_LABEL_PATTERN, maxLength=63),
+            "name": _str("The namespace store's name (scope namespace; default splitserve-kv-store): a Service "
+                         "name, so it starts with a letter.", pattern=SERVICE_NAME_PATTERN, maxLength=63),
             "port": _port("The master's RPC port (a namespace store keeps its creator's).", DEFAULT_KV_STORE_PORT,
                           minimum=1024),
             "segmentMB": _int("Host memory each engine gives the store's pool, MiB (--kv-store-segment-mb).", 0,

@@ -138,8 +138,11 @@ class Reconciler:
                 return obj
         return self.kube.get(api_version, kind, namespace, name)
 
-    def _apply(self, desired: dict[str, Any], observed: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
-        result, current = self.kube.apply(desired, observed, looked_up=True)
+    def _apply(self, desired: dict[str, Any], observed: dict[str, Any] | None,
+               shared: bool = False) -> tuple[str, dict[str, Any]]:
+        """``shared``: an object of several groups (a namespace KV store), created by another meanwhile: the
+        conflict makes the reconcile join it as it is instead of overwriting it."""
+        result, current = self.kube.apply(desired, observed, looked_up=True, update_if_created_meanwhile=not shared)
         if result != "unchanged":
             self.cache.store(current)
         return result, current
@@ -234,7 +237,7 @@ class Reconciler:
             for obj in desired:
                 key = (obj["kind"], obj["metadata"]["name"])
                 if key in read:
-                    result, current = self._apply(obj, observed.get(key))  # read above
+                    result, current = self._apply(obj, observed.get(key), shared=obj["kind"] != ROLE_KIND)
                 else:
                     result, current = self._apply(obj, self._current(
                         obj["apiVersion"], obj["kind"], namespace, key[1], fresh))

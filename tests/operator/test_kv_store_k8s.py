@@ -111,6 +111,24 @@ def test_a_namespace_store_is_shared_and_deleted_with_the_last_group_using_it(cl
                      "the store garbage-collected with its last group", timeout=90)
 
 
+def test_groups_created_together_both_own_the_namespace_store_they_race_to_create(cluster: Any,
+                                                                                  operator: Any) -> None:
+    ns = cluster.namespace("op-kvr")
+    shared = {"enabled": True, "scope": "namespace"}
+    cluster.apply_yaml(ns, "---\n".join(store_group(g, shared) for g in ("gx", "gy", "gz")))
+
+    def owners_of_all() -> set[str] | None:
+        found = [{n for n, _ in owners(cluster.get(v, k, ns, "splitserve-kv-store"))} for v, k in STORE_KINDS]
+        return found[0] if all(f == found[0] for f in found) else None
+
+    cluster.wait_for(lambda: owners_of_all() == {"gx", "gy", "gz"}, "every group an owner of the one store")
+    service = cluster.get("v1", "Service", ns, "splitserve-kv-store")
+    for group in ("gx", "gy", "gz"):
+        cluster.wait_for(lambda g=group: engine_env(cluster, ns, g, "prefill").get("SPLITSERVE_KV_STORE") ==
+                         f"splitserve-kv-store.{ns}.svc:50051", f"{group} wired")
+    assert owners_of_all() == {"gx", "gy", "gz"} and service["spec"]["ports"][0]["port"] == 50051
+
+
 def test_bad_kv_store_specs_are_refused_naming_the_field(cluster: Any, operator: Any) -> None:
     ns = cluster.namespace("op-kvbad")
     for kv_store, field in (({"enabled": True, "scope": "cluster"}, "spec.kvStore.scope"),
