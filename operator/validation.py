@@ -114,4 +114,10 @@ def role_spec_problems(name: str, spec: Mapping[str, Any]) -> list[str]:
     role = spec.get("role")
     if role in ROLE_NAMES and traits(role).requires_speculative and spec.get("speculative") is None:
         problems.append(f"spec.role is {role} but spec.speculative is not set")
+    if spec.get("kvStore") and role in ROLE_NAMES and traits(role).kv_store:
+        problems += [f"spec.env[{i}] sets {var['name']}, which spec.kvStore sets"
+                     for i, var in enumerate(spec.get("env") or []) if var.get("name") in KV_STORE_ENV]
+        problems += [f"spec.engineArgs[{i}] sets {str(arg).split('=', 1)[0]}, which spec.kvStore sets"
+                     for i, arg in enumerate(spec.get("engineArgs") or [])
+                     if str(arg).split("=", 1)[0] in KV_STORE_ENGINE_FLAGS]
     return problems

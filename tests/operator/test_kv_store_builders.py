@@ -12,7 +12,7 @@ from splitserve.operator.kv_store_builders import build_kv_store, engine_kv_stor
 from splitserve.operator.names import LABEL_GROUP, LABEL_KV_STORE, LABEL_ROLE
 from splitserve.operator.role_builders import build_statefulset
 from splitserve.operator.rollout import group_revision
-from splitserve.operator.validation import group_spec_problems
+from splitserve.operator.validation import group_spec_problems, role_spec_problems
 
 IMAGE = "example.com/splitserve:test"
 
@@ -149,6 +149,12 @@ def test_kv_store_specs_that_cannot_work_are_refused_with_their_field() -> None:
     # Without spec.kvStore an engine may name a store of its own.
     body["spec"]["kvStore"]["enabled"] = False
     assert group_spec_problems("g", body["spec"]) == []
+    # A ServingRole of its own with spec.kvStore: the same.
+    role = {"group": "g", "role": "decode", "model": {"name": "m", "builtin": "tiny"},
+            "kvStore": {"address": "s.ns.svc:50051"}, "engineArgs": ["--kv-store-segment-mb=9"]}
+    (problem,) = role_spec_problems("g-decode", role)
+    assert "spec.engineArgs[0] sets --kv-store-segment-mb" in problem
+    assert role_spec_problems("g-decode", {**role, "engineArgs": []}) == []
 
 
 def test_the_kv_store_command_runs_mooncake_master_on_the_pod_s_ports() -> None:
