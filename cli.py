@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("splitserve.launcher.up", "a whole deployment as local processes: engines, then the router in front"),
     "bench": ("splitserve.bench.command",
               "benchmarks: load a server or time the bare engine; figures as ratios (--help lists profiles)"),
+    "kv-store": ("splitserve.launcher.kv_store", "a Mooncake Store master: the KV store tier shared by engines"),
     "operator": ("splitserve.operator.main", "the Kubernetes operator: reconciles ServingGroups into engine pods"),
 }
 

@@ -18,6 +18,11 @@ deployment reaches, keyed by model, page layout and page hash (docs/kv_tiers.md)
   retries for about 90 s when the master is not there) runs on the worker too: the engine serves from
   the start and the store joins when it answers.
 
+Events: the pages this engine put or found in the store are published as the "store" tier (engine/page_events.py)
+under the store's name (address and key namespace), and reported removed when the engine learns they are gone (a
+lookup finds a key missing: the master evicted it; the store failed and may come back empty) or forgets them (the
+bounded set of known keys). Routers weigh such a page below one in device or host memory (router/prefix_index.py).
+
 Memory: the staging buffer (`buffer_bytes`) is this engine's only host memory for the tier, besides
 the segment it contributes to the store's pool (`segment_bytes`, Mooncake's global segment: the store's
 memory is the sum of its clients' segments; the master holds metadata only and evicts at its watermark).
@@ -44,6 +49,7 @@ import torch
 
 from splitserve.engine.checkpoints.model_names import RANDOM_MODELS
 from splitserve.engine.kv_pool import page_bytes_view
+from splitserve.engine.page_events import STORE, PageEvents
 from splitserve.transfer.mooncake.engine import GLOG_WARNING, LOG_LEVEL_ENV, _glog_minloglevel
 from splitserve.transfer.mooncake.loopback_bind import bind_mooncake_to_loopback, loopback_for
 
@@ -110,7 +116,8 @@ class StoreKV:
 
     def __init__(self, device_buffer: torch.Tensor, address: str, namespace: str, *,
                  metadata: str = "P2PHANDSHAKE", protocol: str = "tcp", segment_bytes: int = 512 << 20,
-                 buffer_bytes: int = 64 << 20, timeout_s: float = 0.1, local_host: str | None = None) -> None:
+                 buffer_bytes: int = 64 << 20, timeout_s: float = 0.1, local_host: str | None = None,
+                 events: PageEvents | None = None) -> None:
         layers, two, _, page_size, heads, dim = device_buffer.shape
         device_buffer = page_bytes_view(device_buffer)  # an FP8 pool's pages move as bytes
         self.device_buffer: torch.Tensor | None = device_buffer
@@ -128,7 +135,11 @@ class StoreKV:
         self.local_host = local_host or local_address_towards(address)
         self._lock = threading.Lock()
         self._free = list(range(capacity - 1, -1, -1))  # staging rows (under _lock)
-        self._known: OrderedDict[int, None] = OrderedDict()  # hashes the store holds (under _lock)
+        # Hashes the store holds (True) or is being given (False: a put in flight), oldest first (under _lock).
+        self._known: OrderedDict[int, bool] = OrderedDict()
+        self.events = events
+        if events is not None:
+            events.store = f"{address}/{namespace}"
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._misses: OrderedDict[int, float] = OrderedDict()  # first page hash -> when it missed (engine thread)
         self.lookups = 0  # lookups asked of the store
@@ -174,6 +185,8 @@ class StoreKV:
             self._down_until = time.monotonic() + self._backoff
             first = not self._failing
             self._failing = True
+            if first:
+                self._forget_all()  # it may come back empty: routers stop counting its pages
             backoff = self._backoff
             self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
         if first:
@@ -187,8 +200,29 @@ class StoreKV:
         with self._lock:
             self._failing = False
             self._backoff = BACKOFF_START_S
-            self._known.clear()  # it may have come back empty
+            self._forget_all()  # it may have come back empty
         logger.warning("KV store at %s answers again", self.address)
+
+    def _remember(self, hashes: Sequence[int], held: bool) -> None:
+        """Notes keys the store holds (`held`) or is being given (under _lock); the oldest beyond the bound go."""
+        for h in hashes:
+            if held and self.events is not None and not self._known.get(h, False):
+                self.events.stored(h, STORE)
+            self._known[h] = held or self._known.get(h, False)
+            self._known.move_to_end(h)
+        while len(self._known) > KNOWN_KEYS:
+            h, was_held = self._known.popitem(last=False)
+            if was_held and self.events is not None:
+                self.events.removed(h, STORE)
+
+    def _forget(self, hashes: Sequence[int]) -> None:
+        """Keys the store does not hold (under _lock)."""
+        for h in hashes:
+            if self._known.pop(h, False) and self.events is not None:
+                self.events.removed(h, STORE)
+
+    def _forget_all(self) -> None:
+        self._forget(list(self._known))
 
     def _take(self, n: int) -> list[int]:
         with self._lock:
@@ -270,10 +304,9 @@ class StoreKV:
             results = store.batch_put_from(job.keys, self._ptrs(job.slots), [self.page_bytes] * len(job.keys))
             failed = [h for h, r in zip(job.hashes, results, strict=True) if r != 0]
             self.written_pages += len(job.keys) - len(failed)
-            if failed:
-                with self._lock:
-                    for h in failed:
-                        self._known.pop(h, None)
+            with self._lock:
+                self._forget(failed)
+                self._remember([h for h in job.hashes if h in self._known], held=True)
             if any(r in TRANSPORT_ERRORS for r in results):
                 self._failed(f"batch_put_from returned {sorted(set(results))}")
             else:
@@ -284,6 +317,8 @@ class StoreKV:
             self._failed(f"batch_is_exist returned {exists[0]}")
             return
         n = next((i for i, e in enumerate(exists) if e != 1), len(exists))
+        with self._lock:  # keys it held that the master has evicted since
+            self._forget([h for h, e in zip(job.hashes, exists, strict=False) if e == 0])
         if n:
             results = store.batch_get_into(job.keys[:n], self._ptrs(job.slots[:n]), [self.page_bytes] * n)
             n = next((i for i, r in enumerate(results) if r != self.page_bytes), n)
@@ -316,10 +351,7 @@ class StoreKV:
             return
         hashes = [h for h, _ in new]
         with self._lock:
-            for h in hashes:
-                self._known[h] = None
-            while len(self._known) > KNOWN_KEYS:
-                self._known.popitem(last=False)
+            self._remember(hashes, held=False)
         event = None
         if not self.cuda:
             idx = torch.tensor([p for _, p in new], dtype=torch.int64)
@@ -368,8 +400,7 @@ class StoreKV:
             return None
         self._give(slots[job.hits:])
         with self._lock:
-            for h in job.hashes[:job.hits]:
-                self._known[h] = None
+            self._remember(job.hashes[:job.hits], held=True)
         return slots[:job.hits], started
 
     def load_into(self, slots: Sequence[int], pages: Sequence[int], started: float) -> None:
@@ -385,6 +416,16 @@ class StoreKV:
         self.read_pages += len(pages)
         self.hit_tokens += len(pages) * self.page_size
         self.load_seconds.append(time.monotonic() - started)
+
+    def rows_free(self) -> int:
+        """Staging rows not held by a write-through, a lookup or a load (all of them when idle)."""
+        with self._lock:
+            return len(self._free)
+
+    def known_keys(self) -> int:
+        """Keys this engine knows the store holds or is being given (bounded by KNOWN_KEYS)."""
+        with self._lock:
+            return len(self._known)
 
     def jobs_pending(self) -> bool:
         """Whether the worker has calls queued or running."""
@@ -425,7 +466,8 @@ class StoreKV:
             self._store = None
 
 
-def open_store(cfg: Any, device_buffer: torch.Tensor, model_folder: str | Path) -> StoreKV | None:
+def open_store(cfg: Any, device_buffer: torch.Tensor, model_folder: str | Path,
+               events: PageEvents | None = None) -> StoreKV | None:
     """The engine's store tier from its config (--kv-store ADDRESS), or None."""
     if not cfg.kv_store or cfg.disable_prefix_cache:
         return None
@@ -435,7 +477,8 @@ def open_store(cfg: Any, device_buffer: torch.Tensor, model_folder: str | Path) 
                                 device_buffer.dtype, (layers, two, page_size, heads, dim))
     return StoreKV(device_buffer, cfg.kv_store, namespace, metadata=cfg.kv_store_metadata,
                    protocol=cfg.kv_store_protocol, segment_bytes=cfg.kv_store_segment_mb << 20,
-                   buffer_bytes=cfg.kv_store_buffer_mb << 20, timeout_s=cfg.kv_store_timeout_ms / 1000)
+                   buffer_bytes=cfg.kv_store_buffer_mb << 20, timeout_s=cfg.kv_store_timeout_ms / 1000,
+                   events=events)
 
 
 def master_binary() -> str:

@@ -27,6 +27,7 @@ from splitserve.operator.names import (
     DEFAULT_DRAFT_MESH_PORT,
     DEFAULT_EMBEDDING_PORT,
     DEFAULT_HTTP_PORT,
+    DEFAULT_KV_STORE_PORT,
     ROLE_NAMES,
 )
 
@@ -40,6 +41,7 @@ QUANTITY_PATTERN = (
     r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+SERVICE_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"  # RFC 1035 labels
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ABSOLUTE_PATH_PATTERN = r"^/.*$"
 ENGINE_ARG_PATTERN = r"^--[a-z0-9][a-z0-9-]*(=.*)?$"
@@ -256,6 +258,45 @@ def router_schema() -> Schema:
     )
 
 
+def kv_store_schema() -> Schema:
+    """``spec.kvStore``: the shared KV store tier, a Mooncake Store master the operator runs."""
+    return _obj(
+        {
+            "enabled": {"type": "boolean", "description": "Run a KV store master and wire the prefill and decode "
+                        "engines to it (their --kv-store).", "default": False},
+            "scope": _str("group: a master of the group's own (<group>-kv-store); namespace: one shared by every "
+                          "group of the namespace that names it, deleted with the last of them.",
+                          enum=["group", "namespace"], default="group"),
+            "name": _str("The namespace store's name (scope namespace; default splitserve-kv-store): a Service "
+                         "name, so it starts with a letter.", pattern=SERVICE_NAME_PATTERN, maxLength=63),
+            "port": _port("The master's RPC port (a namespace store keeps its creator's).", DEFAULT_KV_STORE_PORT,
+                          minimum=1024),
+            "segmentMB": _int("Host memory each engine gives the store's pool, MiB (--kv-store-segment-mb).", 0,
+                              1 << 20, default=512),
+            "image": _str("The master's image (default: the group's).", minLength=1, maxLength=512),
+            "resources": _resources(with_gpus=False),
+            "nodeSelector": _string_map("Node labels the master pod must match."),
+            "tolerations": _tolerations(),
+        },
+        "A KV store tier shared by the engines (docs/kv_tiers.md): pages evicted from one engine's device are "
+        "read by the others.",
+    )
+
+
+def engine_kv_store_schema() -> Schema:
+    """A ServingRole's ``spec.kvStore``: where its engines find the store (set by the group)."""
+    return _obj(
+        {
+            "address": _str("The master's HOST:PORT.", minLength=3, maxLength=300),
+            "segmentMB": _int("Host memory each engine gives the store's pool, MiB.", 0, 1 << 20, default=512),
+            "name": _str("A namespace store's name: the engine pods' splitserve.io/kv-store label.",
+                         pattern=DNS_LABEL_PATTERN, maxLength=63),
+        },
+        "The engines' KV store (--kv-store).",
+        required=["address"],
+    )
+
+
 def rollout_schema() -> Schema:
     """``spec.rollout``: how a new revision rolls through the roles."""
     return _obj(
@@ -409,6 +450,7 @@ def serving_group_schema() -> Schema:
             "speculative": speculative_schema(),
             "rollout": rollout_schema(),
             "slo": slo_schema(),
+            "kvStore": kv_store_schema(),
         },
         "One model served by disaggregated roles.",
         required=["model", "roles"],
@@ -426,6 +468,9 @@ def serving_group_schema() -> Schema:
             "router": _replica_counts("Router pods."),
             "conditions": _conditions(),
             "planner": planner_status_schema(),
+            "kvStore": _obj({"name": _str("The master's Deployment and Service."),
+                             "address": _str("The engines' --kv-store.")},
+                            "The KV store the engines use (spec.kvStore)."),
         },
         "Observed state.",
     )
@@ -443,6 +488,7 @@ def serving_role_schema() -> Schema:
         "model": model_schema(),
         "transfer": transfer_schema(),
         "speculative": speculative_schema(),
+        "kvStore": engine_kv_store_schema(),
         "revision": _str("Revision label for the pods (set by the group; default: a hash of this spec).",
                          maxLength=63),
         "updatePartition": _int("Pods with an ordinal below this keep the old revision during a "

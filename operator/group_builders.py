@@ -22,6 +22,7 @@ from splitserve.operator.names import (
     DEFAULT_HTTP_PORT,
     GROUP_API_VERSION,
     LABEL_GROUP,
+    LABEL_KV_STORE,
     LABEL_ROLE,
     PEERS_FILE,
     PEERS_MOUNT,
@@ -30,6 +31,7 @@ from splitserve.operator.names import (
     ROUTER_ROLE,
     control_secret_name,
     engine_network_policy_name,
+    kv_store_name,
     peers_configmap_name,
     role_object_name,
     router_name,
@@ -69,8 +71,9 @@ def role_replicas(group_spec: Mapping[str, Any], role: str, existing_role: Body 
 
 
 def build_serving_role(group_body: Body, role: str, revision: str, partition: int,
-                       existing_role: Body | None) -> dict[str, Any]:
-    """The ServingRole for one role of a group."""
+                       existing_role: Body | None, kv_store: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ServingRole for one role of a group; ``kv_store``: the engines' wiring to the group's KV store
+    (``kv_store_builders.engine_kv_store``), for the roles that use one."""
     meta, spec = group_body["metadata"], group_body["spec"]
     group = meta["name"]
     template = spec["roles"][role]
@@ -99,6 +102,8 @@ def build_serving_role(group_body: Body, role: str, revision: str, partition: in
     if spec.get("speculative") is not None and traits(role).speculative:
         role_spec["speculative"] = {k: copy.deepcopy(v) for k, v in spec["speculative"].items()
                                     if k not in OWN_MODEL_FIELDS}
+    if kv_store is not None and traits(role).kv_store:
+        role_spec["kvStore"] = dict(kv_store)
     wanted = int(template.get("replicas", 1))
     obj = {
         "apiVersion": GROUP_API_VERSION,
@@ -362,6 +367,11 @@ def build_engine_network_policy(group_body: Body) -> dict[str, Any]:
             "ingress": [{"from": [{"podSelector": group_pods_selector(group)}]}],
         },
     }
+    store = (group_body.get("spec") or {}).get("kvStore") or {}
+    if store.get("enabled") and store.get("scope") == "namespace":
+        # Engines of the other groups on the namespace's KV store read pages from these engines' segments.
+        policy["spec"]["ingress"].append({"from": [{"podSelector": {"matchLabels": {
+            LABEL_KV_STORE: kv_store_name(group, store)}}}]})
     if planner_enabled(group_body.get("spec") or {}):
         # The operator's planner reads the engines' /metrics (HTTP port only), from its own namespace.
         policy["spec"]["ingress"].append({

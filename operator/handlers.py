@@ -38,7 +38,16 @@ from splitserve.operator.group_builders import (
     router_endpoint,
 )
 from splitserve.operator.informer import CachedKind, ObjectCache, Seen
-from splitserve.operator.kube import Kube, KubeError, controller_of, owned_by
+from splitserve.operator.kube import Kube, KubeError, collection_path, controller_of, owned_by
+from splitserve.operator.kv_store_builders import (
+    KV_STORE_KINDS,
+    build_kv_store,
+    engine_kv_store,
+    kv_store_spec,
+    owner_references,
+    shared,
+    shared_port,
+)
 from splitserve.operator.names import (
     GROUP_API_VERSION,
     GROUP_KIND,
@@ -46,6 +55,7 @@ from splitserve.operator.names import (
     MANAGED_BY,
     ROLE_KIND,
     ROLE_NAMES,
+    kv_store_name,
     role_object_name,
     router_name,
 )
@@ -128,8 +138,11 @@ class Reconciler:
                 return obj
         return self.kube.get(api_version, kind, namespace, name)
 
-    def _apply(self, desired: dict[str, Any], observed: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
-        result, current = self.kube.apply(desired, observed, looked_up=True)
+    def _apply(self, desired: dict[str, Any], observed: dict[str, Any] | None,
+               shared: bool = False) -> tuple[str, dict[str, Any]]:
+        """``shared``: an object of several groups (a namespace KV store), created by another meanwhile: the
+        conflict makes the reconcile join it as it is instead of overwriting it."""
+        result, current = self.kube.apply(desired, observed, looked_up=True, update_if_created_meanwhile=not shared)
         if result != "unchanged":
             self.cache.store(current)
         return result, current
@@ -197,13 +210,20 @@ class Reconciler:
             progress[role] = RoleProgress(replicas[role], max(0, updated))
         max_skew = int((spec.get("rollout") or {}).get("maxSkewPercent", 25))
         partitions = rollout_partitions(progress, max_skew)
+        kv = kv_store_spec(spec)
+        store = kv_store_name(name, kv) if kv is not None else None
+        # A namespace store as it is (its creator's settings, its other owners).
+        existing_store = {kind: self._current(api_version, kind, namespace, store, fresh)
+                          for api_version, kind in KV_STORE_KINDS} if kv is not None and shared(kv) else {}
+        wired = engine_kv_store(group, shared_port(existing_store))
 
         desired = [
             # The policies first: no engine pod of the group runs without them.
             *build_network_policies(group),
             build_control_secret(group, secrets.token_hex(CONTROL_KEY_BYTES).encode()),
             build_peers_configmap(group, replicas),
-            *(build_serving_role(group, role, revision, partitions[role], existing[role]) for role in roles),
+            *build_kv_store(group, self.config.default_image, existing_store),
+            *(build_serving_role(group, role, revision, partitions[role], existing[role], wired) for role in roles),
             build_router_service(group),
             build_router_service_account(group),
             build_router_role_binding(group, self.config.router_cluster_role),
@@ -212,10 +232,12 @@ class Reconciler:
         try:
             applied = {}
             observed = {(ROLE_KIND, role_object_name(name, r)): obj for r, obj in existing.items() if obj}
+            read = {*observed, *((kind, store) for kind in existing_store)}
+            observed.update({(kind, store): obj for kind, obj in existing_store.items() if obj})
             for obj in desired:
                 key = (obj["kind"], obj["metadata"]["name"])
-                if obj["kind"] == ROLE_KIND:
-                    result, current = self._apply(obj, observed.get(key))  # read above
+                if key in read:
+                    result, current = self._apply(obj, observed.get(key), shared=obj["kind"] != ROLE_KIND)
                 else:
                     result, current = self._apply(obj, self._current(
                         obj["apiVersion"], obj["kind"], namespace, key[1], fresh))
@@ -228,6 +250,7 @@ class Reconciler:
                     log.info("deleting ServingRole %s/%s: role %s left the group", namespace,
                              stale["metadata"]["name"], role)
                     self.kube.delete(GROUP_API_VERSION, ROLE_KIND, namespace, stale["metadata"]["name"])
+            self._leave_kv_stores(group, store, fresh)
         except KubeError as exc:
             if exc.status == 409:
                 raise Conflict(str(exc)) from exc
@@ -237,11 +260,34 @@ class Reconciler:
 
         current_roles = {role: applied[(ROLE_KIND, role_object_name(name, role))] for role in roles}
         self._write_group_status(group, revision, current_roles,
-                                 router=applied[("Deployment", router_name(name))])
+                                 router=applied[("Deployment", router_name(name))],
+                                 kv_store={"name": store, "address": wired["address"]} if wired else {})
+
+    def _leave_kv_stores(self, group: dict[str, Any], keep: str | None, fresh: bool) -> None:
+        """Lets go of the KV stores the group used and no longer does: deletes its own, and takes its reference
+        off a namespace store (deleting that when no other group holds it). Where it was is in its status."""
+        meta = group["metadata"]
+        namespace, uid = meta["namespace"], meta["uid"]
+        used = ((group.get("status") or {}).get("kvStore") or {}).get("name")
+        for name in {kv_store_name(meta["name"], None), used} - {keep, None}:
+            for api_version, kind in reversed(KV_STORE_KINDS):
+                obj = self._current(api_version, kind, namespace, name, fresh)
+                if obj is None or not owned_by(obj, uid):
+                    continue
+                refs = owner_references(group, obj, keep=False)
+                if refs:
+                    body = {**obj, "metadata": {**obj["metadata"], "ownerReferences": refs}}
+                    self.cache.store(self.kube.request(
+                        "PUT", f"{collection_path(api_version, kind, namespace)}/{name}", body=body))
+                    log.info("ServingGroup %s/%s left the KV store %s (%s)", namespace, meta["name"], name, kind)
+                else:
+                    log.info("deleting %s %s/%s: no group uses that KV store", kind, namespace, name)
+                    self.kube.delete(api_version, kind, namespace, name)
 
     def _write_group_status(self, group: dict[str, Any], revision: str,
                             roles: Mapping[str, dict[str, Any] | None], *, problems: list[str] | None = None,
-                            error: str | None = None, router: dict[str, Any] | None = None) -> None:
+                            error: str | None = None, router: dict[str, Any] | None = None,
+                            kv_store: dict[str, Any] | None = None) -> None:
         meta, spec = group["metadata"], group["spec"]
         shown = {role: roles.get(role) for role in group_roles(spec)}
         if router is None:
@@ -249,6 +295,8 @@ class Reconciler:
         status = group_status(
             group, revision, shown, router, int((spec.get("router") or {}).get("replicas", 1)),
             router_endpoint(group), problems or [], error, now_rfc3339())
+        if kv_store is not None and (kv_store or (group.get("status") or {}).get("kvStore")):
+            status["kvStore"] = kv_store or None  # {}: no store (null clears it); None: left as it is
         if status_changed(group.get("status"), status):
             self._patch_status(GROUP_KIND, meta["namespace"], meta["name"], status)
 
@@ -321,6 +369,10 @@ class Reconciler:
         owner = controller_of(body, (GROUP_KIND, ROLE_KIND))
         if owner is not None:
             self._trigger(namespace, owner)
+            return
+        for ref in body["metadata"].get("ownerReferences") or []:  # a namespace KV store: every group using it
+            if ref.get("kind") == GROUP_KIND:
+                self._trigger(namespace, ref)
 
     def _trigger(self, namespace: str, owner: Mapping[str, Any]) -> None:
         self._dispatcher.submit((owner["kind"], namespace, owner["name"]),

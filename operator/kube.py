@@ -161,7 +161,7 @@ class Kube:
                             body={"status": dict(status)}, content_type="application/merge-patch+json")
 
     def apply(self, desired: Mapping[str, Any], observed: Mapping[str, Any] | None = None,
-              *, looked_up: bool = False) -> tuple[str, dict[str, Any]]:
+              *, looked_up: bool = False, update_if_created_meanwhile: bool = True) -> tuple[str, dict[str, Any]]:
         """Creates or updates ``desired``; returns ("created" | "updated" | "unchanged", object).
 
         Level-based and idempotent: an object equal to what was last applied, and whose
@@ -169,6 +169,8 @@ class Kube:
         when ``desired`` was computed from it; the update then fails with HTTP 409 if it
         changed since (optimistic concurrency) instead of overwriting the change. ``looked_up``:
         ``observed`` is None because the object was not found (in a watch cache): no GET first.
+        ``update_if_created_meanwhile``: a create that finds the object there updates it to ``desired``
+        (else the HTTP 409 is raised: an object several owners share is recomputed from what is there).
         """
         desired = with_applied_hash(desired)
         meta = desired["metadata"]
@@ -183,7 +185,7 @@ class Kube:
             try:
                 return "created", self.request("POST", path, body=desired, query=query)
             except KubeError as exc:
-                if exc.status != 409:
+                if exc.status != 409 or not update_if_created_meanwhile:
                     raise
                 # Created meanwhile (another reconcile of the same owner): update it instead.
                 existing = self.get(api_version, kind, meta["namespace"], meta["name"])

@@ -24,6 +24,8 @@ MANAGED_BY = "splitserve-operator"
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
+# On a namespace-scope KV store's pods and on the engine pods using it: who may reach whom.
+LABEL_KV_STORE = f"{API_GROUP}/kv-store"
 # Annotation on a child holding the hash of what the operator last wrote: a change of the
 # desired object (including a removed key) is seen even where the server adds defaults.
 ANNOTATION_APPLIED_HASH = f"{API_GROUP}/applied-hash"
@@ -40,6 +42,11 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 # The embedding transfer's ZeroMQ control port on encode and prefill pods (spec.transfer.embeddingPort).
 DEFAULT_EMBEDDING_PORT = 8999
 DEFAULT_DRAFT_MESH_PORT = 50061
+# The Mooncake Store master of spec.kvStore: its RPC port (Mooncake's default) and its admin port (/health, /metrics).
+KV_STORE_ROLE = "kv-store"
+DEFAULT_KV_STORE_PORT = 50051
+KV_STORE_ADMIN_PORT = 9003
+DEFAULT_NAMESPACE_KV_STORE = "splitserve-kv-store"
 PEERS_FILE = "peers.json"
 PEERS_MOUNT = "/etc/splitserve/peers"
 CONTROL_KEY = "key"
@@ -77,3 +84,12 @@ def router_network_policy_name(group: str) -> str:
 def control_secret_name(group: str) -> str:
     """Name of a group's Secret with the shared control-plane key."""
     return f"{group}-control"
+
+
+def kv_store_name(group: str, kv_store: dict | None) -> str:
+    """Name of the KV store master's Deployment and Service a group uses: its own (``<group>-kv-store``) or the
+    namespace's (``spec.kvStore.name``, shared by every group that names it)."""
+    kv_store = kv_store or {}
+    if kv_store.get("scope", "group") == "namespace":
+        return str(kv_store.get("name") or DEFAULT_NAMESPACE_KV_STORE)
+    return f"{group}-{KV_STORE_ROLE}"

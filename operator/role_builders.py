@@ -18,6 +18,7 @@ from splitserve.operator.names import (
     LABEL_COMPONENT,
     LABEL_GROUP,
     LABEL_INSTANCE,
+    LABEL_KV_STORE,
     LABEL_MANAGED_BY,
     LABEL_NAME,
     LABEL_REVISION,
@@ -35,6 +36,8 @@ SHM_VOLUME = "dshm"
 PEERS_VOLUME = "peers"
 GPU_RESOURCE = "nvidia.com/gpu"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+# Engine settings the operator sets with spec.kvStore (as env vars); engineArgs and env may not set them then.
+KV_STORE_ENGINE_FLAGS = ("--kv-store", "--kv-store-segment-mb")
 # Engine flags the operator sets itself; engineArgs may not repeat them.
 MANAGED_ENGINE_FLAGS = ("--role", "--model", "--host", "--port", "--tp-size", "--device", "--dtype", "--page-size",
                         *sorted({p.engine_flag for t in ROLE_TRAITS.values() for p in t.ports if p.engine_flag}))
@@ -159,6 +162,11 @@ def engine_env(name: str, spec: Mapping[str, Any], revision: str, namespace: str
         # The engine's --transfer-control-key: HMAC on transfer control messages, bootstrap auth.
         env.append({"name": env_var("TRANSFER_CONTROL_KEY"), "valueFrom": {"secretKeyRef": {
             "name": spec["controlSecret"], "key": CONTROL_KEY}}})
+    kv_store = spec.get("kvStore")
+    if kv_store and traits(role).kv_store:
+        # The engine's --kv-store and --kv-store-segment-mb: the group's KV store master, by its Service's name.
+        env.append({"name": env_var("KV_STORE"), "value": str(kv_store["address"])})
+        env.append({"name": env_var("KV_STORE_SEGMENT_MB"), "value": str(kv_store.get("segmentMB", 512))})
     if spec.get("speculative") and traits(role).speculative:
         env.append({"name": env_var("NUM_DRAFT_TOKENS"),
                     "value": str(spec["speculative"].get("numDraftTokens", 4))})
@@ -267,6 +275,9 @@ def build_statefulset(role_body: Body, default_image: str) -> dict[str, Any]:
     revision = role_revision(spec)
     labels = common_labels(group, role)
     pod_labels = {**labels, LABEL_REVISION: revision}
+    shared_store = (spec.get("kvStore") or {}).get("name")
+    if shared_store and traits(role).kv_store:
+        pod_labels[LABEL_KV_STORE] = shared_store  # a namespace KV store's NetworkPolicies admit its engines
     replicas = int(spec.get("replicas", 1))
     sts = {
         "apiVersion": "apps/v1",

@@ -4,8 +4,8 @@ Every role's engine pod is the same `splitserve serve --role <role>` container w
 HTTP port, probes and environment; this table holds the differences: the extra ports a role
 listens on (with the engine flag that sets each and its key in ``peers.json``), whether the
 role takes part in speculative decoding (it then gets ``spec.speculative`` and its variables),
-whether it serves a model of its own, and which role it needs beside it. The builders and the
-validation read it instead of branching on role names.
+whether it serves a model of its own, which role it needs beside it, and whether it uses the
+shared KV store. The builders and the validation read it instead of branching on role names.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class RoleTraits:
     requires_speculative: bool = False
     # Works for this role, which must then have replicas (encoders feed prefill pods).
     feeds: str | None = None
+    # Keeps a prefix cache of the group's model: wired to the shared KV store (spec.kvStore).
+    kv_store: bool = False
 
 
 BOOTSTRAP = RolePort("bootstrap", bootstrap_port, "bootstrapPort", "--bootstrap-port")
@@ -69,8 +71,8 @@ DRAFT_MESH = RolePort("draft-mesh", mesh_port, "meshPort")
 EMBEDDING = RolePort("embedding", embedding_port, "embeddingPort", "--embedding-control-port")
 
 ROLE_TRAITS: dict[str, RoleTraits] = {
-    "prefill": RoleTraits(ports=(BOOTSTRAP, EMBEDDING)),
-    "decode": RoleTraits(speculative=True),
+    "prefill": RoleTraits(ports=(BOOTSTRAP, EMBEDDING), kv_store=True),
+    "decode": RoleTraits(speculative=True, kv_store=True),
     "encode": RoleTraits(ports=(EMBEDDING,), feeds="prefill"),
     "drafter": RoleTraits(ports=(DRAFT_MESH,), speculative=True, own_model="draftModel",
                           requires_speculative=True),

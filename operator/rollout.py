@@ -21,6 +21,8 @@ from splitserve.operator.names import SKEW_BOUND_ROLES
 
 # Group spec fields that reach no pod of a role: changing them never rolls the engines.
 GROUP_FIELDS_OUTSIDE_PODS = ("router", "rollout", "slo")
+# The fields of spec.kvStore that reach the engine pods (the rest are the master's own).
+KV_STORE_ENGINE_FIELDS = ("enabled", "scope", "name", "port", "segmentMB")
 # ServingRole spec fields that say how many pods or which pods roll, not what a pod is.
 ROLE_FIELDS_OUTSIDE_PODS = ("replicas", "updatePartition", "revision")
 
@@ -37,6 +39,8 @@ def group_revision(spec: Mapping[str, Any]) -> str:
     roles = {name: {k: v for k, v in (role or {}).items() if k != "replicas"}
              for name, role in (spec.get("roles") or {}).items()}
     pod_spec["roles"] = roles
+    if "kvStore" in pod_spec:  # the engines see the store's address and their segment, not the master's pod
+        pod_spec["kvStore"] = {k: v for k, v in (spec["kvStore"] or {}).items() if k in KV_STORE_ENGINE_FIELDS}
     return stable_hash(pod_spec)
 
 

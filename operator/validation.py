@@ -11,8 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from splitserve.operator.names import MAX_GROUP_NAME, ROLE_NAMES
-from splitserve.operator.role_builders import MANAGED_ENGINE_FLAGS, MANAGED_ENV
+from splitserve.operator.role_builders import KV_STORE_ENGINE_FLAGS, MANAGED_ENGINE_FLAGS, MANAGED_ENV, env_var
 from splitserve.operator.role_table import traits
+
+KV_STORE_ENV = (env_var("KV_STORE"), env_var("KV_STORE_SEGMENT_MB"))
 
 
 class InvalidSpec(ValueError):
@@ -66,7 +68,31 @@ def group_spec_problems(name: str, spec: Mapping[str, Any]) -> list[str]:
         fed = traits(role).feeds
         if roles.get(role) is not None and fed and int(roles.get(fed, {}).get("replicas", 1)) == 0:
             problems.append(f"spec.roles.{role} is set but {fed} has 0 replicas: {role} pods feed {fed} pods")
-    return problems + slo_problems(spec.get("slo"))
+    return problems + slo_problems(spec.get("slo")) + kv_store_problems(spec)
+
+
+def kv_store_problems(spec: Mapping[str, Any]) -> list[str]:
+    """Problems of ``spec.kvStore`` that span fields: a name without the namespace scope, and engine settings
+    the store's wiring would fight with (an engineArgs flag overrides the env var the operator sets)."""
+    kv = spec.get("kvStore") or {}
+    problems = []
+    if kv.get("name") and kv.get("scope", "group") != "namespace":
+        problems.append("spec.kvStore.name names a namespace KV store, but spec.kvStore.scope is not namespace "
+                        "(a group's own store is <group>-kv-store)")
+    if not kv.get("enabled"):
+        return problems
+    roles = spec.get("roles") or {}
+    for role in ROLE_NAMES:
+        if roles.get(role) is None or not traits(role).kv_store:
+            continue
+        for i, arg in enumerate(roles[role].get("engineArgs") or []):
+            flag = str(arg).split("=", 1)[0]
+            if flag in KV_STORE_ENGINE_FLAGS:
+                problems.append(f"spec.roles.{role}.engineArgs[{i}] sets {flag}, which spec.kvStore sets")
+        for i, var in enumerate(roles[role].get("env") or []):
+            if var.get("name") in KV_STORE_ENV:
+                problems.append(f"spec.roles.{role}.env[{i}] sets {var['name']}, which spec.kvStore sets")
+    return problems
 
 
 def slo_problems(slo: Mapping[str, Any] | None) -> list[str]:
@@ -88,4 +114,10 @@ def role_spec_problems(name: str, spec: Mapping[str, Any]) -> list[str]:
     role = spec.get("role")
     if role in ROLE_NAMES and traits(role).requires_speculative and spec.get("speculative") is None:
         problems.append(f"spec.role is {role} but spec.speculative is not set")
+    if spec.get("kvStore") and role in ROLE_NAMES and traits(role).kv_store:
+        problems += [f"spec.env[{i}] sets {var['name']}, which spec.kvStore sets"
+                     for i, var in enumerate(spec.get("env") or []) if var.get("name") in KV_STORE_ENV]
+        problems += [f"spec.engineArgs[{i}] sets {str(arg).split('=', 1)[0]}, which spec.kvStore sets"
+                     for i, arg in enumerate(spec.get("engineArgs") or [])
+                     if str(arg).split("=", 1)[0] in KV_STORE_ENGINE_FLAGS]
     return problems

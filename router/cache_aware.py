@@ -6,6 +6,8 @@ has in flight there (their uncached part). The rule:
   (sticky: a prefix stays where it is cached, and each backend keeps its own prefixes warm);
 - otherwise (no backend holds any of it, or the one that does is saturated) the backend where the request
   adds least to the work queued: min(uncached tokens + load tokens), fewest requests in flight on a tie.
+A page the backend reaches only in its shared store counts as `STORE_HIT_WEIGHT` of a held page in both rules: it
+saves the compute but crosses the network, and every backend on that store reaches it alike.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+STORE_HIT_WEIGHT = 0.5  # a store page's worth against one held in device or host memory
 
 
 @dataclass(frozen=True)
@@ -48,16 +52,23 @@ class LoadTokens:
 
 
 def choose(candidates: Sequence[tuple[str, int]], cached_pages: dict[str, int], page_size: int,
-           prompt_tokens: int, load: LoadTokens, max_load_tokens: int) -> Choice:
-    """`candidates`: (url, requests in flight) of the backends that may take the request, in round-robin order."""
+           prompt_tokens: int, load: LoadTokens, max_load_tokens: int,
+           store_pages: dict[str, int] | None = None) -> Choice:
+    """`candidates`: (url, requests in flight) of the backends that may take the request, in round-robin order;
+    `cached_pages`: the prompt's leading pages each holds; `store_pages`: how far each reaches counting its
+    shared store (`PrefixIndex.store_match`; none: no store)."""
     start = time.perf_counter()
-    cached = {url: min(cached_pages.get(url, 0) * page_size, max(0, prompt_tokens - 1)) for url, _ in candidates}
+    cap = max(0, prompt_tokens - 1)
+    held = {url: min(cached_pages.get(url, 0) * page_size, cap) for url, _ in candidates}
+    reach = {url: max(held[url], min((store_pages or {}).get(url, 0) * page_size, cap)) for url, _ in candidates}
+    worth = {url: held[url] + STORE_HIT_WEIGHT * (reach[url] - held[url]) for url, _ in candidates}
     in_flight = dict(candidates)
-    best = max(cached.values(), default=0)
+    best = max(worth.values(), default=0)
+    most = max(reach.values(), default=0)
     if best > 0:
-        holders = [u for u, _ in candidates if cached[u] == best and load[u] < max_load_tokens]
+        holders = [u for u, _ in candidates if worth[u] == best and load[u] < max_load_tokens]
         if holders:
             url = min(holders, key=lambda u: (load[u], in_flight[u]))
-            return Choice(url, best, best, "cache", time.perf_counter() - start)
-    url = min((u for u, _ in candidates), key=lambda u: (prompt_tokens - cached[u] + load[u], in_flight[u]))
-    return Choice(url, cached[url], best, "load", time.perf_counter() - start)
+            return Choice(url, reach[url], most, "cache", time.perf_counter() - start)
+    url = min((u for u, _ in candidates), key=lambda u: (prompt_tokens - worth[u] + load[u], in_flight[u]))
+    return Choice(url, reach[url], most, "load", time.perf_counter() - start)

@@ -114,7 +114,7 @@ class RoutePlan:
         hashes = self.hashes(page_size)
         depth = r.index.match(hashes, [b.url for b in candidates])
         choice = choose([(b.url, b.in_flight) for b in candidates], depth, page_size, len(self.ids), r.load,
-                        r.max_load_tokens)
+                        r.max_load_tokens, r.index.store_match(hashes, depth))
         r.index.sent(choice.url, hashes)
         self._release = r.load.add(choice.url, len(self.ids) - choice.cached_tokens)
         r.decision_seconds.observe(choice.seconds)

@@ -7,6 +7,11 @@ not reported yet). A backend that publishes no events is known by its prediction
 mode), bounded per backend and least recently sent first out; an exact backend's predictions expire after
 a few seconds, by when its events have told the truth.
 
+Pages of the shared store tier ("store" events) are kept apart, per store (the name a backend's events give): any
+backend on that store can load them, whichever reported them, so they say nothing about where a prefix is warmest;
+`store_match` tells how far each backend's store reaches past what it holds, and the cache-aware choice weighs those
+pages below held ones (they cross the network).
+
 `match` walks a prompt's page hashes once for all backends (a bitmask per hash), so its cost grows with the
 prompt's pages, not with the backends or their pages.
 """
@@ -15,8 +20,11 @@ from __future__ import annotations
 
 import collections
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+STORE = "store"  # the shared store tier's events (engine/page_events.py)
 
 
 class _Holdings:
@@ -24,17 +32,19 @@ class _Holdings:
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
-        self.tiers: dict[str, set[int]] = {}  # reported: tier ("device", "host") -> its hashes
+        self.tiers: dict[str, set[int]] = {}  # reported: tier ("device", "host", "store") -> its hashes
+        self.store: str | None = None  # the shared store it names
         self.predicted: collections.OrderedDict[int, float] = collections.OrderedDict()
         self.publishes = False  # it answered /internal/kv_events at least once
         self.epoch: str | None = None
         self.seq = 0
 
     def reported(self, h: int) -> bool:
-        return any(h in hashes for hashes in self.tiers.values())
+        """Held in device or host memory (store pages are the store's, not the backend's)."""
+        return any(h in hashes for tier, hashes in self.tiers.items() if tier != STORE)
 
     def all_reported(self) -> set[int]:
-        return set().union(*self.tiers.values())
+        return set().union(*(hashes for tier, hashes in self.tiers.items() if tier != STORE))
 
 
 class PrefixIndex:
@@ -49,6 +59,7 @@ class PrefixIndex:
         self._owners: dict[int, int] = {}  # hash -> bitmask of the backends holding it
         self._free_bits: list[int] = []
         self._next_bit = 0
+        self._stores: dict[str, Counter[int]] = {}  # store -> hash -> how many backends reported it there
 
     # ---- membership --------------------------------------------------------------------------
 
@@ -67,6 +78,7 @@ class PrefixIndex:
             return
         for h in held.all_reported() | set(held.predicted):
             self._clear(h, held.bit)
+        self._store_pages(held, held.tiers.get(STORE, set()), added=False)
         self._free_bits.append(held.bit)
 
     def cursor(self, url: str) -> tuple[str | None, int]:
@@ -92,6 +104,18 @@ class PrefixIndex:
     def _set(self, h: int, bit: int) -> None:
         self._owners[h] = self._owners.get(h, 0) | (1 << bit)
 
+    def _store_pages(self, held: _Holdings, hashes: Iterable[int], added: bool) -> None:
+        """Counts (or uncounts) a backend's reports of pages in its store."""
+        if held.store is None:
+            return
+        pages = self._stores.setdefault(held.store, Counter())
+        for h in hashes:
+            pages[h] += 1 if added else -1
+            if pages[h] <= 0:
+                del pages[h]
+        if not pages:
+            del self._stores[held.store]
+
     def _clear(self, h: int, bit: int) -> None:
         mask = self._owners.get(h, 0) & ~(1 << bit)
         if mask:
@@ -103,14 +127,20 @@ class PrefixIndex:
         """Applies one `/internal/kv_events` answer (a reset replaces what the backend reported before)."""
         held = self._holdings(url)
         held.publishes = True
-        if answer["reset"]:
+        if answer["reset"]:  # a store is named for an epoch: a new one starts with a reset
             for h in held.all_reported():
                 if h not in held.predicted:
                     self._clear(h, held.bit)
+            self._store_pages(held, held.tiers.get(STORE, set()), added=False)
             held.tiers = {}
+            held.store = answer.get("store")
         for op, tier, hashes in answer["events"]:
             reported = held.tiers.setdefault(tier, set())
-            if op == "stored":
+            if tier == STORE:
+                new = set(hashes) - reported if op == "stored" else reported & set(hashes)
+                (reported.update if op == "stored" else reported.difference_update)(new)
+                self._store_pages(held, new, added=op == "stored")
+            elif op == "stored":
                 reported.update(hashes)
                 for h in hashes:
                     self._set(h, held.bit)
@@ -170,3 +200,19 @@ class PrefixIndex:
             depth[bits[low.bit_length() - 1]] = len(hashes)
             alive ^= low
         return depth
+
+    def store_match(self, hashes: Sequence[int], depth: dict[str, int]) -> dict[str, int]:
+        """url -> how many of the prompt's first pages a backend reaches in its own memory or its shared store,
+        given `depth` (`match`: what it holds); its depth for a backend without a store. The engine loads the
+        held pages first and continues in the store, so the run continues through pages of either."""
+        reach = dict(depth)
+        for url, held_pages in depth.items():
+            held = self._backends.get(url)
+            pages = self._stores.get(held.store) if held is not None and held.store is not None else None
+            if pages is None:
+                continue
+            i = held_pages
+            while i < len(hashes) and (hashes[i] in pages or (self._owners.get(hashes[i], 0) >> held.bit) & 1):
+                i += 1
+            reach[url] = i
+        return reach

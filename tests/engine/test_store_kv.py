@@ -15,15 +15,18 @@ from multi_turn import multi_turn_prompts
 
 pytest.importorskip("mooncake.store")
 
+from splitserve.engine import store_kv
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_pool import KVPool, KVPoolShape
 from splitserve.engine.offline import generate_tokens
+from splitserve.engine.page_events import PageEvents
 from splitserve.engine.page_hash import page_hashes
 from splitserve.engine.request import Request, TokenOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.store_kv import StoreKV, start_master, store_namespace
+from splitserve.engine.store_kv import MISS_TTL_S, StoreKV, start_master, store_namespace
+from splitserve.router.prefix_index import PrefixIndex
 
 PAGE = 4
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -48,11 +51,14 @@ def wait_ready(store: StoreKV, timeout: float = 60.0) -> None:
 
 # ---- the KV cache over a store --------------------------------------------------------------------
 
-def store_cache(address: str, namespace: str = "test/ns", pages: int = 9) -> tuple[KVCache, KVPool, StoreKV]:
+def store_cache(address: str, namespace: str = "test/ns", pages: int = 9,
+                events: PageEvents | None = None) -> tuple[KVCache, KVPool, StoreKV]:
     pool = KVPool(KVPoolShape(num_layers=2, num_pages=pages, page_size=PAGE, num_kv_heads=1, head_dim=2,
                               dtype=torch.float32), torch.device("cpu"))
-    store = StoreKV(pool.buffer, address, namespace, segment_bytes=16 << 20, buffer_bytes=1 << 20, timeout_s=2.0)
-    kv = KVCache(pages, PAGE, 2, max_context=256, device=torch.device("cpu"), copy_page=pool.copy_page, store=store)
+    store = StoreKV(pool.buffer, address, namespace, segment_bytes=16 << 20, buffer_bytes=1 << 20, timeout_s=2.0,
+                    events=events)
+    kv = KVCache(pages, PAGE, 2, max_context=256, device=torch.device("cpu"), copy_page=pool.copy_page, store=store,
+                 page_events=events)
     wait_ready(store)
     return kv, pool, store
 
@@ -73,6 +79,14 @@ def run_one(kv: KVCache, pool: KVPool, prompt: list[int], rid: str) -> Request:
     u = kv.usage()
     assert u.locked == 0 and u.slots_in_use == 0 and u.free + u.cached == u.capacity
     return req
+
+
+def wait_idle(store: StoreKV, timeout: float = 40.0) -> None:
+    """Until the worker has no call queued or running (a call to a stopped master returns after 30 s)."""
+    deadline = time.monotonic() + timeout
+    while store.jobs_pending():
+        assert time.monotonic() < deadline, "the store worker is still busy"
+        time.sleep(0.05)
 
 
 def wait_written(store: StoreKV, pages: int, timeout: float = 10.0) -> None:
@@ -135,9 +149,74 @@ def test_a_hung_master_costs_one_timeout_then_lookups_answer_at_once(master) -> 
             run_one(kv, pool, torch.randint(1, 250, (24,), generator=gen).tolist(), f"r{i}")
         assert time.monotonic() - started < 0.5
         assert store.dropped_pages > 0  # write-throughs dropped while it is out of use
+        os.kill(proc.pid, signal.SIGCONT)
+        wait_idle(store)  # the stuck call returns: the rows it held come back
+        assert store.rows_free() == store.capacity
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         store.close()
+
+
+def store_tier(events: PageEvents) -> set[int]:
+    """The "store" pages a reader of every event so far sees."""
+    held: set[int] = set()
+    for op, tier, hashes in events.since(None, 0)["events"]:
+        if tier == "store":
+            (held.update if op == "stored" else held.difference_update)(hashes)
+    return held
+
+
+def test_store_pages_are_published_as_the_store_tier_until_the_engine_learns_they_are_gone(master, monkeypatch) -> None:
+    proc, address = master
+    events1, events2 = PageEvents(PAGE), PageEvents(PAGE)
+    kv1, pool1, store1 = store_cache(address, pages=7, events=events1)
+    kv2, _, store2 = store_cache(address, events=events2)
+    try:
+        assert events1.since(None, 0)["store"] == events2.since(None, 0)["store"] == f"{address}/test/ns"
+        gen = torch.Generator().manual_seed(3)
+        a = torch.randint(1, 250, (24,), generator=gen).tolist()
+        b = torch.randint(1, 250, (24,), generator=gen).tolist()
+        run_one(kv1, pool1, a, "a")
+        assert store_tier(events1) == set()  # nothing put yet: a is on the device
+        run_one(kv1, pool1, b, "b")  # evicts a's 6 pages: written through
+        wait_written(store1, 6)
+        pages_a = page_hashes(a, PAGE)
+        deadline = time.monotonic() + 5
+        while store_tier(events1) != set(pages_a):  # published once the put returns
+            assert time.monotonic() < deadline, store_tier(events1)
+            time.sleep(0.02)
+        # Another engine that reads them publishes them too; the device tier has what it loaded.
+        req = Request("a2", [*a, 7], SamplingParams(max_new_tokens=4), on_output=lambda _o: None)
+        kv2.admit(req, max_prefix_tokens=len(req.prompt_ids) - 1)
+        kv2.release(req)
+        assert store_tier(events2) == set(pages_a) and events2.held_in("device") == 6
+        # A page the master no longer has (evicted; removed here) is reported removed once a lookup sees it gone.
+        assert store1._store.remove(store1.key(pages_a[3]), True) == 0
+        time.sleep(MISS_TTL_S)  # kv1's own first lookup of a missed: not asked again before this
+        req = Request("a3", [*a[:16], 7], SamplingParams(max_new_tokens=1), on_output=lambda _o: None)
+        kv1.admit(req, max_prefix_tokens=len(req.prompt_ids) - 1)
+        assert req.cached_len == 3 * PAGE
+        kv1.release(req)
+        assert store_tier(events1) == set(pages_a) - {pages_a[3]}
+        # The set of keys known to be in the store, and so the published store tier, stays within its bound.
+        with monkeypatch.context() as m:
+            m.setattr(store_kv, "KNOWN_KEYS", 4)
+            run_one(kv1, pool1, a, "a4")  # a's pages in kv1's device again: b's, the last 4 known, are put
+            run_one(kv1, pool1, b, "b4")
+            wait_idle(store1)
+            assert store1.known_keys() == 4 and len(store_tier(events1)) <= 4
+        assert store1.rows_free() == store1.capacity
+        # A store that fails may come back empty: every page of it is reported removed.
+        os.kill(proc.pid, signal.SIGSTOP)
+        store1.timeout_s = 0.3
+        run_one(kv1, pool1, torch.randint(1, 250, (24,), generator=gen).tolist(), "c")
+        assert store1.failures >= 1 and store_tier(events1) == set()
+        answer = events1.since(None, 0)
+        assert answer["reset"] and all(tier != "store" for _, tier, _ in answer["events"])
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        store1.close()
+        store2.close()
 
 
 # ---- engines --------------------------------------------------------------------------------------
@@ -207,12 +286,26 @@ def test_greedy_output_is_the_same_with_the_store_and_a_second_engine_gets_store
         assert metric(second, "kv_store_read_bytes_total") > 0
         assert metric(second, "kv_store_load_seconds_count") > 0
         assert metric(second, "kv_store_failures_total") == 0 and metric(second, "kv_store_up") == 1
+        # Both publish their store pages under the same store's name: a router's index reaches them from a new
+        # engine on that store that holds nothing itself.
+        answers = {"first": first.page_events.since(None, 0), "second": second.page_events.since(None, 0)}
+        assert answers["first"]["store"] == answers["second"]["store"]
+        assert answers["first"]["store"].startswith(f"{address}/splitserve/")
+        assert any(tier == "store" and hashes for _, tier, hashes in answers["first"]["events"])
+        answers["new"] = {**answers["first"], "epoch": "new", "events": []}
+        index = PrefixIndex()
+        for url, answer in answers.items():
+            index.apply_events(url, answer)
+        prompt = page_hashes(rounds[0][0], PAGE)
+        depth = index.match(prompt, list(answers))
+        assert depth["new"] == 0 and index.store_match(prompt, depth)["new"] >= 1
     finally:
         first.stop()
         second.stop()
 
 
-def test_a_master_killed_mid_load_fails_no_request_and_changes_no_output(master) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_master_killed_or_hung_mid_load_fails_no_request_and_changes_no_output(master, sig) -> None:
     proc, address = master
     rounds = multi_turn_prompts(seed=22, conversations=8)
     plain = make_engine()
@@ -223,17 +316,25 @@ def test_a_master_killed_mid_load_fails_no_request_and_changes_no_output(master)
     engine = make_engine(address, host_kv_tokens=256)
     try:
         engine.kv_store.timeout_s = 0.3
-        killer = threading.Timer(1.0, lambda: os.kill(proc.pid, signal.SIGKILL))
+        killer = threading.Timer(1.0, lambda: os.kill(proc.pid, sig))
         killer.start()
         prompts = [p for r in rounds for p in r]
         outs = generate_tokens(engine, prompts[:len(prompts) // 2], GREEDY, timeout=120, stagger_s=0.1)
         killer.join()
         outs += generate_tokens(engine, prompts[len(prompts) // 2:], GREEDY, timeout=120)
-        assert proc.wait(timeout=5) == -signal.SIGKILL
-        flat = [o for o in expected]
-        assert outs == flat
+        if sig == signal.SIGKILL:
+            assert proc.wait(timeout=5) == -signal.SIGKILL
+        else:
+            assert proc.poll() is None  # still there, answering nothing
+        assert outs == expected
         assert metric(engine, "kv_store_failures_total") >= 1
         assert metric(engine, "kv_store_up") == 0
+        if sig == signal.SIGSTOP:
+            os.kill(proc.pid, signal.SIGCONT)  # the hung call returns (a killed master's calls fail by themselves)
+        wait_idle(engine.kv_store)
+        assert engine.kv_store.rows_free() == engine.kv_store.capacity  # no staging row lost to the failures
+        usage = engine.kv.usage()
+        assert usage.locked == 0 and usage.slots_in_use == 0 and usage.free + usage.cached == usage.capacity
     finally:
         engine.stop()
 

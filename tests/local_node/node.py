@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from local_node.pod_dns import HostsFile, pod_dns_names
+from local_node.pod_dns import HostsFile, pod_dns_names, service_dns_names
 from local_node.pod_worker import PodContext, PodWorker, rfc3339
 from splitserve.operator.kube import Kube, KubeError, collection_path, watch_events
 
@@ -242,7 +242,8 @@ class LocalNode:
         base["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [base.get("PYTHONPATH")])])
         base.update(POD_ENV)
         if self.hosts is not None:
-            self.hosts.add(meta["uid"], pod_ip, pod_dns_names(pod))
+            services = self.kube.list("v1", "Service", meta["namespace"])
+            self.hosts.add(meta["uid"], pod_ip, pod_dns_names(pod) + service_dns_names(pod, services))
         base.update({"HOSTNAME": meta["name"], "LOCAL_NODE_POD_IP": pod_ip,
                      # What the kubelet tells every pod: the API server (its Service, here reached directly).
                      "KUBERNETES_SERVICE_HOST": self.api_host, "KUBERNETES_SERVICE_PORT": str(self.api_port),

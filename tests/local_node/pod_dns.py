@@ -5,7 +5,9 @@ of that name) is found as ``<hostname>.<subdomain>.<namespace>.svc.cluster.local
 names decode's drafters this way. Here the node keeps one hosts file with a line per running pod
 of that kind, and each pod's mount namespace bind-mounts it over /etc/hosts, so every resolver
 that reads /etc/hosts (the C library's getaddrinfo: Python, ZeroMQ, gRPC's native resolver) finds
-the pods. Service names (cluster IPs) are not resolved: there is no kube-proxy here.
+the pods. There is no kube-proxy here, so a Service's cluster IP leads nowhere; instead the name of a
+Service with a cluster IP resolves to the pods it selects that the node started after it existed (a KV
+store master's Service, which engines name). That holds where the Service's ports are its pods' own.
 
 The file is rewritten in place (one write at offset 0, padded with newlines, never shortened):
 a bind mount holds the inode, so replacing the file would hide every change from the pods.
@@ -30,6 +32,21 @@ def pod_dns_names(pod: Mapping[str, Any]) -> list[str]:
         return []
     fqdn = f"{hostname}.{subdomain}.{namespace}.svc"
     return [f"{fqdn}.{CLUSTER_DOMAIN}", fqdn]
+
+
+def service_dns_names(pod: Mapping[str, Any], services: list[Mapping[str, Any]]) -> list[str]:
+    """The names of the Services (with a cluster IP: headless ones name pods instead) selecting a pod."""
+    labels, namespace = pod["metadata"].get("labels") or {}, pod["metadata"]["namespace"]
+    names = []
+    for svc in services:
+        spec = svc.get("spec") or {}
+        selector = spec.get("selector") or {}
+        if spec.get("clusterIP") in (None, "None") or not selector:
+            continue
+        if all(labels.get(k) == v for k, v in selector.items()):
+            fqdn = f"{svc['metadata']['name']}.{namespace}.svc"
+            names += [f"{fqdn}.{CLUSTER_DOMAIN}", fqdn]
+    return names
 
 
 class HostsFile:

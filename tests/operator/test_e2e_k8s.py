@@ -462,3 +462,39 @@ def test_the_planner_moves_a_group_from_1p2d_to_2p1d_when_prompts_grow(local: Lo
     assert "SERVING P:D" in columns[0] and re.search(r"\s2:1\s", columns[1]), columns
     logging.getLogger(__name__).info("1P2D -> 2P1D by a switch %.1f s after the prompts grew; %d requests, "
                                      "serving %s", moved_s, len(outcomes), history[::10])
+
+
+def test_a_group_kv_store_runs_as_a_pod_and_its_engines_write_and_read_pages_there(local: LocalCluster,
+                                                                                     start_server: Any) -> None:
+    """1p1d on the CPU with spec.kvStore and two prefill pods whose device KV holds a fraction of the sessions:
+    the master runs as the group's pod, the engines reach it by its Service's name, pages they evict are put
+    there and read back, and every answer is the unified engine's."""
+    from multi_turn import multi_turn_prompts
+
+    doc = yaml.safe_load(on_the_cpu("1p1d", []))
+    doc["metadata"]["name"] = "kvs"
+    spec = doc["spec"]
+    spec["kvStore"] = {"enabled": True, "segmentMB": 64}
+    spec["roles"]["prefill"].update(replicas=2, pageSize=4, engineArgs=["--max-total-tokens=128",
+                                                                         "--kv-store-timeout-ms=2000"])
+    spec["roles"]["decode"].update(pageSize=4, engineArgs=[])
+    ns, group, router = local.deploy("kv-store", yaml.safe_dump(doc))
+    master = local.wait_for(lambda: [p for p in local.pods(ns, f"splitserve.io/group={group},"
+                                                              "splitserve.io/role=kv-store") if local.ready(p)],
+                            "the KV store master's pod Ready")
+    assert master[0]["spec"]["containers"][0]["command"][:2] == ["splitserve", "kv-store"]
+    prefills = [f"http://{p['status']['podIP']}:8000"
+                for p in local.pods(ns, f"splitserve.io/group={group},splitserve.io/role=prefill")]
+    assert len(prefills) == 2
+    for url in prefills:  # connected to the master through kvs-kv-store.<ns>.svc
+        local.wait_for(lambda url=url: metric_total(url, "splitserve_kv_store_up") == 1, f"{url} on the store")
+    prompts = [p for turn in multi_turn_prompts(seed=31, conversations=6, prefix=48) for p in turn]
+    got = completions(router, prompts, max_tokens=4)
+
+    port = free_port()
+    start_server(["serve", "--model", "tiny", "--port", str(port)], health_url=f"http://127.0.0.1:{port}/health")
+    assert got == completions(f"http://127.0.0.1:{port}", prompts, max_tokens=4)
+    written = sum(metric_total(url, "splitserve_kv_store_written_bytes") for url in prefills)
+    hits = sum(metric_total(url, "splitserve_kv_store_hit_tokens") for url in prefills)
+    failures = sum(metric_total(url, "splitserve_kv_store_failures") for url in prefills)
+    assert written > 0 and hits > 0 and failures == 0, (written, hits, failures)

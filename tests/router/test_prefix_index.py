@@ -103,3 +103,43 @@ def test_a_page_moved_to_the_host_tier_still_counts_and_leaves_with_its_last_tie
     reset = {**moved, "seq": 4, "reset": True, "events": [["stored", "host", prompt[:2]]]}
     index.apply_events("a", reset)
     assert index.match(prompt, ["a"]) == {"a": 2} and index.tier_pages("a") == {"host": 2}
+
+
+def store_events(epoch: str, seq: int, store: str | None, tiers: dict[str, list[int]], op: str = "stored",
+                 reset: bool = False) -> dict:
+    return {"epoch": epoch, "seq": seq, "page_size": 4, "hash_version": 1, "reset": reset, "store": store,
+            "events": [[op, tier, list(hashes)] for tier, hashes in tiers.items()]}
+
+
+def test_store_pages_count_for_every_backend_on_that_store_and_weigh_less_than_held_ones() -> None:
+    index = PrefixIndex()
+    prompt = page_hashes(list(range(40)), 4)  # 10 pages
+    index.apply_events("a", store_events("ea", 1, "s1", {"device": prompt[:2], "store": prompt[:8]}, reset=True))
+    index.apply_events("b", store_events("eb", 1, "s1", {"device": []}, reset=True))
+    index.apply_events("c", store_events("ec", 1, "s2", {"host": prompt[:3]}, reset=True))
+    index.apply_events("d", store_events("ed", 1, None, {"device": []}, reset=True))
+    urls = ["a", "b", "c", "d"]
+    depth = index.match(prompt, urls)
+    assert depth == {"a": 2, "b": 0, "c": 3, "d": 0}  # store pages are no backend's own
+    reach = index.store_match(prompt, depth)
+    assert reach == {"a": 8, "b": 8, "c": 3, "d": 0}  # b reaches a's store pages; c's store has none of them
+    assert index.tier_pages("a") == {"device": 2, "store": 8}
+    # Worth: a 2 + 6 * 0.5 = 5 pages, b 4, c 3, d 0: a is sticky, and the choice predicts its whole reach.
+    candidates = [(u, 0) for u in urls]
+    choice = choose(candidates, depth, 4, prompt_tokens=40, load=LoadTokens(), max_load_tokens=1000,
+                    store_pages=reach)
+    assert (choice.url, choice.cached_tokens, choice.best_cached_tokens, choice.reason) == ("a", 32, 32, "cache")
+    # Without a's device pages, b (store only) beats c (3 held pages) only with enough store pages: 8 * 0.5 > 3.
+    without_a = [("b", 0), ("c", 0), ("d", 0)]
+    assert choose(without_a, depth, 4, 40, LoadTokens(), 1000, store_pages=reach).url == "b"
+    short = index.store_match(prompt[:5], index.match(prompt[:5], urls))
+    assert short["b"] == 5 and choose(without_a, depth, 4, 20, LoadTokens(), 1000, store_pages=short).url == "c"
+    # A page another backend reported in the store counts until the last reporter removes it.
+    index.apply_events("b", store_events("eb", 2, "s1", {"store": prompt[4:6]}))
+    index.apply_events("a", store_events("ea", 2, "s1", {"store": prompt[4:]}, op="removed"))
+    assert index.store_match(prompt, index.match(prompt, urls))["b"] == 6
+    index.forget("b")
+    assert index.store_match(prompt, index.match(prompt, urls))["a"] == 4
+    # A reset drops what it reported in the store too.
+    index.apply_events("a", store_events("ea2", 1, "s1", {"device": prompt[:1]}, reset=True))
+    assert index.store_match(prompt, index.match(prompt, urls))["a"] == 1 and index._stores == {}
