@@ -94,4 +94,4 @@ def test_crds_are_apiextensions_v1_with_status_scale_and_printer_columns() -> No
     assert role["spec"]["names"]["shortNames"] == ["sr"]
     assert role["spec"]["versions"][0]["subresources"]["scale"]["labelSelectorPath"] == ".status.selector"
     columns = [c["name"] for c in group["spec"]["versions"][0]["additionalPrinterColumns"]]
-    assert columns == ["Roles Ready", "P:D", "Desired P:D", "Ready", "Planner", "Router", "Age"]
+    assert columns == ["Roles Ready", "P:D", "Desired P:D", "Serving P:D", "Ready", "Planner", "Router", "Age"]
