@@ -189,8 +189,9 @@ class DecodeProcess:
 
     def read(self, timeout_s: float) -> dict:
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        if not ready:
+        poller = select.poll()  # not select.select: it cannot watch a descriptor numbered 1024 or more
+        poller.register(self.proc.stdout, select.POLLIN | select.POLLHUP)
+        if not poller.poll(timeout_s * 1e3):
             raise TimeoutError("decode process did not answer")
         line = self.proc.stdout.readline()
         if not line:

@@ -129,6 +129,14 @@ def make_rank() -> Iterator[Callable[..., Rank]]:
             rank.mgr.close()
 
 
+def readable(stream, timeout_s: float) -> bool:
+    """Whether `stream` has something to read (or hit its end) within `timeout_s`. poll, not select: select cannot
+    watch a descriptor numbered 1024 or more, which a long test session's process reaches."""
+    poller = select.poll()
+    poller.register(stream, select.POLLIN | select.POLLHUP)
+    return bool(poller.poll(max(0.0, timeout_s) * 1e3))
+
+
 class PeerProcess:
     """``transfer_peer.py`` in a subprocess, driven by JSON lines."""
 
@@ -149,8 +157,7 @@ class PeerProcess:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("peer process did not answer")
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
-            if ready:
+            if readable(self.proc.stdout, left):
                 data = os.read(self.proc.stdout.fileno(), 1 << 16)
                 if not data:
                     raise RuntimeError(f"peer process exited ({self.proc.poll()})")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from splitserve.transfer.embedding.receiver import FAILED, LANDED, RECEIVING, Em
 from splitserve.transfer.embedding.sender import EmbeddingChunk, EmbeddingSender
 from splitserve.transfer.embedding.slots import EmbeddingSlots
 
-from .conftest import wait_until
+from .conftest import readable, wait_until
 from .embedding_encoder_peer import item_rows
 
 ROWS, HIDDEN, SEED = 16, 64, 5
@@ -54,7 +53,7 @@ class Encoder:
         self.endpoint = self.line(60)["endpoint"]
 
     def line(self, timeout_s: float) -> dict:
-        assert select.select([self.proc.stdout], [], [], timeout_s)[0], "the encoder process said nothing"
+        assert readable(self.proc.stdout, timeout_s), "the encoder process said nothing"
         return json.loads(self.proc.stdout.readline())  # type: ignore[union-attr]
 
     def close(self) -> None:
