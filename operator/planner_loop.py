@@ -175,10 +175,15 @@ def group_targets(pods: list[Mapping[str, Any]], spec: Mapping[str, Any]) -> lis
         if status.get("phase") not in (None, "Running"):
             continue
         port = router_port(spec) if role == ROUTER_ROLE else DEFAULT_HTTP_PORT
-        host = status["podIP"]
-        host = f"[{host}]" if ":" in host else host
-        targets.append((role, meta["name"], f"http://{host}:{port}/metrics"))
+        targets.append((role, meta["name"], pod_url(pod, port, "/metrics")))
     return targets
+
+
+def pod_url(pod: Mapping[str, Any], port: int, path: str) -> str:
+    """``path`` on the pod's IP (bracketed when it is IPv6)."""
+    host = pod["status"]["podIP"]
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port}{path}"
 
 
 class PlannerLoop:
@@ -331,11 +336,16 @@ class PlannerLoop:
         value = (secret.get("data") or {}).get(CONTROL_KEY)
         return base64.b64decode(value).decode() if value else ""
 
+    def _ask_switches(self, group: Mapping[str, Any], asks: list[tuple[Mapping[str, Any], str]]
+                      ) -> list[str | None]:
+        """Asks each (pod, role)'s engine to serve the role, in parallel: per ask None once it does, else why not."""
+        if not asks:
+            return []
+        key = self._control_key(group["metadata"]["namespace"], group["metadata"]["name"])
+        return list(self._pool.map(lambda ask: self._ask_switch(ask[0], ask[1], key), asks))
+
     def _ask_switch(self, pod: Mapping[str, Any], role: str, key: str) -> str | None:
-        """Asks the pod's engine to serve ``role``; None once it does, else why not."""
-        host = pod["status"]["podIP"]
-        host = f"[{host}]" if ":" in host else host
-        url = f"http://{host}:{DEFAULT_HTTP_PORT}/internal/role"
+        url = pod_url(pod, DEFAULT_HTTP_PORT, "/internal/role")
         try:
             status, text = self.post(url, {"role": role, "settle_s": SWITCH_SETTLE_S, "timeout_s": SWITCH_TIMEOUT_S},
                                      {KEY_HEADER: key} if key else {}, SWITCH_TIMEOUT_S + 30)
@@ -363,9 +373,8 @@ class PlannerLoop:
         if not asks:
             return pods, []
         meta = group["metadata"]
-        key = self._control_key(meta["namespace"], meta["name"])
         started = self.clock()
-        errors = list(self._pool.map(lambda ask: self._ask_switch(ask[0], ask[1], key), asks))
+        errors = self._ask_switches(group, asks)
         notes, switched = [], {}
         for (pod, role), error in zip(asks, errors, strict=True):
             if error is not None:
@@ -385,31 +394,21 @@ class PlannerLoop:
     def _reassert_switches(self, group: Mapping[str, Any], pods: list[dict[str, Any]],
                            switched: Mapping[str, str]) -> list[str]:
         """Switched pods whose engine reports another role (it restarted in its home role) are asked again."""
-        notes: list[str] = []
-        if not switched:
-            return notes
-        meta = group["metadata"]
         by_name = {p["metadata"]["name"]: p for p in pods if (p.get("status") or {}).get("podIP")}
-        stray = []
-        for name, role in switched.items():
-            pod = by_name.get(name)
-            if pod is None:
-                continue
-            host = pod["status"]["podIP"]
-            try:
-                reported = json.loads(self.fetch(f"http://{host}:{DEFAULT_HTTP_PORT}/health", SCRAPE_TIMEOUT_S))
-            except Exception:  # not serving yet: its probes decide; asked again next interval
-                continue
-            if reported.get("role") != role and not reported.get("draining"):
-                stray.append((pod, role))
-        if stray:
-            key = self._control_key(meta["namespace"], meta["name"])
-            for (pod, role), error in zip(stray, self._pool.map(lambda s: self._ask_switch(s[0], s[1], key), stray),
-                                          strict=True):
-                if error is not None:
-                    notes.append(f"{pod['metadata']['name']} came back as {home_role(pod)}; asking it to serve "
-                                 f"{role} again failed: {error}")
-        return notes
+        candidates = [(by_name[name], role) for name, role in switched.items() if name in by_name]
+        reports = list(self._pool.map(lambda c: self._health(c[0]), candidates))
+        stray = [(pod, role) for (pod, role), report in zip(candidates, reports, strict=True)
+                 if report is not None and report.get("role") != role and not report.get("draining")]
+        return [f"{pod['metadata']['name']} came back as {home_role(pod)}; asking it to serve {role} again failed: "
+                f"{error}" for (pod, role), error in zip(stray, self._ask_switches(group, stray), strict=True)
+                if error is not None]
+
+    def _health(self, pod: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The engine's /health answer (None while it does not answer: its probes decide, asked next interval)."""
+        try:
+            return json.loads(self.fetch(pod_url(pod, DEFAULT_HTTP_PORT, "/health"), SCRAPE_TIMEOUT_S))
+        except Exception:
+            return None
 
     def _write_status(self, namespace: str, name: str, planner: Mapping[str, Any]) -> None:
         self.kube.patch_status(GROUP_API_VERSION, GROUP_KIND, namespace, name, {"planner": dict(planner)})

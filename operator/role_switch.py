@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.operator.names import LABEL_ROLE
+from splitserve.operator.status import pod_is_ready
 from splitserve.planner.policy import ROLES, other
 
 SERVING_ROLE = "splitserve.io/serving-role"  # pod annotation: the role a switched engine serves now
@@ -43,11 +44,6 @@ def ordinal(pod: Pod) -> int:
     """A StatefulSet pod's ordinal, from its name (``<group>-<role>-<n>``)."""
     tail = pod["metadata"]["name"].rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else -1
-
-
-def is_ready(pod: Pod) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def engine_pods(pods: Sequence[Pod], replicas: Mapping[str, int]) -> list[Pod]:
@@ -82,7 +78,7 @@ def serving(pods: Sequence[Pod], replicas: Mapping[str, int]) -> Serving:
             counted[home] -= 1
             counted[serves] += 1
             switched[pod["metadata"]["name"]] = serves
-        if is_ready(pod):
+        if pod_is_ready(pod):
             ready[serves] += 1
     return Serving(counted, ready, switched)
 
@@ -92,7 +88,7 @@ def switch_donors(pods: Sequence[Pod], replicas: Mapping[str, int], from_role: s
     """Up to ``count`` ready pods serving ``from_role`` to switch to ``to_role``: pods going home first (their
     StatefulSet is ``to_role``'s), then the highest ordinals (the first a scale-down of theirs would remove)."""
     candidates = [p for p in engine_pods(pods, replicas)
-                  if serving_role(p) == from_role and is_ready(p) and (p.get("status") or {}).get("podIP")]
+                  if serving_role(p) == from_role and pod_is_ready(p) and (p.get("status") or {}).get("podIP")]
     candidates.sort(key=lambda p: (home_role(p) != to_role, -ordinal(p), p["metadata"]["name"]))
     return candidates[:max(0, count)]
 

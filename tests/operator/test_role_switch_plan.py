@@ -151,3 +151,35 @@ def test_an_interval_switches_an_idle_decode_to_prefill_or_scales_when_it_is_ref
             ("/apis/splitserve.io/v1alpha1/namespaces/ns/servingroles/g-prefill/scale", 2)]
         assert status["serving"] == "2:1" and status.get("switched") is None
         assert "switch to prefill failed, scaling instead" in status["message"] and "409" in status["message"]
+
+
+def test_a_switched_engine_that_came_back_in_its_home_role_is_asked_again() -> None:
+    group = {"metadata": {"namespace": "ns", "name": "g", "uid": "u"},
+             "spec": {"slo": {"enabled": True, "ttftSeconds": 5.0, "itlSeconds": 0.5, "intervalSeconds": 5}}}
+    pods = [pod("g-prefill-0", ip="10.0.0.1"), pod("g-decode-0", ip="10.0.0.2"),
+            pod("g-decode-1", serves="prefill", ip="10.0.0.3"), pod("g-decode-2", serves="prefill", ip="10.0.0.4")]
+    health = {"10.0.0.3": '{"status": "ok", "role": "decode", "draining": false}',  # restarted: home again
+              "10.0.0.4": '{"status": "ok", "role": "prefill", "draining": false}'}
+
+    def fetch(url: str, timeout: float) -> str:
+        host = url.split("//")[1].split(":")[0]
+        return health[host] if url.endswith("/health") else engine()
+
+    asked = []
+
+    def post(url: str, body: dict, headers: dict, timeout: float) -> tuple[int, str]:
+        asked.append((url, body["role"]))
+        return 503, '{"error": {"message": "the drain did not end"}}'
+
+    roles = {("ServingRole", "ns", f"g-{r}"): {"spec": {"replicas": n}} for r, n in (("prefill", 1), ("decode", 3))}
+    objects = {("ServingGroup", "ns", "g"): group, **roles}
+    now = [0.0]
+    kube = Kube(pods)
+    loop = PlannerLoop(kube, lambda kind, ns, name: objects.get((kind, ns, name)), lambda: [("ns", "g")],
+                       fetch=fetch, clock=lambda: now[0], post=post)
+    loop.tick()
+    now[0] = 5.0
+    loop.tick()
+    loop.stop()
+    assert asked == [("http://10.0.0.3:8000/internal/role", "prefill")]  # only the one that came back
+    assert "g-decode-1 came back as decode; asking it to serve prefill again failed" in kube.statuses[-1]["message"]
