@@ -58,32 +58,36 @@ def test_pages_survive_write_back_reuse_and_load_on_the_side_streams() -> None:
     assert host.hit_tokens > 0 and not host._pins and not host.pending
 
 
-def test_greedy_output_is_the_same_with_the_host_tier_on_cuda() -> None:
+def greedy_run(rounds: list[list[list[int]]], params: SamplingParams, *, dtype: str, max_total_tokens: int,
+               max_running_requests: int, host_kv_tokens: int, one_at_a_time: bool = False
+               ) -> tuple[list[list[int]], float, float]:
+    """The tiny model on CUDA over every round's prompts (a round at once, or one prompt after another): the
+    outputs, the tokens loaded from the host tier and the prompt tokens computed."""
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.engine import Engine
     from splitserve.engine.offline import generate_tokens
 
+    engine = Engine(EngineConfig(model="tiny", device="cuda", dtype=dtype, page_size=4,
+                                 max_total_tokens=max_total_tokens, max_running_requests=max_running_requests,
+                                 chunked_prefill_size=32, host_kv_tokens=host_kv_tokens))
+    engine.start()
+    try:
+        batches = [[p] for prompts in rounds for p in prompts] if one_at_a_time else rounds
+        outs = [out for prompts in batches for out in generate_tokens(engine, prompts, params, timeout=120)]
+        reg = engine.metrics.registry
+        hits = reg.get_sample_value("splitserve_host_kv_hit_tokens_total", {"model": "tiny"}) or 0.0
+        computed = reg.get_sample_value("splitserve_prompt_tokens_computed_total", {"model": "tiny"})
+        return outs, hits, computed
+    finally:
+        engine.stop()
+
+
+def test_greedy_output_is_the_same_with_the_host_tier_on_cuda() -> None:
     rounds = multi_turn_prompts(seed=7)
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-
-    def run(host_kv_tokens: int) -> tuple[list[list[int]], float, float]:
-        engine = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", page_size=4,
-                                     max_total_tokens=128, max_running_requests=2, chunked_prefill_size=32,
-                                     host_kv_tokens=host_kv_tokens))
-        engine.start()
-        try:
-            outs = []
-            for prompts in rounds:
-                outs += generate_tokens(engine, prompts, params, timeout=120)
-            reg = engine.metrics.registry
-            hits = reg.get_sample_value("splitserve_host_kv_hit_tokens_total", {"model": "tiny"}) or 0.0
-            computed = reg.get_sample_value("splitserve_prompt_tokens_computed_total", {"model": "tiny"})
-            return outs, hits, computed
-        finally:
-            engine.stop()
-
-    plain, _, computed_off = run(0)
-    tiered, hits, computed_on = run(1024)
+    same = dict(dtype="float32", max_total_tokens=128, max_running_requests=2)
+    plain, _, computed_off = greedy_run(rounds, params, host_kv_tokens=0, **same)
+    tiered, hits, computed_on = greedy_run(rounds, params, host_kv_tokens=1024, **same)
     assert tiered == plain
     assert hits > 0 and computed_on < computed_off
 
@@ -93,29 +97,13 @@ def test_bf16_prefix_from_the_host_tier_is_the_prefix_from_device_memory() -> No
     paths differ), so tier on against tier off compares a load with a recompute. What the tier owes is that its
     pages are the device's pages: one request at a time, a run whose prefixes come back from host memory gives
     the same tokens as a run whose device cache is roomy enough to keep them all."""
-    from splitserve.engine.config import EngineConfig
-    from splitserve.engine.engine import Engine
-    from splitserve.engine.offline import generate_tokens
-
     rounds = multi_turn_prompts(seed=11)
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-
-    def run(max_total_tokens: int, host_kv_tokens: int) -> tuple[list[list[int]], float, float]:
-        engine = Engine(EngineConfig(model="tiny", device="cuda", dtype="bfloat16", page_size=4,
-                                     max_total_tokens=max_total_tokens, max_running_requests=1,
-                                     chunked_prefill_size=32, host_kv_tokens=host_kv_tokens))
-        engine.start()
-        try:
-            outs = [generate_tokens(engine, [p], params, timeout=120)[0] for prompts in rounds for p in prompts]
-            reg = engine.metrics.registry
-            host_hits = reg.get_sample_value("splitserve_host_kv_hit_tokens_total", {"model": "tiny"}) or 0.0
-            computed = reg.get_sample_value("splitserve_prompt_tokens_computed_total", {"model": "tiny"})
-            return outs, host_hits, computed
-        finally:
-            engine.stop()
-
-    roomy, roomy_host_hits, roomy_computed = run(4096, 0)
-    tiered, host_hits, tiered_computed = run(128, 1024)
+    same = dict(dtype="bfloat16", max_running_requests=1, one_at_a_time=True)
+    roomy, roomy_host_hits, roomy_computed = greedy_run(rounds, params, max_total_tokens=4096, host_kv_tokens=0,
+                                                        **same)
+    tiered, host_hits, tiered_computed = greedy_run(rounds, params, max_total_tokens=128, host_kv_tokens=1024,
+                                                    **same)
     assert roomy_host_hits == 0 and host_hits > 0
     assert tiered_computed == roomy_computed  # the same prefixes hit in both runs, from different memories
     assert tiered == roomy
