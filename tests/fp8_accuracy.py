@@ -3,8 +3,14 @@ greedy agreement on fixed random-id prompts (the FP8 weights' and the FP8 KV cac
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import pytest
 import torch
 
+from splitserve.engine.checkpoints.model_config import ModelConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.request import Request
 from splitserve.engine.runner.model_runner import ModelRunner, build_forward_batch
@@ -72,3 +78,23 @@ def accuracy(reference: tuple[ModelRunner, KVCache], quantized: tuple[ModelRunne
         total += steps
     return {"mean_kl": float(torch.cat(kls).mean()), "top1": float(torch.cat(top1).mean()),
             "greedy": matched / total}
+
+
+def smollm2_pair(**candidate: Any) -> tuple[tuple[ModelRunner, KVCache], tuple[ModelRunner, KVCache], int]:
+    """SmolLM2-135M-Instruct (the GGUF file a package ships) on the CPU in float32, and the same with the engine
+    config's `candidate` fields (quantization, KV dtype), each with its KV cache; and the vocabulary size. Skips
+    the test where the file is not installed."""
+    from splitserve.engine.checkpoints.model_names import ModelNotFoundError, smollm2_file
+
+    try:
+        path = smollm2_file()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    cfg = ModelConfig.from_checkpoint(path)
+    ref_cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
+                           max_running_requests=4)
+    pair = []
+    for engine_cfg in (ref_cfg, dataclasses.replace(ref_cfg, **candidate)):
+        runner = ModelRunner(engine_cfg, path, cfg)
+        pair.append((runner, KVCache(runner.kv_shape.num_pages, 4, 4, 1024, runner.device)))
+    return pair[0], pair[1], cfg.vocab_size

@@ -4,7 +4,6 @@ as their producers write them, and `--quantization fp8` stays within a stated di
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_checkpoints import CHECKPOINTS, cpu_runner  # tests/ is on sys.path: conftest.py
-from fp8_accuracy import accuracy, prompt_logits
+from fp8_accuracy import accuracy, prompt_logits, smollm2_pair
 from safetensors.torch import load_file, save_file
 
 from splitserve.engine.checkpoints.model_config import ModelConfig, UnsupportedModelError
@@ -289,20 +288,8 @@ def test_quantization_fp8_with_emulated_gpu_numerics(tiny: Path, monkeypatch: py
 @pytest.mark.slow
 def test_quantization_fp8_on_smollm2_gguf(capsys) -> None:
     """SmolLM2-135M-Instruct (its Q4_1 GGUF file, dequantized then quantized to FP8 on load) against float32."""
-    from splitserve.engine.checkpoints.model_names import ModelNotFoundError, smollm2_file
-
-    try:
-        path = smollm2_file()
-    except ModelNotFoundError as e:
-        pytest.skip(str(e))
-    cfg = ModelConfig.from_checkpoint(path)
-    ref_cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
-                           max_running_requests=4)
-    ref = ModelRunner(ref_cfg, path, cfg)
-    reference = ref, KVCache(ref.kv_shape.num_pages, 4, 4, 1024, ref.device)
-    runner = ModelRunner(dataclasses.replace(ref_cfg, quantization="fp8"), path, cfg)
-    got = accuracy(reference, (runner, KVCache(runner.kv_shape.num_pages, 4, 4, 1024, runner.device)),
-                   cfg.vocab_size)
+    reference, quantized, vocab = smollm2_pair(quantization="fp8")
+    got = accuracy(reference, quantized, vocab)
     with capsys.disabled():
         print(f"\nSmolLM2-135M --quantization fp8 vs float32: {got}")
     # Measured when written: KL 0.025, top-1 0.85, greedy 0.53 (random-id prompts: flat, sensitive logits).

@@ -4,7 +4,6 @@ the pool holds twice a 16-bit cache's tokens in the same bytes, and the accuracy
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_checkpoints import cpu_runner  # tests/ is on sys.path: conftest.py
-from fp8_accuracy import accuracy
+from fp8_accuracy import accuracy, smollm2_pair
 
 from splitserve.engine.checkpoints.model_config import ModelConfig
 from splitserve.engine.checkpoints.tiny_model import TINY_CONFIG, write_checkpoint
@@ -188,19 +187,8 @@ def test_fp8_kv_on_the_tiny_model_stays_close_to_float32_kv(tiny: Path, capsys) 
 @pytest.mark.slow
 def test_fp8_kv_on_smollm2(capsys) -> None:
     """SmolLM2-135M-Instruct (its GGUF file, float32 weights) with FP8 KV against float32 KV."""
-    from splitserve.engine.checkpoints.model_names import ModelNotFoundError, smollm2_file
-
-    try:
-        path = smollm2_file()
-    except ModelNotFoundError as e:
-        pytest.skip(str(e))
-    cfg = ModelConfig.from_checkpoint(path)
-    ref_cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
-                           max_running_requests=4)
-    ref = ModelRunner(ref_cfg, path, cfg)
-    runner = ModelRunner(dataclasses.replace(ref_cfg, kv_cache_dtype="fp8_e4m3"), path, cfg)
-    got = accuracy((ref, KVCache(ref.kv_shape.num_pages, 4, 4, 1024, ref.device)),
-                   (runner, KVCache(runner.kv_shape.num_pages, 4, 4, 1024, runner.device)), cfg.vocab_size)
+    reference, fp8_kv, vocab = smollm2_pair(kv_cache_dtype="fp8_e4m3")
+    got = accuracy(reference, fp8_kv, vocab)
     with capsys.disabled():
         print(f"\nSmolLM2-135M --kv-cache-dtype fp8_e4m3 vs float32 KV: {got}")
     assert got["mean_kl"] < 0.1 and got["top1"] >= 0.75 and not math.isnan(got["mean_kl"]), got
