@@ -13,11 +13,9 @@ import torch
 from torch import nn
 
 from splitserve.engine.checkpoints.model_config import ModelConfig
-from splitserve.engine.checkpoints.weight_loader import ParamTarget
-from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.models.clip_vision import ClipVisionTower, activation
+from splitserve.engine.models.image_text import ImageTextModel
 from splitserve.engine.models.llama import LlamaForCausalLM
-from splitserve.engine.runner.forward_batch import ForwardBatch
 from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
 
 # Checkpoint layouts -> the names this model targets. The hub's llava-hf folders nest the tower in
@@ -47,8 +45,10 @@ class LlavaProjector(nn.Module):
         return self.linear_2(activation(self.act, self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(ImageTextModel):
     """The text model plus the image side; `layers`, `embed_tokens` and `forward` are the text model's."""
+
+    LAYOUT_RENAMES = LAYOUT_RENAMES
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32,
                  max_positions: int | None = None) -> None:
@@ -62,35 +62,9 @@ class LlavaForConditionalGeneration(nn.Module):
         self.multi_modal_projector = LlavaProjector(feature_width, cfg.hidden_size, cfg.vision.projector_act,
                                                     cfg.vision.projector_bias, dtype)
 
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.language_model.layers
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self.language_model.embed_tokens
-
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """[N, C, H, W] preprocessed pixels -> [N, tokens_per_image, text hidden] embedding rows."""
         return self.multi_modal_projector(self.vision_tower(pixels.to(self.multi_modal_projector.linear_1.weight)))
 
-    def forward(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(batch, kv, input_embeds)
-
-    def logits(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.logits(batch, kv, input_embeds)
-
-    @staticmethod
-    def checkpoint_name(name: str) -> str:
-        for old, new in LAYOUT_RENAMES:
-            if name.startswith(old):
-                return new + name[len(old):]
-        return name
-
-    def weight_targets(self) -> dict[str, tuple[nn.Module, int]]:
-        targets = self.language_model.weight_targets()
-        for prefix, module in (("vision_tower", self.vision_tower), ("multi_modal_projector",
-                                                                     self.multi_modal_projector)):
-            for name, param in module.named_parameters():
-                targets[f"{prefix}.{name}"] = (ParamTarget(param), 0)  # type: ignore[assignment]
-        return targets
+    def image_modules(self) -> dict[str, nn.Module]:
+        return {"vision_tower": self.vision_tower, "multi_modal_projector": self.multi_modal_projector}

@@ -12,12 +12,10 @@ import torch
 from torch import nn
 
 from splitserve.engine.checkpoints.model_config import ModelConfig
-from splitserve.engine.checkpoints.weight_loader import ParamTarget
-from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.models.image_text import ImageTextModel
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.qwen_vl_vision import Grid, QwenVisionTower
 from splitserve.engine.multimodal.qwen_vl_config import QwenVisionConfig
-from splitserve.engine.runner.forward_batch import ForwardBatch
 from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
 
 # Checkpoint layouts -> the names this model targets: the hub's folders (and transformers 5's save_pretrained)
@@ -30,8 +28,10 @@ LAYOUT_RENAMES = (
 )
 
 
-class QwenVLForConditionalGeneration(nn.Module):
+class QwenVLForConditionalGeneration(ImageTextModel):
     """The text model plus the image side; `layers`, `embed_tokens` and `forward` are the text model's."""
+
+    LAYOUT_RENAMES = LAYOUT_RENAMES
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32,
                  max_positions: int | None = None) -> None:
@@ -42,34 +42,10 @@ class QwenVLForConditionalGeneration(nn.Module):
         self.language_model = LlamaForCausalLM(cfg, tp, dtype, max_positions)
         self.visual = QwenVisionTower(cfg.vision, dtype)
 
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.language_model.layers
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self.language_model.embed_tokens
-
     def encode_images(self, patches: list[torch.Tensor], grids: list[Grid]) -> list[torch.Tensor]:
         """Each image's patches [t*h*w, C*T*p*p] -> its rows [t*h*w / merge^2, text hidden], all in one tower pass."""
         rows = self.visual(torch.cat(patches), grids)
         return list(rows.split([self.vision_cfg.tokens_for_grid(g) for g in grids]))
 
-    def forward(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(batch, kv, input_embeds)
-
-    def logits(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model.logits(batch, kv, input_embeds)
-
-    @staticmethod
-    def checkpoint_name(name: str) -> str:
-        for old, new in LAYOUT_RENAMES:
-            if name.startswith(old):
-                return new + name[len(old):]
-        return name
-
-    def weight_targets(self) -> dict[str, tuple[nn.Module, int]]:
-        targets = self.language_model.weight_targets()
-        for name, param in self.visual.named_parameters():
-            targets[f"visual.{name}"] = (ParamTarget(param), 0)  # type: ignore[assignment]
-        return targets
+    def image_modules(self) -> dict[str, nn.Module]:
+        return {"visual": self.visual}
