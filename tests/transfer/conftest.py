@@ -25,6 +25,8 @@ from splitserve.transfer import (
     BootstrapServer,
     KVManager,
     KVPoll,
+    KVReceiver,
+    KVSender,
     TransferConfig,
     aux_device,
     layout_for_pool,
@@ -206,3 +208,18 @@ def spawn_peer() -> Iterator[Callable[[dict], PeerProcess]]:
     yield spawn
     for peer in peers:
         peer.close()
+
+
+def transfer_once(prefill, decode_mgr, bootstrap_addr: str, room: int, src: list[int], dst: list[int],
+                  aux_index: int = 0) -> None:
+    """One whole room between an in-process prefill rank and an in-process decode manager; must succeed."""
+    sender = KVSender(prefill.mgr, bootstrap_addr, room)
+    receiver = KVReceiver(decode_mgr, bootstrap_addr, room)
+    receiver.init()
+    receiver.send_metadata(dst, aux_index)
+    sender.init(len(src), aux_index)
+    sender.send(src, last_chunk=True)
+    poll_until_final([sender, receiver], timeout_s=10)
+    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    sender.clear()
+    receiver.clear()

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.transfer import KVAbortedError, KVPoll, KVReceiver, KVSender
 
-from .conftest import poll_until_final
+from .conftest import poll_until_final, transfer_once
 
 FP8 = torch.float8_e4m3fn
 
@@ -21,14 +21,7 @@ def test_fp8_pages_land_bit_for_bit_at_half_the_bytes_of_16_bit_pages(bootstrap,
     decode = make_rank(registry=registry, dtype=FP8)
     assert prefill.pool.dtype == FP8 and prefill.pool.view(torch.uint8).any()
     prefill.mgr.publish_layout(bootstrap.address)
-    receiver = KVReceiver(decode.mgr, bootstrap.address, 41)
-    receiver.init()
-    receiver.send_metadata([1, 2, 3], 0)
-    sender = KVSender(prefill.mgr, bootstrap.address, 41)
-    sender.init(3, 0)
-    sender.send([7, 9, 11], True)
-    poll_until_final([sender, receiver])
-    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
+    transfer_once(prefill, decode.mgr, bootstrap.address, 41, [7, 9, 11], [1, 2, 3])
     src = prefill.pool[:, :, [7, 9, 11]].view(torch.uint8)
     assert torch.equal(decode.pool[:, :, [1, 2, 3]].view(torch.uint8), src)
     layers, _, _, page_size, heads, head_dim = prefill.pool.shape
@@ -38,8 +31,6 @@ def test_fp8_pages_land_bit_for_bit_at_half_the_bytes_of_16_bit_pages(bootstrap,
     assert registry.get_sample_value("splitserve_transfer_bytes_total", {"side": "receiver"}) == kv_bytes
     sixteen_bit = make_rank(dtype=torch.bfloat16).mgr.layout.buffers[0].page_bytes
     assert sixteen_bit == 2 * fp8_page
-    sender.clear()
-    receiver.clear()
 
 
 def test_different_kv_dtypes_refuse_to_pair_on_both_sides_at_once(bootstrap, make_rank):

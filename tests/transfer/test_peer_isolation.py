@@ -24,7 +24,7 @@ import torch
 from splitserve.transfer import KVMetadataError, KVPoll, KVReceiver, KVSender
 from splitserve.transfer.kv.manager import LOOKUP_UNREACHABLE_S
 
-from .conftest import FAST, poll_until_final, wait_until
+from .conftest import FAST, poll_until_final, transfer_once, wait_until
 
 # A room to a healthy peer on loopback takes a few ms; this is the bound under a 2-core CI load.
 HEALTHY_ROOM_BOUND_S = 2.0
@@ -39,21 +39,6 @@ def frame_of(thread_prefix: str) -> str | None:
             frame = sys._current_frames().get(thread.ident)
             return frame.f_code.co_name if frame is not None else None
     return None
-
-
-def transfer_once(prefill, decode_mgr, bootstrap_addr: str, room: int, src: list[int], dst: list[int],
-                  aux_index: int = 0) -> None:
-    """One whole room between the in-process prefill and an in-process decode; must succeed."""
-    sender = KVSender(prefill.mgr, bootstrap_addr, room)
-    receiver = KVReceiver(decode_mgr, bootstrap_addr, room)
-    receiver.init()
-    receiver.send_metadata(dst, aux_index)
-    sender.init(len(src), aux_index)
-    sender.send(src, last_chunk=True)
-    poll_until_final([sender, receiver], timeout_s=10)
-    assert receiver.poll() == KVPoll.Success, receiver.failure_exception()
-    sender.clear()
-    receiver.clear()
 
 
 @pytest.mark.slow
