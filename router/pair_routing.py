@@ -70,7 +70,7 @@ class Answer:
     response: httpx.Response | None = None
     prefill_task: asyncio.Task | None = None  # the prefill call, if it has not answered yet
     timing: RequestTiming | None = None  # where its time to first token went (router/phases.py)
-    cached_tokens: int | None = None  # the prompt tokens the engine's prefix cache held, as it reported them
+    cached_tokens: int | None = None  # streamed: the prompt tokens its cache held, from the first-token marker
 
     @property
     def backend(self) -> Backend:
@@ -235,7 +235,8 @@ class PairRouter:
                 if main_task in done:
                     answer = main_task.result()
                     if prefill is None and planned and self.routing is not None:  # a pair's: its prefill's
-                        self.routing.reported(main.backend.url, answer.cached_tokens)
+                        self.routing.reported(main.backend.url, answer.cached_tokens if stream
+                                              else _cached_tokens(_json_object(answer.content)))
                     answer.prefill_task = prefill_task if prefill_task is not None and not prefill_task.done() \
                         else None
                     answered = True
@@ -265,10 +266,12 @@ class PairRouter:
                                       timing.headers if timing is not None else None)
         finally:
             lease.release()
+        answer = _json_object(content)
         if timing is not None:
-            timing.prefill = _prefill_marks(content)
+            marks = answer.get("phase_marks")  # engine/phase_timing.py's stamps, if it has them
+            timing.prefill = marks if isinstance(marks, dict) else None
         if planned and self.routing is not None:
-            self.routing.reported(lease.backend.url, _usage_cached_tokens(content))
+            self.routing.reported(lease.backend.url, _cached_tokens(answer))
 
     async def _answer(self, lease: Lease, path: str, body: dict, stream: bool,
                       timing: RequestTiming | None = None) -> Answer:
@@ -284,7 +287,6 @@ class PairRouter:
                     answer.content = await response.aread()
                 except httpx.HTTPError as exc:
                     raise unreachable(backend, exc) from exc
-                answer.cached_tokens = _usage_cached_tokens(answer.content) if self.routing is not None else None
                 return answer
             answer.events = sse_events(backend, response)
             async for event in answer.events:
@@ -307,22 +309,21 @@ class PairRouter:
             raise
 
 
-def _usage_cached_tokens(content: bytes) -> int | None:
+def _json_object(content: bytes) -> dict:
+    """An engine's answer as a JSON object ({} where it is not one)."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _cached_tokens(answer: dict) -> int | None:
     """Cached prompt tokens in an engine's answer: a prefill's (`cached_tokens`) or a whole completion's
     (`usage.prompt_tokens_details.cached_tokens`); None where it has none."""
     try:
-        body = json.loads(content)
-        if "cached_tokens" in body:
-            return int(body["cached_tokens"])
-        return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
-    except (ValueError, TypeError, KeyError, AttributeError):
+        if "cached_tokens" in answer:
+            return int(answer["cached_tokens"])
+        return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+    except (TypeError, KeyError, ValueError):
         return None
-
-
-def _prefill_marks(content: bytes) -> dict[str, float] | None:
-    """The phase stamps in a prefill's answer to a handoff (engine/phase_timing.py), if it has them."""
-    try:
-        marks = json.loads(content).get("phase_marks")
-    except (ValueError, AttributeError):
-        return None
-    return marks if isinstance(marks, dict) else None
