@@ -75,6 +75,7 @@ from splitserve.operator.role_switch import (
     serving_role,
     statefulset_sizes,
     switch_donors,
+    with_serving_role,
 )
 from splitserve.operator.status import now_rfc3339
 from splitserve.planner.policy import ROLES, Decision, SLOPlanner
@@ -147,16 +148,6 @@ class GroupPlanner:
     last_time: float | None = None
     next_run: float = 0.0
     lengths: tuple[float, float] = (0.0, 0.0)  # the last mean prompt and output tokens seen
-
-
-def _serving(pod: dict[str, Any], role: str) -> dict[str, Any]:
-    """The pod with its serving-role annotation set to ``role`` (removed when ``role`` is its home)."""
-    meta = dict(pod["metadata"])
-    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != SERVING_ROLE}
-    if role != home_role(pod):
-        annotations[SERVING_ROLE] = role
-    meta["annotations"] = annotations
-    return {**pod, "metadata": meta}
 
 
 def slo_key(slo: Mapping[str, Any]) -> str:
@@ -388,7 +379,7 @@ class PlannerLoop:
             switched[pod["metadata"]["name"]] = role
             log.info("planner %s/%s: %s switched %s -> %s in %.1f s", meta["namespace"], meta["name"],
                      pod["metadata"]["name"], serving_role(pod), role, self.clock() - started)
-        return [_serving(p, switched[p["metadata"]["name"]]) if p["metadata"]["name"] in switched else p
+        return [with_serving_role(p, switched[p["metadata"]["name"]]) if p["metadata"]["name"] in switched else p
                 for p in pods], notes
 
     def _reassert_switches(self, group: Mapping[str, Any], pods: list[dict[str, Any]],

@@ -46,6 +46,16 @@ def ordinal(pod: Pod) -> int:
     return int(tail) if tail.isdigit() else -1
 
 
+def with_serving_role(pod: Pod, role: str) -> dict[str, Any]:
+    """The pod with its serving-role annotation set to ``role`` (removed when ``role`` is its home)."""
+    meta = dict(pod["metadata"])
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != SERVING_ROLE}
+    if role != home_role(pod):
+        annotations[SERVING_ROLE] = role
+    meta["annotations"] = annotations
+    return {**pod, "metadata": meta}
+
+
 def engine_pods(pods: Sequence[Pod], replicas: Mapping[str, int]) -> list[Pod]:
     """The prefill and decode pods that stay: not being deleted, within their StatefulSet's size."""
     out = []
