@@ -75,6 +75,7 @@ def engine_state_report(engine: Engine) -> dict[str, Any]:
         "prefix_hit_tokens": engine.kv.prefix_cache.hit_tokens, "failure": engine.failed,
         "tp_worker_pids": engine.tp_supervisor.pids() if engine.tp_supervisor is not None else {},
         "role_held": engine.role.held(),  # the role's transfer rooms, aux slots, fenced pages in use
+        **engine.role.state_info(),
     }
 
 

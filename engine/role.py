@@ -55,6 +55,10 @@ class Role:
         """Extra fields for /health (e.g. the prefill's bootstrap port)."""
         return {}
 
+    def state_info(self) -> dict[str, Any]:
+        """Extra fields for /internal/state (e.g. the Mooncake session the KV endpoint listens on)."""
+        return {}
+
     def on_finish(self, req: Request) -> None:
         """The request is retiring (finished, aborted or failed): drop per-request role state."""
 
@@ -87,7 +91,19 @@ class Role:
         return {}
 
     def close(self) -> None:
-        """The engine is stopping (or switching to another role: engine/role_switch.py)."""
+        """The engine is stopping."""
+
+    def hand_over(self) -> dict[str, Any]:
+        """A role switch ends this role (engine/role_switch.py): closes it, but for what the next role may
+        take over, returned by name instead of closed (the KV transfer endpoint: its Mooncake engine
+        cannot be destroyed, so a new one per switch would pile up)."""
+        self.close()
+        return {}
+
+    def take_over(self, kept: dict[str, Any]) -> set[str]:
+        """Before `attach`, on a role switch: keeps what the previous role handed over that this one
+        uses, and returns those names (the switch closes the rest). Nothing by default."""
+        return set()
 
 
 class UnifiedRole(Role):
@@ -102,10 +118,11 @@ class ComposedRole(Role):
       may hold a request at a time, and the holder hands it to the scheduler when it is done.
     - `on_token`: each behaviour sees the token; the request is taken over if any takes it.
     - `poll`, `on_chunk_done`, `on_finish`: every behaviour (`on_finish` also for requests a behaviour
-      never saw, when an earlier one refused them); `close`: every one, in reverse.
-    - `health_info`: the behaviours' fields merged; `idle_poll_interval`: the shortest asked for;
+      never saw, when an earlier one refused them); `close`, `hand_over`: every one, in reverse.
+    - `health_info`, `state_info`: the behaviours' fields merged; `idle_poll_interval`: the shortest asked for;
       `allows_overlap`: only if every behaviour allows it; `serves_structured_outputs`: if any does;
-      `routes`, `core_calls`: every behaviour's; `held`: the behaviours' counts added up.
+      `routes`, `core_calls`: every behaviour's; `held`: the behaviours' counts added up; `take_over`:
+      every behaviour takes what it uses.
     """
 
     def __init__(self, name: str, behaviours: list[Role]) -> None:
@@ -147,6 +164,12 @@ class ComposedRole(Role):
             info.update(b.health_info())
         return info
 
+    def state_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        for b in self.behaviours:
+            info.update(b.state_info())
+        return info
+
     def on_finish(self, req: Request) -> None:
         failed: Exception | None = None
         for b in self.behaviours:
@@ -183,3 +206,12 @@ class ComposedRole(Role):
     def close(self) -> None:
         for b in reversed(self.behaviours):
             b.close()
+
+    def hand_over(self) -> dict[str, Any]:
+        kept: dict[str, Any] = {}
+        for b in reversed(self.behaviours):
+            kept.update(b.hand_over())
+        return kept
+
+    def take_over(self, kept: dict[str, Any]) -> set[str]:
+        return set().union(*(b.take_over(kept) for b in self.behaviours))

@@ -10,7 +10,9 @@ A switch (`POST /internal/role`, api/role_endpoint.py) runs in three phases:
 2. Check, on the loop thread: nothing held, at the counts an idle engine has: no request, batch slot or
    page held by a request, and none of the role's transfer rooms, aux slots or fenced pages.
 3. Swap, in the same call on the loop thread (no request can arrive in between): the old role's
-   behaviours close (its transfer manager; a prefill's bootstrap server), the new role's are built and
+   behaviours close (a prefill's bootstrap server) but for its KV transfer endpoint, which the new
+   role takes over (its Mooncake engine and registered pool stay: peers' cached layouts of this engine
+   stay true, and no engine is left behind per switch); the new role's behaviours are built and
    attached, and the engine takes requests again. /health reports the new role; routers move the
    backend to it (router/role_changes.py).
 
@@ -180,16 +182,32 @@ class RoleSwitch:
         drained_at = time.monotonic()
         self.phase = "swapping"
         old = self.engine.role
-        old.close()
+        kept = old.hand_over()  # the KV transfer endpoint goes on under the new role
         try:
-            self.engine.use_role(self.build(role))
+            taken = self._attach(role, kept)
         except Exception as exc:
             logger.exception("switching to %s failed; going back to %s", role, old.name)
             try:
-                self.engine.use_role(self.build(old.name))
+                taken = self._attach(old.name, kept)
             except Exception as again:  # neither role runs: the engine serves nothing any more
+                self._close_unused(kept, set())
                 self.engine.failure = f"switching to {role} failed ({exc}), and so did going back ({again})"
                 raise RoleSwitchRefused(self.engine.failure, 500, "role_switch_failed") from again
+            self._close_unused(kept, taken)
             raise RoleSwitchRefused(f"building the {role} role failed ({exc}); the engine stays {old.name}", 500,
                                     "role_switch_failed") from exc
+        self._close_unused(kept, taken)
         return drained_at, time.monotonic()
+
+    def _attach(self, role: str, kept: dict[str, Any]) -> set[str]:
+        """Builds `role`, hands it what the old role kept and makes it the engine's; what it took."""
+        new = self.build(role)
+        taken = new.take_over(kept)
+        self.engine.use_role(new)
+        return taken
+
+    @staticmethod
+    def _close_unused(kept: dict[str, Any], taken: set[str]) -> None:
+        for name, thing in kept.items():
+            if name not in taken:
+                thing.close()

@@ -18,12 +18,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from splitserve.engine.engine import Engine
 from splitserve.engine.phase_timing import ADMITTED, ARRIVED, mark
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.role import Role
-from splitserve.engine.roles.kv_transfer_endpoint import KVTransferEndpoint, aux_slot_count
+from splitserve.engine.roles.kv_transfer_endpoint import HANDED_OVER, KVTransferEndpoint, aux_slot_count
 from splitserve.transfer import KVPoll, KVReceiver, TransferConfig
 
 logger = logging.getLogger(__name__)
@@ -52,10 +53,15 @@ class DecodeRole(Role):
         self.receiving: dict[str, Request] = {}
         self.metadata_sent: set[str] = set()  # requests whose pages a prefill may write into
         self.aux_of: dict[str, int] = {}  # request -> its aux slot (decode's own, fenced with its pages)
+        self.endpoint_taken_over: KVTransferEndpoint | None = None  # the previous role's, on a switch
+
+    def take_over(self, kept: dict[str, Any]) -> set[str]:
+        self.endpoint_taken_over = kept.get(HANDED_OVER)
+        return {HANDED_OVER} if self.endpoint_taken_over is not None else set()
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
-        self.endpoint = KVTransferEndpoint(engine, self.config)
+        self.endpoint = self.endpoint_taken_over or KVTransferEndpoint(engine, self.config)
         self.endpoint.start_worker_ranks(None)
         self.free_aux = list(range(aux_slot_count(engine.cfg) - 1, -1, -1))
         self.max_fenced_pages = int(self.config.transfer_fence_max_fraction * engine.kv.allocator.capacity)
@@ -212,5 +218,11 @@ class DecodeRole(Role):
         return {"aux_slots": aux_slot_count(self.engine.cfg) - len(self.free_aux), "pending": len(self.pending),
                 "fenced_pages": self.fenced_pages, "rooms": stats["rooms"], "fences": stats["fences"]}
 
+    def state_info(self) -> dict[str, Any]:
+        return {"kv_transfer_session": self.endpoint.session}
+
     def close(self) -> None:
         self.endpoint.close()
+
+    def hand_over(self) -> dict[str, Any]:
+        return {HANDED_OVER: self.endpoint}

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+HANDED_OVER = "kv_transfer_endpoint"  # its name among what a role hands over on a switch (engine/role.py)
+
 
 def aux_slot_count(cfg: EngineConfig) -> int:
     """Aux slots per rank: decode indexes them by batch slot; prefill gives one to each request from
@@ -39,6 +41,7 @@ class KVTransferEndpoint:
 
     Rooms are made here (`new_sender`, `new_receiver`) so that, on a tensor-parallel engine,
     the other ranks make theirs too; `agree` is the replica's poll state of a list of rooms.
+    Nothing in it is a prefill's or a decode's own: a role switch hands it to the next role.
     """
 
     def __init__(self, engine: Engine, config: TransferConfig) -> None:
@@ -94,6 +97,11 @@ class KVTransferEndpoint:
             return local
         self.broadcaster.queue_op(new_room_op(rid, kind, bootstrap_addr, room))
         return ReplicatedRoom(local, rid, self.broadcaster)
+
+    @property
+    def session(self) -> str:
+        """The Mooncake session (host:port) peers write this engine's KV through."""
+        return self.manager.layout.session
 
     def close(self) -> None:
         self.manager.close()

@@ -22,7 +22,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.phase_timing import BOOTSTRAPPED, SHIPPED, mark
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.role import Role
-from splitserve.engine.roles.kv_transfer_endpoint import KVTransferEndpoint
+from splitserve.engine.roles.kv_transfer_endpoint import HANDED_OVER, KVTransferEndpoint
 from splitserve.transfer import AuxData, BootstrapServer, KVPoll, KVSender, TransferConfig
 
 logger = logging.getLogger(__name__)
@@ -54,10 +54,15 @@ class PrefillRole(Role):
         self.config = config
         self.bootstrapping: dict[str, Request] = {}  # waiting for the decode's metadata: nothing computed
         self.parked: dict[str, Request] = {}  # first token sampled: waiting for the transfer to finish
+        self.endpoint_taken_over: KVTransferEndpoint | None = None  # the previous role's, on a switch
+
+    def take_over(self, kept: dict[str, Any]) -> set[str]:
+        self.endpoint_taken_over = kept.get(HANDED_OVER)
+        return {HANDED_OVER} if self.endpoint_taken_over is not None else set()
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
-        self.endpoint = KVTransferEndpoint(engine, self.config)
+        self.endpoint = self.endpoint_taken_over or KVTransferEndpoint(engine, self.config)
         self.free_aux = list(range(self.endpoint.aux.shape[0] - 1, -1, -1))
         self.bootstrap = BootstrapServer(self.config.transfer_host, self.config.bootstrap_port,
                                          key=self.config.transfer_control_key).start()
@@ -163,6 +168,13 @@ class PrefillRole(Role):
         return {"aux_slots": self.endpoint.aux.shape[0] - len(self.free_aux), "rooms": stats["rooms"],
                 "writes_in_flight": stats["writes_in_flight"]}
 
+    def state_info(self) -> dict[str, Any]:
+        return {"kv_transfer_session": self.endpoint.session}
+
     def close(self) -> None:
         self.endpoint.close()
         self.bootstrap.stop()
+
+    def hand_over(self) -> dict[str, Any]:
+        self.bootstrap.stop()
+        return {HANDED_OVER: self.endpoint}

@@ -94,9 +94,10 @@ def test_prefill_switches_to_decode_and_back_under_load_with_no_failed_request(g
     engines = [*group["prefill"], group["decode"]]
     start = {url: idle_counts(url) for url in engines}
     assert all(not any(c["role_held"].values()) for c in start.values()), start
+    session = engine_state(moving)["kv_transfer_session"]
     pool = prompts(7, 24)
 
-    async def scenario() -> tuple[list[list[int]], list[tuple[int, httpx.Response]], list[dict], dict[str, float]]:
+    async def scenario() -> tuple[list[list[int]], list[tuple[int, httpx.Response]], list[dict], dict]:
         async with httpx.AsyncClient(timeout=120) as client:
             want = [(await complete(client, unified, p)).json()["choices"][0]["token_ids"] for p in pool]
             done: list[tuple[int, httpx.Response]] = []
@@ -110,12 +111,13 @@ def test_prefill_switches_to_decode_and_back_under_load_with_no_failed_request(g
             users = [asyncio.ensure_future(user(u)) for u in range(4)]
             await asyncio.sleep(1.5)
             switches: list[dict] = []
-            work: dict[str, float] = {}
+            work: dict = {}
             r = await client.post(f"{moving}/internal/role", headers=KEY,
                                   json={"role": "decode", "group": TEST_CONTROL_KEY, "settle_s": SETTLE_S})
             assert r.status_code == 200, r.text
             switches.append(r.json())
             await until_routed(router, moving, "decode")
+            work["decode_session"] = engine_state(moving)["kv_transfer_session"]
             generated = metric(moving, "splitserve_generation_tokens_total")
             await asyncio.sleep(2.0)  # it decodes for the group now
             work["decoded_tokens"] = metric(moving, "splitserve_generation_tokens_total") - generated
@@ -145,7 +147,10 @@ def test_prefill_switches_to_decode_and_back_under_load_with_no_failed_request(g
     logger.warning("role switches under load (%d requests): %s", len(done),
                    [{k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()} for s in switches])
     assert {url: idle_counts(url) for url in engines} == start
+    # Both switches kept the one KV transfer endpoint (its Mooncake engine is never destroyed: a new one
+    # per switch would pile up, threads and sockets with it).
     assert engine_state(moving)["role"] == "prefill"
+    assert work.pop("decode_session") == session == engine_state(moving)["kv_transfer_session"]
 
 
 def test_switch_errors(group) -> None:
