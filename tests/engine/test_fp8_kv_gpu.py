@@ -56,27 +56,18 @@ def test_paged_decode_reads_fp8_pages_like_the_dequantized_reference(heads, kv_h
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", SHAPES)
 def test_paged_extend_and_decode_rows_read_fp8_pages_like_float64(heads, kv_heads, head_dim, page_size):
-    from test_gpu_path import assert_rows_match_float64, random_paged_step
+    from test_gpu_path import assert_rows_match_float64, paged_extend_batch, random_paged_step
 
     from splitserve.engine.layers.attention import PagedAttention
-    from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, wide_tiles
-    from splitserve.engine.runner.forward_batch import ForwardBatch
+    from splitserve.engine.layers.extend_plan import wide_tiles
 
     torch.manual_seed(0)
-    dev = torch.device("cuda")
     lengths, kv_lens, slots = [1, 1, 37, 130, 1, 300], [5, 900, 37, 530, 64, 300], [4, 0, 2, 5, 1, 3]
     page_table, k, v, q = random_paged_step(lengths, kv_lens, slots, heads, kv_heads, head_dim, page_size,
                                             torch.bfloat16)
     k_cache, v_cache, scales = fp8_caches(k.float(), v.float(), kv_heads)
-    decode_rows = 2
-    plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots,
-                                              block_tokens(heads // kv_heads, wide_tiles(head_dim, 2)), decode_rows)
-    meta = torch.tensor(padded(slots[:decode_rows]) + padded(kv_lens[:decode_rows]) + plan, dtype=torch.int32,
-                        device=dev)
-    batch = ForwardBatch(input_ids=q.new_zeros(q.shape[0], dtype=torch.long), positions=q.new_zeros(1),
-                         out_cache_loc=q.new_zeros(1), seq_lens=torch.tensor(kv_lens, device=dev),
-                         logits_index=q.new_zeros(1), attn_meta=meta, decode_rows=decode_rows,
-                         extend_chunks=chunks, extend_blocks=blocks, page_table=page_table, page_size=page_size)
+    batch = paged_extend_batch(q, lengths, kv_lens, slots, page_table, page_size, heads // kv_heads,
+                               wide_tiles(head_dim, 2), decode_rows=2)
     got = PagedAttention(heads, kv_heads, head_dim, 0)._paged_extend(q, batch, k_cache, v_cache, scales=scales)
     assert_rows_match_float64(got.float(), q, lengths, kv_lens, slots, dequantize_kv(k_cache, scales.k, torch.float64),
                               dequantize_kv(v_cache, scales.v, torch.float64), page_table, page_size, 2e-2)

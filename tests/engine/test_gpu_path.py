@@ -346,6 +346,26 @@ def assert_rows_match_float64(got: torch.Tensor, q: torch.Tensor, lengths: list[
         row += length
 
 
+def paged_extend_batch(q: torch.Tensor, lengths: list[int], kv_lens: list[int], slots: list[int],
+                       page_table: torch.Tensor, page_size: int, group: int, wide: bool, decode_rows: int,
+                       long_chunks: list | None = None, long_chunk_loc: torch.Tensor | None = None):
+    """The ForwardBatch of an extend step over `random_paged_step`'s rows: `decode_rows` decode rows first,
+    then chunks (those in `long_chunks` through cuDNN), planned as the runner plans them."""
+    from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded
+    from splitserve.engine.runner.forward_batch import ForwardBatch
+
+    long_rows = frozenset(c.row for c in long_chunks or [])
+    plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, block_tokens(group, wide), decode_rows,
+                                              long_rows)
+    meta = torch.tensor(padded(slots[:decode_rows]) + padded(kv_lens[:decode_rows]) + plan, dtype=torch.int32,
+                        device=q.device)
+    return ForwardBatch(input_ids=q.new_zeros(q.shape[0], dtype=torch.long), positions=q.new_zeros(1),
+                        out_cache_loc=q.new_zeros(1), seq_lens=torch.tensor(kv_lens, device=q.device),
+                        logits_index=q.new_zeros(1), attn_meta=meta, decode_rows=decode_rows, extend_chunks=chunks,
+                        extend_blocks=blocks, prefix_chunks=tuple(long_chunks or ()), prefix_chunk_loc=long_chunk_loc,
+                        page_table=page_table, page_size=page_size)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(32, 8, 128, 16), (6, 2, 16, 4), (28, 4, 128, 16),
                                                                (8, 8, 64, 1)])
@@ -354,26 +374,16 @@ def test_paged_extend_and_decode_rows_match_float64(heads: int, kv_heads: int, h
     # Decode rows first (the paged decode kernel), then chunks: no prefix, over a prefix, one token,
     # one longer than a program's block; every row written, each close to float64.
     from splitserve.engine.layers.attention import PagedAttention
-    from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, wide_tiles
-    from splitserve.engine.runner.forward_batch import ForwardBatch
+    from splitserve.engine.layers.extend_plan import wide_tiles
 
     torch.manual_seed(0)
-    dev = torch.device("cuda")
     lengths = [1, 1, 37, 130, 1, 300]
     kv_lens = [5, 900, 37, 530, 64, 300]
     slots = [4, 0, 2, 5, 1, 3]
     page_table, k_cache, v_cache, q = random_paged_step(lengths, kv_lens, slots, heads, kv_heads, head_dim,
                                                         page_size, dtype)
-    decode_rows = 2
-    plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots,
-                                                block_tokens(heads // kv_heads, wide_tiles(head_dim, dtype.itemsize)),
-                                                decode_rows)
-    meta = torch.tensor(padded(slots[:decode_rows]) + padded(kv_lens[:decode_rows]) + plan, dtype=torch.int32,
-                        device=dev)
-    batch = ForwardBatch(input_ids=q.new_zeros(q.shape[0], dtype=torch.long), positions=q.new_zeros(1),
-                         out_cache_loc=q.new_zeros(1), seq_lens=torch.tensor(kv_lens, device=dev),
-                         logits_index=q.new_zeros(1), attn_meta=meta, decode_rows=decode_rows,
-                         extend_chunks=chunks, extend_blocks=blocks, page_table=page_table, page_size=page_size)
+    batch = paged_extend_batch(q, lengths, kv_lens, slots, page_table, page_size, heads // kv_heads,
+                               wide_tiles(head_dim, dtype.itemsize), decode_rows=2)
     attn = PagedAttention(heads, kv_heads, head_dim, 0)
     got = attn._paged_extend(q, batch, k_cache, v_cache).float()
     assert_rows_match_float64(got, q, lengths, kv_lens, slots, k_cache, v_cache, page_table, page_size,
@@ -389,12 +399,10 @@ def test_long_chunks_through_cudnn_beside_the_paged_kernels_match_float64(heads:
     # whole chunks through the Triton kernels; two full chunks after whole chunks (of 256 here) through
     # cuDNN, merged by their log-sum-exps. Every row close to float64.
     from splitserve.engine.layers.attention import PagedAttention
-    from splitserve.engine.layers.extend_plan import block_tokens, extend_plan_values, padded, prefix_chunks
-    from splitserve.engine.runner.forward_batch import ForwardBatch
+    from splitserve.engine.layers.extend_plan import prefix_chunks
     from splitserve.engine.runner.model_runner import kv_locations
 
     torch.manual_seed(0)
-    dev = torch.device("cuda")
     lengths = [1, 300, 256, 37, 256, 256]
     kv_lens = [900, 300, 1792, 537, 512, 1000]
     slots = [4, 0, 2, 5, 1, 3]
@@ -403,17 +411,10 @@ def test_long_chunks_through_cudnn_beside_the_paged_kernels_match_float64(heads:
     decode_rows = 1
     long_chunks = prefix_chunks(lengths, kv_lens, 256, decode_rows)
     assert [c.index for c in long_chunks] == [2, 4]
-    plan, chunks, blocks = extend_plan_values(lengths, kv_lens, slots, block_tokens(heads // kv_heads, False),
-                                              decode_rows, frozenset(c.row for c in long_chunks))
-    assert chunks == 3
-    meta = torch.tensor(padded(slots[:decode_rows]) + padded(kv_lens[:decode_rows]) + plan, dtype=torch.int32,
-                        device=dev)
     loc = torch.cat([kv_locations(page_table.long(), slots[c.index], c.kv_len, page_size) for c in long_chunks])
-    batch = ForwardBatch(input_ids=q.new_zeros(q.shape[0], dtype=torch.long), positions=q.new_zeros(1),
-                         out_cache_loc=q.new_zeros(1), seq_lens=torch.tensor(kv_lens, device=dev),
-                         logits_index=q.new_zeros(1), attn_meta=meta, decode_rows=decode_rows,
-                         extend_chunks=chunks, extend_blocks=blocks, prefix_chunks=long_chunks, prefix_chunk_loc=loc,
-                         page_table=page_table, page_size=page_size)
+    batch = paged_extend_batch(q, lengths, kv_lens, slots, page_table, page_size, heads // kv_heads, False,
+                               decode_rows, long_chunks, loc)
+    assert batch.extend_chunks == 3
     got = PagedAttention(heads, kv_heads, head_dim, 0)._paged_extend(q, batch, k_cache, v_cache).float()
     assert_rows_match_float64(got, q, lengths, kv_lens, slots, k_cache, v_cache, page_table, page_size, 2e-2)
 
