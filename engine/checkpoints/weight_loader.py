@@ -19,8 +19,8 @@ logger = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the model recomputes or does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
-# An FP8 checkpoint's KV-cache scales (ModelOpt's k_proj.k_scale, compressed-tensors' self_attn.k_scale): not used
-# (an FP8 KV cache, --kv-cache-dtype fp8_e4m3, runs with scales of 1.0).
+# An FP8 checkpoint's KV-cache scales (ModelOpt's k_proj.k_scale, compressed-tensors' self_attn.k_scale): no
+# model weight; the KV pool takes them (--kv-cache-dtype fp8_e4m3: engine/quantization/kv_fp8.py).
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 
 
@@ -80,19 +80,20 @@ def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     return open_gguf(gguf_file).tensors() if gguf_file is not None else safetensors_tensors(path)
 
 
-def load_weights(model: nn.Module, path: str | Path, tied_lm_head: bool) -> None:
-    """Copies every tensor the model needs from the checkpoint; raises naming what is missing or extra."""
+def load_weights(model: nn.Module, path: str | Path, tied_lm_head: bool) -> dict[str, torch.Tensor]:
+    """Copies every tensor the model needs from the checkpoint; raises naming what is missing or extra.
+    Returns the checkpoint's KV-cache scales (name -> tensor; none in most checkpoints) for the KV pool."""
     targets: dict[str, tuple[nn.Module, int]] = model.weight_targets()  # type: ignore[operator]
     # Multimodal checkpoints come in several layouts: the model maps each name to the one it targets.
     canonical = getattr(model, "checkpoint_name", lambda n: n)
     remaining = set(targets)
-    kv_scales = 0
+    kv_scales: dict[str, torch.Tensor] = {}
     for stored, tensor in checkpoint_tensors(path):
         name = canonical(stored)
         if name.endswith(IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
             continue
         if name.endswith(KV_SCALE_SUFFIXES) and name not in targets:
-            kv_scales += 1
+            kv_scales[name] = tensor
             continue
         if name not in targets:
             if name.endswith((".weight_scale", ".input_scale")):
@@ -102,9 +103,8 @@ def load_weights(model: nn.Module, path: str | Path, tied_lm_head: bool) -> None
         module, shard = targets[name]
         _copy_into(module, name, tensor, shard)
         remaining.discard(name)
-    if kv_scales:
-        logger.info("%d KV-cache scales in the checkpoint left unused (an FP8 KV cache uses scales of 1.0)", kv_scales)
     if remaining:
         missing = sorted(remaining)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s): {shown}")
+    return kv_scales

@@ -4,8 +4,8 @@ A key or value x is stored as e4m3(clamp(x / scale, +-448)) and read as that tim
 static: a page carries no scale of its own, so every engine that reads a page (the decode engine a prefill
 engine sends it to, the host and store tiers, another request that shares it through the prefix cache) must
 read it with the scale it was written with, and a fixed scale (1.0) is the same in every one of them without
-any agreement beyond the KV dtype. (A checkpoint's calibrated `k_scale`/`v_scale` would be fixed by the model
-too and fit `KVPool.set_scales`; they are not read yet.)
+any agreement beyond the KV dtype. A checkpoint's calibrated `k_scale`/`v_scale` (`checkpoint_kv_scales`) are
+fixed by the model too, so every engine of one model reads them alike; they replace 1.0 where present.
 A scale computed at run time (from the first prompts an engine sees) would differ from engine to engine and
 make pages untransferable. 1.0 is what vLLM and SGLang use without checkpoint scales: e4m3 keeps 3 mantissa
 bits (a relative error of at most 1/16) from 2^-6 to 448, which holds the post-RoPE keys and the values of the
@@ -21,13 +21,22 @@ read.
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 import torch
 
 from splitserve.engine.quantization.fp8 import FP8_DTYPE, FP8_MAX
+from splitserve.engine.tp.parallel_state import TensorParallel
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+# A layer's KV-cache scale in an FP8 checkpoint: ModelOpt's `...self_attn.k_proj.k_scale`, compressed-tensors'
+# and vLLM's `...self_attn.k_scale` (the same for v). Each divides what is stored, as `quantize_kv` does.
+KV_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?([kv])_scale$")
+
+
+class KVScaleError(ValueError):
+    """A checkpoint's KV-cache scales are incomplete, of the wrong shape, or not positive."""
 
 
 class KVScales(NamedTuple):
@@ -61,3 +70,36 @@ def read_kv(cache: torch.Tensor, loc: torch.Tensor, dtype: torch.dtype, scale: t
     """The cache's rows at `loc` in `dtype`: dequantized when the cache is FP8 (`scale` given)."""
     rows = cache[loc]
     return rows.to(dtype) if scale is None else dequantize_kv(rows, scale, dtype)
+
+
+def checkpoint_kv_scales(found: dict[str, torch.Tensor], num_layers: int, num_kv_heads: int,
+                         tp: TensorParallel) -> torch.Tensor | None:
+    """[layers, 2 (k, v), this rank's KV heads] float32 from a checkpoint's KV-cache scales (`found`: name ->
+    tensor, names as KV_SCALE_NAME); None when it has none. Each is one value (per tensor) or one per KV head
+    (the rank takes its heads' share). Raises KVScaleError unless every layer has both, each finite and > 0."""
+    if not found:
+        return None
+    start, size = tp.shard(num_kv_heads, "KV heads")
+    scales = torch.full((num_layers, 2, size), float("nan"), dtype=torch.float32)
+    for name, tensor in found.items():
+        match = KV_SCALE_NAME.search(name)
+        if match is None:
+            raise KVScaleError(f"{name!r} is not a KV-cache scale name")
+        layer, which = int(match.group(1)), "kv".index(match.group(2))
+        if layer >= num_layers:
+            raise KVScaleError(f"{name}: layer {layer}, but the model has {num_layers}")
+        values = tensor.detach().float().flatten()
+        if values.numel() == num_kv_heads:
+            values = values[start:start + size]
+        elif values.numel() != 1:
+            raise KVScaleError(f"{name}: {values.numel()} values; a KV-cache scale is one value or one per KV head "
+                               f"({num_kv_heads})")
+        if not bool(torch.isfinite(values).all() and (values > 0).all()):
+            raise KVScaleError(f"{name}: KV-cache scales must be finite and positive, got {values.tolist()}")
+        scales[layer, which] = values
+    missing = sorted({f"{layer}.{'kv'[which]}" for layer, which in (torch.isnan(scales[:, :, 0])).nonzero().tolist()})
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise KVScaleError(f"the checkpoint has KV-cache scales for some layers but not for layer.k/v {shown}: "
+                           "an FP8 KV cache needs every layer's or none")
+    return scales

@@ -34,6 +34,7 @@ from splitserve.engine.models import build_model
 from splitserve.engine.multimodal.mrope import batch_rope_positions, decode_rope_offsets
 from splitserve.engine.multimodal.prompt_embeds import image_rows, missing_embeddings, touches_images
 from splitserve.engine.quantization.fp8 import online_scheme
+from splitserve.engine.quantization.kv_fp8 import checkpoint_kv_scales
 from splitserve.engine.request import Request
 from splitserve.engine.runner.decode_graphs import DecodeGraphs
 from splitserve.engine.runner.forward_batch import ForwardBatch, decode_batch, kv_token_locations
@@ -303,10 +304,11 @@ class ModelRunner:
             model_cfg = self.model_cfg = dataclasses.replace(model_cfg, quantization=online_scheme())
         with torch.device(self.device):
             self.model = build_model(model_cfg, tp, self.dtype, max_positions=self.context_length)
+        checkpoint_scales: dict[str, torch.Tensor] = {}
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed)
         else:
-            load_weights(self.model, model_folder, tied_lm_head=model_cfg.tie_word_embeddings)
+            checkpoint_scales = load_weights(self.model, model_folder, tied_lm_head=model_cfg.tie_word_embeddings)
         self.model.eval()
         # One table per process, the last engine built sets it: an engine without --gemm-algos after one
         # with it must not keep the first one's algorithms.
@@ -329,6 +331,7 @@ class ModelRunner:
         self.kv_pool = KVPool(self.kv_shape, self.device)
         logger.info("KV cache: %d pages of %d tokens (%.2f GiB of %s)", num_pages - 1, cfg.page_size,
                     self.kv_shape.total_bytes / 2**30, self.kv_shape.dtype)
+        self._use_checkpoint_kv_scales(checkpoint_scales, model_cfg)
         max_slots = cfg.max_running_requests
         # Extend batches on CUDA run the paged kernels, planned in blocks of this many queries.
         wide = wide_tiles(attn.head_dim, self.dtype.itemsize)
@@ -361,6 +364,19 @@ class ModelRunner:
         self.step_broadcaster: StepBroadcaster | None = None
         self.greedy = GreedySampler()
         self.full = FullSampler(max_slots, model_cfg.vocab_size, self.device)
+
+    def _use_checkpoint_kv_scales(self, found: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
+        """An FP8 KV pool reads the checkpoint's calibrated KV-cache scales (1.0 where it has none)."""
+        if not found:
+            return
+        if self.kv_pool.scales is None:
+            logger.info("the checkpoint's %d KV-cache scales are unused: the KV cache holds %s (--kv-cache-dtype "
+                        "fp8_e4m3 reads them)", len(found), self.kv_shape.dtype)
+            return
+        scales = checkpoint_kv_scales(found, model_cfg.num_layers, model_cfg.num_kv_heads, self.tp)
+        self.kv_pool.set_scales(scales.to(self.device))
+        logger.info("FP8 KV cache scales from the checkpoint: keys %.4g-%.4g, values %.4g-%.4g",
+                    scales[:, 0].min(), scales[:, 0].max(), scales[:, 1].min(), scales[:, 1].max())
 
     @torch.inference_mode()
     def copy_kv_page(self, src: int, dst: int) -> None:

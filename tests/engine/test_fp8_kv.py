@@ -19,11 +19,18 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_pool import KVPool, KVPoolShape
 from splitserve.engine.layers.attention import decode_attention_reference, store_kv
-from splitserve.engine.quantization.kv_fp8 import dequantize_kv, kv_storage_dtype, quantize_kv
+from splitserve.engine.quantization.kv_fp8 import (
+    KVScaleError,
+    checkpoint_kv_scales,
+    dequantize_kv,
+    kv_storage_dtype,
+    quantize_kv,
+)
 from splitserve.engine.request import Request
 from splitserve.engine.runner.model_runner import ModelRunner, build_forward_batch
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledChunk
+from splitserve.engine.tp.parallel_state import TensorParallel
 
 FP8 = torch.float8_e4m3fn
 
@@ -218,3 +225,74 @@ def test_scales_reach_the_attention_of_every_layer(tiny: Path) -> None:
     noise = (a - b).abs().mean()
     assert noise < 0.01
     assert (a[10:] - c[10:]).abs().mean() > 10 * noise
+
+
+def test_checkpoint_kv_scales_per_tensor_and_per_head_in_either_layout_shard_over_ranks() -> None:
+    """ModelOpt's `k_proj.k_scale` and compressed-tensors' `self_attn.k_scale`; one value or one per KV head,
+    each rank taking its heads' share; incomplete, misshapen or non-positive scales are refused by name."""
+    found = {"model.layers.0.self_attn.k_proj.k_scale": torch.tensor(0.5),
+             "model.layers.0.self_attn.v_proj.v_scale": torch.tensor([2.0]),
+             "model.layers.1.self_attn.k_scale": torch.tensor([1.0, 2.0, 3.0, 4.0]),
+             "model.layers.1.self_attn.v_scale": torch.tensor(0.25, dtype=torch.bfloat16)}
+    one = checkpoint_kv_scales(found, 2, 4, TensorParallel())
+    assert one.tolist() == [[[0.5] * 4, [2.0] * 4], [[1.0, 2.0, 3.0, 4.0], [0.25] * 4]]
+    second_rank = checkpoint_kv_scales(found, 2, 4, TensorParallel(rank=1, size=2))
+    assert second_rank.tolist() == [[[0.5] * 2, [2.0] * 2], [[3.0, 4.0], [0.25] * 2]]
+    assert checkpoint_kv_scales({}, 2, 4, TensorParallel()) is None
+    with pytest.raises(KVScaleError, match=r"not for layer.k/v 1.v"):
+        checkpoint_kv_scales({k: v for k, v in found.items() if not k.endswith("1.self_attn.v_scale")}, 2, 4,
+                             TensorParallel())
+    with pytest.raises(KVScaleError, match=r"3 values; a KV-cache scale is one value or one per KV head \(4\)"):
+        checkpoint_kv_scales({**found, "model.layers.1.self_attn.k_scale": torch.ones(3)}, 2, 4, TensorParallel())
+    with pytest.raises(KVScaleError, match="finite and positive"):
+        checkpoint_kv_scales({**found, "model.layers.0.self_attn.k_proj.k_scale": torch.tensor(0.0)}, 2, 4,
+                             TensorParallel())
+    with pytest.raises(KVScaleError, match="layer 2, but the model has 2"):
+        checkpoint_kv_scales({**found, "model.layers.2.self_attn.k_scale": torch.tensor(1.0)}, 2, 4, TensorParallel())
+
+
+def rescaled_checkpoint(src: Path, dst: Path, factor: float, scales: bool) -> Path:
+    """`src` with keys and values `factor` times larger (k_proj, v_proj times it; q_proj, o_proj over it: the
+    same model in exact arithmetic, for a power of two), and with `scales` the KV-cache scales that store them
+    as `src`'s are stored with 1.0 (compressed-tensors' names)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    layers = 0
+    for name in list(tensors):
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            tensors[name] = tensors[name] * factor
+        elif name.endswith(("q_proj.weight", "o_proj.weight")):
+            tensors[name] = tensors[name] / factor
+        if name.endswith("k_proj.weight"):
+            layers += 1
+    if scales:
+        for i in range(layers):
+            for which in "kv":
+                tensors[f"model.layers.{i}.self_attn.{which}_scale"] = torch.tensor(factor)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_a_checkpoints_kv_scales_keep_keys_and_values_past_e4m3s_range(tiny: Path, tmp_path: Path) -> None:
+    """Keys and values 1024 times larger than e4m3's range holds well: with the checkpoint's scales the pages hold
+    what the original model's hold with 1.0 and the logits are the original's; without them they saturate."""
+    prompt, steps = list(range(3, 30)), [12, 9] + [1] * 6
+    original = logits_by_steps(*fp8_cpu_runner(tiny), prompt, steps)
+    scaled_runner, scaled_kv = fp8_cpu_runner(rescaled_checkpoint(tiny, tmp_path / "scaled", 1024.0, scales=True))
+    assert bool((scaled_runner.kv_pool.scales == 1024.0).all())
+    scaled = logits_by_steps(scaled_runner, scaled_kv, prompt, steps)
+    saturated = logits_by_steps(*fp8_cpu_runner(rescaled_checkpoint(tiny, tmp_path / "bare", 1024.0, scales=False)),
+                                prompt, steps)
+    torch.testing.assert_close(scaled, original, atol=1e-4, rtol=1e-4)
+    assert (saturated - original).abs().mean() > 100 * (scaled - original).abs().mean() + 1e-3
+    # A 16-bit KV cache leaves the scales unused (and says so): the same logits as the original in float32.
+    plain = logits_by_steps(*fp8_cpu_runner(tmp_path / "scaled", kv_cache_dtype="auto"), prompt, steps)
+    exact = logits_by_steps(*fp8_cpu_runner(tiny, kv_cache_dtype="auto"), prompt, steps)
+    torch.testing.assert_close(plain, exact, atol=1e-4, rtol=1e-4)
