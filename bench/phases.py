@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -129,6 +130,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
 
         from splitserve.engine.checkpoints.model_shapes import write_shape_folder
         model = str(write_shape_folder(cfg.shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{cfg.shape}-"))))
+        cfg = dataclasses.replace(cfg, engine_args=f"--load-format dummy {cfg.engine_args}".strip())  # random weights
     report: dict[str, Any] = {"config": asdict(cfg), "unified": {}, "1p1d": {}}
     shapes = (("unified", {"unified": 1}, [p for p, _, _ in UNIFIED], cfg.engine_args),
               ("1p1d", {"prefill": 1, "decode": 1}, [p for p, _, _ in DISAGGREGATED],
