@@ -87,6 +87,11 @@ def engine_config(args: argparse.Namespace, host_kv_tokens: int, kv_store: str =
     return EngineConfig(**{**fields, **extra})
 
 
+def agreement(got: list[list[int]], expected: list[list[int]]) -> float:
+    """The share of answers in `got` equal to `expected`'s, answer by answer."""
+    return sum(a == b for a, b in zip(got, expected, strict=True)) / max(1, len(expected))
+
+
 def run_trace(engine: Engine, args: argparse.Namespace) -> dict[str, Any]:
     """The multi-turn trace, closed loop per conversation; TTFT per turn, wall time, outputs."""
     rng = random.Random(args.seed)
@@ -217,6 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "working_set_over_device_kv": working_set_tokens(args) / args.max_total_tokens}
     for name, host in (("device_only", 0), ("host_tier", args.host_kv_tokens)):
         engine = Engine(engine_config(args, host))
+        report["dtype"] = str(engine.runner.dtype).removeprefix("torch.")
         engine.start()
         try:
             report[name] = run_trace(engine, args)
@@ -227,10 +233,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.kv_store:
         report.update(run_store_leg(args))
     off, on = report["device_only"], report["host_tier"]
-    expected = off["outputs"]
-    report["same_outputs"] = all(report[leg].pop("outputs") == expected
-                                 for leg in ("host_tier", "store_first", "store_second") if leg in report)
-    off.pop("outputs")
+    expected = off.pop("outputs")
+    # The share of answers equal to the device-only run's. In float32 every one must be (any cache split gives
+    # the same logits to rounding); in 16-bit dtypes a prompt computed whole and one computed after a cached
+    # prefix round differently (other attention kernels), so runs that cache different prefixes may part ways
+    # on near-ties (random weights have many). tests/engine/test_host_kv_gpu.py holds a host hit to a device hit.
+    report["output_agreement"] = {leg: agreement(report[leg].pop("outputs"), expected)
+                                  for leg in ("host_tier", "store_first", "store_second") if leg in report}
+    report["same_outputs"] = all(share == 1.0 for share in report["output_agreement"].values())
     if "store_second" in report:
         second = report["store_second"]
         report["store_hit_rate"] = second["store_hit_tokens"] / second["prompt_tokens"]
@@ -309,7 +319,9 @@ def print_report(report: dict[str, Any]) -> None:
     r = report["ratios"]
     print(f"ratios (tier / none): TTFT mean {r['ttft_mean']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, output throughput "
           f"{r['output_tokens_per_s']:.2f}x, total throughput {r['total_tokens_per_s']:.2f}x, prompt tokens computed "
-          f"{r['prompt_tokens_computed']:.2f}x; same greedy outputs: {report['same_outputs']}")
+          f"{r['prompt_tokens_computed']:.2f}x")
+    shares = ", ".join(f"{leg} {share:.3f}" for leg, share in report["output_agreement"].items())
+    print(f"greedy answers equal to device_only's ({report['dtype']}; float32 must give 1.000): {shares}")
     if "store_second" in report:
         first, second, r = report["store_first"], report["store_second"], report["store_ratios"]
         print(f"store: the first instance wrote {first['store_written_bytes'] / 2**20:.1f} MiB; the second read "
@@ -339,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=1)
-    return 0 if report["same_outputs"] else 1
+    return 0 if report["same_outputs"] or report["dtype"] != "float32" else 1
 
 
 if __name__ == "__main__":
