@@ -1,0 +1,89 @@
+"""The FP8 skinny kernel on e4m3 tensor cores (rows quantized in the kernel: W8A8) against the one that converts
+the weight to bfloat16 (W8A16) and against the bfloat16 skinny kernel, per Llama-3.1-8B shape, at decode rows.
+
+  python3 -P benchmarks/fp8_w8a8_skinny.py [--rows 1 8] [--json OUT]
+
+Times as benchmarks/fp8_gemv_sweep.py takes them (inside a CUDA graph, over enough weight copies to defeat the
+L2 cache); each figure is GB/s of weight read over this run's device-copy bandwidth, and fp8 / bf16 time (the bound
+is 0.5: half the bytes). Before timing, every W8A8 configuration is checked against the prompt path's W8A8 GEMM
+(quantize_rows + torch._scaled_mm) and for row invariance (a row's bits alone equal its bits among 8).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import sys
+
+import torch
+
+from splitserve.engine.quantization.fp8_cuda import scaled_mm_linear, skinny_fp8, skinny_w8a8
+from splitserve.engine.runner.graph_timing import graph_time_us
+
+logger = logging.getLogger("fp8_w8a8_skinny")
+
+SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+CONFIGS = [(32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 3), (16, 1024, 4, 4), (32, 256, 4, 4), (64, 256, 4, 4)]
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / graph_time_us(lambda _i: dst.copy_(src), 1) / 1e3
+
+
+def cell(name: str, n: int, k: int, m: int, hbm: float) -> dict:
+    from splitserve.engine.layers import skinny
+
+    torch.manual_seed(0)
+    w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    scale = (w16.float().abs().amax(dim=1) / 448.0).clamp(min=1e-12)
+    w8 = (w16.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)[:m].contiguous()
+    want = scaled_mm_linear(x, w8, scale, None, None, "dynamic-token").float()
+    copies16 = [w16.clone() for _ in range(max(2, -(-(512 << 20) // (n * k * 2))))]
+    bf16_us = graph_time_us(lambda i: skinny.skinny_linear(x, copies16[i]), len(copies16))
+    copies16.clear()
+    copies8 = [w8.clone() for _ in range(max(2, -(-(512 << 20) // (n * k))))]
+    w8a16_us = graph_time_us(lambda i: skinny_fp8(x, copies8[i], scale), len(copies8))
+    results = []
+    for cfg in CONFIGS:
+        try:
+            got = skinny_w8a8(x, w8, scale, None, launch=cfg)
+            torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+            alone = skinny_w8a8(x[:1].contiguous(), w8, scale, None, launch=cfg)
+            assert torch.equal(alone[0], got[0]), "row 0 alone differs from row 0 among the rows"
+            us = graph_time_us(lambda i, cfg=cfg: skinny_w8a8(x, copies8[i], scale, None, launch=cfg), len(copies8))
+        except Exception as exc:  # one that does not compile, fit or match: say so, go on
+            logger.info("  %s m=%d %s: %s", name, m, cfg, str(exc).splitlines()[0][:120])
+            continue
+        results.append((us, cfg))
+    best_us, best = min(results) if results else (float("nan"), None)
+    gbs = n * k / best_us / 1e3
+    logger.info("%-8s m=%-2d bf16 %7.2f us | w8a16 %7.2f us (%.3f of bf16) | w8a8 %s %7.2f us %5.0f GB/s (%.2f of "
+                "copy), %.3f of bf16", name, m, bf16_us, w8a16_us, w8a16_us / bf16_us, best, best_us, gbs, gbs / hbm,
+                best_us / bf16_us)
+    return {"shape": name, "rows": m, "bf16_us": bf16_us, "w8a16_us": w8a16_us, "w8a8_us": best_us,
+            "w8a8_launch": best, "all": [[us, list(c)] for us, c in sorted(results)]}
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = sys.argv[1:]
+    rows = [1, 8]
+    if "--rows" in args:
+        rows = [int(a) for a in itertools.takewhile(str.isdigit, args[args.index("--rows") + 1:])]
+    hbm = copy_bandwidth_gbs()
+    logger.info("device copy %.0f GB/s (%s)", hbm, torch.cuda.get_device_name())
+    report = [cell(name, n, k, m, hbm) for m in rows for name, n, k in SHAPES]
+    step = {m: sum(r["w8a8_us"] for r in report if r["rows"] == m) / sum(r["bf16_us"] for r in report
+                                                                        if r["rows"] == m) for m in rows}
+    logger.info("a layer's four products, w8a8 over bf16: %s", {m: round(v, 3) for m, v in step.items()})
+    if "--json" in args:
+        with open(args[args.index("--json") + 1], "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
