@@ -56,7 +56,8 @@ class EngineConfig:
     max_total_tokens: int | None = field(default=None, metadata={
         "help": "KV cache size in tokens (default: from --mem-fraction)"})
     mem_fraction: float = field(default=0.85, metadata={
-        "help": "fraction of device memory for weights + KV (GPU); of a 512 MiB KV budget on CPU"})
+        "help": "fraction of the device's memory this engine holds for weights + KV (GPU: engines that share one "
+                "each take their own; `up` splits the default between them); of a 512 MiB KV budget on CPU"})
     chunked_prefill_size: int = field(default=2048, metadata={"help": "prefill tokens per step; <=0 disables"})
     decode_first: bool = field(default=False, metadata={
         "help": "run the decodes every step, prompt chunks in the rest of its budget (by default, while the "

@@ -120,6 +120,20 @@ def engine_device(device: str, index: int) -> str:
     return f"cuda:{index % count}"
 
 
+# engine/config.py's --mem-fraction default: what one engine alone takes of a device, split between engines that
+# share one (each engine counts only its own memory against its fraction).
+DEVICE_FRACTION = 0.85
+KV_SIZE_FLAGS = ("--mem-fraction", "--max-total-tokens")
+KV_SIZE_ENV = ("SPLITSERVE_MEM_FRACTION", "SPLITSERVE_MAX_TOTAL_TOKENS")
+
+
+def shared_device_fractions(devices: list[str]) -> list[float | None]:
+    """Each engine's --mem-fraction, given every engine's device: the default split evenly between the engines
+    of one GPU; None for an engine alone on its device, and on the CPU (no fraction to split there)."""
+    count = {d: devices.count(d) for d in devices}
+    return [round(DEVICE_FRACTION / count[d], 3) if d.startswith("cuda") and count[d] > 1 else None for d in devices]
+
+
 @dataclass(eq=False)
 class Child:
     """One process of the deployment, restarted with the same flags (and so the same ports)."""
@@ -144,6 +158,7 @@ class Deployment:
         self.cfg = cfg
         self.children: list[Child] = []
         self._engines_started = 0
+        self._fractions: list[float | None] = []  # each engine's --mem-fraction where engines share a GPU
         self.key = cfg.transfer_control_key or secrets.token_hex(32)
         self.kv_store = ""  # the store master's address, once started (--kv-store)
 
@@ -180,7 +195,10 @@ class Deployment:
         # those to a loopback transfer host): one machine, and the transfer ports take no credentials.
         args = ["serve", "--role", role, "--model", self.cfg.model, "--host", LOOPBACK, "--port", str(port),
                 "--transfer-host", LOOPBACK, "--device", engine_device(self.cfg.device, self._engines_started)]
+        fraction = self._fractions[self._engines_started] if self._engines_started < len(self._fractions) else None
         self._engines_started += 1
+        if fraction is not None:
+            args += ["--mem-fraction", str(fraction)]
         if role == "prefill":
             args += ["--bootstrap-port", str(free_port())]
         if self.kv_store and role in ("unified", "prefill", "decode"):
@@ -206,6 +224,7 @@ class Deployment:
         cfg = self.cfg
         if cfg.kv_store:
             self._kv_store_master()
+        self._fractions = self._shared_fractions()
         drafters = [self._drafter(i) for i in range(cfg.drafter)]
         if cfg.unified:
             unified = [self._engine("unified", i, self._verifier_args(drafters, i)) for i in range(cfg.unified)]
@@ -225,6 +244,15 @@ class Deployment:
         self._spawn(router)
         wait_healthy([(router.url, router.proc)], cfg.startup_timeout_s, path="/ready")
         return router.url
+
+    def _shared_fractions(self) -> list[float | None]:
+        """--mem-fraction per engine, in start order, where engines share a GPU and the KV size is not given."""
+        cfg = self.cfg
+        given = any(a.split("=")[0] in KV_SIZE_FLAGS for a in cfg.engine_args.split())
+        if given or any(name in os.environ for name in KV_SIZE_ENV):
+            return []
+        engines = cfg.drafter + (cfg.unified or cfg.prefill + cfg.decode + cfg.encode)
+        return shared_device_fractions([engine_device(cfg.device, i) for i in range(engines)])
 
     def roles_summary(self) -> tuple[str, str]:
         """Every role started, as counts ("1 prefill + 1 decode + 2 drafter") and as each role's URLs."""

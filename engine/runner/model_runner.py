@@ -254,6 +254,20 @@ def build_decode_inputs(chunks: list[ScheduledChunk]) -> tuple[list[int], list[i
     return ids, positions, slots
 
 
+# Device memory a KV cache leaves free in any case: activations, CUDA graphs and the CUDA context of every process
+# on the device come out of it.
+KV_HEADROOM_FRACTION = 0.05
+
+
+def device_kv_budget(total: int, free: int, own: int, mem_fraction: float) -> int:
+    """Bytes of KV cache an engine may take on a device of `total` bytes with `free` free, holding `own` itself
+    (its weights): its fraction of the device less what it holds, and never past what is free less the headroom.
+    Counting its own memory, not the device's use, lets engines that share a device start at the same time,
+    each with its own fraction (`splitserve up` splits the default between them), where counting every
+    process's use made the last one to measure find the others' KV in its budget."""
+    return min(int(total * mem_fraction) - own, free - int(total * KV_HEADROOM_FRACTION))
+
+
 def kv_pages_for_budget(cfg: EngineConfig, shape_args: dict, device: torch.device, weight_bytes: int) -> int:
     """How many KV pages fit: --max-total-tokens if given, else --mem-fraction of memory."""
     if cfg.max_total_tokens is not None:
@@ -261,13 +275,14 @@ def kv_pages_for_budget(cfg: EngineConfig, shape_args: dict, device: torch.devic
     per_page = KVPoolShape.bytes_per_page_all_layers(page_size=cfg.page_size, **shape_args)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * cfg.mem_fraction) - (total - free)
+        budget = device_kv_budget(total, free, torch.cuda.memory_reserved(device), cfg.mem_fraction)
     else:
         budget = int(CPU_KV_BUDGET_BYTES * cfg.mem_fraction)
     pages = budget // per_page
     if pages < 2:
         raise MemoryError(f"no room for the KV cache: {budget / 2**30:.2f} GiB left after weights "
-                          f"({weight_bytes / 2**30:.2f} GiB); lower the model size or raise --mem-fraction")
+                          f"({weight_bytes / 2**30:.2f} GiB) and other processes on the device; lower the model size, "
+                          "raise --mem-fraction or free the device")
     return int(pages)
 
 

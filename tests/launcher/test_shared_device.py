@@ -1,0 +1,47 @@
+"""Engines that share a GPU: `up` splits the memory fraction between them, and each engine counts only its own
+memory against its fraction (so engines that start together on one device all find room for their KV)."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.runner.model_runner import device_kv_budget
+from splitserve.launcher.up import DEVICE_FRACTION, Deployment, UpConfig, shared_device_fractions
+
+GIB = 2**30
+
+
+def test_the_default_fraction_is_the_engines():
+    assert DEVICE_FRACTION == EngineConfig().mem_fraction
+
+
+def test_engines_of_one_gpu_split_the_default_and_an_engine_alone_keeps_its_own():
+    assert shared_device_fractions(["cuda:0", "cuda:0", "cuda:1"]) == [0.425, 0.425, None]
+    assert shared_device_fractions(["cuda:0", "cuda:1"]) == [None, None]
+    assert shared_device_fractions(["cpu", "cpu"]) == [None, None]
+
+
+@pytest.mark.parametrize("args,want", [
+    ({"prefill": 1, "decode": 1}, [0.425, 0.425]),
+    ({"prefill": 1, "decode": 1, "drafter": 1}, [0.283] * 3),
+    ({"unified": 2, "engine_args": "--mem-fraction 0.3"}, []),  # the user's size wins
+    ({"unified": 2, "engine_args": "--max-total-tokens=4096"}, []),
+])
+def test_up_gives_each_engine_of_one_device_its_share(args, want, monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("SPLITSERVE_MAX_TOTAL_TOKENS", raising=False)
+    assert Deployment(UpConfig(model="tiny", device="cuda:0", **args))._shared_fractions() == want
+
+
+def test_two_engines_starting_together_on_one_device_both_find_room():
+    """An H200 (140 GiB), two engines of 15 GiB of weights at 0.425 each, measuring one after the other once both
+    hold their weights: each gets its share. Counting every process's use instead, the second found -16 GiB."""
+    total, weights, context = 140 * GIB, 15 * GIB, GIB // 2
+    free = total - 2 * (weights + context)
+    first = device_kv_budget(total, free, weights, 0.425)
+    second = device_kv_budget(total, free - first, weights, 0.425)
+    assert first == second == int(total * 0.425) - weights
+    assert int(total * 0.425) - (total - (free - first)) < 0  # what the device's use left the second
+    # Another process holding most of the device: what is free, less the headroom, bounds it.
+    assert device_kv_budget(total, 20 * GIB, weights, 0.85) == 20 * GIB - int(total * 0.05)
