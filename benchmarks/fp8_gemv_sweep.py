@@ -5,8 +5,9 @@
 Each candidate is timed inside a CUDA graph over enough weight copies to defeat the L2 cache (as
 benchmarks/gemv_sweep.py does), so the figures are HBM-bound kernel times. Per shape and row count it prints the
 engine's bfloat16 skinny kernel, the FP8 kernel with the engine's launch choice and the best of a sweep of launch
-configurations (block shapes, warps, pipeline stages), each as GB/s of weight read over the device-copy bandwidth
-measured in the same run, and fp8 / bf16 time (the bound is 0.5: half the bytes).
+configurations (block shapes, warps, pipeline stages, and how many parts K is split into: a narrow product has
+few N blocks, so splitting K puts more programs, and more loads, in flight), each as GB/s of weight read over the
+device-copy bandwidth measured in the same run, and fp8 / bf16 time (the bound is 0.5: half the bytes).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ logger = logging.getLogger("fp8_gemv_sweep")
 
 # (name, out_features N, in_features K) of a Llama-3.1-8B layer
 SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-CONFIGS = list(itertools.product((16, 32, 64), (256, 512, 1024), (4, 8), (3, 4, 5)))
+# (BLOCK_N, BLOCK_K, warps, stages, K parts): launches that compiled and ranked well unsplit, each split too.
+BLOCKS = [(32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 3), (64, 256, 4, 4), (32, 256, 4, 3)]
+CONFIGS = [(*block, splits) for block in BLOCKS for splits in (1, 2, 3, 4, 6, 8)]
 
 
 def copy_bandwidth_gbs() -> float:
@@ -50,7 +53,7 @@ def shape_report(name: str, n: int, k: int, m: int, hbm: float) -> dict:
     weights16 = [w16.clone() for _ in range(max(2, -(-(512 << 20) // (n * k * 2))))]
     bf16_us = graph_time_us(lambda i: skinny.skinny_linear(x, weights16[i]), len(weights16))
     weights16.clear()  # their memory back before the FP8 copies are timed
-    default = (*skinny_blocks(n, x.dtype)[:2], 4, skinny_blocks(n, x.dtype)[2])
+    default = (*skinny_blocks(n, x.dtype)[:2], 4, skinny_blocks(n, x.dtype)[2], 1)
     results = []
     for cfg in [default, *[c for c in CONFIGS if c != default]]:
         try:

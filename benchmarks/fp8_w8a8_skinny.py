@@ -1,5 +1,7 @@
-"""The FP8 skinny kernel on e4m3 tensor cores (rows quantized in the kernel: W8A8) against the one that converts
-the weight to bfloat16 (W8A16) and against the bfloat16 skinny kernel, per Llama-3.1-8B shape, at decode rows.
+"""A W8A8 variant of the FP8 skinny kernel (rows quantized to e4m3 in the kernel, e4m3 x e4m3 on the tensor cores)
+against the engine's, which converts the weight to bfloat16 (W8A16), and against the bfloat16 skinny kernel, per
+Llama-3.1-8B shape, at decode rows. Measured slower than W8A16 on an H200 (docs/fp8.md), so the engine does not
+use it; the variant lives here, where the comparison can be run again.
 
   python3 -P benchmarks/fp8_w8a8_skinny.py [--rows 1 8] [--json OUT]
 
@@ -17,13 +19,70 @@ import logging
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
-from splitserve.engine.quantization.fp8_cuda import scaled_mm_linear, skinny_fp8, skinny_w8a8
+from splitserve.engine.layers.pdl import launch_kwargs
+from splitserve.engine.layers.pdl_triton import wait_for_previous
+from splitserve.engine.quantization.fp8_cuda import FP8_MAX, MIN_SCALE, TILE_ROWS, scaled_mm_linear, skinny_fp8
 from splitserve.engine.runner.graph_timing import graph_time_us
 
 logger = logging.getLogger("fp8_w8a8_skinny")
 
 SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+
+
+@triton.jit
+def _skinny_w8a8(X, W, WScale, XScale, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, STATIC: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
+                 MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    m = tl.program_id(0) * 16 + tl.arange(0, 16)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = m < M
+    if STATIC:
+        xs = tl.zeros([16], dtype=tl.float32) + tl.load(XScale).to(tl.float32)
+    else:  # per token, as quantize_rows: the row's amax over 448 (the rows are small: L2 serves the re-reads)
+        amax = tl.zeros([16], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + m[:, None] * stride_xm + kk[None, :], mask=rows[:, None] & (kk < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+        xs = tl.maximum(amax / FP8_MAX, MIN_SCALE)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        in_k = kk < K
+        w = tl.load(W + n[:, None] * stride_wn + kk[None, :], mask=(n[:, None] < N) & in_k[None, :], other=0.0)
+        x = tl.load(X + m[:, None] * stride_xm + kk[None, :], mask=rows[:, None] & in_k[None, :], other=0.0)
+        xq = tl.minimum(tl.maximum(x.to(tl.float32) / xs[:, None], -FP8_MAX), FP8_MAX).to(W.dtype.element_ty)
+        # Each block's product is added in float32 here: e4m3 tensor-core accumulation keeps fewer bits.
+        acc += tl.dot(xq, tl.trans(w))
+    scale = tl.load(WScale + n, mask=n < N, other=0.0)
+    acc = acc * xs[:, None] * scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=rows[:, None] & (n < N)[None, :])
+
+
+def skinny_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+                bias: torch.Tensor | None = None, launch: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """skinny_fp8 on e4m3 tensor cores: each row quantized to e4m3 in the kernel (per token, or with the static
+    `input_scale`), as quantize_rows quantizes the rows of scaled_mm_linear, so no weight is converted. Row-local:
+    a row's bits do not depend on the other rows."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = launch or (32, 512, 4, 4)
+    _skinny_w8a8[(triton.cdiv(m, TILE_ROWS), triton.cdiv(n, block_n))](
+        x, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
+        bias if bias is not None else weight_scale, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        STATIC=input_scale is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=warps, num_stages=stages, **launch_kwargs())
+    return y
+
+
 CONFIGS = [(32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 3), (16, 1024, 4, 4), (32, 256, 4, 4), (64, 256, 4, 4)]
 
 

@@ -3,8 +3,9 @@
 - `skinny_fp8`: decode- and verify-sized rows. A stream over the weight: each program takes a 16-row tile of
   the 16-bit input and a BLOCK_N x BLOCK_K slice of the e4m3 weight per step over K, converts the slice to the
   input's dtype in registers (every e4m3 value is exact in bfloat16), one tensor-core product, float32
-  accumulation in the same order whatever the row count (no split of K: a row's bits do not depend on the other
-  rows), then the per-channel scale and the bias. The weight is read once at 1 byte a parameter, half the bytes
+  accumulation in the same order whatever the row count, then the per-channel scale and the bias. K may be
+  split in parts (a launch choice, from the weight's shape alone), summed by a second kernel in part order, so
+  a row's bits never depend on the other rows. The weight is read once at 1 byte a parameter, half the bytes
   of the bfloat16 skinny kernel (engine/layers/skinny_gemm_triton.py, whose tiling it follows).
 - `quantize_rows`: activations to e4m3 per token (or with a static per-tensor scale) in one Triton kernel, the
   scales written as the [M, 1] float32 column `torch._scaled_mm` takes.
@@ -31,75 +32,45 @@ MIN_SCALE = 1e-12
 
 
 @triton.jit
-def _skinny_fp8(X, W, WScale, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _skinny_fp8(X, W, WScale, Bias, Y, Partial, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
+                HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     m = tl.program_id(0) * 16 + tl.arange(0, 16)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(2) * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        in_k = kk < K
+        in_k = kk < k_end
         w = tl.load(W + n[:, None] * stride_wn + kk[None, :], mask=(n[:, None] < N) & in_k[None, :], other=0.0)
         x = tl.load(X + m[:, None] * stride_xm + kk[None, :], mask=(m < M)[:, None] & in_k[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), acc, input_precision=DOT_PRECISION)
-    scale = tl.load(WScale + n, mask=n < N, other=0.0)
-    acc = acc * scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     mask = (m < M)[:, None] & (n < N)[None, :]
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+    if SPLITS > 1:  # this split's sum; _sum_splits adds them in split order
+        tl.store(Partial + (tl.program_id(2) * M + m[:, None]) * N + n[None, :], acc, mask=mask)
+    else:
+        scale = tl.load(WScale + n, mask=n < N, other=0.0)
+        acc = acc * scale[None, :]
+        if HAS_BIAS:
+            acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _skinny_w8a8(X, W, WScale, XScale, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, STATIC: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
-                 MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
+def _sum_splits(Partial, WScale, Bias, Y, M, N, stride_ym, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+                BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
-    m = tl.program_id(0) * 16 + tl.arange(0, 16)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = m < M
-    if STATIC:
-        xs = tl.zeros([16], dtype=tl.float32) + tl.load(XScale).to(tl.float32)
-    else:  # per token, as quantize_rows: the row's amax over 448 (the rows are small: L2 serves the re-reads)
-        amax = tl.zeros([16], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + m[:, None] * stride_xm + kk[None, :], mask=rows[:, None] & (kk < K)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-        xs = tl.maximum(amax / FP8_MAX, MIN_SCALE)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        in_k = kk < K
-        w = tl.load(W + n[:, None] * stride_wn + kk[None, :], mask=(n[:, None] < N) & in_k[None, :], other=0.0)
-        x = tl.load(X + m[:, None] * stride_xm + kk[None, :], mask=rows[:, None] & in_k[None, :], other=0.0)
-        xq = tl.minimum(tl.maximum(x.to(tl.float32) / xs[:, None], -FP8_MAX), FP8_MAX).to(W.dtype.element_ty)
-        # Each block's product is added in float32 here: e4m3 tensor-core accumulation keeps fewer bits.
-        acc += tl.dot(xq, tl.trans(w))
-    scale = tl.load(WScale + n, mask=n < N, other=0.0)
-    acc = acc * xs[:, None] * scale[None, :]
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in range(SPLITS):  # always in this order: a row's bits do not depend on which program ran first
+        acc += tl.load(Partial + (split * M + row) * N + n, mask=n < N, other=0.0)
+    acc = acc * tl.load(WScale + n, mask=n < N, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=rows[:, None] & (n < N)[None, :])
-
-
-def skinny_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-                bias: torch.Tensor | None = None, launch: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """skinny_fp8 on e4m3 tensor cores: each row quantized to e4m3 in the kernel (per token, or with the static
-    `input_scale`), as quantize_rows quantizes the rows of scaled_mm_linear, so no weight is converted. Row-local:
-    a row's bits do not depend on the other rows."""
-    m, k = x.shape
-    n = weight.shape[0]
-    assert weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = launch or (32, 512, 4, 4)
-    _skinny_w8a8[(triton.cdiv(m, TILE_ROWS), triton.cdiv(n, block_n))](
-        x, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
-        bias if bias is not None else weight_scale, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        STATIC=input_scale is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=warps, num_stages=stages, **launch_kwargs())
-    return y
+        acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_ym + n, acc.to(Y.dtype.element_ty), mask=n < N)
 
 
 def skinny_blocks(n: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -113,9 +84,12 @@ def skinny_blocks(n: int, dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, launch: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, launch: tuple[int, ...] | None = None) -> torch.Tensor:
     """x @ (weight * weight_scale[:, None]).T (+ bias); x: [M, K] 16-bit or float32, weight: [N, K] e4m3,
-    weight_scale: [N] float32. `launch` (BLOCK_N, BLOCK_K, warps, stages) overrides the choice (sweeps)."""
+    weight_scale: [N] float32. `launch` (BLOCK_N, BLOCK_K, warps, stages[, splits]) overrides the choice (sweeps).
+    With K split in parts (more programs, more loads in flight for a narrow product), each part's float32 sum
+    goes to a scratch tensor and a second kernel adds them in part order: a row's bits still do not depend on
+    the other rows, as long as the split depends on the weight's shape alone."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
@@ -123,13 +97,22 @@ def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if launch is None:
         block_n, block_k, stages = skinny_blocks(n, x.dtype)
         launch = (block_n, block_k, 4, stages)
-    block_n, block_k, warps, stages = launch
-    _skinny_fp8[(triton.cdiv(m, TILE_ROWS), triton.cdiv(n, block_n))](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, y, m, n, k,
-        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+    block_n, block_k, warps, stages = launch[:4]
+    splits = launch[4] if len(launch) > 4 else 1
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)  # no empty part
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    bias_arg = bias if bias is not None else weight_scale
+    _skinny_fp8[(triton.cdiv(m, TILE_ROWS), triton.cdiv(n, block_n), splits)](
+        x, weight, weight_scale, bias_arg, y, partial, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        y.stride(0), HAS_BIAS=bias is not None, SPLITS=splits, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
         **launch_kwargs(),
     )
+    if splits > 1:
+        _sum_splits[(m, triton.cdiv(n, 1024))](partial, weight_scale, bias_arg, y, m, n, y.stride(0),
+                                               HAS_BIAS=bias is not None, SPLITS=splits, BLOCK=1024, num_warps=4,
+                                               **launch_kwargs())
     return y
 
 
