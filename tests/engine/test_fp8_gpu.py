@@ -91,6 +91,33 @@ def test_fp8_linear_replays_in_a_cuda_graph(rows: int) -> None:
     assert torch.equal(out, want) and not torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("shape", [(4096, 14336), (6144, 4096)], ids=["down", "qkv"])
+def test_skinny_kernel_with_k_split_adds_the_parts_in_order(shape: tuple[int, int], splits: int) -> None:
+    """K split in parts (more programs for a narrow product): the unsplit sum to float32 reassociation, bias
+    and scale applied once, a row's bits independent of the row count, and the same bits replayed in a graph
+    (the parts' scratch tensor comes from the graph's pool)."""
+    from splitserve.engine.quantization.fp8_cuda import skinny_blocks, skinny_fp8
+
+    n, k = shape
+    x, q, scale = operands(n, k, 9, seed=5)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    block_n, block_k, stages = skinny_blocks(n, x.dtype)
+    launch = (block_n, block_k, 4, stages, splits)
+    whole = skinny_fp8(x, q, scale, bias, launch=(*launch[:4], 1))
+    split = skinny_fp8(x, q, scale, bias, launch=launch)
+    assert relative_error(split, whole) < 2e-3
+    assert relative_error(split, fp8_linear_reference(x, q, scale, None, bias, None)) < 4e-3
+    assert torch.equal(skinny_fp8(x[:1], q, scale, bias, launch=launch)[0], split[0])
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_fp8(static_x, q, scale, bias, launch=launch)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, split)
+
+
 @torch.inference_mode()
 def test_quantization_fp8_model_on_cuda_stays_close_to_bfloat16(tmp_path: Path) -> None:
     """The tiny model in bfloat16 on CUDA, --quantization fp8 (decode graphs captured, warmed up) against the
