@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from splitserve.engine.engine import Engine
-from splitserve.engine.role import Role
+from splitserve.engine.role import ComposedRole, Role
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,21 @@ def held_counts(engine: Engine) -> dict[str, int]:
     counts = {"requests": len(engine.requests), "inbox": engine.inbox_requests, "slots": kv.slots_in_use,
               "pages": kv.used_by_requests, "locked_pages": kv.locked, **engine.role.held()}
     return {name: n for name, n in counts.items() if n}
+
+
+def release_partly_attached(role: Role, kept: dict[str, Any]) -> None:
+    """Stops what a role whose attach failed part-way had started (a prefill's bootstrap server, its own new
+    endpoint), leaving what it took over from `kept` for the next attempt. A behaviour that never attached
+    holds nothing: its hand-over may fail, and is skipped."""
+    for behaviour in reversed(role.behaviours if isinstance(role, ComposedRole) else [role]):
+        try:
+            handed = behaviour.hand_over()
+        except Exception as exc:
+            logger.debug("%s held nothing to release (%s)", type(behaviour).__name__, exc)
+            continue
+        for thing in handed.values():
+            if all(thing is not k for k in kept.values()):
+                thing.close()
 
 
 class RoleSwitch:
@@ -203,7 +218,11 @@ class RoleSwitch:
         """Builds `role`, hands it what the old role kept and makes it the engine's; what it took."""
         new = self.build(role)
         taken = new.take_over(kept)
-        self.engine.use_role(new)
+        try:
+            self.engine.use_role(new)
+        except Exception:
+            release_partly_attached(new, kept)
+            raise
         return taken
 
     @staticmethod

@@ -14,6 +14,7 @@ from torch import nn
 
 from splitserve.engine.checkpoints.gguf import find_gguf_file, open_gguf
 from splitserve.engine.layers.linear import WeightShapeError
+from splitserve.engine.quantization.kv_fp8 import KV_SCALE_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ def load_weights(model: nn.Module, path: str | Path, tied_lm_head: bool) -> dict
         if name.endswith(IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
             continue
         if name.endswith(KV_SCALE_SUFFIXES) and name not in targets:
-            kv_scales[name] = tensor
+            if KV_SCALE_NAME.search(name):  # the KV pool's; other attention (a vision tower's) keeps no KV cache
+                kv_scales[name] = tensor
             continue
         if name not in targets:
             if name.endswith((".weight_scale", ".input_scale")):

@@ -4,9 +4,10 @@
   the 16-bit input and a BLOCK_N x BLOCK_K slice of the e4m3 weight per step over K, converts the slice to the
   input's dtype in registers (every e4m3 value is exact in bfloat16), one tensor-core product, float32
   accumulation in the same order whatever the row count, then the per-channel scale and the bias. K may be
-  split in parts (a launch choice, from the weight's shape alone), summed by a second kernel in part order, so
-  a row's bits never depend on the other rows. The weight is read once at 1 byte a parameter, half the bytes
-  of the bfloat16 skinny kernel (engine/layers/skinny_gemm_triton.py, whose tiling it follows).
+  split in parts (a launch option; a choice of it must depend on the weight's shape alone), summed by a second
+  kernel in part order, so a row's bits never depend on the other rows. The weight is read once at 1 byte a
+  parameter, half the bytes of the bfloat16 skinny kernel (engine/layers/skinny_gemm_triton.py, whose tiling it
+  follows).
 - `quantize_rows`: activations to e4m3 per token (or with a static per-tensor scale) in one Triton kernel, the
   scales written as the [M, 1] float32 column `torch._scaled_mm` takes.
 - `scaled_mm_linear`: prompt steps and large batches: e4m3 x e4m3 on the tensor cores (`torch._scaled_mm`,
@@ -49,7 +50,7 @@ def _skinny_fp8(X, W, WScale, Bias, Y, Partial, M, N, K, K_PER_SPLIT, stride_xm,
         acc = tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), acc, input_precision=DOT_PRECISION)
     mask = (m < M)[:, None] & (n < N)[None, :]
     if SPLITS > 1:  # this split's sum; _sum_splits adds them in split order
-        tl.store(Partial + (tl.program_id(2) * M + m[:, None]) * N + n[None, :], acc, mask=mask)
+        tl.store(Partial + (tl.program_id(2) * M + m[:, None]).to(tl.int64) * N + n[None, :], acc, mask=mask)
     else:
         scale = tl.load(WScale + n, mask=n < N, other=0.0)
         acc = acc * scale[None, :]
@@ -66,7 +67,7 @@ def _sum_splits(Partial, WScale, Bias, Y, M, N, stride_ym, HAS_BIAS: tl.constexp
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for split in range(SPLITS):  # always in this order: a row's bits do not depend on which program ran first
-        acc += tl.load(Partial + (split * M + row) * N + n, mask=n < N, other=0.0)
+        acc += tl.load(Partial + (split * M + row).to(tl.int64) * N + n, mask=n < N, other=0.0)
     acc = acc * tl.load(WScale + n, mask=n < N, other=0.0)
     if HAS_BIAS:
         acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)
@@ -89,7 +90,7 @@ def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     weight_scale: [N] float32. `launch` (BLOCK_N, BLOCK_K, warps, stages[, splits]) overrides the choice (sweeps).
     With K split in parts (more programs, more loads in flight for a narrow product), each part's float32 sum
     goes to a scratch tensor and a second kernel adds them in part order: a row's bits still do not depend on
-    the other rows, as long as the split depends on the weight's shape alone."""
+    the other rows, as long as the part count does not depend on them either."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1

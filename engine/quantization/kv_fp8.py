@@ -32,7 +32,9 @@ from splitserve.engine.tp.parallel_state import TensorParallel
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 # A layer's KV-cache scale in an FP8 checkpoint: ModelOpt's `...self_attn.k_proj.k_scale`, compressed-tensors'
 # and vLLM's `...self_attn.k_scale` (the same for v). Each divides what is stored, as `quantize_kv` does.
-KV_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?([kv])_scale$")
+# The language model's layers only (`model.layers.N`, `language_model.layers.N`): a vision tower's attention
+# (`vision_tower.vision_model.encoder.layers.N`) keeps no KV cache.
+KV_SCALE_NAME = re.compile(r"(?:^|\.)(?:model|language_model)\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?([kv])_scale$")
 
 
 class KVScaleError(ValueError):
@@ -88,6 +90,8 @@ def checkpoint_kv_scales(found: dict[str, torch.Tensor], num_layers: int, num_kv
         layer, which = int(match.group(1)), "kv".index(match.group(2))
         if layer >= num_layers:
             raise KVScaleError(f"{name}: layer {layer}, but the model has {num_layers}")
+        if not bool(torch.isnan(scales[layer, which]).all()):
+            raise KVScaleError(f"{name}: a second {'kv'[which]} scale for layer {layer}")
         values = tensor.detach().float().flatten()
         if values.numel() == num_kv_heads:
             values = values[start:start + size]

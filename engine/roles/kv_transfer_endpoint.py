@@ -41,7 +41,8 @@ class KVTransferEndpoint:
 
     Rooms are made here (`new_sender`, `new_receiver`) so that, on a tensor-parallel engine,
     the other ranks make theirs too; `agree` is the replica's poll state of a list of rooms.
-    Nothing in it is a prefill's or a decode's own: a role switch hands it to the next role.
+    A role switch hands it to the next role: it holds nothing of a prefill's or a decode's own but
+    `role_name`, which only tensor-parallel ranks read (their engines do not switch).
     """
 
     def __init__(self, engine: Engine, config: TransferConfig) -> None:

@@ -92,9 +92,12 @@ def resize_kv_pool(runner: ModelRunner, num_pages: int) -> None:
     if runner.kv_shape.num_pages == num_pages:
         return
     logger.info("KV pool: %d pages here, %d on rank 0; using rank 0's count", runner.kv_shape.num_pages, num_pages)
+    scales = runner.kv_pool.scales  # an FP8 pool's (the checkpoint's, or 1.0): the new pool reads pages alike
     del runner.kv_pool
     runner.kv_shape = dataclasses.replace(runner.kv_shape, num_pages=num_pages)
     runner.kv_pool = KVPool(runner.kv_shape, runner.device)
+    if scales is not None:
+        runner.kv_pool.set_scales(scales)
 
 
 def run_steps(runner: ModelRunner, tp: TensorParallel, control: dist.ProcessGroup,

@@ -20,6 +20,7 @@ from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.kv_pool import KVPool, KVPoolShape
 from splitserve.engine.layers.attention import decode_attention_reference, store_kv
 from splitserve.engine.quantization.kv_fp8 import (
+    KV_SCALE_NAME,
     KVScaleError,
     checkpoint_kv_scales,
     dequantize_kv,
@@ -247,6 +248,12 @@ def test_checkpoint_kv_scales_per_tensor_and_per_head_in_either_layout_shard_ove
     with pytest.raises(KVScaleError, match="finite and positive"):
         checkpoint_kv_scales({**found, "model.layers.0.self_attn.k_proj.k_scale": torch.tensor(0.0)}, 2, 4,
                              TensorParallel())
+    with pytest.raises(KVScaleError, match="a second k scale for layer 0"):
+        checkpoint_kv_scales({**found, "model.layers.0.self_attn.k_scale": torch.tensor(1.0)}, 2, 4, TensorParallel())
+    # A multimodal checkpoint's language model names them under language_model; a vision tower's are not KV scales.
+    assert KV_SCALE_NAME.search("language_model.model.layers.3.self_attn.v_proj.v_scale")
+    assert KV_SCALE_NAME.search("model.language_model.layers.3.self_attn.k_scale")
+    assert not KV_SCALE_NAME.search("vision_tower.vision_model.encoder.layers.3.self_attn.k_proj.k_scale")
     with pytest.raises(KVScaleError, match="layer 2, but the model has 2"):
         checkpoint_kv_scales({**found, "model.layers.2.self_attn.k_scale": torch.tensor(1.0)}, 2, 4, TensorParallel())
 
@@ -296,3 +303,13 @@ def test_a_checkpoints_kv_scales_keep_keys_and_values_past_e4m3s_range(tiny: Pat
     plain = logits_by_steps(*fp8_cpu_runner(tmp_path / "scaled", kv_cache_dtype="auto"), prompt, steps)
     exact = logits_by_steps(*fp8_cpu_runner(tiny, kv_cache_dtype="auto"), prompt, steps)
     torch.testing.assert_close(plain, exact, atol=1e-4, rtol=1e-4)
+
+
+def test_a_tensor_parallel_rank_resized_to_rank_0s_pool_keeps_the_checkpoints_scales(tiny: Path, tmp_path: Path):
+    from splitserve.engine.tp.worker import resize_kv_pool
+
+    runner, _ = fp8_cpu_runner(rescaled_checkpoint(tiny, tmp_path / "scaled", 1024.0, scales=True))
+    pages = runner.kv_shape.num_pages - 3
+    resize_kv_pool(runner, pages)
+    assert runner.kv_pool.buffer.shape[2] == pages
+    assert bool((runner.kv_pool.scales == 1024.0).all())
