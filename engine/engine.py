@@ -117,7 +117,8 @@ class Engine:
                                    events=self.page_events)
                         if cfg.host_kv_tokens > 0 and not cfg.disable_prefix_cache else None)
         # --kv-store: a Mooncake Store shared by the deployment's engines, under the host tier.
-        self.kv_store = open_store(cfg, self.runner.kv_pool.buffer, self.model_folder, self.page_events)
+        self.kv_store = open_store(cfg, self.runner.kv_pool.buffer, self.model_folder, self.page_events,
+                                   self.runner.kv_scales_digest)
         self.kv = KVCache(self.runner.kv_shape.num_pages, cfg.page_size, cfg.max_running_requests,
                           self.context_length, self.runner.device, prefix_caching=not cfg.disable_prefix_cache,
                           copy_page=self.runner.copy_kv_page, page_events=self.page_events, host=self.host_kv,

@@ -65,9 +65,10 @@ MISS_TTL_S = 0.5  # a lookup whose first page missed is not asked again for this
 
 
 def store_namespace(model: str, model_folder: str | Path, seed: int | None, page_size: int,
-                    dtype: torch.dtype, page_shape: Sequence[int]) -> str:
+                    dtype: torch.dtype, page_shape: Sequence[int], kv_scales: str = "") -> str:
     """The key prefix of one model's pages: its name, a digest of its config (plus the seed of random
-    weights), the page size, the KV dtype and the page's layout. Two models never share a key."""
+    weights and an FP8 cache's calibrated scales), the page size, the KV dtype and the page's layout. Two
+    models never share a key."""
     folder = Path(model_folder)
     digest = hashlib.sha256()
     config = folder / "config.json" if folder.is_dir() else None
@@ -79,6 +80,8 @@ def store_namespace(model: str, model_folder: str | Path, seed: int | None, page
         digest.update(str(folder).encode())
     if seed is not None:
         digest.update(f"seed={seed}".encode())
+    if kv_scales:
+        digest.update(kv_scales.encode())
     dt = str(dtype).removeprefix("torch.")
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)[-48:]
     shape = "x".join(str(d) for d in page_shape)
@@ -467,14 +470,14 @@ class StoreKV:
 
 
 def open_store(cfg: Any, device_buffer: torch.Tensor, model_folder: str | Path,
-               events: PageEvents | None = None) -> StoreKV | None:
+               events: PageEvents | None = None, kv_scales: str = "") -> StoreKV | None:
     """The engine's store tier from its config (--kv-store ADDRESS), or None."""
     if not cfg.kv_store or cfg.disable_prefix_cache:
         return None
     random_weights = cfg.model in RANDOM_MODELS or cfg.load_format == "dummy"
     layers, two, _, page_size, heads, dim = device_buffer.shape
     namespace = store_namespace(cfg.model_name, model_folder, cfg.seed if random_weights else None, page_size,
-                                device_buffer.dtype, (layers, two, page_size, heads, dim))
+                                device_buffer.dtype, (layers, two, page_size, heads, dim), kv_scales)
     return StoreKV(device_buffer, cfg.kv_store, namespace, metadata=cfg.kv_store_metadata,
                    protocol=cfg.kv_store_protocol, segment_bytes=cfg.kv_store_segment_mb << 20,
                    buffer_bytes=cfg.kv_store_buffer_mb << 20, timeout_s=cfg.kv_store_timeout_ms / 1000,

@@ -21,6 +21,7 @@ read.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import NamedTuple
 
@@ -72,6 +73,15 @@ def read_kv(cache: torch.Tensor, loc: torch.Tensor, dtype: torch.dtype, scale: t
     """The cache's rows at `loc` in `dtype`: dequantized when the cache is FP8 (`scale` given)."""
     rows = cache[loc]
     return rows.to(dtype) if scale is None else dequantize_kv(rows, scale, dtype)
+
+
+def scales_digest(scales: torch.Tensor | None) -> str:
+    """What names an FP8 KV cache's scales where pages are shared (the KV layout peers check, the store's keys):
+    empty for none and for 1.0 throughout (what every engine without checkpoint scales reads with), else a digest
+    of the model's whole scales (every KV head: ranks of any tensor-parallel size name them alike)."""
+    if scales is None or bool((scales == 1.0).all()):
+        return ""
+    return "kv-scales:" + hashlib.sha256(scales.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 def checkpoint_kv_scales(found: dict[str, torch.Tensor], num_layers: int, num_kv_heads: int,

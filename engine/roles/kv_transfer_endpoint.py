@@ -54,7 +54,7 @@ class KVTransferEndpoint:
             logger.warning("KV pool on %s with the tcp transport: Mooncake TCP stages GPU memory through "
                            "the host; use rdma in production", pool.device)
         layout = layout_for_pool(pool, self.aux, tp_size=engine.runner.tp.size, tp_rank=engine.runner.tp.rank,
-                                 num_kv_heads=engine.model_cfg.num_kv_heads)
+                                 num_kv_heads=engine.model_cfg.num_kv_heads, kv_scales=engine.runner.kv_scales_digest)
         self.manager = new_kv_manager(config, layout, metrics_registry=engine.metrics.registry)
         self.manager.add_state_listener(lambda _room, _state: engine.wake())  # an idle loop wakes at once
         self.config = config

@@ -34,7 +34,7 @@ from splitserve.engine.models import build_model
 from splitserve.engine.multimodal.mrope import batch_rope_positions, decode_rope_offsets
 from splitserve.engine.multimodal.prompt_embeds import image_rows, missing_embeddings, touches_images
 from splitserve.engine.quantization.fp8 import online_scheme
-from splitserve.engine.quantization.kv_fp8 import checkpoint_kv_scales
+from splitserve.engine.quantization.kv_fp8 import checkpoint_kv_scales, scales_digest
 from splitserve.engine.request import Request
 from splitserve.engine.runner.decode_graphs import DecodeGraphs
 from splitserve.engine.runner.forward_batch import ForwardBatch, decode_batch, kv_token_locations
@@ -346,7 +346,7 @@ class ModelRunner:
         self.kv_pool = KVPool(self.kv_shape, self.device)
         logger.info("KV cache: %d pages of %d tokens (%.2f GiB of %s)", num_pages - 1, cfg.page_size,
                     self.kv_shape.total_bytes / 2**30, self.kv_shape.dtype)
-        self._use_checkpoint_kv_scales(checkpoint_scales, model_cfg)
+        self.kv_scales_digest = self._use_checkpoint_kv_scales(checkpoint_scales, model_cfg)
         max_slots = cfg.max_running_requests
         # Extend batches on CUDA run the paged kernels, planned in blocks of this many queries.
         wide = wide_tiles(attn.head_dim, self.dtype.itemsize)
@@ -380,18 +380,20 @@ class ModelRunner:
         self.greedy = GreedySampler()
         self.full = FullSampler(max_slots, model_cfg.vocab_size, self.device)
 
-    def _use_checkpoint_kv_scales(self, found: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
-        """An FP8 KV pool reads the checkpoint's calibrated KV-cache scales (1.0 where it has none)."""
+    def _use_checkpoint_kv_scales(self, found: dict[str, torch.Tensor], model_cfg: ModelConfig) -> str:
+        """An FP8 KV pool reads the checkpoint's calibrated KV-cache scales (1.0 where it has none); returns
+        their digest (kv_fp8.scales_digest: "" without them), which peers and the store check."""
         if not found:
-            return
+            return ""
         if self.kv_pool.scales is None:
             logger.info("the checkpoint's %d KV-cache scales are unused: the KV cache holds %s (--kv-cache-dtype "
                         "fp8_e4m3 reads them)", len(found), self.kv_shape.dtype)
-            return
+            return ""
         scales = checkpoint_kv_scales(found, model_cfg.num_layers, model_cfg.num_kv_heads, self.tp)
         self.kv_pool.set_scales(scales.to(self.device))
         logger.info("FP8 KV cache scales from the checkpoint: keys %.4g-%.4g, values %.4g-%.4g",
                     scales[:, 0].min(), scales[:, 0].max(), scales[:, 1].min(), scales[:, 1].max())
+        return scales_digest(checkpoint_kv_scales(found, model_cfg.num_layers, model_cfg.num_kv_heads, SINGLE))
 
     @torch.inference_mode()
     def copy_kv_page(self, src: int, dst: int) -> None:

@@ -26,6 +26,7 @@ from splitserve.engine.quantization.kv_fp8 import (
     dequantize_kv,
     kv_storage_dtype,
     quantize_kv,
+    scales_digest,
 )
 from splitserve.engine.request import Request
 from splitserve.engine.runner.model_runner import ModelRunner, build_forward_batch
@@ -313,3 +314,15 @@ def test_a_tensor_parallel_rank_resized_to_rank_0s_pool_keeps_the_checkpoints_sc
     resize_kv_pool(runner, pages)
     assert runner.kv_pool.buffer.shape[2] == pages
     assert bool((runner.kv_pool.scales == 1024.0).all())
+
+
+def test_the_scales_digest_names_calibrated_scales_alike_over_ranks_and_none_for_one(tiny: Path, tmp_path: Path):
+    """What peers and the store compare: empty for 1.0 (any engine without checkpoint scales), the same digest for
+    the same checkpoint, and another for other scales."""
+    assert fp8_cpu_runner(tiny)[0].kv_scales_digest == ""
+    assert scales_digest(torch.ones(4, 2, 2)) == "" and scales_digest(None) == ""
+    scaled = fp8_cpu_runner(rescaled_checkpoint(tiny, tmp_path / "a", 1024.0, scales=True))[0].kv_scales_digest
+    again = fp8_cpu_runner(tmp_path / "a")[0].kv_scales_digest
+    other = fp8_cpu_runner(rescaled_checkpoint(tiny, tmp_path / "b", 512.0, scales=True))[0].kv_scales_digest
+    assert scaled.startswith("kv-scales:") and scaled == again != other
+    assert fp8_cpu_runner(tmp_path / "a", kv_cache_dtype="auto")[0].kv_scales_digest == ""  # 16-bit: unused

@@ -352,8 +352,9 @@ def test_keys_keep_models_page_sizes_and_dtypes_apart(tmp_path) -> None:
               store_namespace("m", a, None, 32, torch.bfloat16, (2, 2, 32, 1, 8)),
               store_namespace("m", a, None, 16, torch.float16, shape),
               store_namespace("m", a, 1, 16, torch.bfloat16, shape),
-              store_namespace("other", a, None, 16, torch.bfloat16, shape)}
-    assert base not in others and len(others) == 5
+              store_namespace("other", a, None, 16, torch.bfloat16, shape),
+              store_namespace("m", a, None, 16, torch.bfloat16, shape, "kv-scales:0123abcd")}
+    assert base not in others and len(others) == 6
 
 
 def test_the_flags_are_checked() -> None:

@@ -13,7 +13,7 @@ GIB = 2**30
 
 
 def test_the_default_fraction_is_the_engines():
-    assert DEVICE_FRACTION == EngineConfig().mem_fraction
+    assert EngineConfig().mem_fraction == DEVICE_FRACTION
 
 
 def test_engines_of_one_gpu_split_the_default_and_an_engine_alone_keeps_its_own():

@@ -50,3 +50,16 @@ def test_inconsistent_layouts_are_refused_with_the_field():
     assert (info.value.field, info.value.expected, info.value.actual) == ("page_size", 4, 8)
     with pytest.raises(LayoutMismatchError, match="heads in pool"):
         layout_for_pool(pool, make_aux_tensor(2), tp_size=2, tp_rank=0, num_kv_heads=2)
+
+
+def test_fp8_pages_written_with_other_scales_are_refused():
+    """An FP8 cache's calibrated scales travel in the layout: pages written with other scales would be read
+    wrong. A peer that names none (1.0 throughout, or a layout from before the field) agrees with 1.0."""
+    pool = torch.zeros((1, 2, 4, 4, 2, 8), dtype=torch.float8_e4m3fn)
+    calibrated = layout_for_pool(pool, make_aux_tensor(2), kv_scales="kv-scales:0123abcd")
+    plain = layout_for_pool(pool, make_aux_tensor(2))
+    with pytest.raises(LayoutMismatchError, match="kv_scales expected 'kv-scales:0123abcd', got ''"):
+        calibrated.check_compatible(plain)
+    calibrated.check_compatible(KVLayout.from_dict(calibrated.to_dict()))
+    older = {k: v for k, v in plain.to_dict().items() if k != "kv_scales"}
+    plain.check_compatible(KVLayout.from_dict(older))

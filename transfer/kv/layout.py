@@ -102,6 +102,7 @@ class KVLayout:
     control_endpoint: str = ""
     instance_id: str = ""
     ipc_regions: tuple[IpcRegion, ...] = ()
+    kv_scales: str = ""  # an FP8 cache's calibrated scales (engine/quantization/kv_fp8.scales_digest); "": none
 
     def __post_init__(self) -> None:
         self.validate()
@@ -170,7 +171,7 @@ class KVLayout:
             for name in ("tp_size", "tp_rank", "head_start", "head_count", "num_kv_heads", "head_dim",
                          "page_size", "num_layers"):
                 values[name] = int(values[name])
-            for name in ("dtype", "session", "control_endpoint", "instance_id"):
+            for name in ("dtype", "session", "control_endpoint", "instance_id", "kv_scales"):
                 values[name] = str(values.get(name, ""))
             return cls(**values)
         except (KeyError, TypeError) as exc:
@@ -178,7 +179,7 @@ class KVLayout:
 
     def check_compatible(self, other: KVLayout, where: str = "") -> None:
         """Raises ``LayoutMismatchError`` unless pages of ``other`` can be copied into ours."""
-        for name in ("num_kv_heads", "head_dim", "page_size", "dtype", "num_layers"):
+        for name in ("num_kv_heads", "head_dim", "page_size", "dtype", "num_layers", "kv_scales"):
             if getattr(self, name) != getattr(other, name):
                 raise LayoutMismatchError(name, getattr(self, name), getattr(other, name), where)
         if len(self.buffers) != len(other.buffers):
@@ -299,10 +300,11 @@ def aux_buffer_from_tensor(aux: torch.Tensor) -> AuxBuffer:
 
 
 def layout_for_pool(pool: torch.Tensor, aux: torch.Tensor, *, tp_size: int = 1, tp_rank: int = 0,
-                    num_kv_heads: int | None = None) -> KVLayout:
+                    num_kv_heads: int | None = None, kv_scales: str = "") -> KVLayout:
     """The layout of an engine's pool ``[layers, 2, pages, page_size, heads, head_dim]`` + aux.
 
-    ``num_kv_heads`` is the model's total (defaults to this rank's heads times ``tp_size``).
+    ``num_kv_heads`` is the model's total (defaults to this rank's heads times ``tp_size``); ``kv_scales``
+    names an FP8 pool's calibrated scales (pages written with other scales would be read wrong).
     """
     layers, _, _, page_size, heads, head_dim = pool.shape
     total = num_kv_heads if num_kv_heads is not None else heads * tp_size
@@ -312,5 +314,5 @@ def layout_for_pool(pool: torch.Tensor, aux: torch.Tensor, *, tp_size: int = 1, 
     return KVLayout(
         tp_size=tp_size, tp_rank=tp_rank, head_start=start, head_count=count, num_kv_heads=total,
         head_dim=head_dim, page_size=page_size, dtype=dtype_name(pool.dtype), num_layers=layers,
-        buffers=tuple(kv_buffers_from_pool(pool)), aux=aux_buffer_from_tensor(aux),
+        buffers=tuple(kv_buffers_from_pool(pool)), aux=aux_buffer_from_tensor(aux), kv_scales=kv_scales,
     )
