@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import importlib.util
 import io
 import itertools
 import json
@@ -218,13 +219,27 @@ async def load_at_rate(url: str, bodies: list[dict], rate: float, max_tokens: in
             "wall_s": wall, "requests_per_s": len(ok) / wall, "output_tokens_per_s": len(ok) * max_tokens / wall}
 
 
+def mooncake_missing() -> str:
+    """Why the encoder-disaggregated parts cannot run here ("" when they can): the encode role ships embeddings
+    through Mooncake."""
+    if importlib.util.find_spec("mooncake") is None:
+        return ("skipped: Mooncake is not installed (the encode role ships embeddings through it: install "
+                "mooncake-transfer-engine, or the -cuda13 wheel on CUDA 13)")
+    return ""
+
+
 def serving(cfg: QwenVLBenchConfig, folder: str, flags: list[str]) -> dict:
     from splitserve.launcher.up import Deployment, UpConfig, free_port
 
     engine_args = " ".join(["--disable-prefix-cache", "--served-model-name", "m", *flags, cfg.engine_args]).strip()
     out: dict = {"rates": cfg.rates, "unified": {}, "epd": {}}
-    for name, shape in (("unified", {"unified": 1, "prefill": 0, "decode": 0}),
-                        ("epd", {"encode": 1, "prefill": 1, "decode": 1})):
+    shapes = [("unified", {"unified": 1, "prefill": 0, "decode": 0})]
+    missing = mooncake_missing()
+    if missing:
+        out["epd"] = {"skipped": missing}
+    else:
+        shapes.append(("epd", {"encode": 1, "prefill": 1, "decode": 1}))
+    for name, shape in shapes:
         deployment = Deployment(UpConfig(model=folder, device=cfg.device, port=free_port(), engine_args=engine_args,
                                          **shape))
         try:
@@ -235,6 +250,8 @@ def serving(cfg: QwenVLBenchConfig, folder: str, flags: list[str]) -> dict:
                 out[name][rate] = asyncio.run(load_at_rate(url, chat_bodies(cfg, seed=i), rate, cfg.max_tokens, i))
         finally:
             deployment.stop()
+    if missing:
+        return out
     out["ratios"] = {rate: {
         "ttft_p50_epd_over_unified": out["epd"][rate]["ttft_s"]["p50"] / out["unified"][rate]["ttft_s"]["p50"],
         "ttft_p99_epd_over_unified": out["epd"][rate]["ttft_s"]["p99"] / out["unified"][rate]["ttft_s"]["p99"],
@@ -249,20 +266,30 @@ def print_report(report: dict) -> None:
         print(f"tower {side} px ({t['tokens']} tokens): {t['ms']:.2f} ms, {t['gflops']:.0f} GFLOP, "
               f"{t['tflops_achieved']:.1f} TFLOP/s, bound {t['bound_ms']:.2f} ms ({t['time_over_bound']:.1f}x)")
     t = report["transfer"]
+    if "skipped" in t:
+        print(f"embedding transfer {t['skipped']}")
+    else:
+        print_transfer(t)
+    if "serving" not in report:
+        return
+    s = report["serving"]
+    if "skipped" in s["epd"]:
+        print(f"encode + prefill + decode {s['epd']['skipped']}")
+    for rate in s["rates"]:
+        line = [f"rate {rate:>4} req/s"]
+        for name in ("unified", "epd"):
+            if rate in s[name]:
+                h = s[name][rate]
+                line.append(f"{name} TTFT p50 {h['ttft_s']['p50'] * 1e3:7.0f} ms p99 {h['ttft_s']['p99'] * 1e3:7.0f} "
+                            f"ms, {h['output_tokens_per_s']:.0f} tok/s ({h['ok']}/{h['requests']})")
+        print(" | ".join(line))
+
+
+def print_transfer(t: dict) -> None:
     print(f"embedding transfer of {t['rows']} x {t['hidden']} rows ({t['bytes_per_item'] / 1e6:.1f} MB): "
           f"{t['embedding_gb_s']:.2f} GB/s ({t['embedding_ms']:.2f} ms); "
           f"raw Mooncake {t['raw_mooncake_gb_s']:.2f} GB/s; "
           f"device copy {t['device_copy_gb_s']:.1f} GB/s ({t['device_copy_ms']:.3f} ms)")
-    if "serving" not in report:
-        return
-    s = report["serving"]
-    for rate in s["rates"]:
-        line = [f"rate {rate:>4} req/s"]
-        for name in ("unified", "epd"):
-            h = s[name][rate]
-            line.append(f"{name} TTFT p50 {h['ttft_s']['p50'] * 1e3:7.0f} ms p99 {h['ttft_s']['p99'] * 1e3:7.0f} ms, "
-                        f"{h['output_tokens_per_s']:.0f} tok/s ({h['ok']}/{h['requests']})")
-        print(" | ".join(line))
 
 
 def main(argv: list[str]) -> int:
@@ -272,8 +299,9 @@ def main(argv: list[str]) -> int:
     cfg = config_from_args(QwenVLBenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH_QWEN_VL")
     with tempfile.TemporaryDirectory() as tmp:
         folder, flags = model_folder(cfg, Path(tmp))
-        report: dict = {"config": asdict(cfg), "tower": tower_timing(cfg, folder),
-                        "transfer": transfer_vs_device_copy(cfg, folder)}
+        report: dict = {"config": asdict(cfg), "tower": tower_timing(cfg, folder)}
+        report["transfer"] = {"skipped": mooncake_missing()} if mooncake_missing() else transfer_vs_device_copy(
+            cfg, folder)
         if not cfg.skip_serving:
             report["serving"] = serving(cfg, folder, flags)
     print_report(report)

@@ -42,3 +42,20 @@ def test_tower_and_transfer_parts_run_on_the_cpu(tmp_path: Path, monkeypatch) ->
     assert [t["tokens"] for t in tower.values()] == [25, 64] and all(t["ms"] > 0 for t in tower.values())
     transfer = transfer_vs_device_copy(cfg, cfg.model)
     assert transfer["rows"] == 64 and transfer["bytes_per_item"] == 64 * 64 * 2
+
+
+def test_without_mooncake_the_encoder_parts_say_they_were_skipped_and_the_rest_reports(monkeypatch, capsys) -> None:
+    import importlib.util
+
+    from splitserve.bench import qwen_vl
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mooncake" else real(name, *a))
+    reason = qwen_vl.mooncake_missing()
+    assert reason.startswith("skipped: Mooncake is not installed")
+    stats = {"ttft_s": {"p50": 0.1, "p99": 0.2}, "output_tokens_per_s": 50.0, "ok": 4, "requests": 4}
+    qwen_vl.print_report({"tower": {}, "transfer": {"skipped": reason},
+                          "serving": {"rates": [1.0], "unified": {1.0: stats}, "epd": {"skipped": reason}}})
+    out = capsys.readouterr().out
+    assert "embedding transfer skipped: Mooncake" in out and "encode + prefill + decode skipped" in out
+    assert "unified TTFT p50     100 ms" in out
