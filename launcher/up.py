@@ -108,16 +108,38 @@ def wait_healthy(procs: list[tuple[str, subprocess.Popen]], timeout: float, path
         time.sleep(0.2)
 
 
-def engine_device(device: str, index: int) -> str:
-    """Spreads engines over the GPUs: `cuda` (or `auto` with GPUs) puts engine i on cuda:i mod count."""
+def engine_device(device: str, index: int, tp_size: int = 1, count: int | None = None) -> str:
+    """Spreads engines over the GPUs: `cuda` (or `auto` with GPUs) puts engine i's first rank on
+    cuda:(i x tp_size) mod count (its other ranks take the GPUs after it), so engines of several ranks do not
+    overlap while there are GPUs for all. `count`: the GPUs (default: torch's count)."""
     if device not in ("cuda", "auto"):
         return device
-    import torch  # only here: `up` itself needs no torch otherwise
+    if count is None:
+        import torch  # only here: `up` itself needs no torch otherwise
 
-    count = torch.cuda.device_count()
+        count = torch.cuda.device_count()
     if count == 0:
         return "cpu" if device == "auto" else device
-    return f"cuda:{index % count}"
+    return f"cuda:{index * tp_size % count}"
+
+
+def engine_tp_size(engine_args: str) -> int:
+    """The --tp-size in `up`'s --engine-args (or SPLITSERVE_TP_SIZE), else 1."""
+    args = engine_args.split()
+    for i, arg in enumerate(args):
+        if arg == "--tp-size" and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith("--tp-size="):
+            return int(arg.split("=", 1)[1])
+    return int(os.environ.get("SPLITSERVE_TP_SIZE", "1"))
+
+
+def gpus_of(device: str, tp_size: int) -> list[str]:
+    """The GPUs an engine whose first rank is on `device` runs on (its ranks take the ones after it)."""
+    if not device.startswith("cuda"):
+        return [device]
+    first = int(device.partition(":")[2] or 0)
+    return [f"cuda:{first + r}" for r in range(tp_size)]
 
 
 # engine/config.py's --mem-fraction default: what one engine alone takes of a device, split between engines that
@@ -127,11 +149,19 @@ KV_SIZE_FLAGS = ("--mem-fraction", "--max-total-tokens")
 KV_SIZE_ENV = ("SPLITSERVE_MEM_FRACTION", "SPLITSERVE_MAX_TOTAL_TOKENS")
 
 
-def shared_device_fractions(devices: list[str]) -> list[float | None]:
-    """Each engine's --mem-fraction, given every engine's device: the default split evenly between the engines
-    of one GPU; None for an engine alone on its device, and on the CPU (no fraction to split there)."""
-    count = {d: devices.count(d) for d in devices}
-    return [round(DEVICE_FRACTION / count[d], 3) if d.startswith("cuda") and count[d] > 1 else None for d in devices]
+def shared_device_fractions(engines: list[list[str]]) -> list[float | None]:
+    """Each engine's --mem-fraction, given the devices each engine runs on (one per rank): the default split
+    evenly between the engines of the busiest GPU it uses; None for an engine alone on its GPUs, and on the CPU
+    (no fraction to split there)."""
+    count: dict[str, int] = {}
+    for devices in engines:
+        for d in devices:
+            count[d] = count.get(d, 0) + 1
+    shares = []
+    for devices in engines:
+        most = max(count[d] for d in devices)
+        shares.append(round(DEVICE_FRACTION / most, 3) if devices[0].startswith("cuda") and most > 1 else None)
+    return shares
 
 
 @dataclass(eq=False)
@@ -194,7 +224,8 @@ class Deployment:
         # Everything on loopback (HTTP, bootstrap, ZeroMQ control, Mooncake's ports: the engine narrows
         # those to a loopback transfer host): one machine, and the transfer ports take no credentials.
         args = ["serve", "--role", role, "--model", self.cfg.model, "--host", LOOPBACK, "--port", str(port),
-                "--transfer-host", LOOPBACK, "--device", engine_device(self.cfg.device, self._engines_started)]
+                "--transfer-host", LOOPBACK, "--device", engine_device(self.cfg.device, self._engines_started,
+                                                                      engine_tp_size(self.cfg.engine_args))]
         fraction = self._fractions[self._engines_started] if self._engines_started < len(self._fractions) else None
         self._engines_started += 1
         if fraction is not None:
@@ -252,7 +283,8 @@ class Deployment:
         if given or any(name in os.environ for name in KV_SIZE_ENV):
             return []
         engines = cfg.drafter + (cfg.unified or cfg.prefill + cfg.decode + cfg.encode)
-        return shared_device_fractions([engine_device(cfg.device, i) for i in range(engines)])
+        tp = engine_tp_size(cfg.engine_args)
+        return shared_device_fractions([gpus_of(engine_device(cfg.device, i, tp), tp) for i in range(engines)])
 
     def roles_summary(self) -> tuple[str, str]:
         """Every role started, as counts ("1 prefill + 1 decode + 2 drafter") and as each role's URLs."""

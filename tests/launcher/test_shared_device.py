@@ -7,7 +7,15 @@ import pytest
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.runner.model_runner import device_kv_budget
-from splitserve.launcher.up import DEVICE_FRACTION, Deployment, UpConfig, shared_device_fractions
+from splitserve.launcher.up import (
+    DEVICE_FRACTION,
+    Deployment,
+    UpConfig,
+    engine_device,
+    engine_tp_size,
+    gpus_of,
+    shared_device_fractions,
+)
 
 GIB = 2**30
 
@@ -17,9 +25,19 @@ def test_the_default_fraction_is_the_engines():
 
 
 def test_engines_of_one_gpu_split_the_default_and_an_engine_alone_keeps_its_own():
-    assert shared_device_fractions(["cuda:0", "cuda:0", "cuda:1"]) == [0.425, 0.425, None]
-    assert shared_device_fractions(["cuda:0", "cuda:1"]) == [None, None]
-    assert shared_device_fractions(["cpu", "cpu"]) == [None, None]
+    assert shared_device_fractions([["cuda:0"], ["cuda:0"], ["cuda:1"]]) == [0.425, 0.425, None]
+    assert shared_device_fractions([["cuda:0"], ["cuda:1"]]) == [None, None]
+    assert shared_device_fractions([["cpu"], ["cpu"]]) == [None, None]
+    # Two ranks each: the busiest GPU an engine uses sets its share.
+    assert shared_device_fractions([["cuda:0", "cuda:1"], ["cuda:1", "cuda:2"]]) == [0.425, 0.425]
+
+
+def test_engines_of_several_ranks_take_gpus_of_their_own_while_there_are_enough():
+    assert [engine_device("cuda", i, 2, count=4) for i in range(3)] == ["cuda:0", "cuda:2", "cuda:0"]
+    assert [engine_device("cuda", i, 1, count=2) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert engine_device("auto", 0, 2, count=0) == "cpu" and engine_device("cuda:3", 5, 2, count=8) == "cuda:3"
+    assert gpus_of("cuda:2", 2) == ["cuda:2", "cuda:3"] and gpus_of("cpu", 2) == ["cpu"]
+    assert engine_tp_size("--page-size 16 --tp-size 4") == 4 and engine_tp_size("--tp-size=2") == 2
 
 
 @pytest.mark.parametrize("args,want", [
@@ -27,10 +45,12 @@ def test_engines_of_one_gpu_split_the_default_and_an_engine_alone_keeps_its_own(
     ({"prefill": 1, "decode": 1, "drafter": 1}, [0.283] * 3),
     ({"unified": 2, "engine_args": "--mem-fraction 0.3"}, []),  # the user's size wins
     ({"unified": 2, "engine_args": "--max-total-tokens=4096"}, []),
+    ({"unified": 1, "engine_args": "--tp-size 2"}, [None]),  # its ranks on cuda:0 and cuda:1, alone there
 ])
 def test_up_gives_each_engine_of_one_device_its_share(args, want, monkeypatch):
     monkeypatch.delenv("SPLITSERVE_MEM_FRACTION", raising=False)
     monkeypatch.delenv("SPLITSERVE_MAX_TOTAL_TOKENS", raising=False)
+    monkeypatch.delenv("SPLITSERVE_TP_SIZE", raising=False)
     assert Deployment(UpConfig(model="tiny", device="cuda:0", **args))._shared_fractions() == want
 
 
