@@ -7,6 +7,11 @@ Times, each side in turn (the runner driven directly, as bench/engine_steps.py d
 - the burst `--burst` (N prompts of I tokens, O output tokens each, all at once) through the bare engine
   (bench/api_split.py's), output tokens/s;
 and prints fp8 / bf16 ratios (decode: bf16 time over fp8 time, > 1 when FP8 is faster).
+
+Then the accuracy of FP8 weights and of an FP8 KV cache against bfloat16 on the same random weights (the dummy
+weights of a model and its FP8 twin are the same draws): mean KL per token, teacher-forced top-1 and greedy
+agreement on fixed prompts (bench/accuracy.py). Random weights make the logits near-flat, so these state the
+quantization noise of the shape's products, not a trained model's accuracy.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prefill-len", type=int, default=8192, help="tokens of the timed prompt")
     parser.add_argument("--burst", default="256x512:256", help="NxI:O through the bare engine ('' skips it)")
     parser.add_argument("--reps", type=int, default=5, help="timed prefills (the median counts)")
+    parser.add_argument("--accuracy", action=argparse.BooleanOptionalAction, default=True,
+                        help="also state FP8 weights' and FP8 KV's accuracy against bfloat16")
     parser.add_argument("--out", default=None, help="write the report here as JSON")
     return parser.parse_args(argv)
 
@@ -96,6 +103,30 @@ def measure(args: argparse.Namespace, side: str) -> dict[str, Any]:
     return row
 
 
+def twin(shape: str, device: str, **fields: Any) -> tuple[ModelRunner, KVCache]:
+    """An eager runner of `shape` with the dummy weights and `fields` (quantization, KV dtype), and its KV cache."""
+    folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
+    cfg = EngineConfig(model=str(folder), device=device, load_format="dummy", max_running_requests=4,
+                       max_total_tokens=4096, context_length=4096, page_size=16, **fields)
+    runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
+    return runner, KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 4096, runner.device)
+
+
+def accuracy_on_shape(shape: str, device: str) -> dict[str, dict[str, float]]:
+    """FP8 weights' and FP8 KV's accuracy against the bfloat16 model on the same random weights."""
+    from splitserve.bench.accuracy import accuracy
+
+    reference = twin(shape, device)
+    vocab = reference[0].model_cfg.vocab_size
+    out = {}
+    for name, fields in (("fp8_weights", {"quantization": "fp8"}), ("fp8_kv", {"kv_cache_dtype": "fp8_e4m3"})):
+        candidate = twin(shape, device, **fields)
+        out[name] = accuracy(reference, candidate, vocab)
+        del candidate
+        free_device()
+    return out
+
+
 def ratios(report: dict[str, Any]) -> dict[str, float]:
     bf16, fp8 = report["bf16"], report["fp8"]
     out = {"decode_b1_speedup": bf16["decode_b1_s"] / fp8["decode_b1_s"],
@@ -116,6 +147,9 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"{side:6} | {r['weight_bytes'] / 2**30:11.2f} | {r['decode_b1_s'] * 1e3:12.3f} | "
               f"{r['prefill_tok_s']:18.0f} | {burst}")
     print("ratios (fp8 over bf16, > 1: fp8 faster): " + ", ".join(f"{k} {v:.3f}" for k, v in report["ratios"].items()))
+    for name, acc in report.get("accuracy", {}).items():
+        print(f"{name} against bf16 (same random weights): mean KL {acc['mean_kl']:.4g} per token, top-1 "
+              f"{acc['top1']:.3f}, greedy {acc['greedy']:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     for side in MODES:
         report[side] = measure(args, side)
     report["ratios"] = ratios(report)
+    if args.accuracy:
+        report["accuracy"] = accuracy_on_shape(args.shape, args.device)
     print_report(report, args)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))

@@ -134,10 +134,8 @@ class QuantizableLinear(nn.Module):
             del self._pending[shard_index]
 
     @torch.no_grad()
-    def init_random(self, generator: torch.Generator, std: float = 0.02) -> None:
-        """Random weights of a quantized layer (--load-format dummy): normal(0, std), quantized per channel."""
-        device = self.weight.device
-        w = torch.empty(self.weight.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
+    def init_from(self, w: torch.Tensor) -> None:
+        """A quantized layer's weight from float32 values (--load-format dummy): quantized per channel."""
         q, scale = quantize_per_channel(w)
         if self.fp8:
             self.weight.copy_(q)
@@ -146,8 +144,6 @@ class QuantizableLinear(nn.Module):
                 self.input_scale.fill_(1.0 / 448)
         else:
             self.weight.copy_(dequantize(q, scale, self.weight.dtype))
-        if self.bias is not None:
-            self.bias.normal_(0.0, std, generator=generator)
 
     def fp8_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.quant is not None and self.weight_scale is not None

@@ -288,19 +288,23 @@ def kv_pages_for_budget(cfg: EngineConfig, shape_args: dict, device: torch.devic
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights in place (norms at 1), for benchmarks of a shape without its checkpoint."""
+    """Random weights in place (norms at 1), for benchmarks of a shape without its checkpoint. Every weight is
+    drawn in float32, in parameter order, whatever its dtype or quantization: a model and its FP8 twin (an FP8
+    projection quantizes its draw per channel) get the same weights, so their outputs compare (bench/fp8.py)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    quantized = [m for m in model.modules() if getattr(m, "quant", None) is not None]
-    skip = {id(p) for m in quantized for p in m.parameters(recurse=False)}
+    quantized = {id(m.weight): m for m in model.modules() if getattr(m, "quant", None) is not None}
+    scales = {id(p) for m in quantized.values() for p in (m.weight_scale, m.input_scale) if p is not None}
     for name, param in model.named_parameters():
-        if id(param) in skip:
-            continue
+        if id(param) in scales:
+            continue  # the quantized layer's, set with its weight
         if "norm" in name:
             param.fill_(1.0)
+            continue
+        w = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(0.0, 0.02, generator=gen)
+        if id(param) in quantized:
+            quantized[id(param)].init_from(w)
         else:
-            param.normal_(0.0, 0.02, generator=gen)
-    for module in quantized:  # FP8 projections: normal weights quantized per channel (engine/layers/linear.py)
-        module.init_random(gen)
+            param.copy_(w)
 
 
 class ModelRunner:

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from engine_checkpoints import CHECKPOINTS, cpu_runner  # tests/ is on sys.path: conftest.py
-from fp8_accuracy import accuracy, prompt_logits, smollm2_pair
+from fp8_accuracy import smollm2_pair
 from safetensors.torch import load_file, save_file
 
+from splitserve.bench.accuracy import accuracy, prompt_logits
 from splitserve.engine.checkpoints.model_config import ModelConfig, UnsupportedModelError
 from splitserve.engine.checkpoints.tiny_model import TINY_CONFIG, write_checkpoint
 from splitserve.engine.checkpoints.weight_loader import CheckpointError
@@ -315,3 +316,18 @@ def test_transformers_loads_the_compressed_tensors_checkpoint_alike(tmp_path: Pa
     want = hf(torch.tensor([prompt])).logits[0].float()
     got = prompt_logits(*cpu_runner(tmp_path / "fp8"), prompt)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+def test_a_shape_and_its_fp8_twin_draw_the_same_dummy_weights_and_the_bench_states_their_accuracy() -> None:
+    """--load-format dummy draws every weight in float32 in parameter order: the FP8 twin's projections are the
+    bfloat16 model's quantized per channel (within e4m3's rounding), the rest equal; bench fp8's accuracy of
+    FP8 weights and FP8 KV against them is then quantization noise only (the tiny shape, CPU, float32)."""
+    from splitserve.bench.fp8 import accuracy_on_shape, twin
+
+    (plain, _), (fp8, _) = twin("tiny", "cpu"), twin("tiny", "cpu", quantization="fp8")
+    assert torch.equal(plain.model.embed_tokens.weight, fp8.model.embed_tokens.weight)
+    w, q = plain.model.layers[1].mlp.down_proj.weight, fp8.model.layers[1].mlp.down_proj.weight
+    assert not torch.equal(w, q) and float((w - q).abs().max() / w.abs().max()) < 1 / 16
+    got = accuracy_on_shape("tiny", "cpu")
+    assert got["fp8_weights"]["mean_kl"] < 0.03 and got["fp8_weights"]["top1"] > 0.85, got
+    assert got["fp8_kv"]["mean_kl"] < 0.03 and got["fp8_kv"]["top1"] > 0.85, got

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from engine_checkpoints import cpu_runner  # tests/ is on sys.path: conftest.py
-from fp8_accuracy import accuracy, smollm2_pair
+from fp8_accuracy import smollm2_pair
 
+from splitserve.bench.accuracy import accuracy
 from splitserve.engine.checkpoints.model_config import ModelConfig
 from splitserve.engine.checkpoints.tiny_model import TINY_CONFIG, write_checkpoint
 from splitserve.engine.config import EngineConfig

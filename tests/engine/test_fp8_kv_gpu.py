@@ -118,9 +118,9 @@ def test_the_kernels_store_torchs_e4m3_bits() -> None:
 def test_fp8_kv_model_on_cuda_stays_close_to_bfloat16_kv(tmp_path: Path) -> None:
     """The tiny model in bfloat16 on CUDA (decode graphs captured, warmed up) with FP8 KV against bfloat16 KV: the
     CPU test's tolerances, and twice the pages in the same budget."""
-    from fp8_accuracy import accuracy
     from test_fp8_kv import MAX_MEAN_KL, MIN_TOP1
 
+    from splitserve.bench.accuracy import accuracy
     from splitserve.engine.checkpoints.model_config import ModelConfig
     from splitserve.engine.checkpoints.tiny_model import TINY_CONFIG, write_checkpoint
     from splitserve.engine.config import EngineConfig
