@@ -122,7 +122,7 @@ class ComposedRole(Role):
     - `health_info`, `state_info`: the behaviours' fields merged; `idle_poll_interval`: the shortest asked for;
       `allows_overlap`: only if every behaviour allows it; `serves_structured_outputs`: if any does;
       `routes`, `core_calls`: every behaviour's; `held`: the behaviours' counts added up; `take_over`:
-      every behaviour takes what it uses.
+      every behaviour takes what it uses, and the role carries the rest (`carried`) to hand over again.
     """
 
     def __init__(self, name: str, behaviours: list[Role]) -> None:
@@ -130,6 +130,9 @@ class ComposedRole(Role):
             raise ValueError(f"role {name!r} needs at least one behaviour")
         self.name = name
         self.behaviours = behaviours
+        # What an earlier role handed over that none of these behaviours uses (a prefill's embedding receiver
+        # while the engine decodes): carried for a switch back, closed when the engine stops.
+        self.carried: dict[str, Any] = {}
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
@@ -206,12 +209,16 @@ class ComposedRole(Role):
     def close(self) -> None:
         for b in reversed(self.behaviours):
             b.close()
+        for thing in self.carried.values():
+            thing.close()
 
     def hand_over(self) -> dict[str, Any]:
-        kept: dict[str, Any] = {}
+        kept: dict[str, Any] = dict(self.carried)
         for b in reversed(self.behaviours):
             kept.update(b.hand_over())
         return kept
 
     def take_over(self, kept: dict[str, Any]) -> set[str]:
-        return set().union(*(b.take_over(kept) for b in self.behaviours))
+        used = set().union(*(b.take_over(kept) for b in self.behaviours))
+        self.carried = {name: thing for name, thing in kept.items() if name not in used}
+        return set(kept)

@@ -24,6 +24,9 @@ from splitserve.transfer.embedding.slots import EmbeddingSlots
 logger = logging.getLogger(__name__)
 
 
+HANDED_OVER = "embedding_receiver"  # its name among what a role hands over on a switch (engine/role.py)
+
+
 class EmbeddingReceivingRole(Role):
     """Holds requests with encoder-computed images until their rows are in."""
 
@@ -33,9 +36,17 @@ class EmbeddingReceivingRole(Role):
         self.transfer = transfer
         self.epd = epd
         self.waiting: dict[str, Request] = {}
+        self.receiver_taken_over: EmbeddingReceiver | None = None  # an earlier prefill role's, on a switch
+
+    def take_over(self, kept: dict[str, Any]) -> set[str]:
+        self.receiver_taken_over = kept.get(HANDED_OVER)
+        return {HANDED_OVER} if self.receiver_taken_over is not None else set()
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
+        if self.receiver_taken_over is not None:  # its slots and Mooncake engine as they were
+            self.receiver, self.slots = self.receiver_taken_over, self.receiver_taken_over.slots
+            return
         vision = engine.model_cfg.vision
         assert vision is not None, "the embedding receiver is only built for multimodal models"
         rows = max_image_tokens(vision, image_processor_for(vision, engine.model_folder))
@@ -84,3 +95,6 @@ class EmbeddingReceivingRole(Role):
 
     def close(self) -> None:
         self.receiver.close()
+
+    def hand_over(self) -> dict[str, Any]:
+        return {HANDED_OVER: self.receiver}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import time
 from pathlib import Path
 
 import httpx
@@ -16,13 +17,14 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from servers import LocalDeployment, assert_kv_back_to_start, wait_http_ok
+from servers import TEST_CONTROL_KEY, LocalDeployment, assert_kv_back_to_start, engine_state, wait_http_ok
 
 from splitserve.engine.checkpoints.model_config import ModelConfig
 from splitserve.engine.checkpoints.tiny_qwen_vl import write_qwen_vl_checkpoint
 from splitserve.engine.checkpoints.tokenizer import TextTokenizer
 from splitserve.engine.multimodal.image_items import expand_image_tokens
 from splitserve.engine.multimodal.qwen_vl_processor import QwenVLImageProcessor
+from splitserve.transfer.bootstrap_grant import KEY_HEADER
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -134,4 +136,31 @@ def test_prefill_decode_and_tp2_equal_unified_token_for_token(cluster) -> None:
     for name in ("router", "unified-tp2"):
         assert [r["choices"][0]["token_ids"] for r in greedy(cluster[name])] == want, name
     for name in ("unified", "unified-tp2", "prefill", "decode"):
+        assert_kv_back_to_start(cluster[name])
+
+
+def test_a_prefill_with_images_switched_to_decode_and_back_keeps_its_receivers_and_its_outputs(cluster) -> None:
+    """Its KV endpoint and its embedding receiver are handed to the decode role (which carries the receiver) and
+    back: the same Mooncake session and receiver endpoint after the round trip, and the router's greedy outputs
+    still the unified engine's. Runs last: the group has no prefill while it decodes."""
+    prefill, router = cluster["prefill"], cluster["router"]
+    before = httpx.get(f"{prefill}/health", timeout=5).json()["embedding_receiver"]
+    session = engine_state(prefill)["kv_transfer_session"]
+    for role in ("decode", "prefill"):
+        r = httpx.post(f"{prefill}/internal/role", headers={KEY_HEADER: TEST_CONTROL_KEY},
+                       json={"role": role, "settle_s": 0.4}, timeout=60)
+        assert r.status_code == 200 and r.json()["switched"], r.text
+    assert httpx.get(f"{prefill}/health", timeout=5).json()["embedding_receiver"] == before
+    assert engine_state(prefill)["kv_transfer_session"] == session
+    want = [r["choices"][0]["token_ids"] for r in greedy(cluster["unified"])]
+    for _ in range(100):  # the router moves it back to prefill within a few probes (every 0.3 s)
+        backends = httpx.get(f"{router}/health", timeout=5).json()["backends"]
+        if any(b["url"] == prefill and b["role"] == "prefill" and b["healthy"] and not b["engine_draining"]
+               for b in backends):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the router never routed {prefill} as prefill again: {backends}")
+    assert [r["choices"][0]["token_ids"] for r in greedy(router)] == want
+    for name in ("prefill", "decode"):
         assert_kv_back_to_start(cluster[name])

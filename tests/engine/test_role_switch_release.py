@@ -39,3 +39,23 @@ def test_what_a_partly_attached_role_started_stops_and_what_it_took_over_stays()
     release_partly_attached(ComposedRole("prefill", [started, NeverAttached()]), {"kv_transfer_endpoint": endpoint})
     assert started.server_stopped and own.closed == 1
     assert endpoint.closed == 0  # the old role's endpoint goes on to the role built next
+
+
+class TakesTheEndpoint(Role):
+    def take_over(self, kept: dict[str, Any]) -> set[str]:
+        self.endpoint = kept["kv_transfer_endpoint"]
+        return {"kv_transfer_endpoint"}
+
+    def hand_over(self) -> dict[str, Any]:
+        return {"kv_transfer_endpoint": self.endpoint}
+
+
+def test_a_role_carries_what_it_does_not_use_hands_it_over_again_and_closes_it_at_stop() -> None:
+    endpoint, receiver = Closable(), Closable()
+    decode = ComposedRole("decode", [TakesTheEndpoint()])
+    kept = {"kv_transfer_endpoint": endpoint, "embedding_receiver": receiver}
+    assert decode.take_over(kept) == set(kept)  # nothing is left for the switch to close
+    assert decode.carried == {"embedding_receiver": receiver}
+    assert decode.hand_over() == kept  # a switch back to prefill gets the receiver again
+    decode.close()
+    assert receiver.closed == 1 and endpoint.closed == 0  # the endpoint is the behaviour's to close
