@@ -103,6 +103,21 @@ def engine(waiting: int = 0, prompt: int = 0, finished: int = 0, slow: int = 0, 
             .replace("SLOW", str(slow)).replace("GENERATED", str(generated)))
 
 
+def two_intervals(group: dict, pods: list[dict], replicas: dict[str, int], fetch, post) -> Kube:
+    """A planner loop over `group` (its ServingRoles at `replicas`) run for two intervals, 5 s apart; its Kube."""
+    roles = {("ServingRole", "ns", f"g-{r}"): {"spec": {"replicas": n}} for r, n in replicas.items()}
+    objects = {("ServingGroup", "ns", "g"): group, **roles}
+    now = [0.0]
+    kube = Kube(pods)
+    loop = PlannerLoop(kube, lambda kind, ns, name: objects.get((kind, ns, name)), lambda: [("ns", "g")],
+                       fetch=fetch, clock=lambda: now[0], post=post)
+    loop.tick()
+    now[0] = 5.0
+    loop.tick()
+    loop.stop()
+    return kube
+
+
 @pytest.mark.parametrize("answer", [200, 409])
 def test_an_interval_switches_an_idle_decode_to_prefill_or_scales_when_it_is_refused(answer: int) -> None:
     group = {"metadata": {"namespace": "ns", "name": "g", "uid": "u"},
@@ -127,16 +142,7 @@ def test_an_interval_switches_an_idle_decode_to_prefill_or_scales_when_it_is_ref
         asked.append((url, body["role"], headers))
         return answer, "{}" if answer == 200 else '{"error": {"message": "engine core in its own process"}}'
 
-    roles = {("ServingRole", "ns", f"g-{r}"): {"spec": {"replicas": n}} for r, n in (("prefill", 1), ("decode", 2))}
-    objects = {("ServingGroup", "ns", "g"): group, **roles}
-    now = [0.0]
-    kube = Kube(pods)
-    loop = PlannerLoop(kube, lambda kind, ns, name: objects.get((kind, ns, name)), lambda: [("ns", "g")],
-                       fetch=fetch, clock=lambda: now[0], post=post)
-    loop.tick()
-    now[0] = 5.0
-    loop.tick()
-    loop.stop()
+    kube = two_intervals(group, pods, {"prefill": 1, "decode": 2}, fetch, post)
     # The highest decode ordinal was asked to serve prefill, with the group's key.
     assert asked == [("http://10.0.0.3:8000/internal/role", "prefill", {"X-Splitserve-Key": "secret"})]
     status = kube.statuses[-1]
@@ -171,15 +177,6 @@ def test_a_switched_engine_that_came_back_in_its_home_role_is_asked_again() -> N
         asked.append((url, body["role"]))
         return 503, '{"error": {"message": "the drain did not end"}}'
 
-    roles = {("ServingRole", "ns", f"g-{r}"): {"spec": {"replicas": n}} for r, n in (("prefill", 1), ("decode", 3))}
-    objects = {("ServingGroup", "ns", "g"): group, **roles}
-    now = [0.0]
-    kube = Kube(pods)
-    loop = PlannerLoop(kube, lambda kind, ns, name: objects.get((kind, ns, name)), lambda: [("ns", "g")],
-                       fetch=fetch, clock=lambda: now[0], post=post)
-    loop.tick()
-    now[0] = 5.0
-    loop.tick()
-    loop.stop()
+    kube = two_intervals(group, pods, {"prefill": 1, "decode": 3}, fetch, post)
     assert asked == [("http://10.0.0.3:8000/internal/role", "prefill")]  # only the one that came back
     assert "g-decode-1 came back as decode; asking it to serve prefill again failed" in kube.statuses[-1]["message"]
