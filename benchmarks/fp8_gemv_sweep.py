@@ -19,24 +19,17 @@ import sys
 
 import torch
 
+from splitserve.engine.checkpoints.model_shapes import LLAMA_3_1_8B, layer_projections
 from splitserve.engine.quantization.fp8_cuda import skinny_blocks, skinny_fp8
-from splitserve.engine.runner.graph_timing import graph_time_us
+from splitserve.engine.runner.graph_timing import device_copy_gbs, graph_time_us
 
 logger = logging.getLogger("fp8_gemv_sweep")
 
 # (name, out_features N, in_features K) of a Llama-3.1-8B layer
-SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+SHAPES = layer_projections(LLAMA_3_1_8B)
 # (BLOCK_N, BLOCK_K, warps, stages, K parts): launches that compiled and ranked well unsplit, each split too.
 BLOCKS = [(32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 3), (64, 256, 4, 4), (32, 256, 4, 3)]
 CONFIGS = [(*block, splits) for block in BLOCKS for splits in (1, 2, 3, 4, 6, 8)]
-
-
-def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy rate of 1 GiB (bytes read + written, per second), the HBM bound of this run."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = graph_time_us(lambda _i: dst.copy_(src), 1)
-    return 2 * src.numel() / us / 1e3
 
 
 def shape_report(name: str, n: int, k: int, m: int, hbm: float) -> dict:
@@ -82,7 +75,7 @@ def main() -> None:
     rows = [1, 8]
     if "--rows" in args:
         rows = [int(a) for a in itertools.takewhile(str.isdigit, args[args.index("--rows") + 1:])]
-    hbm = copy_bandwidth_gbs()
+    hbm = device_copy_gbs()
     logger.info("device copy %.0f GB/s (%s)", hbm, torch.cuda.get_device_name())
     report = [shape_report(name, n, k, m, hbm) for m in rows for name, n, k in SHAPES]
     if "--json" in args:

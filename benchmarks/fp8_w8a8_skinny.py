@@ -22,14 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.checkpoints.model_shapes import LLAMA_3_1_8B, layer_projections
 from splitserve.engine.layers.pdl import launch_kwargs
 from splitserve.engine.layers.pdl_triton import wait_for_previous
 from splitserve.engine.quantization.fp8_cuda import FP8_MAX, MIN_SCALE, TILE_ROWS, scaled_mm_linear, skinny_fp8
-from splitserve.engine.runner.graph_timing import graph_time_us
+from splitserve.engine.runner.graph_timing import device_copy_gbs, graph_time_us
 
 logger = logging.getLogger("fp8_w8a8_skinny")
 
-SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+SHAPES = layer_projections(LLAMA_3_1_8B)
 
 
 @triton.jit
@@ -86,12 +87,6 @@ def skinny_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 CONFIGS = [(32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 3), (16, 1024, 4, 4), (32, 256, 4, 4), (64, 256, 4, 4)]
 
 
-def copy_bandwidth_gbs() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / graph_time_us(lambda _i: dst.copy_(src), 1) / 1e3
-
-
 def cell(name: str, n: int, k: int, m: int, hbm: float) -> dict:
     from splitserve.engine.layers import skinny
 
@@ -133,7 +128,7 @@ def main() -> None:
     rows = [1, 8]
     if "--rows" in args:
         rows = [int(a) for a in itertools.takewhile(str.isdigit, args[args.index("--rows") + 1:])]
-    hbm = copy_bandwidth_gbs()
+    hbm = device_copy_gbs()
     logger.info("device copy %.0f GB/s (%s)", hbm, torch.cuda.get_device_name())
     report = [cell(name, n, k, m, hbm) for m in rows for name, n, k in SHAPES]
     step = {m: sum(r["w8a8_us"] for r in report if r["rows"] == m) / sum(r["bf16_us"] for r in report

@@ -16,14 +16,14 @@ import sys
 
 import torch
 
+from splitserve.engine.checkpoints.model_shapes import LLAMA_3_1_8B, layer_projections
 from splitserve.engine.layers.skinny_gemm_triton import skinny_gemm
 from splitserve.engine.runner.graph_timing import graph_time_us
 
 logger = logging.getLogger("gemv_sweep")
 
 # (name, out_features N, in_features K) of a Llama-3.1-8B layer and its LM head
-SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
-          ("lm_head", 128256, 4096)]
+SHAPES = [*layer_projections(LLAMA_3_1_8B), ("lm_head", LLAMA_3_1_8B["vocab_size"], LLAMA_3_1_8B["hidden_size"])]
 
 
 def sweep_shape(name: str, n: int, k: int, m: int, configs: list[tuple[int, int, int, int]]) -> None:

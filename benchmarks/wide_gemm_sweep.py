@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
+from splitserve.engine.checkpoints.model_shapes import LLAMA_3_1_8B, layer_projections
 from splitserve.engine.layers.wide_gemm_triton import WideLaunch, launch_fits, wide_gemm
 from splitserve.engine.runner.graph_timing import graph_time_us
 
 logger = logging.getLogger("wide_gemm_sweep")
 
 # (name, out_features N, in_features K) of a Llama-3.1-8B layer and its LM head
-SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
-          ("lm_head", 128256, 4096)]
+SHAPES = [*layer_projections(LLAMA_3_1_8B), ("lm_head", LLAMA_3_1_8B["vocab_size"], LLAMA_3_1_8B["hidden_size"])]
 
 # (block_m, block_n, block_k, warps, stages, split): 64-row tiles (one wgmma's M) for a fuller wave
 # at 128-256 rows, 128-row tiles for more reuse per loaded byte, narrow tiles and split-K for 64 rows.

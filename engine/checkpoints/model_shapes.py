@@ -45,14 +45,19 @@ def write_shape_folder(shape: str, folder: Path) -> Path:
     return folder
 
 
-def matmul_params(cfg: dict[str, Any]) -> int:
-    """The decoder layers' projection weights: those that take part in every token's matrix products (the LM
-    head, which only sampled tokens take, left out)."""
+def layer_projections(cfg: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """(name, out_features N, in_features K) of a decoder layer's projections, fused as the engine fuses them."""
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or hidden // heads
-    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
-    return per_layer * cfg["num_hidden_layers"]
+    return [("qkv", (heads + 2 * kv_heads) * head_dim, hidden), ("o_proj", hidden, heads * head_dim),
+            ("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
+
+
+def matmul_params(cfg: dict[str, Any]) -> int:
+    """The decoder layers' projection weights: those that take part in every token's matrix products (the LM
+    head, which only sampled tokens take, left out)."""
+    return sum(n * k for _name, n, k in layer_projections(cfg)) * cfg["num_hidden_layers"]
 
 
 def prompt_matmul_flops(cfg: dict[str, Any], tokens: int, sampled: int = 1) -> int:

@@ -31,3 +31,11 @@ def graph_time_us(fn_per_copy: Callable[[int], object], copies: int, reps: int =
     torch.cuda.synchronize()
     del graph  # its memory back before the next shape's weights are made
     return start.elapsed_time(end) * 1e3 / (reps * copies)
+
+
+def device_copy_gbs() -> float:
+    """Device-to-device copy rate of 1 GiB (bytes read + written, per second), timed as the kernels are: the
+    HBM bound a sweep's figures are put against."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / graph_time_us(lambda _i: dst.copy_(src), 1) / 1e3
