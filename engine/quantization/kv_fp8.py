@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from splitserve.engine.quantization.fp8 import FP8_DTYPE, FP8_MAX
-from splitserve.engine.tp.parallel_state import TensorParallel
+from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 # A layer's KV-cache scale in an FP8 checkpoint: ModelOpt's `...self_attn.k_proj.k_scale`, compressed-tensors'
@@ -85,14 +85,13 @@ def scales_digest(scales: torch.Tensor | None) -> str:
 
 
 def checkpoint_kv_scales(found: dict[str, torch.Tensor], num_layers: int, num_kv_heads: int,
-                         tp: TensorParallel) -> torch.Tensor | None:
-    """[layers, 2 (k, v), this rank's KV heads] float32 from a checkpoint's KV-cache scales (`found`: name ->
-    tensor, names as KV_SCALE_NAME); None when it has none. Each is one value (per tensor) or one per KV head
-    (the rank takes its heads' share). Raises KVScaleError unless every layer has both, each finite and > 0."""
+                         tp: TensorParallel = SINGLE) -> torch.Tensor | None:
+    """[layers, 2 (k, v), `tp` rank's KV heads] float32 from a checkpoint's KV-cache scales (`found`: name ->
+    tensor, names as KV_SCALE_NAME); None when it has none. Each is one value (per tensor) or one per KV head.
+    Raises KVScaleError unless every layer has both, each finite and > 0."""
     if not found:
         return None
-    start, size = tp.shard(num_kv_heads, "KV heads")
-    scales = torch.full((num_layers, 2, size), float("nan"), dtype=torch.float32)
+    scales = torch.full((num_layers, 2, num_kv_heads), float("nan"), dtype=torch.float32)
     for name, tensor in found.items():
         match = KV_SCALE_NAME.search(name)
         if match is None:
@@ -103,9 +102,7 @@ def checkpoint_kv_scales(found: dict[str, torch.Tensor], num_layers: int, num_kv
         if not bool(torch.isnan(scales[layer, which]).all()):
             raise KVScaleError(f"{name}: a second {'kv'[which]} scale for layer {layer}")
         values = tensor.detach().float().flatten()
-        if values.numel() == num_kv_heads:
-            values = values[start:start + size]
-        elif values.numel() != 1:
+        if values.numel() not in (1, num_kv_heads):
             raise KVScaleError(f"{name}: {values.numel()} values; a KV-cache scale is one value or one per KV head "
                                f"({num_kv_heads})")
         if not bool(torch.isfinite(values).all() and (values > 0).all()):
@@ -116,4 +113,10 @@ def checkpoint_kv_scales(found: dict[str, torch.Tensor], num_layers: int, num_kv
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise KVScaleError(f"the checkpoint has KV-cache scales for some layers but not for layer.k/v {shown}: "
                            "an FP8 KV cache needs every layer's or none")
-    return scales
+    return rank_share(scales, tp)
+
+
+def rank_share(scales: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The [layers, 2, KV heads] scales of the KV heads `tp`'s rank holds."""
+    start, size = tp.shard(scales.shape[2], "KV heads")
+    return scales[:, :, start:start + size].contiguous()

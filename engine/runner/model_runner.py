@@ -34,7 +34,7 @@ from splitserve.engine.models import build_model
 from splitserve.engine.multimodal.mrope import batch_rope_positions, decode_rope_offsets
 from splitserve.engine.multimodal.prompt_embeds import image_rows, missing_embeddings, touches_images
 from splitserve.engine.quantization.fp8 import online_scheme
-from splitserve.engine.quantization.kv_fp8 import checkpoint_kv_scales, scales_digest
+from splitserve.engine.quantization.kv_fp8 import checkpoint_kv_scales, rank_share, scales_digest
 from splitserve.engine.request import Request
 from splitserve.engine.runner.decode_graphs import DecodeGraphs
 from splitserve.engine.runner.forward_batch import ForwardBatch, decode_batch, kv_token_locations
@@ -393,11 +393,11 @@ class ModelRunner:
             logger.info("the checkpoint's %d KV-cache scales are unused: the KV cache holds %s (--kv-cache-dtype "
                         "fp8_e4m3 reads them)", len(found), self.kv_shape.dtype)
             return ""
-        scales = checkpoint_kv_scales(found, model_cfg.num_layers, model_cfg.num_kv_heads, self.tp)
-        self.kv_pool.set_scales(scales.to(self.device))
+        scales = checkpoint_kv_scales(found, model_cfg.num_layers, model_cfg.num_kv_heads)  # every KV head
+        self.kv_pool.set_scales(rank_share(scales, self.tp).to(self.device))
         logger.info("FP8 KV cache scales from the checkpoint: keys %.4g-%.4g, values %.4g-%.4g",
                     scales[:, 0].min(), scales[:, 0].max(), scales[:, 1].min(), scales[:, 1].max())
-        return scales_digest(checkpoint_kv_scales(found, model_cfg.num_layers, model_cfg.num_kv_heads, SINGLE))
+        return scales_digest(scales)
 
     @torch.inference_mode()
     def copy_kv_page(self, src: int, dst: int) -> None:
