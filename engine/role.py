@@ -31,6 +31,10 @@ class Role:
     """Hooks the engine loop calls; every default is the unified engine's behaviour."""
 
     name = "unified"
+    # What this behaviour hands to the next role on a switch, by name (a KV transfer endpoint, an embedding
+    # receiver), and that thing from the previous role once `take_over` found it there (before `attach`).
+    hands_over: str | None = None
+    taken_over: Any = None
 
     def attach(self, engine: Engine) -> None:
         """Called once by Engine.start, before the loop thread runs and before any request."""
@@ -102,8 +106,12 @@ class Role:
 
     def take_over(self, kept: dict[str, Any]) -> set[str]:
         """Before `attach`, on a role switch: keeps what the previous role handed over that this one
-        uses, and returns those names (the switch closes the rest). Nothing by default."""
-        return set()
+        uses (`taken_over`: what it hands over itself, by the same name), and returns those names (the
+        switch closes the rest)."""
+        if self.hands_over is None or self.hands_over not in kept:
+            return set()
+        self.taken_over = kept[self.hands_over]
+        return {self.hands_over}
 
 
 class UnifiedRole(Role):

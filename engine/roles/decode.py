@@ -45,6 +45,7 @@ class DecodeRole(Role):
     """Decode: the engine loop, fed by KV receivers instead of prefill."""
 
     name = "decode"
+    hands_over = HANDED_OVER
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
@@ -53,15 +54,10 @@ class DecodeRole(Role):
         self.receiving: dict[str, Request] = {}
         self.metadata_sent: set[str] = set()  # requests whose pages a prefill may write into
         self.aux_of: dict[str, int] = {}  # request -> its aux slot (decode's own, fenced with its pages)
-        self.endpoint_taken_over: KVTransferEndpoint | None = None  # the previous role's, on a switch
-
-    def take_over(self, kept: dict[str, Any]) -> set[str]:
-        self.endpoint_taken_over = kept.get(HANDED_OVER)
-        return {HANDED_OVER} if self.endpoint_taken_over is not None else set()
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
-        self.endpoint = self.endpoint_taken_over or KVTransferEndpoint(engine, self.config)
+        self.endpoint = self.taken_over or KVTransferEndpoint(engine, self.config)
         self.endpoint.start_worker_ranks(None)
         self.free_aux = list(range(aux_slot_count(engine.cfg) - 1, -1, -1))
         self.max_fenced_pages = int(self.config.transfer_fence_max_fraction * engine.kv.allocator.capacity)

@@ -31,21 +31,17 @@ class EmbeddingReceivingRole(Role):
     """Holds requests with encoder-computed images until their rows are in."""
 
     name = "embedding-receiver"
+    hands_over = HANDED_OVER
 
     def __init__(self, transfer: TransferConfig, epd: EPDConfig) -> None:
         self.transfer = transfer
         self.epd = epd
         self.waiting: dict[str, Request] = {}
-        self.receiver_taken_over: EmbeddingReceiver | None = None  # an earlier prefill role's, on a switch
-
-    def take_over(self, kept: dict[str, Any]) -> set[str]:
-        self.receiver_taken_over = kept.get(HANDED_OVER)
-        return {HANDED_OVER} if self.receiver_taken_over is not None else set()
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
-        if self.receiver_taken_over is not None:  # its slots and Mooncake engine as they were
-            self.receiver, self.slots = self.receiver_taken_over, self.receiver_taken_over.slots
+        if self.taken_over is not None:  # its slots and Mooncake engine as they were
+            self.receiver, self.slots = self.taken_over, self.taken_over.slots
             return
         vision = engine.model_cfg.vision
         assert vision is not None, "the embedding receiver is only built for multimodal models"

@@ -49,20 +49,16 @@ class PrefillRole(Role):
     """Prefill: the engine loop plus a KV sender per request and a bootstrap server."""
 
     name = "prefill"
+    hands_over = HANDED_OVER
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
         self.bootstrapping: dict[str, Request] = {}  # waiting for the decode's metadata: nothing computed
         self.parked: dict[str, Request] = {}  # first token sampled: waiting for the transfer to finish
-        self.endpoint_taken_over: KVTransferEndpoint | None = None  # the previous role's, on a switch
-
-    def take_over(self, kept: dict[str, Any]) -> set[str]:
-        self.endpoint_taken_over = kept.get(HANDED_OVER)
-        return {HANDED_OVER} if self.endpoint_taken_over is not None else set()
 
     def attach(self, engine: Engine) -> None:
         super().attach(engine)
-        self.endpoint = self.endpoint_taken_over or KVTransferEndpoint(engine, self.config)
+        self.endpoint = self.taken_over or KVTransferEndpoint(engine, self.config)
         self.free_aux = list(range(self.endpoint.aux.shape[0] - 1, -1, -1))
         self.bootstrap = BootstrapServer(self.config.transfer_host, self.config.bootstrap_port,
                                          key=self.config.transfer_control_key).start()
