@@ -300,8 +300,8 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder, flags = model_folder(cfg, Path(tmp))
         report: dict = {"config": asdict(cfg), "tower": tower_timing(cfg, folder)}
-        report["transfer"] = {"skipped": mooncake_missing()} if mooncake_missing() else transfer_vs_device_copy(
-            cfg, folder)
+        missing = mooncake_missing()
+        report["transfer"] = {"skipped": missing} if missing else transfer_vs_device_copy(cfg, folder)
         if not cfg.skip_serving:
             report["serving"] = serving(cfg, folder, flags)
     print_report(report)
