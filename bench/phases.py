@@ -4,7 +4,8 @@ The same seeded open-loop load (mixed lengths, at each --rates) goes through the
 to one prefill + one decode engine. Every request asks the router for its phases (router/phases.py: the
 `x-splitserve-phases` SSE comment); the report gives, per deployment and rate, the p50 of each phase, the client's
 TTFT p50, and the attributed fraction (the phases' sum over the client's TTFT, per request: p50 and minimum).
-The 1P1D-minus-unified difference of each phase's p50 says where disaggregation's extra TTFT goes.
+The 1P1D-minus-unified difference of each phase's p50 says where disaggregation's extra TTFT goes. Then a burst
+(--burst NxI:O, all sent at once) gives each deployment's output tok/s and TTFT under saturation.
 
   splitserve bench --profile phases --model tiny --device cpu --num-requests 40 --rates 4
   splitserve bench --profile phases --shape llama-3.1-8b --device cuda:0 --rates 8 16 24 \\
@@ -50,6 +51,8 @@ class PhasesBenchConfig:
     engine_args: str = field(default="", metadata={"help": "extra flags for every engine"})
     pd_engine_args: str = field(default="", metadata={
         "help": "extra flags for the prefill and decode engines (e.g. --transfer-protocol cuda_ipc)"})
+    burst: str = field(default="256x512:256", metadata={
+        "help": "NxI:O: N prompts of I tokens sent at once, O tokens each, after the rates ('' skips it)"})
     seed: int = field(default=0, metadata={"help": "seed of the prompts, lengths and arrival times"})
     output: str = field(default="", metadata={"help": "write the figures as JSON here"})
 
@@ -61,6 +64,7 @@ class Sample:
     ttft: float
     phases: dict[str, float] | None
     error: str | None = None
+    tokens: int = 0  # output tokens the client received
 
 
 def workload(cfg: PhasesBenchConfig, vocab: int) -> list[tuple[float, list[int], int]]:
@@ -78,21 +82,22 @@ def workload(cfg: PhasesBenchConfig, vocab: int) -> list[tuple[float, list[int],
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Sample:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
-    start, ttft, phases = time.perf_counter(), None, None
+    start, ttft, phases, tokens = time.perf_counter(), None, None, 0
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, headers={PHASES_HEADER: "1"}) as r:
             if r.status_code != 200:
                 return Sample(0.0, None, f"HTTP {r.status_code}")
             async for line in r.aiter_lines():
-                if ttft is None and line.startswith("data: {") and "token_ids" in line:
+                if line.startswith("data: {") and "token_ids" in line:
                     choices = json.loads(line[6:]).get("choices") or [{}]
-                    if choices[0].get("token_ids"):
+                    tokens += len(choices[0].get("token_ids") or ())
+                    if ttft is None and tokens:
                         ttft = time.perf_counter() - start
                 elif line.startswith(": phases "):
                     phases = json.loads(line[len(": phases "):]).get("phases")
     except httpx.HTTPError as exc:
         return Sample(0.0, None, f"{type(exc).__name__}: {exc}")
-    return Sample(ttft, phases) if ttft is not None else Sample(0.0, None, "no token")
+    return Sample(ttft, phases, tokens=tokens) if ttft is not None else Sample(0.0, None, "no token")
 
 
 async def run_load(url: str, model: str, requests: list[tuple[float, list[int], int]], rate: float) -> list[Sample]:
@@ -121,6 +126,26 @@ def summarize(samples: list[Sample], names: list[str]) -> dict[str, Any]:
     }
 
 
+def burst_requests(spec: str, vocab: int, seed: int) -> list[tuple[float, list[int], int]]:
+    """'NxI:O' -> N requests at offset 0, I seeded prompt tokens and O output tokens each."""
+    try:
+        count, rest = spec.lower().split("x")
+        prompt_len, output_len = (int(v) for v in rest.split(":"))
+        n = int(count)
+    except ValueError:
+        raise ValueError(f"--burst {spec!r}: expected NxI:O, e.g. 256x512:256") from None
+    rng = random.Random(seed + 1)
+    return [(0.0, [rng.randrange(10, vocab) for _ in range(prompt_len)], output_len) for _ in range(n)]
+
+
+def summarize_burst(samples: list[Sample], seconds: float) -> dict[str, Any]:
+    """Output tok/s over the whole burst (first send to last token), and its TTFT percentiles."""
+    ok = [s for s in samples if s.error is None]
+    return {"requests": len(samples), "ok": len(ok), "errors": sorted({s.error for s in samples if s.error})[:3],
+            "seconds": seconds, "output_tok_s": sum(s.tokens for s in ok) / seconds if seconds > 0 else 0.0,
+            "ttft_s": percentiles([s.ttft for s in ok])}
+
+
 def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
     from splitserve.launcher.up import Deployment, UpConfig, free_port
 
@@ -145,9 +170,23 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
             asyncio.run(run_load(url, served, requests[:4], 1000.0))  # warm-up
             for rate in cfg.rates:
                 report[name][rate] = summarize(asyncio.run(run_load(url, served, requests, rate)), names)
+                logger.info("%s at %g req/s: TTFT p50 %.1f ms, %d/%d ok", name, rate,
+                            report[name][rate]["ttft_s"]["p50"] * 1e3, report[name][rate]["ok"], cfg.num_requests)
+                write_report(report, cfg.output)  # what a cut run measured so far
+            if cfg.burst:
+                begin = time.perf_counter()
+                samples = asyncio.run(run_load(url, served, burst_requests(cfg.burst, 300, cfg.seed), 1.0))
+                report[name]["burst"] = summarize_burst(samples, time.perf_counter() - begin)
+                logger.info("%s burst %s: %.0f output tok/s", name, cfg.burst, report[name]["burst"]["output_tok_s"])
+                write_report(report, cfg.output)
         finally:
             deployment.stop()
     return report
+
+
+def write_report(report: dict[str, Any], output: str) -> None:
+    if output:
+        Path(output).write_text(json.dumps(report, indent=2, default=str))
 
 
 def print_phases_report(report: dict[str, Any]) -> None:
@@ -164,6 +203,12 @@ def print_phases_report(report: dict[str, Any]) -> None:
             p = pd["phases_p50_s"][phase]
             diff = f"{(p - u) * 1e3:+12.2f} ms" if u is not None else f"{p * 1e3:+12.2f} ms"
             print(f"  {phase:>16} {'' if u is None else f'{u * 1e3:9.2f} ms':>12} {p * 1e3:7.2f} ms {diff:>15}")
+    if "burst" in report["unified"] and "burst" in report["1p1d"]:
+        uni, pd = report["unified"]["burst"], report["1p1d"]["burst"]
+        ratio = pd["output_tok_s"] / uni["output_tok_s"] if uni["output_tok_s"] else float("nan")
+        print(f"burst {report['config']['burst']}: output {uni['output_tok_s']:.0f} tok/s unified, "
+              f"{pd['output_tok_s']:.0f} 1P1D ({ratio:.2f}x); TTFT p50 {uni['ttft_s']['p50']:.2f} s against "
+              f"{pd['ttft_s']['p50']:.2f} s ({uni['ok']}/{uni['requests']} and {pd['ok']}/{pd['requests']} ok)")
 
 
 def main(argv: list[str]) -> int:
@@ -173,7 +218,6 @@ def main(argv: list[str]) -> int:
     cfg = config_from_args(PhasesBenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH")
     report = run_phases_benchmark(cfg)
     print_phases_report(report)
-    if cfg.output:
-        Path(cfg.output).write_text(json.dumps(report, indent=2, default=str))
+    write_report(report, cfg.output)
     failed = sum(r["requests"] - r["ok"] for name in ("unified", "1p1d") for r in report[name].values())
     return 0 if failed == 0 else 1
