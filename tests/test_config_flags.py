@@ -48,3 +48,13 @@ def test_bad_env_value_names_the_variable() -> None:
         parse([], {"SPLITSERVE_PAGE_SIZE": "big"})
     with pytest.raises(ConfigError, match="SPLITSERVE_ROLE: 'chef' is not one of"):
         parse([], {"SPLITSERVE_ROLE": "chef"})
+
+
+def test_max_running_requests_default_follows_the_device() -> None:
+    from splitserve.engine.config import CPU_MAX_RUNNING_REQUESTS, CUDA_MAX_RUNNING_REQUESTS
+
+    assert EngineConfig(device="cpu").max_running_requests == CPU_MAX_RUNNING_REQUESTS == 64
+    assert EngineConfig(device="cuda:1").max_running_requests == CUDA_MAX_RUNNING_REQUESTS == 256
+    assert EngineConfig(device="cuda", max_running_requests=8).max_running_requests == 8  # a flag wins
+    with pytest.raises(ValueError, match="--max-running-requests must be >= 1"):
+        EngineConfig(device="cpu", max_running_requests=-1)
