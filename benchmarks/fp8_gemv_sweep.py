@@ -20,7 +20,7 @@ import sys
 import torch
 
 from splitserve.engine.checkpoints.model_shapes import LLAMA_3_1_8B, layer_projections
-from splitserve.engine.quantization.fp8_cuda import skinny_blocks, skinny_fp8
+from splitserve.engine.quantization.fp8_cuda import skinny_fp8, skinny_launch
 from splitserve.engine.runner.graph_timing import device_copy_gbs, graph_time_us
 
 logger = logging.getLogger("fp8_gemv_sweep")
@@ -46,7 +46,7 @@ def shape_report(name: str, n: int, k: int, m: int, hbm: float) -> dict:
     weights16 = [w16.clone() for _ in range(max(2, -(-(512 << 20) // (n * k * 2))))]
     bf16_us = graph_time_us(lambda i: skinny.skinny_linear(x, weights16[i]), len(weights16))
     weights16.clear()  # their memory back before the FP8 copies are timed
-    default = (*skinny_blocks(n, x.dtype)[:2], 4, skinny_blocks(n, x.dtype)[2], 1)
+    default = skinny_launch(n, k, x.dtype)
     results = []
     for cfg in [default, *[c for c in CONFIGS if c != default]]:
         try:

@@ -97,13 +97,12 @@ def test_skinny_kernel_with_k_split_adds_the_parts_in_order(shape: tuple[int, in
     """K split in parts (more programs for a narrow product): the unsplit sum to float32 reassociation, bias
     and scale applied once, a row's bits independent of the row count, and the same bits replayed in a graph
     (the parts' scratch tensor comes from the graph's pool)."""
-    from splitserve.engine.quantization.fp8_cuda import skinny_blocks, skinny_fp8
+    from splitserve.engine.quantization.fp8_cuda import skinny_fp8, skinny_launch
 
     n, k = shape
     x, q, scale = operands(n, k, 9, seed=5)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    block_n, block_k, stages = skinny_blocks(n, x.dtype)
-    launch = (block_n, block_k, 4, stages, splits)
+    launch = (*skinny_launch(n, k, x.dtype)[:4], splits)
     whole = skinny_fp8(x, q, scale, bias, launch=(*launch[:4], 1))
     split = skinny_fp8(x, q, scale, bias, launch=launch)
     assert relative_error(split, whole) < 2e-3
