@@ -257,6 +257,7 @@ def build_decode_inputs(chunks: list[ScheduledChunk]) -> tuple[list[int], list[i
 # Device memory a KV cache leaves free in any case: activations, CUDA graphs and the CUDA context of every process
 # on the device come out of it.
 KV_HEADROOM_FRACTION = 0.05
+ENCODER_KV_PAGES = 2  # an encode engine's KV pool: the scratch page and one (it never runs a text step)
 
 
 def device_kv_budget(total: int, free: int, own: int, mem_fraction: float) -> int:
@@ -269,7 +270,10 @@ def device_kv_budget(total: int, free: int, own: int, mem_fraction: float) -> in
 
 
 def kv_pages_for_budget(cfg: EngineConfig, shape_args: dict, device: torch.device, weight_bytes: int) -> int:
-    """How many KV pages fit: --max-total-tokens if given, else --mem-fraction of memory."""
+    """How many KV pages fit: --max-total-tokens if given, else --mem-fraction of memory. An encoder runs no text
+    step: the scratch page and one, whatever the flags (its memory goes to the embedding slots)."""
+    if cfg.role == "encode":
+        return ENCODER_KV_PAGES
     if cfg.max_total_tokens is not None:
         return -(-cfg.max_total_tokens // cfg.page_size) + 1  # + the scratch page
     per_page = KVPoolShape.bytes_per_page_all_layers(page_size=cfg.page_size, **shape_args)
@@ -675,7 +679,7 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self, page_table: torch.Tensor, padding_slot: int) -> None:
         """Captures decode CUDA graphs (GPU only, unless --disable-cuda-graph)."""
-        if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
+        if self.device.type != "cuda" or self.cfg.disable_cuda_graph or self.cfg.role == "encode":
             return
         # The graphs keep the model's dtype: the argmax needs no float32 copy (sampling steps cast after).
         graphs = DecodeGraphs(lambda b: self.model.logits(b, self.kv_pool), page_table, self.cfg.page_size,
@@ -754,6 +758,8 @@ class ModelRunner:
         compiled the decode kernels.
         """
         self.warmed_up = True
+        if self.cfg.role == "encode":
+            return  # no text step to compile for (the tower's kernels compile at its first batch)
         if self.device.type != "cuda":
             self.capture_piecewise_graphs()  # built only: their pieces run eagerly on the CPU
             return

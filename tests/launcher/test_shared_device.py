@@ -65,3 +65,19 @@ def test_two_engines_starting_together_on_one_device_both_find_room():
     assert int(total * 0.425) - (total - (free - first)) < 0  # what the device's use left the second
     # Another process holding most of the device: what is free, less the headroom, bounds it.
     assert device_kv_budget(total, 20 * GIB, weights, 0.85) == 20 * GIB - int(total * 0.05)
+
+
+def test_an_encoder_holds_two_kv_pages_whatever_its_flags():
+    """An encode engine runs no text step: its KV pool is the scratch page and one, so the prefill and decode
+    engines that share its GPU get the memory (on one H100, three Qwen2.5-VL-7B engines with 7 GiB of KV each
+    did not fit)."""
+    import torch
+
+    from splitserve.engine.runner.model_runner import ENCODER_KV_PAGES, kv_pages_for_budget
+
+    shape = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": torch.float32}
+    for flags in ({}, {"max_total_tokens": 131072}, {"mem_fraction": 1.0}):
+        encoder = EngineConfig(model="tiny", device="cpu", role="encode", **flags)
+        assert kv_pages_for_budget(encoder, shape, torch.device("cpu"), 0) == ENCODER_KV_PAGES == 2
+    prefill = EngineConfig(model="tiny", device="cpu", role="prefill", max_total_tokens=131072)
+    assert kv_pages_for_budget(prefill, shape, torch.device("cpu"), 0) == 131072 // 16 + 1
