@@ -19,6 +19,7 @@ import importlib.util
 import io
 import itertools
 import json
+import logging
 import random
 import re
 import tempfile
@@ -33,6 +34,8 @@ from splitserve.bench.stats import percentiles
 from splitserve.config_flags import add_config_flags, config_from_args
 
 SHAPED = "qwen2.5-vl-7b-shape"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -248,9 +251,13 @@ def serving(cfg: QwenVLBenchConfig, folder: str, flags: list[str]) -> dict:
             asyncio.run(load_at_rate(url, warm, 100.0, cfg.max_tokens, 0))
             for i, rate in enumerate(cfg.rates):
                 out[name][rate] = asyncio.run(load_at_rate(url, chat_bodies(cfg, seed=i), rate, cfg.max_tokens, i))
+                logger.info("%s at %g req/s: TTFT p50 %.0f ms", name, rate, out[name][rate]["ttft_s"]["p50"] * 1e3)
+        except RuntimeError as exc:  # a deployment that did not start: the other's figures still count
+            logger.error("%s deployment failed: %s", name, exc)
+            out[name] = {"failed": str(exc)}
         finally:
             deployment.stop()
-    if missing:
+    if missing or any("failed" in out[name] for name, _ in shapes):
         return out
     out["ratios"] = {rate: {
         "ttft_p50_epd_over_unified": out["epd"][rate]["ttft_s"]["p50"] / out["unified"][rate]["ttft_s"]["p50"],
@@ -261,20 +268,26 @@ def serving(cfg: QwenVLBenchConfig, folder: str, flags: list[str]) -> dict:
     return out
 
 
-def print_report(report: dict) -> None:
-    for side, t in report["tower"].items():
+def print_tower(tower: dict) -> None:
+    for side, t in tower.items():
         print(f"tower {side} px ({t['tokens']} tokens): {t['ms']:.2f} ms, {t['gflops']:.0f} GFLOP, "
-              f"{t['tflops_achieved']:.1f} TFLOP/s, bound {t['bound_ms']:.2f} ms ({t['time_over_bound']:.1f}x)")
-    t = report["transfer"]
+              f"{t['tflops_achieved']:.1f} TFLOP/s, bound {t['bound_ms']:.2f} ms ({t['time_over_bound']:.1f}x)",
+              flush=True)
+
+
+def print_transfer_part(t: dict) -> None:
     if "skipped" in t:
-        print(f"embedding transfer {t['skipped']}")
+        print(f"embedding transfer {t['skipped']}", flush=True)
     else:
         print_transfer(t)
-    if "serving" not in report:
-        return
-    s = report["serving"]
-    if "skipped" in s["epd"]:
-        print(f"encode + prefill + decode {s['epd']['skipped']}")
+
+
+def print_serving(s: dict) -> None:
+    for name, label in (("unified", "unified"), ("epd", "encode + prefill + decode")):
+        if "skipped" in s[name]:
+            print(f"{label} {s[name]['skipped']}")  # the reason starts "skipped: "
+        if "failed" in s[name]:
+            print(f"{label} failed: {s[name]['failed']}")
     for rate in s["rates"]:
         line = [f"rate {rate:>4} req/s"]
         for name in ("unified", "epd"):
@@ -289,7 +302,7 @@ def print_transfer(t: dict) -> None:
     print(f"embedding transfer of {t['rows']} x {t['hidden']} rows ({t['bytes_per_item'] / 1e6:.1f} MB): "
           f"{t['embedding_gb_s']:.2f} GB/s ({t['embedding_ms']:.2f} ms); "
           f"raw Mooncake {t['raw_mooncake_gb_s']:.2f} GB/s; "
-          f"device copy {t['device_copy_gb_s']:.1f} GB/s ({t['device_copy_ms']:.3f} ms)")
+          f"device copy {t['device_copy_gb_s']:.1f} GB/s ({t['device_copy_ms']:.3f} ms)", flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -297,17 +310,27 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(parser, QwenVLBenchConfig, "SPLITSERVE_BENCH_QWEN_VL")
     cfg = config_from_args(QwenVLBenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH_QWEN_VL")
+    report: dict = {"config": asdict(cfg)}
+
+    def save() -> None:  # after each part: a cut run keeps what it measured
+        if cfg.output:
+            Path(cfg.output).write_text(json.dumps(report, indent=2, default=str))
+
     with tempfile.TemporaryDirectory() as tmp:
         folder, flags = model_folder(cfg, Path(tmp))
-        report: dict = {"config": asdict(cfg), "tower": tower_timing(cfg, folder)}
+        report["tower"] = tower_timing(cfg, folder)
+        print_tower(report["tower"])
+        save()
         missing = mooncake_missing()
         report["transfer"] = {"skipped": missing} if missing else transfer_vs_device_copy(cfg, folder)
+        print_transfer_part(report["transfer"])
+        save()
         if not cfg.skip_serving:
             report["serving"] = serving(cfg, folder, flags)
-    print_report(report)
-    if cfg.output:
-        Path(cfg.output).write_text(json.dumps(report, indent=2, default=str))
-    return 0
+            print_serving(report["serving"])
+            save()
+    failed = "serving" in report and any("failed" in report["serving"][n] for n in ("unified", "epd"))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

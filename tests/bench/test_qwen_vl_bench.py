@@ -54,8 +54,8 @@ def test_without_mooncake_the_encoder_parts_say_they_were_skipped_and_the_rest_r
     reason = qwen_vl.mooncake_missing()
     assert reason.startswith("skipped: Mooncake is not installed")
     stats = {"ttft_s": {"p50": 0.1, "p99": 0.2}, "output_tokens_per_s": 50.0, "ok": 4, "requests": 4}
-    qwen_vl.print_report({"tower": {}, "transfer": {"skipped": reason},
-                          "serving": {"rates": [1.0], "unified": {1.0: stats}, "epd": {"skipped": reason}}})
+    qwen_vl.print_transfer_part({"skipped": reason})
+    qwen_vl.print_serving({"rates": [1.0], "unified": {1.0: stats}, "epd": {"skipped": reason}})
     out = capsys.readouterr().out
     assert "embedding transfer skipped: Mooncake" in out and "encode + prefill + decode skipped" in out
     assert "unified TTFT p50     100 ms" in out
