@@ -87,11 +87,12 @@ def load_weights(model: nn.Module, path: str | Path, tied_lm_head: bool) -> dict
     targets: dict[str, tuple[nn.Module, int]] = model.weight_targets()  # type: ignore[operator]
     # Multimodal checkpoints come in several layouts: the model maps each name to the one it targets.
     canonical = getattr(model, "checkpoint_name", lambda n: n)
+    skips = getattr(model, "skips_checkpoint_tensor", lambda n: False)  # an image side alone: the text's tensors
     remaining = set(targets)
     kv_scales: dict[str, torch.Tensor] = {}
     for stored, tensor in checkpoint_tensors(path):
         name = canonical(stored)
-        if name.endswith(IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
+        if name.endswith(IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight") or skips(name):
             continue
         if name.endswith(KV_SCALE_SUFFIXES) and name not in targets:
             if KV_SCALE_NAME.search(name):  # the KV pool's; other attention (a vision tower's) keeps no KV cache

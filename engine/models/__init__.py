@@ -10,13 +10,16 @@ from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
 
 
 def build_model(cfg: ModelConfig, tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32,
-                max_positions: int | None = None) -> nn.Module:
-    """The text model, or the multimodal model around it when the checkpoint takes images."""
+                max_positions: int | None = None, text: bool = True) -> nn.Module:
+    """The text model, or the multimodal model around it when the checkpoint takes images; `text=False`: the
+    multimodal model's image side alone (an encode engine)."""
+    if not text and cfg.vision is None:
+        raise ValueError(f"an image side alone was asked for (--role encode), but {cfg.architecture} takes no images")
     if cfg.mrope:
         from splitserve.engine.models.qwen_vl import QwenVLForConditionalGeneration
-        return QwenVLForConditionalGeneration(cfg, tp, dtype, max_positions)
+        return QwenVLForConditionalGeneration(cfg, tp, dtype, max_positions, text=text)
     if cfg.vision is not None:
         from splitserve.engine.models.llava import LlavaForConditionalGeneration
-        return LlavaForConditionalGeneration(cfg, tp, dtype, max_positions)
+        return LlavaForConditionalGeneration(cfg, tp, dtype, max_positions, text=text)
     from splitserve.engine.models.llama import LlamaForCausalLM
     return LlamaForCausalLM(cfg, tp, dtype, max_positions)

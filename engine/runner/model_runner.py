@@ -7,6 +7,7 @@ import gc
 import itertools
 import logging
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,6 +255,21 @@ def build_decode_inputs(chunks: list[ScheduledChunk]) -> tuple[list[int], list[i
     return ids, positions, slots
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionDims:
+    """One rank's attention heads, KV heads and head size (what the KV pool and the kernels are planned for)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def attention_dims(model_cfg: ModelConfig, tp: TensorParallel) -> AttentionDims:
+    """This rank's share of the heads, as the attention layers shard them (also without a text model built)."""
+    return AttentionDims(tp.shard(model_cfg.num_heads, "attention heads")[1],
+                         tp.shard(model_cfg.num_kv_heads, "KV heads")[1], model_cfg.head_dim)
+
+
 # Device memory a KV cache leaves free in any case: activations, CUDA graphs and the CUDA context of every process
 # on the device come out of it.
 KV_HEADROOM_FRACTION = 0.05
@@ -292,10 +308,11 @@ def kv_pages_for_budget(cfg: EngineConfig, shape_args: dict, device: torch.devic
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights in place (norms at 1), for benchmarks of a shape without its checkpoint. Every weight is
-    drawn in float32, in parameter order, whatever its dtype or quantization: a model and its FP8 twin (an FP8
-    projection quantizes its draw per channel) get the same weights, so their outputs compare (bench/fp8.py)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    """Random weights in place (norms at 1), for benchmarks of a shape without its checkpoint. Each weight is
+    drawn in float32 from a generator seeded by `seed` and its name, whatever its dtype or quantization: a model
+    and its FP8 twin (an FP8 projection quantizes its draw per channel) get the same weights, so their outputs
+    compare (bench/fp8.py), and so do a multimodal model and its image side alone (an encode engine)."""
+    gen = torch.Generator(device=next(model.parameters()).device)
     quantized = {id(m.weight): m for m in model.modules() if getattr(m, "quant", None) is not None}
     scales = {id(p) for m in quantized.values() for p in (m.weight_scale, m.input_scale) if p is not None}
     for name, param in model.named_parameters():
@@ -304,6 +321,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
         if "norm" in name:
             param.fill_(1.0)
             continue
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         w = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(0.0, 0.02, generator=gen)
         if id(param) in quantized:
             quantized[id(param)].init_from(w)
@@ -325,8 +343,11 @@ class ModelRunner:
         started = time.monotonic()
         if cfg.quantization == "fp8" and model_cfg.quantization is None:  # FP8 on load (docs/fp8.md)
             model_cfg = self.model_cfg = dataclasses.replace(model_cfg, quantization=online_scheme())
+        # An encode engine only turns images into rows: the image side alone, no text model in memory.
+        self.runs_text = cfg.role != "encode"
         with torch.device(self.device):
-            self.model = build_model(model_cfg, tp, self.dtype, max_positions=self.context_length)
+            self.model = build_model(model_cfg, tp, self.dtype, max_positions=self.context_length,
+                                     text=self.runs_text)
         checkpoint_scales: dict[str, torch.Tensor] = {}
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed)
@@ -346,7 +367,7 @@ class ModelRunner:
                     f" (FP8 projections: {fp8.source}, {fp8.weight_strategy} weight scales, {fp8.activation} "
                     f"activations{'' if self.device.type == 'cuda' else '; dequantized on load'})" if fp8 else "",
                     self.device, time.monotonic() - started)
-        attn = self.model.layers[0].self_attn
+        attn = attention_dims(model_cfg, tp)
         shape_args = {"num_layers": model_cfg.num_layers, "num_kv_heads": attn.num_kv_heads,
                       "head_dim": attn.head_dim, "dtype": cfg.kv_dtype()}
         num_pages = kv_pages_for_budget(cfg, shape_args, self.device, weight_bytes)
@@ -679,7 +700,7 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self, page_table: torch.Tensor, padding_slot: int) -> None:
         """Captures decode CUDA graphs (GPU only, unless --disable-cuda-graph)."""
-        if self.device.type != "cuda" or self.cfg.disable_cuda_graph or self.cfg.role == "encode":
+        if self.device.type != "cuda" or self.cfg.disable_cuda_graph or not self.runs_text:
             return
         # The graphs keep the model's dtype: the argmax needs no float32 copy (sampling steps cast after).
         graphs = DecodeGraphs(lambda b: self.model.logits(b, self.kv_pool), page_table, self.cfg.page_size,
@@ -758,8 +779,8 @@ class ModelRunner:
         compiled the decode kernels.
         """
         self.warmed_up = True
-        if self.cfg.role == "encode":
-            return  # no text step to compile for (the tower's kernels compile at its first batch)
+        if not self.runs_text:
+            return  # an encoder: no text step to compile for (the tower's kernels compile at its first batch)
         if self.device.type != "cuda":
             self.capture_piecewise_graphs()  # built only: their pieces run eagerly on the CPU
             return

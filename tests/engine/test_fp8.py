@@ -319,7 +319,7 @@ def test_transformers_loads_the_compressed_tensors_checkpoint_alike(tmp_path: Pa
 
 
 def test_a_shape_and_its_fp8_twin_draw_the_same_dummy_weights_and_the_bench_states_their_accuracy() -> None:
-    """--load-format dummy draws every weight in float32 in parameter order: the FP8 twin's projections are the
+    """--load-format dummy draws every weight in float32 from a seed per name: the FP8 twin's projections are the
     bfloat16 model's quantized per channel (within e4m3's rounding), the rest equal; bench fp8's accuracy of
     FP8 weights and FP8 KV against them is then quantization noise only (the tiny shape, CPU, float32)."""
     from splitserve.bench.fp8 import accuracy_on_shape, twin
