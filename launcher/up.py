@@ -149,18 +149,21 @@ KV_SIZE_FLAGS = ("--mem-fraction", "--max-total-tokens")
 KV_SIZE_ENV = ("SPLITSERVE_MEM_FRACTION", "SPLITSERVE_MAX_TOTAL_TOKENS")
 
 
-def shared_device_fractions(engines: list[list[str]]) -> list[float | None]:
+def shared_device_fractions(engines: list[list[str]], sized: list[bool] | None = None) -> list[float | None]:
     """Each engine's --mem-fraction, given the devices each engine runs on (one per rank): the default split
     evenly between the engines of the busiest GPU it uses; None for an engine alone on its GPUs, and on the CPU
-    (no fraction to split there)."""
+    (no fraction to split there). `sized[i]` False: engine i sizes no KV cache by its fraction (an encoder: the
+    image side and its embedding slots alone), so it takes no share and gets None."""
+    sized = sized or [True] * len(engines)
     count: dict[str, int] = {}
-    for devices in engines:
+    for devices, counts in zip(engines, sized, strict=True):
         for d in devices:
-            count[d] = count.get(d, 0) + 1
+            count[d] = count.get(d, 0) + counts
     shares = []
-    for devices in engines:
+    for devices, counts in zip(engines, sized, strict=True):
         most = max(count[d] for d in devices)
-        shares.append(round(DEVICE_FRACTION / most, 3) if devices[0].startswith("cuda") and most > 1 else None)
+        shares.append(round(DEVICE_FRACTION / most, 3)
+                      if counts and devices[0].startswith("cuda") and most > 1 else None)
     return shares
 
 
@@ -282,9 +285,11 @@ class Deployment:
         given = any(a.split("=")[0] in KV_SIZE_FLAGS for a in cfg.engine_args.split())
         if given or any(name in os.environ for name in KV_SIZE_ENV):
             return []
-        engines = cfg.drafter + (cfg.unified or cfg.prefill + cfg.decode + cfg.encode)
+        split = ["prefill"] * cfg.prefill + ["decode"] * cfg.decode + ["encode"] * cfg.encode
+        roles = ["drafter"] * cfg.drafter + (["unified"] * cfg.unified if cfg.unified else split)
         tp = engine_tp_size(cfg.engine_args)
-        return shared_device_fractions([gpus_of(engine_device(cfg.device, i, tp), tp) for i in range(engines)])
+        return shared_device_fractions([gpus_of(engine_device(cfg.device, i, tp), tp) for i in range(len(roles))],
+                                       [role != "encode" for role in roles])
 
     def roles_summary(self) -> tuple[str, str]:
         """Every role started, as counts ("1 prefill + 1 decode + 2 drafter") and as each role's URLs."""

@@ -30,6 +30,7 @@ def test_engines_of_one_gpu_split_the_default_and_an_engine_alone_keeps_its_own(
     assert shared_device_fractions([["cpu"], ["cpu"]]) == [None, None]
     # Two ranks each: the busiest GPU an engine uses sets its share.
     assert shared_device_fractions([["cuda:0", "cuda:1"], ["cuda:1", "cuda:2"]]) == [0.425, 0.425]
+    assert shared_device_fractions([["cuda:0"], ["cuda:0"]], sized=[True, False]) == [None, None]  # alone in the split
 
 
 def test_engines_of_several_ranks_take_gpus_of_their_own_while_there_are_enough():
@@ -43,6 +44,7 @@ def test_engines_of_several_ranks_take_gpus_of_their_own_while_there_are_enough(
 @pytest.mark.parametrize("args,want", [
     ({"prefill": 1, "decode": 1}, [0.425, 0.425]),
     ({"prefill": 1, "decode": 1, "drafter": 1}, [0.283] * 3),
+    ({"prefill": 1, "decode": 1, "encode": 1}, [0.425, 0.425, None]),  # an encoder sizes no KV cache
     ({"unified": 2, "engine_args": "--mem-fraction 0.3"}, []),  # the user's size wins
     ({"unified": 2, "engine_args": "--max-total-tokens=4096"}, []),
     ({"unified": 1, "engine_args": "--tp-size 2"}, [None]),  # its ranks on cuda:0 and cuda:1, alone there
