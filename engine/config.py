@@ -59,8 +59,8 @@ class EngineConfig:
         "choices": ("safetensors", "dummy")})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     max_running_requests: int = field(default=0, metadata={
-        "help": "requests decoding at once (default: 256 on a CUDA device, where the decode graphs cover that "
-                "batch, 64 on the CPU)"})
+        "help": "requests decoding at once; 0: by device and role (256 on a CUDA device, where the decode graphs "
+                "cover that batch, 64 on the CPU, 1 for an encode engine, which decodes nothing)"})
     max_waiting_requests: int = field(default=1024, metadata={
         "help": "requests admitted but not yet running (queued, or waiting for their KV transfer to start); "
                 "past it new requests get 503 with Retry-After"})
@@ -150,7 +150,7 @@ class EngineConfig:
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_running_requests == 0:
-            self.max_running_requests = default_max_running_requests(self.device)
+            self.max_running_requests = 1 if self.role == "encode" else default_max_running_requests(self.device)
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.max_waiting_requests < 1 or self.max_inbox < 1:

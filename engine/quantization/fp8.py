@@ -222,7 +222,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         from splitserve.engine.quantization import fp8_cuda
 
         if x.shape[0] <= skinny_rows or x.dtype == torch.float32:
-            return fp8_cuda.skinny_fp8(x, weight, weight_scale, bias)
+            return fp8_cuda.skinny_fp8(x, weight, weight_scale, bias, max_rows=skinny_rows)
         if scaled_mm_fits(x, weight):
             return fp8_cuda.scaled_mm_linear(x, weight, weight_scale, input_scale, bias, activation)
     return fp8_linear_reference(x, weight, weight_scale, input_scale, bias,

@@ -74,23 +74,33 @@ def _sum_splits(Partial, WScale, Bias, Y, M, N, stride_ym, HAS_BIAS: tl.constexp
     tl.store(Y + row * stride_ym + n, acc.to(Y.dtype.element_ty), mask=n < N)
 
 
-def skinny_launch(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages, K parts) of the skinny FP8 kernel for an [n, k] weight.
+# The K split's scratch (parts x rows x N float32) is cheap at decode rows and not past this many: a layer that
+# sends more rows down the skinny path (a batch-invariant verifier's) launches unsplit for every row count, so a
+# row's bits still do not depend on how many rows share its step.
+SPLIT_MAX_ROWS = 32
+
+
+def skinny_launch(n: int, k: int, dtype: torch.dtype, max_rows: int = 16) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages, K parts) of the skinny FP8 kernel for an [n, k] weight, in a layer that
+    sends up to `max_rows` rows down the skinny path.
 
     Swept on an H100 (benchmarks/fp8_gemv_sweep.py, Llama-3.1-8B's projections at 1 and 8 rows): 32 x 256 tiles
-    with K split in 3-6 parts won every product, 0.58-0.78x the 16-bit kernel's time against 0.69-1.19x unsplit
-    with the tiles before. A narrow product (qkv, o_proj, down: 128-192 N blocks on 132 SMs) needs the parts for
-    enough loads in flight; a wide one (gate_up) gains from the shorter K loop. The long K of down takes 6."""
+    with K split in 3-6 parts won every product, 0.58-0.78x the 16-bit kernel's time, where the best unsplit
+    launches took 0.69-1.19x. A narrow product (qkv, o_proj, down: 128-192 N blocks on 132 SMs) needs the parts
+    for enough loads in flight; a wide one (gate_up) gains from the shorter K loop; the long K of down takes 6.
+    Tensor-parallel shards of those widths were not swept."""
     if dtype == torch.float32:
         return 32, 64, 4, 3, 1
-    splits = 6 if k > 8192 else 4 if 4096 < n <= 8192 else 3
+    splits = 1 if max_rows > SPLIT_MAX_ROWS else 6 if k > 8192 else 4 if 4096 < n <= 8192 else 3
     return 32, 256, 4, 3, splits
 
 
 def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, launch: tuple[int, ...] | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, launch: tuple[int, ...] | None = None,
+               max_rows: int = 16) -> torch.Tensor:
     """x @ (weight * weight_scale[:, None]).T (+ bias); x: [M, K] 16-bit or float32, weight: [N, K] e4m3,
-    weight_scale: [N] float32. `launch` (BLOCK_N, BLOCK_K, warps, stages[, splits]) overrides the choice (sweeps).
+    weight_scale: [N] float32. `launch` (BLOCK_N, BLOCK_K, warps, stages[, splits]) overrides the choice (sweeps);
+    `max_rows`: the most rows the calling layer sends to this kernel (skinny_launch splits K only up to 32).
     With K split in parts (more programs, more loads in flight for a narrow product), each part's float32 sum
     goes to a scratch tensor and a second kernel adds them in part order: a row's bits still do not depend on
     the other rows, as long as the part count does not depend on them either."""
@@ -99,7 +109,7 @@ def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if launch is None:
-        launch = skinny_launch(n, k, x.dtype)
+        launch = skinny_launch(n, k, x.dtype, max_rows)
     block_n, block_k, warps, stages = launch[:4]
     splits = launch[4] if len(launch) > 4 else 1
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k

@@ -103,6 +103,7 @@ def test_skinny_kernel_with_k_split_adds_the_parts_in_order(shape: tuple[int, in
     x, q, scale = operands(n, k, 9, seed=5)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
     launch = (*skinny_launch(n, k, x.dtype)[:4], splits)
+    assert skinny_launch(n, k, x.dtype)[4] > 1 and skinny_launch(n, k, x.dtype, max_rows=1280)[4] == 1
     whole = skinny_fp8(x, q, scale, bias, launch=(*launch[:4], 1))
     split = skinny_fp8(x, q, scale, bias, launch=launch)
     assert relative_error(split, whole) < 2e-3

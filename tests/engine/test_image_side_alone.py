@@ -85,3 +85,21 @@ def test_a_text_model_has_no_image_side_to_build() -> None:
     folder = tiny_model_folder()
     with pytest.raises(ValueError, match="takes no images"):
         build_model(ModelConfig.from_folder(folder), text=False)
+
+
+def test_an_encode_engine_refuses_text_generation_with_a_clear_error(tmp_path: Path) -> None:
+    from splitserve.engine.engine import Engine
+    from splitserve.engine.offline import GenerationFailed, generate_tokens
+    from splitserve.engine.sampling_params import SamplingParams
+
+    folder = write_qwen_vl_checkpoint(tmp_path / "qwen", seed=3)
+    engine = Engine(EngineConfig(model=str(folder), device="cpu", dtype="float32", role="encode"))
+    assert engine.cfg.max_running_requests == 1  # it decodes nothing: one sampler row
+    engine.start()
+    try:
+        for prompt in ([1, 2, 3], list(range(1, 60))):  # short, and longer than its two KV pages
+            with pytest.raises(GenerationFailed, match=r"image side alone .* text generation goes to"):
+                generate_tokens(engine, [prompt], SamplingParams(max_new_tokens=2, temperature=0.0))
+        assert engine.failure is None and not engine.requests
+    finally:
+        engine.stop()
