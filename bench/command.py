@@ -112,7 +112,8 @@ class BenchConfig:
         "help": "serving profile: fixed-length loads NxI:O (N prompts of I tokens, O output tokens, all at once)"})
     max_prompt_len: int = field(default=4096, metadata={"help": "serving profile: longest ShareGPT-like prompt"})
     max_output_len: int = field(default=1024, metadata={"help": "serving profile: longest ShareGPT-like output"})
-    max_running_requests: int = field(default=64, metadata={"help": "engine batch limit"})
+    max_running_requests: int = field(default=0, metadata={
+        "help": "engine batch limit (0: the engine's default for its device)"})
     seed: int = field(default=0, metadata={"help": "seed of the random prompts"})
     chaos_duration_s: float = field(default=150.0, metadata={"help": "chaos profile: seconds of load (bounded)"})
     chaos_kill_every_s: float = field(default=20.0, metadata={

@@ -7,7 +7,7 @@ TTFT p50, and the attributed fraction (the phases' sum over the client's TTFT, p
 The 1P1D-minus-unified difference of each phase's p50 says where disaggregation's extra TTFT goes. Then a burst
 (--burst NxI:O, all sent at once) gives each deployment's output tok/s and TTFT under saturation.
 
-  splitserve bench --profile phases --model tiny --device cpu --num-requests 40 --rates 4
+  splitserve bench --profile phases --model tiny --device cpu --num-requests 40 --rates 4 --burst 16x128:32
   splitserve bench --profile phases --shape llama-3.1-8b --device cuda:0 --rates 8 16 24 \\
       --pd-engine-args "--transfer-protocol cuda_ipc"
 """
@@ -32,6 +32,8 @@ from splitserve.config_flags import add_config_flags, config_from_args
 from splitserve.router.phases import DISAGGREGATED, PHASES_HEADER, UNIFIED
 
 logger = logging.getLogger(__name__)
+
+PROMPT_VOCAB = 300  # prompt ids are drawn below this: ids every model here has (the tiny model's vocabulary: 320)
 
 
 @dataclass
@@ -126,14 +128,22 @@ def summarize(samples: list[Sample], names: list[str]) -> dict[str, Any]:
     }
 
 
-def burst_requests(spec: str, vocab: int, seed: int) -> list[tuple[float, list[int], int]]:
-    """'NxI:O' -> N requests at offset 0, I seeded prompt tokens and O output tokens each."""
+def parse_burst(spec: str) -> tuple[int, int, int]:
+    """'NxI:O' -> (N requests, I prompt tokens, O output tokens)."""
     try:
         count, rest = spec.lower().split("x")
         prompt_len, output_len = (int(v) for v in rest.split(":"))
         n = int(count)
     except ValueError:
         raise ValueError(f"--burst {spec!r}: expected NxI:O, e.g. 256x512:256") from None
+    if min(n, prompt_len, output_len) < 1:
+        raise ValueError(f"--burst {spec!r}: N, I and O must be >= 1")
+    return n, prompt_len, output_len
+
+
+def burst_requests(spec: str, vocab: int, seed: int) -> list[tuple[float, list[int], int]]:
+    """N requests at offset 0 (all at once), each of I seeded prompt tokens and O output tokens."""
+    n, prompt_len, output_len = parse_burst(spec)
     rng = random.Random(seed + 1)
     return [(0.0, [rng.randrange(10, vocab) for _ in range(prompt_len)], output_len) for _ in range(n)]
 
@@ -148,6 +158,9 @@ def summarize_burst(samples: list[Sample], seconds: float) -> dict[str, Any]:
 
 def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
     from splitserve.launcher.up import Deployment, UpConfig, free_port
+
+    if cfg.burst:
+        parse_burst(cfg.burst)  # a bad spec fails now, not after the first deployment's sweep
 
     model = cfg.model
     if cfg.shape:
@@ -166,7 +179,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
         try:
             url = deployment.start()
             served = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
-            requests = workload(cfg, vocab=300)  # ids every model here has (the tiny model's vocabulary: 320)
+            requests = workload(cfg, vocab=PROMPT_VOCAB)
             asyncio.run(run_load(url, served, requests[:4], 1000.0))  # warm-up
             for rate in cfg.rates:
                 report[name][rate] = summarize(asyncio.run(run_load(url, served, requests, rate)), names)
@@ -175,7 +188,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
                 write_report(report, cfg.output)  # what a cut run measured so far
             if cfg.burst:
                 begin = time.perf_counter()
-                samples = asyncio.run(run_load(url, served, burst_requests(cfg.burst, 300, cfg.seed), 1.0))
+                samples = asyncio.run(run_load(url, served, burst_requests(cfg.burst, PROMPT_VOCAB, cfg.seed), 1.0))
                 report[name]["burst"] = summarize_burst(samples, time.perf_counter() - begin)
                 logger.info("%s burst %s: %.0f output tok/s", name, cfg.burst, report[name]["burst"]["output_tok_s"])
                 write_report(report, cfg.output)

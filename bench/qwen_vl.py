@@ -252,9 +252,9 @@ def serving(cfg: QwenVLBenchConfig, folder: str, flags: list[str]) -> dict:
             for i, rate in enumerate(cfg.rates):
                 out[name][rate] = asyncio.run(load_at_rate(url, chat_bodies(cfg, seed=i), rate, cfg.max_tokens, i))
                 logger.info("%s at %g req/s: TTFT p50 %.0f ms", name, rate, out[name][rate]["ttft_s"]["p50"] * 1e3)
-        except RuntimeError as exc:  # a deployment that did not start: the other's figures still count
+        except (RuntimeError, TimeoutError) as exc:  # it did not start, or died: what it measured still counts
             logger.error("%s deployment failed: %s", name, exc)
-            out[name] = {"failed": str(exc)}
+            out[name]["failed"] = str(exc)
         finally:
             deployment.stop()
     if missing or any("failed" in out[name] for name, _ in shapes):

@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 import torch
 
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.config import EngineConfig, default_max_running_requests
 
 logger = logging.getLogger(__name__)
 
@@ -192,13 +192,13 @@ def run_serving_benchmark(cfg) -> dict[str, Any]:
     median_prompt = int(statistics.median(p for load in loads for p in load.prompt_lens))
     # The engine's budget, but never below the default's: a smaller budget may make the engine slower, not its bound.
     budget = max(chunk_size(cfg.engine_args), EngineConfig().chunked_prefill_size)
-    limits = measure_limits(cfg.shape, device, sorted({min(median_prompt, budget), budget}),
-                            cfg.max_running_requests, budget)
+    max_running = cfg.max_running_requests or default_max_running_requests(device)
+    limits = measure_limits(cfg.shape, device, sorted({min(median_prompt, budget), budget}), max_running, budget)
     logger.info("limits: copy %.0f GB/s, runner prefill %s tok/s", limits.copy_bandwidth_Bps / 1e9,
                 {k: round(v) for k, v in limits.prefill_tok_s.items()})
     report: dict[str, Any] = {"shape": cfg.shape, "device": device, "limits": dataclasses.asdict(limits),
                               "loads": []}
-    proc, url = start_server(folder, device, cfg.max_running_requests, cfg.engine_args)
+    proc, url = start_server(folder, device, max_running, cfg.engine_args)
     try:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         report["first_request"] = asyncio.run(first_request_after_ready(url, model, median_prompt))

@@ -1,0 +1,29 @@
+"""bench --profile phases: its burst's spec, requests and figures, and the report's burst line (no servers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.bench.phases import Sample, burst_requests, parse_burst, print_phases_report, summarize_burst
+
+
+def test_a_burst_spec_is_parsed_and_a_bad_one_says_what_it_expects() -> None:
+    assert parse_burst("256x512:256") == (256, 512, 256)
+    for bad in ("256x512", "x512:4", "2x0:4", "ax1:2"):
+        with pytest.raises(ValueError, match="--burst"):
+            parse_burst(bad)
+    requests = burst_requests("3x5:7", vocab=300, seed=0)
+    assert [(t, len(p), o) for t, p, o in requests] == [(0.0, 5, 7)] * 3
+    assert all(10 <= i < 300 for _, p, _ in requests for i in p) and requests == burst_requests("3x5:7", 300, 0)
+
+
+def test_a_burst_counts_the_tokens_received_over_its_whole_span(capsys) -> None:
+    samples = [Sample(0.5, None, tokens=100), Sample(1.5, None, tokens=100), Sample(0.0, None, "HTTP 503")]
+    burst = summarize_burst(samples, seconds=4.0)
+    assert burst["output_tok_s"] == 50.0 and (burst["ok"], burst["requests"]) == (2, 3)
+    assert burst["errors"] == ["HTTP 503"] and burst["ttft_s"]["p50"] == pytest.approx(1.0, abs=0.5)
+    faster = summarize_burst([Sample(0.2, None, tokens=100)] * 2, seconds=2.0)
+    print_phases_report({"config": {"rates": [], "burst": "2x8:100"}, "unified": {"burst": burst},
+                         "1p1d": {"burst": faster}})
+    out = capsys.readouterr().out
+    assert "output 50 tok/s unified, 100 1P1D (2.00x)" in out and "(2/3 and 2/2 ok)" in out
