@@ -145,6 +145,9 @@ def gpus_of(device: str, tp_size: int) -> list[str]:
 # engine/config.py's --mem-fraction default: what one engine alone takes of a device, split between engines that
 # share one (each engine counts only its own memory against its fraction).
 DEVICE_FRACTION = 0.85
+# What an encode engine beside them leaves to the others of its GPU: its image side, embedding slots, activations and
+# CUDA context (a Qwen2.5-VL-7B encoder: 1.35 GB of weights, 64 slots of 16.5 MB).
+ENCODER_SHARE = 0.1
 KV_SIZE_FLAGS = ("--mem-fraction", "--max-total-tokens")
 KV_SIZE_ENV = ("SPLITSERVE_MEM_FRACTION", "SPLITSERVE_MAX_TOTAL_TOKENS")
 
@@ -153,17 +156,23 @@ def shared_device_fractions(engines: list[list[str]], sized: list[bool] | None =
     """Each engine's --mem-fraction, given the devices each engine runs on (one per rank): the default split
     evenly between the engines of the busiest GPU it uses; None for an engine alone on its GPUs, and on the CPU
     (no fraction to split there). `sized[i]` False: engine i sizes no KV cache by its fraction (an encoder: the
-    image side and its embedding slots alone), so it takes no share and gets None."""
+    image side and its embedding slots), so it gets None and takes ENCODER_SHARE of each GPU it uses off the
+    default before the others split it."""
     sized = sized or [True] * len(engines)
-    count: dict[str, int] = {}
-    for devices, counts in zip(engines, sized, strict=True):
+    takers: dict[str, int] = {}  # engines that size their KV cache by a fraction, per GPU
+    encoders: dict[str, int] = {}
+    for devices, takes_share in zip(engines, sized, strict=True):
+        counts = takers if takes_share else encoders
         for d in devices:
-            count[d] = count.get(d, 0) + counts
+            counts[d] = counts.get(d, 0) + 1
     shares = []
-    for devices, counts in zip(engines, sized, strict=True):
-        most = max(count[d] for d in devices)
-        shares.append(round(DEVICE_FRACTION / most, 3)
-                      if counts and devices[0].startswith("cuda") and most > 1 else None)
+    for devices, takes_share in zip(engines, sized, strict=True):
+        if not takes_share or not devices[0].startswith("cuda"):
+            shares.append(None)
+            continue
+        share = min((DEVICE_FRACTION - ENCODER_SHARE * encoders.get(d, 0)) / takers[d] for d in devices)
+        shared = any(takers[d] + encoders.get(d, 0) > 1 for d in devices)
+        shares.append(round(share, 3) if shared else None)
     return shares
 
 

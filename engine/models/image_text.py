@@ -2,7 +2,7 @@
 `forward` and `logits` are, image-side modules whose every parameter loads whole (not tensor-parallel
 sharded), and checkpoint names brought to its own by the class's `LAYOUT_RENAMES` (prefix, replacement).
 
-Built with `text=False` (an encode engine: it only turns images into rows), the model holds the image side alone:
+Built with `image_side_only` (an encode engine: it only turns images into rows), the model holds the image side alone:
 no text layers, embeddings or LM head in memory, and the checkpoint's text tensors are skipped on load."""
 
 from __future__ import annotations
@@ -23,31 +23,31 @@ class ImageTextModel(nn.Module):
     `image_modules()`."""
 
     LAYOUT_RENAMES: ClassVar[tuple[tuple[str, str], ...]] = ()
-    language_model: LlamaForCausalLM | None  # None: the image side alone (text=False)
+    language_model: LlamaForCausalLM | None  # None: the image side alone (image_side_only)
 
     def image_modules(self) -> dict[str, nn.Module]:
         """The image side's modules by their checkpoint prefix."""
         raise NotImplementedError
 
     @property
-    def text(self) -> LlamaForCausalLM:
+    def text_model(self) -> LlamaForCausalLM:
         if self.language_model is None:
             raise RuntimeError("this model was built with its image side alone (an encode engine): it runs no text")
         return self.language_model
 
     @property
     def layers(self) -> nn.ModuleList:
-        return self.text.layers
+        return self.text_model.layers
 
     @property
     def embed_tokens(self) -> nn.Module:
-        return self.text.embed_tokens
+        return self.text_model.embed_tokens
 
     def forward(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.text(batch, kv, input_embeds)
+        return self.text_model(batch, kv, input_embeds)
 
     def logits(self, batch: ForwardBatch, kv: KVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.text.logits(batch, kv, input_embeds)
+        return self.text_model.logits(batch, kv, input_embeds)
 
     @classmethod
     def checkpoint_name(cls, name: str) -> str:

@@ -51,12 +51,12 @@ class LlavaForConditionalGeneration(ImageTextModel):
     LAYOUT_RENAMES = LAYOUT_RENAMES
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32,
-                 max_positions: int | None = None, text: bool = True) -> None:
+                 max_positions: int | None = None, image_side_only: bool = False) -> None:
         super().__init__()
         assert cfg.vision is not None
         self.cfg = cfg
         self.vision_cfg = cfg.vision
-        self.language_model = LlamaForCausalLM(cfg, tp, dtype, max_positions) if text else None
+        self.language_model = None if image_side_only else LlamaForCausalLM(cfg, tp, dtype, max_positions)
         self.vision_tower = ClipVisionTower(cfg.vision, dtype)
         feature_width = cfg.vision.hidden_size * len(cfg.vision.feature_layers)
         self.multi_modal_projector = LlavaProjector(feature_width, cfg.hidden_size, cfg.vision.projector_act,

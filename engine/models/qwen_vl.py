@@ -34,12 +34,12 @@ class QwenVLForConditionalGeneration(ImageTextModel):
     LAYOUT_RENAMES = LAYOUT_RENAMES
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, dtype: torch.dtype = torch.float32,
-                 max_positions: int | None = None, text: bool = True) -> None:
+                 max_positions: int | None = None, image_side_only: bool = False) -> None:
         super().__init__()
         assert isinstance(cfg.vision, QwenVisionConfig)
         self.cfg = cfg
         self.vision_cfg = cfg.vision
-        self.language_model = LlamaForCausalLM(cfg, tp, dtype, max_positions) if text else None
+        self.language_model = None if image_side_only else LlamaForCausalLM(cfg, tp, dtype, max_positions)
         self.visual = QwenVisionTower(cfg.vision, dtype)
 
     def encode_images(self, patches: list[torch.Tensor], grids: list[Grid]) -> list[torch.Tensor]:

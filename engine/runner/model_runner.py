@@ -347,7 +347,7 @@ class ModelRunner:
         self.runs_text = cfg.role != "encode"
         with torch.device(self.device):
             self.model = build_model(model_cfg, tp, self.dtype, max_positions=self.context_length,
-                                     text=self.runs_text)
+                                     image_side_only=not self.runs_text)
         checkpoint_scales: dict[str, torch.Tensor] = {}
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed)
@@ -367,7 +367,7 @@ class ModelRunner:
                     f" (FP8 projections: {fp8.source}, {fp8.weight_strategy} weight scales, {fp8.activation} "
                     f"activations{'' if self.device.type == 'cuda' else '; dequantized on load'})" if fp8 else "",
                     self.device, time.monotonic() - started)
-        attn = attention_dims(model_cfg, tp)
+        attn = self.attention = attention_dims(model_cfg, tp)
         shape_args = {"num_layers": model_cfg.num_layers, "num_kv_heads": attn.num_kv_heads,
                       "head_dim": attn.head_dim, "dtype": cfg.kv_dtype()}
         num_pages = kv_pages_for_budget(cfg, shape_args, self.device, weight_bytes)
@@ -548,7 +548,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return None
         rows_invariant = self.dtype == torch.float32 or rows <= self.row_invariant_rows
-        return step_splits(requests, self.model.layers[0].self_attn.num_kv_heads, self.batch_invariant_attention,
+        return step_splits(requests, self.attention.num_kv_heads, self.batch_invariant_attention,
                            rows_invariant)
 
     def _sample_and_verify(self, logits: torch.Tensor, sampled: list[ScheduledChunk]) -> PendingStep:
@@ -689,7 +689,7 @@ class ModelRunner:
         tokens = piecewise_tokens(self.cfg.piecewise_graph_tokens, self.device)
         if self.cfg.chunked_prefill_size > 0:  # no step is larger than the budget
             tokens = min(tokens, self.cfg.chunked_prefill_size)
-        if self.tp.size > 1 or tokens <= 0 or not self._piecewise_mode():
+        if self.tp.size > 1 or tokens <= 0 or not self._piecewise_mode() or not self.runs_text:
             return
         text_model = getattr(self.model, "language_model", self.model)  # a multimodal model's text steps
         graphs = PiecewiseGraphs(text_model, self.kv_pool, tokens, self.device)
@@ -823,7 +823,7 @@ class ModelRunner:
         if self.cudnn_chunk:
             from splitserve.engine.layers.prefix_chunk_attention import build_cudnn_graphs
 
-            attn = self.model.layers[0].self_attn
+            attn = self.attention
             build_cudnn_graphs(self.cudnn_chunk, cudnn_prefixes(self.cudnn_chunk, self.context_length),
                                attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         self.capture_prompt_graphs(page_table)

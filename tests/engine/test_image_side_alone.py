@@ -76,7 +76,7 @@ def test_the_image_side_still_refuses_a_checkpoint_that_lacks_its_tensors(tmp_pa
     save_file({k: v for k, v in tensors.items() if k != dropped}, folder / "model.safetensors")
     cfg = ModelConfig.from_folder(folder)
     with pytest.raises(CheckpointError, match="lacks 1 tensor"):
-        load_weights(build_model(cfg, text=False), folder, tied_lm_head=cfg.tie_word_embeddings)
+        load_weights(build_model(cfg, image_side_only=True), folder, tied_lm_head=cfg.tie_word_embeddings)
 
 
 def test_a_text_model_has_no_image_side_to_build() -> None:
@@ -84,7 +84,7 @@ def test_a_text_model_has_no_image_side_to_build() -> None:
 
     folder = tiny_model_folder()
     with pytest.raises(ValueError, match="takes no images"):
-        build_model(ModelConfig.from_folder(folder), text=False)
+        build_model(ModelConfig.from_folder(folder), image_side_only=True)
 
 
 def test_an_encode_engine_refuses_text_generation_with_a_clear_error(tmp_path: Path) -> None:

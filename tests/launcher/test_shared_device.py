@@ -30,7 +30,10 @@ def test_engines_of_one_gpu_split_the_default_and_an_engine_alone_keeps_its_own(
     assert shared_device_fractions([["cpu"], ["cpu"]]) == [None, None]
     # Two ranks each: the busiest GPU an engine uses sets its share.
     assert shared_device_fractions([["cuda:0", "cuda:1"], ["cuda:1", "cuda:2"]]) == [0.425, 0.425]
-    assert shared_device_fractions([["cuda:0"], ["cuda:0"]], sized=[True, False]) == [None, None]  # alone in the split
+    # An encoder takes no fraction and leaves the others 0.85 less its 0.1 (per encoder on their GPU).
+    assert shared_device_fractions([["cuda:0"], ["cuda:0"]], sized=[True, False]) == [0.75, None]
+    assert shared_device_fractions([["cuda:0"], ["cuda:1"], ["cuda:1"]],
+                                   sized=[True, True, False]) == [None, 0.75, None]
 
 
 def test_engines_of_several_ranks_take_gpus_of_their_own_while_there_are_enough():
@@ -44,7 +47,7 @@ def test_engines_of_several_ranks_take_gpus_of_their_own_while_there_are_enough(
 @pytest.mark.parametrize("args,want", [
     ({"prefill": 1, "decode": 1}, [0.425, 0.425]),
     ({"prefill": 1, "decode": 1, "drafter": 1}, [0.283] * 3),
-    ({"prefill": 1, "decode": 1, "encode": 1}, [0.425, 0.425, None]),  # an encoder sizes no KV cache
+    ({"prefill": 1, "decode": 1, "encode": 1}, [0.375, 0.375, None]),  # an encoder sizes no KV cache
     ({"unified": 2, "engine_args": "--mem-fraction 0.3"}, []),  # the user's size wins
     ({"unified": 2, "engine_args": "--max-total-tokens=4096"}, []),
     ({"unified": 1, "engine_args": "--tp-size 2"}, [None]),  # its ranks on cuda:0 and cuda:1, alone there
@@ -71,8 +74,7 @@ def test_two_engines_starting_together_on_one_device_both_find_room():
 
 def test_an_encoder_holds_two_kv_pages_whatever_its_flags():
     """An encode engine runs no text step: its KV pool is the scratch page and one, so the prefill and decode
-    engines that share its GPU get the memory (on one H100, three Qwen2.5-VL-7B engines with 7 GiB of KV each
-    did not fit)."""
+    engines that share its GPU get the memory."""
     import torch
 
     from splitserve.engine.runner.model_runner import ENCODER_KV_PAGES, kv_pages_for_budget
