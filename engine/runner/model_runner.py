@@ -255,7 +255,7 @@ def build_decode_inputs(chunks: list[ScheduledChunk]) -> tuple[list[int], list[i
     return ids, positions, slots
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class AttentionDims:
     """One rank's attention heads, KV heads and head size (what the KV pool and the kernels are planned for)."""
 
