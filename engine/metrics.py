@@ -103,6 +103,9 @@ class EngineMetrics:
                                               registry=r).labels(model_name)
         self.kv_store_up = Gauge("splitserve_kv_store_up", "1 while the store is set up and its last call "
                                  "succeeded", labels, registry=r).labels(model_name)
+        self.kv_store_busy = Gauge("splitserve_kv_store_busy", "1 while the store worker has calls queued or "
+                                   "running (write-throughs are asynchronous: a page put is readable once it is 0)",
+                                   labels, registry=r).labels(model_name)
         self._phase_seconds = Histogram("splitserve_phase_seconds", "A request's time to first token as this engine "
                                         "saw it, by phase (engine/phase_timing.py)", [*labels, "phase"],
                                         buckets=PHASE_BUCKETS, registry=r)

@@ -452,6 +452,7 @@ class StoreKV:
             metrics.kv_store_load_seconds.observe(seconds)
         self.load_seconds.clear()
         metrics.kv_store_up.set(1 if self.ready and not self._failing else 0)
+        metrics.kv_store_busy.set(1 if self.jobs_pending() else 0)
 
     def close(self) -> None:
         """Stops the worker (not waiting long for one stuck in a call) and closes the client."""

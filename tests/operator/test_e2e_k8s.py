@@ -488,8 +488,13 @@ def test_a_group_kv_store_runs_as_a_pod_and_its_engines_write_and_read_pages_the
     assert len(prefills) == 2
     for url in prefills:  # connected to the master through kvs-kv-store.<ns>.svc
         local.wait_for(lambda url=url: metric_total(url, "splitserve_kv_store_up") == 1, f"{url} on the store")
-    prompts = [p for turn in multi_turn_prompts(seed=31, conversations=6, prefix=48) for p in turn]
-    got = completions(router, prompts, max_tokens=4)
+    turns = multi_turn_prompts(seed=31, conversations=6, prefix=48)
+    prompts, got = [p for turn in turns for p in turn], []
+    for turn in turns:
+        got += completions(router, turn, max_tokens=4)
+        # Write-throughs are asynchronous: the next turn finds the pages this one evicted once they are in.
+        local.wait_for(lambda: all(metric_total(url, "splitserve_kv_store_busy") == 0 for url in prefills),
+                       "the prefills' store write-throughs in", timeout=30)
 
     port = free_port()
     start_server(["serve", "--model", "tiny", "--port", str(port)], health_url=f"http://127.0.0.1:{port}/health")
