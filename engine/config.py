@@ -150,7 +150,7 @@ class EngineConfig:
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_running_requests == 0:
-            self.max_running_requests = 1 if self.role == "encode" else default_max_running_requests(self.device)
+            self.max_running_requests = default_max_running_requests(self.device) if self.runs_text else 1
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.max_waiting_requests < 1 or self.max_inbox < 1:
@@ -178,6 +178,12 @@ class EngineConfig:
         if self.tp_timeout <= 0 or self.tp_startup_timeout <= 0:
             raise ValueError(f"--tp-timeout and --tp-startup-timeout must be > 0, got {self.tp_timeout} "
                              f"and {self.tp_startup_timeout}")
+
+    @property
+    def runs_text(self) -> bool:
+        """False for an encode engine: it turns images into rows and never runs a text step (no text model, KV
+        cache, graphs or warm-up for one)."""
+        return self.role != "encode"
 
     def runs_engine_process(self) -> bool:
         """Whether `serve` runs the engine core in a process of its own: --engine-process / --no-engine-process,

@@ -435,7 +435,7 @@ class Engine:
         error = None
         if req.request_id in self.requests:
             error = f"duplicate request id {req.request_id!r}"
-        elif not self.runner.runs_text:
+        elif not self.cfg.runs_text:
             error = (f"request {req.request_id}: this engine holds the image side alone (role {self.role.name}: "
                      "/v1/encode); text generation goes to a unified, prefill or decode engine")
         elif not req.prompt_ids or len(req.prompt_ids) > self.max_prompt_tokens:

@@ -288,7 +288,7 @@ def device_kv_budget(total: int, free: int, own: int, mem_fraction: float) -> in
 def kv_pages_for_budget(cfg: EngineConfig, shape_args: dict, device: torch.device, weight_bytes: int) -> int:
     """How many KV pages fit: --max-total-tokens if given, else --mem-fraction of memory. An encoder runs no text
     step: the scratch page and one, whatever the flags (its memory goes to the embedding slots)."""
-    if cfg.role == "encode":
+    if not cfg.runs_text:
         return ENCODER_KV_PAGES
     if cfg.max_total_tokens is not None:
         return -(-cfg.max_total_tokens // cfg.page_size) + 1  # + the scratch page
@@ -343,11 +343,9 @@ class ModelRunner:
         started = time.monotonic()
         if cfg.quantization == "fp8" and model_cfg.quantization is None:  # FP8 on load (docs/fp8.md)
             model_cfg = self.model_cfg = dataclasses.replace(model_cfg, quantization=online_scheme())
-        # An encode engine only turns images into rows: the image side alone, no text model in memory.
-        self.runs_text = cfg.role != "encode"
-        with torch.device(self.device):
+        with torch.device(self.device):  # an encode engine: the image side alone, no text model in memory
             self.model = build_model(model_cfg, tp, self.dtype, max_positions=self.context_length,
-                                     image_side_only=not self.runs_text)
+                                     image_side_only=not cfg.runs_text)
         checkpoint_scales: dict[str, torch.Tensor] = {}
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed)
@@ -689,7 +687,7 @@ class ModelRunner:
         tokens = piecewise_tokens(self.cfg.piecewise_graph_tokens, self.device)
         if self.cfg.chunked_prefill_size > 0:  # no step is larger than the budget
             tokens = min(tokens, self.cfg.chunked_prefill_size)
-        if self.tp.size > 1 or tokens <= 0 or not self._piecewise_mode() or not self.runs_text:
+        if self.tp.size > 1 or tokens <= 0 or not self._piecewise_mode() or not self.cfg.runs_text:
             return
         text_model = getattr(self.model, "language_model", self.model)  # a multimodal model's text steps
         graphs = PiecewiseGraphs(text_model, self.kv_pool, tokens, self.device)
@@ -700,7 +698,7 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self, page_table: torch.Tensor, padding_slot: int) -> None:
         """Captures decode CUDA graphs (GPU only, unless --disable-cuda-graph)."""
-        if self.device.type != "cuda" or self.cfg.disable_cuda_graph or not self.runs_text:
+        if self.device.type != "cuda" or self.cfg.disable_cuda_graph or not self.cfg.runs_text:
             return
         # The graphs keep the model's dtype: the argmax needs no float32 copy (sampling steps cast after).
         graphs = DecodeGraphs(lambda b: self.model.logits(b, self.kv_pool), page_table, self.cfg.page_size,
@@ -779,7 +777,7 @@ class ModelRunner:
         compiled the decode kernels.
         """
         self.warmed_up = True
-        if not self.runs_text:
+        if not self.cfg.runs_text:
             return  # an encoder: no text step to compile for (the tower's kernels compile at its first batch)
         if self.device.type != "cuda":
             self.capture_piecewise_graphs()  # built only: their pieces run eagerly on the CPU

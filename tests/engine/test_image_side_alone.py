@@ -50,7 +50,7 @@ def test_an_encoder_holds_the_image_side_alone_and_encodes_as_the_whole_model(fa
         items = [proc(image(1, (40, 57))), proc(image(2, (90, 31)))]
         pixels, grids = [i.patches for i in items], [i.grid for i in items]
     whole, encoder = runner(folder, "unified"), runner(folder, "encode")
-    assert encoder.model.language_model is None and not encoder.runs_text
+    assert encoder.model.language_model is None and not encoder.cfg.runs_text
     image_side = sum(parameter_count(m) for m in whole.model.image_modules().values())
     assert parameter_count(encoder.model) == image_side < parameter_count(whole.model)
     assert encoder.kv_shape.num_pages == ENCODER_KV_PAGES and encoder.decode_graphs is None
