@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import subprocess
 import sys
@@ -39,6 +38,7 @@ import httpx
 
 from splitserve.bench.chaos import print_chaos_report
 from splitserve.bench.load_client import client_line, default_client_processes
+from splitserve.bench.report_file import write_report
 from splitserve.bench.stats import percentiles, scrape_metric_totals
 from splitserve.bench.workload import random_prompts, run_engine_batch
 from splitserve.config_flags import add_config_flags, config_from_args
@@ -335,8 +335,7 @@ def main(argv: list[str]) -> int:
             report["http_over_engine"] = report["http"]["output_tokens_per_s"] / report["bare_engine"][
                 "output_tokens_per_s"]
         print_report(report)
-    if cfg.output:
-        Path(cfg.output).write_text(json.dumps(report, indent=2, default=str))
+    write_report(report, cfg.output)
     if "chaos" in report:
         return 0 if report["chaos"]["hung"] == 0 else 1
     failed = report.get("http", {}).get("failed", 0)

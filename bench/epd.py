@@ -16,17 +16,16 @@ import argparse
 import asyncio
 import base64
 import io
-import json
 import os
 import random
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import httpx
 import numpy as np
 
+from splitserve.bench.report_file import write_report
 from splitserve.bench.stats import percentiles, scrape_metric_totals
 from splitserve.config_flags import add_config_flags, config_from_args
 
@@ -213,6 +212,5 @@ def main(argv: list[str]) -> int:
     if not cfg.skip_ttft:
         report["ttft"] = ttft_comparison(cfg)
     print_report(report)
-    if cfg.output:
-        Path(cfg.output).write_text(json.dumps(report, indent=2, default=str))
+    write_report(report, cfg.output)
     return 0

@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from splitserve.bench.report_file import write_report
 from splitserve.bench.stats import percentiles
 from splitserve.config_flags import add_config_flags, config_from_args
 from splitserve.router.phases import DISAGGREGATED, PHASES_HEADER, UNIFIED
@@ -195,11 +196,6 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
         finally:
             deployment.stop()
     return report
-
-
-def write_report(report: dict[str, Any], output: str) -> None:
-    if output:
-        Path(output).write_text(json.dumps(report, indent=2, default=str))
 
 
 def print_phases_report(report: dict[str, Any]) -> None:

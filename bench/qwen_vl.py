@@ -18,7 +18,6 @@ import base64
 import importlib.util
 import io
 import itertools
-import json
 import logging
 import random
 import re
@@ -30,6 +29,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from splitserve.bench.report_file import write_report
 from splitserve.bench.stats import percentiles
 from splitserve.config_flags import add_config_flags, config_from_args
 
@@ -312,23 +312,19 @@ def main(argv: list[str]) -> int:
     cfg = config_from_args(QwenVLBenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH_QWEN_VL")
     report: dict = {"config": asdict(cfg)}
 
-    def save() -> None:  # after each part: a cut run keeps what it measured
-        if cfg.output:
-            Path(cfg.output).write_text(json.dumps(report, indent=2, default=str))
-
     with tempfile.TemporaryDirectory() as tmp:
         folder, flags = model_folder(cfg, Path(tmp))
         report["tower"] = tower_timing(cfg, folder)
         print_tower(report["tower"])
-        save()
+        write_report(report, cfg.output)
         missing = mooncake_missing()
         report["transfer"] = {"skipped": missing} if missing else transfer_vs_device_copy(cfg, folder)
         print_transfer_part(report["transfer"])
-        save()
+        write_report(report, cfg.output)
         if not cfg.skip_serving:
             report["serving"] = serving(cfg, folder, flags)
             print_serving(report["serving"])
-            save()
+            write_report(report, cfg.output)
     failed = "serving" in report and any("failed" in report["serving"][n] for n in ("unified", "epd"))
     return 1 if failed else 0
 

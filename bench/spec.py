@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from splitserve.bench.report_file import write_report
 from splitserve.bench.workload import random_prompts
 from splitserve.config_flags import add_config_flags, config_from_args
 from splitserve.draft_mesh import SpecConfig
@@ -495,7 +496,6 @@ def main(argv: list[str]) -> int:
     cfg = config_from_args(SpecBenchConfig, parser.parse_args(argv), "SPLITSERVE_BENCH")
     report = run_spec_benchmark(cfg)
     print_spec_report(report)
-    if cfg.output:
-        Path(cfg.output).write_text(json.dumps(report, indent=2, default=str))
+    write_report(report, cfg.output)
     return 0 if all(r["identical_to_plain"] for r in report["runs"]) else 1
 
