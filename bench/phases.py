@@ -56,6 +56,8 @@ class PhasesBenchConfig:
         "help": "extra flags for the prefill and decode engines (e.g. --transfer-protocol cuda_ipc)"})
     burst: str = field(default="256x512:256", metadata={
         "help": "NxI:O: N prompts of I tokens sent at once, O tokens each, after the rates ('' skips it)"})
+    mps: str = field(default="auto", metadata={
+        "help": "CUDA MPS for the 1P1D engines on one GPU (splitserve up --mps: auto, on or off)"})
     seed: int = field(default=0, metadata={"help": "seed of the prompts, lengths and arrival times"})
     output: str = field(default="", metadata={"help": "write the figures as JSON here"})
 
@@ -176,9 +178,10 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
                f"{cfg.engine_args} {cfg.pd_engine_args}".strip()))
     for name, shape, names, engine_args in shapes:
         deployment = Deployment(UpConfig(model=model, device=cfg.device, port=free_port(), engine_args=engine_args,
-                                         **shape))
+                                         mps=cfg.mps, **shape))
         try:
             url = deployment.start()
+            report[name]["mps_gpus"] = deployment.mps.gpus if deployment.mps else []
             served = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
             requests = workload(cfg, vocab=PROMPT_VOCAB)
             asyncio.run(run_load(url, served, requests[:4], 1000.0))  # warm-up
@@ -199,6 +202,9 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
 
 
 def print_phases_report(report: dict[str, Any]) -> None:
+    mps = report["1p1d"].get("mps_gpus")
+    print(f"1P1D engines: {'one MPS server on ' + ', '.join(mps) if mps else 'no MPS'} "
+          f"(--mps {report['config'].get('mps', 'auto')})")
     for rate in report["config"]["rates"]:
         uni, pd = report["unified"][rate], report["1p1d"][rate]
         print(f"rate {rate:g} req/s: TTFT p50 unified {uni['ttft_s']['p50'] * 1e3:.1f} ms, 1P1D "
@@ -228,5 +234,6 @@ def main(argv: list[str]) -> int:
     report = run_phases_benchmark(cfg)
     print_phases_report(report)
     write_report(report, cfg.output)
-    failed = sum(r["requests"] - r["ok"] for name in ("unified", "1p1d") for r in report[name].values())
+    failed = sum(r["requests"] - r["ok"] for name in ("unified", "1p1d") for r in report[name].values()
+                 if isinstance(r, dict))
     return 0 if failed == 0 else 1

@@ -24,6 +24,7 @@ import httpx
 
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
 from splitserve.engine.checkpoints.model_names import ModelNotFoundError, check_model_exists
+from splitserve.launcher.mps import MPS_MODES, MpsDaemon, shared_gpus, start_mps
 
 logger = logging.getLogger(__name__)
 # Where every engine listens (its --engine-args may say otherwise).
@@ -67,8 +68,14 @@ class UpConfig:
     kv_store_segment_mb: int = field(default=512, metadata={
         "help": "MiB of host memory each engine contributes to the store (the store holds the engines' "
                 "segments summed; the master holds metadata only and evicts at its watermark)"})
+    mps: str = field(default="auto", metadata={
+        "help": "CUDA MPS for engines that share a GPU, so their kernels run side by side instead of time-slicing "
+                "it: auto (where two or more single-rank engines share a GPU; a warning where MPS cannot run), "
+                "on (the same, an error where it cannot) or off"})
 
     def __post_init__(self) -> None:
+        if self.mps not in MPS_MODES:
+            raise ValueError(f"--mps must be one of {', '.join(MPS_MODES)}, got {self.mps!r}")
         if self.encode and self.unified:
             raise ValueError("--encode goes with --prefill/--decode; a unified engine encodes its images itself")
         if self.unified and (self.prefill or self.decode) and (self.prefill, self.decode) != (1, 1):
@@ -190,6 +197,7 @@ class Child:
     failures_in_a_row: int = 0
     restart_at: float | None = None  # set while it is down and waiting for its restart
     command: list[str] | None = None  # a program of its own (the store's master), not `splitserve ARGS`
+    env: dict[str, str] = field(default_factory=dict)  # on top of up's environment (an MPS client's pipe)
 
 
 class Deployment:
@@ -203,6 +211,7 @@ class Deployment:
         self._fractions: list[float | None] = []  # each engine's --mem-fraction where engines share a GPU
         self.key = cfg.transfer_control_key or secrets.token_hex(32)
         self.kv_store = ""  # the store master's address, once started (--kv-store)
+        self.mps: MpsDaemon | None = None  # the MPS daemon of the engines that share a GPU, once started
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
@@ -213,7 +222,7 @@ class Deployment:
         logger.info("starting %s: %s", child.name, " ".join(child.command or child.args))
         # The key goes in the environment, not argv (which every local user can read).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITSERVE_TRANSFER_CONTROL_KEY": self.key,
-               "SPLITSERVE_ROUTER_TRANSFER_CONTROL_KEY": self.key}
+               "SPLITSERVE_ROUTER_TRANSFER_CONTROL_KEY": self.key, **child.env}
         # A new session: Ctrl-C in the terminal reaches `up` alone, which stops the children in order.
         child.proc = subprocess.Popen(cmd, start_new_session=True, env=env)
         child.started_at = time.monotonic()
@@ -233,11 +242,12 @@ class Deployment:
 
     def _engine(self, role: str, index: int, extra: list[str] | None = None) -> str:
         port = free_port()
+        tp = engine_tp_size(self.cfg.engine_args)
+        device = engine_device(self.cfg.device, self._engines_started, tp)
         # Everything on loopback (HTTP, bootstrap, ZeroMQ control, Mooncake's ports: the engine narrows
         # those to a loopback transfer host): one machine, and the transfer ports take no credentials.
         args = ["serve", "--role", role, "--model", self.cfg.model, "--host", LOOPBACK, "--port", str(port),
-                "--transfer-host", LOOPBACK, "--device", engine_device(self.cfg.device, self._engines_started,
-                                                                      engine_tp_size(self.cfg.engine_args))]
+                "--transfer-host", LOOPBACK, "--device", device]
         fraction = self._fractions[self._engines_started] if self._engines_started < len(self._fractions) else None
         self._engines_started += 1
         if fraction is not None:
@@ -247,7 +257,8 @@ class Deployment:
         if self.kv_store and role in ("unified", "prefill", "decode"):
             args += ["--kv-store", self.kv_store, "--kv-store-segment-mb", str(self.cfg.kv_store_segment_mb)]
         args += self.cfg.engine_args.split() + (extra or [])
-        child = Child(f"{role}-{index}", f"http://127.0.0.1:{port}", args)
+        mps_client = self.mps is not None and tp == 1 and device in self.mps.gpus
+        child = Child(f"{role}-{index}", f"http://127.0.0.1:{port}", args, env=self.mps.env if mps_client else {})
         self.children.append(child)
         self._spawn(child)
         return child.url
@@ -268,6 +279,7 @@ class Deployment:
         if cfg.kv_store:
             self._kv_store_master()
         self._fractions = self._shared_fractions()
+        self.mps = start_mps(cfg.mps, shared_gpus(self._engine_devices()))
         drafters = [self._drafter(i) for i in range(cfg.drafter)]
         if cfg.unified:
             unified = [self._engine("unified", i, self._verifier_args(drafters, i)) for i in range(cfg.unified)]
@@ -288,17 +300,23 @@ class Deployment:
         wait_healthy([(router.url, router.proc)], cfg.startup_timeout_s, path="/ready")
         return router.url
 
+    def _engine_roles(self) -> list[str]:
+        """Each engine's role, in start order."""
+        cfg = self.cfg
+        split = ["prefill"] * cfg.prefill + ["decode"] * cfg.decode + ["encode"] * cfg.encode
+        return ["drafter"] * cfg.drafter + (["unified"] * cfg.unified if cfg.unified else split)
+
+    def _engine_devices(self) -> list[list[str]]:
+        """The devices each engine runs on (one per rank), in start order."""
+        tp = engine_tp_size(self.cfg.engine_args)
+        return [gpus_of(engine_device(self.cfg.device, i, tp), tp) for i in range(len(self._engine_roles()))]
+
     def _shared_fractions(self) -> list[float | None]:
         """--mem-fraction per engine, in start order, where engines share a GPU and the KV size is not given."""
-        cfg = self.cfg
-        given = any(a.split("=")[0] in KV_SIZE_FLAGS for a in cfg.engine_args.split())
+        given = any(a.split("=")[0] in KV_SIZE_FLAGS for a in self.cfg.engine_args.split())
         if given or any(name in os.environ for name in KV_SIZE_ENV):
             return []
-        split = ["prefill"] * cfg.prefill + ["decode"] * cfg.decode + ["encode"] * cfg.encode
-        roles = ["drafter"] * cfg.drafter + (["unified"] * cfg.unified if cfg.unified else split)
-        tp = engine_tp_size(cfg.engine_args)
-        return shared_device_fractions([gpus_of(engine_device(cfg.device, i, tp), tp) for i in range(len(roles))],
-                                       [role != "encode" for role in roles])
+        return shared_device_fractions(self._engine_devices(), [role != "encode" for role in self._engine_roles()])
 
     def roles_summary(self) -> tuple[str, str]:
         """Every role started, as counts ("1 prefill + 1 decode + 2 drafter") and as each role's URLs."""
@@ -356,6 +374,9 @@ class Deployment:
                     logger.warning("%s did not stop in time; killing it", child.name)
                     child.proc.kill()
                     child.proc.wait()
+        if self.mps is not None:  # after its clients: a daemon quits once none is attached
+            self.mps.stop()
+            self.mps = None
 
 
 def main(argv: list[str]) -> int:
@@ -388,7 +409,7 @@ def main(argv: list[str]) -> int:
         logger.info("splitserve is up (%s, model %s): %s/v1 (%s)", counts, cfg.model, url, urls)
         print(f"endpoint: {url}/v1", flush=True)  # the one line a user or a script needs
         code = deployment.watch(stop)
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError) as exc:  # MpsError among them
         logger.error("%s", exc)
         code = 1
     finally:

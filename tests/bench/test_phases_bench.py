@@ -27,3 +27,22 @@ def test_a_burst_counts_the_tokens_received_over_its_whole_span(capsys) -> None:
                          "1p1d": {"burst": faster}})
     out = capsys.readouterr().out
     assert "output 50 tok/s unified, 100 1P1D (2.00x)" in out and "(2/3 and 2/2 ok)" in out
+
+
+@pytest.mark.slow
+def test_the_bench_runs_both_deployments_and_reports_every_request(capsys) -> None:
+    """The whole profile on the CPU with the tiny model: a rate and a burst through each deployment."""
+    from splitserve.bench.phases import PhasesBenchConfig, run_phases_benchmark
+
+    cfg = PhasesBenchConfig(model="tiny", device="cpu", rates=[4.0], num_requests=12, input_lens=[16, 64],
+                            output_lens=[4, 16], burst="4x32:8")
+    report = run_phases_benchmark(cfg)
+    for name in ("unified", "1p1d"):
+        at_rate, burst = report[name][4.0], report[name]["burst"]
+        assert (at_rate["ok"], at_rate["with_phases"]) == (12, 12), at_rate
+        assert burst["ok"] == 4 and burst["output_tok_s"] > 0
+        assert report[name]["mps_gpus"] == []  # the CPU: no GPU to share
+    assert {"transfer", "decode_admission"} <= set(report["1p1d"][4.0]["phases_p50_s"])
+    print_phases_report(report)
+    out = capsys.readouterr().out
+    assert "1P1D engines: no MPS (--mps auto)" in out and "(12/12 and 12/12 ok)" in out
