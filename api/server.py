@@ -67,6 +67,8 @@ if TYPE_CHECKING:
     from splitserve.api.otel import Tracing
 
 logger = logging.getLogger(__name__)
+# The roles whose engines generate text for a completion request (a prefill and a decode switch between them).
+COMPLETION_ROLES = ("unified", "prefill", "decode")
 
 class ChoiceResult:
     """Everything one choice produced, accumulated from its outputs."""
@@ -200,7 +202,18 @@ class ApiServer:
 
     # ---- endpoints ---------------------------------------------------------------------------
 
+    def _check_generates_text(self) -> None:
+        """An encoder (images to rows) and a drafter (drafts for its verifiers) answer no completion: a request
+        sent there was sent to the wrong engine, which no retry here fixes."""
+        role = self.client.role_name
+        if role not in COMPLETION_ROLES:
+            where = "/v1/encode, called by the router" if role == "encode" else "the draft mesh of its verifiers"
+            raise ApiError(f"this {role} engine serves {where}, not completions; send text generation to "
+                           "the router or to a unified, prefill or decode engine", status=404,
+                           code="not_served_by_role")
+
     async def completions(self, request: HttpRequest) -> Response:
+        self._check_generates_text()
         body = await read_json(request)
         internal = internal_fields(body)
         granted = granted_prompt(internal, self.control_key)
@@ -214,6 +227,7 @@ class ApiServer:
         return await self._respond(request, gen, prompts, first_token_event=internal.get(FIRST_TOKEN_FIELD) is True)
 
     async def chat_completions(self, request: HttpRequest) -> Response:
+        self._check_generates_text()
         body = await read_json(request)
         internal = internal_fields(body)
         granted = granted_prompt(internal, self.control_key)

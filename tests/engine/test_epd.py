@@ -160,6 +160,21 @@ def test_only_the_group_may_hand_an_encoder_work(deployment: ServerGroup) -> Non
     assert health(deployment.url("encode-a"))["embedding"]["queued"] == 0  # nothing was taken
 
 
+def test_an_encoder_sends_text_generation_elsewhere_with_a_404(deployment: ServerGroup) -> None:
+    """A completion sent straight to an encoder is the client's mistake: a 404 that says where text goes, not a
+    503 that invites a retry, and no engine work."""
+    url = deployment.url("encode-a")
+    for path, payload in (("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}),
+                          ("/v1/chat/completions", body([{"type": "text", "text": "hi"}]))):
+        r = httpx.post(f"{url}{path}", json=payload, timeout=30)
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["code"] == "not_served_by_role"
+        assert error["message"].startswith("this encode engine serves /v1/encode, called by the router, not "
+                                           "completions; send text generation to the router")
+    assert health(url)["embedding"]["queued"] == 0
+
+
 def encode_call(d: ServerGroup, encoder: str, rooms: list[int]) -> httpx.Response:
     items = [{"room": room, "image_url": {"url": png_url(20, 20 + i, 40 + i)}} for i, room in enumerate(rooms)]
     return httpx.post(f"{d.url(encoder)}/v1/encode", json={"items": items}, headers={KEY_HEADER: TEST_CONTROL_KEY},

@@ -133,6 +133,9 @@ def test_a_killed_drafter_loses_no_request_and_a_restarted_one_is_joined_again(t
         wait_http_ok(f"{drafter_url}/health", procs[0].proc, 120, procs[0].log)
         wait_http_ok(f"{verifier_url}/health", procs[1].proc, 120, procs[1].log)
         wait_for(lambda: drafter_state(verifier_url) == "joined", 10, "join")
+        wrong = httpx.post(f"{drafter_url}/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=30)
+        assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "not_served_by_role"
+        assert "drafter engine serves the draft mesh of its verifiers" in wrong.json()["error"]["message"]
 
         outs: dict[int, list[int]] = {}
         threads = [threading.Thread(target=complete, args=(verifier_url, p, outs, i)) for i, p in enumerate(PROMPTS)]
