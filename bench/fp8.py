@@ -94,7 +94,7 @@ def measure(args: argparse.Namespace, side: str) -> dict[str, Any]:
         from splitserve.bench.api_split import bare_engine_load
         from splitserve.bench.serving import fixed_load
 
-        load = fixed_load(args.burst)
+        load = fixed_load(args.burst, "--burst")
         extra = "" if quantization == "auto" else f"--quantization {quantization}"
         burst = bare_engine_load(folder, args.device, len(load.prompt_lens), extra, load, seed=0)
         row["burst_tok_s"] = burst["output_tokens_per_s"]

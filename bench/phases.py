@@ -131,22 +131,11 @@ def summarize(samples: list[Sample], names: list[str]) -> dict[str, Any]:
     }
 
 
-def parse_burst(spec: str) -> tuple[int, int, int]:
-    """'NxI:O' -> (N requests, I prompt tokens, O output tokens)."""
-    try:
-        count, rest = spec.lower().split("x")
-        prompt_len, output_len = (int(v) for v in rest.split(":"))
-        n = int(count)
-    except ValueError:
-        raise ValueError(f"--burst {spec!r}: expected NxI:O, e.g. 256x512:256") from None
-    if min(n, prompt_len, output_len) < 1:
-        raise ValueError(f"--burst {spec!r}: N, I and O must be >= 1")
-    return n, prompt_len, output_len
-
-
 def burst_requests(spec: str, vocab: int, seed: int) -> list[tuple[float, list[int], int]]:
     """N requests at offset 0 (all at once), each of I seeded prompt tokens and O output tokens."""
-    n, prompt_len, output_len = parse_burst(spec)
+    from splitserve.bench.serving import parse_fixed_load
+
+    n, prompt_len, output_len = parse_fixed_load(spec, "--burst")
     rng = random.Random(seed + 1)
     return [(0.0, [rng.randrange(10, vocab) for _ in range(prompt_len)], output_len) for _ in range(n)]
 
@@ -163,7 +152,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
     from splitserve.launcher.up import Deployment, UpConfig, free_port
 
     if cfg.burst:
-        parse_burst(cfg.burst)  # a bad spec fails now, not after the first deployment's sweep
+        burst_requests(cfg.burst, PROMPT_VOCAB, cfg.seed)  # a bad spec fails now, not after the first deployment
 
     model = cfg.model
     if cfg.shape:

@@ -56,11 +56,23 @@ class Load:
     rate: float  # requests/s offered (inf: all at once)
 
 
-def fixed_load(text: str) -> Load:
+def parse_fixed_load(spec: str, flag: str = "--fixed-loads") -> tuple[int, int, int]:
+    """'NxI:O' -> (N requests, I prompt tokens, O output tokens); `flag` names the option in the error."""
+    try:
+        count, rest = spec.lower().split("x")
+        prompt_len, output_len = (int(v) for v in rest.split(":"))
+        n = int(count)
+    except ValueError:
+        raise ValueError(f"{flag} {spec!r}: expected NxI:O, e.g. 256x512:256") from None
+    if min(n, prompt_len, output_len) < 1:
+        raise ValueError(f"{flag} {spec!r}: N, I and O must be >= 1")
+    return n, prompt_len, output_len
+
+
+def fixed_load(text: str, flag: str = "--fixed-loads") -> Load:
     """`NxI:O`: N prompts of I tokens, O output tokens each, all at once."""
-    n, rest = text.split("x")
-    prompt, output = rest.split(":")
-    return Load(text, [int(prompt)] * int(n), [int(output)] * int(n), [0.0] * int(n), math.inf)
+    n, prompt, output = parse_fixed_load(text, flag)
+    return Load(text, [prompt] * n, [output] * n, [0.0] * n, math.inf)
 
 
 def sharegpt_like_load(n: int, rate: float, prompt_median: int, output_median: int, max_prompt: int,

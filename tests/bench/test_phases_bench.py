@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.bench.phases import Sample, burst_requests, parse_burst, print_phases_report, summarize_burst
+from splitserve.bench.phases import Sample, burst_requests, print_phases_report, summarize_burst
+from splitserve.bench.serving import fixed_load, parse_fixed_load
 
 
 def test_a_burst_spec_is_parsed_and_a_bad_one_says_what_it_expects() -> None:
-    assert parse_burst("256x512:256") == (256, 512, 256)
+    assert parse_fixed_load("256x512:256") == (256, 512, 256)
     for bad in ("256x512", "x512:4", "2x0:4", "ax1:2"):
-        with pytest.raises(ValueError, match="--burst"):
-            parse_burst(bad)
+        with pytest.raises(ValueError, match=r"--burst .*(expected NxI:O|must be >= 1)"):
+            burst_requests(bad, vocab=300, seed=0)
+        with pytest.raises(ValueError, match="--fixed-loads"):  # the serving bench's loads say the same
+            fixed_load(bad)
     requests = burst_requests("3x5:7", vocab=300, seed=0)
     assert [(t, len(p), o) for t, p, o in requests] == [(0.0, 5, 7)] * 3
     assert all(10 <= i < 300 for _, p, _ in requests for i in p) and requests == burst_requests("3x5:7", 300, 0)
