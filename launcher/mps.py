@@ -75,7 +75,7 @@ class MpsDaemon:
         """Quits the daemon (after its clients stopped) and removes its directory; a daemon that does not quit is
         logged with its pipe directory, since only a `quit` sent there stops it."""
         try:
-            self.command("quit -t 10", timeout_s=20.0)
+            self.command("quit", timeout_s=20.0)
         except (MpsError, subprocess.TimeoutExpired, OSError) as exc:
             logger.warning("the MPS daemon (%s) did not quit: %s", self.env["CUDA_MPS_PIPE_DIRECTORY"], exc)
             return
