@@ -83,9 +83,11 @@ def worker_count(processes: int, requests: int, concurrency: int | None) -> int:
 
 
 def run_requests(url: str, model: str, requests: list[StreamRequest], processes: int,
-                 concurrency: int | None = None, timeout_s: float = 3600) -> ClientRun:
+                 concurrency: int | None = None, timeout_s: float = 3600,
+                 headers: dict[str, str] | None = None) -> ClientRun:
     """Sends `requests` to `url` from `processes` workers: each at its arrival time (open loop), or,
-    with `concurrency`, at most that many in flight in all (closed loop, split over the workers)."""
+    with `concurrency`, at most that many in flight in all (closed loop, split over the workers); `headers` go
+    with every request."""
     n = worker_count(processes, len(requests), concurrency)
     shares = [list(range(w, len(requests), n)) for w in range(n)]
     ctx = multiprocessing.get_context("spawn")  # the parent may hold CUDA or engine threads: no fork
@@ -97,7 +99,7 @@ def run_requests(url: str, model: str, requests: list[StreamRequest], processes:
             gate = None if concurrency is None else concurrency // n + (w < concurrency % n)
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"bench-client-{w}", daemon=True,
-                               args=(child_end, url, model, [requests[i] for i in share], gate, timeout_s))
+                               args=(child_end, url, model, [requests[i] for i in share], gate, timeout_s, headers))
             proc.start()
             child_end.close()
             conns.append(parent_end)
@@ -146,9 +148,10 @@ def _receive(conn: Connection, proc: BaseProcess, timeout_s: float | None) -> An
 
 
 def _worker_main(conn: Connection, url: str, model: str, requests: list[StreamRequest], concurrency: int | None,
-                 timeout_s: float) -> None:
+                 timeout_s: float, headers: dict[str, str] | None) -> None:
     try:
-        posts = [http_post(url, "/v1/completions", completion_body(model, r.prompt, r.output_len)) for r in requests]
+        posts = [http_post(url, "/v1/completions", completion_body(model, r.prompt, r.output_len), headers)
+                 for r in requests]
         conn.send("ready")
         start = conn.recv()
         conn.send(asyncio.run(_drive(url, posts, requests, start, concurrency, timeout_s)))

@@ -15,18 +15,16 @@ The 1P1D-minus-unified difference of each phase's p50 says where disaggregation'
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
-import json
 import logging
 import random
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from splitserve.bench.load_client import client_line, default_client_processes
 from splitserve.bench.report_file import write_report
 from splitserve.bench.stats import percentiles
 from splitserve.config_flags import add_config_flags, config_from_args
@@ -56,6 +54,8 @@ class PhasesBenchConfig:
         "help": "extra flags for the prefill and decode engines (e.g. --transfer-protocol cuda_ipc)"})
     burst: str = field(default="256x512:256", metadata={
         "help": "NxI:O: N prompts of I tokens sent at once, O tokens each, after the rates ('' skips it)"})
+    client_processes: int = field(default_factory=default_client_processes, metadata={
+        "help": "load generator worker processes (one event loop each; a busy one would time events late)"})
     mps: str = field(default="auto", metadata={
         "help": "CUDA MPS for the 1P1D engines on one GPU (splitserve up --mps: auto, on or off)"})
     seed: int = field(default=0, metadata={"help": "seed of the prompts, lengths and arrival times"})
@@ -84,36 +84,18 @@ def workload(cfg: PhasesBenchConfig, vocab: int) -> list[tuple[float, list[int],
     return out
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Sample:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
-    start, ttft, phases, tokens = time.perf_counter(), None, None, 0
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body, headers={PHASES_HEADER: "1"}) as r:
-            if r.status_code != 200:
-                return Sample(0.0, None, f"HTTP {r.status_code}")
-            async for line in r.aiter_lines():
-                if line.startswith("data: {") and "token_ids" in line:
-                    choices = json.loads(line[6:]).get("choices") or [{}]
-                    tokens += len(choices[0].get("token_ids") or ())
-                    if ttft is None and tokens:
-                        ttft = time.perf_counter() - start
-                elif line.startswith(": phases "):
-                    phases = json.loads(line[len(": phases "):]).get("phases")
-    except httpx.HTTPError as exc:
-        return Sample(0.0, None, f"{type(exc).__name__}: {exc}")
-    return Sample(ttft, phases, tokens=tokens) if ttft is not None else Sample(0.0, None, "no token")
+def run_load(url: str, model: str, requests: list[tuple[float, list[int], int]], rate: float,
+             client_processes: int) -> tuple[list[Sample], dict[str, Any], float]:
+    """Sends each request at its offset / rate (open loop) from the bench's client workers (bench/load_client.py),
+    each asking the router for its phases; (one Sample per request, the client's own figures, the load's wall
+    time from its start to its last token)."""
+    from splitserve.bench.load_client import StreamRequest, client_summary, run_requests
 
-
-async def run_load(url: str, model: str, requests: list[tuple[float, list[int], int]], rate: float) -> list[Sample]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        begin = time.perf_counter()
-
-        async def at(offset: float, prompt: list[int], max_tokens: int) -> Sample:
-            await asyncio.sleep(max(0.0, begin + offset / rate - time.perf_counter()))
-            return await one_request(client, url, model, prompt, max_tokens)
-        return list(await asyncio.gather(*(at(*r) for r in requests)))
+    load = [StreamRequest(prompt, max_tokens, offset / rate) for offset, prompt, max_tokens in requests]
+    run = run_requests(url, model, load, client_processes, timeout_s=600, headers={PHASES_HEADER: "1"})
+    samples = [Sample(t.ttft, t.phases, tokens=t.output_tokens) if t.ok else Sample(0.0, None, t.error)
+               for t in run.timings]
+    return samples, client_summary(run), run.wall_s
 
 
 def summarize(samples: list[Sample], names: list[str]) -> dict[str, Any]:
@@ -173,16 +155,17 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
             report[name]["mps_gpus"] = deployment.mps.gpus if deployment.mps else []
             served = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
             requests = workload(cfg, vocab=PROMPT_VOCAB)
-            asyncio.run(run_load(url, served, requests[:4], 1000.0))  # warm-up
+            run_load(url, served, requests[:4], 1000.0, cfg.client_processes)  # warm-up
             for rate in cfg.rates:
-                report[name][rate] = summarize(asyncio.run(run_load(url, served, requests, rate)), names)
+                samples, client, _ = run_load(url, served, requests, rate, cfg.client_processes)
+                report[name][rate] = {**summarize(samples, names), "client": client}
                 logger.info("%s at %g req/s: TTFT p50 %.1f ms, %d/%d ok", name, rate,
                             report[name][rate]["ttft_s"]["p50"] * 1e3, report[name][rate]["ok"], cfg.num_requests)
                 write_report(report, cfg.output)  # what a cut run measured so far
             if cfg.burst:
-                begin = time.perf_counter()
-                samples = asyncio.run(run_load(url, served, burst_requests(cfg.burst, PROMPT_VOCAB, cfg.seed), 1.0))
-                report[name]["burst"] = summarize_burst(samples, time.perf_counter() - begin)
+                burst = burst_requests(cfg.burst, PROMPT_VOCAB, cfg.seed)
+                samples, client, seconds = run_load(url, served, burst, 1.0, cfg.client_processes)
+                report[name]["burst"] = {**summarize_burst(samples, seconds), "client": client}
                 logger.info("%s burst %s: %.0f output tok/s", name, cfg.burst, report[name]["burst"]["output_tok_s"])
                 write_report(report, cfg.output)
         finally:
@@ -213,6 +196,9 @@ def print_phases_report(report: dict[str, Any]) -> None:
         print(f"burst {report['config']['burst']}: output {uni['output_tok_s']:.0f} tok/s unified, "
               f"{pd['output_tok_s']:.0f} 1P1D ({ratio:.2f}x); TTFT p50 {uni['ttft_s']['p50']:.2f} s against "
               f"{pd['ttft_s']['p50']:.2f} s ({uni['ok']}/{uni['requests']} and {pd['ok']}/{pd['requests']} ok)")
+    loads = [r for name in ("unified", "1p1d") for r in report[name].values() if isinstance(r, dict) and "client" in r]
+    if loads:  # the busiest load's client: the figures are only as good as its timing of events
+        print(client_line(max((r["client"] for r in loads), key=lambda c: c["busy_max"])))
 
 
 def main(argv: list[str]) -> int:

@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+PHASES_COMMENT = b": phases "  # router/phases.py's SSE comment (not imported: the client stays light)
+
 
 @dataclass
 class RequestTiming:
@@ -33,6 +35,7 @@ class RequestTiming:
     events: int = 0  # SSE data events received
     reads: int = 0  # socket reads they came in
     sent_at: float = 0.0  # time.perf_counter() when the request went out (system-wide on Linux)
+    phases: dict[str, float] | None = None  # the router's split of its TTFT, when asked for (router/phases.py)
 
 
 def completion_body(model: str, prompt: list[int], output_len: int) -> bytes:
@@ -42,10 +45,12 @@ def completion_body(model: str, prompt: list[int], output_len: int) -> bytes:
                       separators=(",", ":")).encode()
 
 
-def http_post(url: str, path: str, body: bytes) -> bytes:
-    """The bytes of one HTTP/1.1 POST of a JSON body; the server closes the connection after it."""
+def http_post(url: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+    """The bytes of one HTTP/1.1 POST of a JSON body (and `headers`); the server closes the connection after
+    it."""
     host = urlsplit(url).netloc
-    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{extra}"
             f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             ).encode() + body
 
@@ -70,6 +75,7 @@ class StreamedCompletion(asyncio.Protocol):
         self.tokens = 0
         self.events = 0
         self.reads = 0
+        self.phases: dict[str, float] | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -102,6 +108,8 @@ class StreamedCompletion(asyncio.Protocol):
         for event in events:
             if event.startswith(b"data: {"):
                 self.on_event(event[6:])
+            elif event.startswith(PHASES_COMMENT):
+                self.phases = json.loads(event[len(PHASES_COMMENT):]).get("phases")
             if self.done.done():
                 return
 
@@ -138,7 +146,7 @@ class StreamedCompletion(asyncio.Protocol):
             return
         end = self.now  # the read that completed the response
         timing = (RequestTiming((self.first or end) - self.start, self.itls, end - self.start, self.tokens, True,
-                                events=self.events, reads=self.reads, sent_at=self.start) if ok else
+                                events=self.events, reads=self.reads, sent_at=self.start, phases=self.phases) if ok else
                   RequestTiming(0, [], 0, self.tokens, False, error, self.events, self.reads, self.start))
         self.done.set_result(timing)
         if self.transport is not None:
