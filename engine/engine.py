@@ -158,6 +158,7 @@ class Engine:
         # Called on the loop thread after every iteration and once the loop has ended: an output
         # sink that batches (the engine core process) sends a whole step's outputs at once.
         self.after_step: Callable[[], None] | None = None
+        self._emitted_since_flush = 0  # outputs emitted since after_step last ran
         eos = set(self.model_cfg.eos_token_ids)
         tok_eos = self.tokenizer.token_id(self.tokenizer.eos_token)
         if tok_eos is not None:
@@ -347,6 +348,7 @@ class Engine:
         logger.info("engine loop stopped")
 
     def _after_step(self) -> None:
+        self._emitted_since_flush = 0
         if self.after_step is not None:
             try:
                 self.after_step()
@@ -371,6 +373,10 @@ class Engine:
                     self._fail_engine(lost)
             self._drain_inbox()
             self.role.poll()
+            if self._emitted_since_flush:
+                # A decode's first token (its KV just arrived) or a refusal goes out now, not after the
+                # step this iteration launches and the one in flight before it have run.
+                self._after_step()
             if self.host_kv is not None:
                 self.kv.reap_loads()
             plan = self.scheduler.schedule()
@@ -696,6 +702,7 @@ class Engine:
         self.metrics.finished(reason.value)
 
     def _emit(self, req: Request, output: TokenOutput) -> None:
+        self._emitted_since_flush += 1
         try:
             req.on_output(output)
         except Exception:  # a broken consumer must not take the loop down
