@@ -71,7 +71,7 @@ class UpConfig:
     mps: str = field(default="auto", metadata={
         "help": "CUDA MPS for engines that share a GPU, so their kernels run side by side instead of time-slicing "
                 "it: auto (where two or more single-rank engines share a GPU; a warning where MPS cannot run), "
-                "on (the same, an error where it cannot) or off"})
+                "on (the same, an error where it cannot) or off", "choices": MPS_MODES})
 
     def __post_init__(self) -> None:
         if self.mps not in MPS_MODES:
