@@ -149,7 +149,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
                f"{cfg.engine_args} {cfg.pd_engine_args}".strip()))
     for name, shape, names, engine_args in shapes:
         deployment = Deployment(UpConfig(model=model, device=cfg.device, port=free_port(), engine_args=engine_args,
-                                         mps=cfg.mps, **shape))
+                                         mps=cfg.mps if name == "1p1d" else "off", **shape))  # one engine
         try:
             url = deployment.start()
             report[name]["mps_gpus"] = deployment.mps.gpus if deployment.mps else []

@@ -155,10 +155,13 @@ class Engine:
         # The overlap scheduler: on CUDA, step N+1 is queued before step N's tokens are read back.
         self.overlap = self.runner.device.type == "cuda" and cfg.tp_size == 1 and not cfg.disable_overlap
         self.failure: str | None = None  # set when the engine cannot run steps any more
-        # Called on the loop thread after every iteration and once the loop has ended: an output
-        # sink that batches (the engine core process) sends a whole step's outputs at once.
+        # Called on the loop thread after every iteration, after the role's poll when that emitted
+        # outputs (so at most twice an iteration), and once the loop has ended: an output sink that
+        # batches (the engine core process) sends what it holds at once.
         self.after_step: Callable[[], None] | None = None
-        self._emitted_since_flush = 0  # outputs emitted since after_step last ran
+        # Outputs emitted since after_step last ran. Counted on the loop thread; a caller's thread emits
+        # only refusals once the inbox is closed, when the loop no longer reads the count.
+        self._emitted_since_flush = 0
         eos = set(self.model_cfg.eos_token_ids)
         tok_eos = self.tokenizer.token_id(self.tokenizer.eos_token)
         if tok_eos is not None:

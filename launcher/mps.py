@@ -3,11 +3,14 @@
 Without MPS the GPU time-slices between processes: a prefill engine's prompt step waits behind the decode
 engine's steps (and the other way round), so a split deployment on one GPU pays for both roles' work on every
 request. Under MPS the processes' kernels run side by side on the SMs, as streams of one process would; prefill
-is compute-bound and decode is memory-bound, so they overlap well.
+is compute-bound and decode is memory-bound, so they overlap. The price is isolation: a fatal GPU fault in one
+client ends every client of the GPU (`up` then restarts them all), and a prefill step can take SMs a decode step
+would have had (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, in `up`'s environment, caps each client's share).
 
-The daemon is private to the deployment (its own pipe directory), started before the engines and quit after
-they stop. Only engines of one rank that share a GPU become its clients: a GPU alone gains nothing, and engines
-of several ranks keep their own contexts (NCCL's ranks each own a GPU; MPS gives them nothing to share).
+The daemon is private to the deployment (its own pipe directory) and runs in the foreground as one of `up`'s
+supervised processes: started before the engines, checked by a probe kernel, quit after the engines stop, and
+restarted like any other process if it exits. Only engines of one rank that share a GPU become its clients: a GPU
+alone gains nothing, and engines of several ranks keep their own contexts (NCCL's ranks each own a GPU).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 MPS_MODES = ("off", "on", "auto")
 CONTROL_BINARY = "nvidia-cuda-mps-control"
+PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 # A client's first kernel, run before any engine starts: CUDA initialises through the daemon, which starts its
 # server; the probe exits and the server stays for the engines.
 PROBE = "import sys, torch; x = torch.ones(1, device=sys.argv[1]); x.add_(1); torch.cuda.synchronize(); print(x.item())"
@@ -46,7 +51,8 @@ def shared_gpus(engines: list[list[str]]) -> list[str]:
 
 @dataclass
 class MpsDaemon:
-    """A running MPS control daemon: the environment its clients need, and how to quit it."""
+    """A deployment's MPS control daemon: its pipe directory, the environment its clients need, and its
+    commands. The process itself (`command`, in the foreground) is one of `up`'s supervised children."""
 
     directory: Path
     binary: str
@@ -55,13 +61,16 @@ class MpsDaemon:
     @property
     def env(self) -> dict[str, str]:
         """What a process needs in its environment to be the daemon's client (or to command it)."""
-        return {"CUDA_MPS_PIPE_DIRECTORY": str(self.directory / "pipe"),
-                "CUDA_MPS_LOG_DIRECTORY": str(self.directory / "log")}
+        return {PIPE_ENV: str(self.directory / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(self.directory / "log")}
 
-    def command(self, line: str, timeout_s: float = 10.0) -> str:
+    @property
+    def command(self) -> list[str]:
+        return [self.binary, "-f"]
+
+    def send(self, line: str, timeout_s: float = 10.0) -> str:
         """Sends one command (e.g. `get_server_list`) to the daemon; returns its answer."""
         done = subprocess.run([self.binary], input=line + "\n", capture_output=True, text=True, timeout=timeout_s,
-                              env=_with(self.env))
+                              env={**os.environ, **self.env})
         if done.returncode != 0:
             raise MpsError(f"{self.binary} refused {line!r} (exit {done.returncode}): "
                            f"{(done.stderr or done.stdout).strip()}")
@@ -69,31 +78,73 @@ class MpsDaemon:
 
     def server_pids(self) -> list[int]:
         """The daemon's servers (one starts when the first client attaches)."""
-        return [int(word) for word in self.command("get_server_list").split() if word.isdigit()]
+        return [int(word) for word in self.send("get_server_list").split() if word.isdigit()]
 
-    def stop(self) -> None:
-        """Quits the daemon (after its clients stopped) and removes its directory; a daemon that does not quit is
-        logged with its pipe directory, since only a `quit` sent there stops it."""
+    def client_pids(self) -> list[int]:
+        """Every process attached to one of the daemon's servers."""
+        return [int(word) for server in self.server_pids()
+                for word in self.send(f"get_client_list {server}").split() if word.isdigit()]
+
+    def wait_ready(self, proc: subprocess.Popen, timeout_s: float = 30.0) -> str:
+        """Waits for the daemon's control socket; returns why it is not there ('' once it is)."""
+        deadline = time.monotonic() + timeout_s
+        while not (self.directory / "pipe" / "control").exists():
+            if proc.poll() is not None:
+                return f"{self.binary} -f exited with code {proc.returncode}{self._log_tail()}"
+            if time.monotonic() > deadline:
+                return f"{self.binary} -f opened no control socket within {timeout_s:.0f} s{self._log_tail()}"
+            time.sleep(0.05)
+        return ""
+
+    def probe(self, timeout_s: float = 120.0) -> str:
+        """Runs one client kernel on each shared GPU through the daemon; returns why it failed ('' when it ran
+        and a server is listed: a client that cannot reach the daemon runs without MPS, saying nothing)."""
+        for gpu in self.gpus:
+            try:
+                done = subprocess.run([sys.executable, "-P", "-c", PROBE, gpu], capture_output=True, text=True,
+                                      timeout=timeout_s, env={**os.environ, **self.env})
+            except subprocess.TimeoutExpired:
+                return f"a client on {gpu} did not start within {timeout_s:.0f} s"
+            if done.returncode != 0 or done.stdout.strip() != "2.0":
+                tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+                return f"a client on {gpu} failed through the daemon: {tail[0]}"
         try:
-            self.command("quit", timeout_s=20.0)
-        except (MpsError, subprocess.TimeoutExpired, OSError) as exc:
-            logger.warning("the MPS daemon (%s) did not quit: %s", self.env["CUDA_MPS_PIPE_DIRECTORY"], exc)
-            return
+            if not self.server_pids():
+                return "a client ran but the daemon lists no server (the client did not go through MPS)"
+        except (MpsError, subprocess.SubprocessError, OSError) as exc:
+            return str(exc)
+        return ""
+
+    def quit(self, proc: subprocess.Popen | None, timeout_s: float = 20.0) -> None:
+        """Asks the daemon to quit (once its clients have stopped), waits for it, and removes its directory;
+        a daemon that does not quit is terminated."""
+        if proc is not None and proc.poll() is None:
+            try:
+                self.send("quit", timeout_s)
+                proc.wait(timeout=timeout_s)
+            except (MpsError, subprocess.SubprocessError, OSError) as exc:
+                logger.warning("the MPS daemon did not quit (%s); terminating it", exc)
+                proc.terminate()
+                try:
+                    proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
-        logger.info("MPS daemon stopped")
+
+    def _log_tail(self) -> str:
+        log = self.directory / "log" / "control.log"
+        lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        return f": {lines[-1]}" if lines else ""
 
 
-def _with(extra: dict[str, str]) -> dict[str, str]:
-    return {**os.environ, **extra}
+def plan_mps(mode: str, gpus: list[str], binary: str | None = None) -> MpsDaemon | None:
+    """The daemon to start for the engines of `gpus` (shared_gpus' answer), its directory made; None for none.
 
-
-def start_mps(mode: str, gpus: list[str], binary: str = CONTROL_BINARY,
-              probe_timeout_s: float = 120.0) -> MpsDaemon | None:
-    """Starts a daemon for the engines of `gpus` (shared_gpus' answer) and checks that a client attaches.
-
-    `off`: nothing. `auto`: a daemon where a GPU is shared; where MPS cannot run, a warning says why and the
-    engines time-slice the GPU as before. `on`: the same, but a GPU must be shared and a failure is an MpsError.
-    """
+    `off`: none. `auto`: one where a GPU is shared; where MPS cannot run, a warning says why and the engines
+    time-slice the GPU as before. `on`: the same, but a GPU must be shared and a failure is an MpsError. Where
+    `up` itself runs as an MPS client already (CUDA_MPS_PIPE_DIRECTORY set, e.g. by a device plugin), its
+    engines inherit that and no daemon of its own is started."""
     if mode not in MPS_MODES:
         raise ValueError(f"--mps must be one of {', '.join(MPS_MODES)}, got {mode!r}")
     if mode == "off":
@@ -103,48 +154,21 @@ def start_mps(mode: str, gpus: list[str], binary: str = CONTROL_BINARY,
             raise MpsError("--mps on: no GPU is shared by two or more single-rank engines (MPS serves engines "
                            "that share a GPU; use --device cuda:N to put them on one)")
         return None
+    if os.environ.get(PIPE_ENV):
+        logger.info("MPS: the engines use the daemon of %s=%s", PIPE_ENV, os.environ[PIPE_ENV])
+        return None
+    binary = binary or CONTROL_BINARY
     path = shutil.which(binary)
     if path is None:
-        return _refuse(mode, f"{binary} is not on PATH (it comes with the NVIDIA driver's utilities)")
+        return refuse(mode, f"{binary} is not on PATH (it comes with the NVIDIA driver's utilities)")
     directory = Path(tempfile.mkdtemp(prefix="splitserve-mps-"))
-    daemon = MpsDaemon(directory, path, gpus)
     for sub in ("pipe", "log"):
         (directory / sub).mkdir()
-    started = subprocess.run([path, "-d"], capture_output=True, text=True, timeout=30, env=_with(daemon.env))
-    if started.returncode != 0:
-        shutil.rmtree(directory, ignore_errors=True)
-        return _refuse(mode, f"{binary} -d exited with {started.returncode}: "
-                             f"{(started.stderr or started.stdout).strip()}")
-    why = _probe(daemon, probe_timeout_s)
-    if why:
-        daemon.stop()
-        return _refuse(mode, why)
-    logger.info("MPS on %s: the engines there share the GPU through one server (pipe directory %s)",
-                ", ".join(gpus), daemon.env["CUDA_MPS_PIPE_DIRECTORY"])
-    return daemon
+    return MpsDaemon(directory, path, gpus)
 
 
-def _probe(daemon: MpsDaemon, timeout_s: float) -> str:
-    """Runs one client kernel on each shared GPU through the daemon; returns why it failed ('' when it ran and a
-    server is listed)."""
-    for gpu in daemon.gpus:
-        try:
-            done = subprocess.run([sys.executable, "-P", "-c", PROBE, gpu], capture_output=True, text=True,
-                                  timeout=timeout_s, env=_with(daemon.env))
-        except subprocess.TimeoutExpired:
-            return f"a client on {gpu} did not start within {timeout_s:.0f} s"
-        if done.returncode != 0 or done.stdout.strip() != "2.0":
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            return f"a client on {gpu} failed through the daemon: {tail[0]}"
-    try:
-        if not daemon.server_pids():
-            return "a client ran but the daemon lists no server (the client did not go through MPS)"
-    except (MpsError, subprocess.TimeoutExpired) as exc:
-        return str(exc)
-    return ""
-
-
-def _refuse(mode: str, why: str) -> None:
+def refuse(mode: str, why: str) -> None:
+    """MPS cannot run: an MpsError under `on`, else a warning."""
     if mode == "on":
         raise MpsError(f"--mps on: {why}")
     logger.warning("MPS is off: %s; the engines that share a GPU time-slice it (--mps off silences this)", why)

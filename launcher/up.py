@@ -24,7 +24,7 @@ import httpx
 
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
 from splitserve.engine.checkpoints.model_names import ModelNotFoundError, check_model_exists
-from splitserve.launcher.mps import MPS_MODES, MpsDaemon, shared_gpus, start_mps
+from splitserve.launcher.mps import MPS_MODES, MpsDaemon, MpsError, plan_mps, refuse, shared_gpus
 
 logger = logging.getLogger(__name__)
 # Where every engine listens (its --engine-args may say otherwise).
@@ -190,7 +190,7 @@ class Child:
     name: str
     url: str
     args: list[str]
-    ready_path: str = "/health"
+    ready_path: str | None = "/health"  # None: a process with no HTTP endpoint (the MPS daemon)
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     restarts: int = 0
@@ -212,10 +212,12 @@ class Deployment:
         self.key = cfg.transfer_control_key or secrets.token_hex(32)
         self.kv_store = ""  # the store master's address, once started (--kv-store)
         self.mps: MpsDaemon | None = None  # the MPS daemon of the engines that share a GPU, once started
+        self._mps_child: Child | None = None  # its process
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
-        return [(c.url, c.proc) for c in self.children if c.proc is not None]
+        """(URL, process) of every child with an HTTP endpoint."""
+        return [(c.url, c.proc) for c in self.children if c.proc is not None and c.ready_path is not None]
 
     def _spawn(self, child: Child) -> None:
         cmd = child.command or [sys.executable, "-P", "-m", "splitserve", *child.args]
@@ -279,7 +281,7 @@ class Deployment:
         if cfg.kv_store:
             self._kv_store_master()
         self._fractions = self._shared_fractions()
-        self.mps = start_mps(cfg.mps, shared_gpus(self._engine_devices()))
+        self._start_mps()
         drafters = [self._drafter(i) for i in range(cfg.drafter)]
         if cfg.unified:
             unified = [self._engine("unified", i, self._verifier_args(drafters, i)) for i in range(cfg.unified)]
@@ -292,6 +294,7 @@ class Deployment:
             if encode:
                 router_args += ["--encode", *encode]
         wait_healthy(self.procs, cfg.startup_timeout_s)
+        self._check_mps_clients()
         router = Child("router", f"http://{cfg.host}:{cfg.port}", [
             "router", "--host", cfg.host, "--port", str(cfg.port), *router_args, *cfg.router_args.split()],
             ready_path="/ready")
@@ -299,6 +302,45 @@ class Deployment:
         self._spawn(router)
         wait_healthy([(router.url, router.proc)], cfg.startup_timeout_s, path="/ready")
         return router.url
+
+    def _start_mps(self) -> None:
+        """Starts the MPS daemon of the engines that share a GPU (--mps), as a supervised child, and probes it."""
+        daemon = plan_mps(self.cfg.mps, shared_gpus(self._engine_devices()))
+        if daemon is None:
+            return
+        child = Child("mps-control", "", [], ready_path=None, command=daemon.command, env=daemon.env)
+        self.children.append(child)
+        try:
+            self._spawn(child)
+            assert child.proc is not None
+            why = daemon.wait_ready(child.proc) or daemon.probe()
+        except (OSError, subprocess.SubprocessError) as exc:
+            why = f"{daemon.binary}: {exc}"
+        if why:
+            daemon.quit(child.proc)
+            self.children.remove(child)
+            refuse(self.cfg.mps, why)
+            return
+        self.mps, self._mps_child = daemon, child
+        logger.info("MPS on %s: the engines there share it through one server (pipe directory %s)",
+                    ", ".join(daemon.gpus), daemon.env["CUDA_MPS_PIPE_DIRECTORY"])
+
+    def _check_mps_clients(self) -> None:
+        """Once the engines are healthy: each engine given the daemon is its client (a process that could not
+        reach the daemon runs without it, saying nothing)."""
+        if self.mps is None:
+            return
+        expected = sum(1 for c in self.children if c.env.get("CUDA_MPS_PIPE_DIRECTORY") and c.ready_path)
+        try:
+            attached = len(self.mps.client_pids())
+        except (MpsError, subprocess.SubprocessError, OSError) as exc:
+            attached, expected = 0, max(expected, 1)
+            logger.warning("MPS: the daemon did not list its clients: %s", exc)
+        if attached < expected:
+            why = f"{attached} of the {expected} engines given the MPS daemon are its clients"
+            if self.cfg.mps == "on":
+                raise MpsError(f"--mps on: {why}")
+            logger.warning("MPS: %s; the others time-slice the GPU", why)
 
     def _engine_roles(self) -> list[str]:
         """Each engine's role, in start order."""
@@ -357,10 +399,13 @@ class Deployment:
         return 0
 
     def stop(self) -> None:
-        # The router first, so no new work reaches engines that are going away; the store's master last,
-        # once no engine uses it.
+        # The router first, so no new work reaches engines that are going away; the store's master and the MPS
+        # daemon last, once no engine uses them (the daemon is asked to quit: its servers go with it).
         last = [c for c in self.children if c.command is not None]
         for group in ([c for c in self.children if c.command is None], last):
+            if group is last and self.mps is not None and self._mps_child is not None:
+                self.mps.quit(self._mps_child.proc)
+                self.mps = None
             for child in reversed(group):
                 if child.proc is not None and child.proc.poll() is None:
                     child.proc.terminate()
@@ -374,9 +419,6 @@ class Deployment:
                     logger.warning("%s did not stop in time; killing it", child.name)
                     child.proc.kill()
                     child.proc.wait()
-        if self.mps is not None:  # after its clients: a daemon quits once none is attached
-            self.mps.stop()
-            self.mps = None
 
 
 def main(argv: list[str]) -> int:

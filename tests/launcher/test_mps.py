@@ -1,8 +1,10 @@
 """`up --mps`: which engines share a GPU through one MPS daemon, and what happens where MPS cannot run.
 
 The daemon itself needs a GPU and the driver's nvidia-cuda-mps-control (tests/launcher/test_mps_gpu.py). Here:
-the choice of GPUs, `off` touching nothing, `on` refusing with the reason, `auto` warning and going on, and a
-control program that fails (a script standing in for the driver's binary, which this machine lacks).
+the choice of GPUs, `off` touching nothing, `on` refusing with the reason, `auto` warning and going on, an outer
+MPS daemon left in charge, and the daemon's life under `up` with a script standing in for the driver's control
+program (this machine has none): started as a supervised child, probed, quit when the probe fails, its
+directory removed.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.launcher.mps import MpsError, shared_gpus, start_mps
+from splitserve.launcher.mps import MpsError, plan_mps, shared_gpus
 from splitserve.launcher.up import Deployment, UpConfig
 
 
@@ -38,50 +40,108 @@ def test_up_asks_for_mps_where_its_engines_share_a_gpu(args, want, monkeypatch):
     assert shared_gpus(Deployment(UpConfig(model="tiny", device="cuda:0", **args))._engine_devices()) == want
 
 
-def test_off_starts_nothing_and_a_bad_mode_is_refused(tmp_path):
-    assert start_mps("off", ["cuda:0"], binary=str(tmp_path / "never-run")) is None
+def test_off_plans_nothing_and_a_bad_mode_is_refused(tmp_path):
+    assert plan_mps("off", ["cuda:0"], binary=str(tmp_path / "never-run")) is None
     with pytest.raises(ValueError, match="--mps must be one of off, on, auto"):
-        start_mps("always", ["cuda:0"])
+        plan_mps("always", ["cuda:0"])
     with pytest.raises(ValueError, match="--mps must be one of"):
         UpConfig(mps="yes")
 
 
-def test_on_refuses_with_the_reason_and_auto_warns_and_goes_on(caplog):
+def test_on_refuses_with_the_reason_and_auto_warns_and_goes_on(caplog, monkeypatch):
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     with pytest.raises(MpsError, match="no GPU is shared by two or more single-rank engines"):
-        start_mps("on", [])
-    assert start_mps("auto", []) is None  # nothing shared: nothing to say
+        plan_mps("on", [])
+    assert plan_mps("auto", []) is None  # nothing shared: nothing to say
     missing = "splitserve-no-such-mps-control"
     with pytest.raises(MpsError, match=f"{missing} is not on PATH"):
-        start_mps("on", ["cuda:0"], binary=missing)
+        plan_mps("on", ["cuda:0"], binary=missing)
     with caplog.at_level(logging.WARNING, logger="splitserve.launcher.mps"):
-        assert start_mps("auto", ["cuda:0"], binary=missing) is None
+        assert plan_mps("auto", ["cuda:0"], binary=missing) is None
     assert any("MPS is off" in r.message and missing in r.message for r in caplog.records)
 
 
-def _failing_control(tmp_path: Path) -> Path:
+def test_an_outer_mps_daemon_stays_in_charge(monkeypatch, tmp_path):
+    """`up` run as an MPS client already (a device plugin's MPS sharing): its engines inherit that daemon."""
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert plan_mps("on", ["cuda:0"], binary=str(_stand_in(tmp_path))) is None
+
+
+def _stand_in(tmp_path: Path) -> Path:
+    """A control program that behaves as the driver's does in the foreground (`-f`: opens the control socket in
+    $CUDA_MPS_PIPE_DIRECTORY and runs until told to quit) and logs every command it is sent."""
     script = tmp_path / "mps-control"
-    script.write_text("#!/bin/sh\necho 'cannot open /dev/nvidiactl' >&2\nexit 3\n")
+    script.write_text(f"""#!/bin/sh
+if [ "$1" = "-f" ]; then
+    echo $$ > "$CUDA_MPS_PIPE_DIRECTORY/daemon.pid"
+    touch "$CUDA_MPS_PIPE_DIRECTORY/control"
+    while :; do sleep 0.05; done
+fi
+read line
+echo "$line" >> "{tmp_path}/commands.log"
+[ "$line" = "quit" ] && kill "$(cat "$CUDA_MPS_PIPE_DIRECTORY/daemon.pid")"
+exit 0
+""")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return script
 
 
-def test_a_daemon_that_does_not_start_is_reported_and_leaves_nothing_behind(tmp_path, monkeypatch, caplog):
+def test_a_daemon_whose_probe_fails_is_quit_and_leaves_nothing_behind(tmp_path, monkeypatch, caplog):
+    """The probe's kernel cannot run here (no GPU): `on` says so, `auto` warns; either way the daemon was sent
+    `quit`, exited, and its pipe directory is gone, and no engine started."""
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr("splitserve.launcher.mps.CONTROL_BINARY", str(_stand_in(tmp_path)))
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
-    control = _failing_control(tmp_path)
-    with pytest.raises(MpsError, match="exited with 3: cannot open /dev/nvidiactl"):
-        start_mps("on", ["cuda:0"], binary=str(control))
-    with caplog.at_level(logging.WARNING, logger="splitserve.launcher.mps"):
-        assert start_mps("auto", ["cuda:0"], binary=str(control)) is None
-    assert any("cannot open /dev/nvidiactl" in r.message for r in caplog.records)
-    assert list((tmp_path / "tmp").iterdir()) == []  # its pipe directories are gone
+    for mode in ("on", "auto"):
+        deployment = Deployment(UpConfig(model="tiny", device="cuda:0", prefill=1, decode=1, mps=mode))
+        monkeypatch.setattr(deployment, "_drafter", lambda _i: pytest.fail("an engine started"))
+        monkeypatch.setattr(deployment, "_engine", lambda *_a, **_k: pytest.fail("an engine started"))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="splitserve.launcher.mps"):
+            if mode == "on":
+                with pytest.raises(MpsError, match="--mps on: a client on cuda:0 failed through the daemon"):
+                    deployment.start()
+            else:
+                deployment._start_mps()
+                assert deployment.mps is None and any("MPS is off: a client on cuda:0" in r.message
+                                                      for r in caplog.records)
+        assert deployment.children == []
+        assert list((tmp_path / "tmp").iterdir()) == []
+    assert (tmp_path / "commands.log").read_text().split("\n")[:-1] == ["quit", "quit"]
 
 
-def test_up_with_mps_on_and_no_shared_gpu_stops_before_any_engine_starts():
+def test_up_with_mps_on_and_no_shared_gpu_stops_before_any_engine_starts(monkeypatch):
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     deployment = Deployment(UpConfig(model="tiny", device="cpu", prefill=1, decode=1, mps="on"))
     with pytest.raises(MpsError, match="no GPU is shared"):
         deployment.start()
     assert deployment.children == []
+
+
+def test_engines_that_did_not_attach_to_the_daemon_are_an_error_under_on_and_a_warning_under_auto(
+        tmp_path, monkeypatch, caplog):
+    """A process that cannot reach the daemon runs without MPS and says nothing: `up` counts the daemon's
+    clients once the engines are healthy (here the daemon lists none)."""
+    from splitserve.launcher.mps import MpsDaemon
+    from splitserve.launcher.up import Child
+
+    daemon = MpsDaemon(tmp_path / "mps", str(_stand_in(tmp_path)), ["cuda:0"])
+    (tmp_path / "mps" / "pipe").mkdir(parents=True)
+    for mode in ("on", "auto"):
+        deployment = Deployment(UpConfig(model="tiny", device="cuda:0", mps=mode))
+        deployment.mps = daemon
+        deployment.children = [Child(f"{role}-0", "http://127.0.0.1:1", [], env=daemon.env)
+                               for role in ("prefill", "decode")]
+        caplog.clear()
+        if mode == "on":
+            with pytest.raises(MpsError, match="0 of the 2 engines given the MPS daemon are its clients"):
+                deployment._check_mps_clients()
+        else:
+            with caplog.at_level(logging.WARNING, logger="splitserve.launcher.up"):
+                deployment._check_mps_clients()
+            assert any("0 of the 2 engines" in r.message for r in caplog.records)
+    assert "get_server_list" in (tmp_path / "commands.log").read_text()
