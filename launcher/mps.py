@@ -96,7 +96,7 @@ class MpsDaemon:
             time.sleep(0.05)
         return ""
 
-    def probe(self, timeout_s: float = 120.0) -> str:
+    def probe(self, timeout_s: float = 60.0) -> str:
         """Runs one client kernel on each shared GPU through the daemon; returns why it failed ('' when it ran
         and a server is listed: a client that cannot reach the daemon runs without MPS, saying nothing)."""
         for gpu in self.gpus:
