@@ -324,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="tokens of the TP2->TP1 head-sliced row (0: skip; per-token segments are slow)")
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds to repeat each measurement")
     parser.add_argument("--json", default="", help="also write the rows as JSON to this path")
+    parser.add_argument("--transfer-protocol", choices=("mooncake", "cuda_ipc"), default="mooncake",
+                        help="cuda_ipc: KV between two processes on one GPU against a device copy (bench/cuda_ipc.py; "
+                             "its own flags follow)")
     args = parser.parse_args(argv)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     os.environ.setdefault("GLOG_minloglevel", "2")

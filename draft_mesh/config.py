@@ -97,12 +97,11 @@ class SpecConfig:
                 "(--no-drafter-prefix-cache: every sync prefilled whole)"})
     drafter_cudnn_attention: bool = field(default=True, metadata={
         "help": "the drafter process's one-prompt prefills may attend through cuDNN (torch SDPA's backend). "
-                "cuDNN builds a plan per new sequence length (50-110 ms each on an H200, measured), and "
-                "a drafter prefills every synced request at a length of its own (on the H200 two of its steps at a "
-                "run's start took ~100 ms and a K=2 run had no draft for 220 ms: the likely cause, not shown). "
-                "The runner's cuDNN prompt buckets (engine/layers/prompt_attention.py, built at warm-up) now cover "
-                "the drafter's prefills too, so none builds a plan while serving. --no-drafter-cudnn-attention "
-                "takes the other SDPA backends (the whole process, no buckets); not measured"})
+                "cuDNN builds a plan per new sequence length (50-110 ms each on an H200), and a drafter "
+                "prefills every synced request at a length of its own; the runner's cuDNN prompt buckets "
+                "(engine/layers/prompt_attention.py, built at warm-up) cover the drafter's prefills, so none "
+                "builds a plan while serving. --no-drafter-cudnn-attention takes the other SDPA backends (the "
+                "whole process, no buckets)"})
     max_verifiers: int = field(default=64, metadata={"help": "leases a drafter grants at once (then: full)"})
     draft_lease_ttl_s: float = field(default=1.5, metadata={
         "help": "seconds a lease lives after its last heartbeat (then its requests are closed)"})

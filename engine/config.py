@@ -49,7 +49,8 @@ class EngineConfig:
                 "also quantize a 16/32-bit or GGUF checkpoint's projections on load (per-channel e4m3 weights, "
                 "activations quantized per token on the GPU; docs/fp8.md)", "choices": ("auto", "fp8")})
     kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "what the KV pages hold: auto (the model's dtype) or fp8_e4m3 (e4m3 with a static scale of 1.0, "
+        "help": "what the KV pages hold: auto (the model's dtype) or fp8_e4m3 (e4m3 with static scales: the "
+                "checkpoint's k_scale/v_scale, else 1.0; "
                 "writes saturated at +-448: twice the tokens of a 16-bit cache in the same memory; docs/fp8.md). "
                 "Prefill and decode engines must agree on it",
         "choices": KV_CACHE_DTYPES})
