@@ -385,11 +385,20 @@ class Deployment:
                 child.restart_at = now + delay
                 logger.error("%s (%s) exited with code %s; restart %d in %.1f s", child.name, child.url,
                              child.proc.returncode, child.restarts + 1, delay)
-            elif child.restart_at is not None and now >= child.restart_at:
+            elif child.restart_at is not None and now >= child.restart_at and not self._waits_for_mps(child):
                 child.restart_at = None
                 child.restarts += 1
                 logger.warning("restarting %s (restart %d)", child.name, child.restarts)
                 self._spawn(child)
+
+    def _waits_for_mps(self, child: Child) -> bool:
+        """An MPS client is restarted only while its daemon runs: started without it, CUDA would run it
+        time-sliced, silently, for the rest of its life."""
+        daemon = self._mps_child
+        if daemon is None or daemon is child or not child.env.get("CUDA_MPS_PIPE_DIRECTORY"):
+            return False
+        running = daemon.proc is not None and daemon.proc.poll() is None
+        return not (running and self.mps is not None and (self.mps.directory / "pipe" / "control").exists())
 
     def watch(self, stop: list[bool]) -> int:
         """Supervises the children until a stop is asked for."""

@@ -145,3 +145,44 @@ def test_engines_that_did_not_attach_to_the_daemon_are_an_error_under_on_and_a_w
                 deployment._check_mps_clients()
             assert any("0 of the 2 engines" in r.message for r in caplog.records)
     assert "get_server_list" in (tmp_path / "commands.log").read_text()
+
+
+def test_an_engine_is_restarted_only_once_its_mps_daemon_runs_again(tmp_path, monkeypatch):
+    """Started while the daemon is down, an engine would run time-sliced for good, saying nothing: `up` holds its
+    restart until the daemon has been restarted and opened its control socket."""
+    from splitserve.launcher.mps import MpsDaemon
+    from splitserve.launcher.up import Child
+
+    daemon = MpsDaemon(tmp_path / "mps", str(_stand_in(tmp_path)), ["cuda:0"])
+    (tmp_path / "mps" / "pipe").mkdir(parents=True)
+    deployment = Deployment(UpConfig(model="tiny", device="cuda:0", restart_backoff_s=0.05))
+    deployment.mps = daemon
+    control = Child("mps-control", "", [], ready_path=None, command=daemon.command, env=daemon.env)
+    engine = Child("decode-0", "http://127.0.0.1:1", [], command=["sleep", "60"], env=daemon.env)
+    deployment.children, deployment._mps_child = [control, engine], control
+    try:
+        for child in (control, engine):
+            deployment._spawn(child)
+        assert daemon.wait_ready(control.proc) == ""
+        first_engine = engine.proc
+        daemon.send("quit")  # the daemon exits; so do its clients
+        control.proc.wait(timeout=10)
+        engine.proc.kill()
+        engine.proc.wait()
+        (tmp_path / "mps" / "pipe" / "control").unlink()
+        deployment.supervise_once()  # both seen down, each with its backoff
+        assert control.restart_at is not None and engine.restart_at is not None
+        engine.restart_at = control.restart_at = 0.0  # both due now
+        control.restart_at = float("inf")  # ... but the daemon's restart waits longer
+        deployment.supervise_once()
+        assert engine.proc is first_engine and engine.restart_at == 0.0  # held back
+        control.restart_at = 0.0
+        deployment.supervise_once()  # the daemon restarts
+        assert daemon.wait_ready(control.proc) == ""
+        deployment.supervise_once()
+        assert engine.proc is not first_engine and engine.proc.poll() is None  # now the engine
+    finally:
+        for child in (engine, control):
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.kill()
+                child.proc.wait()
