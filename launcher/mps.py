@@ -67,6 +67,11 @@ class MpsDaemon:
     def command(self) -> list[str]:
         return [self.binary, "-f"]
 
+    @property
+    def log_file(self) -> Path:
+        """Where the daemon's output goes: in the foreground it logs to stdout."""
+        return self.directory / "log" / "control.log"
+
     def send(self, line: str, timeout_s: float = 10.0) -> str:
         """Sends one command (e.g. `get_server_list`) to the daemon; returns its answer."""
         done = subprocess.run([self.binary], input=line + "\n", capture_output=True, text=True, timeout=timeout_s,
@@ -133,7 +138,7 @@ class MpsDaemon:
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def _log_tail(self) -> str:
-        log = self.directory / "log" / "control.log"
+        log = self.log_file
         lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
         return f": {lines[-1]}" if lines else ""
 

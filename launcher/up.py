@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -198,6 +199,7 @@ class Child:
     restart_at: float | None = None  # set while it is down and waiting for its restart
     command: list[str] | None = None  # a program of its own (the store's master), not `splitserve ARGS`
     env: dict[str, str] = field(default_factory=dict)  # on top of up's environment (an MPS client's pipe)
+    log: Path | None = None  # where its stdout and stderr go (default: up's own; up's stdout is for its endpoint)
 
 
 class Deployment:
@@ -226,7 +228,12 @@ class Deployment:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITSERVE_TRANSFER_CONTROL_KEY": self.key,
                "SPLITSERVE_ROUTER_TRANSFER_CONTROL_KEY": self.key, **child.env}
         # A new session: Ctrl-C in the terminal reaches `up` alone, which stops the children in order.
-        child.proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+        if child.log is None:
+            child.proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+        else:
+            with child.log.open("ab") as log:
+                child.proc = subprocess.Popen(cmd, start_new_session=True, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT)
         child.started_at = time.monotonic()
 
     def _drafter(self, index: int) -> str:
@@ -308,7 +315,8 @@ class Deployment:
         daemon = plan_mps(self.cfg.mps, shared_gpus(self._engine_devices()))
         if daemon is None:
             return
-        child = Child("mps-control", "", [], ready_path=None, command=daemon.command, env=daemon.env)
+        child = Child("mps-control", "", [], ready_path=None, command=daemon.command, env=daemon.env,
+                      log=daemon.log_file)
         self.children.append(child)
         try:
             self._spawn(child)

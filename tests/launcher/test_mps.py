@@ -73,6 +73,7 @@ def _stand_in(tmp_path: Path) -> Path:
     script = tmp_path / "mps-control"
     script.write_text(f"""#!/bin/sh
 if [ "$1" = "-f" ]; then
+    echo "Starting control daemon (on stdout, as the driver's does)"
     echo $$ > "$CUDA_MPS_PIPE_DIRECTORY/daemon.pid"
     touch "$CUDA_MPS_PIPE_DIRECTORY/control"
     while :; do sleep 0.05; done
@@ -157,7 +158,9 @@ def test_an_engine_is_restarted_only_once_its_mps_daemon_runs_again(tmp_path, mo
     (tmp_path / "mps" / "pipe").mkdir(parents=True)
     deployment = Deployment(UpConfig(model="tiny", device="cuda:0", restart_backoff_s=0.05))
     deployment.mps = daemon
-    control = Child("mps-control", "", [], ready_path=None, command=daemon.command, env=daemon.env)
+    (tmp_path / "mps" / "log").mkdir()
+    control = Child("mps-control", "", [], ready_path=None, command=daemon.command, env=daemon.env,
+                    log=daemon.log_file)
     engine = Child("decode-0", "http://127.0.0.1:1", [], command=["sleep", "60"], env=daemon.env)
     deployment.children, deployment._mps_child = [control, engine], control
     try:
@@ -181,6 +184,8 @@ def test_an_engine_is_restarted_only_once_its_mps_daemon_runs_again(tmp_path, mo
         assert daemon.wait_ready(control.proc) == ""
         deployment.supervise_once()
         assert engine.proc is not first_engine and engine.proc.poll() is None  # now the engine
+        # The daemon logs to stdout in the foreground: into its log, never into up's stdout (its endpoint line).
+        assert daemon.log_file.read_text().count("Starting control daemon") == 2
     finally:
         for child in (engine, control):
             if child.proc is not None and child.proc.poll() is None:
