@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import subprocess
 import sys
 import textwrap
@@ -272,7 +273,18 @@ def chaos_run(cfg: BenchConfig) -> dict:
         deployment.stop()
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (a `timeout`, a job runner) unwinds the bench like Ctrl-C: the deployments it started run in
+    sessions of their own, so only its `finally` blocks stop them; killed outright it would leave them
+    holding their ports and GPU memory."""
+    def unwind(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, unwind)
+
+
 def main(argv: list[str]) -> int:
+    stop_on_sigterm()
     epilog = "profiles:\n" + "\n".join(textwrap.fill(f"{name}: {text}", 100, initial_indent="  ",
                                                       subsequent_indent="      ") for name, text in PROFILES.items())
     parser = argparse.ArgumentParser(prog="splitserve bench", description=__doc__, epilog=epilog,
