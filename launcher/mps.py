@@ -68,6 +68,11 @@ class MpsDaemon:
         return [self.binary, "-f"]
 
     @property
+    def control_socket(self) -> Path:
+        """The daemon's socket: there once it accepts commands and clients."""
+        return self.directory / "pipe" / "control"
+
+    @property
     def log_file(self) -> Path:
         """Where the daemon's output goes: in the foreground it logs to stdout."""
         return self.directory / "log" / "control.log"
@@ -93,7 +98,7 @@ class MpsDaemon:
     def wait_ready(self, proc: subprocess.Popen, timeout_s: float = 30.0) -> str:
         """Waits for the daemon's control socket; returns why it is not there ('' once it is)."""
         deadline = time.monotonic() + timeout_s
-        while not (self.directory / "pipe" / "control").exists():
+        while not self.control_socket.exists():
             if proc.poll() is not None:
                 return f"{self.binary} -f exited with code {proc.returncode}{self._log_tail()}"
             if time.monotonic() > deadline:

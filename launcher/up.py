@@ -25,7 +25,7 @@ import httpx
 
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
 from splitserve.engine.checkpoints.model_names import ModelNotFoundError, check_model_exists
-from splitserve.launcher.mps import MPS_MODES, MpsDaemon, MpsError, plan_mps, refuse, shared_gpus
+from splitserve.launcher.mps import MPS_MODES, PIPE_ENV, MpsDaemon, MpsError, plan_mps, refuse, shared_gpus
 
 logger = logging.getLogger(__name__)
 # Where every engine listens (its --engine-args may say otherwise).
@@ -331,14 +331,14 @@ class Deployment:
             return
         self.mps, self._mps_child = daemon, child
         logger.info("MPS on %s: the engines there share it through one server (pipe directory %s)",
-                    ", ".join(daemon.gpus), daemon.env["CUDA_MPS_PIPE_DIRECTORY"])
+                    ", ".join(daemon.gpus), daemon.env[PIPE_ENV])
 
     def _check_mps_clients(self) -> None:
         """Once the engines are healthy: each engine given the daemon is its client (a process that could not
         reach the daemon runs without it, saying nothing)."""
         if self.mps is None:
             return
-        expected = sum(1 for c in self.children if c.env.get("CUDA_MPS_PIPE_DIRECTORY") and c.ready_path)
+        expected = sum(1 for c in self.children if c.env.get(PIPE_ENV) and c.ready_path)
         try:
             attached = len(self.mps.client_pids())
         except (MpsError, subprocess.SubprocessError, OSError) as exc:
@@ -403,10 +403,10 @@ class Deployment:
         """An MPS client is restarted only while its daemon runs: started without it, CUDA would run it
         time-sliced, silently, for the rest of its life."""
         daemon = self._mps_child
-        if daemon is None or daemon is child or not child.env.get("CUDA_MPS_PIPE_DIRECTORY"):
+        if daemon is None or daemon is child or not child.env.get(PIPE_ENV):
             return False
         running = daemon.proc is not None and daemon.proc.poll() is None
-        return not (running and self.mps is not None and (self.mps.directory / "pipe" / "control").exists())
+        return not (running and self.mps is not None and self.mps.control_socket.exists())
 
     def watch(self, stop: list[bool]) -> int:
         """Supervises the children until a stop is asked for."""
