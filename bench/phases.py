@@ -143,7 +143,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
         from splitserve.engine.checkpoints.model_shapes import write_shape_folder
         model = str(write_shape_folder(cfg.shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{cfg.shape}-"))))
         cfg = dataclasses.replace(cfg, engine_args=f"--load-format dummy {cfg.engine_args}".strip())  # random weights
-    report: dict[str, Any] = {"config": asdict(cfg), "unified": {}, "1p1d": {}}
+    report: dict[str, Any] = {"config": asdict(cfg), "unified": {}, "1p1d": {}, "mps_gpus": {}}
     shapes = (("unified", {"unified": 1}, [p for p, _, _ in UNIFIED], cfg.engine_args),
               ("1p1d", {"prefill": 1, "decode": 1}, [p for p, _, _ in DISAGGREGATED],
                f"{cfg.engine_args} {cfg.pd_engine_args}".strip()))
@@ -152,7 +152,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
                                          mps=cfg.mps if name == "1p1d" else "off", **shape))  # one engine
         try:
             url = deployment.start()
-            report[name]["mps_gpus"] = deployment.mps.gpus if deployment.mps else []
+            report["mps_gpus"][name] = deployment.mps.gpus if deployment.mps else []
             served = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
             requests = workload(cfg, vocab=PROMPT_VOCAB)
             run_load(url, served, requests[:4], 1000.0, cfg.client_processes)  # warm-up
@@ -174,7 +174,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
 
 
 def print_phases_report(report: dict[str, Any]) -> None:
-    mps = report["1p1d"].get("mps_gpus")
+    mps = report.get("mps_gpus", {}).get("1p1d")
     print(f"1P1D engines: {'one MPS server on ' + ', '.join(mps) if mps else 'no MPS'} "
           f"(--mps {report['config'].get('mps', 'auto')})")
     for rate in report["config"]["rates"]:
@@ -196,7 +196,7 @@ def print_phases_report(report: dict[str, Any]) -> None:
         print(f"burst {report['config']['burst']}: output {uni['output_tok_s']:.0f} tok/s unified, "
               f"{pd['output_tok_s']:.0f} 1P1D ({ratio:.2f}x); TTFT p50 {uni['ttft_s']['p50']:.2f} s against "
               f"{pd['ttft_s']['p50']:.2f} s ({uni['ok']}/{uni['requests']} and {pd['ok']}/{pd['requests']} ok)")
-    loads = [r for name in ("unified", "1p1d") for r in report[name].values() if isinstance(r, dict) and "client" in r]
+    loads = [r for name in ("unified", "1p1d") for r in report[name].values() if "client" in r]
     if loads:  # the busiest load's client: the figures are only as good as its timing of events
         print(client_line(max((r["client"] for r in loads), key=lambda c: c["busy_max"])))
 
@@ -209,6 +209,5 @@ def main(argv: list[str]) -> int:
     report = run_phases_benchmark(cfg)
     print_phases_report(report)
     write_report(report, cfg.output)
-    failed = sum(r["requests"] - r["ok"] for name in ("unified", "1p1d") for r in report[name].values()
-                 if isinstance(r, dict))
+    failed = sum(r["requests"] - r["ok"] for name in ("unified", "1p1d") for r in report[name].values())
     return 0 if failed == 0 else 1

@@ -44,7 +44,7 @@ def test_the_bench_runs_both_deployments_and_reports_every_request(capsys) -> No
         at_rate, burst = report[name][4.0], report[name]["burst"]
         assert (at_rate["ok"], at_rate["with_phases"]) == (12, 12), at_rate
         assert burst["ok"] == 4 and burst["output_tok_s"] > 0
-        assert report[name]["mps_gpus"] == []  # the CPU: no GPU to share
+    assert report["mps_gpus"] == {"unified": [], "1p1d": []}  # the CPU: no GPU to share
     assert {"transfer", "decode_admission"} <= set(report["1p1d"][4.0]["phases_p50_s"])
     print_phases_report(report)
     out = capsys.readouterr().out
