@@ -58,6 +58,8 @@ class PhasesBenchConfig:
         "help": "load generator worker processes (one event loop each; a busy one would time events late)"})
     mps: str = field(default="auto", metadata={
         "help": "CUDA MPS for the 1P1D engines on one GPU (splitserve up --mps: auto, on or off)"})
+    mps_sm_percent: str = field(default="", metadata={
+        "help": "the 1P1D engines' SM caps under MPS, ROLE=PERCENT[,...] (splitserve up --mps-sm-percent)"})
     seed: int = field(default=0, metadata={"help": "seed of the prompts, lengths and arrival times"})
     output: str = field(default="", metadata={"help": "write the figures as JSON here"})
 
@@ -149,7 +151,9 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
                f"{cfg.engine_args} {cfg.pd_engine_args}".strip()))
     for name, shape, names, engine_args in shapes:
         deployment = Deployment(UpConfig(model=model, device=cfg.device, port=free_port(), engine_args=engine_args,
-                                         mps=cfg.mps if name == "1p1d" else "off", **shape))  # one engine
+                                         mps=cfg.mps if name == "1p1d" else "off",
+                                         mps_sm_percent=cfg.mps_sm_percent if name == "1p1d" else "",
+                                         **shape))  # one engine
         try:
             url = deployment.start()
             report["mps_gpus"][name] = deployment.mps.gpus if deployment.mps else []

@@ -5,7 +5,9 @@ engine's steps (and the other way round), so a split deployment on one GPU pays 
 request. Under MPS the processes' kernels run side by side on the SMs, as streams of one process would; prefill
 is compute-bound and decode is memory-bound, so they overlap. The price is isolation: a fatal GPU fault in one
 client ends every client of the GPU (`up` then restarts them all), and a prefill step can take SMs a decode step
-would have had (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, in `up`'s environment, caps each client's share).
+would have had. `--mps-sm-percent decode=40` caps the SMs one role's engines may use
+(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of that client); a decode step needs few SMs to read the weights at full memory
+bandwidth, so capping it leaves the rest to the prompt steps.
 
 The daemon is private to the deployment (its own pipe directory) and runs in the foreground as one of `up`'s
 supervised processes: started before the engines, checked by a probe kernel, quit after the engines stop, and
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 MPS_MODES = ("off", "on", "auto")
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+SM_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+CAPPABLE_ROLES = ("unified", "prefill", "decode", "encode", "drafter")
 # A client's first kernel, run before any engine starts: CUDA initialises through the daemon, which starts its
 # server; the probe exits and the server stays for the engines.
 PROBE = "import sys, torch; x = torch.ones(1, device=sys.argv[1]); x.add_(1); torch.cuda.synchronize(); print(x.item())"
@@ -37,6 +41,27 @@ PROBE = "import sys, torch; x = torch.ones(1, device=sys.argv[1]); x.add_(1); to
 
 class MpsError(RuntimeError):
     """MPS was asked for (--mps on) and cannot run here."""
+
+
+def parse_sm_percents(spec: str) -> dict[str, int]:
+    """`--mps-sm-percent`'s ROLE=PERCENT[,ROLE=PERCENT...] (e.g. "decode=40") as {role: percent}; '' gives {}."""
+    caps: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        role, sep, value = item.partition("=")
+        role = role.strip()
+        if not sep or role not in CAPPABLE_ROLES:
+            raise ValueError(f"--mps-sm-percent: {item!r} is not ROLE=PERCENT with ROLE one of "
+                             f"{', '.join(CAPPABLE_ROLES)} (e.g. decode=40)")
+        try:
+            percent = int(value)
+        except ValueError:
+            raise ValueError(f"--mps-sm-percent: {item!r}: the percentage must be a whole number") from None
+        if not 1 <= percent <= 100:
+            raise ValueError(f"--mps-sm-percent: {item!r}: the percentage must be 1 to 100")
+        if role in caps:
+            raise ValueError(f"--mps-sm-percent: {role} is given twice")
+        caps[role] = percent
+    return caps
 
 
 def shared_gpus(engines: list[list[str]]) -> list[str]:

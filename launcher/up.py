@@ -25,7 +25,17 @@ import httpx
 
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
 from splitserve.engine.checkpoints.model_names import ModelNotFoundError, check_model_exists
-from splitserve.launcher.mps import MPS_MODES, PIPE_ENV, MpsDaemon, MpsError, plan_mps, refuse, shared_gpus
+from splitserve.launcher.mps import (
+    MPS_MODES,
+    PIPE_ENV,
+    SM_PERCENT_ENV,
+    MpsDaemon,
+    MpsError,
+    parse_sm_percents,
+    plan_mps,
+    refuse,
+    shared_gpus,
+)
 
 logger = logging.getLogger(__name__)
 # Where every engine listens (its --engine-args may say otherwise).
@@ -73,10 +83,16 @@ class UpConfig:
         "help": "CUDA MPS for engines that share a GPU, so their kernels run side by side instead of time-slicing "
                 "it: auto (where two or more single-rank engines share a GPU; a warning where MPS cannot run), "
                 "on (the same, an error where it cannot) or off", "choices": MPS_MODES})
+    mps_sm_percent: str = field(default="", metadata={
+        "help": "under MPS, the share of the GPU's SMs each role's engines may use, ROLE=PERCENT[,...] (e.g. "
+                "decode=40: decode steps are memory-bound and need few SMs, so prompt steps keep the rest); "
+                "roles not named use every SM"})
 
     def __post_init__(self) -> None:
         if self.mps not in MPS_MODES:
             raise ValueError(f"--mps must be one of {', '.join(MPS_MODES)}, got {self.mps!r}")
+        if parse_sm_percents(self.mps_sm_percent) and self.mps == "off":
+            raise ValueError("--mps-sm-percent caps MPS clients; it has no effect with --mps off")
         if self.encode and self.unified:
             raise ValueError("--encode goes with --prefill/--decode; a unified engine encodes its images itself")
         if self.unified and (self.prefill or self.decode) and (self.prefill, self.decode) != (1, 1):
@@ -215,6 +231,7 @@ class Deployment:
         self.kv_store = ""  # the store master's address, once started (--kv-store)
         self.mps: MpsDaemon | None = None  # the MPS daemon of the engines that share a GPU, once started
         self._mps_child: Child | None = None  # its process
+        self._sm_percents = parse_sm_percents(cfg.mps_sm_percent)  # role -> SM cap of its MPS clients
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
@@ -266,8 +283,12 @@ class Deployment:
         if self.kv_store and role in ("unified", "prefill", "decode"):
             args += ["--kv-store", self.kv_store, "--kv-store-segment-mb", str(self.cfg.kv_store_segment_mb)]
         args += self.cfg.engine_args.split() + (extra or [])
-        mps_client = self.mps is not None and tp == 1 and device in self.mps.gpus
-        child = Child(f"{role}-{index}", f"http://127.0.0.1:{port}", args, env=self.mps.env if mps_client else {})
+        env: dict[str, str] = {}
+        if self.mps is not None and tp == 1 and device in self.mps.gpus:
+            env = dict(self.mps.env)
+            if role in self._sm_percents:
+                env[SM_PERCENT_ENV] = str(self._sm_percents[role])
+        child = Child(f"{role}-{index}", f"http://127.0.0.1:{port}", args, env=env)
         self.children.append(child)
         self._spawn(child)
         return child.url
@@ -314,6 +335,7 @@ class Deployment:
         """Starts the MPS daemon of the engines that share a GPU (--mps), as a supervised child, and probes it."""
         daemon = plan_mps(self.cfg.mps, shared_gpus(self._engine_devices()))
         if daemon is None:
+            self._warn_uncapped()
             return
         child = Child("mps-control", "", [], ready_path=None, command=daemon.command, env=daemon.env,
                       log=daemon.log_file)
@@ -328,10 +350,16 @@ class Deployment:
             daemon.quit(child.proc)
             self.children.remove(child)
             refuse(self.cfg.mps, why)
+            self._warn_uncapped()
             return
         self.mps, self._mps_child = daemon, child
         logger.info("MPS on %s: the engines there share it through one server (pipe directory %s)",
                     ", ".join(daemon.gpus), daemon.env[PIPE_ENV])
+
+    def _warn_uncapped(self) -> None:
+        if self._sm_percents:
+            logger.warning("--mps-sm-percent %s has no effect: no engine runs through a daemon of this deployment",
+                           self.cfg.mps_sm_percent)
 
     def _check_mps_clients(self) -> None:
         """Once the engines are healthy: each engine given the daemon is its client (a process that could not

@@ -191,3 +191,42 @@ def test_an_engine_is_restarted_only_once_its_mps_daemon_runs_again(tmp_path, mo
             if child.proc is not None and child.proc.poll() is None:
                 child.proc.kill()
                 child.proc.wait()
+
+
+def test_sm_caps_are_read_per_role_and_bad_ones_are_refused():
+    from splitserve.launcher.mps import parse_sm_percents
+
+    assert parse_sm_percents("") == {}
+    assert parse_sm_percents("decode=40") == {"decode": 40}
+    assert parse_sm_percents(" prefill=100, decode=35 ") == {"prefill": 100, "decode": 35}
+    for spec, why in [("decode", "not ROLE=PERCENT"), ("router=50", "not ROLE=PERCENT"),
+                      ("decode=0", "1 to 100"), ("decode=101", "1 to 100"), ("decode=4.5", "whole number"),
+                      ("decode=40,decode=50", "decode is given twice")]:
+        with pytest.raises(ValueError, match=why):
+            parse_sm_percents(spec)
+    with pytest.raises(ValueError, match="no effect with --mps off"):
+        UpConfig(mps="off", mps_sm_percent="decode=40")
+    with pytest.raises(ValueError, match="not ROLE=PERCENT"):
+        UpConfig(mps_sm_percent="decode:40")
+
+
+def test_a_capped_role_gets_its_sm_share_through_the_daemon_and_the_others_every_sm(tmp_path, monkeypatch, caplog):
+    """The cap is the client's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, set only on the named role's engines; where no
+    daemon of the deployment runs, `up` says the cap has no effect."""
+    from splitserve.launcher.mps import PIPE_ENV, SM_PERCENT_ENV, MpsDaemon
+
+    monkeypatch.delenv("SPLITSERVE_TP_SIZE", raising=False)
+    deployment = Deployment(UpConfig(model="tiny", device="cuda:0", mps_sm_percent="decode=40"))
+    deployment.mps = MpsDaemon(tmp_path / "mps", "never-run", ["cuda:0"])
+    monkeypatch.setattr(deployment, "_spawn", lambda child: None)
+    deployment._engine("prefill", 0)
+    deployment._engine("decode", 0)
+    prefill, decode = deployment.children
+    assert prefill.env[PIPE_ENV] == decode.env[PIPE_ENV] == str(tmp_path / "mps" / "pipe")
+    assert SM_PERCENT_ENV not in prefill.env and decode.env[SM_PERCENT_ENV] == "40"
+
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    uncapped = Deployment(UpConfig(model="tiny", device="cpu", mps="auto", mps_sm_percent="decode=40"))
+    with caplog.at_level(logging.WARNING, logger="splitserve.launcher.up"):
+        uncapped._start_mps()
+    assert any("--mps-sm-percent decode=40 has no effect" in r.message for r in caplog.records)
