@@ -9,7 +9,8 @@ host or on others whose clocks NTP keeps together.
 The marks, in the order a request passes them:
   taken         the loop took the request in from its inbox
   admitted      decode: its pages are reserved and its metadata went to the prefill
-  bootstrapped  prefill: the decode's metadata arrived (the request may now compute)
+  bootstrapped  prefill: the decode's metadata arrived (with --prefill-waits-for-decode the request may now
+                compute; else no earlier than shipped: the time it held the KV back)
   scheduled     the first step with a chunk of its prompt was launched
   first_token   its first token is known (sampled; on a decode: read from the prefill's aux data)
   shipped       prefill: the last KV pages and the aux data were handed to the sender
@@ -53,9 +54,10 @@ def take(req: Request, metrics: EngineMetrics | None) -> dict[str, float] | None
 
 def engine_phases(marks: dict[str, float]) -> list[tuple[str, float, float]]:
     """The phases one engine sees of a request, as (phase, start, end), from its stamps (those it has):
-      decode_admission  prefill: taken -> bootstrapped (waiting for the decode to reserve pages);
+      decode_admission  prefill: shipped -> bootstrapped (the KV waiting for the decode to reserve pages; where
+                        the prompt waited for that instead, taken -> bootstrapped, before prefill_queue);
                         decode: taken -> admitted (reserving them)
-      prefill_queue     taken (prefill: bootstrapped) -> scheduled
+      prefill_queue     taken (prefill that waited for the decode: bootstrapped) -> scheduled
       prefill_compute   scheduled -> first_token (prefill: -> shipped)
       kv_wait           decode: admitted -> arrived (the prefill's queue, compute and the transfer)
       first_step        decode: arrived -> first_token
@@ -65,9 +67,12 @@ def engine_phases(marks: dict[str, float]) -> list[tuple[str, float, float]]:
     if ARRIVED in m:  # a decode
         spans = [("decode_admission", TAKEN, ADMITTED), ("kv_wait", ADMITTED, ARRIVED),
                  ("first_step", ARRIVED, FIRST_TOKEN)]
-    elif BOOTSTRAPPED in m or SHIPPED in m:  # a prefill
+    elif (BOOTSTRAPPED in m or SHIPPED in m) and m.get(BOOTSTRAPPED, float("inf")) <= m.get(SCHEDULED, -1.0):
         spans = [("decode_admission", TAKEN, BOOTSTRAPPED), ("prefill_queue", BOOTSTRAPPED, SCHEDULED),
-                 ("prefill_compute", SCHEDULED, SHIPPED)]
+                 ("prefill_compute", SCHEDULED, SHIPPED)]  # a prefill that waited for the decode's metadata
+    elif BOOTSTRAPPED in m or SHIPPED in m:  # a prefill that computed meanwhile
+        spans = [("prefill_queue", TAKEN, SCHEDULED), ("prefill_compute", SCHEDULED, SHIPPED),
+                 ("decode_admission", SHIPPED, BOOTSTRAPPED)]
     else:  # unified
         spans = [("prefill_queue", TAKEN, SCHEDULED), ("prefill_compute", SCHEDULED, FIRST_TOKEN)]
     return [(phase, m[start], max(m[start], m[end])) for phase, start, end in spans if start in m and end in m]

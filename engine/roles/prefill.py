@@ -1,13 +1,21 @@
 """The prefill role: run the prompt, sample the first token, ship KV + aux to decode, finish.
 
 Each request arrives with the room the router drew. Its sender is created and initialised at
-once, and the request waits, computing nothing, until its decode has reserved pages and sent
-the metadata (the room leaves Bootstrapping): SGLang's order, so a decode short of pages holds
-requests back here instead of filling this engine with KV nobody can receive. Then the prompt
-is scheduled; after each prefill chunk the complete pages go out (chunked prefill sends as it
-goes); the last pages and the aux data (first token, its logprob, cached-token count) go once
-the first token is sampled. The request is then parked, holding its pages, until the room
-reaches Success (the pages go to the prefix cache) or Failed (the client gets the reason).
+once and the prompt is scheduled: while the decode reserves pages for it and sends its metadata
+(the room leaves Bootstrapping), the prompt computes, and what is sent before the metadata waits
+in the room (vLLM's order: the decode's admission overlaps the compute instead of preceding it).
+With `--prefill-waits-for-decode` the request instead waits, computing nothing, until the room
+leaves Bootstrapping (SGLang's order: a decode short of pages holds requests back here rather
+than this engine filling with KV nobody can receive yet). After each prefill chunk the complete
+pages go out (chunked prefill sends as it goes); the last pages and the aux data (first token,
+its logprob, cached-token count) go once the first token is sampled. The request is then parked,
+holding its pages, until the room reaches Success (the pages go to the prefix cache) or Failed
+(the client gets the reason). A room that fails while Bootstrapping ends the request wherever
+it is (waiting, computing or parked).
+
+Its `bootstrapped` stamp is when the decode's metadata stopped holding anything back: its arrival
+where the prompt waited for it or the KV was shipped before it, else the `shipped` stamp (the
+router then attributes no decode admission to the request: engine/phase_timing.py).
 
 Aux slots are this role's own (a request needs one from arrival, before it has a batch slot).
 """
@@ -15,6 +23,7 @@ Aux slots are this role's own (a request needs one from arrival, before it has a
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +45,7 @@ class PrefillState:
     aux_index: int
     pages_sent: int = 0
     finish: FinishReason | None = None
+    held_for_decode: bool = False  # computes nothing until the decode's metadata is here
 
 
 def awaits_encoder(req: Request) -> bool:
@@ -53,7 +63,7 @@ class PrefillRole(Role):
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
-        self.bootstrapping: dict[str, Request] = {}  # waiting for the decode's metadata: nothing computed
+        self.bootstrapping: dict[str, Request] = {}  # the decode's metadata not here yet (room Bootstrapping)
         self.parked: dict[str, Request] = {}  # first token sampled: waiting for the transfer to finish
 
     def attach(self, engine: Engine) -> None:
@@ -81,12 +91,14 @@ class PrefillRole(Role):
             return True
         # A reused room raises RoomInUseError here: the engine fails this request, not the room's owner.
         sender = self.endpoint.new_sender(req.request_id, self.bootstrap_addr, req.bootstrap_room)
-        req.role_state = PrefillState(sender, self.free_aux.pop())
+        encoder = awaits_encoder(req)
+        req.role_state = PrefillState(sender, self.free_aux.pop(),
+                                      held_for_decode=self.config.prefill_waits_for_decode and not encoder)
         sender.init(self.engine.kv.pages_for(len(req.prompt_ids)), req.role_state.aux_index)
-        if awaits_encoder(req):
-            return False  # the embedding receiver holds it (one holder at a time: engine/role.py)
         self.bootstrapping[req.request_id] = req
-        return True
+        if encoder:
+            return False  # the embedding receiver holds it (one holder at a time: engine/role.py)
+        return req.role_state.held_for_decode  # else the scheduler takes it now
 
     def on_chunk_done(self, req: Request, computed_len: int) -> None:
         state: PrefillState = req.role_state
@@ -101,7 +113,10 @@ class PrefillRole(Role):
         self.endpoint.pack_aux(state.aux_index, AuxData(req.output_ids[0], req.first_token_logprob, req.cached_len))
         prompt_pages = self.engine.kv.pages_for(len(req.prompt_ids))
         state.sender.send(req.pages[state.pages_sent:prompt_pages], last_chunk=True)
-        mark(req, SHIPPED)
+        now = time.time()
+        mark(req, SHIPPED, now)
+        if req.request_id not in self.bootstrapping:
+            mark(req, BOOTSTRAPPED, now)  # the metadata came while the prompt computed: it held nothing back
         state.pages_sent = prompt_pages
         state.finish = finish or FinishReason.LENGTH
         self.engine.park(req)
@@ -109,27 +124,30 @@ class PrefillRole(Role):
         return True
 
     def poll(self) -> None:
-        waiting, parked = list(self.bootstrapping), list(self.parked)
-        held = {**self.bootstrapping, **self.parked}
-        states = self.endpoint.agree(waiting + parked, [held[rid].role_state.sender for rid in waiting + parked])
-        for rid, status in zip(waiting + parked, states, strict=True):
+        rids = list(self.bootstrapping) + [rid for rid in self.parked if rid not in self.bootstrapping]
+        held = {**self.parked, **self.bootstrapping}
+        states = self.endpoint.agree(rids, [held[rid].role_state.sender for rid in rids])
+        for rid, status in zip(rids, states, strict=True):
             req = held[rid]
             with self.engine.request_fault(req, "polling its KV transfer"):
                 if rid in self.bootstrapping:
                     self._bootstrap_polled(req, status)
-                else:
+                if rid in self.parked and rid not in self.bootstrapping:
                     self._transfer_polled(req, status)
 
     def _bootstrap_polled(self, req: Request, status: KVPoll) -> None:
         if status == KVPoll.Bootstrapping:
             return
         del self.bootstrapping[req.request_id]
+        state: PrefillState = req.role_state
         if status == KVPoll.Failed:
-            self.engine.finish(req, FinishReason.ERROR, f"KV transfer to decode failed before the prompt ran: "
-                                                        f"{req.role_state.sender.failure_exception()}")
-        else:  # the decode's pages are reserved and its metadata is here: now compute the prompt
+            self.engine.finish(req, FinishReason.ERROR, f"KV transfer to decode failed before the decode's metadata "
+                                                        f"arrived: {state.sender.failure_exception()}")
+        elif state.held_for_decode:  # the decode's pages are reserved and its metadata is here: now compute
             mark(req, BOOTSTRAPPED)
             self.engine.scheduler.add(req)
+        elif req.request_id in self.parked:  # shipped before the metadata came: the KV waited for it until now
+            mark(req, BOOTSTRAPPED)
 
     def _transfer_polled(self, req: Request, status: KVPoll) -> None:
         state: PrefillState = req.role_state

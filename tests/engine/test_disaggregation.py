@@ -329,21 +329,25 @@ def test_prefill_killed_mid_request_is_retried_on_another_or_fails_fast(checkpoi
         d.stop()
 
 
+@pytest.mark.parametrize("prefill_order", ["computes-ahead", "waits-for-decode"])
 def test_request_dropped_while_waiting_for_decode_pages_releases_the_prefill_at_once(checkpoint: Path,
-                                                                                     tmp_path: Path) -> None:
+                                                                                     tmp_path: Path,
+                                                                                     prefill_order: str) -> None:
     """Decode has one slot, held by a request whose KV never comes (no prefill has its room: decode
     waits out its 60 s bootstrap timeout); a second request waits for the slot and its client gives
     up. Decode tells the prefill (abort_room), so the prefill's pages come back at once rather than
     after its 60 s timeouts. (No router here: it would cancel the prefill request itself and hide
     what decode does.) The holder used to be a request decoding 900 tokens: on a loaded 2-core CI
     machine it finished 1.6 s after it started, 0.25 s after the client's timeout here (and, at times,
-    before it); a holder waiting for KV holds the slot whatever the speed."""
+    before it); a holder waiting for KV holds the slot whatever the speed. By default the prefill computes the
+    prompt meanwhile and holds its KV; with --prefill-waits-for-decode it computes nothing (SGLang's order)."""
     import threading
 
     d = new_deployment(tmp_path, checkpoint)
     slow = ["--transfer-bootstrap-timeout-s", "60", "--transfer-waiting-timeout-s", "60"]
+    waits = prefill_order == "waits-for-decode"
     try:
-        prefill = d.engine("prefill", *slow)
+        prefill = d.engine("prefill", *slow, *(["--prefill-waits-for-decode"] if waits else []))
         decode = d.engine("decode", "--max-running-requests", "1", *slow)
         d.wait([prefill, decode])
         info = httpx.get(f"{prefill}/health", timeout=5).json()
@@ -362,8 +366,9 @@ def test_request_dropped_while_waiting_for_decode_pages_releases_the_prefill_at_
             assert time.monotonic() < deadline, "the slot holder never took the slot"
             time.sleep(0.02)
         steps_before = engine_state(prefill)["steps"]
-        post_in_background(prefill, 4242, list(range(50, 90)))  # prefill holds it until decode has pages
-        while engine_state(prefill)["waiting"] < 1:
+        post_in_background(prefill, 4242, list(range(50, 90)))
+        # Waiting, it holds the request until decode has pages; computing ahead, it runs the prompt now.
+        while (engine_state(prefill)["waiting"] < 1) if waits else (engine_state(prefill)["steps"] == steps_before):
             assert time.monotonic() < deadline, "the prefill never took the request"
             time.sleep(0.02)
         with pytest.raises(httpx.ReadTimeout):  # decode keeps it pending (no slot); the client gives up
@@ -371,8 +376,8 @@ def test_request_dropped_while_waiting_for_decode_pages_releases_the_prefill_at_
                 "model": "m", "prompt": list(range(50, 90)), "max_tokens": 4, **bootstrap_grant(host, port, 4242)})
         assert engine_state(decode)["slots_in_use"] == 1, "the holder ended too soon"
         assert_kv_back_to_start(prefill, timeout=1.5)  # not the 60 s timeout: decode told it
-        # SGLang's order: a prefill computes nothing before its decode has pages (and sent metadata).
-        assert engine_state(prefill)["steps"] == steps_before, "prefill ran a prompt no decode had pages for"
+        if waits:  # SGLang's order: a prefill computes nothing before its decode has pages (and sent metadata)
+            assert engine_state(prefill)["steps"] == steps_before, "prefill ran a prompt no decode had pages for"
     finally:
         d.stop()
 

@@ -24,7 +24,7 @@ from servers import TEST_CONTROL_KEY, LocalDeployment, ServerProcess, free_port
 
 from splitserve.api.openai_protocol import FIRST_TOKEN_EVENT, first_token_marker, first_token_marks
 from splitserve.engine.phase_timing import engine_phases
-from splitserve.router.phases import DISAGGREGATED, PHASES_HEADER, UNIFIED, RequestTiming, attribute
+from splitserve.router.phases import DECODE_FIRST, DISAGGREGATED, PHASES_HEADER, UNIFIED, RequestTiming, attribute
 from splitserve.router.upstream import event_kind
 
 ENGINE_ARGS = ["--page-size", "4", "--max-total-tokens", "8192", "--max-running-requests", "16", "--device", "cpu",
@@ -48,14 +48,23 @@ def test_phases_are_laid_end_to_end_from_the_stamps() -> None:
     t = RequestTiming(10.0, sent=10.002, first_token=10.050, relayed=10.051,
                       prefill={"taken": 10.004, "bootstrapped": 10.006, "scheduled": 10.010, "shipped": 10.030},
                       engine={"taken": 10.003, "admitted": 10.005, "arrived": 10.040, "first_token": 10.041})
-    stamps = t.stamps(disaggregated=True)
-    assert stamps is not None and [p for p, _ in stamps] == [p for p, _, _ in DISAGGREGATED]
+    stamps = t.stamps(disaggregated=True)  # bootstrapped before scheduled: the prefill waited for the decode
+    assert stamps is not None and [p for p, _ in stamps] == [p for p, _, _ in DECODE_FIRST]
     phases = attribute(t.received, stamps)
     seconds = {p: round(end - start, 6) for p, start, end in phases}
     assert seconds == {"router": 0.002, "intake": 0.002, "decode_admission": 0.002, "prefill_queue": 0.004,
                        "prefill_compute": 0.02, "transfer": 0.01, "first_step": 0.001, "first_token": 0.009,
                        "relay": 0.001}
     assert abs(sum(seconds.values()) - 0.051) < 1e-9
+    # The prompt computed while the decode reserved pages: admission is what the KV waited after shipping.
+    for bootstrapped, admission in ((10.035, 0.005), (10.030, 0.0)):
+        t.prefill = {"taken": 10.004, "scheduled": 10.006, "shipped": 10.030, "bootstrapped": bootstrapped}
+        stamps = t.stamps(disaggregated=True)
+        assert stamps is not None and [p for p, _ in stamps] == [p for p, _, _ in DISAGGREGATED]
+        seconds = {p: round(end - start, 6) for p, start, end in attribute(t.received, stamps)}
+        assert seconds["prefill_queue"] == 0.002 and seconds["prefill_compute"] == 0.024
+        assert seconds["decode_admission"] == admission and seconds["transfer"] == 0.01 - admission
+        assert abs(sum(seconds.values()) - 0.051) < 1e-9
     assert RequestTiming(10.0, sent=10.1, first_token=10.2).stamps(disaggregated=True) is None  # no engine stamps
     unified = RequestTiming(0.0, sent=1.0, first_token=5.0, relayed=6.0,
                             engine={"taken": 2.0, "scheduled": 3.0, "first_token": 4.0})
@@ -74,6 +83,9 @@ def test_each_role_has_its_own_engine_phases() -> None:
     prefill = {"taken": 1.0, "bootstrapped": 2.0, "scheduled": 2.5, "first_token": 3.0, "shipped": 3.25}
     assert [(p, e - s) for p, s, e in engine_phases(prefill)] == [
         ("decode_admission", 1.0), ("prefill_queue", 0.5), ("prefill_compute", 0.75)]
+    ahead = {"taken": 1.0, "scheduled": 1.5, "first_token": 3.0, "shipped": 3.25, "bootstrapped": 3.5}
+    assert [(p, e - s) for p, s, e in engine_phases(ahead)] == [
+        ("prefill_queue", 0.5), ("prefill_compute", 1.75), ("decode_admission", 0.25)]
     decode = {"taken": 1.0, "admitted": 1.25, "arrived": 4.0, "first_token": 4.5}
     assert [(p, e - s) for p, s, e in engine_phases(decode)] == [
         ("decode_admission", 0.25), ("kv_wait", 2.75), ("first_step", 0.5)]
@@ -257,7 +269,7 @@ def test_the_phases_account_for_the_ttft_of_every_request(group, shape) -> None:
     for phase in names:
         assert metric_count(url, "splitserve_phase_seconds", phase) >= REQUESTS + 1, phase
     assert "splitserve_router_time_to_first_token_seconds_count" in httpx.get(f"{url}/metrics", timeout=10).text
-    engines = {"pd": {"prefill": ["decode_admission", "prefill_queue", "prefill_compute"],
+    engines = {"pd": {"prefill": ["prefill_queue", "prefill_compute", "decode_admission"],
                       "decode": ["decode_admission", "kv_wait", "first_step"]},
                "routed": {"unified": ["prefill_queue", "prefill_compute"]}}[shape]
     for role, engine_phase_names in engines.items():
@@ -292,7 +304,7 @@ def test_one_trace_spans_the_router_the_prefill_and_the_decode(group) -> None:
     for a, b in itertools.pairwise(children):
         assert a["end"] == pytest.approx(b["start"], abs=1e-6) and a["start"] <= a["end"]
     for service, name, phases in (("splitserve-prefill", "engine.prefill",
-                                   ["decode_admission", "prefill_queue", "prefill_compute"]),
+                                   ["prefill_queue", "prefill_compute", "decode_admission"]),
                                   ("splitserve-decode", "engine.decode",
                                    ["decode_admission", "kv_wait", "first_step"])):
         engine = next(s for s in spans if s["service"] == service and s["name"] == name)
