@@ -26,6 +26,7 @@ import httpx
 
 from splitserve.api.openai_protocol import FIRST_TOKEN_EVENT
 from splitserve.router.backend_pool import Backend
+from splitserve.router.connection_pool import PooledTransport
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +64,10 @@ class UpstreamClient(httpx.AsyncClient):
     more on a fresh connection (``stale_retries`` counts them)."""
 
     def __init__(self, timeout: httpx.Timeout, keepalive_expiry_s: float, max_keepalive: int = 256) -> None:
-        super().__init__(timeout=timeout, limits=httpx.Limits(
-            max_connections=None, max_keepalive_connections=max_keepalive, keepalive_expiry=keepalive_expiry_s))
-        self.fresh = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
-                                                                            max_keepalive_connections=0))
+        # Our pool, not httpx's: its work per request grows with the connections open (router/connection_pool.py).
+        self.transport = PooledTransport(keepalive_expiry_s, max_keepalive)
+        super().__init__(timeout=timeout, transport=self.transport)
+        self.fresh = httpx.AsyncClient(timeout=timeout, transport=PooledTransport(None, 0))
         self.stale_retries = 0
 
     async def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:  # type: ignore[override]
