@@ -48,6 +48,7 @@ class KVTransferEndpoint:
     def __init__(self, engine: Engine, config: TransferConfig) -> None:
         pool = engine.runner.kv_pool.buffer
         self.aux = make_aux_tensor(aux_slot_count(engine.cfg), device=aux_device(config, pool.device))
+        self.aux_writer = AuxWriter(self.aux)  # on a GPU: queued on the stream, the engine thread does not wait
         self.aux_reader = AuxReader(self.aux)  # on a GPU: read on a side stream, nor does it wait to read
         if pool.device.type != "cpu" and config.transfer_protocol == "tcp":
             logger.warning("KV pool on %s with the tcp transport: Mooncake TCP stages GPU memory through "
@@ -55,10 +56,6 @@ class KVTransferEndpoint:
         layout = layout_for_pool(pool, self.aux, tp_size=engine.runner.tp.size, tp_rank=engine.runner.tp.rank,
                                  num_kv_heads=engine.model_cfg.num_kv_heads, kv_scales=engine.runner.kv_scales_digest)
         self.manager = new_kv_manager(config, layout, metrics_registry=engine.metrics.registry)
-        # The engine sends only pages whose step's result it has read, so the copies need not queue behind the
-        # steps launched since; the aux writes go on their stream, ahead of the copy that reads them. On a GPU
-        # the engine thread does not wait for them either.
-        self.aux_writer = AuxWriter(self.aux, stream=self.manager.detach_copies())
         self.manager.add_state_listener(lambda _room, _state: engine.wake())  # an idle loop wakes at once
         self.config = config
         self.role_name = engine.cfg.role

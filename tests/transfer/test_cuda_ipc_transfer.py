@@ -230,34 +230,6 @@ def test_aux_writes_on_the_gpu_are_queued_behind_the_stream_not_waited_for():
 
 
 @needs_cuda
-def test_detached_copies_and_aux_writes_run_beside_the_default_stream():
-    """The engine's endpoint detaches its copies (KVManager.detach_copies): pages whose step it has read back
-    are copied, and the aux slot written ahead of them, while the next step still runs on the default stream."""
-    from splitserve.transfer.cuda_ipc.engine import CudaIpcEngine
-
-    engine = CudaIpcEngine("127.0.0.1")
-    try:
-        stream = engine.detach_copies()
-        assert engine.detach_copies() is stream and stream != torch.cuda.default_stream()
-        src = torch.arange(1 << 16, dtype=torch.int64, device="cuda")
-        dst = torch.zeros_like(src)
-        aux = make_aux_tensor(4, slot_bytes=16, device="cuda")
-        writer = AuxWriter(aux, stream=stream)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(400_000_000)  # ~0.2 s on the default stream: the step launched after the last one
-        behind = torch.cuda.Event()
-        behind.record()
-        writer.write(1, AuxData(42, -0.5, 3))
-        engine.copier.copy(np.array([src.data_ptr()]), np.array([dst.data_ptr()]), np.array([src.numel() * 8]))
-        stream.synchronize()
-        assert not behind.query()  # landed with the default stream's work still running
-        assert torch.equal(dst, src) and unpack_aux(aux, 1) == AuxData(42, -0.5, 3)
-        torch.cuda.synchronize()
-    finally:
-        engine.close()
-
-
-@needs_cuda
 def test_aux_reads_on_the_gpu_do_not_wait_for_the_stream():
     aux = make_aux_tensor(8, slot_bytes=16, device="cuda")
     pack_aux(aux, 3, AuxData(151643, -0.25, 17))  # as the prefill's copy left it: landed before its Success

@@ -18,14 +18,9 @@ the rooms, control channel and bootstrap protocol stay the Mooncake backend's. W
   is queued, with the call that waits for it (a worker prepares the next rooms meanwhile). Unmapping a
   peer first waits for its copies still in flight.
 
-Ordering with the engine: by default writes run on the worker thread's current stream, the legacy
-default stream, which the engine's forward passes and CUDA-graph replays also use: a copy enqueued
-after a chunk's forward was enqueued runs after it, so it reads the chunk's finished KV. That also
-queues it behind the next step, which the engine launched before it looked at the last one's
-result (overlap scheduling): a room's last pages waited a whole prompt step. The engine's endpoint
-therefore calls ``detach_copies``: it hands over only pages whose step's result is on the host, so
-the copies (and the aux slots' writes, on the same stream) go on a stream of their own and run
-beside the next step.
+Ordering with the engine: writes run on the worker thread's current stream, the legacy default
+stream, which the engine's forward passes and CUDA-graph replays also use: a copy enqueued after
+a chunk's forward was enqueued runs after it, so it reads the chunk's finished KV.
 
 A peer in this same process (tests, benchmarks) needs no mapping: CUDA refuses to open one's
 own handle, and the addresses are valid as they are.
@@ -40,7 +35,6 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -151,15 +145,6 @@ class CudaIpcEngine:
         self._lock = threading.Lock()
         self._closed = False
         self.copier = SegmentCopier(self.device)
-
-    def detach_copies(self) -> Any:
-        """Copies (and whatever else the caller queues on the returned stream) run on a stream of their own
-        from now on, one that does not wait for the legacy default stream; returns it."""
-        import torch
-
-        if self.copier.stream is None:
-            self.copier.stream = torch.cuda.Stream(self.device)
-        return self.copier.stream
 
     # ------------------------------------------------------------ own memory
 

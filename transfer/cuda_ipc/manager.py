@@ -21,7 +21,6 @@ the data path differs: ``CudaIpcEngine`` (see cuda_ipc_engine.py) instead of Moo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -52,9 +51,6 @@ class CudaIpcKVManager(KVManager):
 
     def _open_transport(self, config: TransferConfig) -> CudaIpcEngine:  # type: ignore[override]
         return CudaIpcEngine(config.transfer_host)
-
-    def detach_copies(self) -> Any:
-        return self.engine.detach_copies()
 
     def _on_metadata(self, msg: KVMetadata, now: float) -> None:
         try:

@@ -294,9 +294,9 @@ class PendingCopy:
 
 
 class SegmentCopier:
-    """Copies absolute-address segments on one device: one launch per call, on ``stream`` (default: the
-    calling thread's current stream), returning once they landed (``copy``, ``copy_runs``), or returning the
-    launched copy to finish later (``launch_runs``, ``finish``: a worker prepares the next copy while this one runs).
+    """Copies absolute-address segments on one device: one launch per call, on the calling thread's
+    current stream, returning once they landed (``copy``, ``copy_runs``), or returning the launched copy
+    to finish later (``launch_runs``, ``finish``: a worker prepares the next copy while this one runs).
     Thread-safe: concurrent calls (a worker per peer lane) each take a staging buffer of their own, so one
     call's launch is queued while another's kernel runs.
 
@@ -305,8 +305,7 @@ class SegmentCopier:
     landed).
     """
 
-    def __init__(self, device: Any, shape: CopyShape = CopyShape(), timed: bool = False, wait: str = "poll",
-                 stream: Any = None) -> None:
+    def __init__(self, device: Any, shape: CopyShape = CopyShape(), timed: bool = False, wait: str = "poll") -> None:
         import torch
 
         if wait not in WAITS:
@@ -316,7 +315,6 @@ class SegmentCopier:
         self.shape = shape
         self.timed = timed
         self.wait = wait
-        self.stream = stream  # None: the calling thread's current stream
         self.last_kernel_s = self.last_host_s = self.last_wait_s = 0.0
         self._lock = threading.Lock()
         # Kernel offsets count from this tensor's address; it also gives the warm-up its bytes.
@@ -385,7 +383,7 @@ class SegmentCopier:
         n = len(table)
         staging = self._take(n)
         try:
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            with torch.cuda.device(self.device):
                 stream = torch.cuda.current_stream()  # once: each event's record() would look it up again
                 staging.host_np[:n] = table
                 device_table = staging.table[:n]

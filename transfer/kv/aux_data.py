@@ -48,12 +48,10 @@ class AuxWriter:
     the stream, so every finishing request held the engine thread until the forward pass in flight ended. In
     stream order the slot lands before the transfer's copy kernel, launched later on the same stream, reads it.
     A slot's host row is rewritten only by that slot's next write (a later request's), whose own copy is
-    queued after the earlier one. In host memory it is ``pack_aux``. ``stream``: the stream the transfer's
-    copies run on, where that is not the current one (``KVManager.detach_copies``)."""
+    queued after the earlier one. In host memory it is ``pack_aux``."""
 
-    def __init__(self, aux: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(self, aux: torch.Tensor) -> None:
         self.aux = aux
-        self.stream = stream
         self._host: torch.Tensor | None = None
         if aux.device.type == "cuda":
             self._host = torch.zeros(aux.shape, dtype=torch.uint8).pin_memory()
@@ -67,8 +65,7 @@ class AuxWriter:
         if not 0 <= slot < len(self._rows):
             raise IndexError(f"aux slot {slot} outside 0..{len(self._rows) - 1}")
         AUX_STRUCT.pack_into(self._rows[slot], 0, data.first_token_id, data.first_token_logprob, data.cached_tokens)
-        with torch.cuda.stream(self.stream):
-            self.aux[slot, :AUX_BYTES].copy_(self._host[slot, :AUX_BYTES], non_blocking=True)
+        self.aux[slot, :AUX_BYTES].copy_(self._host[slot, :AUX_BYTES], non_blocking=True)
 
 
 class AuxReader:

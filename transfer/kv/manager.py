@@ -24,7 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -174,13 +174,6 @@ class KVManager(BaseKVManager):
         return MooncakeEngine(config.transfer_host, config.transfer_protocol, config.transfer_devices)
 
     # ----------------------------------------------------------------- public
-
-    def detach_copies(self) -> Any | None:
-        """From now on this manager's device copies run on a stream of their own, which does not wait for the
-        process's other work; returns it (None: this transport makes no device copies). For callers that hand
-        over only pages their step has finished writing, as the engine does once a step's result is on the host:
-        a copy then runs beside the next step instead of queueing behind it."""
-        return None
 
     @property
     def endpoint(self) -> str:
