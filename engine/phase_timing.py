@@ -9,8 +9,8 @@ host or on others whose clocks NTP keeps together.
 The marks, in the order a request passes them:
   taken         the loop took the request in from its inbox
   admitted      decode: its pages are reserved and its metadata went to the prefill
-  bootstrapped  prefill: the decode's metadata arrived (with --prefill-waits-for-decode the request may now
-                compute; else no earlier than shipped: the time it held the KV back)
+  bootstrapped  prefill: the decode's metadata arrived (the request may now compute; with
+                --no-prefill-waits-for-decode no earlier than shipped: the time it held the KV back)
   scheduled     the first step with a chunk of its prompt was launched
   first_token   its first token is known (sampled; on a decode: read from the prefill's aux data)
   shipped       prefill: the last KV pages and the aux data were handed to the sender

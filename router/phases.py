@@ -5,18 +5,18 @@ tokenizing and routing it, and after any failed attempts) and when the first tok
 stamp the points between (engine/phase_timing.py): the decode (or unified replica) in its first-token marker,
 the prefill in its answer to the handoff. Laid end to end, the stamps split the router's TTFT into phases:
 
-  1P1D:    router | intake | prefill_queue | prefill_compute | decode_admission | transfer | first_step
+  1P1D:    router | intake | decode_admission | prefill_queue | prefill_compute | transfer | first_step
            | first_token | relay
-           (with --prefill-waits-for-decode: router | intake | decode_admission | prefill_queue | ...)
+           (--no-prefill-waits-for-decode: router | intake | prefill_queue | prefill_compute | decode_admission
+           | transfer | ...)
   unified: router | intake | prefill_queue | prefill_compute | first_token | relay
 
   router            received -> sent to the engines
   intake            -> the engine loop took it in (network, the engine's API server, its inbox)
   prefill_queue     -> its first prompt step was scheduled
   prefill_compute   -> its first token was sampled (1P1D: and the last KV pages and aux data handed to the sender)
-  decode_admission  -> the prefill has the decode's metadata (the decode reserved the pages the KV goes to): the
-                       time the KV waited for it (none where it came while the prompt computed); where the prefill
-                       waits for it before computing, it comes before prefill_queue instead
+  decode_admission  -> the prefill has the decode's metadata (the decode reserved the pages the KV goes to); where
+                       the prompt computes meanwhile, it comes after prefill_compute: the time the KV waited for it
   transfer          -> the decode has every page and the aux data
   first_step        -> the decode emitted the first token
   first_token       -> the router has it (the engine's API server, its stream, the network)
@@ -51,12 +51,13 @@ PHASES_COMMENT = b": phases "
 PREFILL_ANSWER_WAIT_S = 1.0  # a stream that ended well waits this long, at most, for its prefill's answer
 
 # Each phase by the stamp that ends it: (phase, whose stamp, which).
-DISAGGREGATED = (("router", "router", "sent"), ("intake", "prefill", TAKEN), ("prefill_queue", "prefill", SCHEDULED),
-                 ("prefill_compute", "prefill", SHIPPED), ("decode_admission", "prefill", BOOTSTRAPPED),
-                 ("transfer", "engine", ARRIVED), ("first_step", "engine", FIRST_TOKEN),
-                 ("first_token", "router", "first_token"), ("relay", "router", "relayed"))
-# A prefill that waited for the decode's metadata before computing (its bootstrapped stamp before scheduled).
-DECODE_FIRST = (*DISAGGREGATED[:2], DISAGGREGATED[4], *DISAGGREGATED[2:4], *DISAGGREGATED[5:])
+DISAGGREGATED = (("router", "router", "sent"), ("intake", "prefill", TAKEN),
+                 ("decode_admission", "prefill", BOOTSTRAPPED), ("prefill_queue", "prefill", SCHEDULED),
+                 ("prefill_compute", "prefill", SHIPPED), ("transfer", "engine", ARRIVED),
+                 ("first_step", "engine", FIRST_TOKEN), ("first_token", "router", "first_token"),
+                 ("relay", "router", "relayed"))
+# A prefill that computed while the decode reserved pages (its bootstrapped stamp after scheduled).
+COMPUTED_AHEAD = (*DISAGGREGATED[:2], *DISAGGREGATED[3:5], DISAGGREGATED[2], *DISAGGREGATED[5:])
 UNIFIED = (("router", "router", "sent"), ("intake", "engine", TAKEN), ("prefill_queue", "engine", SCHEDULED),
            ("prefill_compute", "engine", FIRST_TOKEN), ("first_token", "router", "first_token"),
            ("relay", "router", "relayed"))
@@ -86,7 +87,7 @@ class RequestTiming:
         if disaggregated:
             prefill = self.prefill or {}
             waited = prefill.get(BOOTSTRAPPED, float("inf")) <= prefill.get(SCHEDULED, float("-inf"))
-            order = DECODE_FIRST if waited else DISAGGREGATED
+            order = DISAGGREGATED if waited else COMPUTED_AHEAD
         for phase, whose, name in order:
             value = sources[whose].get(name)
             if value is None:

@@ -34,11 +34,11 @@ class TransferConfig:
                 "prefill engines (0: any free port)"})
     bootstrap_port: int = field(default=8998, metadata={
         "help": "port of the prefill's bootstrap server (prefill rank 0 serves it)"})
-    prefill_waits_for_decode: bool = field(default=False, metadata={
+    prefill_waits_for_decode: bool = field(default=True, metadata={
         "help": "a prefill computes a prompt only once its decode has reserved pages for the KV (SGLang's order: "
-                "a decode short of pages holds prompts back at the prefill, computed by no one); by default the "
-                "prompt runs at once and its KV waits in the room for the decode's metadata, so the decode's "
-                "admission overlaps the prompt's compute (vLLM's order)"})
+                "a decode short of pages holds prompts back at the prefill, computed by no one); "
+                "--no-prefill-waits-for-decode runs the prompt at once and its KV waits in the room for the "
+                "decode's metadata, so the decode's admission overlaps the prompt's compute (vLLM's order)"})
     transfer_bootstrap_timeout_s: float = field(default=60.0, metadata={
         "help": "seconds a room may stay Bootstrapping (layout lookup / waiting for the decode's "
                 "metadata)"})

@@ -1,12 +1,12 @@
 """The prefill role: run the prompt, sample the first token, ship KV + aux to decode, finish.
 
 Each request arrives with the room the router drew. Its sender is created and initialised at
-once and the prompt is scheduled: while the decode reserves pages for it and sends its metadata
-(the room leaves Bootstrapping), the prompt computes, and what is sent before the metadata waits
-in the room (vLLM's order: the decode's admission overlaps the compute instead of preceding it).
-With `--prefill-waits-for-decode` the request instead waits, computing nothing, until the room
-leaves Bootstrapping (SGLang's order: a decode short of pages holds requests back here rather
-than this engine filling with KV nobody can receive yet). After each prefill chunk the complete
+once, and the request waits, computing nothing, until its decode has reserved pages and sent the
+metadata (the room leaves Bootstrapping): SGLang's order, so a decode short of pages holds
+requests back here instead of filling this engine with KV nobody can receive yet. With
+`--no-prefill-waits-for-decode` the prompt is scheduled at once instead: it computes while the
+decode reserves pages, and what is sent before the metadata waits in the room (vLLM's order: the
+decode's admission overlaps the compute instead of preceding it). After each prefill chunk the complete
 pages go out (chunked prefill sends as it goes); the last pages and the aux data (first token,
 its logprob, cached-token count) go once the first token is sampled. The request is then parked,
 holding its pages, until the room reaches Success (the pages go to the prefix cache) or Failed

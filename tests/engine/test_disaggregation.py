@@ -340,14 +340,14 @@ def test_request_dropped_while_waiting_for_decode_pages_releases_the_prefill_at_
     what decode does.) The holder used to be a request decoding 900 tokens: on a loaded 2-core CI
     machine it finished 1.6 s after it started, 0.25 s after the client's timeout here (and, at times,
     before it); a holder waiting for KV holds the slot whatever the speed. By default the prefill computes the
-    prompt meanwhile and holds its KV; with --prefill-waits-for-decode it computes nothing (SGLang's order)."""
+    prompt meanwhile and holds its KV with --no-prefill-waits-for-decode; by default it computes nothing."""
     import threading
 
     d = new_deployment(tmp_path, checkpoint)
     slow = ["--transfer-bootstrap-timeout-s", "60", "--transfer-waiting-timeout-s", "60"]
     waits = prefill_order == "waits-for-decode"
     try:
-        prefill = d.engine("prefill", *slow, *(["--prefill-waits-for-decode"] if waits else []))
+        prefill = d.engine("prefill", *slow, *([] if waits else ["--no-prefill-waits-for-decode"]))
         decode = d.engine("decode", "--max-running-requests", "1", *slow)
         d.wait([prefill, decode])
         info = httpx.get(f"{prefill}/health", timeout=5).json()

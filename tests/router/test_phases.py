@@ -24,7 +24,7 @@ from servers import TEST_CONTROL_KEY, LocalDeployment, ServerProcess, free_port
 
 from splitserve.api.openai_protocol import FIRST_TOKEN_EVENT, first_token_marker, first_token_marks
 from splitserve.engine.phase_timing import engine_phases
-from splitserve.router.phases import DECODE_FIRST, DISAGGREGATED, PHASES_HEADER, UNIFIED, RequestTiming, attribute
+from splitserve.router.phases import COMPUTED_AHEAD, DISAGGREGATED, PHASES_HEADER, UNIFIED, RequestTiming, attribute
 from splitserve.router.upstream import event_kind
 
 ENGINE_ARGS = ["--page-size", "4", "--max-total-tokens", "8192", "--max-running-requests", "16", "--device", "cpu",
@@ -49,7 +49,7 @@ def test_phases_are_laid_end_to_end_from_the_stamps() -> None:
                       prefill={"taken": 10.004, "bootstrapped": 10.006, "scheduled": 10.010, "shipped": 10.030},
                       engine={"taken": 10.003, "admitted": 10.005, "arrived": 10.040, "first_token": 10.041})
     stamps = t.stamps(disaggregated=True)  # bootstrapped before scheduled: the prefill waited for the decode
-    assert stamps is not None and [p for p, _ in stamps] == [p for p, _, _ in DECODE_FIRST]
+    assert stamps is not None and [p for p, _ in stamps] == [p for p, _, _ in DISAGGREGATED]
     phases = attribute(t.received, stamps)
     seconds = {p: round(end - start, 6) for p, start, end in phases}
     assert seconds == {"router": 0.002, "intake": 0.002, "decode_admission": 0.002, "prefill_queue": 0.004,
@@ -60,7 +60,7 @@ def test_phases_are_laid_end_to_end_from_the_stamps() -> None:
     for bootstrapped, admission in ((10.035, 0.005), (10.030, 0.0)):
         t.prefill = {"taken": 10.004, "scheduled": 10.006, "shipped": 10.030, "bootstrapped": bootstrapped}
         stamps = t.stamps(disaggregated=True)
-        assert stamps is not None and [p for p, _ in stamps] == [p for p, _, _ in DISAGGREGATED]
+        assert stamps is not None and [p for p, _ in stamps] == [p for p, _, _ in COMPUTED_AHEAD]
         seconds = {p: round(end - start, 6) for p, start, end in attribute(t.received, stamps)}
         assert seconds["prefill_queue"] == 0.002 and seconds["prefill_compute"] == 0.024
         assert seconds["decode_admission"] == admission and seconds["transfer"] == 0.01 - admission
@@ -269,7 +269,7 @@ def test_the_phases_account_for_the_ttft_of_every_request(group, shape) -> None:
     for phase in names:
         assert metric_count(url, "splitserve_phase_seconds", phase) >= REQUESTS + 1, phase
     assert "splitserve_router_time_to_first_token_seconds_count" in httpx.get(f"{url}/metrics", timeout=10).text
-    engines = {"pd": {"prefill": ["prefill_queue", "prefill_compute", "decode_admission"],
+    engines = {"pd": {"prefill": ["decode_admission", "prefill_queue", "prefill_compute"],
                       "decode": ["decode_admission", "kv_wait", "first_step"]},
                "routed": {"unified": ["prefill_queue", "prefill_compute"]}}[shape]
     for role, engine_phase_names in engines.items():
@@ -304,7 +304,7 @@ def test_one_trace_spans_the_router_the_prefill_and_the_decode(group) -> None:
     for a, b in itertools.pairwise(children):
         assert a["end"] == pytest.approx(b["start"], abs=1e-6) and a["start"] <= a["end"]
     for service, name, phases in (("splitserve-prefill", "engine.prefill",
-                                   ["prefill_queue", "prefill_compute", "decode_admission"]),
+                                   ["decode_admission", "prefill_queue", "prefill_compute"]),
                                   ("splitserve-decode", "engine.decode",
                                    ["decode_admission", "kv_wait", "first_step"])):
         engine = next(s for s in spans if s["service"] == service and s["name"] == name)
