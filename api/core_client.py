@@ -38,6 +38,7 @@ from splitserve.api.core_protocol import (
     IPC_DIR_ENV,
     ROW_KEY,
     TO_CORE,
+    CoreGone,
     InboxFigures,
     encode_call_to_wire,
     image_to_wire,
@@ -74,10 +75,6 @@ STOP_TIMEOUT_S = 30.0
 
 class CoreStartFailed(RuntimeError):
     """The engine core process could not start (its reason is the message)."""
-
-
-class CoreGone(RuntimeError):
-    """The engine core process is not running any more."""
 
 
 class CoreRoleSwitch:

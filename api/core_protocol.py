@@ -39,6 +39,10 @@ TO_CORE = "to-core"
 FROM_CORE = "from-core"
 
 
+class CoreGone(RuntimeError):
+    """The engine core process is not running any more."""
+
+
 def ipc_address(folder: str, name: str) -> str:
     return f"ipc://{folder}/{name}"
 

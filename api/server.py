@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from splitserve.api.chat_prompt import chat_prompt_text
+from splitserve.api.core_protocol import CoreGone
 from splitserve.api.engine_client import EngineClient
 from splitserve.api.http_request import ROUTE_ERROR_HANDLERS, error_response, read_json, wait_for_disconnect
 from splitserve.api.openai_protocol import (
@@ -69,6 +70,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 # The roles whose engines generate text for a completion request (a prefill and a decode switch between them).
 COMPLETION_ROLES = ("unified", "prefill", "decode")
+
+
+def core_gone_response(_request: HttpRequest, exc: Exception) -> Response:
+    """Any endpoint that needs the engine core once it has died (a router's /internal/kv_events poll, ...): a 503
+    saying why, not a 500 with a traceback in the log for every call (/health says it too)."""
+    return error_response(ApiError(str(exc) or "the engine core process is gone", status=503, kind="server_error",
+                                   code="engine_failed"))
 
 class ChoiceResult:
     """Everything one choice produced, accumulated from its outputs."""
@@ -198,7 +206,8 @@ class ApiServer:
             Route("/internal/tokenizer", self.tokenizer_parts, methods=["GET"]),
             role_route(client, control_key, self._check_internal_key),
             *client.routes(),
-        ], exception_handlers={ApiError: lambda _r, e: error_response(e), **ROUTE_ERROR_HANDLERS})
+        ], exception_handlers={ApiError: lambda _r, e: error_response(e), CoreGone: core_gone_response,
+                               **ROUTE_ERROR_HANDLERS})
 
     # ---- endpoints ---------------------------------------------------------------------------
 

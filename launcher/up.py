@@ -10,6 +10,7 @@ meanwhile.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import secrets
@@ -83,6 +84,11 @@ class UpConfig:
         "help": "CUDA MPS for engines that share a GPU, so their kernels run side by side instead of time-slicing "
                 "it: auto (where two or more single-rank engines share a GPU; a warning where MPS cannot run), "
                 "on (the same, an error where it cannot) or off", "choices": MPS_MODES})
+    liveness_period_s: float = field(default=10.0, metadata={
+        "help": "seconds between checks of each process's /health once it has answered 200 (0: no checks); one "
+                "that fails --liveness-failures in a row (a 503, e.g. its engine core died in a GPU fault, or no "
+                "answer) is stopped and restarted, as a kubelet's liveness probe would"})
+    liveness_failures: int = field(default=3, metadata={"help": "failed /health checks in a row that restart one"})
     mps_sm_percent: str = field(default="", metadata={
         "help": "under MPS, the share of the GPU's SMs each role's engines may use, ROLE=PERCENT[,...] (e.g. "
                 "decode=40: decode steps are memory-bound and need few SMs, so prompt steps keep the rest); "
@@ -97,10 +103,34 @@ class UpConfig:
             raise ValueError("--encode goes with --prefill/--decode; a unified engine encodes its images itself")
         if self.unified and (self.prefill or self.decode) and (self.prefill, self.decode) != (1, 1):
             raise ValueError("--unified replaces --prefill/--decode; give one or the other")
+        if self.liveness_period_s < 0 or self.liveness_failures < 1:
+            raise ValueError(f"--liveness-period-s must be >= 0 and --liveness-failures >= 1, got "
+                             f"{self.liveness_period_s} and {self.liveness_failures}")
         if self.kv_store_segment_mb < 0:
             raise ValueError(f"--kv-store-segment-mb must be >= 0, got {self.kv_store_segment_mb}")
         if not self.unified and (self.prefill < 1 or self.decode < 1):
             raise ValueError(f"need at least one prefill and one decode engine, got {self.prefill}P{self.decode}D")
+
+
+LIVENESS_TIMEOUT_S = 2.0  # a /health answer later than this counts as a failed check
+LIVENESS_KILL_GRACE_S = 10.0  # from SIGTERM to SIGKILL for a process stopped for failing its checks
+
+
+def _health_problem(url: str, timeout_s: float) -> str:
+    """Why `url`'s /health is not a 200 ('' when it is)."""
+    try:
+        r = httpx.get(f"{url}/health", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return f"no answer ({type(exc).__name__}: {exc})"
+    if r.status_code == 200:
+        return ""
+    return f"HTTP {r.status_code}: {r.text[:200]}"
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signals the process and its own children (an engine's core): each child runs in a session of its own."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
 
 
 def free_port() -> int:
@@ -216,6 +246,10 @@ class Child:
     command: list[str] | None = None  # a program of its own (the store's master), not `splitserve ARGS`
     env: dict[str, str] = field(default_factory=dict)  # on top of up's environment (an MPS client's pipe)
     log: Path | None = None  # where its stdout and stderr go (default: up's own; up's stdout is for its endpoint)
+    healthy: bool = False  # its /health answered 200 since it last started (liveness checks count from then)
+    liveness_failures: int = 0  # failed /health checks in a row
+    next_check: float = 0.0
+    stopping_since: float | None = None  # stopped for failing its checks, not exited yet
 
 
 class Deployment:
@@ -251,7 +285,8 @@ class Deployment:
             with child.log.open("ab") as log:
                 child.proc = subprocess.Popen(cmd, start_new_session=True, env=env, stdout=log,
                                               stderr=subprocess.STDOUT)
-        child.started_at = time.monotonic()
+        child.started_at = child.next_check = time.monotonic()
+        child.healthy, child.liveness_failures, child.stopping_since = False, 0, None
 
     def _drafter(self, index: int) -> str:
         """Starts drafter `index`; returns its draft-mesh gRPC endpoint (a restart keeps the port)."""
@@ -322,6 +357,8 @@ class Deployment:
             if encode:
                 router_args += ["--encode", *encode]
         wait_healthy(self.procs, cfg.startup_timeout_s)
+        for child in self.children:
+            child.healthy = child.ready_path is not None  # liveness checks count from now
         self._check_mps_clients()
         router = Child("router", f"http://{cfg.host}:{cfg.port}", [
             "router", "--host", cfg.host, "--port", str(cfg.port), *router_args, *cfg.router_args.split()],
@@ -329,6 +366,7 @@ class Deployment:
         self.children.append(router)
         self._spawn(router)
         wait_healthy([(router.url, router.proc)], cfg.startup_timeout_s, path="/ready")
+        router.healthy = True
         return router.url
 
     def _start_mps(self) -> None:
@@ -426,6 +464,39 @@ class Deployment:
                 child.restarts += 1
                 logger.warning("restarting %s (restart %d)", child.name, child.restarts)
                 self._spawn(child)
+        if self.cfg.liveness_period_s > 0:
+            self._check_liveness(now)
+
+    def _check_liveness(self, now: float) -> None:
+        """Checks each running process's /health every --liveness-period-s once it has answered 200: an engine
+        whose core died (a GPU fault under MPS ends every engine's core on that GPU) keeps its API server up
+        to say so, answering 503, and would otherwise never be restarted. One that fails its checks is sent
+        SIGTERM, then SIGKILL after a grace; its exit then restarts it like any other."""
+        for child in self.children:
+            if child.ready_path is None or child.proc is None or child.proc.poll() is not None:
+                continue
+            if child.stopping_since is not None:
+                if now - child.stopping_since > LIVENESS_KILL_GRACE_S:
+                    logger.error("%s did not stop within %.0f s; killing it", child.name, LIVENESS_KILL_GRACE_S)
+                    _signal_group(child.proc, signal.SIGKILL)
+                continue
+            if now < child.next_check:
+                continue
+            child.next_check = now + self.cfg.liveness_period_s
+            why = _health_problem(child.url, timeout_s=min(LIVENESS_TIMEOUT_S, self.cfg.liveness_period_s))
+            if not why:
+                child.healthy, child.liveness_failures = True, 0
+                continue
+            if not child.healthy:
+                continue  # still starting (loading weights, capturing graphs): readiness, not liveness
+            child.liveness_failures += 1
+            logger.warning("%s (%s) failed liveness check %d of %d: %s", child.name, child.url,
+                           child.liveness_failures, self.cfg.liveness_failures, why)
+            if child.liveness_failures >= self.cfg.liveness_failures:
+                logger.error("%s failed %d liveness checks in a row; stopping it for a restart", child.name,
+                             child.liveness_failures)
+                child.stopping_since = now
+                _signal_group(child.proc, signal.SIGTERM)
 
     def _waits_for_mps(self, child: Child) -> bool:
         """An MPS client is restarted only while its daemon runs: started without it, CUDA would run it

@@ -232,6 +232,10 @@ def test_a_core_killed_fails_its_requests_clearly_and_health_turns_503(checkpoin
         assert health.status_code == 503 and "killed by signal 9" in health.json()["status"], health.text
         later = post(url, body([1, 2], 2))
         assert later.status_code == 503 and "engine core process" in later.text, later.text
+        # A router's poll of its page events gets the reason too (a 503, not a 500 and a traceback in the log).
+        events = httpx.get(f"{url}/internal/kv_events?seq=0", timeout=5)
+        assert events.status_code == 503 and events.json()["error"]["code"] == "engine_failed", events.text
+        assert "killed by signal 9" in events.json()["error"]["message"]
         assert proc.proc.poll() is None  # the API server stays up to say so
 
 

@@ -94,3 +94,27 @@ def test_up_refuses_a_shape_with_no_decode() -> None:
                        capture_output=True, text=True, env=splitserve_env(), cwd=REPO.parent, timeout=60)
     assert r.returncode == 2
     assert "need at least one prefill and one decode engine, got 1P0D" in r.stderr
+
+
+def test_up_restarts_an_engine_whose_core_died_while_its_api_server_stayed_up(tmp_path) -> None:
+    """A GPU fault under MPS (or any death of an engine core) leaves the engine's API server up, answering 503 on
+    /health: `up`'s liveness checks stop it after --liveness-failures and it is restarted and serves again."""
+    with running_up(["--model", "tiny", "--unified", "1", "--engine-args=--engine-process",
+                     "--liveness-period-s", "0.5", "--liveness-failures", "2", "--restart-backoff-s", "0.5"],
+                    tmp_path / "up.log") as up:
+        api_pid, _ = up.engines()["unified"][0]
+        (core,) = children_of(api_pid)
+        os.kill(core, signal.SIGKILL)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        deadline = time.monotonic() + 90
+        while True:
+            r = httpx.post(f"{up.url}/v1/completions", json=body, timeout=30)
+            if r.status_code == 200 and up.engines()["unified"][0][0] != api_pid:
+                break  # a new engine serves
+            assert time.monotonic() < deadline, f"the engine was not restarted: {r.status_code} {r.text[:300]}"
+            time.sleep(0.2)
+        log = up.log_text()
+        assert "failed liveness check 2 of 2" in log and "stopping it for a restart" in log, log[-2000:]
+        assert "restarting unified-0" in log
+        assert api_pid not in children_of(up.proc.pid)
+        up.sigterm_leaves_no_child()
