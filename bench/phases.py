@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import logging
 import random
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,8 +155,11 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
                                          mps=cfg.mps if name == "1p1d" else "off",
                                          mps_sm_percent=cfg.mps_sm_percent if name == "1p1d" else "",
                                          **shape))  # one engine
+        stop = [False]  # the deployment is supervised as under `up`: an engine that dies is restarted
+        supervisor = threading.Thread(target=deployment.watch, args=(stop,), name="supervisor", daemon=True)
         try:
             url = deployment.start()
+            supervisor.start()
             report["mps_gpus"][name] = deployment.mps.gpus if deployment.mps else []
             served = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
             requests = workload(cfg, vocab=PROMPT_VOCAB)
@@ -173,6 +177,9 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
                 logger.info("%s burst %s: %.0f output tok/s", name, cfg.burst, report[name]["burst"]["output_tok_s"])
                 write_report(report, cfg.output)
         finally:
+            stop[0] = True
+            if supervisor.is_alive():
+                supervisor.join()  # no restart may race the stop
             deployment.stop()
     return report
 
