@@ -125,9 +125,8 @@ class _ReturningStream:
         self.pool, self.origin, self.connection, self.stream = pool, origin, connection, stream
         self.closed = False
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self.stream:
-            yield chunk
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self.stream.__aiter__()  # the body's own iterator: no extra step per chunk
 
     async def aclose(self) -> None:
         if self.closed:
