@@ -133,6 +133,14 @@ def summarize_burst(samples: list[Sample], seconds: float) -> dict[str, Any]:
             "ttft_s": percentiles([s.ttft for s in ok])}
 
 
+def supervise(deployment: Any, stop: list[bool]) -> None:
+    """The deployment's supervision (`up`'s restarts and liveness checks) until `stop[0]`; says so if it fails."""
+    try:
+        deployment.watch(stop)
+    except Exception:
+        logger.exception("supervising the deployment failed: engines that die are no longer restarted")
+
+
 def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
     from splitserve.launcher.up import Deployment, UpConfig, free_port
 
@@ -146,7 +154,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
         from splitserve.engine.checkpoints.model_shapes import write_shape_folder
         model = str(write_shape_folder(cfg.shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{cfg.shape}-"))))
         cfg = dataclasses.replace(cfg, engine_args=f"--load-format dummy {cfg.engine_args}".strip())  # random weights
-    report: dict[str, Any] = {"config": asdict(cfg), "unified": {}, "1p1d": {}, "mps_gpus": {}}
+    report: dict[str, Any] = {"config": asdict(cfg), "unified": {}, "1p1d": {}, "mps_gpus": {}, "restarts": {}}
     shapes = (("unified", {"unified": 1}, [p for p, _, _ in UNIFIED], cfg.engine_args),
               ("1p1d", {"prefill": 1, "decode": 1}, [p for p, _, _ in DISAGGREGATED],
                f"{cfg.engine_args} {cfg.pd_engine_args}".strip()))
@@ -156,7 +164,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
                                          mps_sm_percent=cfg.mps_sm_percent if name == "1p1d" else "",
                                          **shape))  # one engine
         stop = [False]  # the deployment is supervised as under `up`: an engine that dies is restarted
-        supervisor = threading.Thread(target=deployment.watch, args=(stop,), name="supervisor", daemon=True)
+        supervisor = threading.Thread(target=supervise, args=(deployment, stop), name="supervisor", daemon=True)
         try:
             url = deployment.start()
             supervisor.start()
@@ -180,6 +188,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
             stop[0] = True
             if supervisor.is_alive():
                 supervisor.join()  # no restart may race the stop
+            report["restarts"][name] = {c.name: c.restarts for c in deployment.children if c.restarts}
             deployment.stop()
     return report
 
@@ -188,6 +197,9 @@ def print_phases_report(report: dict[str, Any]) -> None:
     mps = report.get("mps_gpus", {}).get("1p1d")
     print(f"1P1D engines: {'one MPS server on ' + ', '.join(mps) if mps else 'no MPS'} "
           f"(--mps {report['config'].get('mps', 'auto')})")
+    for name, counts in report.get("restarts", {}).items():
+        if counts:  # the figures after a restart include the outage
+            print(f"{name}: restarted during the run: " + ", ".join(f"{c} x{n}" for c, n in counts.items()))
     for rate in report["config"]["rates"]:
         uni, pd = report["unified"][rate], report["1p1d"][rate]
         print(f"rate {rate:g} req/s: TTFT p50 unified {uni['ttft_s']['p50'] * 1e3:.1f} ms, 1P1D "

@@ -10,6 +10,7 @@ meanwhile.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -112,7 +113,8 @@ class UpConfig:
             raise ValueError(f"need at least one prefill and one decode engine, got {self.prefill}P{self.decode}D")
 
 
-LIVENESS_TIMEOUT_S = 2.0  # a /health answer later than this counts as a failed check
+LIVENESS_TIMEOUT_S = 6.0  # a /health answer later than this counts as a failed check (an engine's own /health
+# waits up to 5 s for its core: api/core_client.py HEALTH_TIMEOUT_S)
 LIVENESS_KILL_GRACE_S = 10.0  # from SIGTERM to SIGKILL for a process stopped for failing its checks
 
 
@@ -250,6 +252,7 @@ class Child:
     liveness_failures: int = 0  # failed /health checks in a row
     next_check: float = 0.0
     stopping_since: float | None = None  # stopped for failing its checks, not exited yet
+    check: concurrent.futures.Future | None = None  # its /health check in flight
 
 
 class Deployment:
@@ -266,6 +269,7 @@ class Deployment:
         self.mps: MpsDaemon | None = None  # the MPS daemon of the engines that share a GPU, once started
         self._mps_child: Child | None = None  # its process
         self._sm_percents = parse_sm_percents(cfg.mps_sm_percent)  # role -> SM cap of its MPS clients
+        self._checks: concurrent.futures.ThreadPoolExecutor | None = None  # liveness checks, once started
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
@@ -286,7 +290,7 @@ class Deployment:
                 child.proc = subprocess.Popen(cmd, start_new_session=True, env=env, stdout=log,
                                               stderr=subprocess.STDOUT)
         child.started_at = child.next_check = time.monotonic()
-        child.healthy, child.liveness_failures, child.stopping_since = False, 0, None
+        child.healthy, child.liveness_failures, child.stopping_since, child.check = False, 0, None, None
 
     def _drafter(self, index: int) -> str:
         """Starts drafter `index`; returns its draft-mesh gRPC endpoint (a restart keeps the port)."""
@@ -468,10 +472,13 @@ class Deployment:
             self._check_liveness(now)
 
     def _check_liveness(self, now: float) -> None:
-        """Checks each running process's /health every --liveness-period-s once it has answered 200: an engine
-        whose core died (a GPU fault under MPS ends every engine's core on that GPU) keeps its API server up
-        to say so, answering 503, and would otherwise never be restarted. One that fails its checks is sent
-        SIGTERM, then SIGKILL after a grace; its exit then restarts it like any other."""
+        """Checks each running process's /health every --liveness-period-s (every second while it has not
+        answered 200 since it started): an engine whose core died (a GPU fault under MPS ends every engine's
+        core on that GPU) keeps its API server up to say so, answering 503, and would otherwise never be
+        restarted. Counted from its first 200 (before that it is starting: readiness, not liveness), or from
+        --startup-timeout-s after a restart that never got there. One that fails its checks is sent SIGTERM,
+        then SIGKILL after a grace; its exit then restarts it like any other. The checks run on a pool of
+        threads: a process that does not answer holds up no other check and no restart."""
         for child in self.children:
             if child.ready_path is None or child.proc is None or child.proc.poll() is not None:
                 continue
@@ -480,23 +487,36 @@ class Deployment:
                     logger.error("%s did not stop within %.0f s; killing it", child.name, LIVENESS_KILL_GRACE_S)
                     _signal_group(child.proc, signal.SIGKILL)
                 continue
-            if now < child.next_check:
+            if child.check is None:
+                if now >= child.next_check:
+                    period = self.cfg.liveness_period_s if child.healthy else min(1.0, self.cfg.liveness_period_s)
+                    child.next_check = now + period
+                    child.check = self._checker().submit(_health_problem, child.url, LIVENESS_TIMEOUT_S)
                 continue
-            child.next_check = now + self.cfg.liveness_period_s
-            why = _health_problem(child.url, timeout_s=min(LIVENESS_TIMEOUT_S, self.cfg.liveness_period_s))
+            if not child.check.done():
+                continue
+            why, child.check = child.check.result(), None
             if not why:
                 child.healthy, child.liveness_failures = True, 0
                 continue
             if not child.healthy:
-                continue  # still starting (loading weights, capturing graphs): readiness, not liveness
+                if time.monotonic() - child.started_at <= self.cfg.startup_timeout_s:
+                    continue  # still starting (loading weights, capturing graphs)
+                why = f"not healthy {self.cfg.startup_timeout_s:.0f} s after it started ({why})"
+                child.liveness_failures = self.cfg.liveness_failures - 1
             child.liveness_failures += 1
             logger.warning("%s (%s) failed liveness check %d of %d: %s", child.name, child.url,
                            child.liveness_failures, self.cfg.liveness_failures, why)
             if child.liveness_failures >= self.cfg.liveness_failures:
                 logger.error("%s failed %d liveness checks in a row; stopping it for a restart", child.name,
                              child.liveness_failures)
-                child.stopping_since = now
+                child.stopping_since = time.monotonic()
                 _signal_group(child.proc, signal.SIGTERM)
+
+    def _checker(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._checks is None:
+            self._checks = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="liveness")
+        return self._checks
 
     def _waits_for_mps(self, child: Child) -> bool:
         """An MPS client is restarted only while its daemon runs: started without it, CUDA would run it
@@ -517,6 +537,8 @@ class Deployment:
     def stop(self) -> None:
         # The router first, so no new work reaches engines that are going away; the store's master and the MPS
         # daemon last, once no engine uses them (the daemon is asked to quit: its servers go with it).
+        if self._checks is not None:
+            self._checks.shutdown(wait=False, cancel_futures=True)
         last = [c for c in self.children if c.command is not None]
         for group in ([c for c in self.children if c.command is None], last):
             if group is last and self.mps is not None and self._mps_child is not None:
