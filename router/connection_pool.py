@@ -4,8 +4,8 @@ httpx's default pool (httpcore's) matches every queued request against every con
 connection's state, whenever a request starts or a response closes. A router holds one connection per stream in
 flight, so with a few hundred streams open to a lone engine each request start or stream end costs hundreds of
 checks, and a burst of them costs thousands each: in a profile of a 256-stream burst through the router (tiny
-model, CPU), 54% of the router's event loop went to that pool, and the burst ran at 0.45-0.65x the speed of the
-same burst sent straight to the engine.
+model, CPU), half of the router's event loop (50% of its samples) went to that pool, and the burst ran at
+0.45-0.65x the speed of the same burst sent straight to the engine.
 
 Here each origin keeps a stack of idle connections. A request takes the most recently used one that has neither
 expired nor been closed by the engine (checked for that one connection alone), or opens a new one; a response,
