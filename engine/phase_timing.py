@@ -52,6 +52,12 @@ def take(req: Request, metrics: EngineMetrics | None) -> dict[str, float] | None
     return marks
 
 
+def waited_for_decode(marks: dict[str, float]) -> bool:
+    """A prefill's stamps say it computed only once the decode's metadata was there (bootstrapped no later than
+    scheduled); one that computed meanwhile stamps bootstrapped at shipped or later."""
+    return marks.get(BOOTSTRAPPED, float("inf")) <= marks.get(SCHEDULED, float("-inf"))
+
+
 def engine_phases(marks: dict[str, float]) -> list[tuple[str, float, float]]:
     """The phases one engine sees of a request, as (phase, start, end), from its stamps (those it has):
       decode_admission  prefill: shipped -> bootstrapped (the KV waiting for the decode to reserve pages; where
@@ -67,7 +73,7 @@ def engine_phases(marks: dict[str, float]) -> list[tuple[str, float, float]]:
     if ARRIVED in m:  # a decode
         spans = [("decode_admission", TAKEN, ADMITTED), ("kv_wait", ADMITTED, ARRIVED),
                  ("first_step", ARRIVED, FIRST_TOKEN)]
-    elif (BOOTSTRAPPED in m or SHIPPED in m) and m.get(BOOTSTRAPPED, float("inf")) <= m.get(SCHEDULED, -1.0):
+    elif (BOOTSTRAPPED in m or SHIPPED in m) and waited_for_decode(m):
         spans = [("decode_admission", TAKEN, BOOTSTRAPPED), ("prefill_queue", BOOTSTRAPPED, SCHEDULED),
                  ("prefill_compute", SCHEDULED, SHIPPED)]  # a prefill that waited for the decode's metadata
     elif BOOTSTRAPPED in m or SHIPPED in m:  # a prefill that computed meanwhile

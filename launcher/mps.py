@@ -33,7 +33,7 @@ MPS_MODES = ("off", "on", "auto")
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 SM_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-CAPPABLE_ROLES = ("unified", "prefill", "decode", "encode", "drafter")
+CAPPABLE_ROLES = ("unified", "prefill", "decode", "encode", "drafter")  # engine/config.py's ROLES (it imports torch)
 # A client's first kernel, run before any engine starts: CUDA initialises through the daemon, which starts its
 # server; the probe exits and the server stays for the engines.
 PROBE = "import sys, torch; x = torch.ones(1, device=sys.argv[1]); x.add_(1); torch.cuda.synchronize(); print(x.item())"

@@ -499,12 +499,13 @@ class Deployment:
             if not why:
                 child.healthy, child.liveness_failures = True, 0
                 continue
-            if not child.healthy:
-                if time.monotonic() - child.started_at <= self.cfg.startup_timeout_s:
-                    continue  # still starting (loading weights, capturing graphs)
+            if child.healthy:
+                child.liveness_failures += 1
+            elif time.monotonic() - child.started_at <= self.cfg.startup_timeout_s:
+                continue  # still starting (loading weights, capturing graphs)
+            else:  # a restart that never became healthy: no more checks to wait for
                 why = f"not healthy {self.cfg.startup_timeout_s:.0f} s after it started ({why})"
-                child.liveness_failures = self.cfg.liveness_failures - 1
-            child.liveness_failures += 1
+                child.liveness_failures = self.cfg.liveness_failures
             logger.warning("%s (%s) failed liveness check %d of %d: %s", child.name, child.url,
                            child.liveness_failures, self.cfg.liveness_failures, why)
             if child.liveness_failures >= self.cfg.liveness_failures:

@@ -39,7 +39,6 @@ class LifoConnectionPool:
         self._idle: dict[tuple[bytes, bytes, int], deque[httpcore.AsyncHTTPConnection]] = {}  # by origin
         self._idle_count = 0
         self._open: set[httpcore.AsyncHTTPConnection] = set()  # every connection not closed yet
-        self.opened = 0  # connections opened so far (a test's and a metric's view of reuse)
 
     @property
     def connections(self) -> int:
@@ -75,7 +74,6 @@ class LifoConnectionPool:
             await self._close(connection)
         connection = httpcore.AsyncHTTPConnection(origin, keepalive_expiry=self.keepalive_expiry)
         self._open.add(connection)
-        self.opened += 1
         return connection
 
     async def _drop_expired(self, idle: deque[httpcore.AsyncHTTPConnection]) -> None:

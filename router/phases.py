@@ -42,7 +42,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from splitserve.api.otel import Tracing
 from splitserve.engine.metrics import PHASE_BUCKETS
-from splitserve.engine.phase_timing import ARRIVED, BOOTSTRAPPED, FIRST_TOKEN, SCHEDULED, SHIPPED, TAKEN
+from splitserve.engine.phase_timing import (
+    ARRIVED,
+    BOOTSTRAPPED,
+    FIRST_TOKEN,
+    SCHEDULED,
+    SHIPPED,
+    TAKEN,
+    waited_for_decode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +93,7 @@ class RequestTiming:
         out = []
         order = UNIFIED
         if disaggregated:
-            prefill = self.prefill or {}
-            waited = prefill.get(BOOTSTRAPPED, float("inf")) <= prefill.get(SCHEDULED, float("-inf"))
-            order = DISAGGREGATED if waited else COMPUTED_AHEAD
+            order = DISAGGREGATED if waited_for_decode(self.prefill or {}) else COMPUTED_AHEAD
         for phase, whose, name in order:
             value = sources[whose].get(name)
             if value is None:
