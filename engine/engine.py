@@ -78,10 +78,10 @@ def overrides_hook(role: Role, hook: str) -> bool:
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device: its chunks, each request's slot at launch, its pending tokens."""
+    """A step queued on the device: its chunks, each request's slot and tenure at launch, its pending tokens."""
 
     chunks: list[ScheduledChunk]
-    slots: list[int]
+    holds: list[tuple[int, int]]
     pending: PendingStep
 
 
@@ -383,6 +383,8 @@ class Engine:
             if self.host_kv is not None:
                 self.kv.reap_loads()
             plan = self.scheduler.schedule()
+            if plan.preempted:
+                self.metrics.preemptions.inc(len(plan.preempted))
             for req in plan.cache_full:
                 self.finish(req, FinishReason.LENGTH)
             launched = self._launch(plan.chunks) if plan else None
@@ -487,8 +489,9 @@ class Engine:
                 req.publishing = True
                 mark(req, SCHEDULED, launched_at)
             req.kv_len += c.length
-        # A request's slot is its identity in the step: one preempted meanwhile gets its token discarded.
-        return LaunchedStep(chunks, [c.request.slot for c in chunks], pending)
+        # A request's slot and tenure are its identity in the step: one preempted meanwhile gets its token
+        # discarded, also when it was admitted again into the same slot (slots are reused last-in first-out).
+        return LaunchedStep(chunks, [(c.request.slot, c.request.tenure) for c in chunks], pending)
 
     def _complete(self, step: LaunchedStep) -> None:
         try:
@@ -497,14 +500,14 @@ class Engine:
             self._step_failed(step.chunks, exc)
             return
         # Requests hash by identity (no id(): under an audit hook each call runs Python code).
-        live = {c.request for c, slot in zip(step.chunks, step.slots, strict=True)
-                if c.request.slot == slot and c.request.status is RequestStatus.RUNNING}
+        live = {c.request for c, hold in zip(step.chunks, step.holds, strict=True)
+                if (c.request.slot, c.request.tenure) == hold and c.request.status is RequestStatus.RUNNING}
         # Only now is the step's KV written on the device (a transfer may read it, and requests
         # with the same prompt may take its full pages from the prefix cache).
         for c in step.chunks:
             req = c.request
-            req.publishing = False
             if req in live:
+                req.publishing = False
                 if c.start < len(req.prompt_ids):
                     self.kv.publish_prompt(req, c.start + c.length)
                 if self._role_sees_chunks:

@@ -43,6 +43,9 @@ class EngineMetrics:
         self.prompt_tokens_computed = Counter(
             "splitserve_prompt_tokens_computed", "Prompt tokens run through the model (not taken from the prefix "
             "cache; a preempted request's recomputed prompt counts again)", labels, registry=r).labels(model_name)
+        self.preemptions = Counter("splitserve_preemptions", "Running requests preempted to free KV pages (each "
+                                   "computed again from the prefix cache when readmitted)", labels,
+                                   registry=r).labels(model_name)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens generated", labels,
                                          registry=r).labels(model_name)
         # Speculative decoding (a verifier: decode, or unified with drafters).

@@ -57,6 +57,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     slot: int = -1  # row in the request-to-page table and in per-slot sampling state
+    # Bumped when the request is preempted: a step launched before that carries none of its tokens,
+    # even if it is admitted again into the same slot before that step is read back (overlap).
+    tenure: int = 0
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0  # tokens whose KV is in `pages`
     cached_len: int = 0  # of those, how many came from the prefix cache at admission

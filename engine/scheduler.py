@@ -276,6 +276,7 @@ class Scheduler:
         self.running.remove(req)
         plan.chunks = [c for c in plan.chunks if c.request is not req]
         self.kv.release(req)
+        req.tenure += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         plan.preempted.append(req)
