@@ -113,6 +113,9 @@ class EngineConfig:
                 "piecewise steps keep their padded batches)"})
     disable_overlap: bool = field(default=False, metadata={
         "help": "wait for each step's tokens before scheduling the next (GPUs overlap them by default)"})
+    vision_batch_patches: int = field(default=16384, metadata={
+        "help": "Qwen-VL vision tower: most patches in one pass (a 1,344 px image has 9,216); images past it run in "
+                "further passes, so a batch of large images cannot take the tower's activations past the GPU"})
     cuda_graph_max_batch: int = field(default=256, metadata={"help": "largest decode batch captured in a graph"})
     prompt_graph_tokens: int = field(default=1024, metadata={
         "help": "lone fresh prompts of up to this many tokens prefill through CUDA graphs (one per 256 tokens; "
@@ -150,6 +153,8 @@ class EngineConfig:
             raise ValueError(f"--gil-switch-interval-ms must be in (0, 1000], got {self.gil_switch_interval_ms}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.vision_batch_patches < 1:
+            raise ValueError(f"--vision-batch-patches must be >= 1, got {self.vision_batch_patches}")
         if self.max_running_requests == 0:
             self.max_running_requests = default_max_running_requests(self.device) if self.runs_text else 1
         if self.max_running_requests < 1:

@@ -127,6 +127,21 @@ def logit_rows(chunks: list[ScheduledChunk]) -> list[int]:
     return rows
 
 
+def patch_batches(patches: list[int], budget: int) -> list[range]:
+    """Consecutive images grouped into passes of at most `budget` patches each (an image larger than the
+    budget alone in its pass)."""
+    batches: list[range] = []
+    start, total = 0, 0
+    for i, n in enumerate(patches):
+        if i > start and total + n > budget:
+            batches.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if patches:
+        batches.append(range(start, len(patches)))
+    return batches
+
+
 def kv_locations(table: torch.Tensor, slot: int, kv_len: int, page_size: int) -> torch.Tensor:
     """[kv_len] int64: the KV pool location of each of a sequence's first kv_len positions."""
     return kv_token_locations(table, slot, torch.arange(kv_len, device=table.device), page_size)
@@ -478,10 +493,15 @@ class ModelRunner:
     def encode_images(self, pixels: list[torch.Tensor], grids: Sequence[tuple[int, int, int] | None] | None = None
                       ) -> list[torch.Tensor]:
         """Each image's embedding rows [its tokens, hidden] (vision tower + projector). Qwen-VL images come as
-        patches of any count with their patch grids, in one tower pass; LLaVA's as equal-size pixel arrays."""
+        patches of any count with their patch grids, in tower passes of at most --vision-batch-patches patches
+        (an image larger than that alone); LLaVA's as equal-size pixel arrays, in one pass."""
         if self.model_cfg.mrope:
             assert grids is not None and all(g is not None for g in grids), "Qwen-VL images need their patch grids"
-            return self.model.encode_images([p.to(self.device) for p in pixels], list(grids))  # type: ignore[operator]
+            rows: list[torch.Tensor] = []
+            for batch in patch_batches([p.shape[0] for p in pixels], self.cfg.vision_batch_patches):
+                rows += self.model.encode_images([pixels[i].to(self.device) for i in batch],  # type: ignore[operator]
+                                                 [grids[i] for i in batch])
+            return rows
         rows = self.model.encode_images(torch.stack(pixels).to(self.device))  # type: ignore[operator]
         return list(rows.unbind(0))
 

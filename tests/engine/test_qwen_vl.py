@@ -4,6 +4,7 @@ of several sizes over chunked prefill, prefix-cache hits and decode steps."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from splitserve.engine.multimodal.image_items import ImageItem, expand_image_tok
 from splitserve.engine.multimodal.mrope import chunk_rope_positions, mrope_positions
 from splitserve.engine.multimodal.qwen_vl_processor import QwenVLImageProcessor, smart_resize
 from splitserve.engine.request import Request
-from splitserve.engine.runner.model_runner import build_forward_batch
+from splitserve.engine.runner.model_runner import build_forward_batch, patch_batches
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import ScheduledChunk
 
@@ -165,6 +166,19 @@ def test_vision_tower_equals_transformers(checkpoint: tuple[Path, str]) -> None:
     assert [g.shape[0] for g in got] == [w.shape[0] for w in want]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+    # A patch budget smaller than any image: one tower pass per image, the same rows.
+    assert len(patch_batches([img.patches.shape[0] for img in images], 1)) == len(images) > 1
+    runner.cfg = dataclasses.replace(runner.cfg, vision_batch_patches=1)
+    for g, w in zip(runner.encode_images([img.patches for img in images], grids), want, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
+def test_patch_batches_keep_each_pass_within_the_budget() -> None:
+    assert patch_batches([9216, 9216, 1024, 1024, 4096], 16384) == [range(0, 1), range(1, 5)]
+    assert patch_batches([20000, 1], 16384) == [range(0, 1), range(1, 2)]  # past the budget: alone
+    assert patch_batches([1, 20000, 1], 16384) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert patch_batches([4, 4, 4, 4], 8) == [range(0, 2), range(2, 4)]
+    assert patch_batches([], 8) == []
 
 
 @pytest.mark.parametrize("layout", ["hub", "transformers-save_pretrained", "transformers-4.5x"])
