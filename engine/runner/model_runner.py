@@ -366,7 +366,9 @@ class ModelRunner:
             init_dummy_weights(self.model, cfg.seed)
         else:
             checkpoint_scales = load_weights(self.model, model_folder, tied_lm_head=model_cfg.tie_word_embeddings)
-        self.model.eval()
+        # Inference only: no parameter records an autograd graph, whichever entry point runs the model (the
+        # encode role calls the tower outside a step; with graphs recorded it held every block's activations).
+        self.model.eval().requires_grad_(False)
         # One table per process, the last engine built sets it: an engine without --gemm-algos after one
         # with it must not keep the first one's algorithms.
         gemm_algos.install(gemm_algos.load(cfg.gemm_algos, self.device)
@@ -490,6 +492,7 @@ class ModelRunner:
         logprobs = self._to_host(out.logprobs) if out.logprobs is not None else None
         return PendingStep(sampled, tokens, logprobs, out.top_logprobs, self._record_done())
 
+    @torch.inference_mode()
     def encode_images(self, pixels: list[torch.Tensor], grids: Sequence[tuple[int, int, int] | None] | None = None
                       ) -> list[torch.Tensor]:
         """Each image's embedding rows [its tokens, hidden] (vision tower + projector). Qwen-VL images come as

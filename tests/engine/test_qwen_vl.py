@@ -163,6 +163,8 @@ def test_vision_tower_equals_transformers(checkpoint: tuple[Path, str]) -> None:
         want = hf.model.get_image_features(torch.cat([img.patches for img in images]),
                                            torch.tensor(grids)).pooler_output
     got = runner.encode_images([img.patches for img in images], grids)
+    # Called outside a step (the encode role does): no autograd graph holds the tower's activations.
+    assert not any(g.requires_grad for g in got) and not any(p.requires_grad for p in runner.model.parameters())
     assert [g.shape[0] for g in got] == [w.shape[0] for w in want]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
