@@ -4,7 +4,10 @@ Each node holds one page and the `page_size` tokens whose KV it stores; a path f
 spells a prefix. The tree owns its pages. A request that matches a prefix locks the path (a
 reference count per node), so those pages are not evicted while it runs; when it finishes, its
 full pages are inserted and the lock is released. Unlocked leaves are evicted least recently
-used first when the allocator runs dry. A request's prompt pages also go in as soon as they
+used first when the allocator runs dry. The unlocked leaves are kept listed as the tree changes,
+in a heap by last use, so an eviction costs a few heap operations, not a walk over the whole tree
+(with tens of thousands of cached pages, that walk made each decode step's page growth the engine's
+bottleneck). A request's prompt pages also go in as soon as they
 are computed (`extend`), so a request with the same prompt arriving meanwhile shares them, and
 the partial last page of a computed prompt is listed as a *tail* of its path while its request
 holds it, and may stay in the tree after it (a leaf keyed by fewer than a page of tokens), so
@@ -71,6 +74,12 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self.cached_pages = 0
         self.locked_pages = 0
+        # The unlocked leaves (what `evict` may take), and a heap of (last access, order, node) over them whose
+        # entries go stale as nodes are used, locked or grow children (`evict` skips those; `_relist` drops
+        # them once they outnumber the live ones).
+        self._evictable: set[TreeNode] = set()
+        self._lru: list[tuple[int, int, TreeNode]] = []
+        self._order = itertools.count()
         # Hit-rate counters, in tokens, for /metrics.
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -96,6 +105,7 @@ class PrefixCache:
                 child.last_access = now
                 pages.append(child.page)
                 node = child
+            self._list(node)  # its last use changed: the only node of the path that can be a leaf
         self.queried_tokens += limit
         self.hit_tokens += len(pages) * self.page_size
         return PrefixMatch(pages=pages, node=node)
@@ -104,6 +114,7 @@ class PrefixCache:
         while node is not self.root:
             if node.lock_ref == 0:
                 self.locked_pages += 1
+                self._evictable.discard(node)
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
@@ -114,6 +125,7 @@ class PrefixCache:
                 raise RuntimeError(f"prefix-cache page {node.page} unlocked more often than locked")
             if node.lock_ref == 0:
                 self.locked_pages -= 1
+                self._list(node)
             node = node.parent  # type: ignore[assignment]
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int],
@@ -139,9 +151,12 @@ class PrefixCache:
             node = child
         rest = list(pages[len(chunks):])
         partial = tuple(tokens[len(chunks) * self.page_size:])
+        self._list(node)
         if keep_partial and rest and 0 < len(partial) < self.page_size and partial not in node.children:
-            node.children[partial] = TreeNode(key=partial, page=rest.pop(0), parent=node, last_access=now)
+            tail = node.children[partial] = TreeNode(key=partial, page=rest.pop(0), parent=node, last_access=now)
             self.cached_pages += 1
+            self._evictable.discard(node)
+            self._list(tail)
         leftover.extend(rest)
         return leftover, node
 
@@ -149,6 +164,7 @@ class PrefixCache:
         """A full page's node under `parent`, hashed, counted and reported."""
         child = TreeNode(key=chunk, page=page, parent=parent, hash=next_hash(parent.hash, chunk))
         parent.children[chunk] = child
+        self._evictable.discard(parent)
         self.cached_pages += 1
         if self.events is not None:
             self.events.stored(child.hash)
@@ -169,6 +185,7 @@ class PrefixCache:
                 break
             child.last_access = now
             node = child
+        self._list(node)
         return node
 
     def add_tail(self, node: TreeNode, tokens: tuple[int, ...], page: int) -> None:
@@ -192,13 +209,14 @@ class PrefixCache:
     def evict(self, num_pages: int, spill: bool = True) -> int:
         """Frees up to `num_pages` unlocked pages, least recently used leaves first (their full pages
         written back to the lower tier first, if there is one and `spill`)."""
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
         freed: list[int] = []
         spilled: list[tuple[int, int]] = []
         spill = spill and self.spill is not None
-        while heap and len(freed) < num_pages:
-            _, _, node = heapq.heappop(heap)
+        while self._lru and len(freed) < num_pages:
+            last_access, _, node = heapq.heappop(self._lru)
+            if node not in self._evictable or last_access != node.last_access:
+                continue  # a stale entry: locked, grown, used again (listed anew) or evicted since
+            self._evictable.remove(node)
             parent = node.parent
             assert parent is not None
             del parent.children[node.key]
@@ -209,8 +227,7 @@ class PrefixCache:
                     self.events.removed(node.hash)
                 if spill:
                     spilled.append((node.hash, node.page))
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            self._list(parent)
         if spilled:
             self.spill(spilled)  # type: ignore[misc]  (spill: set)
         self.allocator.free(freed)
@@ -223,7 +240,22 @@ class PrefixCache:
             self.on_flush()
         return freed
 
-    def _leaves(self) -> list[TreeNode]:
+    def _list(self, node: TreeNode) -> None:
+        """Lists `node` for eviction at its last use if it is an unlocked leaf (again, if it was listed before)."""
+        if node is self.root or node.lock_ref or node.children:
+            return
+        self._evictable.add(node)
+        heapq.heappush(self._lru, (node.last_access, next(self._order), node))
+        if len(self._lru) > 2 * len(self._evictable) + 64:
+            self._relist()
+
+    def _relist(self) -> None:
+        """The heap rebuilt from the evictable leaves alone (its stale entries dropped)."""
+        self._lru = [(n.last_access, next(self._order), n) for n in self._evictable]
+        heapq.heapify(self._lru)
+
+    def leaves(self) -> list[TreeNode]:
+        """Every leaf, by a walk over the whole tree (for checks: the unlocked ones are what is listed)."""
         leaves, stack = [], [self.root]
         while stack:
             node = stack.pop()
@@ -232,3 +264,8 @@ class PrefixCache:
             elif node is not self.root:
                 leaves.append(node)
         return leaves
+
+    @property
+    def listed_leaves(self) -> set[TreeNode]:
+        """The leaves `evict` may take, as listed."""
+        return set(self._evictable)

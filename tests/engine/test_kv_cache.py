@@ -383,7 +383,7 @@ def test_samples_of_a_computed_prompt_copy_its_last_page_and_run_only_their_last
         s.running.remove(r)
         s.kv.release(r)
     assert_all_back(kv=s.kv)
-    assert all(not n.tails for n in [s.kv.prefix_cache.root, *s.kv.prefix_cache._leaves()])
+    assert all(not n.tails for n in [s.kv.prefix_cache.root, *s.kv.prefix_cache.leaves()])
 
 
 def test_a_prompt_s_partial_last_page_stays_cached_after_its_request_and_a_failed_one_s_does_not() -> None:
