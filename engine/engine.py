@@ -385,6 +385,9 @@ class Engine:
             plan = self.scheduler.schedule()
             if plan.preempted:
                 self.metrics.preemptions.inc(len(plan.preempted))
+                for req in plan.preempted:
+                    with self.request_fault(req, "the role's handling of its preemption"):
+                        self.role.on_preempted(req)
             for req in plan.cache_full:
                 self.finish(req, FinishReason.LENGTH)
             launched = self._launch(plan.chunks) if plan else None
@@ -496,8 +499,9 @@ class Engine:
     def _complete(self, step: LaunchedStep) -> None:
         try:
             out = step.pending.result()
-        except Exception as exc:
-            self._step_failed(step.chunks, exc)
+        except Exception as exc:  # (a request preempted meanwhile is not this step's any more)
+            self._step_failed([c for c, hold in zip(step.chunks, step.holds, strict=True)
+                               if (c.request.slot, c.request.tenure) == hold], exc)
             return
         # Requests hash by identity (no id(): under an audit hook each call runs Python code).
         live = {c.request for c, hold in zip(step.chunks, step.holds, strict=True)

@@ -404,7 +404,8 @@ class KVCache:
         if req.prefix_node is not None:
             self.prefix_cache.unlock(req.prefix_node)
         self._free_slots.append(req.slot)
-        req.slot, req.pages, req.kv_len, req.prefix_node = -1, [], 0, None
+        # sampler_slot too: its slot's sampler and grammar state may be another request's before it is back.
+        req.slot, req.sampler_slot, req.pages, req.kv_len, req.prefix_node = -1, -1, [], 0, None
         req.published_len, req.publishing = 0, False
 
     def _shared_pages(self, req: Request) -> list[int]:

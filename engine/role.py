@@ -66,6 +66,10 @@ class Role:
     def on_finish(self, req: Request) -> None:
         """The request is retiring (finished, aborted or failed): drop per-request role state."""
 
+    def on_preempted(self, req: Request) -> None:
+        """The scheduler gave the request's pages back and requeued it (told once the step's plan is made, so it
+        may be admitted again already): the tokens of steps launched before will not reach `on_token`."""
+
     def routes(self) -> list[Route]:
         """HTTP endpoints the role adds to the engine's API (e.g. the encode role's /v1/encode)."""
         return []
@@ -190,6 +194,10 @@ class ComposedRole(Role):
                 failed = failed or exc
         if failed is not None:
             raise failed
+
+    def on_preempted(self, req: Request) -> None:
+        for b in self.behaviours:
+            b.on_preempted(req)
 
     def routes(self) -> list[Route]:
         return [r for b in self.behaviours for r in b.routes()]

@@ -388,6 +388,13 @@ class DrafterRole(Role):
         if state is not None and state.req is req:
             del self.states[req.request_id]
 
+    def on_preempted(self, req: Request) -> None:
+        state = self.states.get(req.request_id)
+        if state is not None and state.req is req:
+            # The tokens it counted as stale were on the device; the engine drops them now (their step ran for
+            # the request's last tenure). Its next token is the first of its computation again: a valid one.
+            state.stale = 0
+
     def poll(self) -> None:
         if not self.service.running:  # the engine loop runs (its warm-up is done): verifiers may join
             self.service.running = True
