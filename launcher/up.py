@@ -208,38 +208,26 @@ KV_SIZE_FLAGS = ("--mem-fraction", "--max-total-tokens")
 KV_SIZE_ENV = ("SPLITSERVE_MEM_FRACTION", "SPLITSERVE_MAX_TOTAL_TOKENS")
 
 
-# How the engines of one GPU weigh in its split. A prefill's pages live through one prompt step and its transfer;
-# a decode's hold every running request's whole context until its last token, and a decode short of pages preempts
-# requests and computes their prompts again, on the GPU the prefill needs.
-ROLE_WEIGHTS = {"decode": 2.0}
-
-
-def shared_device_fractions(engines: list[list[str]], sized: list[bool] | None = None,
-                            weights: list[float] | None = None) -> list[float | None]:
+def shared_device_fractions(engines: list[list[str]], sized: list[bool] | None = None) -> list[float | None]:
     """Each engine's --mem-fraction, given the devices each engine runs on (one per rank): the default split
-    between the engines of the busiest GPU it uses, in proportion to their `weights` (even by default); None for
-    an engine alone on its GPUs, and on the CPU (no fraction to split there). `sized[i]` False: engine i sizes
-    no KV cache by its fraction (an encoder: the image side and its embedding slots), so it gets None and takes
-    ENCODER_SHARE of each GPU it uses off the default before the others split it."""
+    evenly between the engines of the busiest GPU it uses; None for an engine alone on its GPUs, and on the CPU
+    (no fraction to split there). `sized[i]` False: engine i sizes no KV cache by its fraction (an encoder: the
+    image side and its embedding slots), so it gets None and takes ENCODER_SHARE of each GPU it uses off the
+    default before the others split it."""
     sized = sized or [True] * len(engines)
-    weights = weights or [1.0] * len(engines)
-    takers: dict[str, float] = {}  # the weight of the engines that size their KV cache by a fraction, per GPU
-    counts: dict[str, int] = {}  # every engine, per GPU
+    takers: dict[str, int] = {}  # engines that size their KV cache by a fraction, per GPU
     encoders: dict[str, int] = {}
-    for devices, takes_share, weight in zip(engines, sized, weights, strict=True):
+    for devices, takes_share in zip(engines, sized, strict=True):
+        counts = takers if takes_share else encoders
         for d in devices:
             counts[d] = counts.get(d, 0) + 1
-            if takes_share:
-                takers[d] = takers.get(d, 0.0) + weight
-            else:
-                encoders[d] = encoders.get(d, 0) + 1
     shares = []
-    for devices, takes_share, weight in zip(engines, sized, weights, strict=True):
+    for devices, takes_share in zip(engines, sized, strict=True):
         if not takes_share or not devices[0].startswith("cuda"):
             shares.append(None)
             continue
-        share = min((DEVICE_FRACTION - ENCODER_SHARE * encoders.get(d, 0)) * weight / takers[d] for d in devices)
-        shared = any(counts[d] > 1 for d in devices)
+        share = min((DEVICE_FRACTION - ENCODER_SHARE * encoders.get(d, 0)) / takers[d] for d in devices)
+        shared = any(takers[d] + encoders.get(d, 0) > 1 for d in devices)
         shares.append(round(share, 3) if shared else None)
     return shares
 
@@ -448,9 +436,7 @@ class Deployment:
         given = any(a.split("=")[0] in KV_SIZE_FLAGS for a in self.cfg.engine_args.split())
         if given or any(name in os.environ for name in KV_SIZE_ENV):
             return []
-        roles = self._engine_roles()
-        return shared_device_fractions(self._engine_devices(), [role != "encode" for role in roles],
-                                       [ROLE_WEIGHTS.get(role, 1.0) for role in roles])
+        return shared_device_fractions(self._engine_devices(), [role != "encode" for role in self._engine_roles()])
 
     def roles_summary(self) -> tuple[str, str]:
         """Every role started, as counts ("1 prefill + 1 decode + 2 drafter") and as each role's URLs."""
