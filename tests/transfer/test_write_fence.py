@@ -24,7 +24,9 @@ DIMS = (SHAPE["layers"], 2, SHAPE["pages"], SHAPE["page_size"], SHAPE["heads"], 
 FROZEN_SRC = list(range(0, 16))
 FENCED = list(range(32, 48))  # the frozen room's decode pages, reused after the fence
 OTHER = list(range(64, 68))  # another room's pages, written while the prefill is frozen
-CHUNK_DELAY_S = 0.6  # the frozen room's second chunk is due this long after its first
+# The frozen room's second chunk is due this long after its first: the test must stop the prefill within it
+# (it stays frozen for 2 s and more, so the chunk is overdue when it resumes).
+CHUNK_DELAY_S = 1.2
 
 
 def frozen_room_sender(prefill, bootstrap_addr: str, room: int) -> None:
@@ -36,7 +38,11 @@ def freeze_after_first_chunk(prefill, decode, receiver: KVReceiver) -> float:
     """Stops the prefill once its first chunk landed and before its second is due."""
     frozen_src = fill_pool(DIMS, 7)
     assert wait_until(lambda: torch.equal(decode.pool[:, :, FENCED[:4]], frozen_src[:, :, FROZEN_SRC[:4]]), 10)
+    first_landed = time.monotonic()
     prefill.proc.send_signal(signal.SIGSTOP)
+    assert not torch.equal(decode.pool[:, :, FENCED[4:]], frozen_src[:, :, FROZEN_SRC[4:]]), (
+        f"the prefill was stopped {time.monotonic() - first_landed:.2f} s after its first chunk landed, after its "
+        "second: nothing left to fence (the test process was starved of CPU)")
     frozen_at = time.monotonic()
     poll_until_final([receiver], timeout_s=10)
     assert isinstance(receiver.failure_exception(), KVPeerLostError), receiver.failure_exception()
