@@ -22,6 +22,7 @@ Aux slots are this role's own (a request needs one from arrival, before it has a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -89,6 +90,9 @@ class PrefillRole(Role):
             self.engine.finish(req, FinishReason.ERROR, "prefill engine overloaded: every aux slot is taken by "
                                                         "a request waiting for its decode")
             return True
+        # Here the request ends at its first token (the decode engine samples the rest): so no step is planned past
+        # it, as the overlap scheduler would for a request whose token is on the device and that may emit more.
+        req.params = dataclasses.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, 1))
         # A reused room raises RoomInUseError here: the engine fails this request, not the room's owner.
         sender = self.endpoint.new_sender(req.request_id, self.bootstrap_addr, req.bootstrap_room)
         encoder = awaits_encoder(req)
