@@ -39,8 +39,8 @@ def test_the_listed_leaves_are_the_unlocked_leaves_and_eviction_is_least_recentl
             if pages is not None:
                 leftover, _ = cache.insert(tokens, pages, keep_partial=rng.random() < 0.3)
                 allocator.free(leftover)
-        elif op < 0.55:  # an admission: match and lock
-            match = cache.match(tokens)
+        elif op < 0.55:  # an admission: match (at most some of its tokens, as admission keeps one) and lock
+            match = cache.match(tokens, rng.choice([None, max(len(tokens) - 1, 0), PAGE]))
             cache.lock(match.node)
             held.append(match.node)
         elif op < 0.65 and held:  # a request computes further pages past its locked prefix
@@ -69,6 +69,7 @@ def test_the_listed_leaves_are_the_unlocked_leaves_and_eviction_is_least_recentl
                 gone = [n for n in ties if n.parent is None or n.key not in n.parent.children]
                 assert len(gone) == 1 and gone[0] in before and gone[0] not in after
         assert cache.listed_leaves == unlocked_leaves(cache)
+        assert len(cache._lru) <= 2 * len(cache.listed_leaves) + 64  # stale entries are dropped as they pile up
     for node in held:
         cache.unlock(node)
     cache.flush()
