@@ -36,22 +36,28 @@ def _ephemeral_range() -> tuple[int, int]:
 MOONCAKE_TCP_PORTS = range(15000, 17000)
 
 
+# Every port handed out by this process: a port is free until its server binds it, so without this two
+# servers started together (an engine's HTTP port, another's bootstrap port) could be given the same one.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A free port below the kernel's ephemeral range and outside Mooncake's. A port from bind(0) is
-    an ephemeral one, and between this call and the server's bind an engine starting up (gloo,
-    ZeroMQ, its own outgoing connections) may be handed the very same port by the kernel, as
-    Mooncake may pick one of its range: 'address already in use'."""
+    """A free port below the kernel's ephemeral range and outside Mooncake's, never handed out before by
+    this process. A port from bind(0) is an ephemeral one, and between this call and the server's bind an
+    engine starting up (gloo, ZeroMQ, its own outgoing connections) may be handed the very same port by the
+    kernel, as Mooncake may pick one of its range: 'address already in use'."""
     low, _ = _ephemeral_range()
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(10000, max(10001, low))
-        if port in MOONCAKE_TCP_PORTS:
+        if port in MOONCAKE_TCP_PORTS or port in _HANDED_OUT:
             continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise RuntimeError(f"no free port in [10000, {low}) after 200 tries")
 
