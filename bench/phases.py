@@ -133,6 +133,22 @@ def summarize_burst(samples: list[Sample], seconds: float) -> dict[str, Any]:
             "ttft_s": percentiles([s.ttft for s in ok])}
 
 
+def counter_total(metrics_text: str, name: str) -> float:
+    """The sum over labels of a counter in a Prometheus text exposition (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(metrics_text) if family.name == name
+               for sample in family.samples if sample.name == f"{name}_total")
+
+
+def engine_preemptions(deployment: Any) -> dict[str, float]:
+    """Each engine's preemptions so far (`splitserve_preemptions_total`): a decode or unified engine short of KV
+    pages computes the prompts of the requests it preempted again, on the GPU the others use."""
+    engines = [c for c in deployment.children if c.ready_path and c.command is None and c.name != "router"]
+    return {c.name: counter_total(httpx.get(f"{c.url}/metrics", timeout=10).text, "splitserve_preemptions")
+            for c in engines}
+
+
 def supervise(deployment: Any, stop: list[bool]) -> None:
     """The deployment's supervision (`up`'s restarts and liveness checks) until `stop[0]`; says so if it fails."""
     try:
@@ -173,8 +189,11 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
             requests = workload(cfg, vocab=PROMPT_VOCAB)
             run_load(url, served, requests[:4], 1000.0, cfg.client_processes)  # warm-up
             for rate in cfg.rates:
+                before = engine_preemptions(deployment)
                 samples, client, _ = run_load(url, served, requests, rate, cfg.client_processes)
-                report[name][rate] = {**summarize(samples, names), "client": client}
+                after = engine_preemptions(deployment)
+                report[name][rate] = {**summarize(samples, names), "client": client,
+                                      "preemptions": {e: after[e] - before.get(e, 0.0) for e in after}}
                 logger.info("%s at %g req/s: TTFT p50 %.1f ms, %d/%d ok", name, rate,
                             report[name][rate]["ttft_s"]["p50"] * 1e3, report[name][rate]["ok"], cfg.num_requests)
                 write_report(report, cfg.output)  # what a cut run measured so far
@@ -207,6 +226,9 @@ def print_phases_report(report: dict[str, Any]) -> None:
         for name, r in (("unified", uni), ("1p1d", pd)):
             print(f"  {name:>8}: attributed p50 {r['attributed_p50']:.3f}, min {r['attributed_min']:.3f} "
                   f"({r['with_phases']} with phases)")
+            if any(r.get("preemptions", {}).values()):  # requests computed twice: the figures include it
+                print(f"  {name:>8}: preempted " + ", ".join(f"{int(n)} on {e}" for e, n in r["preemptions"].items()
+                                                         if n))
         print(f"  {'phase':>16} {'unified p50':>12} {'1P1D p50':>10} {'1P1D - unified':>15}")
         for phase in pd["phases_p50_s"]:
             u = uni["phases_p50_s"].get(phase)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.bench.phases import Sample, burst_requests, print_phases_report, summarize_burst
+from splitserve.bench.phases import Sample, burst_requests, counter_total, print_phases_report, summarize_burst
 from splitserve.bench.serving import fixed_load, parse_fixed_load
 
 
@@ -18,6 +18,19 @@ def test_a_burst_spec_is_parsed_and_a_bad_one_says_what_it_expects() -> None:
     requests = burst_requests("3x5:7", vocab=300, seed=0)
     assert [(t, len(p), o) for t, p, o in requests] == [(0.0, 5, 7)] * 3
     assert all(10 <= i < 300 for _, p, _ in requests for i in p) and requests == burst_requests("3x5:7", 300, 0)
+
+
+def test_preemptions_are_read_from_an_engine_s_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from splitserve.engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics("m")
+    assert counter_total(generate_latest(metrics.registry).decode(), "splitserve_preemptions") == 0
+    metrics.preemptions.inc(3)
+    text = generate_latest(metrics.registry).decode()
+    assert counter_total(text, "splitserve_preemptions") == 3
+    assert counter_total(text, "splitserve_no_such_counter") == 0
 
 
 def test_a_burst_counts_the_tokens_received_over_its_whole_span(capsys) -> None:
@@ -43,6 +56,7 @@ def test_the_bench_runs_both_deployments_and_reports_every_request(capsys) -> No
     for name in ("unified", "1p1d"):
         at_rate, burst = report[name][4.0], report[name]["burst"]
         assert (at_rate["ok"], at_rate["with_phases"]) == (12, 12), at_rate
+        assert set(at_rate["preemptions"]) == ({"unified-0"} if name == "unified" else {"prefill-0", "decode-0"})
         assert burst["ok"] == 4 and burst["output_tok_s"] > 0
     assert report["mps_gpus"] == {"unified": [], "1p1d": []}  # the CPU: no GPU to share
     assert {"transfer", "decode_admission"} <= set(report["1p1d"][4.0]["phases_p50_s"])
