@@ -144,9 +144,8 @@ def counter_total(metrics_text: str, name: str) -> float:
 def engine_preemptions(deployment: Any) -> dict[str, float]:
     """Each engine's preemptions so far (`splitserve_preemptions_total`): a decode or unified engine short of KV
     pages computes the prompts of the requests it preempted again, on the GPU the others use."""
-    engines = [c for c in deployment.children if c.ready_path and c.command is None and c.name != "router"]
     return {c.name: counter_total(httpx.get(f"{c.url}/metrics", timeout=10).text, "splitserve_preemptions")
-            for c in engines}
+            for c in deployment.engines}
 
 
 def supervise(deployment: Any, stop: list[bool]) -> None:

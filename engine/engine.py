@@ -497,15 +497,15 @@ class Engine:
         return LaunchedStep(chunks, [(c.request.slot, c.request.tenure) for c in chunks], pending)
 
     def _complete(self, step: LaunchedStep) -> None:
+        # A request preempted meanwhile is not this step's any more (its slot or tenure changed).
+        own = [c for c, hold in zip(step.chunks, step.holds, strict=True) if (c.request.slot, c.request.tenure) == hold]
         try:
             out = step.pending.result()
-        except Exception as exc:  # (a request preempted meanwhile is not this step's any more)
-            self._step_failed([c for c, hold in zip(step.chunks, step.holds, strict=True)
-                               if (c.request.slot, c.request.tenure) == hold], exc)
+        except Exception as exc:
+            self._step_failed(own, exc)
             return
         # Requests hash by identity (no id(): under an audit hook each call runs Python code).
-        live = {c.request for c, hold in zip(step.chunks, step.holds, strict=True)
-                if (c.request.slot, c.request.tenure) == hold and c.request.status is RequestStatus.RUNNING}
+        live = {c.request for c in own if c.request.status is RequestStatus.RUNNING}
         # Only now is the step's KV written on the device (a transfer may read it, and requests
         # with the same prompt may take its full pages from the prefix cache).
         for c in step.chunks:

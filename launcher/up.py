@@ -438,12 +438,16 @@ class Deployment:
             return []
         return shared_device_fractions(self._engine_devices(), [role != "encode" for role in self._engine_roles()])
 
+    @property
+    def engines(self) -> list[Child]:
+        """The engine processes (not the router, not a program of its own such as the MPS daemon)."""
+        return [c for c in self.children if c.name != "router" and c.command is None]
+
     def roles_summary(self) -> tuple[str, str]:
         """Every role started, as counts ("1 prefill + 1 decode + 2 drafter") and as each role's URLs."""
         by_role: dict[str, list[str]] = {}
-        for child in self.children:
-            if child.name != "router" and child.command is None:
-                by_role.setdefault(child.name.rsplit("-", 1)[0], []).append(child.url)
+        for child in self.engines:
+            by_role.setdefault(child.name.rsplit("-", 1)[0], []).append(child.url)
         order = ["unified", "prefill", "decode", "encode", "drafter"]
         roles = sorted(by_role, key=lambda r: order.index(r) if r in order else len(order))
         counts = " + ".join(f"{len(by_role[r])} {r}" for r in roles)
