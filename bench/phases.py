@@ -61,6 +61,9 @@ class PhasesBenchConfig:
         "help": "CUDA MPS for the 1P1D engines on one GPU (splitserve up --mps: auto, on or off)"})
     mps_sm_percent: str = field(default="", metadata={
         "help": "the 1P1D engines' SM caps under MPS, ROLE=PERCENT[,...] (splitserve up --mps-sm-percent)"})
+    warmup_requests: int = field(default=32, metadata={
+        "help": "requests sent at the first rate before any is measured, with prompts of their own (CUDA graphs, "
+                "allocator, connections warm; a cold first rate measured the start)"})
     seed: int = field(default=0, metadata={"help": "seed of the prompts, lengths and arrival times"})
     output: str = field(default="", metadata={"help": "write the figures as JSON here"})
 
@@ -75,13 +78,16 @@ class Sample:
     tokens: int = 0  # output tokens the client received
 
 
-def workload(cfg: PhasesBenchConfig, vocab: int) -> list[tuple[float, list[int], int]]:
-    """(arrival offset s, prompt ids, max tokens) per request, seeded; Poisson arrivals at rate 1 (scaled later)."""
-    rng = random.Random(cfg.seed)
+def workload(cfg: PhasesBenchConfig, vocab: int, part: str, num_requests: int | None = None,
+             ) -> list[tuple[float, list[int], int]]:
+    """(arrival offset s, prompt ids, max tokens) per request, seeded by the bench's seed and `part` (the warm-up,
+    each rate): each part's prompts are its own, so no part finds another's in a prefix cache. Poisson arrivals at
+    rate 1 (scaled later)."""
+    rng = random.Random(f"{cfg.seed}/{part}")
     lo, hi = sorted(cfg.input_lens[:2]) if len(cfg.input_lens) > 1 else (cfg.input_lens[0],) * 2
     olo, ohi = sorted(cfg.output_lens[:2]) if len(cfg.output_lens) > 1 else (cfg.output_lens[0],) * 2
     t, out = 0.0, []
-    for _ in range(cfg.num_requests):
+    for _ in range(cfg.num_requests if num_requests is None else num_requests):
         t += rng.expovariate(1.0)
         out.append((t, [rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))], rng.randint(olo, ohi)))
     return out
@@ -121,7 +127,7 @@ def burst_requests(spec: str, vocab: int, seed: int) -> list[tuple[float, list[i
     from splitserve.bench.serving import parse_fixed_load
 
     n, prompt_len, output_len = parse_fixed_load(spec, "--burst")
-    rng = random.Random(seed + 1)
+    rng = random.Random(f"{seed}/burst")
     return [(0.0, [rng.randrange(10, vocab) for _ in range(prompt_len)], output_len) for _ in range(n)]
 
 
@@ -185,9 +191,12 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
             supervisor.start()
             report["mps_gpus"][name] = deployment.mps.gpus if deployment.mps else []
             served = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
-            requests = workload(cfg, vocab=PROMPT_VOCAB)
-            run_load(url, served, requests[:4], 1000.0, cfg.client_processes)  # warm-up
-            for rate in cfg.rates:
+            if cfg.warmup_requests > 0 and cfg.rates:
+                warmup = workload(cfg, PROMPT_VOCAB, "warmup", cfg.warmup_requests)
+                run_load(url, served, warmup, cfg.rates[0], cfg.client_processes)
+            for i, rate in enumerate(cfg.rates):
+                # Prompts of this rate's own: the same prompts again would be prefix-cache hits at every later rate.
+                requests = workload(cfg, PROMPT_VOCAB, f"rate{i}")
                 before = engine_preemptions(deployment)
                 samples, client, _ = run_load(url, served, requests, rate, cfg.client_processes)
                 after = engine_preemptions(deployment)

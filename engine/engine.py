@@ -137,6 +137,7 @@ class Engine:
         # call per row).
         self._role_sees_chunks = overrides_hook(self.role, "on_chunk_done")
         self._role_sees_tokens = overrides_hook(self.role, "on_token")
+        self._role_sees_launches = overrides_hook(self.role, "before_launch")
         self.requests: dict[str, Request] = {}
         self.refusing: str | None = None  # why new requests are refused (a role switch drains the engine)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -278,6 +279,7 @@ class Engine:
             raise
         self._role_sees_chunks = overrides_hook(role, "on_chunk_done")
         self._role_sees_tokens = overrides_hook(role, "on_token")
+        self._role_sees_launches = overrides_hook(role, "before_launch")
         self.role = role
 
     def abort(self, request_id: str, reason: str = "aborted by the client") -> None:
@@ -390,6 +392,8 @@ class Engine:
                         self.role.on_preempted(req)
             for req in plan.cache_full:
                 self.finish(req, FinishReason.LENGTH)
+            if plan and self._role_sees_launches:
+                self.role.before_launch()
             launched = self._launch(plan.chunks) if plan else None
             # Overlap: the step just launched runs on the GPU while the previous one's tokens are
             # processed here (stops, detokenization, outputs).

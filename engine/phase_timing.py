@@ -14,7 +14,8 @@ The marks, in the order a request passes them:
   scheduled     the first step with a chunk of its prompt was launched
   first_token   its first token is known (sampled; on a decode: read from the prefill's aux data)
   shipped       prefill: the last KV pages and the aux data were handed to the sender
-  arrived       decode: every KV page and the aux data landed
+  written       prefill: the last write into the decode's memory returned (its side of the room at Success)
+  arrived       decode: every KV page and the aux data landed (it read the room's Success)
 
 Each engine also observes its own phases (`engine_phases`) in `splitserve_phase_seconds`.
 """
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from splitserve.engine.request import Request
 
 TAKEN, ADMITTED, BOOTSTRAPPED, SCHEDULED = "taken", "admitted", "bootstrapped", "scheduled"
-FIRST_TOKEN, SHIPPED, ARRIVED = "first_token", "shipped", "arrived"
+FIRST_TOKEN, SHIPPED, WRITTEN, ARRIVED = "first_token", "shipped", "written", "arrived"
 
 
 def mark(req: Request, name: str, at: float | None = None) -> None:
@@ -65,6 +66,8 @@ def engine_phases(marks: dict[str, float]) -> list[tuple[str, float, float]]:
                         decode: taken -> admitted (reserving them)
       prefill_queue     taken (prefill that waited for the decode: bootstrapped) -> scheduled
       prefill_compute   scheduled -> first_token (prefill: -> shipped)
+      transfer          prefill: shipped (or bootstrapped, when later) -> written (the copies, queued behind the
+                        device's work)
       kv_wait           decode: admitted -> arrived (the prefill's queue, compute and the transfer)
       first_step        decode: arrived -> first_token
     """
@@ -75,10 +78,11 @@ def engine_phases(marks: dict[str, float]) -> list[tuple[str, float, float]]:
                  ("first_step", ARRIVED, FIRST_TOKEN)]
     elif (BOOTSTRAPPED in m or SHIPPED in m) and waited_for_decode(m):
         spans = [("decode_admission", TAKEN, BOOTSTRAPPED), ("prefill_queue", BOOTSTRAPPED, SCHEDULED),
-                 ("prefill_compute", SCHEDULED, SHIPPED)]  # a prefill that waited for the decode's metadata
+                 ("prefill_compute", SCHEDULED, SHIPPED),  # a prefill that waited for the decode's metadata
+                 ("transfer", SHIPPED, WRITTEN)]
     elif BOOTSTRAPPED in m or SHIPPED in m:  # a prefill that computed meanwhile
         spans = [("prefill_queue", TAKEN, SCHEDULED), ("prefill_compute", SCHEDULED, SHIPPED),
-                 ("decode_admission", SHIPPED, BOOTSTRAPPED)]
+                 ("decode_admission", SHIPPED, BOOTSTRAPPED), ("transfer", BOOTSTRAPPED, WRITTEN)]
     else:  # unified
         spans = [("prefill_queue", TAKEN, SCHEDULED), ("prefill_compute", SCHEDULED, FIRST_TOKEN)]
     return [(phase, m[start], max(m[start], m[end])) for phase, start, end in spans if start in m and end in m]

@@ -83,6 +83,10 @@ class Role:
         """How long the idle loop may sleep (None: the engine's default)."""
         return None
 
+    def before_launch(self) -> None:
+        """Called just before each step is launched (a role whose device work shares the steps' stream may get it
+        queued first)."""
+
     def allows_overlap(self) -> bool:
         """False while the role needs every step's tokens on the host before the next is planned
         (the verifier, while requests have drafters: a draft is verified only after the token it
@@ -132,7 +136,8 @@ class ComposedRole(Role):
     - `poll`, `on_chunk_done`, `on_finish`: every behaviour (`on_finish` also for requests a behaviour
       never saw, when an earlier one refused them); `close`, `hand_over`: every one, in reverse.
     - `health_info`, `state_info`: the behaviours' fields merged; `idle_poll_interval`: the shortest asked for;
-      `allows_overlap`: only if every behaviour allows it; `serves_structured_outputs`: if any does;
+      `before_launch`: every behaviour; `allows_overlap`: only if every behaviour allows it;
+      `serves_structured_outputs`: if any does;
       `routes`, `core_calls`: every behaviour's; `held`: the behaviours' counts added up; `take_over`:
       every behaviour takes what it uses, and the role carries the rest (`carried`) to hand over again.
     """
@@ -208,6 +213,10 @@ class ComposedRole(Role):
     def idle_poll_interval(self) -> float | None:
         asked = [t for t in (b.idle_poll_interval() for b in self.behaviours) if t is not None]
         return min(asked) if asked else None
+
+    def before_launch(self) -> None:
+        for b in self.behaviours:
+            b.before_launch()
 
     def allows_overlap(self) -> bool:
         return all(b.allows_overlap() for b in self.behaviours)

@@ -5,8 +5,8 @@ tokenizing and routing it, and after any failed attempts) and when the first tok
 stamp the points between (engine/phase_timing.py): the decode (or unified replica) in its first-token marker,
 the prefill in its answer to the handoff. Laid end to end, the stamps split the router's TTFT into phases:
 
-  1P1D:    router | intake | decode_admission | prefill_queue | prefill_compute | transfer | first_step
-           | first_token | relay
+  1P1D:    router | intake | decode_admission | prefill_queue | prefill_compute | transfer | kv_notice
+           | first_step | first_token | relay
            (--no-prefill-waits-for-decode: router | intake | prefill_queue | prefill_compute | decode_admission
            | transfer | ...)
   unified: router | intake | prefill_queue | prefill_compute | first_token | relay
@@ -17,7 +17,11 @@ the prefill in its answer to the handoff. Laid end to end, the stamps split the 
   prefill_compute   -> its first token was sampled (1P1D: and the last KV pages and aux data handed to the sender)
   decode_admission  -> the prefill has the decode's metadata (the decode reserved the pages the KV goes to); where
                        the prompt computes meanwhile, it comes after prefill_compute: the time the KV waited for it
-  transfer          -> the decode has every page and the aux data
+  transfer          -> the prefill's last write into the decode's memory returned (the copies, and whatever device
+                       work they queued behind)
+  kv_notice         -> the decode has every page and the aux data (the room's Success message, and the decode loop
+                       reading it between its steps); a prefill that sends no `written` stamp leaves `transfer` out,
+                       and this phase then covers both
   first_step        -> the decode emitted the first token
   first_token       -> the router has it (the engine's API server, its stream, the network)
   relay             -> the router hands it to the client's connection
@@ -49,6 +53,7 @@ from splitserve.engine.phase_timing import (
     SCHEDULED,
     SHIPPED,
     TAKEN,
+    WRITTEN,
     waited_for_decode,
 )
 
@@ -61,11 +66,12 @@ PREFILL_ANSWER_WAIT_S = 1.0  # a stream that ended well waits this long, at most
 # Each phase by the stamp that ends it: (phase, whose stamp, which).
 DISAGGREGATED = (("router", "router", "sent"), ("intake", "prefill", TAKEN),
                  ("decode_admission", "prefill", BOOTSTRAPPED), ("prefill_queue", "prefill", SCHEDULED),
-                 ("prefill_compute", "prefill", SHIPPED), ("transfer", "engine", ARRIVED),
-                 ("first_step", "engine", FIRST_TOKEN), ("first_token", "router", "first_token"),
-                 ("relay", "router", "relayed"))
+                 ("prefill_compute", "prefill", SHIPPED), ("transfer", "prefill", WRITTEN),
+                 ("kv_notice", "engine", ARRIVED), ("first_step", "engine", FIRST_TOKEN),
+                 ("first_token", "router", "first_token"), ("relay", "router", "relayed"))
 # A prefill that computed while the decode reserved pages (its bootstrapped stamp after scheduled).
 COMPUTED_AHEAD = (*DISAGGREGATED[:2], *DISAGGREGATED[3:5], DISAGGREGATED[2], *DISAGGREGATED[5:])
+OPTIONAL = frozenset({"transfer"})  # phases whose stamp an older engine does not send: left out, the next covers it
 UNIFIED = (("router", "router", "sent"), ("intake", "engine", TAKEN), ("prefill_queue", "engine", SCHEDULED),
            ("prefill_compute", "engine", FIRST_TOKEN), ("first_token", "router", "first_token"),
            ("relay", "router", "relayed"))
@@ -96,6 +102,8 @@ class RequestTiming:
             order = DISAGGREGATED if waited_for_decode(self.prefill or {}) else COMPUTED_AHEAD
         for phase, whose, name in order:
             value = sources[whose].get(name)
+            if value is None and phase in OPTIONAL:
+                continue
             if value is None:
                 return None
             out.append((phase, float(value)))

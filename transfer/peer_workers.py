@@ -130,6 +130,10 @@ class PeerWorkers:
         self._cv = threading.Condition()
         self._workers: dict[tuple[str, int], _Worker] = {}
         self._closed = False
+        # Jobs handed in, and jobs whose write was issued (launched, written, failed or dropped): a caller that
+        # shares the device's stream with the copies waits until its jobs are issued (``wait_issued``).
+        self._submitted = 0
+        self._issued = 0
 
     def submit(self, job: TransferJob) -> None:
         """Queues ``job`` on its peer's worker for its room (never blocks)."""
@@ -144,6 +148,19 @@ class PeerWorkers:
                                                  name=f"{self.name}-{job.peer}-{lane[1]}")
                 worker.thread.start()
             worker.jobs.append(job)
+            self._submitted += 1
+            self._cv.notify_all()
+
+    def wait_issued(self, timeout_s: float) -> bool:
+        """Waits until every job submitted before this call has its write issued (a copy queued on the device
+        is issued); False if ``timeout_s`` passed first."""
+        with self._cv:
+            target = self._submitted
+            return self._cv.wait_for(lambda: self._issued >= target or self._closed, timeout=timeout_s)
+
+    def _count_issued(self, jobs: int) -> None:
+        with self._cv:
+            self._issued += jobs
             self._cv.notify_all()
 
     @property
@@ -158,6 +175,7 @@ class PeerWorkers:
             self._closed = True
             workers = list(self._workers.values())
             for worker in workers:
+                self._issued += len(worker.jobs)
                 worker.jobs.clear()
             self._cv.notify_all()
         for worker in workers:
@@ -180,7 +198,10 @@ class PeerWorkers:
                     while worker.jobs and worker.jobs[0].merge is not None and len(batch) < MAX_MERGED_JOBS:
                         batch.append(worker.jobs.popleft())
             if len(batch) == 1 and (job.merge is None or self.write is None or self.launch_pages is None):
-                self._run_one(job)
+                try:
+                    self._run_one(job)
+                finally:
+                    self._count_issued(1)
             else:
                 self._run_merged(batch, worker)
 
@@ -207,6 +228,7 @@ class PeerWorkers:
         assert self.write is not None
         step = PIPELINE_JOBS if self.launch_pages is not None else len(batch)
         in_flight: collections.deque[tuple[Prepared, Callable[[], int] | None, Exception | None]] = collections.deque()
+        issued = 0
         try:
             for start in range(0, len(batch), step):
                 for session, group in self._prepare(batch[start:start + step]).items():
@@ -224,9 +246,14 @@ class PeerWorkers:
                     except Exception as exc:
                         log.exception("a merged write of %d rooms to %s failed", len(group), session)
                         in_flight.append((group, None, exc))
+                part = min(step, len(batch) - start)
+                self._count_issued(part)  # this part's copies are queued (or written, or failed)
+                issued += part
                 while len(in_flight) > 1:  # the copy just launched runs while the one before it is finished
                     self._land(*in_flight.popleft())
         finally:
+            if issued < len(batch):  # a part raised before it was counted
+                self._count_issued(len(batch) - issued)
             while in_flight:
                 part = in_flight.popleft()
                 self._land(*part, last=not in_flight and not (worker is not None and worker.jobs))

@@ -29,13 +29,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.engine.engine import Engine
-from splitserve.engine.phase_timing import BOOTSTRAPPED, SHIPPED, mark
+from splitserve.engine.phase_timing import BOOTSTRAPPED, SHIPPED, WRITTEN, mark
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.role import Role
 from splitserve.engine.roles.kv_transfer_endpoint import HANDED_OVER, KVTransferEndpoint
 from splitserve.transfer import AuxData, BootstrapServer, KVPoll, KVSender, TransferConfig
 
 logger = logging.getLogger(__name__)
+
+# The longest a step waits for the shipped KV's copies to be queued before it: a worker that takes longer (a peer
+# being mapped) holds the step no further, and those copies run after it.
+COPIES_QUEUED_WAIT_S = 0.05
 
 
 @dataclass
@@ -76,6 +80,8 @@ class PrefillRole(Role):
         self.bootstrap_addr = self.bootstrap.address
         self.endpoint.manager.publish_layout(self.bootstrap_addr)
         self.endpoint.start_worker_ranks(self.bootstrap_addr)  # tensor parallel: every rank publishes
+        # CUDA IPC copies go on the stream the steps use: a copy queued after the next step waits for its compute.
+        self.copies_first = self.config.prefill_copies_first and self.config.transfer_protocol == "cuda_ipc"
         logger.info("prefill bootstrap server on %s", self.bootstrap_addr)
 
     def health_info(self) -> dict[str, Any]:
@@ -103,6 +109,15 @@ class PrefillRole(Role):
         if encoder:
             return False  # the embedding receiver holds it (one holder at a time: engine/role.py)
         return req.role_state.held_for_decode  # else the scheduler takes it now
+
+    def allows_overlap(self) -> bool:
+        # Overlap would launch the next step before this one's tokens are read, so before its KV is shipped.
+        return not self.copies_first
+
+    def before_launch(self) -> None:
+        if self.copies_first and not self.endpoint.manager.wait_writes_issued(COPIES_QUEUED_WAIT_S):
+            logger.debug("a shipped room's copies were not queued within %.0f ms: the next step goes first",
+                         COPIES_QUEUED_WAIT_S * 1e3)
 
     def on_chunk_done(self, req: Request, computed_len: int) -> None:
         state: PrefillState = req.role_state
@@ -157,6 +172,7 @@ class PrefillRole(Role):
         state: PrefillState = req.role_state
         if status == KVPoll.Success:
             del self.parked[req.request_id]
+            mark(req, WRITTEN, state.sender.succeeded_at)
             self.engine.finish(req, state.finish or FinishReason.LENGTH)
         elif status == KVPoll.Failed:
             del self.parked[req.request_id]

@@ -61,6 +61,10 @@ class ReplicatedRoom:
     def poll(self) -> KVPoll:
         return self.local.poll()
 
+    @property
+    def succeeded_at(self) -> float | None:
+        return self.local.succeeded_at
+
     def no_write_can_land(self) -> bool:
         # Rank 0's fence waits on every prefill rank of the replica, and a prefill rank's answer
         # covers its writes to every decode rank: it speaks for the whole replica.

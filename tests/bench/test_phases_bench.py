@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.bench.phases import Sample, burst_requests, counter_total, print_phases_report, summarize_burst
+from splitserve.bench.phases import (
+    PhasesBenchConfig,
+    Sample,
+    burst_requests,
+    counter_total,
+    print_phases_report,
+    summarize_burst,
+    workload,
+)
 from splitserve.bench.serving import fixed_load, parse_fixed_load
 
 
@@ -18,6 +26,20 @@ def test_a_burst_spec_is_parsed_and_a_bad_one_says_what_it_expects() -> None:
     requests = burst_requests("3x5:7", vocab=300, seed=0)
     assert [(t, len(p), o) for t, p, o in requests] == [(0.0, 5, 7)] * 3
     assert all(10 <= i < 300 for _, p, _ in requests for i in p) and requests == burst_requests("3x5:7", 300, 0)
+
+
+def test_each_part_of_the_load_has_prompts_of_its_own() -> None:
+    """The warm-up, each rate and the burst share no prompt (a later rate would find an earlier one's prompts in
+    the prefix cache), and each part is the same from one run to the next."""
+    cfg = PhasesBenchConfig(num_requests=20, input_lens=[8, 16], output_lens=[2, 4])
+    parts = {part: workload(cfg, 300, part) for part in ("warmup", "rate0", "rate1")}
+    parts["burst"] = burst_requests("20x12:3", 300, cfg.seed)
+    prompts = {part: {tuple(p) for _, p, _ in load} for part, load in parts.items()}
+    assert all(len(found) == 20 for found in prompts.values())
+    assert sum(len(found) for found in prompts.values()) == len(set().union(*prompts.values()))
+    assert workload(cfg, 300, "rate0") == parts["rate0"] and len(workload(cfg, 300, "warmup", 5)) == 5
+    offsets = [t for t, _, _ in parts["rate1"]]
+    assert offsets == sorted(offsets) and all(8 <= len(p) <= 16 and 2 <= o <= 4 for _, p, o in parts["rate1"])
 
 
 def test_preemptions_are_read_from_an_engine_s_metrics() -> None:
@@ -48,10 +70,10 @@ def test_a_burst_counts_the_tokens_received_over_its_whole_span(capsys) -> None:
 @pytest.mark.slow
 def test_the_bench_runs_both_deployments_and_reports_every_request(capsys) -> None:
     """The whole profile on the CPU with the tiny model: a rate and a burst through each deployment."""
-    from splitserve.bench.phases import PhasesBenchConfig, run_phases_benchmark
+    from splitserve.bench.phases import run_phases_benchmark
 
     cfg = PhasesBenchConfig(model="tiny", device="cpu", rates=[4.0], num_requests=12, input_lens=[16, 64],
-                            output_lens=[4, 16], burst="4x32:8")
+                            output_lens=[4, 16], burst="4x32:8", warmup_requests=4)
     report = run_phases_benchmark(cfg)
     for name in ("unified", "1p1d"):
         at_rate, burst = report[name][4.0], report[name]["burst"]
@@ -59,7 +81,7 @@ def test_the_bench_runs_both_deployments_and_reports_every_request(capsys) -> No
         assert set(at_rate["preemptions"]) == ({"unified-0"} if name == "unified" else {"prefill-0", "decode-0"})
         assert burst["ok"] == 4 and burst["output_tok_s"] > 0
     assert report["mps_gpus"] == {"unified": [], "1p1d": []}  # the CPU: no GPU to share
-    assert {"transfer", "decode_admission"} <= set(report["1p1d"][4.0]["phases_p50_s"])
+    assert {"transfer", "kv_notice", "decode_admission"} <= set(report["1p1d"][4.0]["phases_p50_s"])
     print_phases_report(report)
     out = capsys.readouterr().out
     assert "1P1D engines: no MPS (--mps auto)" in out and "(12/12 and 12/12 ok)" in out

@@ -31,6 +31,9 @@ class Recorder(Role):
     def on_finish(self, req: Request) -> None:
         self.log.append((self.label, "finish"))
 
+    def before_launch(self) -> None:
+        self.log.append((self.label, "launch"))
+
     def health_info(self) -> dict[str, str]:
         return {self.label: "ok"}
 
@@ -68,6 +71,11 @@ def test_every_behaviour_sees_every_hook_in_list_order(plain_tokens: list[list[i
     assert log[:2] == [("a", "arrival"), ("b", "arrival")]
     tokens = [entry for entry in log if entry[1] == "token"]
     assert tokens == [("a", "token"), ("b", "token")] * 6
+    # One step per token (the prompt's, then five decode steps), each announced to both before it is launched.
+    launches = [entry for entry in log if entry[1] == "launch"]
+    assert launches == [("a", "launch"), ("b", "launch")] * 6
+    assert [e for e in log if e[1] in ("launch", "token")][:4] == [("a", "launch"), ("b", "launch"), ("a", "token"),
+                                                                  ("b", "token")]
     assert log[-2:] == [("a", "finish"), ("b", "finish")]
     assert role.health_info() == {"a": "ok", "b": "ok"}
     assert role.idle_poll_interval() == 0.2

@@ -46,24 +46,31 @@ except ImportError:  # the optional extra (splitserve[otel]); scripts/install.sh
 
 def test_phases_are_laid_end_to_end_from_the_stamps() -> None:
     t = RequestTiming(10.0, sent=10.002, first_token=10.050, relayed=10.051,
-                      prefill={"taken": 10.004, "bootstrapped": 10.006, "scheduled": 10.010, "shipped": 10.030},
+                      prefill={"taken": 10.004, "bootstrapped": 10.006, "scheduled": 10.010, "shipped": 10.030,
+                               "written": 10.034},
                       engine={"taken": 10.003, "admitted": 10.005, "arrived": 10.040, "first_token": 10.041})
     stamps = t.stamps(disaggregated=True)  # bootstrapped before scheduled: the prefill waited for the decode
     assert stamps is not None and [p for p, _ in stamps] == [p for p, _, _ in DISAGGREGATED]
     phases = attribute(t.received, stamps)
     seconds = {p: round(end - start, 6) for p, start, end in phases}
     assert seconds == {"router": 0.002, "intake": 0.002, "decode_admission": 0.002, "prefill_queue": 0.004,
-                       "prefill_compute": 0.02, "transfer": 0.01, "first_step": 0.001, "first_token": 0.009,
-                       "relay": 0.001}
+                       "prefill_compute": 0.02, "transfer": 0.004, "kv_notice": 0.006, "first_step": 0.001,
+                       "first_token": 0.009, "relay": 0.001}
     assert abs(sum(seconds.values()) - 0.051) < 1e-9
+    # A prefill that sends no `written` stamp (an older one): no transfer phase, kv_notice covers it.
+    del t.prefill["written"]
+    seconds = {p: round(end - start, 6) for p, start, end in attribute(t.received, t.stamps(True) or [])}
+    assert "transfer" not in seconds and seconds["kv_notice"] == 0.01 and abs(sum(seconds.values()) - 0.051) < 1e-9
     # The prompt computed while the decode reserved pages: admission is what the KV waited after shipping.
     for bootstrapped, admission in ((10.035, 0.005), (10.030, 0.0)):
-        t.prefill = {"taken": 10.004, "scheduled": 10.006, "shipped": 10.030, "bootstrapped": bootstrapped}
+        t.prefill = {"taken": 10.004, "scheduled": 10.006, "shipped": 10.030, "bootstrapped": bootstrapped,
+                     "written": 10.036}
         stamps = t.stamps(disaggregated=True)
         assert stamps is not None and [p for p, _ in stamps] == [p for p, _, _ in COMPUTED_AHEAD]
         seconds = {p: round(end - start, 6) for p, start, end in attribute(t.received, stamps)}
         assert seconds["prefill_queue"] == 0.002 and seconds["prefill_compute"] == 0.024
-        assert seconds["decode_admission"] == admission and seconds["transfer"] == 0.01 - admission
+        assert seconds["decode_admission"] == admission and seconds["transfer"] == round(0.006 - admission, 6)
+        assert seconds["kv_notice"] == 0.004
         assert abs(sum(seconds.values()) - 0.051) < 1e-9
     assert RequestTiming(10.0, sent=10.1, first_token=10.2).stamps(disaggregated=True) is None  # no engine stamps
     unified = RequestTiming(0.0, sent=1.0, first_token=5.0, relayed=6.0,
@@ -80,12 +87,13 @@ def test_a_stamp_from_a_clock_behind_moves_up_so_no_phase_is_negative() -> None:
 def test_each_role_has_its_own_engine_phases() -> None:
     unified = {"taken": 1.0, "scheduled": 1.5, "first_token": 3.0}
     assert [(p, e - s) for p, s, e in engine_phases(unified)] == [("prefill_queue", 0.5), ("prefill_compute", 1.5)]
-    prefill = {"taken": 1.0, "bootstrapped": 2.0, "scheduled": 2.5, "first_token": 3.0, "shipped": 3.25}
+    prefill = {"taken": 1.0, "bootstrapped": 2.0, "scheduled": 2.5, "first_token": 3.0, "shipped": 3.25,
+               "written": 3.5}
     assert [(p, e - s) for p, s, e in engine_phases(prefill)] == [
-        ("decode_admission", 1.0), ("prefill_queue", 0.5), ("prefill_compute", 0.75)]
-    ahead = {"taken": 1.0, "scheduled": 1.5, "first_token": 3.0, "shipped": 3.25, "bootstrapped": 3.5}
+        ("decode_admission", 1.0), ("prefill_queue", 0.5), ("prefill_compute", 0.75), ("transfer", 0.25)]
+    ahead = {"taken": 1.0, "scheduled": 1.5, "first_token": 3.0, "shipped": 3.25, "bootstrapped": 3.5, "written": 4.0}
     assert [(p, e - s) for p, s, e in engine_phases(ahead)] == [
-        ("prefill_queue", 0.5), ("prefill_compute", 1.75), ("decode_admission", 0.25)]
+        ("prefill_queue", 0.5), ("prefill_compute", 1.75), ("decode_admission", 0.25), ("transfer", 0.5)]
     decode = {"taken": 1.0, "admitted": 1.25, "arrived": 4.0, "first_token": 4.5}
     assert [(p, e - s) for p, s, e in engine_phases(decode)] == [
         ("decode_admission", 0.25), ("kv_wait", 2.75), ("first_step", 0.5)]
@@ -269,7 +277,7 @@ def test_the_phases_account_for_the_ttft_of_every_request(group, shape) -> None:
     for phase in names:
         assert metric_count(url, "splitserve_phase_seconds", phase) >= REQUESTS + 1, phase
     assert "splitserve_router_time_to_first_token_seconds_count" in httpx.get(f"{url}/metrics", timeout=10).text
-    engines = {"pd": {"prefill": ["decode_admission", "prefill_queue", "prefill_compute"],
+    engines = {"pd": {"prefill": ["decode_admission", "prefill_queue", "prefill_compute", "transfer"],
                       "decode": ["decode_admission", "kv_wait", "first_step"]},
                "routed": {"unified": ["prefill_queue", "prefill_compute"]}}[shape]
     for role, engine_phase_names in engines.items():
@@ -292,7 +300,7 @@ def test_one_trace_spans_the_router_the_prefill_and_the_decode(group) -> None:
     def trace() -> list[dict]:
         with collector.lock:
             return [s for s in collector.spans if s["trace"] == client_trace]
-    while len({s["service"] for s in trace()}) < 3 or len(trace()) < 1 + 8 + 4 + 4:
+    while len({s["service"] for s in trace()}) < 3 or len(trace()) < 1 + len(DISAGGREGATED) + 5 + 4:
         assert time.monotonic() < deadline, trace()
         time.sleep(0.05)
     spans = trace()
@@ -304,7 +312,7 @@ def test_one_trace_spans_the_router_the_prefill_and_the_decode(group) -> None:
     for a, b in itertools.pairwise(children):
         assert a["end"] == pytest.approx(b["start"], abs=1e-6) and a["start"] <= a["end"]
     for service, name, phases in (("splitserve-prefill", "engine.prefill",
-                                   ["decode_admission", "prefill_queue", "prefill_compute"]),
+                                   ["decode_admission", "prefill_queue", "prefill_compute", "transfer"]),
                                   ("splitserve-decode", "engine.decode",
                                    ["decode_admission", "kv_wait", "first_step"])):
         engine = next(s for s in spans if s["service"] == service and s["name"] == name)

@@ -233,3 +233,49 @@ def test_writes_sharing_a_finish_are_finished_together_per_part_and_fail_one_by_
     assert calls == [(list(range(PIPELINE_JOBS)), 0), (list(range(PIPELINE_JOBS, rooms)), 0)]
     assert failed == [5, *range(PIPELINE_JOBS, rooms)]
     assert lasts == [False, True]  # the first part had the second in flight behind it
+
+
+def test_wait_issued_returns_once_the_copies_are_queued_not_once_they_land():
+    """A prefill whose steps share the device's stream with the copies waits until the shipped rooms' copies are
+    queued (``wait_issued``), not until they landed; a job that raises counts as issued; a worker held up past
+    the timeout makes the wait say so."""
+    src, dst = torch.zeros((1, 2, 8, 4, 2, 3)), torch.zeros((1, 2, 8, 4, 2, 3))
+    sl, dl = layout_for_pool(src, make_aux_tensor(4)), layout_for_pool(dst, make_aux_tensor(4))
+    hold_launch, hold_landing = threading.Event(), threading.Event()
+    launched, landed = [], []
+
+    def launch_pages(session, runs):
+        hold_launch.wait(10)
+        launched.append(len(runs.lens))
+
+        def land() -> int:
+            hold_landing.wait(10)
+            landed.append(len(runs.lens))
+            return 0
+
+        return land
+
+    def job(room: int) -> TransferJob:
+        def merge() -> MergeableWrite:
+            return MergeableWrite("s", EMPTY.srcs, EMPTY.dsts, EMPTY.lens, lambda code: None,
+                                  PageCopy(sl, dl, np.array([room]), np.array([room]), EMPTY))
+
+        return TransferJob("p", room, lambda: None, lambda exc: None, merge)
+
+    def broken() -> None:
+        raise RuntimeError("peer gone")
+
+    workers = PeerWorkers(1, idle_s=5.0, write=lambda *a: 0, launch_pages=launch_pages)
+    try:
+        assert workers.wait_issued(0.0)  # nothing submitted: nothing to wait for
+        workers.submit(job(1))
+        assert not workers.wait_issued(0.2) and not launched  # its launch is held: not queued yet
+        hold_launch.set()
+        assert workers.wait_issued(10) and launched == [1] and not landed  # queued, still landing
+        hold_landing.set()
+        assert wait_until(lambda: landed == [1], 10)
+        workers.submit(TransferJob("p", 2, broken, lambda exc: None))
+        assert workers.wait_issued(10)
+    finally:
+        workers.close()
+    assert workers.threads == 0

@@ -432,6 +432,10 @@ class KVManager(BaseKVManager):
         """Queues a write job on its peer's workers; one room's jobs to one peer share a worker (in order)."""
         self.workers.submit(job)
 
+    def wait_writes_issued(self, timeout_s: float) -> bool:
+        """Waits until every write job submitted so far is issued (a device copy queued); False on timeout."""
+        return self.workers.wait_issued(timeout_s)
+
     # ------------------------------------------------ write accounting (prefill)
 
     def begin_write(self, room: int, status: RoomStatus, write_by: float) -> bool:

@@ -86,6 +86,7 @@ class KVSender(KVRoom, BaseKVSender):
         self._dsts: dict[tuple[str, int], Destination] = {}
         self._expected_dsts: int | None = None
         self._recorded = False
+        self.succeeded_at: float | None = None  # wall-clock seconds of Success (phase timing compares hosts)
         mgr.add_sender(self)
 
     # ----------------------------------------------------------- engine API
@@ -388,6 +389,7 @@ class KVSender(KVRoom, BaseKVSender):
             dst.done = True
             self.mgr.report_success(dst.meta.reply_to, self.room, dst.meta.bootstrap_addr, dst.pages_done)
             if len(self._dsts) == 1 or all(d.done for d in self._dsts.values()):
+                self.succeeded_at = time.time()
                 self.status.move(KVPoll.Success, now)
                 self._record(True, now)
             else:
