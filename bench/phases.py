@@ -33,6 +33,7 @@ from splitserve.router.phases import DISAGGREGATED, PHASES_HEADER, UNIFIED
 
 logger = logging.getLogger(__name__)
 
+LABELS = {"unified": "unified", "1p1d": "1P1D"}
 PROMPT_VOCAB = 300  # prompt ids are drawn below this: ids every model here has (the tiny model's vocabulary: 320)
 
 
@@ -50,6 +51,8 @@ class PhasesBenchConfig:
         "help": "prompt lengths, drawn uniformly between the two (tokens)"})
     output_lens: list[int] = field(default_factory=lambda: [32, 512], metadata={
         "help": "output lengths, drawn uniformly between the two (tokens)"})
+    deployments: list[str] = field(default_factory=lambda: ["unified", "1p1d"], metadata={
+        "help": "which deployments to load, of unified and 1p1d (one alone: its figures, no comparison)"})
     engine_args: str = field(default="", metadata={"help": "extra flags for every engine"})
     pd_engine_args: str = field(default="", metadata={
         "help": "extra flags for the prefill and decode engines (e.g. --transfer-protocol cuda_ipc)"})
@@ -167,6 +170,9 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
 
     if cfg.burst:
         burst_requests(cfg.burst, PROMPT_VOCAB, cfg.seed)  # a bad spec fails now, not after the first deployment
+    unknown = set(cfg.deployments) - {"unified", "1p1d"}
+    if unknown or not cfg.deployments:
+        raise ValueError(f"--deployments takes unified and/or 1p1d, not {sorted(unknown) or 'nothing'}")
 
     model = cfg.model
     if cfg.shape:
@@ -180,6 +186,8 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
               ("1p1d", {"prefill": 1, "decode": 1}, [p for p, _, _ in DISAGGREGATED],
                f"{cfg.engine_args} {cfg.pd_engine_args}".strip()))
     for name, shape, names, engine_args in shapes:
+        if name not in cfg.deployments:
+            continue
         deployment = Deployment(UpConfig(model=model, device=cfg.device, port=free_port(), engine_args=engine_args,
                                          mps=cfg.mps if name == "1p1d" else "off",
                                          mps_sm_percent=cfg.mps_sm_percent if name == "1p1d" else "",
@@ -228,21 +236,36 @@ def print_phases_report(report: dict[str, Any]) -> None:
         if counts:  # the figures after a restart include the outage
             print(f"{name}: restarted during the run: " + ", ".join(f"{c} x{n}" for c, n in counts.items()))
     for rate in report["config"]["rates"]:
-        uni, pd = report["unified"][rate], report["1p1d"][rate]
-        print(f"rate {rate:g} req/s: TTFT p50 unified {uni['ttft_s']['p50'] * 1e3:.1f} ms, 1P1D "
-              f"{pd['ttft_s']['p50'] * 1e3:.1f} ms ({uni['ok']}/{uni['requests']} and {pd['ok']}/{pd['requests']} ok)")
-        for name, r in (("unified", uni), ("1p1d", pd)):
+        ran = [(name, report[name][rate]) for name in ("unified", "1p1d") if rate in report[name]]
+        if not ran:
+            continue
+        print(f"rate {rate:g} req/s: TTFT p50 " + ", ".join(
+            f"{LABELS[name]} {r['ttft_s']['p50'] * 1e3:.1f} ms ({r['ok']}/{r['requests']} ok)" for name, r in ran))
+        for name, r in ran:
             print(f"  {name:>8}: attributed p50 {r['attributed_p50']:.3f}, min {r['attributed_min']:.3f} "
                   f"({r['with_phases']} with phases)")
             if any(r.get("preemptions", {}).values()):  # requests computed twice: the figures include it
                 print(f"  {name:>8}: preempted " + ", ".join(f"{int(n)} on {e}" for e, n in r["preemptions"].items()
                                                          if n))
-        print(f"  {'phase':>16} {'unified p50':>12} {'1P1D p50':>10} {'1P1D - unified':>15}")
-        for phase in pd["phases_p50_s"]:
-            u = uni["phases_p50_s"].get(phase)
-            p = pd["phases_p50_s"][phase]
-            diff = f"{(p - u) * 1e3:+12.2f} ms" if u is not None else f"{p * 1e3:+12.2f} ms"
-            print(f"  {phase:>16} {'' if u is None else f'{u * 1e3:9.2f} ms':>12} {p * 1e3:7.2f} ms {diff:>15}")
+        uni, pd = report["unified"].get(rate), report["1p1d"].get(rate)
+        if uni is not None and pd is not None:
+            print(f"  {'phase':>16} {'unified p50':>12} {'1P1D p50':>10} {'1P1D - unified':>15}")
+            for phase in pd["phases_p50_s"]:
+                u = uni["phases_p50_s"].get(phase)
+                p = pd["phases_p50_s"][phase]
+                diff = f"{(p - u) * 1e3:+12.2f} ms" if u is not None else f"{p * 1e3:+12.2f} ms"
+                print(f"  {phase:>16} {'' if u is None else f'{u * 1e3:9.2f} ms':>12} {p * 1e3:7.2f} ms {diff:>15}")
+        else:
+            name, r = ran[0]
+            print(f"  {'phase':>16} {LABELS[name] + ' p50':>12}")
+            for phase, v in r["phases_p50_s"].items():
+                print(f"  {phase:>16} {v * 1e3:9.2f} ms")
+    for name in ("unified", "1p1d"):
+        other = "1p1d" if name == "unified" else "unified"
+        if "burst" in report[name] and "burst" not in report[other]:
+            b = report[name]["burst"]
+            print(f"burst {report['config']['burst']}: output {b['output_tok_s']:.0f} tok/s {LABELS[name]}; TTFT p50 "
+                  f"{b['ttft_s']['p50']:.2f} s ({b['ok']}/{b['requests']} ok)")
     if "burst" in report["unified"] and "burst" in report["1p1d"]:
         uni, pd = report["unified"]["burst"], report["1p1d"]["burst"]
         ratio = pd["output_tok_s"] / uni["output_tok_s"] if uni["output_tok_s"] else float("nan")

@@ -67,6 +67,22 @@ def test_a_burst_counts_the_tokens_received_over_its_whole_span(capsys) -> None:
     assert "output 50 tok/s unified, 100 1P1D (2.00x)" in out and "(2/3 and 2/2 ok)" in out
 
 
+def test_a_report_of_one_deployment_prints_its_own_figures(capsys) -> None:
+    """--deployments 1p1d: each rate's TTFT and phases of that deployment alone, and its burst."""
+    rate = {"requests": 4, "ok": 4, "with_phases": 4, "ttft_s": {"p50": 0.08}, "attributed_p50": 0.99,
+            "attributed_min": 0.97, "phases_p50_s": {"transfer": 0.002, "kv_notice": 0.004}, "preemptions": {}}
+    burst = summarize_burst([Sample(0.2, None, tokens=100)] * 2, seconds=2.0)
+    print_phases_report({"config": {"rates": [8.0], "burst": "2x8:100"}, "unified": {},
+                         "1p1d": {8.0: rate, "burst": burst}})
+    out = capsys.readouterr().out
+    assert "rate 8 req/s: TTFT p50 1P1D 80.0 ms (4/4 ok)" in out and "unified" not in out
+    assert "        transfer      2.00 ms" in out and "kv_notice      4.00 ms" in out
+    assert "output 100 tok/s 1P1D; TTFT p50 0.20 s (2/2 ok)" in out
+    with pytest.raises(ValueError, match="--deployments takes unified and/or 1p1d"):
+        from splitserve.bench.phases import run_phases_benchmark
+        run_phases_benchmark(PhasesBenchConfig(deployments=["2p2d"]))
+
+
 @pytest.mark.slow
 def test_the_bench_runs_both_deployments_and_reports_every_request(capsys) -> None:
     """The whole profile on the CPU with the tiny model: a rate and a burst through each deployment."""
@@ -84,4 +100,4 @@ def test_the_bench_runs_both_deployments_and_reports_every_request(capsys) -> No
     assert {"transfer", "kv_notice", "decode_admission"} <= set(report["1p1d"][4.0]["phases_p50_s"])
     print_phases_report(report)
     out = capsys.readouterr().out
-    assert "1P1D engines: no MPS (--mps auto)" in out and "(12/12 and 12/12 ok)" in out
+    assert "1P1D engines: no MPS (--mps auto)" in out and "unified " in out and " ms (12/12 ok), 1P1D " in out
