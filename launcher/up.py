@@ -27,6 +27,7 @@ import httpx
 
 from splitserve.config_flags import ConfigError, add_config_flags, config_from_args
 from splitserve.engine.checkpoints.model_names import ModelNotFoundError, check_model_exists
+from splitserve.launcher.memory_split import KV_WEIGHTS, device_total_bytes, role_weighted_fractions, weight_bytes
 from splitserve.launcher.mps import (
     MPS_MODES,
     PIPE_ENV,
@@ -436,7 +437,18 @@ class Deployment:
         given = any(a.split("=")[0] in KV_SIZE_FLAGS for a in self.cfg.engine_args.split())
         if given or any(name in os.environ for name in KV_SIZE_ENV):
             return []
-        return shared_device_fractions(self._engine_devices(), [role != "encode" for role in self._engine_roles()])
+        devices, roles = self._engine_devices(), self._engine_roles()
+        even = shared_device_fractions(devices, [role != "encode" for role in roles])
+        weights = weight_bytes(self.cfg.model, self.cfg.engine_args) if any(f is not None for f in even) else None
+        if weights is None:
+            return even
+        totals = {d: device_total_bytes(d) for engine in devices for d in engine}
+        split = role_weighted_fractions(devices, roles, even, DEVICE_FRACTION, ENCODER_SHARE, weights, totals)
+        logger.info("memory split of shared GPUs (--mem-fraction): %s%s", ", ".join(
+            f"{role} {f}" for role, f in zip(roles, split, strict=True) if f is not None),
+            " (even)" if split is even else f" (the KV after {weights / 2**30:.1f} GiB of weights each, by role: "
+            f"{', '.join(f'{r} {w:g}' for r, w in KV_WEIGHTS.items())})")
+        return split
 
     @property
     def engines(self) -> list[Child]:

@@ -85,3 +85,78 @@ def test_an_encoder_holds_two_kv_pages_whatever_its_flags():
         assert kv_pages_for_budget(encoder, shape, torch.device("cpu"), 0) == ENCODER_KV_PAGES == 2
     prefill = EngineConfig(model="tiny", device="cpu", role="prefill", max_total_tokens=131072)
     assert kv_pages_for_budget(prefill, shape, torch.device("cpu"), 0) == 131072 // 16 + 1
+
+
+H100 = 81559 * 2**20  # what nvidia-smi reports of an H100 80GB HBM3
+
+
+@pytest.fixture(scope="module")
+def llama_8b(tmp_path_factory) -> str:
+    from splitserve.engine.checkpoints.model_shapes import write_shape_folder
+
+    return str(write_shape_folder("llama-3.1-8b", tmp_path_factory.mktemp("shape")))
+
+
+def test_the_weights_are_told_from_the_config(llama_8b):
+    """Llama-3.1-8B's weights as the engine holds them (measured on an H100: 14.96 GiB in bfloat16, 8.46 GiB with
+    --quantization fp8); None where there is no config to read."""
+    from splitserve.launcher.memory_split import weight_bytes
+
+    assert weight_bytes(llama_8b) == 16_059_990_016  # 14.957 GiB
+    assert round(weight_bytes(llama_8b, "--page-size 16 --quantization fp8") / GIB, 2) == 8.46
+    assert weight_bytes(llama_8b, "--quantization=fp8") == weight_bytes(llama_8b, "--quantization fp8")
+    assert weight_bytes("tiny") is None and weight_bytes("/nonexistent") is None
+
+
+def test_a_decode_gets_twice_the_kv_of_the_prefill_beside_it(llama_8b):
+    """The KV memory two engines of Llama-3.1-8B leave on an H100 is split 2:1 for the decode; the fractions still
+    add up to the default, and each engine's KV is its fraction less its weights."""
+    from splitserve.launcher.memory_split import role_weighted_fractions, weight_bytes
+
+    w = weight_bytes(llama_8b)
+    one_gpu = [["cuda:0"], ["cuda:0"]]
+    prefill, decode = role_weighted_fractions(one_gpu, ["prefill", "decode"], [0.425, 0.425], DEVICE_FRACTION, 0.1,
+                                              w, {"cuda:0": H100})
+    assert prefill + decode == pytest.approx(DEVICE_FRACTION, abs=2e-3)
+    assert decode * H100 - w == pytest.approx(2 * (prefill * H100 - w), rel=0.01)
+    assert round((prefill * H100 - w) / GIB, 1) == 12.6 and round((decode * H100 - w) / GIB, 1) == 25.2
+    # Two unified engines: the even split. An encoder beside them: its share comes off first.
+    assert role_weighted_fractions(one_gpu, ["unified", "unified"], [0.425, 0.425], DEVICE_FRACTION, 0.1, w,
+                                   {"cuda:0": H100}) == [0.425, 0.425]
+    with_encoder = role_weighted_fractions([*one_gpu, ["cuda:0"]], ["prefill", "decode", "encode"],
+                                           [0.375, 0.375, None], DEVICE_FRACTION, 0.1, w, {"cuda:0": H100})
+    assert with_encoder[2] is None and sum(with_encoder[:2]) == pytest.approx(0.75, abs=2e-3)
+    # Two ranks each, sharing cuda:1: each rank holds half the weights; the busiest GPU sets the fraction.
+    tp = role_weighted_fractions([["cuda:0", "cuda:1"], ["cuda:1", "cuda:2"]], ["prefill", "decode"],
+                                 [0.425, 0.425], DEVICE_FRACTION, 0.1, w, {f"cuda:{i}": H100 for i in range(3)})
+    assert tp[1] * H100 - w / 2 == pytest.approx(2 * (tp[0] * H100 - w / 2), rel=0.01)
+
+
+@pytest.mark.parametrize("case", ["weights unknown", "size unknown", "drafter", "weights fill the GPU"])
+def test_the_even_split_stands_where_the_role_split_cannot_be_told(case, llama_8b):
+    from splitserve.launcher.memory_split import role_weighted_fractions, weight_bytes
+
+    engines, roles, even = [["cuda:0"], ["cuda:0"]], ["prefill", "decode"], [0.425, 0.425]
+    weights, totals = weight_bytes(llama_8b), {"cuda:0": H100}
+    if case == "weights unknown":
+        weights = None
+    elif case == "size unknown":
+        totals = {"cuda:0": None}
+    elif case == "drafter":  # another model's weights on the GPU
+        engines, roles, even = [*engines, ["cuda:0"]], [*roles, "drafter"], [0.283] * 3
+    else:
+        totals = {"cuda:0": 20 * GIB}
+    assert role_weighted_fractions(engines, roles, even, DEVICE_FRACTION, 0.1, weights, totals) is even
+
+
+def test_up_splits_a_shared_gpu_by_role_for_a_model_folder(llama_8b, monkeypatch):
+    """`up --prefill 1 --decode 1` of a model folder on one GPU: the decode's fraction is the larger (the device's
+    size stands in for nvidia-smi's answer: this machine has no GPU)."""
+    from splitserve.launcher import up
+
+    for name in ("SPLITSERVE_MEM_FRACTION", "SPLITSERVE_MAX_TOTAL_TOKENS", "SPLITSERVE_TP_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(up, "device_total_bytes", lambda device: H100)
+    assert Deployment(UpConfig(model=llama_8b, device="cuda:0", prefill=1, decode=1))._shared_fractions() == [
+        0.346, 0.504]
+    assert Deployment(UpConfig(model=llama_8b, device="cuda:0", unified=2))._shared_fractions() == [0.425, 0.425]
