@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
 HOST_LOAD_POLL_S = 0.0002  # the idle loop's poll while a request waits for its pages from the host tier
+# The loop's poll of the role's transfers while the device runs a step: short next to a decode step (10-25 ms), and a
+# sleep, so the threads that take the transfers' messages get the interpreter meanwhile.
+RUNNING_POLL_S = 0.0002
 RETRY_AFTER_S = 1  # what an overloaded engine tells clients to wait
 
 
@@ -398,6 +401,7 @@ class Engine:
             # Overlap: the step just launched runs on the GPU while the previous one's tokens are
             # processed here (stops, detokenization, outputs).
             if self._inflight is not None:
+                self._poll_while_running(self._inflight)
                 self._complete(self._inflight)
                 self._inflight = None
             if launched is not None:
@@ -422,6 +426,17 @@ class Engine:
             self._inflight = None
         for req in list(self.requests.values()):
             self.finish(req, FinishReason.ABORT, "server shutting down")
+
+    def _poll_while_running(self, step: LaunchedStep) -> None:
+        """While the device runs a step whose tokens the loop waits for, the role's transfers are polled (only
+        while it has some: `idle_poll_interval`), and what that emits goes out at once: a decode takes a request
+        whose KV landed and sends its first token (the prefill's) now, not after the step. The next step is queued
+        behind this one already (overlap), so the device loses nothing by the host's noticing the end late."""
+        while self.role.idle_poll_interval() is not None and not step.pending.ready():
+            self.role.poll()
+            if self._emitted_since_flush:
+                self._after_step()
+            time.sleep(RUNNING_POLL_S)
 
     def _take_inbox(self) -> Iterator[tuple[str, object]]:
         """What callers handed over since the last look, without waiting."""

@@ -83,6 +83,10 @@ class PendingStep:
     done: torch.cuda.Event | None = None
     verified: list[VerifiedChunk] = field(default_factory=list)
 
+    def ready(self) -> bool:
+        """Whether the device has finished the step (result() would not wait)."""
+        return self.done is None or self.done.query()
+
     def result(self) -> StepOutput:
         if self.done is not None:
             self.done.synchronize()
