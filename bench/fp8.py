@@ -67,7 +67,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="timed prefills (the median counts)")
     parser.add_argument("--accuracy", action=argparse.BooleanOptionalAction, default=True,
                         help="also state FP8 weights' and FP8 KV's accuracy against bfloat16")
-    parser.add_argument("--out", default=None, help="write the report here as JSON")
+    parser.add_argument("--output", "--out", dest="out", default=None, help="write the report here as JSON")
     return parser.parse_args(argv)
 
 

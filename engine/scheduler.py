@@ -179,7 +179,11 @@ class Scheduler:
             else:
                 plan.chunks.append(ScheduledChunk(req, kv_len, length, True, draft))
                 continue
-            # Alone and still no page: the whole cache is this request's. It ends here (length).
+            # Alone and still no page. Pages that others hold (a decode's reservations for KV still arriving, a
+            # prefill's rooms, loads from the host tier) come back: it waits a step for them. Only a request that
+            # holds every page in use ends here (length): the whole cache is its own.
+            if self.kv.usage().used_by_requests > len(req.pages):
+                continue
             logger.warning("request %s fills the KV cache (%d tokens); ending it", req.request_id, req.kv_len)
             self.running.remove(req)
             plan.cache_full.append(req)
