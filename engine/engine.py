@@ -88,6 +88,15 @@ class LaunchedStep:
     pending: PendingStep
 
 
+def step_done(step: LaunchedStep) -> bool:
+    """Whether the device has finished `step`; True too where asking raised (a device error): waiting for its result
+    then raises it where the step's requests are failed."""
+    try:
+        return step.pending.ready()
+    except RuntimeError:
+        return True
+
+
 @dataclass(frozen=True)
 class EngineState:
     """A consistent snapshot for /internal/state, metrics and leak checks in tests."""
@@ -141,6 +150,7 @@ class Engine:
         self._role_sees_chunks = overrides_hook(self.role, "on_chunk_done")
         self._role_sees_tokens = overrides_hook(self.role, "on_token")
         self._role_sees_launches = overrides_hook(self.role, "before_launch")
+        self._role_polls_transfers = overrides_hook(self.role, "poll_transfers")
         self.requests: dict[str, Request] = {}
         self.refusing: str | None = None  # why new requests are refused (a role switch drains the engine)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -283,6 +293,7 @@ class Engine:
         self._role_sees_chunks = overrides_hook(role, "on_chunk_done")
         self._role_sees_tokens = overrides_hook(role, "on_token")
         self._role_sees_launches = overrides_hook(role, "before_launch")
+        self._role_polls_transfers = overrides_hook(role, "poll_transfers")
         self.role = role
 
     def abort(self, request_id: str, reason: str = "aborted by the client") -> None:
@@ -432,8 +443,10 @@ class Engine:
         while it has some: `idle_poll_interval`), and what that emits goes out at once: a decode takes a request
         whose KV landed and sends its first token (the prefill's) now, not after the step. The next step is queued
         behind this one already (overlap), so the device loses nothing by the host's noticing the end late."""
-        while self.role.idle_poll_interval() is not None and not step.pending.ready():
-            self.role.poll()
+        if not self._role_polls_transfers:
+            return
+        while self.role.idle_poll_interval() is not None and not step_done(step):
+            self.role.poll_transfers()
             if self._emitted_since_flush:
                 self._after_step()
             time.sleep(RUNNING_POLL_S)

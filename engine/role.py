@@ -83,6 +83,12 @@ class Role:
         """How long the idle loop may sleep (None: the engine's default)."""
         return None
 
+    def poll_transfers(self) -> None:
+        """While the device runs a step the loop waits for: take what the role's transfers delivered (a decode: the
+        requests whose KV landed), and nothing else. Called often, two steps in flight: nothing step-paced (a
+        speculation gate) and no new reservation of pages (one freed by a request that ended may still be written by
+        the step in flight) belongs here."""
+
     def before_launch(self) -> None:
         """Called just before each step is launched (a role whose device work shares the steps' stream may get it
         queued first)."""
@@ -136,7 +142,7 @@ class ComposedRole(Role):
     - `poll`, `on_chunk_done`, `on_finish`: every behaviour (`on_finish` also for requests a behaviour
       never saw, when an earlier one refused them); `close`, `hand_over`: every one, in reverse.
     - `health_info`, `state_info`: the behaviours' fields merged; `idle_poll_interval`: the shortest asked for;
-      `before_launch`: every behaviour; `allows_overlap`: only if every behaviour allows it;
+      `poll_transfers`, `before_launch`: every behaviour; `allows_overlap`: only if every behaviour allows it;
       `serves_structured_outputs`: if any does;
       `routes`, `core_calls`: every behaviour's; `held`: the behaviours' counts added up; `take_over`:
       every behaviour takes what it uses, and the role carries the rest (`carried`) to hand over again.
@@ -213,6 +219,10 @@ class ComposedRole(Role):
     def idle_poll_interval(self) -> float | None:
         asked = [t for t in (b.idle_poll_interval() for b in self.behaviours) if t is not None]
         return min(asked) if asked else None
+
+    def poll_transfers(self) -> None:
+        for b in self.behaviours:
+            b.poll_transfers()
 
     def before_launch(self) -> None:
         for b in self.behaviours:

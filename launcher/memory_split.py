@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -49,15 +50,29 @@ def weight_bytes(model: str, engine_args: str = "") -> int | None:
     return projections * (1 if fp8 else 2) + 2 * embeddings
 
 
+def nvidia_smi_id(device: str, visible: str | None) -> str | None:
+    """What nvidia-smi calls the GPU `device` (cuda:N, counted in CUDA_VISIBLE_DEVICES when set) is: its index or
+    UUID; None off CUDA, past the visible list, or for a MIG slice (nvidia-smi would give its parent GPU's size)."""
+    if not device.startswith("cuda"):
+        return None
+    n = int(device.partition(":")[2] or 0)
+    if visible is None:
+        return str(n)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if n >= len(ids) or any(i.startswith("MIG") for i in ids):
+        return None
+    return ids[n]
+
+
 @functools.cache
 def device_total_bytes(device: str) -> int | None:
-    """A CUDA device's memory as nvidia-smi reports it (None off CUDA or without nvidia-smi). Asked of nvidia-smi,
-    not torch: `up` itself must hold no CUDA context on the GPUs it hands to engines."""
-    if not device.startswith("cuda") or shutil.which("nvidia-smi") is None:
+    """A CUDA device's memory as nvidia-smi reports it (None off CUDA, on a MIG slice or without nvidia-smi). Asked
+    of nvidia-smi, not torch: `up` itself must hold no CUDA context on the GPUs it hands to engines."""
+    gpu = nvidia_smi_id(device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if gpu is None or shutil.which("nvidia-smi") is None:
         return None
-    index = device.partition(":")[2] or "0"
     try:
-        out = subprocess.run(["nvidia-smi", "-i", index, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", "-i", gpu, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30, check=True).stdout
         return int(out.split()[0]) * 2**20
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:

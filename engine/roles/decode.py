@@ -129,6 +129,9 @@ class DecodeRole(Role):
     def poll(self) -> None:
         self._release_fenced()
         self._admit_pending()
+        self.poll_transfers()
+
+    def poll_transfers(self) -> None:
         rids = list(self.receiving)
         states = self.endpoint.agree(rids, [self.receiving[rid].role_state for rid in rids])
         for rid, status in zip(rids, states, strict=True):

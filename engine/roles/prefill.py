@@ -37,9 +37,10 @@ from splitserve.transfer import AuxData, BootstrapServer, KVPoll, KVSender, Tran
 
 logger = logging.getLogger(__name__)
 
-# The longest a step waits for the shipped KV's copies to be queued before it: a worker that takes longer (a peer
-# being mapped) holds the step no further, and those copies run after it.
-COPIES_QUEUED_WAIT_S = 0.05
+# The longest a step waits for the shipped KV's copies to be queued before it (queueing takes well under a
+# millisecond): a worker that takes longer (a peer being mapped, a lane held up) holds the step no further, and
+# those copies run after it.
+COPIES_QUEUED_WAIT_S = 0.01
 
 
 @dataclass

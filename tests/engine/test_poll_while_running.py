@@ -44,6 +44,7 @@ class HoldsUntilLanded(Role):
     def __init__(self) -> None:
         self.held: list[Request] = []
         self.landed = threading.Event()
+        self.polls = self.transfer_polls = 0
 
     def on_arrival(self, req: Request) -> bool:
         if req.prompt_ids[0] != HELD:
@@ -56,6 +57,11 @@ class HoldsUntilLanded(Role):
         return 0.002 if self.held else None
 
     def poll(self) -> None:
+        self.polls += 1
+        self.poll_transfers()
+
+    def poll_transfers(self) -> None:
+        self.transfer_polls += 1
         if self.landed.is_set():
             while self.held:
                 self.engine.finish(self.held.pop(), FinishReason.STOP)
@@ -107,5 +113,7 @@ def test_a_transfer_that_lands_mid_step_is_taken_before_the_step_ends(polls_whil
     waited = ended_at[0] - landed_at
     if polls_while_running:
         assert waited < STEP_S / 3, f"the landed request waited {waited * 1e3:.0f} ms for the step in flight"
+        # Only the transfers are polled while a step runs: the role's own poll stays at once a loop turn.
+        assert role.transfer_polls > 20 * role.polls, (role.polls, engine.steps, role.transfer_polls)
     else:  # what the test tells apart: the step's remaining time, at least
         assert waited > STEP_S / 3, waited

@@ -160,3 +160,13 @@ def test_up_splits_a_shared_gpu_by_role_for_a_model_folder(llama_8b, monkeypatch
     assert Deployment(UpConfig(model=llama_8b, device="cuda:0", prefill=1, decode=1))._shared_fractions() == [
         0.346, 0.504]
     assert Deployment(UpConfig(model=llama_8b, device="cuda:0", unified=2))._shared_fractions() == [0.425, 0.425]
+
+
+def test_nvidia_smi_is_asked_for_the_gpu_an_engine_sees():
+    """cuda:N counts in CUDA_VISIBLE_DEVICES; a MIG slice is not asked (nvidia-smi would give its parent's size)."""
+    from splitserve.launcher.memory_split import nvidia_smi_id
+
+    assert nvidia_smi_id("cuda:1", None) == "1" and nvidia_smi_id("cuda", None) == "0"
+    assert nvidia_smi_id("cuda:1", "4,6") == "6" and nvidia_smi_id("cuda:0", "GPU-abc, GPU-def") == "GPU-abc"
+    assert nvidia_smi_id("cuda:2", "4,6") is None and nvidia_smi_id("cpu", None) is None
+    assert nvidia_smi_id("cuda:0", "MIG-1c2d") is None

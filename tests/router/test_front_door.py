@@ -281,7 +281,7 @@ def test_the_prefill_answers_a_handoff_with_a_small_body(group) -> None:
     answer = out["r"].json()
     marks = answer.pop("phase_marks")  # where its time went (engine/phase_timing.py), in the order it got there
     assert answer == {"prefilled": True, "prompt_tokens": 20, "cached_tokens": 0}
-    assert list(marks) == ["taken", "bootstrapped", "scheduled", "first_token", "shipped"]
+    assert list(marks) == ["taken", "bootstrapped", "scheduled", "first_token", "shipped", "written"]
     assert list(marks.values()) == sorted(marks.values())
 
 

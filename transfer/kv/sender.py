@@ -387,9 +387,11 @@ class KVSender(KVRoom, BaseKVSender):
         dst.bytes_done += nbytes
         if chunk.last and dst.chunks_done == len(self._chunks):
             dst.done = True
+            final = len(self._dsts) == 1 or all(d.done for d in self._dsts.values())
+            if final:
+                self.succeeded_at = time.time()  # before the decode can hear of it
             self.mgr.report_success(dst.meta.reply_to, self.room, dst.meta.bootstrap_addr, dst.pages_done)
-            if len(self._dsts) == 1 or all(d.done for d in self._dsts.values()):
-                self.succeeded_at = time.time()
+            if final:
                 self.status.move(KVPoll.Success, now)
                 self._record(True, now)
             else:
