@@ -33,6 +33,7 @@ def weight_bytes(model: str, engine_args: str = "") -> int | None:
     projection weight for FP8); None where `model` is not a folder with one, or its config is not one the engine
     runs. A multimodal model's image side is left out (its encode engine holds it)."""
     from splitserve.engine.checkpoints.model_config import ModelConfig
+    from splitserve.engine.checkpoints.model_shapes import matmul_params
 
     config = Path(model) / "config.json"
     if not config.is_file():
@@ -42,9 +43,10 @@ def weight_bytes(model: str, engine_args: str = "") -> int | None:
     except (ValueError, KeyError, TypeError) as exc:
         logger.info("memory split: cannot tell the weights of %s (%s): the even split stands", model, exc)
         return None
-    hd = cfg.head_dim
-    projections = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + cfg.num_heads * hd * cfg.hidden_size
-                   + 3 * cfg.hidden_size * cfg.intermediate_size) * cfg.num_layers
+    # The decoder's projections as the engine fuses them, from the normalised config (a multimodal one nests them).
+    projections = matmul_params({"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+                                 "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+                                 "head_dim": cfg.head_dim, "num_hidden_layers": cfg.num_layers})
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     fp8 = cfg.quantization is not None or "fp8" in engine_args.replace("=", " ").split()
     return projections * (1 if fp8 else 2) + 2 * embeddings

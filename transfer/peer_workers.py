@@ -253,9 +253,9 @@ class PeerWorkers:
                     except Exception as exc:
                         log.exception("a merged write of %d rooms to %s failed", len(group), session)
                         in_flight.append((group, None, exc))
-                part = min(step, len(batch) - start)
-                self._count_issued(part)  # this part's copies are queued (or written, or failed)
-                issued += part
+                jobs = min(step, len(batch) - start)
+                self._count_issued(jobs)  # this part's copies are queued (or written, or failed)
+                issued += jobs
                 while len(in_flight) > 1:  # the copy just launched runs while the one before it is finished
                     self._land(*in_flight.popleft())
         finally:
