@@ -39,23 +39,6 @@ logger = logging.getLogger(__name__)
 MODES = {"bf16": "auto", "fp8": "fp8"}  # side -> --quantization
 
 
-class QuantizedEngineUnderTest(EngineUnderTest):
-    """EngineUnderTest with --quantization (the same runner, KV cache and decode graphs otherwise)."""
-
-    def __init__(self, shape: str, device: str, max_batch: int, max_tokens: int, quantization: str) -> None:
-        self.folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
-        self.cfg = EngineConfig(model=str(self.folder), device=device, load_format="dummy",
-                                max_running_requests=max_batch, max_total_tokens=max_tokens,
-                                context_length=16384, page_size=16, cuda_graph_max_batch=max_batch,
-                                piecewise_graph_tokens=0, quantization=quantization)
-        self.model_cfg = ModelConfig.from_folder(self.folder)
-        self.runner = ModelRunner(self.cfg, self.folder, self.model_cfg)
-        self.device = self.runner.device
-        self.kv = KVCache(self.runner.kv_shape.num_pages, self.cfg.page_size, max_batch, 16384, self.device)
-        self.runner.capture_decode_graphs(self.kv.page_table, self.kv.padding_slot)
-        self.uniform_ids = False
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="splitserve bench --profile fp8", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,7 +62,8 @@ def free_device() -> None:
 
 def measure(args: argparse.Namespace, side: str) -> dict[str, Any]:
     quantization = MODES[side]
-    eut = QuantizedEngineUnderTest(args.shape, args.device, 1, args.prefill_len + args.context + 256, quantization)
+    eut = EngineUnderTest(args.shape, args.device, 1, args.prefill_len + args.context + 256,
+                          quantization=quantization)
     try:
         row: dict[str, Any] = {"weight_bytes": eut.weight_bytes}
         row["decode_b1_s"] = eut.decode_step_seconds(1, args.context)

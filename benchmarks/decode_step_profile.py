@@ -62,6 +62,8 @@ def phase_of_kernels(names: list[str], layers: int) -> list[str]:
             phase, current = "attention", "o_proj"
         elif "_silu_mul_kernel" in name:
             phase, current = "activation", "down"
+        elif "_sum_splits" in name:
+            phase = current + "_sum"  # an FP8 projection's second kernel (its K parts added): its own row
         elif name.startswith("Memset") or name.startswith("Memcpy"):
             phase = current  # a workspace clear or an input copy: the phase it sits in
         elif current == "lm_head" and not any(k in name.lower() for k in ("gemm", "nvjet", "xmma", "cutlass",
@@ -73,9 +75,10 @@ def phase_of_kernels(names: list[str], layers: int) -> list[str]:
     return phases
 
 
-def phase_bounds(cfg: dict, rows: int, context: int, bandwidth: float, peak: float, logits_bytes: int
-                 ) -> dict[str, dict[str, float]]:
-    """Per phase of one step: bytes, FLOPs and the bound in us (max of the two at this run's limits)."""
+def phase_bounds(cfg: dict, rows: int, context: int, bandwidth: float, peak: float, logits_bytes: int,
+                 weight_bytes: int = 2) -> dict[str, dict[str, float]]:
+    """Per phase of one step: bytes, FLOPs and the bound in us (max of the two at this run's limits). The
+    layers' projections hold `weight_bytes` a parameter (1: FP8); the LM head stays 16-bit either way."""
     hidden, inter, layers, vocab = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
                                     cfg["vocab_size"])
     heads = cfg["num_attention_heads"]
@@ -84,15 +87,15 @@ def phase_bounds(cfg: dict, rows: int, context: int, bandwidth: float, peak: flo
     act = rows * hidden * 2
     out: dict[str, tuple[float, float]] = {}
 
-    def gemm(k: int, n: int, times: int) -> tuple[float, float]:
-        return (times * (k * n * 2 + rows * k * 2 + rows * n * 2), times * 2.0 * rows * k * n)
+    def gemm(k: int, n: int, times: int, per_param: int = weight_bytes) -> tuple[float, float]:
+        return (times * (k * n * per_param + rows * k * 2 + rows * n * 2), times * 2.0 * rows * k * n)
 
     qkv_n = (heads + 2 * kv_heads) * head_dim
     out["qkv"] = gemm(hidden, qkv_n, layers)
     out["o_proj"] = gemm(heads * head_dim, hidden, layers)
     out["gate_up"] = gemm(hidden, 2 * inter, layers)
     out["down"] = gemm(inter, hidden, layers)
-    out["lm_head"] = gemm(hidden, vocab, 1)
+    out["lm_head"] = gemm(hidden, vocab, 1, per_param=2)
     kv_read = rows * context * 2 * kv_heads * head_dim * 2
     out["attention"] = (layers * (kv_read + rows * qkv_n * 2 + rows * heads * head_dim * 2 + rows * 2 * kv_heads
                                   * head_dim * 2), layers * 4.0 * rows * (context + 1) * heads * head_dim)
@@ -105,13 +108,14 @@ def phase_bounds(cfg: dict, rows: int, context: int, bandwidth: float, peak: flo
             for name, (b, f) in out.items()}
 
 
-def build(shape: str, batch: int, context: int, pdl: str = "auto") -> tuple[ModelRunner, KVCache, list[Request]]:
-    """A runner of `shape` (random weights, --pdl `pdl`), its KV cache holding `batch` sequences of `context`
-    random tokens' KV, and the decode graph of that one bucket."""
+def build(shape: str, batch: int, context: int, pdl: str = "auto", quantization: str = "auto"
+          ) -> tuple[ModelRunner, KVCache, list[Request]]:
+    """A runner of `shape` (random weights, --pdl `pdl`, --quantization `quantization`), its KV cache holding
+    `batch` sequences of `context` random tokens' KV, and the decode graph of that one bucket."""
     folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
     cfg = EngineConfig(model=str(folder), device="cuda", load_format="dummy", max_running_requests=batch,
                        max_total_tokens=batch * (context + 32), context_length=16384, page_size=16,
-                       cuda_graph_max_batch=batch, pdl=pdl)
+                       cuda_graph_max_batch=batch, pdl=pdl, quantization=quantization)
     runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
     runner.kv_pool.buffer.normal_()  # KV of real values: zeros can time faster
     kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, batch, 16384, runner.device)
@@ -292,12 +296,14 @@ def main() -> None:
     parser.add_argument("--pdl", default="auto", choices=pdl.MODES,
                         help="the engine's --pdl; with it a kernel's span in the profile includes its wait for the "
                              "kernel before it, so the kernel table reads best with off")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "fp8"),
+                        help="fp8: the layers' projections quantized on load (the LM head stays 16-bit)")
     parser.add_argument("--label", default="")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
     cfg = SHAPES[args.shape]
-    runner, _kv, reqs = build(args.shape, args.batch, args.context, args.pdl)
+    runner, _kv, reqs = build(args.shape, args.batch, args.context, args.pdl, args.quantization)
     limits = device_limits(runner.device, runner.dtype)
     graphs = runner.decode_graphs
     assert graphs is not None
@@ -312,13 +318,14 @@ def main() -> None:
         clock = sm_clock_mhz()
     logits_bytes = graphs.logits[args.batch].element_size()
     bounds = phase_bounds(cfg, args.batch, args.context + 1, limits["copy_bandwidth_Bps"], limits["matmul_flops"],
-                          logits_bytes)
+                          logits_bytes, weight_bytes=1 if args.quantization == "fp8" else 2)
     phases = phase_report(kernels, bounds)
     step_us = statistics.median(times)
     kernel_us = sum(k["dur_us"] for k in kernels)
     gap_us = sum(k["gap_before_us"] for k in kernels)
     bound_us = sum(b["bound_us"] for b in bounds.values())
-    report = {"label": args.label, "pdl": args.pdl, "shape": args.shape, "batch": args.batch, "context": args.context,
+    report = {"label": args.label, "pdl": args.pdl, "quantization": args.quantization, "shape": args.shape,
+              "batch": args.batch, "context": args.context,
               "limits": limits, "replay_us_median": step_us, "replay_us_min": min(times), "replay_us_all": times,
               "replay_us_back_to_back": chained_us, "profiled_replays": replay_spans,
               "sustained_replays": sustained, "sm_clock_mhz_after": clock,

@@ -51,16 +51,20 @@ def phase_of_kernels(names: list[str], layers: int) -> list[str]:
             phase, current = "attention", "o_proj"
         elif "_silu_mul_kernel" in name:
             phase, current = "activation", "down"
+        elif "_quantize_rows" in name:
+            phase = "quantize"  # an FP8 projection's activations to e4m3: their own row
         else:
             phase = current
         phases.append(phase)
     return phases
 
 
-def phase_bounds(cfg: dict, prompts: int, length: int, bandwidth: float, peak: float) -> dict[str, float]:
+def phase_bounds(cfg: dict, prompts: int, length: int, bandwidth: float, peak: float,
+                 weight_bytes: int = 2) -> dict[str, float]:
     """Each phase's bound in us: every input read once and every output written once at the bandwidth, or its
     FLOPs at the matmul peak, whichever is longer. The last layer's o_proj and MLP run on the `prompts` sampled
-    rows (LlamaForCausalLM.hidden_states)."""
+    rows (LlamaForCausalLM.hidden_states). FP8 (`weight_bytes` 1, `peak` the e4m3 one): the projections read
+    1-byte weights; the LM head stays 16-bit at the 16-bit peak (`peak` / 2)."""
     hidden, inter, layers, vocab = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
                                     cfg["vocab_size"])
     heads = cfg["num_attention_heads"]
@@ -69,8 +73,9 @@ def phase_bounds(cfg: dict, prompts: int, length: int, bandwidth: float, peak: f
     rows, sampled = prompts * length, prompts
     qkv_n = (heads + 2 * kv_heads) * head_dim
 
-    def gemm(k: int, n: int, row_counts: list[int]) -> tuple[float, float]:
-        return (sum(k * n * 2 + m * (k + n) * 2 for m in row_counts), sum(2.0 * m * k * n for m in row_counts))
+    def gemm(k: int, n: int, row_counts: list[int], per_param: int = weight_bytes) -> tuple[float, float]:
+        return (sum(k * n * per_param + m * (k + n) * 2 for m in row_counts),
+                sum(2.0 * m * k * n for m in row_counts))
 
     after = [rows] * (layers - 1) + [sampled]
     out = {
@@ -78,7 +83,8 @@ def phase_bounds(cfg: dict, prompts: int, length: int, bandwidth: float, peak: f
         "o_proj": gemm(heads * head_dim, hidden, after),
         "gate_up": gemm(hidden, 2 * inter, after),
         "down": gemm(inter, hidden, after),
-        "lm_head": gemm(hidden, vocab, [sampled]),
+        "lm_head": gemm(hidden, vocab, [sampled], per_param=2) if weight_bytes == 2 else
+        (gemm(hidden, vocab, [sampled], per_param=2)[0], 2 * gemm(hidden, vocab, [sampled])[1]),
         # causal: each query reads the keys up to its own position; q, k, v in, the output out
         "attention": (layers * rows * (qkv_n + heads * head_dim) * 2,
                       layers * prompts * 4.0 * heads * head_dim * length * (length + 1) / 2),
@@ -103,12 +109,25 @@ def per_phase(events: list[dict], layers: int, forwards: int) -> dict[str, float
     return dict(totals)
 
 
+def fp8_matmul_flops(device: torch.device, n: int = 8192) -> float:
+    """e4m3 x e4m3 FLOP/s here: torch._scaled_mm on an n cube with row-wise scales (the engine's prompt GEMM),
+    the median of a few calls after a warm one."""
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+    seconds = timed(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), device,
+                    reps=5)
+    return 2.0 * n**3 / seconds
+
+
 @torch.inference_mode()
 def profile_step(eut: EngineUnderTest, shape: str, prompts: int, length: int, sustain_s: float, limits: dict
                  ) -> dict:
     cfg = SHAPES[shape]
     layers = cfg["num_hidden_layers"]
-    bounds = phase_bounds(cfg, prompts, length, limits["copy_bandwidth_Bps"], limits["matmul_flops"])
+    fp8 = "fp8_matmul_flops" in limits  # the projections at the e4m3 peak, 1 byte a weight
+    bounds = phase_bounds(cfg, prompts, length, limits["copy_bandwidth_Bps"],
+                          limits["fp8_matmul_flops"] if fp8 else limits["matmul_flops"], weight_bytes=1 if fp8 else 2)
     with eut.prefill_step(length, prompts) as (_, batch):
         def forward() -> None:
             eut.runner.forward(batch)
@@ -142,14 +161,19 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--steps", nargs="+", default=["4x512", "1x2048"])
     parser.add_argument("--sustain-s", type=float, default=6.0)
+    parser.add_argument("--quantization", default="auto", choices=("auto", "fp8"),
+                        help="fp8: the layers' projections quantized on load (the LM head stays 16-bit)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
     steps = [tuple(int(v) for v in s.split("x")) for s in args.steps]
     eut = EngineUnderTest(args.shape, "cuda", max(8, max(n for n, _ in steps)),
-                          max(n * (length + 16) for n, length in steps) + 64)
+                          max(n * (length + 16) for n, length in steps) + 64, quantization=args.quantization)
     limits = device_limits(eut.device, eut.runner.dtype)
-    report = {"shape": args.shape, "device": torch.cuda.get_device_name(eut.device), "limits": limits, "steps": []}
+    if args.quantization == "fp8":
+        limits["fp8_matmul_flops"] = fp8_matmul_flops(eut.device)
+    report = {"shape": args.shape, "quantization": args.quantization,
+              "device": torch.cuda.get_device_name(eut.device), "limits": limits, "steps": []}
     for n, length in steps:
         row = profile_step(eut, args.shape, n, length, args.sustain_s, limits)
         report["steps"].append(row)
@@ -157,7 +181,8 @@ def main() -> None:
               f"{row['held_wall_s'] * 1e3:.2f} ms at {row['sm_clock_mhz_held']} MHz ({row['sustained_forwards']} "
               f"forwards); kernels {row['idle_kernels_us'] / 1e3:.2f} / {row['held_kernels_us'] / 1e3:.2f} ms; "
               f"sum of bounds {row['bound_us'] / 1e3:.2f} ms (copy {limits['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
-              f"matmul {limits['matmul_flops'] / 1e12:.0f} TFLOP/s)")
+              f"matmul {limits['matmul_flops'] / 1e12:.0f} TFLOP/s"
+              + (f", e4m3 {limits['fp8_matmul_flops'] / 1e12:.0f} TFLOP/s)" if "fp8_matmul_flops" in limits else ")"))
         print("phase       | idle us  | held us  | held share | bound us | held / bound")
         for r in row["phases"]:
             ratio = f"{r['held_over_bound']:.2f}" if r["held_over_bound"] else "-"
