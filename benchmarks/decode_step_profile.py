@@ -108,16 +108,21 @@ def phase_bounds(cfg: dict, rows: int, context: int, bandwidth: float, peak: flo
             for name, (b, f) in out.items()}
 
 
-def build(shape: str, batch: int, context: int, pdl: str = "auto", quantization: str = "auto"
-          ) -> tuple[ModelRunner, KVCache, list[Request]]:
+def build(shape: str, batch: int, context: int, pdl: str = "auto", quantization: str = "auto",
+          sum_kernel: bool = False) -> tuple[ModelRunner, KVCache, list[Request]]:
     """A runner of `shape` (random weights, --pdl `pdl`, --quantization `quantization`), its KV cache holding
-    `batch` sequences of `context` random tokens' KV, and the decode graph of that one bucket."""
+    `batch` sequences of `context` random tokens' KV, and the decode graph of that one bucket. `sum_kernel`:
+    the FP8 layers add their K parts in a second kernel (their arrival counters dropped), for comparison."""
     folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
     cfg = EngineConfig(model=str(folder), device="cuda", load_format="dummy", max_running_requests=batch,
                        max_total_tokens=batch * (context + 32), context_length=16384, page_size=16,
                        cuda_graph_max_batch=batch, pdl=pdl, quantization=quantization)
     runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
     runner.kv_pool.buffer.normal_()  # KV of real values: zeros can time faster
+    if sum_kernel:
+        for module in runner.model.modules():
+            if getattr(module, "arrivals", None) is not None:
+                module.arrivals = None
     kv = KVCache(runner.kv_shape.num_pages, cfg.page_size, batch, 16384, runner.device)
     reqs = []
     for i in range(batch):
@@ -298,12 +303,14 @@ def main() -> None:
                              "kernel before it, so the kernel table reads best with off")
     parser.add_argument("--quantization", default="auto", choices=("auto", "fp8"),
                         help="fp8: the layers' projections quantized on load (the LM head stays 16-bit)")
+    parser.add_argument("--sum-kernel", action="store_true",
+                        help="FP8: add the skinny kernel's K parts in a second kernel, as without arrival counters")
     parser.add_argument("--label", default="")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
     cfg = SHAPES[args.shape]
-    runner, _kv, reqs = build(args.shape, args.batch, args.context, args.pdl, args.quantization)
+    runner, _kv, reqs = build(args.shape, args.batch, args.context, args.pdl, args.quantization, args.sum_kernel)
     limits = device_limits(runner.device, runner.dtype)
     graphs = runner.decode_graphs
     assert graphs is not None
@@ -324,7 +331,8 @@ def main() -> None:
     kernel_us = sum(k["dur_us"] for k in kernels)
     gap_us = sum(k["gap_before_us"] for k in kernels)
     bound_us = sum(b["bound_us"] for b in bounds.values())
-    report = {"label": args.label, "pdl": args.pdl, "quantization": args.quantization, "shape": args.shape,
+    report = {"label": args.label, "pdl": args.pdl, "quantization": args.quantization,
+              "sum_kernel": args.sum_kernel, "shape": args.shape,
               "batch": args.batch, "context": args.context,
               "limits": limits, "replay_us_median": step_us, "replay_us_min": min(times), "replay_us_all": times,
               "replay_us_back_to_back": chained_us, "profiled_replays": replay_spans,

@@ -60,8 +60,14 @@ class QuantizableLinear(nn.Module):
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False) if bias else None
         self.weight_scale = self.input_scale = None
+        self.arrivals: torch.Tensor | None = None
         if self.fp8:
             self.weight_scale = nn.Parameter(torch.ones(out_local, dtype=torch.float32), requires_grad=False)
+            if torch.get_default_device().type == "cuda":  # the skinny kernel's K parts count in here
+                from splitserve.engine.quantization.fp8_cuda import arrival_counters
+
+                self.register_buffer("arrivals", arrival_counters(out_local, torch.get_default_device()),
+                                     persistent=False)
             if quant.static_input:
                 self.input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
         # Dequantizing layers (CPU): a shard's e4m3 rows or scales until the other has arrived.
@@ -148,7 +154,7 @@ class QuantizableLinear(nn.Module):
     def fp8_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.quant is not None and self.weight_scale is not None
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias, self.quant.activation,
-                          self.skinny_rows)
+                          self.skinny_rows, self.arrivals)
 
 
 class ColumnParallelLinear(QuantizableLinear):

@@ -215,14 +215,16 @@ def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-               bias: torch.Tensor | None, activation: str, skinny_rows: int) -> torch.Tensor:
+               bias: torch.Tensor | None, activation: str, skinny_rows: int,
+               arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for an FP8 weight [N, K] with per-channel scales [N]: on CUDA the skinny kernel up to
-    `skinny_rows` rows (any dtype), the W8A8 GEMM past them (bfloat16 rows); elsewhere the reference."""
+    `skinny_rows` rows (any dtype; `arrivals`: the layer's counters for its K parts, fp8_cuda.arrival_counters),
+    the W8A8 GEMM past them (bfloat16 rows); elsewhere the reference."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] > 0:
         from splitserve.engine.quantization import fp8_cuda
 
         if x.shape[0] <= skinny_rows or x.dtype == torch.float32:
-            return fp8_cuda.skinny_fp8(x, weight, weight_scale, bias, max_rows=skinny_rows)
+            return fp8_cuda.skinny_fp8(x, weight, weight_scale, bias, max_rows=skinny_rows, arrivals=arrivals)
         if scaled_mm_fits(x, weight):
             return fp8_cuda.scaled_mm_linear(x, weight, weight_scale, input_scale, bias, activation)
     return fp8_linear_reference(x, weight, weight_scale, input_scale, bias,

@@ -4,8 +4,9 @@
   the 16-bit input and a BLOCK_N x BLOCK_K slice of the e4m3 weight per step over K, converts the slice to the
   input's dtype in registers (every e4m3 value is exact in bfloat16), one tensor-core product, float32
   accumulation in the same order whatever the row count, then the per-channel scale and the bias. K may be
-  split in parts (a launch option; a choice of it must depend on the weight's shape alone), summed by a second
-  kernel in part order, so a row's bits never depend on the other rows. The weight is read once at 1 byte a
+  split in parts (a launch option; a choice of it must depend on the weight's shape alone), added in part
+  order by the last part of a tile to finish (a layer's arrival counters; a second kernel without them), so a
+  row's bits never depend on the other rows. The weight is read once at 1 byte a
   parameter, half the bytes of the bfloat16 skinny kernel (engine/layers/skinny_gemm_triton.py, whose tiling it
   follows).
 - `quantize_rows`: activations to e4m3 per token (or with a static per-tensor scale) in one Triton kernel, the
@@ -33,9 +34,18 @@ MIN_SCALE = 1e-12
 
 
 @triton.jit
-def _skinny_fp8(X, W, WScale, Bias, Y, Partial, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
-                HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _scale_bias_store(acc, WScale, Bias, Y, m, n, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    acc = acc * tl.load(WScale + n, mask=n < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (m < M)[:, None] & (n < N)[None, :]
+    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _skinny_fp8(X, W, WScale, Bias, Y, Partial, Arrivals, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
+                HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, LAST_ADDS: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     m = tl.program_id(0) * 16 + tl.arange(0, 16)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -48,15 +58,25 @@ def _skinny_fp8(X, W, WScale, Bias, Y, Partial, M, N, K, K_PER_SPLIT, stride_xm,
         w = tl.load(W + n[:, None] * stride_wn + kk[None, :], mask=(n[:, None] < N) & in_k[None, :], other=0.0)
         x = tl.load(X + m[:, None] * stride_xm + kk[None, :], mask=(m < M)[:, None] & in_k[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), acc, input_precision=DOT_PRECISION)
-    mask = (m < M)[:, None] & (n < N)[None, :]
-    if SPLITS > 1:  # this split's sum; _sum_splits adds them in split order
+    if SPLITS == 1:
+        _scale_bias_store(acc, WScale, Bias, Y, m, n, M, N, stride_ym, HAS_BIAS)
+    else:  # this part's sum to the scratch; the parts are added in part order, here or by _sum_splits
+        mask = (m < M)[:, None] & (n < N)[None, :]
         tl.store(Partial + (tl.program_id(2) * M + m[:, None]).to(tl.int64) * N + n[None, :], acc, mask=mask)
-    else:
-        scale = tl.load(WScale + n, mask=n < N, other=0.0)
-        acc = acc * scale[None, :]
-        if HAS_BIAS:
-            acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+        if LAST_ADDS:
+            # Count this part in; the last of the tile's parts to arrive adds them all. The barrier puts every
+            # thread's stores before the count (released at GPU scope); the count's acquire puts the last one's
+            # loads after every other part's stores.
+            tl.debug_barrier()
+            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            arrived = tl.atomic_add(Arrivals + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLITS - 1:
+                total = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+                for split in range(SPLITS):  # in part order, whichever arrived last: the same bits every time
+                    total += tl.load(Partial + (split * M + m[:, None]).to(tl.int64) * N + n[None, :], mask=mask,
+                                     other=0.0, cache_modifier=".cg")
+                _scale_bias_store(total, WScale, Bias, Y, m, n, M, N, stride_ym, HAS_BIAS)
+                tl.atomic_xchg(Arrivals + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
@@ -95,15 +115,24 @@ def skinny_launch(n: int, k: int, dtype: torch.dtype, max_rows: int = 16) -> tup
     return 32, 256, 4, 3, splits
 
 
+def arrival_counters(n: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed int32 counters for skinny_fp8's K parts on an [n, K] weight: one per (16-row tile, BLOCK_N block)
+    of any launch up to SPLIT_MAX_ROWS rows. A layer owns its own (made with its weight, outside graph
+    capture); every launch leaves them at zero."""
+    return torch.zeros(triton.cdiv(SPLIT_MAX_ROWS, TILE_ROWS) * triton.cdiv(n, 16), dtype=torch.int32, device=device)
+
+
 def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, launch: tuple[int, ...] | None = None,
-               max_rows: int = 16) -> torch.Tensor:
+               max_rows: int = 16, arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """x @ (weight * weight_scale[:, None]).T (+ bias); x: [M, K] 16-bit or float32, weight: [N, K] e4m3,
     weight_scale: [N] float32. `launch` (BLOCK_N, BLOCK_K, warps, stages[, splits]) overrides the choice (sweeps);
     `max_rows`: the most rows the calling layer sends to this kernel (skinny_launch splits K only up to 32).
     With K split in parts (more programs, more loads in flight for a narrow product), each part's float32 sum
-    goes to a scratch tensor and a second kernel adds them in part order: a row's bits still do not depend on
-    the other rows, as long as the part count does not depend on them either."""
+    goes to a scratch tensor and they are added in part order: by the last part of each tile to finish, counted
+    in `arrivals` (arrival_counters; the launches that share them must not overlap: one stream), or without
+    counters by a second kernel. Either way a row's bits do not depend on the other rows, as long as the part
+    count does not depend on them either, and both ways give the same bits."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1
@@ -114,15 +143,20 @@ def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     splits = launch[4] if len(launch) > 4 else 1
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)  # no empty part
+    tiles = (triton.cdiv(m, TILE_ROWS), triton.cdiv(n, block_n))
+    last_adds = splits > 1 and arrivals is not None
+    if last_adds and arrivals.numel() < tiles[0] * tiles[1]:
+        raise ValueError(f"{arrivals.numel()} arrival counters for {tiles[0]} x {tiles[1]} tiles "
+                         f"({m} rows, BLOCK_N {block_n}): arrival_counters sizes them up to {SPLIT_MAX_ROWS} rows")
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     bias_arg = bias if bias is not None else weight_scale
-    _skinny_fp8[(triton.cdiv(m, TILE_ROWS), triton.cdiv(n, block_n), splits)](
-        x, weight, weight_scale, bias_arg, y, partial, m, n, k, k_per_split, x.stride(0), weight.stride(0),
-        y.stride(0), HAS_BIAS=bias is not None, SPLITS=splits, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
-        **launch_kwargs(),
+    _skinny_fp8[(*tiles, splits)](
+        x, weight, weight_scale, bias_arg, y, partial, arrivals if last_adds else weight_scale, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, SPLITS=splits, LAST_ADDS=last_adds,
+        BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages, **launch_kwargs(),
     )
-    if splits > 1:
+    if splits > 1 and not last_adds:
         _sum_splits[(m, triton.cdiv(n, 1024))](partial, weight_scale, bias_arg, y, m, n, y.stride(0),
                                                HAS_BIAS=bias is not None, SPLITS=splits, BLOCK=1024, num_warps=4,
                                                **launch_kwargs())

@@ -248,7 +248,7 @@ def fp8_runner(folder: Path, monkeypatch: pytest.MonkeyPatch | None = None) -> t
     """A float32 CPU runner with --quantization fp8 (`monkeypatch`: with FP8 storage and the GPU's numerics
     emulated, activations quantized per token past 16 rows)."""
     if monkeypatch is not None:
-        def emulated(x, weight, weight_scale, input_scale, bias, activation, skinny_rows):
+        def emulated(x, weight, weight_scale, input_scale, bias, activation, skinny_rows, arrivals=None):
             return fp8_linear_reference(x, weight, weight_scale, input_scale, bias,
                                         None if x.shape[0] <= skinny_rows else activation)
         monkeypatch.setattr(linear, "fp8_storage_default", lambda: True)

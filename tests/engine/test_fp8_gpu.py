@@ -118,6 +118,38 @@ def test_skinny_kernel_with_k_split_adds_the_parts_in_order(shape: tuple[int, in
     assert torch.equal(out, split)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 6])
+@pytest.mark.parametrize("shape", [(4096, 14336), (6144, 4096), (28672, 4096)], ids=["down", "qkv", "gate_up"])
+def test_skinny_kernel_last_part_adds_the_parts_as_the_second_kernel_does(shape: tuple[int, int],
+                                                                          splits: int) -> None:
+    """With a layer's arrival counters the last part of each tile to finish adds the parts: the second kernel's
+    bits exactly, over many launches (parts finishing in any order), in a graph replayed many times, at 1-32
+    rows; the counters are back at zero after each launch."""
+    from splitserve.engine.quantization.fp8_cuda import arrival_counters, skinny_fp8, skinny_launch
+
+    n, k = shape
+    x, q, scale = operands(n, k, 32, seed=7)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    launch = (*skinny_launch(n, k, x.dtype)[:4], splits)
+    arrivals = arrival_counters(n, "cuda")
+    for rows in (1, 9, 16, 17, 32):
+        want = skinny_fp8(x[:rows], q, scale, bias, launch=launch)
+        for _ in range(20):
+            assert torch.equal(skinny_fp8(x[:rows], q, scale, bias, launch=launch, arrivals=arrivals), want)
+        assert int(arrivals.count_nonzero()) == 0
+    static_x = x[:4].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_fp8(static_x, q, scale, bias, launch=launch, arrivals=arrivals)
+    want = skinny_fp8(static_x, q, scale, bias, launch=launch)
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and int(arrivals.count_nonzero()) == 0
+    with pytest.raises(ValueError, match="arrival counters"):
+        skinny_fp8(x, q, scale, bias, launch=launch, arrivals=arrivals[:1])
+
+
 @torch.inference_mode()
 def test_quantization_fp8_model_on_cuda_stays_close_to_bfloat16(tmp_path: Path) -> None:
     """The tiny model in bfloat16 on CUDA, --quantization fp8 (decode graphs captured, warmed up) against the
