@@ -1,12 +1,15 @@
 """`splitserve bench --profile fp8`: FP8 weights against bfloat16 on a real model shape with random weights
 (`--load-format dummy`; `--quantization fp8` quantizes them per channel on load), same device, same run.
 
-Times, each side in turn (the runner driven directly, as bench/engine_steps.py does):
+Three sides: bf16; FP8 weights (`--quantization fp8`); FP8 weights with the FP8 KV cache
+(`--kv-cache-dtype fp8_e4m3`), as they are deployed together on Hopper. Times, each side in turn (the runner
+driven directly, as bench/engine_steps.py does):
 - a decode step at batch 1 (`--context` tokens of KV; through the decode CUDA graph, one host sync a step);
 - a prefill of one `--prefill-len`-token prompt, eagerly, in tokens/s;
 - the burst `--burst` (N prompts of I tokens, O output tokens each, all at once) through the bare engine
   (bench/api_split.py's), output tokens/s;
-and prints fp8 / bf16 ratios (decode: bf16 time over fp8 time, > 1 when FP8 is faster).
+and prints each FP8 side over bf16 (decode: its step's time over bf16's; prefill and burst: tok/s over bf16's;
+the weights' bytes and the KV cache's bytes a token, whose inverse is how many more tokens the same memory holds).
 
 Then the accuracy of FP8 weights and of an FP8 KV cache against bfloat16 on the same random weights (the dummy
 weights of a model and its FP8 twin are the same draws): mean KL per token, teacher-forced top-1 and greedy
@@ -36,7 +39,8 @@ from splitserve.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-MODES = {"bf16": "auto", "fp8": "fp8"}  # side -> --quantization
+# side -> (--quantization, --kv-cache-dtype): FP8 weights alone, and with the FP8 KV cache deployed beside them
+MODES = {"bf16": ("auto", "auto"), "fp8": ("fp8", "auto"), "fp8+kv": ("fp8", "fp8_e4m3")}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -61,11 +65,11 @@ def free_device() -> None:
 
 
 def measure(args: argparse.Namespace, side: str) -> dict[str, Any]:
-    quantization = MODES[side]
+    quantization, kv_dtype = MODES[side]
     eut = EngineUnderTest(args.shape, args.device, 1, args.prefill_len + args.context + 256,
-                          quantization=quantization)
+                          quantization=quantization, kv_cache_dtype=kv_dtype)
     try:
-        row: dict[str, Any] = {"weight_bytes": eut.weight_bytes}
+        row: dict[str, Any] = {"weight_bytes": eut.weight_bytes, "kv_bytes_per_token": eut.kv_bytes_per_token}
         row["decode_b1_s"] = eut.decode_step_seconds(1, args.context)
         row["prefill_tok_s"] = args.prefill_len / eut.prefill_seconds(args.prefill_len, reps=args.reps)
         folder = eut.folder
@@ -79,7 +83,7 @@ def measure(args: argparse.Namespace, side: str) -> dict[str, Any]:
         from splitserve.bench.serving import fixed_load
 
         load = fixed_load(args.burst, "--burst")
-        extra = "" if quantization == "auto" else f"--quantization {quantization}"
+        extra = f"--quantization {quantization} --kv-cache-dtype {kv_dtype}"
         burst = bare_engine_load(folder, args.device, len(load.prompt_lens), extra, load, seed=0)
         row["burst_tok_s"] = burst["output_tokens_per_s"]
         row["burst_ttft_p50_s"] = burst["ttft_p50_s"]
@@ -111,26 +115,36 @@ def accuracy_on_shape(shape: str, device: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def ratios(report: dict[str, Any]) -> dict[str, float]:
-    bf16, fp8 = report["bf16"], report["fp8"]
-    out = {"decode_b1_speedup": bf16["decode_b1_s"] / fp8["decode_b1_s"],
-           "prefill_speedup": fp8["prefill_tok_s"] / bf16["prefill_tok_s"],
-           "weight_bytes_ratio": fp8["weight_bytes"] / bf16["weight_bytes"]}
-    if "burst_tok_s" in bf16 and "burst_tok_s" in fp8:
-        out["burst_speedup"] = fp8["burst_tok_s"] / bf16["burst_tok_s"]
+def ratios(report: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Each FP8 side over bf16 (> 1: FP8 faster; the byte ratios < 1: FP8 smaller)."""
+    bf16 = report["bf16"]
+    out = {}
+    for side in MODES:
+        if side == "bf16" or side not in report:
+            continue
+        fp8 = report[side]
+        row = {"decode_b1_time": fp8["decode_b1_s"] / bf16["decode_b1_s"],
+               "prefill_speedup": fp8["prefill_tok_s"] / bf16["prefill_tok_s"],
+               "weight_bytes": fp8["weight_bytes"] / bf16["weight_bytes"],
+               "kv_bytes_per_token": fp8["kv_bytes_per_token"] / bf16["kv_bytes_per_token"]}
+        if "burst_tok_s" in bf16 and "burst_tok_s" in fp8:
+            row["burst_speedup"] = fp8["burst_tok_s"] / bf16["burst_tok_s"]
+        out[side] = row
     return out
 
 
 def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"FP8 vs bf16, {args.shape} (random weights) on {report['device']}")
-    print(f"{'':6} | {'weights GiB':>11} | {'decode b1 ms':>12} | {f'prefill {args.prefill_len} tok/s':>18} | "
-          f"{f'burst {args.burst} tok/s':>24}")
+    print(f"{'':6} | {'weights GiB':>11} | {'KV B/token':>10} | {'decode b1 ms':>12} | "
+          f"{f'prefill {args.prefill_len} tok/s':>18} | {f'burst {args.burst} tok/s':>24}")
     for side in MODES:
         r = report[side]
         burst = f"{r['burst_tok_s']:24.0f}" if "burst_tok_s" in r else f"{'-':>24}"
-        print(f"{side:6} | {r['weight_bytes'] / 2**30:11.2f} | {r['decode_b1_s'] * 1e3:12.3f} | "
-              f"{r['prefill_tok_s']:18.0f} | {burst}")
-    print("ratios (fp8 over bf16, > 1: fp8 faster): " + ", ".join(f"{k} {v:.3f}" for k, v in report["ratios"].items()))
+        print(f"{side:6} | {r['weight_bytes'] / 2**30:11.2f} | {r['kv_bytes_per_token']:10d} | "
+              f"{r['decode_b1_s'] * 1e3:12.3f} | {r['prefill_tok_s']:18.0f} | {burst}")
+    for side, row in report["ratios"].items():
+        print(f"{side} over bf16 (decode: time, < 1 faster; prefill, burst: tok/s, > 1 faster): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
     for name, acc in report.get("accuracy", {}).items():
         print(f"{name} against bf16 (same random weights): mean KL {acc['mean_kl']:.4g} per token, top-1 "
               f"{acc['top1']:.3f}, greedy {acc['greedy']:.3f}")
