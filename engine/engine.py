@@ -86,6 +86,7 @@ class LaunchedStep:
     chunks: list[ScheduledChunk]
     holds: list[tuple[int, int]]
     pending: PendingStep
+    index: int  # the engine's count of launched steps at this one (the KV allocator's step)
 
 
 def step_done(step: LaunchedStep) -> bool:
@@ -517,6 +518,7 @@ class Engine:
             self._step_failed(chunks, exc)
             return None
         self.steps += 1
+        self.kv.allocator.step_launched(self.steps)
         for c in chunks:
             req = c.request
             if c.start < len(req.prompt_ids):  # a prompt chunk
@@ -526,7 +528,7 @@ class Engine:
             req.kv_len += c.length
         # A request's slot and tenure are its identity in the step: one preempted meanwhile gets its token
         # discarded, also when it was admitted again into the same slot (slots are reused last-in first-out).
-        return LaunchedStep(chunks, [(c.request.slot, c.request.tenure) for c in chunks], pending)
+        return LaunchedStep(chunks, [(c.request.slot, c.request.tenure) for c in chunks], pending, self.steps)
 
     def _complete(self, step: LaunchedStep) -> None:
         # A request preempted meanwhile is not this step's any more (its slot or tenure changed).
@@ -534,8 +536,10 @@ class Engine:
         try:
             out = step.pending.result()
         except Exception as exc:
+            self.kv.allocator.step_completed(step.index)
             self._step_failed(own, exc)
             return
+        self.kv.allocator.step_completed(step.index)  # the pages freed while it ran are settled
         # Requests hash by identity (no id(): under an audit hook each call runs Python code).
         live = {c.request for c in own if c.request.status is RequestStatus.RUNNING}
         # Only now is the step's KV written on the device (a transfer may read it, and requests

@@ -288,8 +288,9 @@ class KVCache:
         self.page_table[req.slot, match.num_pages] = to_device(pages, torch.int32, self.page_table.device)
         req.kv_len = req.cached_len = start + take
 
-    def grow(self, req: Request, num_tokens: int) -> bool:
-        """Makes room for `req`'s KV to reach `num_tokens` tokens; False if pages ran out."""
+    def grow(self, req: Request, num_tokens: int, settled: bool = False) -> bool:
+        """Makes room for `req`'s KV to reach `num_tokens` tokens; False if pages ran out. `settled`: only
+        pages no queued step writes (PageAllocator), for KV that a writer outside the engine's stream copies in."""
         need = self.pages_for(num_tokens) - len(req.pages)
         if need <= 0:
             return True
@@ -298,7 +299,7 @@ class KVCache:
                 f"request {req.request_id}: {num_tokens} tokens exceed the context of "
                 f"{self.max_pages_per_request * self.page_size}"
             )
-        pages = self.take_pages(need)
+        pages = self.take_pages(need, settled)
         if pages is None:
             return False
         start = len(req.pages)
@@ -306,14 +307,18 @@ class KVCache:
         self.page_table[req.slot, start:start + need] = to_device(pages, torch.int32, self.page_table.device)
         return True
 
-    def take_pages(self, n: int) -> list[int] | None:
-        """n free pages, evicting unlocked cached pages if needed; None if there aren't enough."""
-        short = n - self.allocator.free_count
+    def take_pages(self, n: int, settled: bool = False) -> list[int] | None:
+        """n free pages (`settled`: settled ones), evicting unlocked cached pages if needed; None if there aren't
+        enough (a page evicted while a step is queued settles when that step completes)."""
+        def free() -> int:
+            return self.allocator.settled_count if settled else self.allocator.free_count
+
+        short = n - free()
         if short > 0:
             self.prefix_cache.evict(short)
-        if self.allocator.free_count < n:
+        if free() < n:
             return None
-        return self.allocator.alloc(n)
+        return self.allocator.alloc(n, settled_only=settled)
 
     def shrink(self, req: Request, num_tokens: int) -> None:
         """Frees `req`'s own pages past those `num_tokens` tokens need (rejected draft positions,

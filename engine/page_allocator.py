@@ -14,7 +14,15 @@ class DoubleFreeError(RuntimeError):
 
 
 class PageAllocator:
-    """Hands out page indices 1..num_pages-1 (page 0 is scratch)."""
+    """Hands out page indices 1..num_pages-1 (page 0 is scratch).
+
+    A page freed while a step is queued on the device may still be written by it (a request that ended while
+    its row sat in the step the overlap scheduler had already launched writes that row's KV into its tail
+    page). Such a page is free for the engine's own steps, which run after that one on the same stream, but
+    not for a writer outside that order: a decode's KV receiver, into whose pages another process copies
+    whenever its KV is ready. So a page freed while step s is in flight settles when s completes (the engine
+    says which steps it launched and completed), and `alloc(settled_only=True)` hands out settled pages only;
+    the engine's own allocations take the settling ones first, leaving the settled ones for the receivers."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 2:
@@ -24,6 +32,8 @@ class PageAllocator:
         self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))
         self._is_free = [True] * num_pages
         self._is_free[SCRATCH_PAGE] = False
+        self._settling: list[tuple[int, int]] = []  # (the step that may still write it, page), in freeing order
+        self._launched = self._completed = 0
 
     @property
     def capacity(self) -> int:
@@ -32,19 +42,47 @@ class PageAllocator:
 
     @property
     def free_count(self) -> int:
+        return len(self._free) + len(self._settling)
+
+    @property
+    def settled_count(self) -> int:
+        """Free pages no queued step writes: what a writer outside the engine's stream may be given."""
         return len(self._free)
 
-    def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPagesError(f"asked for {n} KV pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
+    def step_launched(self, step: int) -> None:
+        """The engine queued step `step` (increasing): a page freed from now on may be written by it."""
+        self._launched = step
+
+    def step_completed(self, step: int) -> None:
+        """Step `step` finished on the device: the pages freed while it was queued are settled."""
+        self._completed = max(self._completed, step)
+        keep = 0
+        while keep < len(self._settling) and self._settling[keep][0] <= self._completed:
+            keep += 1
+        if keep:
+            self._free.extend(page for _, page in self._settling[:keep])
+            del self._settling[:keep]
+
+    def alloc(self, n: int, settled_only: bool = False) -> list[int]:
+        available = len(self._free) if settled_only else self.free_count
+        if n > available:
+            raise OutOfPagesError(f"asked for {n} {'settled ' if settled_only else ''}KV pages, {available} free")
+        pages = []
+        if not settled_only:
+            while self._settling and len(pages) < n:  # the newest first: the settled ones stay for receivers
+                pages.append(self._settling.pop()[1])
+        pages.extend(self._free.pop() for _ in range(n - len(pages)))
         for p in pages:
             self._is_free[p] = False
         return pages
 
     def free(self, pages: list[int]) -> None:
+        in_flight = self._launched if self._launched > self._completed else 0
         for p in pages:
             if p == SCRATCH_PAGE or self._is_free[p]:
                 raise DoubleFreeError(f"page {p} freed twice (or the scratch page)")
             self._is_free[p] = True
-            self._free.append(p)
+            if in_flight:
+                self._settling.append((in_flight, p))
+            else:
+                self._free.append(p)

@@ -106,7 +106,9 @@ class DecodeRole(Role):
         prompt_len = len(req.prompt_ids)
         kv.admit(req, max_prefix_tokens=prompt_len - 1)
         decode_prefix_len = req.kv_len
-        if not kv.grow(req, prompt_len):
+        # Settled pages only: the prefill copies into them from outside this engine's stream, so none may be a
+        # page that a step still queued here writes (one of a request that ended with a row in it).
+        if not kv.grow(req, prompt_len, settled=True):
             kv.release(req)
             return False
         self.pending.popleft()
