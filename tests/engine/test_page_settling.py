@@ -1,0 +1,147 @@
+"""KV pages freed while a step is queued on the device settle when it completes, and a writer outside the engine's
+stream (a decode's KV receiver, into whose pages a prefill copies from another process) is given settled pages
+only. Under the overlap scheduler a request that ends in step k's results still has a row in step k+1, already
+queued, which writes its next token's KV into its tail page; that page, freed at once, must not go to a receiver
+whose prefill may copy into it before step k+1 runs.
+
+The allocator alone, then the engine with the overlap scheduler forced on and the device slowed (each step's
+result ready `STEP_S` after its launch, as tests/engine/test_poll_while_running.py does), with a role that
+reserves pages as a decode does for requests it parks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.page_allocator import DoubleFreeError, OutOfPagesError, PageAllocator
+from splitserve.engine.request import FinishReason, Request, TokenOutput
+from splitserve.engine.role import ComposedRole, Role
+from splitserve.engine.sampling_params import SamplingParams
+
+STEP_S = 0.04
+RECEIVED = 7  # prompts starting with this token are parked and given pages as a decode's receiver would be
+
+
+def test_pages_freed_while_a_step_is_queued_settle_when_it_completes() -> None:
+    alloc = PageAllocator(9)  # pages 1..8
+    first = alloc.alloc(4)
+    alloc.step_launched(1)
+    alloc.free(first[:2])  # step 1 may still write these
+    assert alloc.free_count == 6 and alloc.settled_count == 4
+    with pytest.raises(OutOfPagesError, match="settled"):
+        alloc.alloc(5, settled_only=True)
+    settled = alloc.alloc(4, settled_only=True)
+    assert not set(settled) & set(first[:2])
+    alloc.free(settled)
+    alloc.step_launched(2)  # overlap: step 2 queued before step 1 completes
+    alloc.step_completed(1)
+    assert alloc.settled_count == 2 + 4  # step 1's pages, and the ones freed while it was still queued
+    alloc.free(first[2:])  # while step 2 is queued
+    assert alloc.settled_count == 6 and alloc.free_count == 8
+    with pytest.raises(DoubleFreeError):
+        alloc.free(first[2:3])  # settling pages are free: freeing one again is still a bookkeeping bug
+    # The engine's own steps run after step 2 on its stream: its allocations take the settling pages first.
+    mine = alloc.alloc(1)
+    assert mine[0] in first[2:] and alloc.settled_count == 6
+    alloc.step_completed(2)
+    assert alloc.settled_count == alloc.free_count == 7
+    alloc.free(mine)  # no step in flight: settled at once
+    assert alloc.settled_count == 8
+
+
+class SlowDevice:
+    def __init__(self) -> None:
+        self.at = time.monotonic() + STEP_S
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.at - time.monotonic()))
+
+
+class ReservesLikeADecode(Role):
+    """Parks requests whose prompt starts with RECEIVED and, from its poll, gives each its prompt's pages as the
+    decode role does (settled ones, unless `settled` is off), noting which pages were settling at that moment;
+    then ends it (its KV "arrived" and was not needed)."""
+
+    def __init__(self, settled: bool) -> None:
+        self.settled = settled
+        self.parked: list[Request] = []
+        self.reserved: list[tuple[set[int], set[int]]] = []  # (pages given, pages settling then)
+
+    def on_arrival(self, req: Request) -> bool:
+        if req.prompt_ids[0] != RECEIVED:
+            return False
+        self.engine.park(req)
+        self.parked.append(req)
+        return True
+
+    def idle_poll_interval(self) -> float | None:
+        return 0.002 if self.parked else None
+
+    def poll(self) -> None:
+        kv = self.engine.kv
+        while self.parked:
+            req = self.parked[0]
+            settling = {page for _, page in kv.allocator._settling}
+            kv.admit(req, max_prefix_tokens=0)
+            if not kv.grow(req, len(req.prompt_ids), settled=self.settled):
+                kv.release(req)
+                return
+            self.parked.pop(0)
+            self.reserved.append((set(req.pages), settling))
+            self.engine.finish(req, FinishReason.STOP)
+
+
+@pytest.mark.parametrize("settled", [True, False], ids=["settled", "any-free-page"])
+def test_a_receiver_never_gets_a_page_that_a_queued_step_may_write(settled: bool) -> None:
+    role = ReservesLikeADecode(settled)
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=512,
+                                 max_running_requests=16, disable_prefix_cache=True),
+                    role=ComposedRole("decode", [role]))
+    engine.overlap = True
+    launch = engine.runner.launch
+
+    def slow_launch(chunks, page_table):
+        pending = launch(chunks, page_table)
+        pending.done = SlowDevice()
+        return pending
+
+    engine.runner.launch = slow_launch
+    ended = threading.Semaphore(0)
+
+    def on_output(out: TokenOutput) -> None:
+        if out.finish_reason is not None:
+            ended.release()
+
+    engine.start()
+    submitted = 0
+    try:
+        for i in range(24):
+            # Short requests end in one step's results while their row is in the next one, already queued.
+            engine.submit(Request(f"short-{i}", [5, 6, 8, 9, 10, 11][: 2 + i % 5],
+                                  SamplingParams(max_new_tokens=1 + i % 3, temperature=0.0, ignore_eos=True),
+                                  on_output))
+            engine.submit(Request(f"received-{i}", [RECEIVED, 1, 2, 3, 4][: 2 + i % 4],
+                                  SamplingParams(max_new_tokens=1, temperature=0.0), on_output))
+            submitted += 2
+            time.sleep(STEP_S / 2)
+        for _ in range(submitted):
+            assert ended.acquire(timeout=30)
+        time.sleep(3 * STEP_S)
+    finally:
+        engine.stop()
+    overlapping = [pages & settling for pages, settling in role.reserved if pages & settling]
+    hazards = sum(1 for _, settling in role.reserved if settling)
+    assert len(role.reserved) == 24 and hazards > 0, "no reservation met a page freed while a step was queued"
+    if settled:
+        assert not overlapping, f"a receiver got pages a queued step may still write: {overlapping}"
+    else:  # what the test tells apart: the engine's newest-first reuse hands the ended request's page on
+        assert overlapping
+    alloc = engine.kv.allocator
+    assert not alloc._settling and alloc.settled_count == alloc.capacity, "pages left settling or held"
