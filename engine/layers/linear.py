@@ -21,6 +21,7 @@ from torch import nn
 from splitserve.engine.layers import gemm_algos, skinny
 from splitserve.engine.quantization.fp8 import (
     FP8_DTYPE,
+    ROW_QUANTIZED_ACTIVATIONS,
     Fp8Scheme,
     dequantize,
     fp8_linear,
@@ -151,6 +152,14 @@ class QuantizableLinear(nn.Module):
         else:
             self.weight.copy_(dequantize(q, scale, self.weight.dtype))
 
+    def takes_quantized_rows(self, x: torch.Tensor) -> bool:
+        """Whether this layer's input made from `x`'s rows (same row count, 16-bit) may come already in e4m3
+        (`forward_quantized`): FP8 weights on CUDA, past the skinny kernel's rows (the W8A8 GEMM's), bfloat16,
+        and a scheme whose activations quantize per row or statically."""
+        return (self.fp8 and x.is_cuda and x.dim() == 2 and x.shape[0] > self.skinny_rows
+                and x.dtype == torch.bfloat16 and self.quant.activation in ROW_QUANTIZED_ACTIVATIONS
+                and self.weight.shape[0] % 16 == 0 and self.weight.shape[1] % 16 == 0)
+
     def fp8_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.quant is not None and self.weight_scale is not None
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias, self.quant.activation,
@@ -255,6 +264,15 @@ class RowParallelLinear(QuantizableLinear):
             y = gemm_algos.lt_linear(x, self.weight, algo)
         else:
             y = nn.functional.linear(x, self.weight)
+        return self._reduced(y)
+
+    def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """forward of rows given in e4m3 with their [M, 1] scales (takes_quantized_rows said yes), out in `dtype`."""
+        from splitserve.engine.quantization.fp8_cuda import scaled_mm_quantized
+
+        return self._reduced(scaled_mm_quantized(xq, xs, self.weight, self.weight_scale, dtype))
+
+    def _reduced(self, y: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(y)
         # The bias is added once, after the reduction, not once per rank.
         return y if self.bias is None else y + self.bias

@@ -13,7 +13,7 @@ from splitserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbe
 from splitserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from splitserve.engine.layers.rmsnorm import RMSNorm
 from splitserve.engine.layers.rotary import MRotaryEmbedding, RotaryEmbedding
-from splitserve.engine.quantization.fp8 import Fp8Scheme
+from splitserve.engine.quantization.fp8 import Fp8Scheme, swiglu_quantized
 from splitserve.engine.runner.forward_batch import ForwardBatch
 from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
 
@@ -102,7 +102,12 @@ class LlamaMLP(nn.Module):
                                            quant=projection_quant(cfg, layer_index, "mlp.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        if down.takes_quantized_rows(gate_up):  # FP8 prompt rows: SwiGLU straight to e4m3, one kernel
+            return down.forward_quantized(*swiglu_quantized(gate_up, down.quant.activation, down.input_scale),
+                                          gate_up.dtype)
+        return down(silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

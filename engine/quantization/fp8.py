@@ -36,6 +36,10 @@ WEIGHT_STRATEGIES = ("tensor", "channel")
 # (dynamic), with the checkpoint's static per-tensor scale, or not at all (a weight-only checkpoint: on the GPU
 # its prompt rows are then quantized per token, its decode rows take the weight-only kernel as every scheme's do).
 ACTIVATION_SCHEMES = ("dynamic-token", "dynamic-tensor", "static-tensor", "none")
+# The schemes whose rows can be quantized as they are made (per row, or with the static scale): a kernel that
+# makes a projection's input can write it in e4m3 (swiglu_quantized). A dynamic per-tensor scale needs the whole
+# tensor's amax first.
+ROW_QUANTIZED_ACTIVATIONS = ("dynamic-token", "none", "static-tensor")
 
 
 class UnsupportedQuantizationError(ValueError):
@@ -229,3 +233,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
             return fp8_cuda.scaled_mm_linear(x, weight, weight_scale, input_scale, bias, activation)
     return fp8_linear_reference(x, weight, weight_scale, input_scale, bias,
                                 None if activation == "none" or not x.is_cuda else activation)
+
+
+def swiglu_quantized(gate_up: torch.Tensor, activation: str, input_scale: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up of a [M, 2N] gate_up as the down projection's e4m3 rows and [M, 1] scales, in one CUDA
+    kernel (fp8_cuda.silu_mul_quantize): the bits of quantizing silu_and_mul's output."""
+    from splitserve.engine.quantization import fp8_cuda
+
+    return fp8_cuda.silu_mul_quantize(gate_up, activation, input_scale)
