@@ -49,7 +49,7 @@ def phase_of_kernels(names: list[str], layers: int) -> list[str]:
             phase, current = "rope", "attention"
         elif any(mark in name.lower() for mark in ATTENTION_MARKS):
             phase, current = "attention", "o_proj"
-        elif "_silu_mul_kernel" in name:
+        elif "_silu_mul" in name:  # the SwiGLU kernel, or FP8's SwiGLU straight to e4m3
             phase, current = "activation", "down"
         elif "_quantize_rows" in name:
             phase = "quantize"  # an FP8 projection's activations to e4m3: their own row

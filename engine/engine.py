@@ -86,7 +86,7 @@ class LaunchedStep:
     chunks: list[ScheduledChunk]
     holds: list[tuple[int, int]]
     pending: PendingStep
-    index: int  # the engine's count of launched steps at this one (the KV allocator's step)
+    index: int  # the engine's count of launches at this one (the KV allocator's step)
 
 
 def step_done(step: LaunchedStep) -> bool:
@@ -166,6 +166,7 @@ class Engine:
         self._warm_up_error: BaseException | None = None
         self._state = self._snapshot()
         self.steps = 0
+        self._launches = 0  # launch attempts: the KV allocator's step count (a failed launch may have queued work)
         self._inflight: LaunchedStep | None = None
         # The overlap scheduler: on CUDA, step N+1 is queued before step N's tokens are read back.
         self.overlap = self.runner.device.type == "cuda" and cfg.tp_size == 1 and not cfg.disable_overlap
@@ -357,6 +358,7 @@ class Engine:
         except Exception as exc:  # a bug in the loop itself: no request may hang on it
             logger.exception("engine loop crashed")
             self._inflight = None
+            self._device_settled()
             self.failure = f"engine loop crashed: {exc!r}"
             self._close_inbox()
             with contextlib.suppress(Exception):
@@ -512,13 +514,15 @@ class Engine:
 
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
         launched_at = time.time()  # the prompt chunks' `scheduled` stamp (on the CPU, launch runs the step)
+        self._launches += 1
+        self.kv.allocator.step_launched(self._launches)
         try:
             pending = self.runner.launch(chunks, self.kv.page_table)
         except Exception as exc:  # a bug or an OOM: fail this step's requests, keep serving others
+            self._device_settled()  # what it queued before it raised writes nothing once this returns
             self._step_failed(chunks, exc)
             return None
         self.steps += 1
-        self.kv.allocator.step_launched(self.steps)
         for c in chunks:
             req = c.request
             if c.start < len(req.prompt_ids):  # a prompt chunk
@@ -528,7 +532,17 @@ class Engine:
             req.kv_len += c.length
         # A request's slot and tenure are its identity in the step: one preempted meanwhile gets its token
         # discarded, also when it was admitted again into the same slot (slots are reused last-in first-out).
-        return LaunchedStep(chunks, [(c.request.slot, c.request.tenure) for c in chunks], pending, self.steps)
+        return LaunchedStep(chunks, [(c.request.slot, c.request.tenure) for c in chunks], pending, self._launches)
+
+    def _device_settled(self) -> None:
+        """Waits for every step queued on the device (whatever the wait raises: a failed device writes nothing
+        more), so the pages freed meanwhile settle (PageAllocator)."""
+        if self.runner.device.type == "cuda":
+            import torch
+
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(self.runner.device)
+        self.kv.allocator.step_completed(self._launches)
 
     def _complete(self, step: LaunchedStep) -> None:
         # A request preempted meanwhile is not this step's any more (its slot or tenure changed).

@@ -61,16 +61,17 @@ class QuantizableLinear(nn.Module):
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False) if bias else None
         self.weight_scale = self.input_scale = None
-        self.arrivals: torch.Tensor | None = None
+        arrivals = None  # the skinny kernel's K parts count in here (CUDA)
         if self.fp8:
             self.weight_scale = nn.Parameter(torch.ones(out_local, dtype=torch.float32), requires_grad=False)
-            if torch.get_default_device().type == "cuda":  # the skinny kernel's K parts count in here
-                from splitserve.engine.quantization.fp8_cuda import arrival_counters
-
-                self.register_buffer("arrivals", arrival_counters(out_local, torch.get_default_device()),
-                                     persistent=False)
             if quant.static_input:
                 self.input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
+            if torch.get_default_device().type == "cuda":
+                from splitserve.engine.quantization.fp8_cuda import arrival_counters
+
+                arrivals = arrival_counters(out_local, torch.get_default_device())
+        self.arrivals: torch.Tensor | None
+        self.register_buffer("arrivals", arrivals, persistent=False)
         # Dequantizing layers (CPU): a shard's e4m3 rows or scales until the other has arrived.
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
 

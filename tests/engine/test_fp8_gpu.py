@@ -201,3 +201,31 @@ def test_swiglu_quantized_is_silu_and_mul_then_quantize_rows(rows: int, activati
     _, wq, wscale = operands(4096, 14336, 1, seed=3)
     fused = scaled_mm_quantized(q, s, wq, wscale, torch.bfloat16)
     assert torch.equal(fused, scaled_mm_linear(h, wq, wscale, scale, None, activation))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 16, 17, 512])
+def test_fp8_mlp_takes_the_fused_swiglu_past_the_skinny_rows_only(rows: int, tmp_path: Path) -> None:
+    """An FP8 MLP of the 8B shape built on CUDA (its layers' arrival counters registered): its output equals the
+    unfused down(silu_and_mul(gate_up)) at every row count, and the fused path is taken exactly past the skinny
+    rows."""
+    import dataclasses
+
+    from splitserve.engine.checkpoints.model_config import ModelConfig
+    from splitserve.engine.checkpoints.model_shapes import write_shape_folder
+    from splitserve.engine.layers.activation import silu_and_mul
+    from splitserve.engine.models.llama import LlamaMLP
+    from splitserve.engine.quantization.fp8 import online_scheme
+    from splitserve.engine.tp.parallel_state import SINGLE
+
+    cfg = ModelConfig.from_folder(write_shape_folder("llama-3.1-8b", tmp_path))
+    with torch.device("cuda"):
+        mlp = LlamaMLP(dataclasses.replace(cfg, quantization=online_scheme()), SINGLE, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        assert layer.fp8 and layer.arrivals is not None and int(layer.arrivals.count_nonzero()) == 0
+        layer.init_from(torch.randn(layer.weight.shape, device="cuda", generator=gen) * 0.02)
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    gate_up = mlp.gate_up_proj(x)
+    assert mlp.down_proj.takes_quantized_rows(gate_up) == (rows > mlp.down_proj.skinny_rows)
+    assert torch.equal(mlp(x), mlp.down_proj(silu_and_mul(gate_up)))

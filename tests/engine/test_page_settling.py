@@ -145,3 +145,42 @@ def test_a_receiver_never_gets_a_page_that_a_queued_step_may_write(settled: bool
         assert overlapping
     alloc = engine.kv.allocator
     assert not alloc._settling and alloc.settled_count == alloc.capacity, "pages left settling or held"
+
+
+def test_a_launch_that_fails_leaves_no_step_in_flight() -> None:
+    """A launch that raises may have queued work before it did: the engine waits for the device, the step
+    settles, and the failed request's pages are free and settled."""
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=512,
+                                 max_running_requests=4, disable_prefix_cache=True))
+    launch = engine.runner.launch
+    calls = []
+
+    def fails_once(chunks, page_table):
+        calls.append(len(chunks))
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (a test's)")
+        return launch(chunks, page_table)
+
+    engine.runner.launch = fails_once
+    outputs: list[TokenOutput] = []
+    done = threading.Event()
+
+    def on_output(out: TokenOutput) -> None:
+        outputs.append(out)
+        if out.finish_reason is not None:
+            done.set()
+
+    engine.start()
+    try:
+        engine.submit(Request("fails", [5, 6, 8, 9], SamplingParams(max_new_tokens=4, temperature=0.0), on_output))
+        assert done.wait(30)
+        done.clear()
+        engine.submit(Request("runs", [5, 6, 8, 9], SamplingParams(max_new_tokens=4, temperature=0.0), on_output))
+        assert done.wait(30)
+    finally:
+        engine.stop()
+    assert outputs[0].finish_reason == FinishReason.ERROR and "engine step failed" in outputs[0].error
+    assert outputs[-1].finish_reason is not FinishReason.ERROR
+    alloc = engine.kv.allocator
+    assert alloc._launched == alloc._completed == len(calls)
+    assert not alloc._settling and alloc.settled_count == alloc.capacity
