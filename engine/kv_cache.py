@@ -395,6 +395,9 @@ class KVCache:
                 if not load.ready():
                     main.wait_event(load.event)
         self._unlist_tail(req)  # before its page is freed: nobody may copy it any more
+        # Its own pages may still be written by a step in flight (a row of it queued before it ended): noted,
+        # so one that the cache takes and evicts while that step runs is not given to a remote writer.
+        self.allocator.note_written(req.pages[len(self._shared_pages(req)):])
         own_tokens = req.cache_ids[: req.kv_len] if cache_prefix else []
         if cache_prefix:
             # A partial last page holding just the prompt's tail (a prefill engine's request) stays for

@@ -22,7 +22,11 @@ class PageAllocator:
     not for a writer outside that order: a decode's KV receiver, into whose pages another process copies
     whenever its KV is ready. So a page freed while step s is in flight settles when s completes (the engine
     says which steps it launched and completed), and `alloc(settled_only=True)` hands out settled pages only;
-    the engine's own allocations take the settling ones first, leaving the settled ones for the receivers."""
+    the engine's own allocations take the settling ones first, leaving the settled ones for the receivers.
+
+    A page a request gives to the prefix cache is noted with the step in flight then (`note_written`): when it
+    is evicted later (`free(..., cached=True)`) it settles at once unless that step is still queued, so a
+    decode whose free pages all sit in its prefix cache is not held back a step for every eviction."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 2:
@@ -34,6 +38,7 @@ class PageAllocator:
         self._is_free[SCRATCH_PAGE] = False
         self._settling: list[tuple[int, int]] = []  # (the step that may still write it, page), in freeing order
         self._launched = self._completed = 0
+        self._written: dict[int, int] = {}  # a cached page -> the step in flight when its request let it go
 
     @property
     def capacity(self) -> int:
@@ -63,6 +68,16 @@ class PageAllocator:
             self._free.extend(page for _, page in self._settling[:keep])
             del self._settling[:keep]
 
+    @property
+    def _in_flight(self) -> int:
+        return self._launched if self._launched > self._completed else 0
+
+    def note_written(self, pages: list[int]) -> None:
+        """`pages` leave their request for the prefix cache: a step in flight now may still write them."""
+        if in_flight := self._in_flight:
+            for p in pages:
+                self._written[p] = in_flight
+
     def alloc(self, n: int, settled_only: bool = False) -> list[int]:
         available = len(self._free) if settled_only else self.free_count
         if n > available:
@@ -74,15 +89,19 @@ class PageAllocator:
         pages.extend(self._free.pop() for _ in range(n - len(pages)))
         for p in pages:
             self._is_free[p] = False
+            self._written.pop(p, None)
         return pages
 
-    def free(self, pages: list[int]) -> None:
-        in_flight = self._launched if self._launched > self._completed else 0
+    def free(self, pages: list[int], cached: bool = False) -> None:
+        """Gives `pages` back. A request's own pages may be written by the step in flight (settling until it
+        completes); `cached` ones (evicted from the prefix cache) only by the step noted when they were cached."""
+        in_flight = self._in_flight
         for p in pages:
             if p == SCRATCH_PAGE or self._is_free[p]:
                 raise DoubleFreeError(f"page {p} freed twice (or the scratch page)")
             self._is_free[p] = True
-            if in_flight:
-                self._settling.append((in_flight, p))
+            written = self._written.pop(p, 0) if cached else in_flight
+            if written > self._completed:
+                self._settling.append((written, p))
             else:
                 self._free.append(p)

@@ -230,7 +230,7 @@ class PrefixCache:
             self._list(parent)
         if spilled:
             self.spill(spilled)  # type: ignore[misc]  (spill: set)
-        self.allocator.free(freed)
+        self.allocator.free(freed, cached=True)
         return len(freed)
 
     def flush(self) -> int:

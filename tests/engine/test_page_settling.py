@@ -53,6 +53,19 @@ def test_pages_freed_while_a_step_is_queued_settle_when_it_completes() -> None:
     assert alloc.settled_count == 8
 
 
+def test_an_evicted_page_settles_unless_the_step_in_flight_when_it_was_cached_still_runs() -> None:
+    alloc = PageAllocator(9)
+    old, recent = alloc.alloc(2), alloc.alloc(2)
+    alloc.note_written(old)  # cached with no step in flight
+    alloc.step_launched(1)
+    alloc.note_written(recent)  # its request ended with a row in step 1
+    alloc.free(old, cached=True)  # evicted while step 1 runs: nothing queued writes it
+    alloc.free(recent, cached=True)
+    assert alloc.settled_count == 4 + 2 and alloc.free_count == 8
+    alloc.step_completed(1)
+    assert alloc.settled_count == 8
+
+
 class SlowDevice:
     def __init__(self) -> None:
         self.at = time.monotonic() + STEP_S
@@ -73,6 +86,7 @@ class ReservesLikeADecode(Role):
         self.settled = settled
         self.parked: list[Request] = []
         self.reserved: list[tuple[set[int], set[int]]] = []  # (pages given, pages settling then)
+        self.evictions = 0  # reservations that evicted cached pages
 
     def on_arrival(self, req: Request) -> bool:
         if req.prompt_ids[0] != RECEIVED:
@@ -89,8 +103,11 @@ class ReservesLikeADecode(Role):
         while self.parked:
             req = self.parked[0]
             settling = {page for _, page in kv.allocator._settling}
+            cached = kv.prefix_cache.cached_pages
             kv.admit(req, max_prefix_tokens=0)
-            if not kv.grow(req, len(req.prompt_ids), settled=self.settled):
+            grown = kv.grow(req, len(req.prompt_ids), settled=self.settled)
+            self.evictions += kv.prefix_cache.cached_pages < cached
+            if not grown:
                 kv.release(req)
                 return
             self.parked.pop(0)
@@ -98,11 +115,14 @@ class ReservesLikeADecode(Role):
             self.engine.finish(req, FinishReason.STOP)
 
 
+@pytest.mark.parametrize("prefix_cache", [False, True], ids=["freed", "cached-then-evicted"])
 @pytest.mark.parametrize("settled", [True, False], ids=["settled", "any-free-page"])
-def test_a_receiver_never_gets_a_page_that_a_queued_step_may_write(settled: bool) -> None:
+def test_a_receiver_never_gets_a_page_that_a_queued_step_may_write(settled: bool, prefix_cache: bool) -> None:
+    """With the prefix cache on, an ended request's pages go to the cache and the reservation evicts them."""
     role = ReservesLikeADecode(settled)
-    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=512,
-                                 max_running_requests=16, disable_prefix_cache=True),
+    # With the cache on, a KV cache small enough that reservations evict what ended requests left in it.
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=128 if prefix_cache
+                                 else 512, max_running_requests=16, disable_prefix_cache=not prefix_cache),
                     role=ComposedRole("decode", [role]))
     engine.overlap = True
     launch = engine.runner.launch
@@ -124,7 +144,7 @@ def test_a_receiver_never_gets_a_page_that_a_queued_step_may_write(settled: bool
     try:
         for i in range(24):
             # Short requests end in one step's results while their row is in the next one, already queued.
-            engine.submit(Request(f"short-{i}", [5, 6, 8, 9, 10, 11][: 2 + i % 5],
+            engine.submit(Request(f"short-{i}", [10 + i, 40 + i, 8, 9, 10, 11, 12, 13, 14][: 2 + i % 8],
                                   SamplingParams(max_new_tokens=1 + i % 3, temperature=0.0, ignore_eos=True),
                                   on_output))
             engine.submit(Request(f"received-{i}", [RECEIVED, 1, 2, 3, 4][: 2 + i % 4],
@@ -139,11 +159,13 @@ def test_a_receiver_never_gets_a_page_that_a_queued_step_may_write(settled: bool
     overlapping = [pages & settling for pages, settling in role.reserved if pages & settling]
     hazards = sum(1 for _, settling in role.reserved if settling)
     assert len(role.reserved) == 24 and hazards > 0, "no reservation met a page freed while a step was queued"
+    assert role.evictions > 0 or not prefix_cache, "no reservation evicted a cached page"
     if settled:
         assert not overlapping, f"a receiver got pages a queued step may still write: {overlapping}"
     else:  # what the test tells apart: the engine's newest-first reuse hands the ended request's page on
         assert overlapping
     alloc = engine.kv.allocator
+    engine.kv.prefix_cache.flush()
     assert not alloc._settling and alloc.settled_count == alloc.capacity, "pages left settling or held"
 
 
