@@ -87,6 +87,7 @@ class ReservesLikeADecode(Role):
         self.parked: list[Request] = []
         self.reserved: list[tuple[set[int], set[int]]] = []  # (pages given, pages settling then)
         self.evictions = 0  # reservations that evicted cached pages
+        self.refused = 0  # reservations put off to a later poll for want of settled pages
 
     def on_arrival(self, req: Request) -> bool:
         if req.prompt_ids[0] != RECEIVED:
@@ -108,6 +109,7 @@ class ReservesLikeADecode(Role):
             grown = kv.grow(req, len(req.prompt_ids), settled=self.settled)
             self.evictions += kv.prefix_cache.cached_pages < cached
             if not grown:
+                self.refused += 1
                 kv.release(req)
                 return
             self.parked.pop(0)
@@ -160,6 +162,10 @@ def test_a_receiver_never_gets_a_page_that_a_queued_step_may_write(settled: bool
     hazards = sum(1 for _, settling in role.reserved if settling)
     assert len(role.reserved) == 24 and hazards > 0, "no reservation met a page freed while a step was queued"
     assert role.evictions > 0 or not prefix_cache, "no reservation evicted a cached page"
+    if settled and prefix_cache:
+        # Cached pages evicted while a step runs are settled unless cached during it: no reservation waits a poll
+        # for them (stamped with the step in flight at eviction, every eviction put its reservation off).
+        assert role.refused == 0, (role.refused, role.evictions)
     if settled:
         assert not overlapping, f"a receiver got pages a queued step may still write: {overlapping}"
     else:  # what the test tells apart: the engine's newest-first reuse hands the ended request's page on
