@@ -29,10 +29,9 @@ import triton.language as tl
 
 from splitserve.engine.layers.pdl import launch_kwargs
 from splitserve.engine.layers.pdl_triton import wait_for_previous
-from splitserve.engine.quantization.fp8 import ROW_QUANTIZED_ACTIVATIONS
 
 TILE_ROWS = 16
-# engine/quantization/fp8.py's (its values, restated: the kernels take them as constants)
+# engine/quantization/fp8.py's (not imported: it imports this module, lazily, on CUDA)
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
 
@@ -250,7 +249,10 @@ def silu_mul_quantize(gate_up: torch.Tensor, activation: str, input_scale: torch
     """(e4m3 [M, N], float32 [M, 1]) of silu(gate) * up for a [M, 2N] gate_up, in one kernel: the bits
     quantize_rows(silu_and_mul(gate_up), activation, input_scale) gives, without writing and reading the 16-bit
     rows between them. Per token ("dynamic-token"; "none": a weight-only checkpoint's rows) or static."""
-    assert activation in ROW_QUANTIZED_ACTIVATIONS and gate_up.stride(-1) == 1
+    # (fp8.ROW_QUANTIZED_ACTIVATIONS: not imported, fp8.py imports this module)
+    if activation not in ("dynamic-token", "none", "static-tensor"):
+        raise ValueError(f"activations {activation!r} are not quantized per row or statically")
+    assert gate_up.stride(-1) == 1
     m, n = gate_up.shape[0], gate_up.shape[1] // 2
     q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=gate_up.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=gate_up.device)
