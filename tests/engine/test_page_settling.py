@@ -5,8 +5,8 @@ queued, which writes its next token's KV into its tail page; that page, freed at
 whose prefill may copy into it before step k+1 runs.
 
 The allocator alone, then the engine with the overlap scheduler forced on and the device slowed (each step's
-result ready `STEP_S` after its launch, as tests/engine/test_poll_while_running.py does), with a role that
-reserves pages as a decode does for requests it parks."""
+result ready `STEP_S` after its launch: tests/slow_device.py), with a role that reserves pages as a decode does
+for requests it parks."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from slow_device import slow_down
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
@@ -66,17 +67,6 @@ def test_an_evicted_page_settles_unless_the_step_in_flight_when_it_was_cached_st
     assert alloc.settled_count == 8
 
 
-class SlowDevice:
-    def __init__(self) -> None:
-        self.at = time.monotonic() + STEP_S
-
-    def query(self) -> bool:
-        return time.monotonic() >= self.at
-
-    def synchronize(self) -> None:
-        time.sleep(max(0.0, self.at - time.monotonic()))
-
-
 class ReservesLikeADecode(Role):
     """Parks requests whose prompt starts with RECEIVED and, from its poll, gives each its prompt's pages as the
     decode role does (settled ones, unless `settled` is off), noting which pages were settling at that moment;
@@ -126,15 +116,7 @@ def test_a_receiver_never_gets_a_page_that_a_queued_step_may_write(settled: bool
     engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=128 if prefix_cache
                                  else 512, max_running_requests=16, disable_prefix_cache=not prefix_cache),
                     role=ComposedRole("decode", [role]))
-    engine.overlap = True
-    launch = engine.runner.launch
-
-    def slow_launch(chunks, page_table):
-        pending = launch(chunks, page_table)
-        pending.done = SlowDevice()
-        return pending
-
-    engine.runner.launch = slow_launch
+    slow_down(engine, STEP_S)
     ended = threading.Semaphore(0)
 
     def on_output(out: TokenOutput) -> None:

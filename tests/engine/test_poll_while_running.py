@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from slow_device import slow_down
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
@@ -22,19 +23,6 @@ from splitserve.engine.sampling_params import SamplingParams
 
 STEP_S = 0.3
 HELD = 7  # prompts starting with this token are held by the role until `landed` is set
-
-
-class SlowDevice:
-    """A step's completion event that the device signals `STEP_S` after the launch."""
-
-    def __init__(self) -> None:
-        self.at = time.monotonic() + STEP_S
-
-    def query(self) -> bool:
-        return time.monotonic() >= self.at
-
-    def synchronize(self) -> None:
-        time.sleep(max(0.0, self.at - time.monotonic()))
 
 
 class HoldsUntilLanded(Role):
@@ -72,15 +60,7 @@ def test_a_transfer_that_lands_mid_step_is_taken_before_the_step_ends(polls_whil
     role = HoldsUntilLanded()
     engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=2048,
                                  max_running_requests=8), role=ComposedRole("decode", [role]))
-    engine.overlap = True
-    launch = engine.runner.launch
-
-    def slow_launch(chunks, page_table):
-        pending = launch(chunks, page_table)
-        pending.done = SlowDevice()
-        return pending
-
-    engine.runner.launch = slow_launch
+    slow_down(engine, STEP_S)
     if not polls_while_running:  # the loop as it was: the step's end first, the role's poll after
         engine._poll_while_running = lambda step: None
     tokens, held_done = threading.Event(), threading.Event()
