@@ -60,11 +60,11 @@ def phase_of_kernels(names: list[str], layers: int) -> list[str]:
 
 
 def phase_bounds(cfg: dict, prompts: int, length: int, bandwidth: float, peak: float,
-                 weight_bytes: int = 2) -> dict[str, float]:
+                 weight_bytes: int = 2, projection_peak: float | None = None) -> dict[str, float]:
     """Each phase's bound in us: every input read once and every output written once at the bandwidth, or its
     FLOPs at the matmul peak, whichever is longer. The last layer's o_proj and MLP run on the `prompts` sampled
-    rows (LlamaForCausalLM.hidden_states). FP8 (`weight_bytes` 1, `peak` the e4m3 one): the projections read
-    1-byte weights; the LM head stays 16-bit at the 16-bit peak (`peak` / 2)."""
+    rows (LlamaForCausalLM.hidden_states). FP8 (`weight_bytes` 1, `projection_peak` the e4m3 one): the layers'
+    projections read 1-byte weights at that peak; the LM head and attention stay 16-bit, at `peak`."""
     hidden, inter, layers, vocab = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
                                     cfg["vocab_size"])
     heads = cfg["num_attention_heads"]
@@ -73,9 +73,10 @@ def phase_bounds(cfg: dict, prompts: int, length: int, bandwidth: float, peak: f
     rows, sampled = prompts * length, prompts
     qkv_n = (heads + 2 * kv_heads) * head_dim
 
-    def gemm(k: int, n: int, row_counts: list[int], per_param: int = weight_bytes) -> tuple[float, float]:
+    def gemm(k: int, n: int, row_counts: list[int], per_param: int = weight_bytes,
+             at: float = projection_peak or peak) -> tuple[float, float, float]:
         return (sum(k * n * per_param + m * (k + n) * 2 for m in row_counts),
-                sum(2.0 * m * k * n for m in row_counts))
+                sum(2.0 * m * k * n for m in row_counts), at)
 
     after = [rows] * (layers - 1) + [sampled]
     out = {
@@ -83,17 +84,16 @@ def phase_bounds(cfg: dict, prompts: int, length: int, bandwidth: float, peak: f
         "o_proj": gemm(heads * head_dim, hidden, after),
         "gate_up": gemm(hidden, 2 * inter, after),
         "down": gemm(inter, hidden, after),
-        "lm_head": gemm(hidden, vocab, [sampled], per_param=2) if weight_bytes == 2 else
-        (gemm(hidden, vocab, [sampled], per_param=2)[0], 2 * gemm(hidden, vocab, [sampled])[1]),
+        "lm_head": gemm(hidden, vocab, [sampled], per_param=2, at=peak),
         # causal: each query reads the keys up to its own position; q, k, v in, the output out
         "attention": (layers * rows * (qkv_n + heads * head_dim) * 2,
-                      layers * prompts * 4.0 * heads * head_dim * length * (length + 1) / 2),
-        "rope": (layers * rows * (qkv_n + 2 * kv_heads * head_dim) * 2, 0.0),  # q, k rotated; k, v stored
-        "norm": (sum(4 * m * hidden * 2 for m in [rows] * (2 * layers - 1) + [sampled, sampled]), 0.0),
-        "activation": (sum(3 * m * inter * 2 for m in after), 0.0),
-        "inputs": (2 * rows * hidden * 2, 0.0),
+                      layers * prompts * 4.0 * heads * head_dim * length * (length + 1) / 2, peak),
+        "rope": (layers * rows * (qkv_n + 2 * kv_heads * head_dim) * 2, 0.0, peak),  # q, k rotated; k, v stored
+        "norm": (sum(4 * m * hidden * 2 for m in [rows] * (2 * layers - 1) + [sampled, sampled]), 0.0, peak),
+        "activation": (sum(3 * m * inter * 2 for m in after), 0.0, peak),
+        "inputs": (2 * rows * hidden * 2, 0.0, peak),
     }
-    return {name: max(b / bandwidth, f / peak) * 1e6 for name, (b, f) in out.items()}
+    return {name: max(b / bandwidth, f / at) * 1e6 for name, (b, f, at) in out.items()}
 
 
 def per_phase(events: list[dict], layers: int, forwards: int) -> dict[str, float]:
@@ -126,8 +126,8 @@ def profile_step(eut: EngineUnderTest, shape: str, prompts: int, length: int, su
     cfg = SHAPES[shape]
     layers = cfg["num_hidden_layers"]
     fp8 = "fp8_matmul_flops" in limits  # the projections at the e4m3 peak, 1 byte a weight
-    bounds = phase_bounds(cfg, prompts, length, limits["copy_bandwidth_Bps"],
-                          limits["fp8_matmul_flops"] if fp8 else limits["matmul_flops"], weight_bytes=1 if fp8 else 2)
+    bounds = phase_bounds(cfg, prompts, length, limits["copy_bandwidth_Bps"], limits["matmul_flops"],
+                          weight_bytes=1 if fp8 else 2, projection_peak=limits.get("fp8_matmul_flops"))
     with eut.prefill_step(length, prompts) as (_, batch):
         def forward() -> None:
             eut.runner.forward(batch)
