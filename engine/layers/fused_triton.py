@@ -17,6 +17,7 @@ import triton.language as tl
 from splitserve.engine.layers.kv_fp8_triton import to_cache
 from splitserve.engine.layers.pdl import launch_kwargs
 from splitserve.engine.layers.pdl_triton import wait_for_previous
+from splitserve.engine.layers.swiglu_triton import silu_mul_row
 from splitserve.engine.quantization.kv_fp8 import KVScales
 
 
@@ -70,11 +71,8 @@ def _silu_mul_kernel(GU, Out, stride_gu, stride_o, N, BLOCK: tl.constexpr, PDL: 
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    g = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU + row * stride_gu + N + cols, mask=mask, other=0.0)
-    silu = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty)
-    tl.store(Out + row * stride_o + cols, (silu.to(tl.float32) * u.to(tl.float32)).to(Out.dtype.element_ty),
-             mask=mask)
+    h = silu_mul_row(GU, row, stride_gu, N, cols, mask, Out.dtype.element_ty)
+    tl.store(Out + row * stride_o + cols, h.to(Out.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

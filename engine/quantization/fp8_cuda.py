@@ -29,6 +29,7 @@ import triton.language as tl
 
 from splitserve.engine.layers.pdl import launch_kwargs
 from splitserve.engine.layers.pdl_triton import wait_for_previous
+from splitserve.engine.layers.swiglu_triton import silu_mul_row
 
 TILE_ROWS = 16
 # engine/quantization/fp8.py's (not imported: it imports this module, lazily, on CUDA)
@@ -213,16 +214,6 @@ def quantize_rows(x: torch.Tensor, activation: str, input_scale: torch.Tensor | 
 
 
 @triton.jit
-def _silu_mul(GU, row, stride_gm, N, cols, mask, out_dtype: tl.constexpr):
-    """silu(gate) * up of one row's `cols`, rounded as engine/layers/fused_triton.py's _silu_mul_kernel rounds
-    (silu to the output dtype, then the product): the values the unfused path quantizes."""
-    g = tl.load(GU + row * stride_gm + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU + row * stride_gm + N + cols, mask=mask, other=0.0)
-    silu = (g / (1.0 + tl.exp(-g))).to(out_dtype)
-    return (silu.to(tl.float32) * u.to(tl.float32)).to(out_dtype).to(tl.float32)
-
-
-@triton.jit
 def _silu_mul_quantize(GU, Q, S, Static, N, stride_gm, stride_qm, STATIC: tl.constexpr, FP8_MAX: tl.constexpr,
                        MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
@@ -234,12 +225,12 @@ def _silu_mul_quantize(GU, Q, S, Static, N, stride_gm, stride_qm, STATIC: tl.con
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for c0 in range(0, N, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_silu_mul(GU, row, stride_gm, N, cols, cols < N, out_dtype)))
+            amax = tl.maximum(amax, tl.abs(silu_mul_row(GU, row, stride_gm, N, cols, cols < N, out_dtype)))
         scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
     tl.store(S + row, scale)
     for c0 in range(0, N, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
-        h = _silu_mul(GU, row, stride_gm, N, cols, cols < N, out_dtype)
+        h = silu_mul_row(GU, row, stride_gm, N, cols, cols < N, out_dtype)
         q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
         tl.store(Q + row * stride_qm + cols, q.to(Q.dtype.element_ty), mask=cols < N)
 
@@ -249,9 +240,8 @@ def silu_mul_quantize(gate_up: torch.Tensor, activation: str, input_scale: torch
     """(e4m3 [M, N], float32 [M, 1]) of silu(gate) * up for a [M, 2N] gate_up, in one kernel: the bits
     quantize_rows(silu_and_mul(gate_up), activation, input_scale) gives, without writing and reading the 16-bit
     rows between them. Per token ("dynamic-token"; "none": a weight-only checkpoint's rows) or static."""
-    # (fp8.ROW_QUANTIZED_ACTIVATIONS: not imported, fp8.py imports this module)
-    if activation not in ("dynamic-token", "none", "static-tensor"):
-        raise ValueError(f"activations {activation!r} are not quantized per row or statically")
+    if activation == "dynamic-tensor":  # the one scheme outside fp8.ROW_QUANTIZED_ACTIVATIONS
+        raise ValueError("a dynamic per-tensor activation scale needs the whole tensor's amax first")
     assert gate_up.stride(-1) == 1
     m, n = gate_up.shape[0], gate_up.shape[1] // 2
     q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=gate_up.device)
