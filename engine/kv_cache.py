@@ -395,9 +395,10 @@ class KVCache:
                 if not load.ready():
                     main.wait_event(load.event)
         self._unlist_tail(req)  # before its page is freed: nobody may copy it any more
-        # Its own pages may still be written by a step in flight (a row of it queued before it ended): noted,
-        # so one that the cache takes and evicts while that step runs is not given to a remote writer.
-        self.allocator.note_written(req.pages[len(self._shared_pages(req)):])
+        own_pages = req.pages[len(self._shared_pages(req)):]  # (those shared from the cache stay there)
+        # They may still be written by a step in flight (a row of it queued before it ended): noted, so one that
+        # the cache takes and evicts while that step runs is not given to a remote writer.
+        self.allocator.note_written(own_pages)
         own_tokens = req.cache_ids[: req.kv_len] if cache_prefix else []
         if cache_prefix:
             # A partial last page holding just the prompt's tail (a prefill engine's request) stays for
@@ -405,9 +406,7 @@ class KVCache:
             keep = self.copies_partial_pages and req.kv_len == len(req.prompt_ids)
             leftover, _ = self.prefix_cache.insert(own_tokens, req.pages, keep_partial=keep)
         else:
-            # Pages shared from the cache stay there; the request's own pages are freed.
-            shared = len(self._shared_pages(req))
-            leftover = req.pages[shared:]
+            leftover = own_pages
         self.allocator.free(leftover)
         if req.prefix_node is not None:
             self.prefix_cache.unlock(req.prefix_node)
