@@ -29,6 +29,7 @@ from splitserve.bench.load_client import client_line, default_client_processes
 from splitserve.bench.report_file import write_report
 from splitserve.bench.stats import percentiles
 from splitserve.config_flags import add_config_flags, config_from_args
+from splitserve.launcher.memory_split import KV_WEIGHTS
 from splitserve.router.phases import DISAGGREGATED, PHASES_HEADER, UNIFIED
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class PhasesBenchConfig:
         "help": "CUDA MPS for the 1P1D engines on one GPU (splitserve up --mps: auto, on or off)"})
     mps_sm_percent: str = field(default="", metadata={
         "help": "the 1P1D engines' SM caps under MPS, ROLE=PERCENT[,...] (splitserve up --mps-sm-percent)"})
+    decode_kv_weight: float = field(default=KV_WEIGHTS["decode"], metadata={
+        "help": "the decode's weight in the 1P1D engines' split of the GPU's KV memory, against the prefill's 1 "
+                "(splitserve up --decode-kv-weight)"})
     warmup_requests: int = field(default=32, metadata={
         "help": "requests sent at the first rate before any is measured, with prompts of their own (CUDA graphs, "
                 "allocator, connections warm; a cold first rate measured the start)"})
@@ -191,6 +195,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
         deployment = Deployment(UpConfig(model=model, device=cfg.device, port=free_port(), engine_args=engine_args,
                                          mps=cfg.mps if name == "1p1d" else "off",
                                          mps_sm_percent=cfg.mps_sm_percent if name == "1p1d" else "",
+                                         decode_kv_weight=cfg.decode_kv_weight,
                                          **shape))  # one engine
         stop = [False]  # the deployment is supervised as under `up`: an engine that dies is restarted
         supervisor = threading.Thread(target=supervise, args=(deployment, stop), name="supervisor", daemon=True)

@@ -84,12 +84,14 @@ def device_total_bytes(device: str) -> int | None:
 
 def role_weighted_fractions(engines: list[list[str]], roles: list[str], even: list[float | None],
                             device_fraction: float, encoder_share: float, weights: int | None,
-                            totals: dict[str, int | None]) -> list[float | None]:
+                            totals: dict[str, int | None],
+                            kv_weights: dict[str, float] | None = None) -> list[float | None]:
     """Each engine's fraction where its GPUs are shared: its weights (per rank) plus its role's share of the KV memory
     the GPU's engines leave, on the GPU where that is least; `even` (the even split) where the weights or a GPU's
     size are unknown, a role has no KV weight, or the weights leave no KV memory. Encoders take `encoder_share` of
-    each GPU they use and get None, as in the even split."""
-    if weights is None or any(r not in KV_WEIGHTS and r != "encode" for r in roles):
+    each GPU they use and get None, as in the even split. `kv_weights`: each role's weight (default KV_WEIGHTS)."""
+    kv_weights = kv_weights or KV_WEIGHTS
+    if weights is None or any(r not in kv_weights and r != "encode" for r in roles):
         return even
     per_gpu: dict[str, list[int]] = {}  # the text engines on each GPU
     encoders: dict[str, int] = {}
@@ -114,7 +116,7 @@ def role_weighted_fractions(engines: list[list[str]], roles: list[str], even: li
             kv = device_fraction - encoder_share * encoders.get(d, 0) - sum(rank_weights)
             if kv <= 0:
                 return even
-            share = KV_WEIGHTS[role] / sum(KV_WEIGHTS[roles[j]] for j in sharing)
+            share = kv_weights[role] / sum(kv_weights[roles[j]] for j in sharing)
             fractions.append(weights / len(devices) / total + share * kv)
         out.append(round(min(fractions), 3))
     return out

@@ -95,6 +95,10 @@ class UpConfig:
         "help": "under MPS, the share of the GPU's SMs each role's engines may use, ROLE=PERCENT[,...] (e.g. "
                 "decode=40: decode steps are memory-bound and need few SMs, so prompt steps keep the rest); "
                 "roles not named use every SM"})
+    decode_kv_weight: float = field(default=KV_WEIGHTS["decode"], metadata={
+        "help": "where a prefill and a decode share a GPU, the decode's weight in the split of the KV memory their "
+                "weights leave, against a prefill's 1 (a decode holds every running request's whole context, a "
+                "prefill a prompt until its KV is sent)"})
 
     def __post_init__(self) -> None:
         if self.mps not in MPS_MODES:
@@ -105,6 +109,8 @@ class UpConfig:
             raise ValueError("--encode goes with --prefill/--decode; a unified engine encodes its images itself")
         if self.unified and (self.prefill or self.decode) and (self.prefill, self.decode) != (1, 1):
             raise ValueError("--unified replaces --prefill/--decode; give one or the other")
+        if not self.decode_kv_weight > 0:
+            raise ValueError(f"--decode-kv-weight must be > 0, got {self.decode_kv_weight}")
         if self.liveness_period_s < 0 or self.liveness_failures < 1:
             raise ValueError(f"--liveness-period-s must be >= 0 and --liveness-failures >= 1, got "
                              f"{self.liveness_period_s} and {self.liveness_failures}")
@@ -443,11 +449,13 @@ class Deployment:
         if weights is None:
             return even
         totals = {d: device_total_bytes(d) for engine in devices for d in engine}
-        split = role_weighted_fractions(devices, roles, even, DEVICE_FRACTION, ENCODER_SHARE, weights, totals)
+        kv_weights = {**KV_WEIGHTS, "decode": self.cfg.decode_kv_weight}
+        split = role_weighted_fractions(devices, roles, even, DEVICE_FRACTION, ENCODER_SHARE, weights, totals,
+                                        kv_weights)
         logger.info("memory split of shared GPUs (--mem-fraction): %s%s", ", ".join(
             f"{role} {f}" for role, f in zip(roles, split, strict=True) if f is not None),
             " (even)" if split is even else f" (the KV after {weights / 2**30:.1f} GiB of weights each, by role: "
-            f"{', '.join(f'{r} {w:g}' for r, w in KV_WEIGHTS.items())})")
+            f"{', '.join(f'{r} {w:g}' for r, w in kv_weights.items())})")
         return split
 
     @property

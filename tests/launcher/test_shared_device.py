@@ -153,6 +153,7 @@ def test_up_splits_a_shared_gpu_by_role_for_a_model_folder(llama_8b, monkeypatch
     """`up --prefill 1 --decode 1` of a model folder on one GPU: the decode's fraction is the larger (the device's
     size stands in for nvidia-smi's answer: this machine has no GPU)."""
     from splitserve.launcher import up
+    from splitserve.launcher.memory_split import weight_bytes as weight_bytes_of
 
     for name in ("SPLITSERVE_MEM_FRACTION", "SPLITSERVE_MAX_TOTAL_TOKENS", "SPLITSERVE_TP_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -160,6 +161,14 @@ def test_up_splits_a_shared_gpu_by_role_for_a_model_folder(llama_8b, monkeypatch
     assert Deployment(UpConfig(model=llama_8b, device="cuda:0", prefill=1, decode=1))._shared_fractions() == [
         0.346, 0.504]
     assert Deployment(UpConfig(model=llama_8b, device="cuda:0", unified=2))._shared_fractions() == [0.425, 0.425]
+    # --decode-kv-weight 3: the decode's KV three times the prefill's; the fractions still add up to the default.
+    prefill, decode = Deployment(UpConfig(model=llama_8b, device="cuda:0", prefill=1, decode=1,
+                                          decode_kv_weight=3))._shared_fractions()
+    w = weight_bytes_of(llama_8b)
+    assert decode * H100 - w == pytest.approx(3 * (prefill * H100 - w), rel=0.01)
+    assert prefill + decode == pytest.approx(DEVICE_FRACTION, abs=2e-3)
+    with pytest.raises(ValueError, match="--decode-kv-weight must be > 0"):
+        UpConfig(model=llama_8b, decode_kv_weight=0)
 
 
 def test_nvidia_smi_is_asked_for_the_gpu_an_engine_sees():
