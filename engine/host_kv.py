@@ -9,7 +9,9 @@ Layout: [pages, layers, 2 (k, v), page_size, kv_heads, head_dim], one host page 
 memcpy each way). On a CUDA device the buffer is pinned and the copies run on two side streams:
 - write-backs (device -> host): the side stream waits for the work queued on the compute stream so
   far, copies, and the compute stream waits for that copy before anything queued later (the evicted
-  device page is handed out again right away, and a later step may write it);
+  device page is handed out again right away, and a later step may write it). A writer outside that
+  stream (a decode's KV receiver) gets the page only once the copy's event completed (the allocator's
+  `read_by`);
 - loads (host -> device): the side stream waits for the compute stream (the fresh pages may have
   been written by queued work) and copies; the load's event says when the pages hold the KV. Only the
   requests that need those pages wait for it (`KVCache.waits_for_load`); other steps keep running.
@@ -131,12 +133,13 @@ class HostKVPool:
                 return slot
         return None  # every page is being loaded: nothing to give up
 
-    def write_back(self, evicted: Sequence[tuple[int, int]]) -> None:
+    def write_back(self, evicted: Sequence[tuple[int, int]]) -> tuple[torch.cuda.Event, ...]:
         """Copies evicted device pages, (page hash, device page) pairs, to the host: those whose hash
-        is not here yet (the others are only marked recently used)."""
+        is not here yet (the others are only marked recently used). Returns the event of the copy that
+        still reads the device pages (CUDA; none where the copy is done or there was none)."""
         buf = self.device_buffer
         if buf is None:
-            return
+            return ()
         copies: list[tuple[int, int]] = []  # (host slot, device page)
         for h, page in evicted:
             if h in self._index:
@@ -150,14 +153,14 @@ class HostKVPool:
                 self.events.stored(h, HOST)
             copies.append((slot, page))
         if not copies:
-            return
+            return ()
         self.written_pages += len(copies)
         copies.sort()
         slots = [s for s, _ in copies]
         if not self.cuda:
             idx = torch.tensor([p for _, p in copies], dtype=torch.int64)
             self.buffer.index_copy_(0, torch.tensor(slots, dtype=torch.int64), buf.index_select(2, idx).movedim(2, 0))
-            return
+            return ()
         main = torch.cuda.current_stream(buf.device)
         self._write_stream.wait_stream(main)
         with torch.cuda.stream(self._write_stream):
@@ -167,7 +170,8 @@ class HostKVPool:
                 self.buffer[slot:slot + n].copy_(staged[row:row + n], non_blocking=True)
             written = torch.cuda.Event()
             written.record()
-        main.wait_event(written)  # the evicted pages are not rewritten before they are read
+        main.wait_event(written)  # the evicted pages are not rewritten before they are read (by this engine's steps)
+        return (written,)
 
     # ---- host -> device ----------------------------------------------------------------------
 

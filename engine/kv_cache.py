@@ -179,10 +179,9 @@ class KVCache:
                 walk = walk.parent  # type: ignore[assignment]
         return longer
 
-    def _spill_to_store(self, evicted: list[tuple[int, int]]) -> None:
+    def _spill_to_store(self, evicted: list[tuple[int, int]]) -> tuple[torch.cuda.Event, ...]:
         assert self.host is not None and self.store is not None
-        self.host.write_back(evicted)
-        self.store.offer(evicted)
+        return self.host.write_back(evicted) + self.store.offer(evicted)
 
     def _load_from_store(self, req: Request, match: PrefixMatch, max_prefix_tokens: int) -> PrefixMatch:
         """Continues `match` (locked) with the prompt's next full pages found in the store, copied into fresh

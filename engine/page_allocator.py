@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 from splitserve.engine.kv_pool import SCRATCH_PAGE
+
+
+class DeviceRead(Protocol):
+    """A copy queued on a side stream that still reads pages (a CUDA event recorded after it)."""
+
+    def query(self) -> bool: ...
 
 
 class OutOfPagesError(RuntimeError):
@@ -26,7 +35,11 @@ class PageAllocator:
 
     A page a request gives to the prefix cache is noted with the step in flight then (`note_written`): when it
     is evicted later (`free(..., cached=True)`) it settles at once unless that step is still queued, so a
-    decode whose free pages all sit in its prefix cache is not held back a step for every eviction."""
+    decode whose free pages all sit in its prefix cache is not held back a step for every eviction.
+
+    A page evicted to a lower tier is read by a copy on a side stream (`free(..., read_by=events)`). The engine's
+    stream waits for that copy, so its own steps may take the page; a writer outside that order may not until
+    the copy is done."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 2:
@@ -39,6 +52,7 @@ class PageAllocator:
         self._settling: list[tuple[int, int]] = []  # (the step that may still write it, page), in freeing order
         self._launched = self._completed = 0
         self._written: dict[int, int] = {}  # a cached page -> the step in flight when its request let it go
+        self._read: list[tuple[Sequence[DeviceRead], int, int]] = []  # (the copies reading it, step as above, page)
 
     @property
     def capacity(self) -> int:
@@ -47,12 +61,32 @@ class PageAllocator:
 
     @property
     def free_count(self) -> int:
-        return len(self._free) + len(self._settling)
+        return len(self._free) + len(self._settling) + len(self._read)
 
     @property
     def settled_count(self) -> int:
-        """Free pages no queued step writes: what a writer outside the engine's stream may be given."""
+        """Free pages no queued step writes and no side-stream copy reads: what a writer outside the engine's
+        stream may be given."""
+        self._reap_reads()
         return len(self._free)
+
+    def _reap_reads(self) -> None:
+        """The pages whose side-stream copies are done settle as any freed page does (the step rule)."""
+        if not self._read:
+            return
+        done: dict[int, bool] = {}
+        still = []
+        for readers, written, page in self._read:
+            key = id(readers)
+            if key not in done:
+                done[key] = all(r.query() for r in readers)
+            if not done[key]:
+                still.append((readers, written, page))
+            elif written > self._completed:
+                self._settling.append((written, page))
+            else:
+                self._free.append(page)
+        self._read = still
 
     def step_launched(self, step: int) -> None:
         """The engine queued step `step` (increasing): a page freed from now on may be written by it."""
@@ -79,29 +113,35 @@ class PageAllocator:
                 self._written[p] = in_flight
 
     def alloc(self, n: int, settled_only: bool = False) -> list[int]:
-        available = len(self._free) if settled_only else self.free_count
+        available = self.settled_count if settled_only else self.free_count
         if n > available:
             raise OutOfPagesError(f"asked for {n} {'settled ' if settled_only else ''}KV pages, {available} free")
         pages = []
         if not settled_only:
             while self._settling and len(pages) < n:  # the newest first: the settled ones stay for receivers
                 pages.append(self._settling.pop()[1])
+            while self._read and len(pages) < n:  # the engine's stream waits for the copies that read them
+                pages.append(self._read.pop()[2])
         pages.extend(self._free.pop() for _ in range(n - len(pages)))
         for p in pages:
             self._is_free[p] = False
             self._written.pop(p, None)
         return pages
 
-    def free(self, pages: list[int], cached: bool = False) -> None:
+    def free(self, pages: list[int], cached: bool = False, read_by: Sequence[DeviceRead] = ()) -> None:
         """Gives `pages` back. A request's own pages may be written by the step in flight (settling until it
-        completes); `cached` ones (evicted from the prefix cache) only by the step noted when they were cached."""
+        completes); `cached` ones (evicted from the prefix cache) only by the step noted when they were cached.
+        `read_by`: side-stream copies that still read them (a write-back to a lower tier); they settle once
+        every one of those is done, and the step rule holds as well."""
         in_flight = self._in_flight
         for p in pages:
             if p == SCRATCH_PAGE or self._is_free[p]:
                 raise DoubleFreeError(f"page {p} freed twice (or the scratch page)")
             self._is_free[p] = True
             written = self._written.pop(p, 0) if cached else in_flight
-            if written > self._completed:
+            if read_by:
+                self._read.append((read_by, written, p))
+            elif written > self._completed:
                 self._settling.append((written, p))
             else:
                 self._free.append(p)

@@ -28,7 +28,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from splitserve.engine.page_allocator import PageAllocator
+from splitserve.engine.page_allocator import DeviceRead, PageAllocator
 from splitserve.engine.page_events import PageEvents
 from splitserve.engine.page_hash import next_hash, root_hash
 
@@ -83,9 +83,10 @@ class PrefixCache:
         # Hit-rate counters, in tokens, for /metrics.
         self.queried_tokens = 0
         self.hit_tokens = 0
-        # A lower tier: `spill` takes the (hash, page) of the full pages evicted, before they are freed;
-        # `on_flush` is called when the cache is flushed.
-        self.spill: Callable[[list[tuple[int, int]]], None] | None = None
+        # A lower tier: `spill` takes the (hash, page) of the full pages evicted, before they are freed, and
+        # returns the side-stream copies still reading them (none once done); `on_flush` is called when the
+        # cache is flushed.
+        self.spill: Callable[[list[tuple[int, int]]], Sequence[DeviceRead]] | None = None
         self.on_flush: Callable[[], object] | None = None
 
     def _chunks(self, tokens: Sequence[int], max_pages: int) -> list[tuple[int, ...]]:
@@ -228,9 +229,13 @@ class PrefixCache:
                 if spill:
                     spilled.append((node.hash, node.page))
             self._list(parent)
-        if spilled:
-            self.spill(spilled)  # type: ignore[misc]  (spill: set)
-        self.allocator.free(freed, cached=True)
+        readers = self.spill(spilled) if spilled else ()  # type: ignore[misc]  (spill: set)
+        if readers:  # the spilled pages settle once the copies reading them are done
+            read = {page for _, page in spilled}
+            self.allocator.free([p for p in freed if p not in read], cached=True)
+            self.allocator.free([p for _, p in spilled], cached=True, read_by=readers)
+        else:
+            self.allocator.free(freed, cached=True)
         return len(freed)
 
     def flush(self) -> int:

@@ -333,25 +333,27 @@ class StoreKV:
 
     # ---- the engine thread -------------------------------------------------------------------
 
-    def offer(self, evicted: Sequence[tuple[int, int]]) -> None:
+    def offer(self, evicted: Sequence[tuple[int, int]]) -> tuple[torch.cuda.Event, ...]:
         """Write-through of pages leaving the device, (page hash, device page) pairs: those the store is not
-        known to hold are staged and put by the worker (dropped, counted, while it is out of use)."""
+        known to hold are staged and put by the worker (dropped, counted, while it is out of use). Returns
+        the event of the staging copy that still reads the device pages (CUDA; none where it is done or
+        there was none)."""
         buf = self.device_buffer
         if buf is None or not evicted:
-            return
+            return ()
         with self._lock:
             new = [(h, p) for h, p in evicted if h not in self._known]
         if not new:
-            return
+            return ()
         if not self.available():
             self.dropped_pages += len(new)
-            return
+            return ()
         slots = self._take(len(new))
         if len(slots) < len(new):
             self.dropped_pages += len(new) - len(slots)
             new = new[:len(slots)]
         if not new:
-            return
+            return ()
         hashes = [h for h, _ in new]
         with self._lock:
             self._remember(hashes, held=False)
@@ -372,6 +374,7 @@ class StoreKV:
             main.wait_event(event)  # the evicted pages are not rewritten before they are read
         job = _Job("put", [self.key(h) for h in hashes], slots, event=event, hashes=hashes)
         self._jobs.put((1, next(self._seq), job))
+        return () if event is None else (event,)
 
     def fetch(self, hashes: Sequence[int]) -> tuple[list[int], float] | None:
         """The staging rows holding the leading pages of `hashes` found in the store (read there by the

@@ -58,6 +58,38 @@ def test_pages_survive_write_back_reuse_and_load_on_the_side_streams() -> None:
     assert host.hit_tokens > 0 and not host._pins and not host.pending
 
 
+def test_a_page_being_written_back_is_not_settled_until_its_copy_is_done() -> None:
+    """The write-back reads an evicted page on a side stream queued behind the compute stream's work: the engine's
+    own steps may take the page (they run after the copy), a KV receiver (another process's writer) may not until
+    the copy's event completed."""
+    dev = torch.device("cuda")
+    pool = KVPool(KVPoolShape(num_layers=4, num_pages=17, page_size=PAGE, num_kv_heads=8, head_dim=128,
+                              dtype=torch.float32), dev)
+    kv = KVCache(17, PAGE, 2, max_context=1024, device=dev, copy_page=pool.copy_page, host=HostKVPool(pool.buffer, 64))
+    prompt = list(range(1, PAGE * 8 + 2))
+    req = Request("r", prompt, SamplingParams(max_new_tokens=1), on_output=lambda _o: None)
+    kv.admit(req, max_prefix_tokens=0)
+    fill(kv, pool, req)
+    kv.release(req)
+    torch.cuda.synchronize()
+    settled, free = kv.allocator.settled_count, kv.allocator.free_count
+    spilled: list[tuple[int, int]] = []
+    write_back = kv.prefix_cache.spill
+    assert write_back is not None
+
+    def spill(evicted: list[tuple[int, int]]) -> tuple[torch.cuda.Event, ...]:
+        spilled.extend(evicted)
+        return write_back(evicted)
+
+    kv.prefix_cache.spill = spill
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of queued work that the write-back's copy waits for
+    assert kv.prefix_cache.evict(4) == 4
+    assert spilled and kv.allocator.free_count == free + 4
+    assert kv.allocator.settled_count == settled + 4 - len(spilled)  # a partial tail, not spilled, settles at once
+    torch.cuda.synchronize()
+    assert kv.allocator.settled_count == settled + 4
+
+
 def greedy_run(rounds: list[list[list[int]]], params: SamplingParams, *, dtype: str, max_total_tokens: int,
                max_running_requests: int, host_kv_tokens: int, one_at_a_time: bool = False
                ) -> tuple[list[list[int]], float, float]:

@@ -67,6 +67,76 @@ def test_an_evicted_page_settles_unless_the_step_in_flight_when_it_was_cached_st
     assert alloc.settled_count == 8
 
 
+class CopyInFlight:
+    """A side-stream copy still reading pages, as the CUDA event recorded after it reports (this machine has no
+    GPU: tests/engine/test_host_kv_gpu.py has the real write-back)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_page_a_write_back_still_reads_goes_to_the_engine_but_not_to_a_receiver() -> None:
+    alloc = PageAllocator(9)
+    spilled, written = alloc.alloc(2), alloc.alloc(2)
+    copy = CopyInFlight()
+    alloc.free(spilled, cached=True, read_by=(copy,))
+    assert alloc.free_count == 6 and alloc.settled_count == 4
+    with pytest.raises(OutOfPagesError, match="settled"):
+        alloc.alloc(5, settled_only=True)
+    mine = alloc.alloc(1)  # the engine's stream waits for the copy: its own allocations may take them
+    assert mine[0] in spilled and alloc.settled_count == 4
+    alloc.free(mine)
+    copy.done = True
+    assert alloc.settled_count == 6
+    # Read by a copy and cached while step 1 runs: settled once both are done, whichever ends last.
+    alloc.note_written(written)
+    alloc.step_launched(1)
+    alloc.note_written(written)
+    to_host, to_store = CopyInFlight(), CopyInFlight()
+    alloc.free(written, cached=True, read_by=(to_host, to_store))
+    to_host.done = to_store.done = True
+    assert alloc.settled_count == 6  # step 1 may still write them
+    alloc.step_launched(2)
+    alloc.step_completed(1)
+    assert alloc.settled_count == 8 and alloc.free_count == 8
+    spilled = alloc.alloc(2)
+    to_host, to_store = CopyInFlight(), CopyInFlight()
+    alloc.free(spilled, cached=True, read_by=(to_host, to_store))
+    to_host.done = True
+    assert alloc.settled_count == 6  # the store's copy still reads them
+    to_store.done = True
+    assert alloc.settled_count == 8
+
+
+def test_the_prefix_cache_frees_its_spilled_pages_as_read_by_the_write_back() -> None:
+    """Evicted full pages go to the lower tier by a copy that may still run: they are not settled until it is
+    done; the partial tail evicted with them (not spilled) settles at once."""
+    from splitserve.engine.prefix_cache import PrefixCache
+
+    alloc = PageAllocator(9)
+    cache = PrefixCache(4, alloc)
+    copies: list[CopyInFlight] = []
+    spilled: list[tuple[int, int]] = []
+
+    def spill(evicted: list[tuple[int, int]]) -> tuple[CopyInFlight, ...]:
+        spilled.extend(evicted)
+        copies.append(CopyInFlight())
+        return (copies[-1],)
+
+    cache.spill = spill
+    pages = alloc.alloc(3)
+    owned, _ = cache.insert(list(range(10)), pages, keep_partial=True)  # two full pages and a tail of 2
+    assert owned == []
+    assert cache.evict(3) == 3
+    assert sorted(p for _, p in spilled) == sorted(pages[:2])
+    assert alloc.free_count == 8 and alloc.settled_count == 8 - 2  # the tail settled, the spilled pages not yet
+    copies[0].done = True
+    assert alloc.settled_count == 8
+
+
 class ReservesLikeADecode(Role):
     """Parks requests whose prompt starts with RECEIVED and, from its poll, gives each its prompt's pages as the
     decode role does (settled ones, unless `settled` is off), noting which pages were settling at that moment;
