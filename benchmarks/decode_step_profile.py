@@ -76,9 +76,10 @@ def phase_of_kernels(names: list[str], layers: int) -> list[str]:
 
 
 def phase_bounds(cfg: dict, rows: int, context: int, bandwidth: float, peak: float, logits_bytes: int,
-                 weight_bytes: int = 2) -> dict[str, dict[str, float]]:
+                 weight_bytes: int = 2, kv_bytes: int = 2) -> dict[str, dict[str, float]]:
     """Per phase of one step: bytes, FLOPs and the bound in us (max of the two at this run's limits). The
-    layers' projections hold `weight_bytes` a parameter (1: FP8); the LM head stays 16-bit either way."""
+    layers' projections hold `weight_bytes` a parameter (1: FP8); the LM head stays 16-bit either way. The
+    KV cache holds `kv_bytes` an element (1: an FP8 cache)."""
     hidden, inter, layers, vocab = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
                                     cfg["vocab_size"])
     heads = cfg["num_attention_heads"]
@@ -96,7 +97,7 @@ def phase_bounds(cfg: dict, rows: int, context: int, bandwidth: float, peak: flo
     out["gate_up"] = gemm(hidden, 2 * inter, layers)
     out["down"] = gemm(inter, hidden, layers)
     out["lm_head"] = gemm(hidden, vocab, 1, per_param=2)
-    kv_read = rows * context * 2 * kv_heads * head_dim * 2
+    kv_read = rows * context * 2 * kv_heads * head_dim * kv_bytes
     out["attention"] = (layers * (kv_read + rows * qkv_n * 2 + rows * heads * head_dim * 2 + rows * 2 * kv_heads
                                   * head_dim * 2), layers * 4.0 * rows * (context + 1) * heads * head_dim)
     # 2L + 1 norms: the first reads x and writes its norm; the others read x and the residual and write both
@@ -109,16 +110,22 @@ def phase_bounds(cfg: dict, rows: int, context: int, bandwidth: float, peak: flo
 
 
 def build(shape: str, batch: int, context: int, pdl: str = "auto", quantization: str = "auto",
-          sum_kernel: bool = False) -> tuple[ModelRunner, KVCache, list[Request]]:
+          sum_kernel: bool = False, kv_cache_dtype: str = "auto") -> tuple[ModelRunner, KVCache, list[Request]]:
     """A runner of `shape` (random weights, --pdl `pdl`, --quantization `quantization`), its KV cache holding
     `batch` sequences of `context` random tokens' KV, and the decode graph of that one bucket. `sum_kernel`:
-    the FP8 layers add their K parts in a second kernel (their arrival counters dropped), for comparison."""
+    the FP8 layers add their K parts in a second kernel (their arrival counters dropped), for comparison.
+    `kv_cache_dtype`: the engine's --kv-cache-dtype."""
     folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
     cfg = EngineConfig(model=str(folder), device="cuda", load_format="dummy", max_running_requests=batch,
                        max_total_tokens=batch * (context + 32), context_length=16384, page_size=16,
-                       cuda_graph_max_batch=batch, pdl=pdl, quantization=quantization)
+                       cuda_graph_max_batch=batch, pdl=pdl, quantization=quantization,
+                       kv_cache_dtype=kv_cache_dtype)
     runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
-    runner.kv_pool.buffer.normal_()  # KV of real values: zeros can time faster
+    buffer = runner.kv_pool.buffer  # KV of real values: zeros can time faster
+    if buffer.dtype.is_floating_point and buffer.element_size() == 1:
+        buffer.view(torch.uint8).random_(0, 0x7F)  # positive e4m3 bit patterns below NaN's 0x7F
+    else:
+        buffer.normal_()
     if sum_kernel:
         for module in runner.model.modules():
             if getattr(module, "arrivals", None) is not None:
@@ -303,6 +310,8 @@ def main() -> None:
                              "kernel before it, so the kernel table reads best with off")
     parser.add_argument("--quantization", default="auto", choices=("auto", "fp8"),
                         help="fp8: the layers' projections quantized on load (the LM head stays 16-bit)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                        help="the engine's --kv-cache-dtype (fp8_e4m3: the attention reads 1 byte an element)")
     parser.add_argument("--sum-kernel", action="store_true",
                         help="FP8: add the skinny kernel's K parts in a second kernel, as without arrival counters")
     parser.add_argument("--label", default="")
@@ -310,7 +319,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
     cfg = SHAPES[args.shape]
-    runner, _kv, reqs = build(args.shape, args.batch, args.context, args.pdl, args.quantization, args.sum_kernel)
+    runner, _kv, reqs = build(args.shape, args.batch, args.context, args.pdl, args.quantization, args.sum_kernel,
+                              args.kv_cache_dtype)
     limits = device_limits(runner.device, runner.dtype)
     graphs = runner.decode_graphs
     assert graphs is not None
@@ -325,7 +335,8 @@ def main() -> None:
         clock = sm_clock_mhz()
     logits_bytes = graphs.logits[args.batch].element_size()
     bounds = phase_bounds(cfg, args.batch, args.context + 1, limits["copy_bandwidth_Bps"], limits["matmul_flops"],
-                          logits_bytes, weight_bytes=1 if args.quantization == "fp8" else 2)
+                          logits_bytes, weight_bytes=1 if args.quantization == "fp8" else 2,
+                          kv_bytes=1 if args.kv_cache_dtype == "fp8_e4m3" else 2)
     phases = phase_report(kernels, bounds)
     step_us = statistics.median(times)
     kernel_us = sum(k["dur_us"] for k in kernels)
