@@ -169,24 +169,49 @@ def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 @triton.jit
 def _quantize_rows(X, Q, S, Static, K, stride_xm, stride_qm, STATIC: tl.constexpr, FP8_MAX: tl.constexpr,
-                   MIN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                   MIN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0)
-    if STATIC:
-        scale = tl.load(Static).to(tl.float32)
+    if ONE_PASS:  # the whole row in registers: read once
+        kk = tl.arange(0, BLOCK_K)
+        x = tl.load(X + row * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(Static).to(tl.float32)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(S + row, scale)
+        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        tl.store(Q + row * stride_qm + kk, q.to(Q.dtype.element_ty), mask=kk < K)
     else:
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        if STATIC:
+            scale = tl.load(Static).to(tl.float32)
+        else:
+            amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(X + row * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(S + row, scale)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(X + row * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
-    tl.store(S + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + row * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-        tl.store(Q + row * stride_qm + kk, q.to(Q.dtype.element_ty), mask=kk < K)
+            q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+            tl.store(Q + row * stride_qm + kk, q.to(Q.dtype.element_ty), mask=kk < K)
+
+
+# A row of at most this many elements is held in registers and read once (a [rows, 4096] input, SwiGLU's 14,336
+# columns); a wider one is read twice, for its amax and then for its values (the second read mostly from L2).
+ONE_PASS_MAX = 16384
+
+
+def row_launch(width: int, loop_block: int) -> tuple[int, bool, int]:
+    """(block, one pass, warps) of a per-row kernel over `width` elements: the whole row at once where it fits
+    ONE_PASS_MAX, with a warp per 1,024 elements (4 to 16); else `loop_block` at a time, in two passes."""
+    block = triton.next_power_of_2(width)
+    if block <= ONE_PASS_MAX:
+        return block, True, min(16, max(4, block // 1024))
+    return loop_block, False, 8
 
 
 def quantize_rows(x: torch.Tensor, activation: str, input_scale: torch.Tensor | None
@@ -208,31 +233,44 @@ def quantize_rows(x: torch.Tensor, activation: str, input_scale: torch.Tensor | 
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     static = activation == "static-tensor"
     assert not static or input_scale is not None
+    block, one_pass, warps = row_launch(k, 1024)
     _quantize_rows[(m,)](x, q, s, input_scale if static else s, k, x.stride(0), q.stride(0), STATIC=static,
-                         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK_K=1024, num_warps=4, **launch_kwargs())
+                         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK_K=block, ONE_PASS=one_pass, num_warps=warps,
+                         **launch_kwargs())
     return q, s
 
 
 @triton.jit
 def _silu_mul_quantize(GU, Q, S, Static, N, stride_gm, stride_qm, STATIC: tl.constexpr, FP8_MAX: tl.constexpr,
-                       MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                       MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0)
     out_dtype = GU.dtype.element_ty
-    if STATIC:
-        scale = tl.load(Static).to(tl.float32)
-    else:  # the row's amax first (the row is computed twice: reading it again costs less than writing it)
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for c0 in range(0, N, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(silu_mul_row(GU, row, stride_gm, N, cols, cols < N, out_dtype)))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
-    tl.store(S + row, scale)
-    for c0 in range(0, N, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
+    if ONE_PASS:  # the whole row in registers: gate and up read once
+        cols = tl.arange(0, BLOCK)
         h = silu_mul_row(GU, row, stride_gm, N, cols, cols < N, out_dtype)
+        if STATIC:
+            scale = tl.load(Static).to(tl.float32)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(S + row, scale)
         q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
         tl.store(Q + row * stride_qm + cols, q.to(Q.dtype.element_ty), mask=cols < N)
+    else:
+        if STATIC:
+            scale = tl.load(Static).to(tl.float32)
+        else:  # the row's amax first (the row is computed twice: reading it again costs less than writing it)
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for c0 in range(0, N, BLOCK):
+                cols = c0 + tl.arange(0, BLOCK)
+                amax = tl.maximum(amax, tl.abs(silu_mul_row(GU, row, stride_gm, N, cols, cols < N, out_dtype)))
+            scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(S + row, scale)
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            h = silu_mul_row(GU, row, stride_gm, N, cols, cols < N, out_dtype)
+            q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
+            tl.store(Q + row * stride_qm + cols, q.to(Q.dtype.element_ty), mask=cols < N)
 
 
 def silu_mul_quantize(gate_up: torch.Tensor, activation: str, input_scale: torch.Tensor | None
@@ -248,9 +286,10 @@ def silu_mul_quantize(gate_up: torch.Tensor, activation: str, input_scale: torch
     s = torch.empty(m, 1, dtype=torch.float32, device=gate_up.device)
     static = activation == "static-tensor"
     assert not static or input_scale is not None
+    block, one_pass, warps = row_launch(n, 2048)
     _silu_mul_quantize[(m,)](gate_up, q, s, input_scale if static else s, n, gate_up.stride(0), q.stride(0),
-                             STATIC=static, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=2048, num_warps=8,
-                             **launch_kwargs())
+                             STATIC=static, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, ONE_PASS=one_pass,
+                             num_warps=warps, **launch_kwargs())
     return q, s
 
 

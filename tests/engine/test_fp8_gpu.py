@@ -182,23 +182,25 @@ def test_quantization_fp8_model_on_cuda_stays_close_to_bfloat16(tmp_path: Path) 
     assert got["mean_kl"] < 1.5 * MAX_MEAN_KL and got["top1"] >= MIN_TOP1, got
 
 
-@pytest.mark.parametrize("activation", ["dynamic-token", "static-tensor", "none"])
+@pytest.mark.parametrize(("activation", "width"), [("dynamic-token", 14336), ("static-tensor", 14336),
+                                                   ("none", 14336), ("dynamic-token", 20480)])
 @pytest.mark.parametrize("rows", [17, 300, 2048])
-def test_swiglu_quantized_is_silu_and_mul_then_quantize_rows(rows: int, activation: str) -> None:
+def test_swiglu_quantized_is_silu_and_mul_then_quantize_rows(rows: int, activation: str, width: int) -> None:
     """The MLP's fused SwiGLU-to-e4m3 kernel gives the bits of the two kernels it replaces, and the down
-    projection's output from it equals the unfused layer's."""
+    projection's output from it equals the unfused layer's; rows held whole (14,336) and read in two passes
+    (20,480, past fp8_cuda.ONE_PASS_MAX)."""
     from splitserve.engine.layers.fused_triton import silu_and_mul
     from splitserve.engine.quantization.fp8 import swiglu_quantized
     from splitserve.engine.quantization.fp8_cuda import quantize_rows, scaled_mm_linear, scaled_mm_quantized
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
-    gate_up = (torch.randn(rows, 2 * 14336, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    gate_up = (torch.randn(rows, 2 * width, device="cuda", generator=gen) * 2).to(torch.bfloat16)
     scale = torch.tensor([0.01], device="cuda") if activation == "static-tensor" else None
     q, s = swiglu_quantized(gate_up, activation, scale)
     h = silu_and_mul(gate_up)
     q0, s0 = quantize_rows(h, "dynamic-token" if activation == "none" else activation, scale)
     assert torch.equal(s, s0) and torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
-    _, wq, wscale = operands(4096, 14336, 1, seed=3)
+    _, wq, wscale = operands(4096, width, 1, seed=3)
     fused = scaled_mm_quantized(q, s, wq, wscale, torch.bfloat16)
     assert torch.equal(fused, scaled_mm_linear(h, wq, wscale, scale, None, activation))
 
