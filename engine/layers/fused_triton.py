@@ -17,6 +17,7 @@ import triton.language as tl
 from splitserve.engine.layers.kv_fp8_triton import to_cache
 from splitserve.engine.layers.pdl import launch_kwargs
 from splitserve.engine.layers.pdl_triton import wait_for_previous
+from splitserve.engine.layers.rmsnorm_triton import add_rmsnorm_row
 from splitserve.engine.layers.swiglu_triton import silu_mul_row
 from splitserve.engine.quantization.kv_fp8 import KVScales
 
@@ -28,17 +29,8 @@ def _add_rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stri
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)  # the residual, rounded like torch
-        tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    normed = (xf * inv).to(X.dtype.element_ty)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Out + row * stride_o + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(X.dtype.element_ty),
-             mask=mask)
+    y = add_rmsnorm_row(X, R, W, ResOut, row, stride_x, stride_r, stride_ro, N, eps, cols, mask, HAS_RESIDUAL)
+    tl.store(Out + row * stride_o + cols, y, mask=mask)
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

@@ -220,6 +220,17 @@ class ColumnParallelLinear(QuantizableLinear):
             return torch.addmm(self.bias, x, self.weight.t(), out=out)
         return y if out is None else out.copy_(y)
 
+    def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+        """forward of rows given in e4m3 with their [M, 1] scales (takes_quantized_rows said yes), out in
+        `dtype` (into `out` where given)."""
+        from splitserve.engine.quantization.fp8_cuda import scaled_mm_quantized
+
+        y = scaled_mm_quantized(xq, xs, self.weight, self.weight_scale, dtype)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y if out is None else out.copy_(y)
+
 
 class RowParallelLinear(QuantizableLinear):
     """y = x W^T (+ b) with W's columns (input features) split; partial sums all-reduced.

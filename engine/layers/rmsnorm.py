@@ -31,3 +31,14 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = torch.add(x, residual, out=residual_out) if residual_out is not None else x + residual
         return self._norm(residual), residual
+
+    def forward_quantized(self, x: torch.Tensor, residual: torch.Tensor | None, residual_out: torch.Tensor | None,
+                          activation: str, input_scale: torch.Tensor | None
+                          ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The normed rows as an FP8 layer's e4m3 input and [M, 1] scales, with the new residual (`x` itself
+        where `residual` is None), in one CUDA kernel: the bits of forward then quantizing its rows."""
+        from splitserve.engine.quantization.fp8_cuda import rmsnorm_quantize
+
+        q, s, new_residual = rmsnorm_quantize(x, self.weight, self.eps, residual, residual_out, activation,
+                                              input_scale)
+        return (q, s), (x if new_residual is None else new_residual)

@@ -102,7 +102,13 @@ class LlamaMLP(nn.Module):
                                            quant=projection_quant(cfg, layer_index, "mlp.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self._down(self.gate_up_proj(x))
+
+    def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """forward of rows given in e4m3 with their scales (gate_up_proj.takes_quantized_rows said yes)."""
+        return self._down(self.gate_up_proj.forward_quantized(xq, xs, dtype))
+
+    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
         if down.takes_quantized_rows(gate_up):  # FP8 prompt rows: SwiGLU straight to e4m3, one kernel
             return down.forward_quantized(*swiglu_quantized(gate_up, down.quant.activation, down.input_scale),
@@ -126,22 +132,45 @@ class LlamaDecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """`rows`: the only rows whose output is read (the last layer of an extend step, see
         LlamaForCausalLM.hidden_states); every row still stores its KV and the kept rows attend as before."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        attn = self.self_attn
-        x = attn.attention(attn.qkv_proj(x), batch, kv, mask)
+        qkv, residual = self.attention_input(x, residual)
+        x = self.self_attn.attention(qkv, batch, kv, mask)
         if rows is not None:
             x, residual = x[rows], residual[rows]
         return self.after_attention(x, residual)
+
+    def attention_input(self, x: torch.Tensor, residual: torch.Tensor | None,
+                        residual_out: torch.Tensor | None = None, out: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused projection of the normed input and the new residual (`x` itself where `residual` is None:
+        the first layer). FP8 prompt rows go from the norm to the projection in e4m3, one kernel between.
+        `residual_out`, `out`: where the new residual and the projection go."""
+        qkv_proj = self.self_attn.qkv_proj
+        if qkv_proj.takes_quantized_rows(x):
+            quant = qkv_proj.quant
+            assert quant is not None
+            (xq, xs), residual = self.input_layernorm.forward_quantized(x, residual, residual_out, quant.activation,
+                                                                        qkv_proj.input_scale)
+            return qkv_proj.forward_quantized(xq, xs, x.dtype, out=out), residual
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual, residual_out)
+        return qkv_proj(x, out=out), residual
 
     def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor,
                         residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer past its attention: the output projection, the residual add and post-attention norm, the
         MLP; returns (MLP output, new residual). `residual_out`: where the new residual goes (may be
-        `residual`)."""
-        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual, residual_out)
+        `residual`). FP8 prompt rows go from the norm to the MLP in e4m3, as in attention_input."""
+        x = self.self_attn.o_proj(attn_out)
+        gate_up = self.mlp.gate_up_proj
+        if gate_up.takes_quantized_rows(x):
+            quant = gate_up.quant
+            assert quant is not None
+            (xq, xs), residual = self.post_attention_layernorm.forward_quantized(
+                x, residual, residual_out, quant.activation, gate_up.input_scale)
+            return self.mlp.forward_quantized(xq, xs, x.dtype), residual
+        x, residual = self.post_attention_layernorm(x, residual, residual_out)
         return self.mlp(x), residual
 
 

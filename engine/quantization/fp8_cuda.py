@@ -29,6 +29,7 @@ import triton.language as tl
 
 from splitserve.engine.layers.pdl import launch_kwargs
 from splitserve.engine.layers.pdl_triton import wait_for_previous
+from splitserve.engine.layers.rmsnorm_triton import add_rmsnorm_row
 from splitserve.engine.layers.swiglu_triton import silu_mul_row
 
 TILE_ROWS = 16
@@ -291,6 +292,53 @@ def silu_mul_quantize(gate_up: torch.Tensor, activation: str, input_scale: torch
                              STATIC=static, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, ONE_PASS=one_pass,
                              num_warps=warps, **launch_kwargs())
     return q, s
+
+
+@triton.jit
+def _rmsnorm_quantize(X, R, W, ResOut, Q, S, Static, stride_x, stride_r, stride_ro, stride_qm, N, eps,
+                      HAS_RESIDUAL: tl.constexpr, STATIC: tl.constexpr, FP8_MAX: tl.constexpr,
+                      MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    h = add_rmsnorm_row(X, R, W, ResOut, row, stride_x, stride_r, stride_ro, N, eps, cols, mask,
+                        HAS_RESIDUAL).to(tl.float32)
+    if STATIC:
+        scale = tl.load(Static).to(tl.float32)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(S + row, scale)
+    q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
+    tl.store(Q + row * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
+
+
+def rmsnorm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                     residual_out: torch.Tensor | None, activation: str, input_scale: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(e4m3 [M, N], float32 [M, 1], new residual or None) of rmsnorm(x [+ residual]) * weight for 2-D x, in
+    one kernel: the bits of add_rmsnorm then quantize_rows(..., activation, input_scale), without writing and
+    reading the 16-bit rows between them. `residual_out` as add_rmsnorm's. Per token or static (as
+    silu_mul_quantize)."""
+    if activation == "dynamic-tensor":
+        raise ValueError("a dynamic per-tensor activation scale needs the whole tensor's amax first")
+    m, n = x.shape
+    assert x.stride(-1) == 1 and triton.next_power_of_2(n) <= ONE_PASS_MAX
+    q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if residual is not None:
+        res_out = torch.empty_like(x) if residual_out is None else residual_out.view(-1, n)
+        r = residual
+    else:
+        r = res_out = x
+    static = activation == "static-tensor"
+    assert not static or input_scale is not None
+    if m:
+        _rmsnorm_quantize[(m,)](x, r, weight, res_out, q, s, input_scale if static else s, x.stride(0), r.stride(0),
+                                res_out.stride(0), q.stride(0), n, eps, HAS_RESIDUAL=residual is not None,
+                                STATIC=static, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+                                BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 2048 else 4, **launch_kwargs())
+    return q, s, (res_out if residual is not None else None)
 
 
 def scaled_mm_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -142,11 +142,10 @@ class PiecewiseGraphs:
         residual = self.residual[:bucket]
         if piece == 0:
             residual.copy_(self.model.embed_tokens(self.input_ids[:bucket]))
-            x = layers[0].input_layernorm(residual)
+            layers[0].attention_input(residual, None, out=self.qkv[:bucket])
         else:
             x, _ = layers[piece - 1].after_attention(self.attn_out[:bucket], residual, residual_out=residual)
-            x, _ = layers[piece].input_layernorm(x, residual, residual_out=residual)
-        layers[piece].self_attn.qkv_proj(x, out=self.qkv[:bucket])
+            layers[piece].attention_input(x, residual, residual_out=residual, out=self.qkv[:bucket])
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits of the batch's `logits_index` rows (an extend batch of up to `longest` tokens, text

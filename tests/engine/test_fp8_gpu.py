@@ -231,3 +231,67 @@ def test_fp8_mlp_takes_the_fused_swiglu_past_the_skinny_rows_only(rows: int, tmp
     gate_up = mlp.gate_up_proj(x)
     assert mlp.down_proj.takes_quantized_rows(gate_up) == (rows > mlp.down_proj.skinny_rows)
     assert torch.equal(mlp(x), mlp.down_proj(silu_and_mul(gate_up)))
+
+
+@pytest.mark.parametrize("activation", ["dynamic-token", "static-tensor"])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("rows", [17, 2048])
+def test_rmsnorm_quantize_is_add_rmsnorm_then_quantize_rows(rows: int, residual: bool, activation: str) -> None:
+    """The fused norm-to-e4m3 kernel gives the bits of add_rmsnorm then quantize_rows, and the same new residual
+    (written in place where asked)."""
+    from splitserve.engine.layers.fused_triton import add_rmsnorm
+    from splitserve.engine.quantization.fp8_cuda import quantize_rows, rmsnorm_quantize
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    r = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16) if residual else None
+    w = (1 + 0.1 * torch.randn(4096, device="cuda", generator=gen)).to(torch.bfloat16)
+    scale = torch.tensor([0.02], device="cuda") if activation == "static-tensor" else None
+    normed, new_residual = add_rmsnorm(x, w, 1e-5, r)
+    q0, s0 = quantize_rows(normed, activation, scale)
+    in_place = r.clone() if r is not None else None
+    q, s, got_residual = rmsnorm_quantize(x, w, 1e-5, in_place, in_place, activation, scale)
+    assert torch.equal(s, s0) and torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+    if residual:
+        assert got_residual is not None and got_residual.data_ptr() == in_place.data_ptr()
+        assert torch.equal(got_residual, new_residual)
+    else:
+        assert got_residual is None
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 16, 17, 512])
+def test_fp8_decoder_layer_feeds_its_projections_from_the_norm_in_e4m3_past_the_skinny_rows(rows: int,
+                                                                                           tmp_path: Path) -> None:
+    """An FP8 decoder layer of the 8B shape on CUDA: its projections' inputs straight from the norms in e4m3
+    give the bits of the norms' 16-bit rows through the projections, at every row count."""
+    import dataclasses
+
+    from splitserve.engine.checkpoints.model_config import ModelConfig
+    from splitserve.engine.checkpoints.model_shapes import write_shape_folder
+    from splitserve.engine.layers.rotary import RotaryEmbedding
+    from splitserve.engine.models.llama import LlamaDecoderLayer
+    from splitserve.engine.quantization.fp8 import online_scheme
+    from splitserve.engine.tp.parallel_state import SINGLE
+
+    cfg = dataclasses.replace(ModelConfig.from_folder(write_shape_folder("llama-3.1-8b", tmp_path)),
+                              quantization=online_scheme())
+    with torch.device("cuda"):
+        rotary = RotaryEmbedding(cfg.head_dim, 4096, cfg.rope_theta, cfg.rope_scaling)
+        layer = LlamaDecoderLayer(cfg, 0, rotary, SINGLE, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        proj.init_from(torch.randn(proj.weight.shape, device="cuda", generator=gen) * 0.02)
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.copy_(1 + 0.1 * torch.randn(4096, device="cuda", generator=gen))
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    residual = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    fused = rows > layer.self_attn.qkv_proj.skinny_rows
+    assert layer.self_attn.qkv_proj.takes_quantized_rows(x) == fused
+    qkv, new_residual = layer.attention_input(x, residual.clone())
+    normed, expected_residual = layer.input_layernorm(x, residual.clone())
+    assert torch.equal(new_residual, expected_residual) and torch.equal(qkv, layer.self_attn.qkv_proj(normed))
+    attn_out = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    out, new_residual = layer.after_attention(attn_out, residual.clone())
+    normed, expected_residual = layer.post_attention_layernorm(layer.self_attn.o_proj(attn_out), residual.clone())
+    assert torch.equal(new_residual, expected_residual) and torch.equal(out, layer.mlp(normed))
