@@ -35,6 +35,7 @@ from splitserve.engine.layers.decode_splits import num_splits_for
 from splitserve.engine.layers.extend_plan import PrefixChunk, block_tokens, extend_plan_from, extend_plan_values
 from splitserve.engine.layers.prefix_chunk_attention import prefix_chunk_attention
 from splitserve.engine.layers.rotary import RotaryEmbedding
+from splitserve.engine.quantization.kv_fp8 import KVScales
 from splitserve.engine.runner.model_runner import kv_locations
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
@@ -105,9 +106,14 @@ def paged_kv(n: int, max_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 class DecodeCase:
     """Inputs of one decode step of `batch` sequences at `ctx` tokens, laid out as the engine's are."""
 
-    def __init__(self, batch: int, ctx: int) -> None:
+    def __init__(self, batch: int, ctx: int, fp8: bool = False) -> None:
         self.batch, self.ctx = batch, ctx
         self.table, self.k, self.v = paged_kv(batch, ctx)
+        self.scales = None
+        if fp8:  # an FP8 cache: e4m3 pages, the scale 1.0 the engine uses without checkpoint scales
+            self.k, self.v = (t.clamp(-448, 448).to(torch.float8_e4m3fn) for t in (self.k, self.v))
+            ones = torch.ones(KV_HEADS, device=DEV)
+            self.scales = KVScales(ones, ones.clone())
         qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * DIM, device=DEV, dtype=torch.bfloat16)
         q, k_new, v_new = qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
         self.q, self.k_new, self.v_new = (t.view(batch, -1, DIM) for t in (q, k_new, v_new))
@@ -116,10 +122,12 @@ class DecodeCase:
         pos = self.lens - 1
         self.loc = self.table[self.slots, pos // PAGE].long() * PAGE + pos % PAGE
         self.rope = RotaryEmbedding(DIM, 16384, 500000.0, None).to(DEV)
-        self.kv_bytes = 2 * batch * ctx * KV_HEADS * DIM * 2
+        self.kv_bytes = 2 * batch * ctx * KV_HEADS * DIM * self.k.element_size()
 
     def run(self, module: ModuleType, fused: bool, **kwargs) -> torch.Tensor:
         new = module.NewTokenKV(self.k_new, self.v_new, self.rope.cos, self.rope.sin, self.loc) if fused else None
+        if self.scales is not None:
+            kwargs["scales"] = self.scales
         return module.paged_decode_attention(self.q, self.k, self.v, self.table, self.slots, self.lens, PAGE,
                                              DIM ** -0.5, new, **kwargs)
 
@@ -128,14 +136,16 @@ def decode_configs() -> list[tuple[int, int, int, bool]]:
     """(BLOCK_N, warps, stages, heads first): around the last sweep's best (64 keys, 4 warps, 3 stages)."""
     around = [*itertools.product((64,), (4,), (2, 3, 4), (False, True)), *itertools.product((128,), (4,), (2, 3),
                                                                                               (False, True))]
-    return [*around, (32, 4, 2, False), (32, 4, 3, False), (64, 8, 3, False), (64, 2, 3, False)]
+    return [*around, (32, 4, 2, False), (32, 4, 3, False), (64, 8, 3, False), (64, 2, 3, False),
+            (128, 8, 3, False), (128, 4, 4, False), (256, 8, 2, False), (256, 8, 3, False)]
 
 
 def decode_us(case: DecodeCase, module: ModuleType, fused: bool, **kwargs) -> float:
     return graph_us(lambda: case.run(module, fused, **kwargs))
 
 
-def sweep_decode(cases: list[tuple[int, int]], baseline: ModuleType | None, bandwidth: float) -> list[dict]:
+def sweep_decode(cases: list[tuple[int, int]], baseline: ModuleType | None, bandwidth: float,
+                 fp8: bool = False) -> list[dict]:
     rows = []
     print("decode batch x ctx | kernel    fused splits | BLOCK_N warps stages heads-first | us     | KV GB/s | "
           "/ copy bandwidth")
@@ -153,7 +163,7 @@ def sweep_decode(cases: list[tuple[int, int]], baseline: ModuleType | None, band
               f"{launch:<32} | {row['us']:6.1f} | {row['kv_GBps']:7.0f} | {row['of_copy']:.2f} {note}")
 
     for batch, ctx in cases:
-        case = DecodeCase(batch, ctx)
+        case = DecodeCase(batch, ctx, fp8)
         default_splits = num_splits_for(batch, KV_HEADS)
         for fused in (True, False):
             if baseline is not None:
@@ -284,6 +294,8 @@ def main() -> None:
     parser.add_argument("--decode-cases", nargs="+", default=["256x512", "256x640", "256x1024", "64x1024"],
                         help="decode shapes, BATCHxCONTEXT")
     parser.add_argument("--baseline", type=Path, default=None, help="a splitserve checkout to compare against")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                        help="decode: the pages' dtype (fp8_e4m3: the FP8 cache, its bytes counted at one a value)")
     parser.add_argument("--extend-cases", nargs="+", default=None, help="names of EXTEND_CASES (default: all)")
     parser.add_argument("--extend-stage-variants", action="store_true",
                         help="also time the extend kernel at 2 and 4 stages")
@@ -300,7 +312,7 @@ def main() -> None:
     report: dict = {"copy_bandwidth_Bps": bandwidth, "baseline": str(args.baseline) if args.baseline else None}
     if "decode" in args.what:
         report["decode"] = sweep_decode([tuple(int(v) for v in c.split("x")) for c in args.decode_cases],
-                                        decode_base, bandwidth)
+                                        decode_base, bandwidth, args.kv_cache_dtype == "fp8_e4m3")
         if args.json:
             args.json.write_text(json.dumps(report, indent=1))
     if "extend" in args.what:

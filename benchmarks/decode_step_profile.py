@@ -54,14 +54,16 @@ def phase_of_kernels(names: list[str], layers: int) -> list[str]:
     docstring): inputs, norm, qkv, attention, o_proj, gate_up, activation, down, lm_head, sampling."""
     phases, current, norms = [], "inputs", 0
     for name in names:
-        if "_add_rmsnorm_kernel" in name:
+        if "_add_rmsnorm_kernel" in name or "_rmsnorm_quantize" in name:  # FP8 rows: the norm writes e4m3
             phase = "norm"
             norms += 1
             current = "lm_head" if norms > 2 * layers else ("qkv" if norms % 2 == 1 else "gate_up")
         elif "_paged_decode" in name or "_merge_splits" in name:
             phase, current = "attention", "o_proj"
-        elif "_silu_mul_kernel" in name:
+        elif "_silu_mul" in name:  # the SwiGLU kernel, or FP8's SwiGLU straight to e4m3
             phase, current = "activation", "down"
+        elif "_quantize_rows" in name:
+            phase = "quantize"  # an FP8 projection's activations to e4m3: their own row
         elif "_sum_splits" in name:
             phase = current + "_sum"  # an FP8 projection's second kernel (its K parts added): its own row
         elif name.startswith("Memset") or name.startswith("Memcpy"):

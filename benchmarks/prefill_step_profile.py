@@ -41,7 +41,7 @@ def phase_of_kernels(names: list[str], layers: int) -> list[str]:
     """Each kernel's phase: inputs, norm, qkv, rope, attention, o_proj, gate_up, activation, down, lm_head."""
     phases, current, norms = [], "inputs", 0
     for name in names:
-        if "_add_rmsnorm_kernel" in name:
+        if "_add_rmsnorm_kernel" in name or "_rmsnorm_quantize" in name:  # FP8 rows: the norm writes e4m3
             phase = "norm"
             norms += 1
             current = "lm_head" if norms > 2 * layers else ("qkv" if norms % 2 == 1 else "gate_up")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.engine.kv_pool import page_bytes_view
+from splitserve.engine.kv_pool import page_bytes_view, page_index
 from splitserve.engine.page_events import HOST, PageEvents
 
 
@@ -164,7 +164,7 @@ class HostKVPool:
         main = torch.cuda.current_stream(buf.device)
         self._write_stream.wait_stream(main)
         with torch.cuda.stream(self._write_stream):
-            idx = torch.tensor([p for _, p in copies], dtype=torch.int64, device=buf.device)
+            idx = page_index([p for _, p in copies], buf.device)
             staged = buf.index_select(2, idx).movedim(2, 0).contiguous()  # [n, layers, 2, ...]
             for slot, row, n in _runs([(s, i) for i, s in enumerate(slots)]):
                 self.buffer[slot:slot + n].copy_(staged[row:row + n], non_blocking=True)
@@ -194,7 +194,7 @@ class HostKVPool:
             staged = torch.empty((len(slots), *self.page_shape), dtype=buf.dtype, device=buf.device)
             for slot, row, n in _runs(list(zip(slots, range(len(slots)), strict=True))):
                 staged[row:row + n].copy_(self.buffer[slot:slot + n], non_blocking=True)
-            idx = torch.tensor(list(pages), dtype=torch.int64, device=buf.device)
+            idx = page_index(list(pages), buf.device)
             buf.index_copy_(2, idx, staged.movedim(0, 2))
             event = torch.cuda.Event()
             event.record()

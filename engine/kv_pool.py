@@ -56,6 +56,13 @@ def page_bytes_view(buffer: torch.Tensor) -> torch.Tensor:
     return buffer.view(torch.uint8) if buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else buffer
 
 
+def page_index(pages: list[int], device: torch.device) -> torch.Tensor:
+    """`pages` as an int64 index on `device`, copied from pinned memory without waiting: a copy from pageable
+    memory waits for its stream, and a tier's side stream waits for the compute stream's queued step, so the
+    engine's loop would stall until that step completed."""
+    return torch.tensor(pages, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+
+
 class KVPool:
     """Owns the KV tensor; hands each attention layer flat [tokens, heads, dim] views."""
 

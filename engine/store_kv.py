@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from splitserve.engine.checkpoints.model_names import RANDOM_MODELS
-from splitserve.engine.kv_pool import page_bytes_view
+from splitserve.engine.kv_pool import page_bytes_view, page_index
 from splitserve.engine.page_events import STORE, PageEvents
 from splitserve.transfer.mooncake.engine import GLOG_WARNING, LOG_LEVEL_ENV, _glog_minloglevel
 from splitserve.transfer.mooncake.loopback_bind import bind_mooncake_to_loopback, loopback_for
@@ -365,7 +365,7 @@ class StoreKV:
             main = torch.cuda.current_stream(buf.device)
             self._write_stream.wait_stream(main)
             with torch.cuda.stream(self._write_stream):
-                idx = torch.tensor([p for _, p in new], dtype=torch.int64, device=buf.device)
+                idx = page_index([p for _, p in new], buf.device)
                 staged = buf.index_select(2, idx).movedim(2, 0).contiguous()
                 for row, slot in enumerate(slots):
                     self.buffer[slot].copy_(staged[row], non_blocking=True)
@@ -411,13 +411,17 @@ class StoreKV:
 
     def load_into(self, slots: Sequence[int], pages: Sequence[int], started: float) -> None:
         """Copies staging `slots` (from `fetch`) into device `pages`, one each, and gives the rows back. On
-        CUDA the copy is queued on the compute stream (from a pageable gather of the rows: ordered before
-        any later step, and the rows are free again on return)."""
+        CUDA the copy is queued on the compute stream (from a pinned gather of the rows: ordered before any
+        later step, and the rows are free again on return)."""
         buf = self.device_buffer
         assert buf is not None and len(slots) == len(pages)
         rows = self.buffer.index_select(0, torch.tensor(list(slots), dtype=torch.int64))
-        idx = torch.tensor(list(pages), dtype=torch.int64, device=buf.device)
-        buf.index_copy_(2, idx, rows.to(buf.device).movedim(0, 2))
+        if self.cuda:  # from pinned memory: a pageable copy would wait for the step queued ahead of it
+            rows = rows.pin_memory().to(buf.device, non_blocking=True)
+            idx = page_index(list(pages), buf.device)
+        else:
+            idx = torch.tensor(list(pages), dtype=torch.int64)
+        buf.index_copy_(2, idx, rows.movedim(0, 2))
         self._give(slots)
         self.read_pages += len(pages)
         self.hit_tokens += len(pages) * self.page_size
