@@ -7,8 +7,9 @@ only until their KV has gone: under load the decode runs short first and preempt
 18 GB of KV each, and the decode preempted 42 requests at 24 req/s where the prefill's cache sat mostly idle).
 
 So where the weights can be told from the model's config.json, the KV memory the engines leave after their weights
-is split by role (`KV_WEIGHTS`: a decode twice a prefill) and each engine's fraction is its weights plus its KV
-share. Where they cannot (a model name without a folder, an unknown device size), the even split stands.
+is split by role (`KV_WEIGHTS`; `splitserve up --decode-kv-weight` sets the decode's) and each engine's fraction is
+its weights plus its KV share. Where they cannot (a model name without a folder, an unknown device size), the even
+split stands.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # Each role's weight in the split of the KV memory: a decode holds prompts and outputs of every running request,
-# a prefill a prompt until its KV is sent (and what its prefix cache keeps).
-KV_WEIGHTS = {"decode": 2.0, "prefill": 1.0, "unified": 1.0}
+# a prefill a prompt until its KV is sent (and what its prefix cache keeps). 3:1 rather than 2:1: an 8B model's
+# pair on an 80 GB H100 then holds a 256 x 512/256 burst in the decode (about 28 GiB of KV by arithmetic against
+# 25), which ran at 0.91x of one unified engine's output against 0.86x at 2:1 (docs/performance.md).
+KV_WEIGHTS = {"decode": 3.0, "prefill": 1.0, "unified": 1.0}
 
 
 def weight_bytes(model: str, engine_args: str = "") -> int | None:

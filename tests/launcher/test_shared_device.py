@@ -108,8 +108,8 @@ def test_the_weights_are_told_from_the_config(llama_8b):
     assert weight_bytes("tiny") is None and weight_bytes("/nonexistent") is None
 
 
-def test_a_decode_gets_twice_the_kv_of_the_prefill_beside_it(llama_8b):
-    """The KV memory two engines of Llama-3.1-8B leave on an H100 is split 2:1 for the decode; the fractions still
+def test_a_decode_gets_three_times_the_kv_of_the_prefill_beside_it(llama_8b):
+    """The KV memory two engines of Llama-3.1-8B leave on an H100 is split 3:1 for the decode; the fractions still
     add up to the default, and each engine's KV is its fraction less its weights."""
     from splitserve.launcher.memory_split import role_weighted_fractions, weight_bytes
 
@@ -118,8 +118,8 @@ def test_a_decode_gets_twice_the_kv_of_the_prefill_beside_it(llama_8b):
     prefill, decode = role_weighted_fractions(one_gpu, ["prefill", "decode"], [0.425, 0.425], DEVICE_FRACTION, 0.1,
                                               w, {"cuda:0": H100})
     assert prefill + decode == pytest.approx(DEVICE_FRACTION, abs=2e-3)
-    assert decode * H100 - w == pytest.approx(2 * (prefill * H100 - w), rel=0.01)
-    assert round((prefill * H100 - w) / GIB, 1) == 12.6 and round((decode * H100 - w) / GIB, 1) == 25.2
+    assert decode * H100 - w == pytest.approx(3 * (prefill * H100 - w), rel=0.01)
+    assert round((prefill * H100 - w) / GIB, 1) == 9.4 and round((decode * H100 - w) / GIB, 1) == 28.4
     # Two unified engines: the even split. An encoder beside them: its share comes off first.
     assert role_weighted_fractions(one_gpu, ["unified", "unified"], [0.425, 0.425], DEVICE_FRACTION, 0.1, w,
                                    {"cuda:0": H100}) == [0.425, 0.425]
@@ -129,7 +129,7 @@ def test_a_decode_gets_twice_the_kv_of_the_prefill_beside_it(llama_8b):
     # Two ranks each, sharing cuda:1: each rank holds half the weights; the busiest GPU sets the fraction.
     tp = role_weighted_fractions([["cuda:0", "cuda:1"], ["cuda:1", "cuda:2"]], ["prefill", "decode"],
                                  [0.425, 0.425], DEVICE_FRACTION, 0.1, w, {f"cuda:{i}": H100 for i in range(3)})
-    assert tp[1] * H100 - w / 2 == pytest.approx(2 * (tp[0] * H100 - w / 2), rel=0.01)
+    assert tp[1] * H100 - w / 2 == pytest.approx(3 * (tp[0] * H100 - w / 2), rel=0.01)
 
 
 @pytest.mark.parametrize("case", ["weights unknown", "size unknown", "drafter", "weights fill the GPU"])
@@ -159,13 +159,14 @@ def test_up_splits_a_shared_gpu_by_role_for_a_model_folder(llama_8b, monkeypatch
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(up, "device_total_bytes", lambda device: H100)
     assert Deployment(UpConfig(model=llama_8b, device="cuda:0", prefill=1, decode=1))._shared_fractions() == [
-        0.346, 0.504]
+        0.306, 0.544]
     assert Deployment(UpConfig(model=llama_8b, device="cuda:0", unified=2))._shared_fractions() == [0.425, 0.425]
-    # --decode-kv-weight 3: the decode's KV three times the prefill's; the fractions still add up to the default.
+    # --decode-kv-weight 2: the decode's KV twice the prefill's; the fractions still add up to the default.
     prefill, decode = Deployment(UpConfig(model=llama_8b, device="cuda:0", prefill=1, decode=1,
-                                          decode_kv_weight=3))._shared_fractions()
+                                          decode_kv_weight=2))._shared_fractions()
     w = weight_bytes_of(llama_8b)
-    assert decode * H100 - w == pytest.approx(3 * (prefill * H100 - w), rel=0.01)
+    assert [prefill, decode] == [0.346, 0.504]
+    assert decode * H100 - w == pytest.approx(2 * (prefill * H100 - w), rel=0.01)
     assert prefill + decode == pytest.approx(DEVICE_FRACTION, abs=2e-3)
     with pytest.raises(ValueError, match="--decode-kv-weight must be > 0"):
         UpConfig(model=llama_8b, decode_kv_weight=0)
