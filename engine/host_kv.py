@@ -135,8 +135,9 @@ class HostKVPool:
 
     def write_back(self, evicted: Sequence[tuple[int, int]]) -> tuple[torch.cuda.Event, ...]:
         """Copies evicted device pages, (page hash, device page) pairs, to the host: those whose hash
-        is not here yet (the others are only marked recently used). Returns the event of the copy that
-        still reads the device pages (CUDA; none where the copy is done or there was none)."""
+        is not here yet (the others are only marked recently used). Returns the event recorded after the
+        copy that reads the device pages (CUDA; none on the CPU, where the copy is done on return, or where
+        nothing was copied)."""
         buf = self.device_buffer
         if buf is None:
             return ()

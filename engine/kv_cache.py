@@ -90,6 +90,7 @@ class KVCache:
         # Loads in flight (CUDA): per request that waits for them, and per tree node they fill.
         self._loads: dict[str, list[PendingLoad]] = {}
         self._loading_nodes: dict[TreeNode, PendingLoad] = {}
+        self.prefix_cache.copy_in_flight = self._load_in_flight
         # The request-to-page table: row `slot` lists the request's pages in order. The runner
         # gathers token locations from it on the device, without rebuilding lists every step.
         # One extra row, never handed out, points at the scratch page: padded rows (CUDA-graph
@@ -231,6 +232,11 @@ class KVCache:
         self.prefix_cache.unlock(match.node)
         return PrefixMatch(pages=[*match.pages, *pages], node=node)
 
+    def _load_in_flight(self, node: TreeNode) -> torch.cuda.Event | None:
+        """The event of a host load still filling `node`'s page (evicted, its page waits for it)."""
+        load = self._loading_nodes.get(node)
+        return load.event if load is not None and not load.ready() else None
+
     def _wait_for_loads_on_path(self, req: Request, node: TreeNode) -> None:
         """`req` matched pages a load still fills (another request's): it waits for that load too."""
         waits: list[PendingLoad] = []
@@ -308,11 +314,13 @@ class KVCache:
 
     def take_pages(self, n: int, settled: bool = False) -> list[int] | None:
         """n free pages (`settled`: settled ones), evicting unlocked cached pages if needed; None if there aren't
-        enough (a page evicted while a step is queued settles when that step completes)."""
+        enough (a page evicted while a step is queued settles when that step completes, one written back to a
+        lower tier when its copy is done: pages still being copied count as on their way, so a retry does not
+        evict again for them)."""
         def free() -> int:
             return self.allocator.settled_count if settled else self.allocator.free_count
 
-        short = n - free()
+        short = n - free() - (self.allocator.reading_count if settled else 0)
         if short > 0:
             self.prefix_cache.evict(short)
         if free() < n:

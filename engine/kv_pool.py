@@ -60,7 +60,7 @@ def page_index(pages: list[int], device: torch.device) -> torch.Tensor:
     """`pages` as an int64 index on `device`, copied from pinned memory without waiting: a copy from pageable
     memory waits for its stream, and a tier's side stream waits for the compute stream's queued step, so the
     engine's loop would stall until that step completed."""
-    return torch.tensor(pages, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    return torch.tensor(pages, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
 class KVPool:

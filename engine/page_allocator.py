@@ -53,6 +53,7 @@ class PageAllocator:
         self._launched = self._completed = 0
         self._written: dict[int, int] = {}  # a cached page -> the step in flight when its request let it go
         self._read: list[tuple[Sequence[DeviceRead], int, int]] = []  # (the copies reading it, step as above, page)
+        self._readers: dict[int, Sequence[DeviceRead]] = {}  # a page taken from _read: the copies it still waits for
 
     @property
     def capacity(self) -> int:
@@ -70,6 +71,16 @@ class PageAllocator:
         self._reap_reads()
         return len(self._free)
 
+    @property
+    def reading_count(self) -> int:
+        """Free pages still read by a side-stream copy (evicted to a lower tier): settled once it is done."""
+        self._reap_reads()
+        return len(self._read)
+
+    @staticmethod
+    def _done(readers: Sequence[DeviceRead]) -> bool:
+        return all(r.query() for r in readers)
+
     def _reap_reads(self) -> None:
         """The pages whose side-stream copies are done settle as any freed page does (the step rule)."""
         if not self._read:
@@ -79,7 +90,7 @@ class PageAllocator:
         for readers, written, page in self._read:
             key = id(readers)
             if key not in done:
-                done[key] = all(r.query() for r in readers)
+                done[key] = self._done(readers)
             if not done[key]:
                 still.append((readers, written, page))
             elif written > self._completed:
@@ -93,14 +104,12 @@ class PageAllocator:
         self._launched = step
 
     def step_completed(self, step: int) -> None:
-        """Step `step` finished on the device: the pages freed while it was queued are settled."""
+        """Step `step` finished on the device: the pages freed while it was queued are settled (the whole list
+        is looked at: pages whose copies completed join it out of step order)."""
         self._completed = max(self._completed, step)
-        keep = 0
-        while keep < len(self._settling) and self._settling[keep][0] <= self._completed:
-            keep += 1
-        if keep:
-            self._free.extend(page for _, page in self._settling[:keep])
-            del self._settling[:keep]
+        if any(written <= self._completed for written, _ in self._settling):
+            self._free.extend(page for written, page in self._settling if written <= self._completed)
+            self._settling = [(w, page) for w, page in self._settling if w > self._completed]
 
     @property
     def _in_flight(self) -> int:
@@ -121,7 +130,10 @@ class PageAllocator:
             while self._settling and len(pages) < n:  # the newest first: the settled ones stay for receivers
                 pages.append(self._settling.pop()[1])
             while self._read and len(pages) < n:  # the engine's stream waits for the copies that read them
-                pages.append(self._read.pop()[2])
+                readers, _, page = self._read.pop()
+                if not self._done(readers):  # freed again before they are done, it waits for them again
+                    self._readers[page] = readers
+                pages.append(page)
         pages.extend(self._free.pop() for _ in range(n - len(pages)))
         for p in pages:
             self._is_free[p] = False
@@ -139,8 +151,11 @@ class PageAllocator:
                 raise DoubleFreeError(f"page {p} freed twice (or the scratch page)")
             self._is_free[p] = True
             written = self._written.pop(p, 0) if cached else in_flight
-            if read_by:
-                self._read.append((read_by, written, p))
+            readers = read_by
+            if (earlier := self._readers.pop(p, None)) is not None and not self._done(earlier):
+                readers = (*readers, *earlier)  # taken by the engine and given back before those copies were done
+            if readers:
+                self._read.append((readers, written, p))
             elif written > self._completed:
                 self._settling.append((written, p))
             else:

@@ -87,6 +87,8 @@ class PrefixCache:
         # returns the side-stream copies still reading them (none once done); `on_flush` is called when the
         # cache is flushed.
         self.spill: Callable[[list[tuple[int, int]]], Sequence[DeviceRead]] | None = None
+        # A copy still writing a node's page (its load from the host tier), if any: an evicted page waits for it.
+        self.copy_in_flight: Callable[[TreeNode], DeviceRead | None] | None = None
         self.on_flush: Callable[[], object] | None = None
 
     def _chunks(self, tokens: Sequence[int], max_pages: int) -> list[tuple[int, ...]]:
@@ -212,6 +214,7 @@ class PrefixCache:
         written back to the lower tier first, if there is one and `spill`)."""
         freed: list[int] = []
         spilled: list[tuple[int, int]] = []
+        copies: dict[int, tuple[DeviceRead, ...]] = {}  # page -> the copies still touching it
         spill = spill and self.spill is not None
         while self._lru and len(freed) < num_pages:
             last_access, _, node = heapq.heappop(self._lru)
@@ -222,6 +225,8 @@ class PrefixCache:
             assert parent is not None
             del parent.children[node.key]
             freed.append(node.page)
+            if self.copy_in_flight is not None and (load := self.copy_in_flight(node)) is not None:
+                copies[node.page] = (load,)
             self.cached_pages -= 1
             if len(node.key) == self.page_size:
                 if self.events is not None:
@@ -229,13 +234,12 @@ class PrefixCache:
                 if spill:
                     spilled.append((node.hash, node.page))
             self._list(parent)
-        readers = self.spill(spilled) if spilled else ()  # type: ignore[misc]  (spill: set)
-        if readers:  # the spilled pages settle once the copies reading them are done
-            read = {page for _, page in spilled}
-            self.allocator.free([p for p in freed if p not in read], cached=True)
-            self.allocator.free([p for _, p in spilled], cached=True, read_by=readers)
-        else:
-            self.allocator.free(freed, cached=True)
+        readers = tuple(self.spill(spilled)) if spilled else ()  # type: ignore[misc]  (spill: set)
+        for _, page in spilled if readers else ():  # the spilled pages settle once the copies reading them are done
+            copies[page] = (*copies.get(page, ()), *readers)
+        self.allocator.free([p for p in freed if p not in copies], cached=True)
+        for page, read_by in copies.items():
+            self.allocator.free([page], cached=True, read_by=read_by)
         return len(freed)
 
     def flush(self) -> int:

@@ -336,8 +336,8 @@ class StoreKV:
     def offer(self, evicted: Sequence[tuple[int, int]]) -> tuple[torch.cuda.Event, ...]:
         """Write-through of pages leaving the device, (page hash, device page) pairs: those the store is not
         known to hold are staged and put by the worker (dropped, counted, while it is out of use). Returns
-        the event of the staging copy that still reads the device pages (CUDA; none where it is done or
-        there was none)."""
+        the event recorded after the staging copy that reads the device pages (CUDA; none on the CPU, where
+        the copy is done on return, or where nothing was staged)."""
         buf = self.device_buffer
         if buf is None or not evicted:
             return ()
@@ -415,9 +415,10 @@ class StoreKV:
         later step, and the rows are free again on return)."""
         buf = self.device_buffer
         assert buf is not None and len(slots) == len(pages)
-        rows = self.buffer.index_select(0, torch.tensor(list(slots), dtype=torch.int64))
+        rows = torch.empty((len(slots), *self.buffer.shape[1:]), dtype=self.buffer.dtype, pin_memory=self.cuda)
+        torch.index_select(self.buffer, 0, torch.tensor(list(slots), dtype=torch.int64), out=rows)
         if self.cuda:  # from pinned memory: a pageable copy would wait for the step queued ahead of it
-            rows = rows.pin_memory().to(buf.device, non_blocking=True)
+            rows = rows.to(buf.device, non_blocking=True)
             idx = page_index(list(pages), buf.device)
         else:
             idx = torch.tensor(list(pages), dtype=torch.int64)

@@ -88,9 +88,10 @@ def test_a_page_a_write_back_still_reads_goes_to_the_engine_but_not_to_a_receive
         alloc.alloc(5, settled_only=True)
     mine = alloc.alloc(1)  # the engine's stream waits for the copy: its own allocations may take them
     assert mine[0] in spilled and alloc.settled_count == 4
-    alloc.free(mine)
+    alloc.free(mine)  # given back before the copy is done: it still waits for it
+    assert alloc.settled_count == 4 and alloc.reading_count == 2
     copy.done = True
-    assert alloc.settled_count == 6
+    assert alloc.settled_count == 6 and alloc.reading_count == 0
     # Read by a copy and cached while step 1 runs: settled once both are done, whichever ends last.
     alloc.note_written(written)
     alloc.step_launched(1)
@@ -109,6 +110,66 @@ def test_a_page_a_write_back_still_reads_goes_to_the_engine_but_not_to_a_receive
     assert alloc.settled_count == 6  # the store's copy still reads them
     to_store.done = True
     assert alloc.settled_count == 8
+
+
+def test_a_page_whose_copy_is_done_settles_with_its_step_whatever_was_freed_after_it() -> None:
+    alloc = PageAllocator(9)
+    spilled, own = alloc.alloc(1), alloc.alloc(1)
+    alloc.step_launched(1)
+    alloc.note_written(spilled)  # cached while step 1 runs
+    copy = CopyInFlight()
+    alloc.free(spilled, cached=True, read_by=(copy,))
+    alloc.step_launched(2)
+    alloc.free(own)  # step 2 may write it
+    copy.done = True
+    assert alloc.settled_count == 6  # the copy is done, step 1 is not
+    alloc.step_completed(1)
+    assert alloc.settled_count == 7  # step 1's page, though it joined the settling pages after step 2's
+    alloc.step_completed(2)
+    assert alloc.settled_count == alloc.free_count == 8
+
+
+def test_a_page_a_host_load_still_fills_is_not_settled_when_evicted() -> None:
+    """A request released while its load from the host tier runs leaves the loaded nodes evictable: evicted,
+    their pages wait for the load as a write-back's wait for its copy."""
+    from splitserve.engine.prefix_cache import PrefixCache
+
+    alloc = PageAllocator(9)
+    cache = PrefixCache(4, alloc)
+    load = CopyInFlight()
+    pages = alloc.alloc(2)
+    _, node = cache.insert(list(range(8)), pages)
+    cache.copy_in_flight = lambda n: load if n is node else None
+    assert cache.evict(2) == 2
+    assert alloc.free_count == 8 and alloc.settled_count == 7  # the loaded page waits, its parent does not
+    load.done = True
+    assert alloc.settled_count == 8
+
+
+def test_a_decode_reservation_does_not_evict_again_for_pages_still_being_copied() -> None:
+    """A receiver's pages must be settled; spilled pages settle once their copy is done. A reservation retried
+    while the copy runs counts those pages as on their way instead of evicting more of the cache."""
+    from splitserve.engine.kv_cache import KVCache
+
+    kv = KVCache(17, 4, 4, max_context=64, device="cpu")
+    copies: list[CopyInFlight] = []
+
+    def spill(evicted: list[tuple[int, int]]) -> tuple[CopyInFlight, ...]:
+        copies.append(CopyInFlight())
+        return (copies[-1],)
+
+    kv.prefix_cache.spill = spill
+    for i in range(4):  # four cached prefixes of three full pages: 12 of the 16 pages
+        pages = kv.allocator.alloc(3)
+        kv.prefix_cache.insert([i * 100 + t for t in range(12)], pages)
+    assert kv.allocator.settled_count == 4 and kv.prefix_cache.cached_pages == 12
+    assert kv.take_pages(6, settled=True) is None  # two evicted, still being copied
+    assert kv.prefix_cache.cached_pages == 10 and len(copies) == 1
+    assert kv.take_pages(6, settled=True) is None  # the retry waits for them
+    assert kv.prefix_cache.cached_pages == 10 and len(copies) == 1
+    copies[0].done = True
+    got = kv.take_pages(6, settled=True)
+    assert got is not None and len(got) == 6 and kv.prefix_cache.cached_pages == 10
 
 
 def test_the_prefix_cache_frees_its_spilled_pages_as_read_by_the_write_back() -> None:
