@@ -318,17 +318,12 @@ def rmsnorm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(e4m3 [M, N], float32 [M, 1], new residual or None) of rmsnorm(x [+ residual]) * weight for 2-D x, in
     one kernel: the bits of add_rmsnorm then quantize_rows(..., activation, input_scale), without writing and
-    reading the 16-bit rows between them (a row wider than ONE_PASS_MAX takes the two). `residual_out` as
+    reading the 16-bit rows between them; rows of at most ONE_PASS_MAX values. `residual_out` as
     add_rmsnorm's. Per token or static (as silu_mul_quantize)."""
     if activation == "dynamic-tensor":
         raise ValueError("a dynamic per-tensor activation scale needs the whole tensor's amax first")
     m, n = x.shape
-    if triton.next_power_of_2(n) > ONE_PASS_MAX:  # a row too wide for one program's registers: the two kernels
-        from splitserve.engine.layers.fused_triton import add_rmsnorm
-
-        normed, new_residual = add_rmsnorm(x, weight, eps, residual, residual_out)
-        return (*quantize_rows(normed, activation, input_scale), new_residual)
-    assert x.stride(-1) == 1
+    assert x.stride(-1) == 1 and triton.next_power_of_2(n) <= ONE_PASS_MAX  # RMSNorm.forward_quantized checks
     q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if residual is not None:
