@@ -33,7 +33,7 @@ def _ephemeral_range() -> tuple[int, int]:
 
 # Mooncake's TCP transport listens on random ports of this range (on 0.0.0.0), one per transfer
 # engine, and a prefill runs several: a port handed out here could be taken by one starting up.
-MOONCAKE_TCP_PORTS = range(15000, 17000)
+MOONCAKE_TCP_PORTS = range(15000, 17001)  # Mooncake draws from 15000-17000, both ends included
 
 
 # Every port handed out by this process: a port is free until its server binds it, so without this two

@@ -410,8 +410,11 @@ def test_the_planner_moves_a_group_from_1p2d_to_2p1d_when_prompts_grow(local: Lo
     doc = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
     doc["metadata"]["name"] = "planned"
     doc["spec"]["roles"]["decode"]["replicas"] = 2
+    # No scale-down in this test (100 intervals of 5 s): an idle decode is given back after four intervals, and on a
+    # loaded machine the group's start alone can idle that long, leaving no spare decode to switch. Scaling down
+    # is the policy's and the simulator's tests' concern; this one is about the switch.
     doc["spec"]["slo"] = {"enabled": True, "ttftSeconds": 1.0, "itlSeconds": 0.5, "percentile": 90,
-                          "intervalSeconds": 5, "startupSeconds": 30, "scaleDownIntervals": 4,
+                          "intervalSeconds": 5, "startupSeconds": 30, "scaleDownIntervals": 100,
                           "roles": {"prefill": {"minReplicas": 1, "maxReplicas": 2},
                                     "decode": {"minReplicas": 1, "maxReplicas": 2}}}
     ns, group, router = local.deploy("planned", yaml.safe_dump(doc))
@@ -431,7 +434,7 @@ def test_the_planner_moves_a_group_from_1p2d_to_2p1d_when_prompts_grow(local: Lo
         while time.monotonic() - start < 15:  # short prompts: one prefill is plenty
             history.append((time.monotonic() - start, planner().get("serving")))
             time.sleep(0.5)
-        assert all(s in (None, "1:2", "1:1") for _, s in history), history
+        assert all(s in (None, "1:2") for _, s in history), history
         long_prompts.set()
         shifted = time.monotonic()
 
