@@ -39,11 +39,17 @@ class TransferConfig:
                 "a decode short of pages holds prompts back at the prefill, computed by no one); "
                 "--no-prefill-waits-for-decode runs the prompt at once and its KV waits in the room for the "
                 "decode's metadata, so the decode's admission overlaps the prompt's compute (vLLM's order)"})
+    transfer_copy_stream: bool = field(default=True, metadata={
+        "help": "cuda_ipc: KV copies run on a device stream of their own, so a prefill's copies start as soon as "
+                "the step that computed their KV has finished, beside its next step, and the prefill keeps its "
+                "overlap scheduling (it ships only KV whose step it has seen finish). --no-transfer-copy-stream "
+                "queues them on the engine's stream, behind the steps queued before them (then see "
+                "--prefill-copies-first)"})
     prefill_copies_first: bool = field(default=True, metadata={
-        "help": "cuda_ipc: the prefill launches its next step only once the copies of the KV it has shipped are "
-                "queued on the device (they share the stream with its steps: queued after the next step, they "
-                "would wait for its compute); its steps then run without overlap scheduling. "
-                "--no-prefill-copies-first overlaps its steps and lets the copies queue where they land"})
+        "help": "cuda_ipc with --no-transfer-copy-stream: the prefill launches its next step only once the copies "
+                "of the KV it has shipped are queued on the device (they share the stream with its steps: queued "
+                "after the next step, they would wait for its compute); its steps then run without overlap "
+                "scheduling. --no-prefill-copies-first overlaps its steps and lets the copies queue where they land"})
     transfer_bootstrap_timeout_s: float = field(default=60.0, metadata={
         "help": "seconds a room may stay Bootstrapping (layout lookup / waiting for the decode's "
                 "metadata)"})

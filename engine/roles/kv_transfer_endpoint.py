@@ -48,7 +48,6 @@ class KVTransferEndpoint:
     def __init__(self, engine: Engine, config: TransferConfig) -> None:
         pool = engine.runner.kv_pool.buffer
         self.aux = make_aux_tensor(aux_slot_count(engine.cfg), device=aux_device(config, pool.device))
-        self.aux_writer = AuxWriter(self.aux)  # on a GPU: queued on the stream, the engine thread does not wait
         self.aux_reader = AuxReader(self.aux)  # on a GPU: read on a side stream, nor does it wait to read
         if pool.device.type != "cpu" and config.transfer_protocol == "tcp":
             logger.warning("KV pool on %s with the tcp transport: Mooncake TCP stages GPU memory through "
@@ -56,6 +55,8 @@ class KVTransferEndpoint:
         layout = layout_for_pool(pool, self.aux, tp_size=engine.runner.tp.size, tp_rank=engine.runner.tp.rank,
                                  num_kv_heads=engine.model_cfg.num_kv_heads, kv_scales=engine.runner.kv_scales_digest)
         self.manager = new_kv_manager(config, layout, metrics_registry=engine.metrics.registry)
+        # On a GPU: queued on the stream the copies that read it run on; the engine thread does not wait.
+        self.aux_writer = AuxWriter(self.aux, stream=self.manager.copy_stream)
         self.manager.add_state_listener(lambda _room, _state: engine.wake())  # an idle loop wakes at once
         self.config = config
         self.role_name = engine.cfg.role

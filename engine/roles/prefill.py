@@ -81,8 +81,10 @@ class PrefillRole(Role):
         self.bootstrap_addr = self.bootstrap.address
         self.endpoint.manager.publish_layout(self.bootstrap_addr)
         self.endpoint.start_worker_ranks(self.bootstrap_addr)  # tensor parallel: every rank publishes
-        # CUDA IPC copies go on the stream the steps use: a copy queued after the next step waits for its compute.
-        self.copies_first = self.config.prefill_copies_first and self.config.transfer_protocol == "cuda_ipc"
+        # CUDA IPC copies on the stream the steps use (no stream of their own): a copy queued after the next step
+        # waits for its compute, so the next step is launched once they are queued, without overlap.
+        self.copies_first = (self.config.prefill_copies_first and self.config.transfer_protocol == "cuda_ipc"
+                             and not self.config.transfer_copy_stream)
         logger.info("prefill bootstrap server on %s", self.bootstrap_addr)
 
     def health_info(self) -> dict[str, Any]:

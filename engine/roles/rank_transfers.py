@@ -45,11 +45,11 @@ class RankTransfers:
                  bootstrap_addr: str | None) -> None:
         self.device = runner.device
         self.aux = make_aux_tensor(aux_slot_count(runner.cfg), device=aux_device(config, runner.kv_pool.buffer.device))
-        self.aux_writer = AuxWriter(self.aux)
         layout = layout_for_pool(runner.kv_pool.buffer, self.aux, tp_size=tp.size, tp_rank=tp.rank,
                                  num_kv_heads=runner.model_cfg.num_kv_heads, kv_scales=runner.kv_scales_digest)
         # Rank 0 holds any fixed control port; the other ranks take free ones.
         self.manager = new_kv_manager(dataclasses.replace(config, transfer_control_port=0), layout)
+        self.aux_writer = AuxWriter(self.aux, stream=self.manager.copy_stream)
         if role == "prefill":
             if bootstrap_addr is None:
                 raise RankTransferError("a prefill rank needs the replica's bootstrap address")

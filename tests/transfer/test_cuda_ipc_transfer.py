@@ -28,7 +28,7 @@ from splitserve.transfer import (
     pack_aux,
     unpack_aux,
 )
-from splitserve.transfer.cuda_ipc.engine import check_runs, session_process, translate
+from splitserve.transfer.cuda_ipc.engine import CudaIpcEngine, check_runs, session_process, translate
 from splitserve.transfer.cuda_ipc.segment_copy import PIECE_BYTES, SPARE_PROGRAMS, plan_copy, plan_runs
 from splitserve.transfer.errors import CudaIpcError
 from splitserve.transfer.kv.layout import IpcRegion
@@ -227,6 +227,34 @@ def test_aux_writes_on_the_gpu_are_queued_behind_the_stream_not_waited_for():
     assert aux[[0, 1, 3, 4, 6, 7]].sum() == 0 and aux[[2, 5], 12:].sum() == 0
     with pytest.raises(IndexError):
         writer.write(8, AuxData(1, 0.0, 0))
+
+
+@needs_cuda
+def test_copies_on_a_stream_of_their_own_land_while_the_engine_s_stream_is_busy_and_read_its_aux_writes():
+    """An engine's transfers (``own_stream``): a copy does not wait for the step queued on the engine's stream,
+    and the aux slot written on the copy stream just before it is what it reads."""
+    from splitserve.transfer.cuda_ipc.segment_copy import SegmentCopier
+
+    stream = torch.cuda.Stream()
+    copier = SegmentCopier(torch.device("cuda"), stream=stream)
+    aux, landed = (make_aux_tensor(4, slot_bytes=16, device="cuda") for _ in range(2))
+    writer = AuxWriter(aux, stream=stream)
+    src = torch.randint(-2**62, 2**62, (1 << 16,), dtype=torch.int64, device="cuda")
+    dst = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s queued on the engine's stream, as its next step would be
+    busy = torch.cuda.Event()
+    busy.record()
+    writer.write(1, AuxData(151643, -0.25, 17))
+    copier.copy(np.array([src.data_ptr(), aux[1].data_ptr()]), np.array([dst.data_ptr(), landed[2].data_ptr()]),
+                np.array([src.numel() * 8, 16]))
+    assert not busy.query()  # the copy returned once landed, with the step still running
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src) and unpack_aux(landed, 2) == AuxData(151643, -0.25, 17)
+    for own_stream in (True, False):
+        engine = CudaIpcEngine("127.0.0.1", own_stream=own_stream)
+        assert (engine.copy_stream is not None) == own_stream and engine.copier.stream is engine.copy_stream
+        engine.close()
 
 
 @needs_cuda

@@ -18,9 +18,16 @@ the rooms, control channel and bootstrap protocol stay the Mooncake backend's. W
   is queued, with the call that waits for it (a worker prepares the next rooms meanwhile). Unmapping a
   peer first waits for its copies still in flight.
 
-Ordering with the engine: writes run on the worker thread's current stream, the legacy default
-stream, which the engine's forward passes and CUDA-graph replays also use: a copy enqueued after
-a chunk's forward was enqueued runs after it, so it reads the chunk's finished KV.
+Ordering with the engine, two ways:
+
+- ``own_stream=True`` (an engine's transfers): copies run on a stream of their own, which waits for nothing
+  the engine queued on its stream. The engine ships only KV it has seen computed (a chunk's pages go once the
+  host has read that step's tokens, so the step is finished on the device), and the aux slot a copy reads is
+  written on this same stream (``copy_stream``, given to ``AuxWriter``). A copy then starts at once, beside
+  the engine's next step, instead of after it.
+- ``own_stream=False``: writes run on the worker thread's current stream, the legacy default stream, which
+  the engine's forward passes and CUDA-graph replays also use: a copy enqueued after a chunk's forward was
+  enqueued runs after it, so it reads the chunk's finished KV, and after whatever step was queued before it.
 
 A peer in this same process (tests, benchmarks) needs no mapping: CUDA refuses to open one's
 own handle, and the addresses are valid as they are.
@@ -120,9 +127,10 @@ class _PeerMapping:
 
 
 class CudaIpcEngine:
-    """CUDA IPC transport of one engine rank (on the calling thread's current CUDA device)."""
+    """CUDA IPC transport of one engine rank (on the calling thread's current CUDA device); its copies on
+    ``copy_stream`` where ``own_stream`` (see the module docstring), else on the writing thread's stream."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, own_stream: bool = False) -> None:
         try:
             import torch
         except ImportError as exc:  # pragma: no cover - torch is a dependency
@@ -144,7 +152,9 @@ class CudaIpcEngine:
         self._peers: dict[str, _PeerMapping] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self.copier = SegmentCopier(self.device)
+        # torch's streams are made non-blocking: they never wait for the legacy default stream's work.
+        self.copy_stream = torch.cuda.Stream(self.device) if own_stream else None
+        self.copier = SegmentCopier(self.device, stream=self.copy_stream)
 
     # ------------------------------------------------------------ own memory
 

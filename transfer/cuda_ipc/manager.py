@@ -21,6 +21,7 @@ the data path differs: ``CudaIpcEngine`` (see cuda_ipc_engine.py) instead of Moo
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -50,7 +51,11 @@ class CudaIpcKVManager(KVManager):
         self.layout = dataclasses.replace(self.layout, ipc_regions=self.engine.regions)
 
     def _open_transport(self, config: TransferConfig) -> CudaIpcEngine:  # type: ignore[override]
-        return CudaIpcEngine(config.transfer_host)
+        return CudaIpcEngine(config.transfer_host, own_stream=config.transfer_copy_stream)
+
+    @property
+    def copy_stream(self) -> Any:
+        return self.engine.copy_stream
 
     def _on_metadata(self, msg: KVMetadata, now: float) -> None:
         try:

@@ -294,8 +294,8 @@ class PendingCopy:
 
 
 class SegmentCopier:
-    """Copies absolute-address segments on one device: one launch per call, on the calling thread's
-    current stream, returning once they landed (``copy``, ``copy_runs``), or returning the launched copy
+    """Copies absolute-address segments on one device: one launch per call, on ``stream`` (None: the calling
+    thread's current stream), returning once they landed (``copy``, ``copy_runs``), or returning the launched copy
     to finish later (``launch_runs``, ``finish``: a worker prepares the next copy while this one runs).
     Thread-safe: concurrent calls (a worker per peer lane) each take a staging buffer of their own, so one
     call's launch is queued while another's kernel runs.
@@ -305,13 +305,15 @@ class SegmentCopier:
     landed).
     """
 
-    def __init__(self, device: Any, shape: CopyShape = CopyShape(), timed: bool = False, wait: str = "poll") -> None:
+    def __init__(self, device: Any, shape: CopyShape = CopyShape(), timed: bool = False, wait: str = "poll",
+                 stream: Any = None) -> None:
         import torch
 
         if wait not in WAITS:
             raise ValueError(f"wait {wait!r} is not one of {WAITS}")
         self._torch = torch
         self.device = device
+        self.stream = stream
         self.shape = shape
         self.timed = timed
         self.wait = wait
@@ -383,7 +385,7 @@ class SegmentCopier:
         n = len(table)
         staging = self._take(n)
         try:
-            with torch.cuda.device(self.device):
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # (None: the current one)
                 stream = torch.cuda.current_stream()  # once: each event's record() would look it up again
                 staging.host_np[:n] = table
                 device_table = staging.table[:n]
@@ -418,6 +420,8 @@ class SegmentCopier:
         anchor = self._anchor
         base = self._anchor_ptr
         anchor[:2] = self._torch.tensor([7, 9])
+        if self.stream is not None:  # a stream of its own waits for nothing queued on the current one
+            self._torch.cuda.current_stream(self.device).synchronize()
         self.copy(np.array([base + 8, base]), np.array([base + 40, base + 49]), np.array([8, 5]))
         self.copy_runs(np.array([base, base + 8]), np.array([base + 16, base + 24]), np.array([0]), np.array([0]),
                        np.array([8]), (np.array([base]), np.array([base + 57]), np.array([3])))

@@ -44,14 +44,16 @@ class AuxWriter:
     """Writes requests' aux data into an aux tensor without waiting for the device.
 
     In device memory (``cuda_ipc``), the slot goes through a pinned host copy of the slots as an asynchronous
-    copy on the current stream: ``pack_aux``'s copy from pageable memory first waits for everything queued on
-    the stream, so every finishing request held the engine thread until the forward pass in flight ended. In
-    stream order the slot lands before the transfer's copy kernel, launched later on the same stream, reads it.
+    copy on the transfer's copy stream (``stream``; None: the current stream): ``pack_aux``'s copy from
+    pageable memory first waits for everything queued on the stream, so every finishing request held the engine
+    thread until the forward pass in flight ended. In stream order the slot lands before the transfer's copy
+    kernel, launched later on the same stream, reads it.
     A slot's host row is rewritten only by that slot's next write (a later request's), whose own copy is
     queued after the earlier one. In host memory it is ``pack_aux``."""
 
-    def __init__(self, aux: torch.Tensor) -> None:
+    def __init__(self, aux: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
         self.aux = aux
+        self.stream = stream  # the transfer's copy stream where it has one (``KVManager.copy_stream``)
         self._host: torch.Tensor | None = None
         if aux.device.type == "cuda":
             self._host = torch.zeros(aux.shape, dtype=torch.uint8).pin_memory()
@@ -65,7 +67,8 @@ class AuxWriter:
         if not 0 <= slot < len(self._rows):
             raise IndexError(f"aux slot {slot} outside 0..{len(self._rows) - 1}")
         AUX_STRUCT.pack_into(self._rows[slot], 0, data.first_token_id, data.first_token_logprob, data.cached_tokens)
-        self.aux[slot, :AUX_BYTES].copy_(self._host[slot, :AUX_BYTES], non_blocking=True)
+        with torch.cuda.stream(self.stream):  # (None: the current stream)
+            self.aux[slot, :AUX_BYTES].copy_(self._host[slot, :AUX_BYTES], non_blocking=True)
 
 
 class AuxReader:

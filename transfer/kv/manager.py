@@ -24,7 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -224,6 +224,12 @@ class KVManager(BaseKVManager):
             for lay in layouts:
                 self.channel.send(lay.control_endpoint, AbortRoom(room, bootstrap_addr, self.endpoint,
                                                                   self.instance_id, reason))
+
+    @property
+    def copy_stream(self) -> Any:
+        """The device stream this rank's writes run on where it has one of its own (CUDA IPC), else None: a
+        writer of the aux slots the writes read queues them there (``AuxWriter``), so they land first."""
+        return None
 
     def stats(self) -> dict[str, int]:
         """Counts that must return to zero when no room is open (tests use them)."""
