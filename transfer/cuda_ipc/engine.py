@@ -154,6 +154,10 @@ class CudaIpcEngine:
         self._closed = False
         # torch's streams are made non-blocking: they never wait for the legacy default stream's work.
         self.copy_stream = torch.cuda.Stream(self.device) if own_stream else None
+        if own_stream:
+            # What was allocated under other streams until now (the pool, the aux slots) is idle from here on:
+            # no step still queued there uses a block the copies will read or write.
+            torch.cuda.synchronize(self.device)
         self.copier = SegmentCopier(self.device, stream=self.copy_stream)
 
     # ------------------------------------------------------------ own memory

@@ -319,12 +319,16 @@ class SegmentCopier:
         self.wait = wait
         self.last_kernel_s = self.last_host_s = self.last_wait_s = 0.0
         self._lock = threading.Lock()
-        # Kernel offsets count from this tensor's address; it also gives the warm-up its bytes.
-        self._anchor = torch.zeros(8, dtype=torch.int64, device=device)
-        self._anchor_bytes = self._anchor.view(torch.uint8)
-        self._anchor_ptr = self._anchor.data_ptr()
         self._free: list[_Staging] = []
-        self._warm_up()
+        # Device memory this copier uses is allocated under its stream: the caching allocator hands a block
+        # freed on a stream straight back to that stream's next allocation, so a block allocated under the
+        # engine's stream may still be in use by the step running there while this stream writes it.
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            # Kernel offsets count from this tensor's address; it also gives the warm-up its bytes.
+            self._anchor = torch.zeros(8, dtype=torch.int64, device=device)
+            self._anchor_bytes = self._anchor.view(torch.uint8)
+            self._anchor_ptr = self._anchor.data_ptr()
+            self._warm_up()
 
     def copy(self, srcs: np.ndarray, dsts: np.ndarray, lens: np.ndarray) -> None:
         """Copies every ``[src, src + len)`` to ``[dst, dst + len)`` (device addresses valid here)."""
@@ -383,9 +387,9 @@ class SegmentCopier:
     def _launch(self, t0: float, table: np.ndarray, kernel: Any, spin: bool) -> PendingCopy:
         torch = self._torch
         n = len(table)
-        staging = self._take(n)
-        try:
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # (None: the current one)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # (None: the current one)
+            staging = self._take(n)  # a new one's device rows allocated under the stream that uses them
+            try:
                 stream = torch.cuda.current_stream()  # once: each event's record() would look it up again
                 staging.host_np[:n] = table
                 device_table = staging.table[:n]
@@ -397,10 +401,10 @@ class SegmentCopier:
                 if timed:
                     staging.end.record(stream)
                 staging.done.record(stream)
-        except BaseException:
-            with self._lock:
-                self._free.append(staging)
-            raise
+            except BaseException:
+                with self._lock:
+                    self._free.append(staging)
+                raise
         return PendingCopy(staging, t0, time.perf_counter(), timed, spin)
 
     def _take(self, words: int) -> _Staging:
@@ -420,8 +424,6 @@ class SegmentCopier:
         anchor = self._anchor
         base = self._anchor_ptr
         anchor[:2] = self._torch.tensor([7, 9])
-        if self.stream is not None:  # a stream of its own waits for nothing queued on the current one
-            self._torch.cuda.current_stream(self.device).synchronize()
         self.copy(np.array([base + 8, base]), np.array([base + 40, base + 49]), np.array([8, 5]))
         self.copy_runs(np.array([base, base + 8]), np.array([base + 16, base + 24]), np.array([0]), np.array([0]),
                        np.array([8]), (np.array([base]), np.array([base + 57]), np.array([3])))
