@@ -169,6 +169,25 @@ def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 @triton.jit
+def _row_scale(h, S, Static, row, STATIC: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """A row's e4m3 scale, stored at S[row]: the static one, or the largest |h| over FP8_MAX (at least MIN_SCALE).
+    `h` is the whole row, or a two-pass kernel's running max of |row| (|max| is that max: the same bits)."""
+    if STATIC:
+        scale = tl.load(Static).to(tl.float32)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(S + row, scale)
+    return scale
+
+
+@triton.jit
+def _store_e4m3(h, scale, Q, row, stride_qm, cols, mask, FP8_MAX: tl.constexpr):
+    """Values of a row over its scale, clamped to e4m3's range and stored as e4m3 at Q[row, cols]."""
+    q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
+    tl.store(Q + row * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quantize_rows(X, Q, S, Static, K, stride_xm, stride_qm, STATIC: tl.constexpr, FP8_MAX: tl.constexpr,
                    MIN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
@@ -176,29 +195,20 @@ def _quantize_rows(X, Q, S, Static, K, stride_xm, stride_qm, STATIC: tl.constexp
     if ONE_PASS:  # the whole row in registers: read once
         kk = tl.arange(0, BLOCK_K)
         x = tl.load(X + row * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-        if STATIC:
-            scale = tl.load(Static).to(tl.float32)
-        else:
-            scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
-        tl.store(S + row, scale)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-        tl.store(Q + row * stride_qm + kk, q.to(Q.dtype.element_ty), mask=kk < K)
+        scale = _row_scale(x, S, Static, row, STATIC, FP8_MAX, MIN_SCALE)
+        _store_e4m3(x, scale, Q, row, stride_qm, kk, kk < K, FP8_MAX)
     else:
-        if STATIC:
-            scale = tl.load(Static).to(tl.float32)
-        else:
-            amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        if not STATIC:
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(X + row * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
-        tl.store(S + row, scale)
+        scale = _row_scale(amax, S, Static, row, STATIC, FP8_MAX, MIN_SCALE)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(X + row * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-            tl.store(Q + row * stride_qm + kk, q.to(Q.dtype.element_ty), mask=kk < K)
+            _store_e4m3(x, scale, Q, row, stride_qm, kk, kk < K, FP8_MAX)
 
 
 # A row of at most this many elements is held in registers and read once (a [rows, 4096] input, SwiGLU's 14,336
@@ -250,28 +260,19 @@ def _silu_mul_quantize(GU, Q, S, Static, N, stride_gm, stride_qm, STATIC: tl.con
     if ONE_PASS:  # the whole row in registers: gate and up read once
         cols = tl.arange(0, BLOCK)
         h = silu_mul_row(GU, row, stride_gm, N, cols, cols < N, out_dtype)
-        if STATIC:
-            scale = tl.load(Static).to(tl.float32)
-        else:
-            scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX, MIN_SCALE)
-        tl.store(S + row, scale)
-        q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
-        tl.store(Q + row * stride_qm + cols, q.to(Q.dtype.element_ty), mask=cols < N)
+        scale = _row_scale(h, S, Static, row, STATIC, FP8_MAX, MIN_SCALE)
+        _store_e4m3(h, scale, Q, row, stride_qm, cols, cols < N, FP8_MAX)
     else:
-        if STATIC:
-            scale = tl.load(Static).to(tl.float32)
-        else:  # the row's amax first (the row is computed twice: reading it again costs less than writing it)
-            amax = tl.zeros([BLOCK], dtype=tl.float32)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        if not STATIC:  # the row's amax first (the row is computed twice: reading it again costs less than writing it)
             for c0 in range(0, N, BLOCK):
                 cols = c0 + tl.arange(0, BLOCK)
                 amax = tl.maximum(amax, tl.abs(silu_mul_row(GU, row, stride_gm, N, cols, cols < N, out_dtype)))
-            scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
-        tl.store(S + row, scale)
+        scale = _row_scale(amax, S, Static, row, STATIC, FP8_MAX, MIN_SCALE)
         for c0 in range(0, N, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             h = silu_mul_row(GU, row, stride_gm, N, cols, cols < N, out_dtype)
-            q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
-            tl.store(Q + row * stride_qm + cols, q.to(Q.dtype.element_ty), mask=cols < N)
+            _store_e4m3(h, scale, Q, row, stride_qm, cols, cols < N, FP8_MAX)
 
 
 def silu_mul_quantize(gate_up: torch.Tensor, activation: str, input_scale: torch.Tensor | None
@@ -304,13 +305,8 @@ def _rmsnorm_quantize(X, R, W, ResOut, Q, S, Static, stride_x, stride_r, stride_
     mask = cols < N
     h = add_rmsnorm_row(X, R, W, ResOut, row, stride_x, stride_r, stride_ro, N, eps, cols, mask,
                         HAS_RESIDUAL).to(tl.float32)
-    if STATIC:
-        scale = tl.load(Static).to(tl.float32)
-    else:
-        scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX, MIN_SCALE)
-    tl.store(S + row, scale)
-    q = tl.minimum(tl.maximum(h / scale, -FP8_MAX), FP8_MAX)
-    tl.store(Q + row * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
+    scale = _row_scale(h, S, Static, row, STATIC, FP8_MAX, MIN_SCALE)
+    _store_e4m3(h, scale, Q, row, stride_qm, cols, mask, FP8_MAX)
 
 
 def rmsnorm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
