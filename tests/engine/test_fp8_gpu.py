@@ -182,6 +182,28 @@ def test_quantization_fp8_model_on_cuda_stays_close_to_bfloat16(tmp_path: Path) 
     assert got["mean_kl"] < 1.5 * MAX_MEAN_KL and got["top1"] >= MIN_TOP1, got
 
 
+@pytest.mark.parametrize("activation", ["dynamic-token", "static-tensor"])
+@pytest.mark.parametrize("width", [4096, 20480])
+def test_quantize_rows_takes_torch_s_scales_and_rounds_as_torch_does(width: int, activation: str) -> None:
+    """Per-row quantization against torch's arithmetic, one pass (4,096) and two (20,480, past ONE_PASS_MAX): the
+    scales bit for bit; the e4m3 values the same but where a division rounds the other way (at most one e4m3
+    step: 1/8 of the value), and at most one in a thousand."""
+    from splitserve.engine.quantization.fp8 import FP8_MAX, MIN_SCALE
+    from splitserve.engine.quantization.fp8_cuda import quantize_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(width)
+    x = (torch.randn(33, width, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    static = torch.tensor([0.02], device="cuda") if activation == "static-tensor" else None
+    q, s = quantize_rows(x, activation, static)
+    want_s = (static.reshape(1, 1).expand(33, 1) if static is not None
+              else (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE))
+    assert torch.equal(s, want_s)
+    got, want = q.float(), (x.float() / want_s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    differ = got != want
+    assert differ.float().mean().item() <= 1e-3
+    assert ((got - want).abs()[differ] <= want.abs()[differ] / 8 + 2.0 ** -9).all()
+
+
 @pytest.mark.parametrize(("activation", "width"), [("dynamic-token", 14336), ("static-tensor", 14336),
                                                    ("none", 14336), ("dynamic-token", 20480)])
 @pytest.mark.parametrize("rows", [17, 300, 2048])
