@@ -356,8 +356,6 @@ class _Prefill:
         self.pool = torch.empty(_pool_shape(layers, pages_total, head_dim), dtype=torch.bfloat16, device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(0)
         self.pool.view(torch.int16).random_(generator=gen)  # in place: no float temporary of the pool's size
-        if self.device == "cuda":  # the copies run on a stream of their own, which waits for no fill
-            torch.cuda.synchronize()
         self.page_bytes = self.pool[0, 0, 0].numel() * self.pool.element_size() * 2 * layers  # every buffer's
         self.aux = make_aux_tensor(aux_slots, device=self.device)
         self.mgr = _new_manager(protocol, self.pool, self.aux, lanes)

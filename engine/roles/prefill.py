@@ -84,7 +84,7 @@ class PrefillRole(Role):
         # CUDA IPC copies on the stream the steps use (no stream of their own): a copy queued after the next step
         # waits for its compute, so the next step is launched once they are queued, without overlap.
         self.copies_first = (self.config.prefill_copies_first and self.config.transfer_protocol == "cuda_ipc"
-                             and not self.config.transfer_copy_stream)
+                             and self.endpoint.manager.copy_stream is None)
         logger.info("prefill bootstrap server on %s", self.bootstrap_addr)
 
     def health_info(self) -> dict[str, Any]:
@@ -114,7 +114,11 @@ class PrefillRole(Role):
         return req.role_state.held_for_decode  # else the scheduler takes it now
 
     def allows_overlap(self) -> bool:
-        # Overlap would launch the next step before this one's tokens are read, so before its KV is shipped.
+        # Overlap would launch the next step before this one's tokens are read, so before its KV is shipped: with
+        # the copies on the engine's stream they would queue behind that step. On a stream of their own they run
+        # beside it, which is safe because no page they read is written again while the room lives: a prefill
+        # request holds its pages until the room is final, and it is never preempted (it parks at its first
+        # token, so the scheduler's decodes, the only preemptions, have none of its rows).
         return not self.copies_first
 
     def before_launch(self) -> None:

@@ -10,7 +10,7 @@ the rooms, control channel and bootstrap protocol stay the Mooncake backend's. W
   opened the first time something is written to that peer (the "handshake"), once per peer;
 - ``write`` translates the peer's addresses to the mapped ones, checks every segment lies in
   memory the two sides registered / exported, copies all segments with one kernel launch
-  (segment_copy.py) on the current stream and returns once the copy finished:
+  (segment_copy.py) on the copy stream (see below) and returns once the copy finished:
   like Mooncake's synchronous write, Success is reported only after the bytes are in place;
 - ``write_pages`` does the same for whole pages given as runs (``PageRuns``): the two layouts' buffer
   bases are checked and translated once per layout, each write checks only that its runs lie inside

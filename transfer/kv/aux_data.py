@@ -60,7 +60,7 @@ class AuxWriter:
             self._rows = self._host.numpy()
 
     def write(self, slot: int, data: AuxData) -> None:
-        """Writes ``data`` into slot ``slot`` (queued on the current stream where the slots are on a GPU)."""
+        """Writes ``data`` into slot ``slot`` (queued on ``stream`` where the slots are on a GPU)."""
         if self._host is None:
             pack_aux(self.aux, slot, data)
             return
