@@ -37,9 +37,9 @@ class RMSNorm(nn.Module):
                           ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The normed rows as an FP8 layer's e4m3 input and [M, 1] scales, with the new residual (`x` itself
         where `residual` is None), in one CUDA kernel: the bits of forward then quantizing its rows."""
-        from splitserve.engine.quantization.fp8_cuda import ONE_PASS_MAX, quantize_rows, rmsnorm_quantize
+        from splitserve.engine.quantization.fp8_cuda import fits_one_pass, quantize_rows, rmsnorm_quantize
 
-        if 1 << (x.shape[-1] - 1).bit_length() > ONE_PASS_MAX:  # too wide for one program's registers: two kernels
+        if not fits_one_pass(x.shape[-1]):  # too wide for one program's registers: two kernels
             out = self.forward(x, residual, residual_out)
             normed, new = out if residual is not None else (out, x)
             return quantize_rows(normed, activation, input_scale), new

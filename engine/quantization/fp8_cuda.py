@@ -216,11 +216,16 @@ def _quantize_rows(X, Q, S, Static, K, stride_xm, stride_qm, STATIC: tl.constexp
 ONE_PASS_MAX = 16384
 
 
+def fits_one_pass(width: int) -> bool:
+    """Whether a row of `width` elements, padded to a power of two, is held in one program's registers."""
+    return triton.next_power_of_2(width) <= ONE_PASS_MAX
+
+
 def row_launch(width: int, loop_block: int) -> tuple[int, bool, int]:
     """(block, one pass, warps) of a per-row kernel over `width` elements: the whole row at once where it fits
     ONE_PASS_MAX, with a warp per 1,024 elements (4 to 16); else `loop_block` at a time, in two passes."""
-    block = triton.next_power_of_2(width)
-    if block <= ONE_PASS_MAX:
+    if fits_one_pass(width):
+        block = triton.next_power_of_2(width)
         return block, True, min(16, max(4, block // 1024))
     return loop_block, False, 8
 
@@ -319,7 +324,7 @@ def rmsnorm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     if activation == "dynamic-tensor":
         raise ValueError("a dynamic per-tensor activation scale needs the whole tensor's amax first")
     m, n = x.shape
-    assert x.stride(-1) == 1 and triton.next_power_of_2(n) <= ONE_PASS_MAX  # RMSNorm.forward_quantized checks
+    assert x.stride(-1) == 1 and fits_one_pass(n)  # RMSNorm.forward_quantized checks
     q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if residual is not None:
