@@ -25,6 +25,7 @@ from splitserve.engine.sampling_params import SamplingParams
 
 STEP_S = 0.04
 RECEIVED = 7  # prompts starting with this token are parked and given pages as a decode's receiver would be
+FILLS_PAGES = 28  # pages of the prompt that fills the prefix cache before the reservations begin
 
 
 def test_pages_freed_while_a_step_is_queued_settle_when_it_completes() -> None:
@@ -257,12 +258,20 @@ def test_a_receiver_never_gets_a_page_that_a_queued_step_may_write(settled: bool
     engine.start()
     submitted = 0
     try:
+        if prefix_cache:
+            # Fill the cache (28 of the 32 pages) before any reservation, and make the first reservation need
+            # more pages than can then be free: at least one reservation evicts, however the steps are timed.
+            engine.submit(Request("fills-the-cache", list(range(100, 100 + FILLS_PAGES * 4)),
+                                  SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), on_output))
+            assert ended.acquire(timeout=30)
+            assert engine.kv.prefix_cache.cached_pages >= FILLS_PAGES
         for i in range(24):
             # Short requests end in one step's results while their row is in the next one, already queued.
             engine.submit(Request(f"short-{i}", [10 + i, 40 + i, 8, 9, 10, 11, 12, 13, 14][: 2 + i % 8],
                                   SamplingParams(max_new_tokens=1 + i % 3, temperature=0.0, ignore_eos=True),
                                   on_output))
-            engine.submit(Request(f"received-{i}", [RECEIVED, 1, 2, 3, 4][: 2 + i % 4],
+            received = [RECEIVED, *range(1, 20)] if i == 0 else [RECEIVED, 1, 2, 3, 4][: 2 + i % 4]
+            engine.submit(Request(f"received-{i}", received,
                                   SamplingParams(max_new_tokens=1, temperature=0.0), on_output))
             submitted += 2
             time.sleep(STEP_S / 2)
