@@ -164,6 +164,25 @@ def heuristic_algos(rows: int, n: int, k: int, dtype: torch.dtype, count: int = 
             for r in results[:returned.value] if r.state == 0]
 
 
+def with_config(rows: int, n: int, k: int, dtype: torch.dtype, algo: Algo, name: str, value: int) -> Algo | None:
+    """`algo` with one config attribute (a key of its `config`, e.g. "cluster_shape") set to `value`, if cuBLASLt
+    accepts the result for this shape within WORKSPACE_BYTES; else None."""
+    lib, struct = library(), algo.struct()
+    for kind in (ctypes.c_uint16, ctypes.c_uint32):  # the attributes are 16- or 32-bit
+        size = ctypes.c_size_t(ctypes.sizeof(kind))
+        if lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(struct), _CONFIG_ATTRS[name],
+                                                    ctypes.byref(kind(value)), size) == 0:
+            break
+    else:
+        return None
+    d, result = _descriptors(rows, n, k, dtype), _Heuristic()
+    if lib.cublasLtMatmulAlgoCheck(_handle(), d.matmul, d.a, d.b, d.c, d.c, ctypes.byref(struct),
+                                   ctypes.byref(result)) != 0 or result.workspace_size > WORKSPACE_BYTES:
+        return None
+    changed = Algo(tuple(struct.data), int(result.workspace_size), float(result.waves), _config(struct))
+    return changed if changed.config.get(name) == value else None
+
+
 def algo_fits(rows: int, n: int, k: int, dtype: torch.dtype, algo: Algo) -> bool:
     """Whether cuBLASLt accepts `algo` for this shape within WORKSPACE_BYTES (a table's entry read back
     is checked before it is used: a stale or damaged one is refused here, not in a step)."""

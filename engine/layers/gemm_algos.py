@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 _active: dict[tuple[int, int, int, torch.dtype], object] = {}
+_sm_capped = False  # this process's SMs are capped (engine/layers/sm_cap_gemms.py)
 
 
 def entry(rows: int, n: int, k: int, algo, ratio: float) -> dict:
@@ -86,10 +87,18 @@ def load(path: str | Path, device: torch.device) -> dict[tuple[int, int, int, to
     return table
 
 
-def install(table: dict[tuple[int, int, int, torch.dtype], object]) -> None:
-    """Makes `table` the one the linear layers consult (an empty one: F.linear everywhere)."""
+def install(table: dict[tuple[int, int, int, torch.dtype], object], sm_capped: bool = False) -> None:
+    """Makes `table` the one the linear layers consult (an empty one: F.linear everywhere). `sm_capped`: this
+    process runs under an MPS SM cap, where shapes the table lacks take engine/layers/sm_cap_gemms.py's pick."""
+    global _sm_capped
     _active.clear()
     _active.update(table)
+    _sm_capped = sm_capped
+
+
+def active_table() -> dict[tuple[int, int, int, torch.dtype], object]:
+    """The table the linear layers consult (live: an SM-capped engine's start-up check writes into it)."""
+    return _active
 
 
 def lt_linear(x: torch.Tensor, weight: torch.Tensor, algo) -> torch.Tensor:
@@ -99,8 +108,18 @@ def lt_linear(x: torch.Tensor, weight: torch.Tensor, algo) -> torch.Tensor:
     return cublaslt.lt_linear(x, weight, algo)
 
 
-def lookup(x: torch.Tensor, weight: torch.Tensor):
-    """The chosen algorithm for x @ weight.T, or None (F.linear): only 2-D contiguous CUDA inputs."""
-    if not _active or not x.is_cuda or x.dim() != 2 or not x.is_contiguous() or not weight.is_contiguous():
+def lookup(x: torch.Tensor, weight: torch.Tensor, biased: bool = False):
+    """The chosen algorithm for x @ weight.T, or None (F.linear): only 2-D contiguous CUDA inputs. The table's
+    entries are for layers without a bias (`biased`: the caller adds one after); under an SM cap every 16-bit
+    shape has one (the table's, else sm_cap_gemms.algo_for's), and the caller adds its bias after."""
+    if (not (_active or _sm_capped) or not x.is_cuda or x.dim() != 2 or not x.is_contiguous()
+            or not weight.is_contiguous()):
         return None
-    return _active.get((x.shape[0], weight.shape[0], weight.shape[1], x.dtype))
+    key = (x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
+    if not _sm_capped:
+        return None if biased else _active.get(key)
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return None
+    from splitserve.engine.layers.sm_cap_gemms import algo_for
+
+    return _active.get(key) or algo_for(*key)

@@ -210,8 +210,11 @@ class ColumnParallelLinear(QuantizableLinear):
             y = self.fp8_forward(x, self.bias)
         elif skinny.fits(x, self.skinny_rows):
             y = skinny.skinny_linear(x, self.weight, self.bias, self.skinny_rows)
-        elif (algo := gemm_algos.lookup(x, self.weight) if self.bias is None else None) is not None:
-            y = gemm_algos.lt_linear(x, self.weight, algo)  # a shape the sustained-load sweep found faster
+        elif (algo := gemm_algos.lookup(x, self.weight, biased=self.bias is not None)) is not None:
+            # A shape the sustained-load sweep found faster, or one an SM cap leaves cuBLAS's own pick wrong on.
+            y = gemm_algos.lt_linear(x, self.weight, algo)
+            if self.bias is not None:
+                y = y.add_(self.bias)
         elif out is None:
             return nn.functional.linear(x, self.weight, self.bias)
         elif self.bias is None:  # F.linear's own cuBLAS call for 2-D rows, into `out`

@@ -8,7 +8,7 @@ import itertools
 import logging
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,8 +18,9 @@ from splitserve.engine.checkpoints.model_config import ModelConfig
 from splitserve.engine.checkpoints.weight_loader import load_weights
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_pool import COPY_PAGE_OP, KVPool, KVPoolShape
-from splitserve.engine.layers import gemm_algos, pdl, skinny
+from splitserve.engine.layers import gemm_algos, pdl, skinny, sm_cap_gemms
 from splitserve.engine.layers.decode_splits import step_splits
+from splitserve.engine.layers.embedding import ParallelLMHead
 from splitserve.engine.layers.extend_plan import (
     CUDNN_CHUNK_MIN,
     PrefixChunk,
@@ -30,6 +31,7 @@ from splitserve.engine.layers.extend_plan import (
     prefix_chunks,
     wide_tiles,
 )
+from splitserve.engine.layers.linear import QuantizableLinear
 from splitserve.engine.layers.prompt_attention import bucket_lengths, bucket_limit
 from splitserve.engine.models import build_model
 from splitserve.engine.multimodal.mrope import batch_rope_positions, decode_rope_offsets
@@ -375,8 +377,16 @@ class ModelRunner:
         self.model.eval().requires_grad_(False)
         # One table per process, the last engine built sets it: an engine without --gemm-algos after one
         # with it must not keep the first one's algorithms.
+        # Under an MPS SM cap cuBLAS's own pick is wrong for some shapes (engine/layers/sm_cap_gemms.py).
+        self.sm_capped = self.device.type == "cuda" and sm_cap_gemms.sm_cap_percent() is not None
         gemm_algos.install(gemm_algos.load(cfg.gemm_algos, self.device)
-                           if cfg.gemm_algos and self.device.type == "cuda" else {})
+                           if cfg.gemm_algos and self.device.type == "cuda" else {}, sm_capped=self.sm_capped)
+        if self.sm_capped:
+            from splitserve.engine.layers import cublaslt
+
+            cublaslt.prepare(self.device)  # handle and workspace now, not inside a graph capture
+            logger.info("MPS SM cap %d%%: 16-bit projections past the skinny kernel's rows run cuBLASLt algorithms "
+                        "with clusters of at most two CTAs", sm_cap_gemms.sm_cap_percent())
         pdl.install(pdl.resolve(cfg.pdl, self.device))
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         fp8 = model_cfg.quantization
@@ -732,8 +742,34 @@ class ModelRunner:
                               padding_slot, min(self.cfg.max_running_requests, self.cfg.cuda_graph_max_batch),
                               self.device, self.next_tokens, decode_splits=self.decode_splits_for,
                               rope_offsets=self.model_cfg.mrope)
+        self.check_capped_gemms(graphs.buckets)
         graphs.capture()
         self.decode_graphs = graphs
+
+    @torch.inference_mode()
+    def check_capped_gemms(self, rows: Iterable[int]) -> None:
+        """Under an MPS SM cap, every projection of `rows` rows that reaches cuBLASLt is checked against float32
+        before a graph captures it, and a wrong algorithm replaced (engine/layers/sm_cap_gemms.py); FP8
+        projections are checked too, and an engine with a wrong one refuses to start."""
+        if not self.sm_capped:
+            return
+        started = time.monotonic()
+        sixteen_bit: dict[tuple, tuple[int, torch.Tensor]] = {}
+        fp8: dict[tuple, tuple[int, torch.nn.Module]] = {}
+        for m in self.model.modules():
+            if not isinstance(m, (QuantizableLinear, ParallelLMHead)):
+                continue
+            for r in rows:
+                if r <= m.skinny_rows:
+                    continue  # the row-invariant Triton kernels
+                if getattr(m, "fp8", False):
+                    fp8.setdefault((r, *m.weight.shape), (r, m))
+                else:
+                    sixteen_bit.setdefault((r, *m.weight.shape, m.weight.dtype), (r, m.weight))
+        replaced = sm_cap_gemms.check_shapes(sixteen_bit.values(), gemm_algos.active_table())
+        sm_cap_gemms.check_fp8_layers(fp8.values())
+        logger.info("MPS SM cap: %d projection shapes checked in %.1f s%s", len(sixteen_bit) + len(fp8),
+                    time.monotonic() - started, f"; replaced {', '.join(replaced)}" if replaced else "")
 
     def set_row_invariant_rows(self, rows: int, page_table: torch.Tensor, padding_slot: int) -> None:
         """16-bit projections of up to `rows` rows (at least 16) take the row-invariant path (engine/layers/
@@ -791,6 +827,7 @@ class ModelRunner:
             graphs = DecodeGraphs(lambda b: self.model(b, self.kv_pool), page_table, self.cfg.page_size,
                                   padding_slot, max(1, min(max_batch, MAX_VERIFY_GRAPH_ROWS // rows)), self.device,
                                   self.next_tokens, rows_per_request=rows, decode_splits=self.decode_splits_for)
+            self.check_capped_gemms(b * rows for b in graphs.buckets)
             pool = graphs.capture(pool)
             self.verify_graphs[rows] = graphs
 

@@ -2,7 +2,8 @@
 
 At batch 1 torch's reduction walks a 128k vocabulary with a single thread block, about
 28 µs of a 4.7 ms decode step on an H200. Here each row is cut into chunks reduced in
-parallel, then the chunk maxima are reduced. Ties go to the lowest index, as in torch.
+parallel, then the chunk maxima are reduced. Ties go to the lowest index, as in torch, and NaN is the
+largest value (as +inf: a row with +inf before its first NaN gives that +inf's index, torch the NaN's).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def _chunk_argmax(Logits, ChunkMax, ChunkIdx, stride_row, V, NUM_CHUNKS: tl.cons
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(Logits + row * stride_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    # NaN counts as the largest value, as in torch: compared as NaN, a row of NaN gave an index past the vocabulary.
+    x = tl.where(x != x, float("inf"), x)
     best, idx = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(ChunkMax + row * NUM_CHUNKS + chunk, best)
     tl.store(ChunkIdx + row * NUM_CHUNKS + chunk, chunk * CHUNK + idx)

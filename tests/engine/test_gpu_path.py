@@ -224,6 +224,23 @@ def test_triton_argmax_matches_torch_with_ties_to_the_first_index() -> None:
     assert argmax_rows(logits[:0]).shape == (0,)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_argmax_takes_nan_as_the_largest_value_as_torch_does(dtype: torch.dtype) -> None:
+    # Compared as NaN, a row of NaN logits (a step gone wrong) gave an index past the vocabulary, and the next
+    # step's embedding read out of bounds: a device-side assert that ended every request of the engine.
+    from splitserve.engine.sampling.argmax_triton import argmax_rows
+
+    vocab = 128256
+    logits = torch.randn(5, vocab, device="cuda").to(dtype)
+    logits[0] = float("nan")
+    logits[1, 7] = float("nan")
+    logits[2, vocab - 3] = float("nan")  # in the last, partial chunk
+    logits[3, 5000:] = float("nan")
+    got = argmax_rows(logits)
+    assert got.tolist()[:4] == [0, 7, vocab - 3, 5000]
+    assert torch.equal(got, logits.argmax(dim=-1))
+
+
 def test_argmax_of_bfloat16_logits_is_the_argmax_of_their_float32_copy() -> None:
     # Decode graphs take the argmax of the LM head's bfloat16 logits, not of the float32 copy.
     from splitserve.engine.sampling.greedy import argmax_tokens
