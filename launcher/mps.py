@@ -7,7 +7,8 @@ is compute-bound and decode is memory-bound, so they overlap. The price is isola
 client ends every client of the GPU (`up` then restarts them all), and a prefill step can take SMs a decode step
 would have had. `--mps-sm-percent decode=40` caps the SMs one role's engines may use
 (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of that client); a decode step needs few SMs to read the weights at full memory
-bandwidth, so capping it leaves the rest to the prompt steps.
+bandwidth, so capping it leaves the rest to the prompt steps. Under a cap cuBLAS computes some shapes wrong, so a
+capped engine runs its projections through checked algorithms (engine/layers/sm_cap_gemms.py).
 
 The daemon is private to the deployment (its own pipe directory) and runs in the foreground as one of `up`'s
 supervised processes: started before the engines, checked by a probe kernel, quit after the engines stop, and

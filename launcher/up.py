@@ -93,8 +93,9 @@ class UpConfig:
     liveness_failures: int = field(default=3, metadata={"help": "failed /health checks in a row that restart one"})
     mps_sm_percent: str = field(default="", metadata={
         "help": "under MPS, the share of the GPU's SMs each role's engines may use, ROLE=PERCENT[,...] (e.g. "
-                "decode=40: decode steps are memory-bound and need few SMs, so prompt steps keep the rest); "
-                "roles not named use every SM"})
+                "decode=60: decode steps are memory-bound and need few SMs, so prompt steps keep the rest); "
+                "roles not named use every SM; a capped engine checks its GEMMs at start-up, as cuBLAS computes "
+                "some shapes wrong under a cap"})
     decode_kv_weight: float = field(default=KV_WEIGHTS["decode"], metadata={
         "help": "where a prefill and a decode share a GPU, the decode's weight in the split of the KV memory their "
                 "weights leave, against a prefill's 1 (a decode holds every running request's whole context, a "
