@@ -9,9 +9,10 @@ CTAs came out right; at 99% (130 SMs), or with no cap, all of them did.
 
 So under a cap every 16-bit projection that would go to cuBLAS goes through cuBLASLt with an algorithm whose
 clusters hold at most two CTAs: one its heuristic offers, or else an offered one with its clusters made 1x1x1 or
-2x1x1 (for some shapes every offered algorithm has clusters of four or eight). At start-up each shape the CUDA
-graphs will run is checked against a float32 product: a shape whose algorithm is wrong takes the next candidate
-that is right, and an engine with a shape that none computes right refuses to start.
+2x1x1 (for some shapes every offered algorithm has clusters of four or eight). At start-up each shape the decode
+and verify CUDA graphs will run is checked against a float32 product: a shape whose algorithm is wrong takes the
+next candidate that is right, and an engine with a shape that none computes right refuses to start. Other shapes
+(prompt steps, eager steps) rest on the cluster rule alone: a check per new row count would stall the step.
 """
 
 from __future__ import annotations
