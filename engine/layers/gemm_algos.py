@@ -91,6 +91,10 @@ def install(table: dict[tuple[int, int, int, torch.dtype], object], sm_capped: b
     """Makes `table` the one the linear layers consult (an empty one: F.linear everywhere). `sm_capped`: this
     process runs under an MPS SM cap, where shapes the table lacks take engine/layers/sm_cap_gemms.py's pick."""
     global _sm_capped
+    if sm_capped:  # the sweep's algorithms may launch clusters that a cap makes wrong: only small ones stay
+        from splitserve.engine.layers.sm_cap_gemms import small_clusters
+
+        table = {key: algo for key, algo in table.items() if small_clusters(algo.config)}
     _active.clear()
     _active.update(table)
     _sm_capped = sm_capped
@@ -112,7 +116,7 @@ def lookup(x: torch.Tensor, weight: torch.Tensor, biased: bool = False):
     """The chosen algorithm for x @ weight.T, or None (F.linear): only 2-D contiguous CUDA inputs. The table's
     entries are for layers without a bias (`biased`: the caller adds one after); under an SM cap every 16-bit
     shape has one (the table's, else sm_cap_gemms.algo_for's), and the caller adds its bias after."""
-    if (not (_active or _sm_capped) or not x.is_cuda or x.dim() != 2 or not x.is_contiguous()
+    if (not (_active or _sm_capped) or not x.is_cuda or x.dim() != 2 or not x.shape[0] or not x.is_contiguous()
             or not weight.is_contiguous()):
         return None
     key = (x.shape[0], weight.shape[0], weight.shape[1], x.dtype)

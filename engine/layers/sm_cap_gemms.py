@@ -9,10 +9,13 @@ CTAs came out right; at 99% (130 SMs), or with no cap, all of them did.
 
 So under a cap every 16-bit projection that would go to cuBLAS goes through cuBLASLt with an algorithm whose
 clusters hold at most two CTAs: one its heuristic offers, or else an offered one with its clusters made 1x1x1 or
-2x1x1 (for some shapes every offered algorithm has clusters of four or eight). At start-up each shape the decode
-and verify CUDA graphs will run is checked against a float32 product: a shape whose algorithm is wrong takes the
-next candidate that is right, and an engine with a shape that none computes right refuses to start. Other shapes
-(prompt steps, eager steps) rest on the cluster rule alone: a check per new row count would stall the step.
+2x1x1 (for some shapes every offered algorithm has clusters of four or eight). At start-up each shape the CUDA
+graphs will run (decode, verify, lone-prompt and piecewise) is checked against a float32 product: a shape whose
+algorithm is wrong takes the next candidate that is right, and an engine with a shape that none computes right
+refuses to start. FP8 projections are checked the same way where graphs run them, with nothing else to choose.
+Eager steps' shapes rest on the cluster rule alone (a check per new row count would stall the step), and FP8
+prompt steps past the graphs' sizes on cuBLASLt's own pick. An engine that would run an image side's plain
+`nn.Linear` layers (cuBLAS's own pick) under a cap refuses to start.
 """
 
 from __future__ import annotations
@@ -90,6 +93,38 @@ def algo_for(rows: int, n: int, k: int, dtype: torch.dtype):
                           f"{sorted({a.config.get('cluster_shape') for a in offered})}")
 
 
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def projection_shapes(modules: Iterable[torch.nn.Module], rows: Iterable[int], lm_head: bool = True
+                      ) -> tuple[list[tuple[int, torch.Tensor]], list[tuple[int, torch.nn.Module]]]:
+    """What a capped engine checks for steps of `rows` rows: (rows, weight) of each distinct 16-bit projection
+    shape and (rows, layer) of each distinct FP8 one, among the projection layers of `modules` (those with
+    `skinny_rows`: the linear layers and the LM head, left out where not `lm_head`) past their skinny rows."""
+    rows = sorted(set(rows))
+    sixteen_bit: dict[tuple, tuple[int, torch.Tensor]] = {}
+    fp8: dict[tuple, tuple[int, torch.nn.Module]] = {}
+    for m in modules:
+        weight = getattr(m, "weight", None)
+        if not hasattr(m, "skinny_rows") or weight is None or (not lm_head and not hasattr(m, "fp8")):
+            continue  # (the LM head is the projection layer without an FP8 state)
+        for r in rows:
+            if r <= m.skinny_rows:
+                continue  # the row-invariant Triton kernels
+            if getattr(m, "fp8", False):
+                fp8.setdefault((r, *weight.shape), (r, m))
+            elif weight.dtype in SIXTEEN_BIT:
+                sixteen_bit.setdefault((r, *weight.shape, weight.dtype), (r, weight))
+    return list(sixteen_bit.values()), list(fp8.values())
+
+
+def reference_product(x: torch.Tensor, weight: torch.Tensor, columns: int = 8192) -> torch.Tensor:
+    """x @ weight^T in float32, `columns` output features at a time (an LM head's float32 copy whole would be
+    2 GB more, on a GPU whose memory the KV cache already took)."""
+    xf = x.float()
+    return torch.cat([xf @ weight[i:i + columns].float().t() for i in range(0, weight.shape[0], columns)], dim=1)
+
+
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     """The largest difference from `reference` over its largest magnitude (inf if `out` is not finite)."""
     if not bool(torch.isfinite(out).all()):
@@ -109,7 +144,7 @@ def check_shapes(shapes: Iterable[tuple[int, torch.Tensor]], table: dict) -> lis
         n, k = weight.shape
         key = (rows, n, k, weight.dtype)
         x = torch.randn(rows, k, generator=generator).to(weight.device, weight.dtype)
-        reference = x.float() @ weight.float().t()
+        reference = reference_product(x, weight)
         first = table.get(key)
         errors = []
         for algo in ([first] if first is not None else []) + candidates(rows, n, k, weight.dtype):
@@ -128,13 +163,12 @@ def check_shapes(shapes: Iterable[tuple[int, torch.Tensor]], table: dict) -> lis
     return replaced
 
 
-FP8_TOLERANCE = 0.1  # rows quantized to e4m3 on the way in: a right product is off by a few percent at most
-
-
 def check_fp8_layers(layers: Iterable[tuple[int, torch.nn.Module]]) -> None:
     """Checks each FP8 layer's product of `rows` rows (its forward: cuBLASLt's W8A8 GEMM past the skinny kernel's
-    rows) against float32 with its dequantized weight; CappedGemmError if one is wrong, as there is no other
-    algorithm to give it here."""
+    rows) against float32 with its rows quantized as the GEMM quantizes them and its weight dequantized;
+    CappedGemmError if one is wrong, as there is no other algorithm to give it here."""
+    from splitserve.engine.quantization.fp8 import fp8_linear_reference
+
     generator = torch.Generator(device="cpu").manual_seed(0)
     for rows, layer in layers:
         n, k = layer.weight.shape
@@ -142,8 +176,9 @@ def check_fp8_layers(layers: Iterable[tuple[int, torch.nn.Module]]) -> None:
         if layer.input_scale is not None:  # a static scale: rows inside its range, as calibrated activations are
             x *= 224 * float(layer.input_scale) / float(x.abs().max())
         x = x.to(layer.weight.device, layer.compute_dtype)
-        weight = layer.weight.float() * layer.weight_scale.float()[:, None]
-        error = relative_error(layer.fp8_forward(x, None), x.float() @ weight.t())
-        if error > FP8_TOLERANCE:
+        reference = fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.input_scale, None,
+                                         layer.quant.activation).float()
+        error = relative_error(layer.fp8_forward(x, None), reference)
+        if error > TOLERANCE:
             raise CappedGemmError(f"under the MPS SM cap ({SM_PERCENT_ENV}) the FP8 product [{rows}, {k}] x [{k}, {n}] "
                                   f"is off by {error:.3g} of its largest value; run FP8 weights without the cap")

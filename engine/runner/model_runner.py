@@ -20,7 +20,6 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_pool import COPY_PAGE_OP, KVPool, KVPoolShape
 from splitserve.engine.layers import gemm_algos, pdl, skinny, sm_cap_gemms
 from splitserve.engine.layers.decode_splits import step_splits
-from splitserve.engine.layers.embedding import ParallelLMHead
 from splitserve.engine.layers.extend_plan import (
     CUDNN_CHUNK_MIN,
     PrefixChunk,
@@ -31,7 +30,6 @@ from splitserve.engine.layers.extend_plan import (
     prefix_chunks,
     wide_tiles,
 )
-from splitserve.engine.layers.linear import QuantizableLinear
 from splitserve.engine.layers.prompt_attention import bucket_lengths, bucket_limit
 from splitserve.engine.models import build_model
 from splitserve.engine.multimodal.mrope import batch_rope_positions, decode_rope_offsets
@@ -384,6 +382,13 @@ class ModelRunner:
         if self.sm_capped:
             from splitserve.engine.layers import cublaslt
 
+            plain = sorted({name.rsplit(".", 1)[0] for name, m in self.model.named_modules()
+                            if isinstance(m, torch.nn.Linear)})
+            if plain and cfg.role not in ("decode", "drafter"):  # an image side's, which decode and drafter never run
+                raise sm_cap_gemms.CappedGemmError(
+                    f"under the MPS SM cap ({sm_cap_gemms.SM_PERCENT_ENV}) this model's {', '.join(plain[:3])} "
+                    "layers would run cuBLAS's own GEMMs, which a cap can make wrong: run it without the cap")
+
             cublaslt.prepare(self.device)  # handle and workspace now, not inside a graph capture
             logger.info("MPS SM cap %d%%: 16-bit projections past the skinny kernel's rows run cuBLASLt algorithms "
                         "with clusters of at most two CTAs", sm_cap_gemms.sm_cap_percent())
@@ -672,6 +677,7 @@ class ModelRunner:
                               self.padding_slot, min(self.cfg.prompt_graph_tokens, self.context_length - 64),
                               self.prompt_buckets, self.device)
         if not self.cfg.disable_cuda_graph:
+            self.check_capped_gemms(graphs.lengths, lm_head=False)
             graphs.capture()
         self.prompt_graphs = graphs if graphs.lengths else None
 
@@ -729,6 +735,7 @@ class ModelRunner:
         text_model = getattr(self.model, "language_model", self.model)  # a multimodal model's text steps
         graphs = PiecewiseGraphs(text_model, self.kv_pool, tokens, self.device)
         if self.device.type == "cuda" and not self.cfg.disable_cuda_graph:
+            self.check_capped_gemms(graphs.buckets, lm_head=False)
             graphs.capture()
         self.piecewise_graphs = graphs
 
@@ -747,27 +754,18 @@ class ModelRunner:
         self.decode_graphs = graphs
 
     @torch.inference_mode()
-    def check_capped_gemms(self, rows: Iterable[int]) -> None:
+    def check_capped_gemms(self, rows: Iterable[int], lm_head: bool = True) -> None:
         """Under an MPS SM cap, every projection of `rows` rows that reaches cuBLASLt is checked against float32
         before a graph captures it, and a wrong algorithm replaced (engine/layers/sm_cap_gemms.py); FP8
-        projections are checked too, and an engine with a wrong one refuses to start."""
+        projections are checked too, and an engine with a wrong one refuses to start. `lm_head`: the graphs
+        run it on these rows too (a prompt step runs it on its logits rows only)."""
         if not self.sm_capped:
             return
         started = time.monotonic()
-        sixteen_bit: dict[tuple, tuple[int, torch.Tensor]] = {}
-        fp8: dict[tuple, tuple[int, torch.nn.Module]] = {}
-        for m in self.model.modules():
-            if not isinstance(m, (QuantizableLinear, ParallelLMHead)):
-                continue
-            for r in rows:
-                if r <= m.skinny_rows:
-                    continue  # the row-invariant Triton kernels
-                if getattr(m, "fp8", False):
-                    fp8.setdefault((r, *m.weight.shape), (r, m))
-                else:
-                    sixteen_bit.setdefault((r, *m.weight.shape, m.weight.dtype), (r, m.weight))
-        replaced = sm_cap_gemms.check_shapes(sixteen_bit.values(), gemm_algos.active_table())
-        sm_cap_gemms.check_fp8_layers(fp8.values())
+        sixteen_bit, fp8 = sm_cap_gemms.projection_shapes(self.model.modules(), rows, lm_head)
+        replaced = sm_cap_gemms.check_shapes(sixteen_bit, gemm_algos.active_table())
+        sm_cap_gemms.check_fp8_layers(fp8)
+        torch.cuda.empty_cache()  # the float32 references' memory, back before the graphs' pool takes its own
         logger.info("MPS SM cap: %d projection shapes checked in %.1f s%s", len(sixteen_bit) + len(fp8),
                     time.monotonic() - started, f"; replaced {', '.join(replaced)}" if replaced else "")
 
