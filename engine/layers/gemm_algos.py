@@ -122,8 +122,8 @@ def lookup(x: torch.Tensor, weight: torch.Tensor, biased: bool = False):
     key = (x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
     if not _sm_capped:
         return None if biased else _active.get(key)
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
-        return None
-    from splitserve.engine.layers.sm_cap_gemms import algo_for
+    from splitserve.engine.layers.sm_cap_gemms import SIXTEEN_BIT, algo_for
 
+    if x.dtype not in SIXTEEN_BIT or weight.dtype != x.dtype:
+        return None
     return _active.get(key) or algo_for(*key)

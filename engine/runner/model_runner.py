@@ -373,10 +373,11 @@ class ModelRunner:
         # Inference only: no parameter records an autograd graph, whichever entry point runs the model (the
         # encode role calls the tower outside a step; with graphs recorded it held every block's activations).
         self.model.eval().requires_grad_(False)
+        # Under an MPS SM cap cuBLAS's own pick is wrong for some shapes (engine/layers/sm_cap_gemms.py).
+        sm_cap = sm_cap_gemms.sm_cap_percent() if self.device.type == "cuda" else None
+        self.sm_capped = sm_cap is not None
         # One table per process, the last engine built sets it: an engine without --gemm-algos after one
         # with it must not keep the first one's algorithms.
-        # Under an MPS SM cap cuBLAS's own pick is wrong for some shapes (engine/layers/sm_cap_gemms.py).
-        self.sm_capped = self.device.type == "cuda" and sm_cap_gemms.sm_cap_percent() is not None
         gemm_algos.install(gemm_algos.load(cfg.gemm_algos, self.device)
                            if cfg.gemm_algos and self.device.type == "cuda" else {}, sm_capped=self.sm_capped)
         if self.sm_capped:
@@ -391,7 +392,7 @@ class ModelRunner:
 
             cublaslt.prepare(self.device)  # handle and workspace now, not inside a graph capture
             logger.info("MPS SM cap %d%%: 16-bit projections past the skinny kernel's rows run cuBLASLt algorithms "
-                        "with clusters of at most two CTAs", sm_cap_gemms.sm_cap_percent())
+                        "with clusters of at most two CTAs", sm_cap)
         pdl.install(pdl.resolve(cfg.pdl, self.device))
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         fp8 = model_cfg.quantization
