@@ -65,6 +65,9 @@ class PhasesBenchConfig:
         "help": "CUDA MPS for the 1P1D engines on one GPU (splitserve up --mps: auto, on or off)"})
     mps_sm_percent: str = field(default="", metadata={
         "help": "the 1P1D engines' SM caps under MPS, ROLE=PERCENT[,...] (splitserve up --mps-sm-percent)"})
+    mps_low_priority: str = field(default="", metadata={
+        "help": "the 1P1D roles whose MPS clients run below normal priority, ROLE[,...] (splitserve up "
+                "--mps-low-priority)"})
     decode_kv_weight: float = field(default=KV_WEIGHTS["decode"], metadata={
         "help": "the decode's weight in the 1P1D engines' split of the GPU's KV memory, against the prefill's 1 "
                 "(splitserve up --decode-kv-weight)"})
@@ -83,6 +86,7 @@ class Sample:
     phases: dict[str, float] | None
     error: str | None = None
     tokens: int = 0  # output tokens the client received
+    itls: tuple[float, ...] = ()  # the client's gaps between token events
 
 
 def workload(cfg: PhasesBenchConfig, vocab: int, part: str, num_requests: int | None = None,
@@ -109,7 +113,8 @@ def run_load(url: str, model: str, requests: list[tuple[float, list[int], int]],
 
     load = [StreamRequest(prompt, max_tokens, offset / rate) for offset, prompt, max_tokens in requests]
     run = run_requests(url, model, load, client_processes, timeout_s=600, headers={PHASES_HEADER: "1"})
-    samples = [Sample(t.ttft, t.phases, tokens=t.output_tokens) if t.ok else Sample(0.0, None, t.error)
+    samples = [Sample(t.ttft, t.phases, tokens=t.output_tokens, itls=tuple(t.itls)) if t.ok
+               else Sample(0.0, None, t.error)
                for t in run.timings]
     return samples, client_summary(run), run.wall_s
 
@@ -123,6 +128,7 @@ def summarize(samples: list[Sample], names: list[str]) -> dict[str, Any]:
         "requests": len(samples), "ok": len(ok), "with_phases": len(told),
         "errors": sorted({s.error for s in samples if s.error})[:3],
         "ttft_s": percentiles([s.ttft for s in ok]),
+        "itl_s": percentiles([x for s in ok for x in s.itls]),
         "phases_p50_s": {n: percentiles([s.phases.get(n, 0.0) for s in told])["p50"]  # type: ignore[union-attr]
                          for n in names},
         "attributed_p50": percentiles(fractions)["p50"], "attributed_min": min(fractions, default=float("nan")),
@@ -143,7 +149,7 @@ def summarize_burst(samples: list[Sample], seconds: float) -> dict[str, Any]:
     ok = [s for s in samples if s.error is None]
     return {"requests": len(samples), "ok": len(ok), "errors": sorted({s.error for s in samples if s.error})[:3],
             "seconds": seconds, "output_tok_s": sum(s.tokens for s in ok) / seconds if seconds > 0 else 0.0,
-            "ttft_s": percentiles([s.ttft for s in ok])}
+            "ttft_s": percentiles([s.ttft for s in ok]), "itl_s": percentiles([x for s in ok for x in s.itls])}
 
 
 def counter_total(metrics_text: str, name: str) -> float:
@@ -195,6 +201,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
         deployment = Deployment(UpConfig(model=model, device=cfg.device, port=free_port(), engine_args=engine_args,
                                          mps=cfg.mps if name == "1p1d" else "off",
                                          mps_sm_percent=cfg.mps_sm_percent if name == "1p1d" else "",
+                                         mps_low_priority=cfg.mps_low_priority if name == "1p1d" else "",
                                          decode_kv_weight=cfg.decode_kv_weight,
                                          **shape))  # one engine
         stop = [False]  # the deployment is supervised as under `up`: an engine that dies is restarted
@@ -246,6 +253,9 @@ def print_phases_report(report: dict[str, Any]) -> None:
             continue
         print(f"rate {rate:g} req/s: TTFT p50 " + ", ".join(
             f"{LABELS[name]} {r['ttft_s']['p50'] * 1e3:.1f} ms ({r['ok']}/{r['requests']} ok)" for name, r in ran))
+        print("  ITL p50 / p99: " + ", ".join(
+            f"{LABELS[name]} {r['itl_s']['p50'] * 1e3:.1f} / {r['itl_s']['p99'] * 1e3:.1f} ms" for name, r in ran
+            if "itl_s" in r))
         for name, r in ran:
             print(f"  {name:>8}: attributed p50 {r['attributed_p50']:.3f}, min {r['attributed_min']:.3f} "
                   f"({r['with_phases']} with phases)")

@@ -34,6 +34,8 @@ MPS_MODES = ("off", "on", "auto")
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 SM_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+BELOW_NORMAL = "1"  # CUDA_MPS_CLIENT_PRIORITY's values: 0 normal (the default), 1 below normal
 CAPPABLE_ROLES = ("unified", "prefill", "decode", "encode", "drafter")  # engine/config.py's ROLES (it imports torch)
 # A client's first kernel, run before any engine starts: CUDA initialises through the daemon, which starts its
 # server; the probe exits and the server stays for the engines.
@@ -63,6 +65,19 @@ def parse_sm_percents(spec: str) -> dict[str, int]:
             raise ValueError(f"--mps-sm-percent: {role} is given twice")
         caps[role] = percent
     return caps
+
+
+def parse_low_priority(spec: str) -> list[str]:
+    """`--mps-low-priority`'s ROLE[,ROLE...] (e.g. "decode") as a list of roles; '' gives []."""
+    roles: list[str] = []
+    for role in filter(None, (part.strip() for part in spec.split(","))):
+        if role not in CAPPABLE_ROLES:
+            raise ValueError(f"--mps-low-priority: {role!r} is not a role; roles are {', '.join(CAPPABLE_ROLES)} "
+                             "(e.g. decode)")
+        if role in roles:
+            raise ValueError(f"--mps-low-priority: {role} is given twice")
+        roles.append(role)
+    return roles
 
 
 def shared_gpus(engines: list[list[str]]) -> list[str]:

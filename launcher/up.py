@@ -29,11 +29,14 @@ from splitserve.config_flags import ConfigError, add_config_flags, config_from_a
 from splitserve.engine.checkpoints.model_names import ModelNotFoundError, check_model_exists
 from splitserve.launcher.memory_split import KV_WEIGHTS, device_total_bytes, role_weighted_fractions, weight_bytes
 from splitserve.launcher.mps import (
+    BELOW_NORMAL,
     MPS_MODES,
     PIPE_ENV,
+    PRIORITY_ENV,
     SM_PERCENT_ENV,
     MpsDaemon,
     MpsError,
+    parse_low_priority,
     parse_sm_percents,
     plan_mps,
     refuse,
@@ -96,6 +99,10 @@ class UpConfig:
                 "decode=60: decode steps are memory-bound and need few SMs, so prompt steps keep the rest); "
                 "roles not named use every SM; a capped engine checks its GEMMs at start-up, as cuBLAS computes "
                 "some shapes wrong under a cap"})
+    mps_low_priority: str = field(default="", metadata={
+        "help": "under MPS, roles whose engines' kernels run below normal priority, ROLE[,...] (e.g. decode: a "
+                "prompt step gets the SMs first and a decode step what it leaves, all of them when no prompt step "
+                "runs); unlike a cap it follows the load"})
     decode_kv_weight: float = field(default=KV_WEIGHTS["decode"], metadata={
         "help": "where a prefill and a decode share a GPU, the decode's weight in the split of the KV memory their "
                 "weights leave, against a prefill's 1 (a decode holds every running request's whole context, a "
@@ -106,6 +113,8 @@ class UpConfig:
             raise ValueError(f"--mps must be one of {', '.join(MPS_MODES)}, got {self.mps!r}")
         if parse_sm_percents(self.mps_sm_percent) and self.mps == "off":
             raise ValueError("--mps-sm-percent caps MPS clients; it has no effect with --mps off")
+        if parse_low_priority(self.mps_low_priority) and self.mps == "off":
+            raise ValueError("--mps-low-priority sets MPS clients' priority; it has no effect with --mps off")
         if self.encode and self.unified:
             raise ValueError("--encode goes with --prefill/--decode; a unified engine encodes its images itself")
         if self.unified and (self.prefill or self.decode) and (self.prefill, self.decode) != (1, 1):
@@ -277,6 +286,7 @@ class Deployment:
         self.mps: MpsDaemon | None = None  # the MPS daemon of the engines that share a GPU, once started
         self._mps_child: Child | None = None  # its process
         self._sm_percents = parse_sm_percents(cfg.mps_sm_percent)  # role -> SM cap of its MPS clients
+        self._low_priority = parse_low_priority(cfg.mps_low_priority)  # roles whose MPS clients yield
         self._checks: concurrent.futures.ThreadPoolExecutor | None = None  # liveness checks, once started
 
     @property
@@ -335,6 +345,8 @@ class Deployment:
             env = dict(self.mps.env)
             if role in self._sm_percents:
                 env[SM_PERCENT_ENV] = str(self._sm_percents[role])
+            if role in self._low_priority:
+                env[PRIORITY_ENV] = BELOW_NORMAL
         child = Child(f"{role}-{index}", f"http://127.0.0.1:{port}", args, env=env)
         self.children.append(child)
         self._spawn(child)
@@ -410,6 +422,9 @@ class Deployment:
         if self._sm_percents:
             logger.warning("--mps-sm-percent %s has no effect: no engine runs through a daemon of this deployment",
                            self.cfg.mps_sm_percent)
+        if self._low_priority:
+            logger.warning("--mps-low-priority %s has no effect: no engine runs through a daemon of this deployment",
+                           self.cfg.mps_low_priority)
 
     def _check_mps_clients(self) -> None:
         """Once the engines are healthy: each engine given the daemon is its client (a process that could not

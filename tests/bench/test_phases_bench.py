@@ -70,6 +70,7 @@ def test_a_burst_counts_the_tokens_received_over_its_whole_span(capsys) -> None:
 def test_a_report_of_one_deployment_prints_its_own_figures(capsys) -> None:
     """--deployments 1p1d: each rate's TTFT and phases of that deployment alone, and its burst."""
     rate = {"requests": 4, "ok": 4, "with_phases": 4, "ttft_s": {"p50": 0.08}, "attributed_p50": 0.99,
+            "itl_s": {"p50": 0.012, "p99": 0.031},
             "attributed_min": 0.97, "phases_p50_s": {"transfer": 0.002, "kv_notice": 0.004}, "preemptions": {}}
     burst = summarize_burst([Sample(0.2, None, tokens=100)] * 2, seconds=2.0)
     print_phases_report({"config": {"rates": [8.0], "burst": "2x8:100"}, "unified": {},
@@ -77,6 +78,7 @@ def test_a_report_of_one_deployment_prints_its_own_figures(capsys) -> None:
     out = capsys.readouterr().out
     assert "rate 8 req/s: TTFT p50 1P1D 80.0 ms (4/4 ok)" in out and "unified" not in out
     assert "        transfer      2.00 ms" in out and "kv_notice      4.00 ms" in out
+    assert "ITL p50 / p99: 1P1D 12.0 / 31.0 ms" in out
     assert "output 100 tok/s 1P1D; TTFT p50 0.20 s (2/2 ok)" in out
     with pytest.raises(ValueError, match="--deployments takes unified and/or 1p1d"):
         from splitserve.bench.phases import run_phases_benchmark
@@ -96,6 +98,7 @@ def test_the_bench_runs_both_deployments_and_reports_every_request(capsys) -> No
         assert (at_rate["ok"], at_rate["with_phases"]) == (12, 12), at_rate
         assert set(at_rate["preemptions"]) == ({"unified-0"} if name == "unified" else {"prefill-0", "decode-0"})
         assert burst["ok"] == 4 and burst["output_tok_s"] > 0
+        assert 0 < at_rate["itl_s"]["p50"] <= at_rate["itl_s"]["p99"]  # gaps between the tokens each client got
     assert report["mps_gpus"] == {"unified": [], "1p1d": []}  # the CPU: no GPU to share
     assert {"transfer", "kv_notice", "decode_admission"} <= set(report["1p1d"][4.0]["phases_p50_s"])
     print_phases_report(report)

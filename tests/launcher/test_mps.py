@@ -210,6 +210,41 @@ def test_sm_caps_are_read_per_role_and_bad_ones_are_refused():
         UpConfig(mps_sm_percent="decode:40")
 
 
+def test_low_priority_roles_are_read_and_bad_ones_are_refused():
+    from splitserve.launcher.mps import parse_low_priority
+
+    assert parse_low_priority("") == []
+    assert parse_low_priority(" decode , drafter") == ["decode", "drafter"]
+    for spec, why in [("router", "not a role"), ("decode=1", "not a role"), ("decode,decode", "given twice")]:
+        with pytest.raises(ValueError, match=why):
+            parse_low_priority(spec)
+    with pytest.raises(ValueError, match="no effect with --mps off"):
+        UpConfig(mps="off", mps_low_priority="decode")
+
+
+def test_a_low_priority_role_runs_below_normal_and_the_others_at_normal(tmp_path, monkeypatch, caplog):
+    """The priority is the client's CUDA_MPS_CLIENT_PRIORITY (1: below normal), set only on the named role's
+    engines, beside a cap where both are given; without a daemon of the deployment `up` says it has no effect."""
+    from splitserve.launcher.mps import PRIORITY_ENV, SM_PERCENT_ENV, MpsDaemon
+
+    monkeypatch.delenv("SPLITSERVE_TP_SIZE", raising=False)
+    deployment = Deployment(UpConfig(model="tiny", device="cuda:0", mps_low_priority="decode",
+                                     mps_sm_percent="prefill=90"))
+    deployment.mps = MpsDaemon(tmp_path / "mps", "never-run", ["cuda:0"])
+    monkeypatch.setattr(deployment, "_spawn", lambda child: None)
+    deployment._engine("prefill", 0)
+    deployment._engine("decode", 0)
+    prefill, decode = deployment.children
+    assert PRIORITY_ENV not in prefill.env and decode.env[PRIORITY_ENV] == "1"
+    assert prefill.env[SM_PERCENT_ENV] == "90" and SM_PERCENT_ENV not in decode.env
+
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    alone = Deployment(UpConfig(model="tiny", device="cpu", mps="auto", mps_low_priority="decode"))
+    with caplog.at_level(logging.WARNING, logger="splitserve.launcher.up"):
+        alone._start_mps()
+    assert any("--mps-low-priority decode has no effect" in r.message for r in caplog.records)
+
+
 def test_a_capped_role_gets_its_sm_share_through_the_daemon_and_the_others_every_sm(tmp_path, monkeypatch, caplog):
     """The cap is the client's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, set only on the named role's engines; where no
     daemon of the deployment runs, `up` says the cap has no effect."""
