@@ -2,9 +2,10 @@
 
 `/health` is liveness: 200 while the router runs, whatever its backends do, with each backend's
 state in the body. `/ready` is readiness: 200 while at least one prefill and one decode (or one
-unified replica) is healthy, else 503. Admission is bounded: past ``max_in_flight`` requests, or
-when every healthy backend of a role is at ``max_in_flight_per_backend``, the answer is a 503
-with Retry-After at once, never a wait.
+unified replica) is healthy, else 503. Admission is bounded: past ``max_in_flight`` requests (those
+waiting included) the answer is a 503 with Retry-After at once. When every healthy backend of a role
+is at ``max_in_flight_per_backend``, a request waits for a slot in that role's line, first come first
+served, up to ``queue_timeout_s``, then gets the 503.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class Router:
         self.retries = Counter("splitserve_router_retries", "Attempts retried on other backends before the first "
                                "token", registry=self.registry)
         self.in_flight = Gauge("splitserve_router_requests_in_flight", "Requests in flight", registry=self.registry)
+        self.queued = Gauge("splitserve_router_queued_requests", "Requests waiting for a slot because every healthy "
+                            "backend of the role is full", ["role"], registry=self.registry)
         self.backend_in_flight = Gauge("splitserve_router_backend_in_flight", "Requests in flight per backend",
                                        ["role", "url"], registry=self.registry)
         self.backend_healthy = Gauge("splitserve_router_backend_healthy", "1 while a backend is routable",
@@ -127,7 +130,8 @@ class Router:
         self.routing = routing
         self.pairs = PairRouter(self.pool, self.client, cfg.transfer_control_key, cfg.retries, self.retries.inc,
                                 prepare=self.images.prepare,  # images go to encoders, when there are any
-                                routing=routing, verdict_wait_s=cfg.verdict_wait_s)
+                                routing=routing, verdict_wait_s=cfg.verdict_wait_s,
+                                queue_timeout_s=cfg.queue_timeout_s)
         self.api_keys = ApiKeys(cfg.api_key, cfg.api_key_file)
         # Raises TracingUnavailable (at start) when spans are asked for and cannot be made.
         self.tracing = Tracing.from_endpoint(otel_endpoint(cfg.otel_endpoint), "splitserve-router")
@@ -223,6 +227,8 @@ class Router:
 
     async def metrics(self, _request: HttpRequest) -> Response:
         self.in_flight.set(self.admission.count)
+        for role in ROLES:
+            self.queued.labels(role).set(self.pool.waiting(role))
         self.stale_retries.set(self.client.stale_retries)
         for gauge in (self.backend_in_flight, self.backend_healthy, self.ejections):
             gauge.clear()

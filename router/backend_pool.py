@@ -10,6 +10,11 @@ once, and the probe decides; meanwhile requests for the role may wait for the ve
 (``replace``): new URLs join once a probe passes, URLs that leave drain (no new requests) and
 are dropped when their last request ends. Load is counted by leases, released exactly once;
 the least loaded gets the next request, ties going round robin.
+
+When every routable backend of a role is at its in-flight limit, a request may wait for a slot
+(``wait_for_slot``): the waiters of a role form a line, first come first served. A released lease
+wakes the first of its role; a request that has not waited does not pass the line (``pick`` refuses
+it while anyone waits); a health change wakes them all, as the set of open backends changed.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -79,6 +85,7 @@ class Lease:
             for done in self.on_release:
                 done()
             self.pool._drop_if_drained(self.backend)
+            self.pool._wake_next(self.backend.role)
 
 
 class BackendPool:
@@ -93,6 +100,9 @@ class BackendPool:
         self._last_pick: dict[str, str] = {}  # per role: where the round robin among ties goes on from
         self.on_suspect: Callable[[Backend], None] = lambda _b: None  # the prober probes it at once
         self._change = asyncio.Event()  # set (and replaced) whenever a backend's health changes
+        # Per role, the requests waiting for a slot, in arrival order: one future each, set to wake it; a woken
+        # one stays in line (at its place) until its own pick is done, so nobody passes it meanwhile.
+        self._line: dict[str, deque[asyncio.Future[None]]] = {role: deque() for role in ROLES}
 
     # ---- the set of backends -----------------------------------------------------------------
 
@@ -138,17 +148,22 @@ class BackendPool:
         return sum(b.routable for b in self._roles[role].values())
 
     def pick(self, role: str, avoid: set[str] = frozenset(), never: set[str] = frozenset(),  # type: ignore[assignment]
-             prefer: str | None = None, choose: Callable[[list[Backend]], Backend] | None = None) -> Lease:
+             prefer: str | None = None, choose: Callable[[list[Backend]], Backend] | None = None,
+             turn: asyncio.Future[None] | None = None) -> Lease:
         """Leases the least-loaded routable backend of ``role`` (or the one ``choose`` picks of them, in
         round-robin order): one not in ``avoid`` if there is one, never one in ``never``; ``prefer`` if
         it is among those and under its limit (the samples of one prompt share a prefill). Raises
-        NoBackend, or Overloaded when all are at the limit."""
+        NoBackend, or Overloaded when all are at the limit or others wait for a slot ahead of this
+        request (``turn``: its place in the line, from ``wait_for_slot``; it may pick when first)."""
         candidates = [b for b in self._roles[role].values() if b.routable and b.url not in never]
         if not candidates:
             raise NoBackend(f"no healthy {role} backend" + (" left to retry on" if never else ""))
         open_ = [b for b in candidates if b.in_flight < self.max_in_flight_per_backend]
         if not open_:
             raise Overloaded(f"every healthy {role} backend has {self.max_in_flight_per_backend} requests in flight")
+        line = self._line[role]
+        if line and not (turn is not None and turn.done() and turn in line and self._ahead_done(line, turn)):
+            raise Overloaded(f"{len(line)} request(s) wait for a {role} slot ahead of this one")
         preferred = [b for b in open_ if b.url not in avoid] or open_
         sticky = next((b for b in preferred if b.url == prefer), None)
         if sticky is not None:
@@ -159,6 +174,74 @@ class BackendPool:
             return Lease(self, chosen)
         least = min(b.in_flight for b in preferred)
         return Lease(self, self._next_in_turn(role, [b for b in preferred if b.in_flight == least]))
+
+    # ---- the line of requests waiting for a slot ------------------------------------------------
+
+    def waiting(self, role: str) -> int:
+        """Requests of ``role`` waiting for a slot."""
+        return len(self._line[role])
+
+    def join_line(self, role: str, turn: asyncio.Future[None] | None = None) -> asyncio.Future[None]:
+        """A place at the end of ``role``'s line, or, for a ``turn`` that came but found no slot it could take, a
+        fresh one at that place. Set when it is this request's turn (or a backend's health changed).
+        ``leave_line`` gives it up, whatever happened."""
+        line = self._line[role]
+        fresh: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if turn is not None and turn in line:
+            line[line.index(turn)] = fresh  # it waits for the next release, not for the slot it could not use
+        else:
+            line.append(fresh)
+            self._wake_next(role)  # a slot may be open already, held only for others' turns
+        return fresh
+
+    def leave_line(self, role: str, turn: asyncio.Future[None]) -> None:
+        """Gives up ``turn`` (a lease taken, a timeout, a client gone); the next waiter may take a slot it left."""
+        line = self._line[role]
+        if turn in line:
+            line.remove(turn)
+            if not turn.done():
+                turn.cancel()
+            self._wake_next(role)
+
+    @staticmethod
+    async def wait_for_slot(turn: asyncio.Future[None], timeout: float) -> bool:
+        """Waits for ``turn`` (join_line's) to come, up to ``timeout`` seconds; False when it did not."""
+        if not turn.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(turn), timeout)
+        return turn.done()
+
+    @staticmethod
+    def _ahead_done(line: deque[asyncio.Future[None]], turn: asyncio.Future[None]) -> bool:
+        """Whether everyone ahead of ``turn`` in ``line`` was woken too (woken ones pick in any order)."""
+        for ahead in line:
+            if ahead is turn:
+                return True
+            if not ahead.done():
+                return False
+        return False
+
+    def _wake_next(self, role: str) -> None:
+        """Wakes the first waiter of ``role`` not woken yet, if a backend of the role has a free slot for it (one
+        per free slot, counting the woken ones that have not picked yet)."""
+        line = self._line[role]
+        if not line:
+            return
+        free = sum(max(0, self.max_in_flight_per_backend - b.in_flight)
+                   for b in self._roles[role].values() if b.routable)
+        woken = sum(1 for t in line if t.done())
+        for turn in line:
+            if woken >= free:
+                break
+            if not turn.done():
+                turn.set_result(None)
+                woken += 1
+
+    def _wake_all(self) -> None:
+        for line in self._line.values():
+            for turn in line:
+                if not turn.done():
+                    turn.set_result(None)
 
     def _in_turn(self, role: str, backends: list[Backend]) -> list[Backend]:
         """`backends` in round-robin order: the first after the role's last pick first."""
@@ -209,6 +292,7 @@ class BackendPool:
     def _changed(self) -> None:
         self._change.set()
         self._change = asyncio.Event()
+        self._wake_all()  # the open backends changed: every waiter looks again
 
     def eject(self, backend: Backend, reason: str) -> None:
         """Takes a backend out of rotation at once; the prober tries it again after a backoff."""

@@ -41,7 +41,12 @@ class RouterConfig:
     max_in_flight: int = field(default=1024, metadata={
         "help": "requests the router takes at once; past it, 503 with Retry-After"})
     max_in_flight_per_backend: int = field(default=256, metadata={
-        "help": "requests in flight on one engine; when every healthy one is full, 503 with Retry-After"})
+        "help": "requests in flight on one engine; when every healthy one is full, a request waits for a slot "
+                "(--queue-timeout-s)"})
+    queue_timeout_s: float = field(default=60.0, metadata={
+        "help": "seconds a request waits for a slot when every healthy engine of its role is full (first come, "
+                "first served; those waiting count against --max-in-flight), then 503 with Retry-After; 0: the 503 "
+                "at once"})
     retry_after_s: int = field(default=1, metadata={"help": "the Retry-After of a 503 for a full router"})
     routing: str = field(default="cache-aware", metadata={
         "help": "how a unified replica or a prefill engine is chosen: cache-aware (where the longest cached prefix "
@@ -85,6 +90,8 @@ class RouterConfig:
         if self.kv_events_interval_s <= 0 or self.cache_aware_max_load_tokens < 1 or self.approximate_cache_pages < 1:
             raise ValueError("kv_events_interval_s, cache_aware_max_load_tokens and approximate_cache_pages "
                              "must be > 0")
+        if self.queue_timeout_s < 0:
+            raise ValueError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s}")
         if self.verdict_wait_s < 0:
             raise ValueError(f"verdict_wait_s must be >= 0, got {self.verdict_wait_s}")
         if self.max_in_flight < 1 or self.max_in_flight_per_backend < 1:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from splitserve.api.openai_protocol import FIRST_TOKEN_FIELD, first_token_marks
-from splitserve.router.backend_pool import Backend, BackendPool, Lease, NoBackend
+from splitserve.router.backend_pool import Backend, BackendPool, Lease, NoBackend, Overloaded
 from splitserve.router.cache_routing import CacheAwareRouting, RoutePlan
 from splitserve.router.phases import RequestTiming
 from splitserve.router.upstream import (
@@ -119,9 +119,10 @@ class PairRouter:
 
     def __init__(self, pool: BackendPool, client: httpx.AsyncClient, key: str, retries: int,
                  on_retry=lambda: None, prepare=None, routing: CacheAwareRouting | None = None,
-                 verdict_wait_s: float = 0.0) -> None:
+                 verdict_wait_s: float = 0.0, queue_timeout_s: float = 0.0) -> None:
         self.pool, self.client, self.key, self.retries = pool, client, key, retries
         self.verdict_wait_s = verdict_wait_s
+        self.queue_timeout_s = queue_timeout_s  # how long a request waits for a slot when every backend is full
         self.on_retry = on_retry
         # Chooses the unified replica or the prefill by cached prefix (None: by load alone).
         self.routing = routing
@@ -182,24 +183,39 @@ class PairRouter:
 
     async def _lease(self, role: str, avoid: set[str], never: set[str], prefer: str | None = None,
                      plan: RoutePlan | None = None) -> Lease:
-        """`_pick`, waiting (up to verdict_wait_s) while the role's only candidate awaits its probe's verdict."""
+        """`_pick`, waiting (up to verdict_wait_s) while the role's only candidate awaits its probe's verdict, and
+        (up to queue_timeout_s) in the role's line while every candidate is at its in-flight limit."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.verdict_wait_s
-        while True:
-            try:
-                return self._pick(role, avoid, never, prefer, plan)
-            except NoBackend:
-                left = deadline - loop.time()
-                if left <= 0 or not self.pool.awaiting_verdict(role, never):
-                    raise
-                await self.pool.wait_for_change(left)
+        verdict_deadline = loop.time() + self.verdict_wait_s
+        queue_deadline = loop.time() + self.queue_timeout_s
+        turn: asyncio.Future[None] | None = None  # this request's place in the role's line, once it waits
+        try:
+            while True:
+                try:
+                    return self._pick(role, avoid, never, prefer, plan, turn)
+                except NoBackend:
+                    left = verdict_deadline - loop.time()
+                    if left <= 0 or not self.pool.awaiting_verdict(role, never):
+                        raise
+                    await self.pool.wait_for_change(left)
+                except Overloaded as full:
+                    left = queue_deadline - loop.time()
+                    if left <= 0:
+                        raise
+                    turn = self.pool.join_line(role, turn)
+                    if not await self.pool.wait_for_slot(turn, left):
+                        raise Overloaded(f"{full}; waited {self.queue_timeout_s:g} s for a slot "
+                                         "(--queue-timeout-s)") from None
+        finally:
+            if turn is not None:
+                self.pool.leave_line(role, turn)
 
     def _pick(self, role: str, avoid: set[str], never: set[str], prefer: str | None = None,
-              plan: RoutePlan | None = None) -> Lease:
+              plan: RoutePlan | None = None, turn: asyncio.Future[None] | None = None) -> Lease:
         """A lease on a backend of `role`: by cached prefix and load with a plan, else by load."""
         if plan is None:
-            return self.pool.pick(role, avoid, never, prefer)
-        lease = self.pool.pick(role, avoid, never, prefer, choose=plan.choose)
+            return self.pool.pick(role, avoid, never, prefer, turn=turn)
+        lease = self.pool.pick(role, avoid, never, prefer, choose=plan.choose, turn=turn)
         lease.on_release.append(plan.take_release())
         return lease
 

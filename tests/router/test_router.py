@@ -117,6 +117,102 @@ def test_leases_count_exactly_and_a_full_role_is_overloaded_not_waited_for() -> 
     assert pool.backends("decode")[0].in_flight == 0
 
 
+def lessee(pool: BackendPool, queue_timeout_s: float):
+    """The router's way to a lease: PairRouter._lease (the verdict wait and the line), on `pool`."""
+    from splitserve.router.pair_routing import PairRouter
+
+    router = PairRouter(pool, client=None, key="", retries=0, queue_timeout_s=queue_timeout_s)  # type: ignore[arg-type]
+    return lambda role="decode", **kw: router._lease(role, set(), set(), **kw)
+
+
+def test_requests_past_the_limit_wait_in_line_first_come_first_served() -> None:
+    """Full: a request waits; a release wakes the first in line; a newcomer does not pass those waiting, even
+    while a slot is open for a woken one; the line is empty and the counts exact afterwards."""
+    import asyncio
+
+    async def run() -> None:
+        pool = healthy_pool(FakeClock(), limit=2, decode=["http://d0", "http://d1"])
+        lease = lessee(pool, queue_timeout_s=30)
+        held = [await lease() for _ in range(4)]
+        got: list[int] = []
+
+        async def waiter(i: int):
+            leased = await lease()
+            got.append(i)
+            return leased
+        waiting = []
+        for i in range(3):
+            waiting.append(asyncio.ensure_future(waiter(i)))
+            await asyncio.sleep(0)
+        assert pool.waiting("decode") == 3 and got == []
+        held.pop(0).release()  # one slot: the first in line takes it
+        await asyncio.sleep(0)
+        newcomer = asyncio.ensure_future(lease())  # arrives while the woken one has not picked yet
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert got == [0] and not newcomer.done() and pool.waiting("decode") == 3
+        held.pop(0).release()
+        held.pop(0).release()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert got == [0, 1, 2] and not newcomer.done()
+        held.pop(0).release()
+        leases = [await w for w in waiting] + [await newcomer]
+        assert pool.waiting("decode") == 0
+        assert sorted(b.in_flight for b in pool.backends("decode")) == [2, 2]
+        for leased in leases:
+            leased.release()
+        assert [b.in_flight for b in pool.backends("decode")] == [0, 0]
+    asyncio.run(run())
+
+
+def test_a_request_that_waits_past_the_queue_timeout_gets_overloaded_and_leaves_the_line() -> None:
+    import asyncio
+
+    async def run() -> None:
+        pool = healthy_pool(FakeClock(), limit=1, decode=["http://d0"])
+        held = pool.pick("decode")
+        with pytest.raises(Overloaded, match=r"waited 0\.05 s for a slot"):
+            await lessee(pool, queue_timeout_s=0.05)()
+        with pytest.raises(Overloaded, match="1 requests in flight"):  # no wait allowed: at once
+            await lessee(pool, queue_timeout_s=0)()
+        assert pool.waiting("decode") == 0
+        # A waiter whose client leaves (its task cancelled) leaves the line too, and the next one moves up.
+        lease = lessee(pool, queue_timeout_s=30)
+        gone = asyncio.ensure_future(lease())
+        await asyncio.sleep(0)
+        next_ = asyncio.ensure_future(lease())
+        await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert pool.waiting("decode") == 1
+        held.release()
+        (await next_).release()
+        assert pool.waiting("decode") == 0 and pool.backends("decode")[0].in_flight == 0
+    asyncio.run(run())
+
+
+def test_a_backend_coming_back_wakes_every_waiter() -> None:
+    """The set of open backends changed: those waiting look again, and take the new one's slots."""
+    import asyncio
+
+    async def run() -> None:
+        pool = healthy_pool(FakeClock(), limit=1, decode=["http://d0", "http://d1"])
+        d1 = pool.backends("decode")[1]
+        pool.eject(d1, "down")
+        held = pool.pick("decode")
+        waiter = asyncio.ensure_future(lessee(pool, queue_timeout_s=30)())
+        await asyncio.sleep(0)
+        assert pool.waiting("decode") == 1
+        pool.admit(d1, {})
+        leased = await asyncio.wait_for(waiter, 5)
+        assert leased.backend is d1 and pool.waiting("decode") == 0
+        leased.release()
+        held.release()
+    asyncio.run(run())
+
+
 def test_a_removed_backend_drains_then_leaves_and_can_come_back() -> None:
     pool = healthy_pool(FakeClock(), decode=["http://d0", "http://d1"])
     lease = pool.pick("decode", avoid={"http://d1"})

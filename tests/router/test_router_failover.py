@@ -181,9 +181,12 @@ def test_load_counters_stay_exact_when_clients_leave(cluster) -> None:
 
 
 def test_past_the_in_flight_limits_the_router_answers_503_with_retry_after_at_once(cluster) -> None:
+    """Past --max-in-flight, and past every backend's limit with no wait allowed (--queue-timeout-s 0): a 503 with
+    Retry-After at once; the requests that hold the slots finish."""
     d = cluster["d"]
     overall = d.router(cluster["prefill"], cluster["decode"], "--max-in-flight", "1")
-    per_backend = d.router(cluster["prefill"], cluster["decode"], "--max-in-flight-per-backend", "1")
+    per_backend = d.router(cluster["prefill"], cluster["decode"], "--max-in-flight-per-backend", "1",
+                           "--queue-timeout-s", "0")
     d.wait([overall, per_backend], timeout=60)
     try:
         for router, holders in ((overall, 1), (per_backend, 2)):
@@ -204,6 +207,66 @@ def test_past_the_in_flight_limits_the_router_answers_503_with_retry_after_at_on
     finally:
         d.procs[overall].stop()
         d.procs[per_backend].stop()
+
+
+def test_requests_past_every_backend_s_limit_wait_in_line_and_are_served_in_arrival_order(cluster) -> None:
+    """One pair with one slot each, held by a long request: the next requests wait in the router's line instead of
+    failing, are served once the slot frees up, first come first served, and the line's gauge shows them while
+    they wait. With a short --queue-timeout-s, one that waits too long gets the 503 and leaves the line."""
+    d = cluster["d"]
+    pair = (cluster["prefill"][:1], cluster["decode"][:1])
+    queued = d.router(*pair, "--max-in-flight-per-backend", "1")
+    short = d.router(*pair, "--max-in-flight-per-backend", "1", "--queue-timeout-s", "0.5")
+    d.wait([queued, short], timeout=60)
+    try:
+        async def run() -> None:
+            async with httpx.AsyncClient(timeout=120) as client:
+                held = [asyncio.ensure_future(client.post(f"{queued}/v1/completions", json=body(200)))]
+                while httpx.get(f"{queued}/health", timeout=5).json()["in_flight"] < 1:
+                    await asyncio.sleep(0.02)
+                finished: list[int] = []
+
+                async def waiter(i: int) -> httpx.Response:
+                    r = await client.post(f"{queued}/v1/completions", json=body(8))
+                    finished.append(i)
+                    return r
+                waiting = []
+                for i in range(4):  # one after another, so their arrival order is known
+                    waiting.append(asyncio.ensure_future(waiter(i)))
+                    while line_length(queued) < i + 1:
+                        await asyncio.sleep(0.01)
+                assert not any(w.done() for w in waiting)
+                answers = await asyncio.gather(*held, *waiting)
+                assert [r.status_code for r in answers] == [200] * 5, [r.text for r in answers]
+                assert finished == [0, 1, 2, 3]  # one slot: each ran after the one ahead of it
+            assert line_length(queued) == 0
+
+            async with httpx.AsyncClient(timeout=120) as client:
+                held = [asyncio.ensure_future(client.post(f"{short}/v1/completions", json=body(300)))]
+                while httpx.get(f"{short}/health", timeout=5).json()["in_flight"] < 1:
+                    await asyncio.sleep(0.02)
+                started = time.monotonic()
+                r = await client.post(f"{short}/v1/completions", json=body())
+                assert 0.5 <= time.monotonic() - started < 5
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                assert "waited 0.5 s for a slot" in r.json()["error"]["message"]
+                assert all(x.status_code == 200 for x in await asyncio.gather(*held))
+            assert line_length(short) == 0
+        asyncio.run(run())
+        assert_router_counts_back_to_zero(queued)
+        assert_router_counts_back_to_zero(short)
+    finally:
+        d.procs[queued].stop()
+        d.procs[short].stop()
+
+
+def line_length(router: str) -> float:
+    """The router's waiting requests over every role, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{router}/metrics", timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "splitserve_router_queued_requests"
+               for s in f.samples)
 
 
 def test_a_stuck_decode_is_ejected_by_its_probe_and_its_request_retried_elsewhere(cluster) -> None:
