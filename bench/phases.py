@@ -65,9 +65,9 @@ class PhasesBenchConfig:
         "help": "CUDA MPS for the 1P1D engines on one GPU (splitserve up --mps: auto, on or off)"})
     mps_sm_percent: str = field(default="", metadata={
         "help": "the 1P1D engines' SM caps under MPS, ROLE=PERCENT[,...] (splitserve up --mps-sm-percent)"})
-    mps_low_priority: str = field(default="", metadata={
-        "help": "the 1P1D roles whose MPS clients run below normal priority, ROLE[,...] (splitserve up "
-                "--mps-low-priority)"})
+    mps_low_priority: str = field(default="auto", metadata={
+        "help": "the 1P1D roles whose MPS clients run below normal priority: auto (the decode), none or ROLE[,...] "
+                "(splitserve up --mps-low-priority)"})
     decode_kv_weight: float = field(default=KV_WEIGHTS["decode"], metadata={
         "help": "the decode's weight in the 1P1D engines' split of the GPU's KV memory, against the prefill's 1 "
                 "(splitserve up --decode-kv-weight)"})
@@ -201,7 +201,7 @@ def run_phases_benchmark(cfg: PhasesBenchConfig) -> dict[str, Any]:
         deployment = Deployment(UpConfig(model=model, device=cfg.device, port=free_port(), engine_args=engine_args,
                                          mps=cfg.mps if name == "1p1d" else "off",
                                          mps_sm_percent=cfg.mps_sm_percent if name == "1p1d" else "",
-                                         mps_low_priority=cfg.mps_low_priority if name == "1p1d" else "",
+                                         mps_low_priority=cfg.mps_low_priority if name == "1p1d" else "none",
                                          decode_kv_weight=cfg.decode_kv_weight,
                                          **shape))  # one engine
         stop = [False]  # the deployment is supervised as under `up`: an engine that dies is restarted

@@ -67,13 +67,21 @@ def parse_sm_percents(spec: str) -> dict[str, int]:
     return caps
 
 
+LOW_PRIORITY_DEFAULT = ("decode",)  # --mps-low-priority auto: a decode step yields to prompt steps
+
+
 def parse_low_priority(spec: str) -> list[str]:
-    """`--mps-low-priority`'s ROLE[,ROLE...] (e.g. "decode") as a list of roles; '' gives []."""
+    """`--mps-low-priority`'s ROLE[,ROLE...] (e.g. "decode") as a list of roles; 'auto' gives the default (the
+    decode), '' or 'none' gives []."""
+    if spec.strip() == "auto":
+        return list(LOW_PRIORITY_DEFAULT)
+    if spec.strip() == "none":
+        return []
     roles: list[str] = []
     for role in filter(None, (part.strip() for part in spec.split(","))):
         if role not in CAPPABLE_ROLES:
-            raise ValueError(f"--mps-low-priority: {role!r} is not a role; roles are {', '.join(CAPPABLE_ROLES)} "
-                             "(e.g. decode)")
+            raise ValueError(f"--mps-low-priority: {role!r} is not a role; give auto, none or roles of "
+                             f"{', '.join(CAPPABLE_ROLES)} (e.g. decode)")
         if role in roles:
             raise ValueError(f"--mps-low-priority: {role} is given twice")
         roles.append(role)

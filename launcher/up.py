@@ -99,10 +99,10 @@ class UpConfig:
                 "decode=60: decode steps are memory-bound and need few SMs, so prompt steps keep the rest); "
                 "roles not named use every SM; a capped engine checks its GEMMs at start-up, as cuBLAS computes "
                 "some shapes wrong under a cap"})
-    mps_low_priority: str = field(default="", metadata={
-        "help": "under MPS, roles whose engines' kernels run below normal priority, ROLE[,...] (e.g. decode: a "
-                "prompt step gets the SMs first and a decode step what it leaves, all of them when no prompt step "
-                "runs); unlike a cap it follows the load"})
+    mps_low_priority: str = field(default="auto", metadata={
+        "help": "under MPS, roles whose engines' kernels run below normal priority: auto (the decode: a prompt "
+                "step gets free SMs first and a decode step what it leaves, all of them when no prompt step runs; "
+                "unlike a cap it follows the load), none, or ROLE[,...]"})
     decode_kv_weight: float = field(default=KV_WEIGHTS["decode"], metadata={
         "help": "where a prefill and a decode share a GPU, the decode's weight in the split of the KV memory their "
                 "weights leave, against a prefill's 1 (a decode holds every running request's whole context, a "
@@ -113,7 +113,7 @@ class UpConfig:
             raise ValueError(f"--mps must be one of {', '.join(MPS_MODES)}, got {self.mps!r}")
         if parse_sm_percents(self.mps_sm_percent) and self.mps == "off":
             raise ValueError("--mps-sm-percent caps MPS clients; it has no effect with --mps off")
-        if parse_low_priority(self.mps_low_priority) and self.mps == "off":
+        if parse_low_priority(self.mps_low_priority) and self.mps == "off" and self.mps_low_priority != "auto":
             raise ValueError("--mps-low-priority sets MPS clients' priority; it has no effect with --mps off")
         if self.encode and self.unified:
             raise ValueError("--encode goes with --prefill/--decode; a unified engine encodes its images itself")
@@ -422,7 +422,7 @@ class Deployment:
         if self._sm_percents:
             logger.warning("--mps-sm-percent %s has no effect: no engine runs through a daemon of this deployment",
                            self.cfg.mps_sm_percent)
-        if self._low_priority:
+        if self._low_priority and self.cfg.mps_low_priority != "auto":
             logger.warning("--mps-low-priority %s has no effect: no engine runs through a daemon of this deployment",
                            self.cfg.mps_low_priority)
 

@@ -213,13 +213,15 @@ def test_sm_caps_are_read_per_role_and_bad_ones_are_refused():
 def test_low_priority_roles_are_read_and_bad_ones_are_refused():
     from splitserve.launcher.mps import parse_low_priority
 
-    assert parse_low_priority("") == []
+    assert parse_low_priority("") == parse_low_priority("none") == []
+    assert parse_low_priority("auto") == ["decode"]  # the default
     assert parse_low_priority(" decode , drafter") == ["decode", "drafter"]
     for spec, why in [("router", "not a role"), ("decode=1", "not a role"), ("decode,decode", "given twice")]:
         with pytest.raises(ValueError, match=why):
             parse_low_priority(spec)
     with pytest.raises(ValueError, match="no effect with --mps off"):
         UpConfig(mps="off", mps_low_priority="decode")
+    UpConfig(mps="off")  # the default (auto) goes with any --mps
 
 
 def test_a_low_priority_role_runs_below_normal_and_the_others_at_normal(tmp_path, monkeypatch, caplog):
@@ -237,12 +239,27 @@ def test_a_low_priority_role_runs_below_normal_and_the_others_at_normal(tmp_path
     prefill, decode = deployment.children
     assert PRIORITY_ENV not in prefill.env and decode.env[PRIORITY_ENV] == "1"
     assert prefill.env[SM_PERCENT_ENV] == "90" and SM_PERCENT_ENV not in decode.env
+    by_default = Deployment(UpConfig(model="tiny", device="cuda:0"))
+    by_default.mps = deployment.mps
+    monkeypatch.setattr(by_default, "_spawn", lambda child: None)
+    by_default._engine("prefill", 0)
+    by_default._engine("decode", 0)
+    assert [PRIORITY_ENV in c.env for c in by_default.children] == [False, True]
+    plain = Deployment(UpConfig(model="tiny", device="cuda:0", mps_low_priority="none"))
+    plain.mps = deployment.mps
+    monkeypatch.setattr(plain, "_spawn", lambda child: None)
+    plain._engine("decode", 0)
+    assert PRIORITY_ENV not in plain.children[0].env
 
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     alone = Deployment(UpConfig(model="tiny", device="cpu", mps="auto", mps_low_priority="decode"))
     with caplog.at_level(logging.WARNING, logger="splitserve.launcher.up"):
         alone._start_mps()
     assert any("--mps-low-priority decode has no effect" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="splitserve.launcher.up"):
+        Deployment(UpConfig(model="tiny", device="cpu", mps="auto"))._start_mps()
+    assert not any("--mps-low-priority" in r.message for r in caplog.records)  # the default says nothing
 
 
 def test_a_capped_role_gets_its_sm_share_through_the_daemon_and_the_others_every_sm(tmp_path, monkeypatch, caplog):
