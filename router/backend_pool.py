@@ -85,7 +85,7 @@ class Lease:
             for done in self.on_release:
                 done()
             self.pool._drop_if_drained(self.backend)
-            self.pool._wake_next(self.backend.role)
+            self.pool._slot_freed(self.backend.role)
 
 
 class BackendPool:
@@ -103,6 +103,9 @@ class BackendPool:
         # Per role, the requests waiting for a slot, in arrival order: one future each, set to wake it; a woken
         # one stays in line (at its place) until its own pick is done, so nobody passes it meanwhile.
         self._line: dict[str, deque[asyncio.Future[None]]] = {role: deque() for role in ROLES}
+        # Waiters that were woken but could use none of the open slots (a retry that must avoid the one backend
+        # with room): those behind them may pass them until the next slot frees up.
+        self._passable: set[asyncio.Future[None]] = set()
 
     # ---- the set of backends -----------------------------------------------------------------
 
@@ -162,7 +165,7 @@ class BackendPool:
         if not open_:
             raise Overloaded(f"every healthy {role} backend has {self.max_in_flight_per_backend} requests in flight")
         line = self._line[role]
-        if line and not (turn is not None and turn.done() and turn in line and self._ahead_done(line, turn)):
+        if line and not (turn is not None and turn.done() and turn in line and self._ahead_gone(line, turn)):
             raise Overloaded(f"{len(line)} request(s) wait for a {role} slot ahead of this one")
         preferred = [b for b in open_ if b.url not in avoid] or open_
         sticky = next((b for b in preferred if b.url == prefer), None)
@@ -188,10 +191,13 @@ class BackendPool:
         line = self._line[role]
         fresh: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if turn is not None and turn in line:
-            line[line.index(turn)] = fresh  # it waits for the next release, not for the slot it could not use
+            # It waits for the next release, not for the slot it could not use; that slot goes to those behind it.
+            line[line.index(turn)] = fresh
+            self._passable.discard(turn)
+            self._passable.add(fresh)
         else:
             line.append(fresh)
-            self._wake_next(role)  # a slot may be open already, held only for others' turns
+        self._wake_next(role)  # a slot may be open already, held only for others' turns
         return fresh
 
     def leave_line(self, role: str, turn: asyncio.Future[None]) -> None:
@@ -199,6 +205,7 @@ class BackendPool:
         line = self._line[role]
         if turn in line:
             line.remove(turn)
+            self._passable.discard(turn)
             if not turn.done():
                 turn.cancel()
             self._wake_next(role)
@@ -211,19 +218,19 @@ class BackendPool:
                 await asyncio.wait_for(asyncio.shield(turn), timeout)
         return turn.done()
 
-    @staticmethod
-    def _ahead_done(line: deque[asyncio.Future[None]], turn: asyncio.Future[None]) -> bool:
-        """Whether everyone ahead of ``turn`` in ``line`` was woken too (woken ones pick in any order)."""
+    def _ahead_gone(self, line: deque[asyncio.Future[None]], turn: asyncio.Future[None]) -> bool:
+        """Whether everyone ahead of ``turn`` in ``line`` was woken too (woken ones pick in any order) or may be
+        passed."""
         for ahead in line:
             if ahead is turn:
                 return True
-            if not ahead.done():
+            if not ahead.done() and ahead not in self._passable:
                 return False
         return False
 
     def _wake_next(self, role: str) -> None:
-        """Wakes the first waiter of ``role`` not woken yet, if a backend of the role has a free slot for it (one
-        per free slot, counting the woken ones that have not picked yet)."""
+        """Wakes waiters of ``role`` in line order, one per free slot of its routable backends (counting the woken
+        ones that have not picked yet), passing those that could use none of the open slots."""
         line = self._line[role]
         if not line:
             return
@@ -233,11 +240,17 @@ class BackendPool:
         for turn in line:
             if woken >= free:
                 break
-            if not turn.done():
+            if not turn.done() and turn not in self._passable:
                 turn.set_result(None)
                 woken += 1
 
+    def _slot_freed(self, role: str) -> None:
+        """A lease of ``role`` ended: the waiters passed over may try again, first in line first."""
+        self._passable.difference_update(self._line[role])
+        self._wake_next(role)
+
     def _wake_all(self) -> None:
+        self._passable.clear()
         for line in self._line.values():
             for turn in line:
                 if not turn.done():

@@ -122,7 +122,7 @@ def lessee(pool: BackendPool, queue_timeout_s: float):
     from splitserve.router.pair_routing import PairRouter
 
     router = PairRouter(pool, client=None, key="", retries=0, queue_timeout_s=queue_timeout_s)  # type: ignore[arg-type]
-    return lambda role="decode", **kw: router._lease(role, set(), set(), **kw)
+    return lambda role="decode", never=frozenset(), **kw: router._lease(role, set(), set(never), **kw)
 
 
 def test_requests_past_the_limit_wait_in_line_first_come_first_served() -> None:
@@ -190,6 +190,29 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_overloaded_and_leaves_
         held.release()
         (await next_).release()
         assert pool.waiting("decode") == 0 and pool.backends("decode")[0].in_flight == 0
+    asyncio.run(run())
+
+
+def test_a_waiter_that_cannot_use_the_free_slot_lets_the_next_one_take_it() -> None:
+    """A retry that must avoid the one backend with room does not hold up the line: the next waiter takes that slot,
+    and the retry gets the next slot it can use."""
+    import asyncio
+
+    async def run() -> None:
+        pool = healthy_pool(FakeClock(), limit=1, decode=["http://d0", "http://d1"])
+        lease = lessee(pool, queue_timeout_s=30)
+        on_d0, on_d1 = pool.pick("decode"), pool.pick("decode")
+        retry = asyncio.ensure_future(lease(never={"http://d1"}))
+        await asyncio.sleep(0)
+        plain = asyncio.ensure_future(lease())
+        await asyncio.sleep(0)
+        assert pool.waiting("decode") == 2
+        on_d1.release()  # room on d1 only: the retry is woken first, cannot take it, and passes it on
+        got = await asyncio.wait_for(plain, 5)
+        assert got.backend.url == "http://d1" and not retry.done() and pool.waiting("decode") == 1
+        on_d0.release()
+        assert (await asyncio.wait_for(retry, 5)).backend.url == "http://d0"
+        assert pool.waiting("decode") == 0 and not pool._passable
     asyncio.run(run())
 
 
