@@ -14,7 +14,8 @@ the least loaded gets the next request, ties going round robin.
 When every routable backend of a role is at its in-flight limit, a request may wait for a slot
 (``wait_for_slot``): the waiters of a role form a line, first come first served. A released lease
 wakes the first of its role; a request that has not waited does not pass the line (``pick`` refuses
-it while anyone waits); a health change wakes them all, as the set of open backends changed.
+it while anyone waits: NotYourTurn); a health change wakes as many as there are open slots, and all
+of them when the role has no routable backend left.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class NoBackend(Exception):
 
 class Overloaded(Exception):
     """Every healthy backend of a role is at its in-flight limit."""
+
+
+class NotYourTurn(Overloaded):
+    """A slot is open, but requests that came first wait for it."""
 
 
 @dataclass(eq=False)
@@ -85,7 +90,8 @@ class Lease:
             for done in self.on_release:
                 done()
             self.pool._drop_if_drained(self.backend)
-            self.pool._slot_freed(self.backend.role)
+            if self.backend.routable:  # a slot others may take
+                self.pool._slot_freed(self.backend.role)
 
 
 class BackendPool:
@@ -120,6 +126,7 @@ class BackendPool:
             elif current[url].draining:
                 current[url].draining = False
                 logger.info("backend %s (%s) re-added", url, role)
+                self._wake_next(role)
         for url, backend in list(current.items()):
             if url not in wanted and not backend.draining:
                 backend.draining = True
@@ -166,7 +173,7 @@ class BackendPool:
             raise Overloaded(f"every healthy {role} backend has {self.max_in_flight_per_backend} requests in flight")
         line = self._line[role]
         if line and not (turn is not None and turn.done() and turn in line and self._ahead_gone(line, turn)):
-            raise Overloaded(f"{len(line)} request(s) wait for a {role} slot ahead of this one")
+            raise NotYourTurn(f"{len(line)} request(s) wait for a {role} slot ahead of this one")
         preferred = [b for b in open_ if b.url not in avoid] or open_
         sticky = next((b for b in preferred if b.url == prefer), None)
         if sticky is not None:
@@ -184,21 +191,28 @@ class BackendPool:
         """Requests of ``role`` waiting for a slot."""
         return len(self._line[role])
 
-    def join_line(self, role: str, turn: asyncio.Future[None] | None = None) -> asyncio.Future[None]:
-        """A place at the end of ``role``'s line, or, for a ``turn`` that came but found no slot it could take, a
-        fresh one at that place. Set when it is this request's turn (or a backend's health changed).
-        ``leave_line`` gives it up, whatever happened."""
+    def join_line(self, role: str, turn: asyncio.Future[None] | None = None,
+                  passable: bool = False) -> asyncio.Future[None]:
+        """A place at the end of ``role``'s line, or, for a ``turn`` that came but could not pick, a fresh one at
+        that place. ``passable``: it could use none of the open slots (a retry that must avoid the backend with
+        room), so those behind it may take them until the next release. The place is set when it is this
+        request's turn (or a backend's health changed); ``leave_line`` gives it up, whatever happened."""
         line = self._line[role]
         fresh: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if turn is not None and turn in line:
-            # It waits for the next release, not for the slot it could not use; that slot goes to those behind it.
             line[line.index(turn)] = fresh
             self._passable.discard(turn)
-            self._passable.add(fresh)
         else:
             line.append(fresh)
-        self._wake_next(role)  # a slot may be open already, held only for others' turns
+        if passable:
+            self._passable.add(fresh)
+        self._wake_next(role)  # a slot may be open for it or for those it lets pass
         return fresh
+
+    def free_slots(self, role: str) -> int:
+        """Slots open on ``role``'s routable backends."""
+        return sum(max(0, self.max_in_flight_per_backend - b.in_flight)
+                   for b in self._roles[role].values() if b.routable)
 
     def leave_line(self, role: str, turn: asyncio.Future[None]) -> None:
         """Gives up ``turn`` (a lease taken, a timeout, a client gone); the next waiter may take a slot it left."""
@@ -213,9 +227,8 @@ class BackendPool:
     @staticmethod
     async def wait_for_slot(turn: asyncio.Future[None], timeout: float) -> bool:
         """Waits for ``turn`` (join_line's) to come, up to ``timeout`` seconds; False when it did not."""
-        if not turn.done():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(turn), timeout)
+        if not turn.done():  # asyncio.wait, not wait_for: a cancelled request must not take the slot it was given
+            await asyncio.wait({turn}, timeout=timeout)
         return turn.done()
 
     def _ahead_gone(self, line: deque[asyncio.Future[None]], turn: asyncio.Future[None]) -> bool:
@@ -234,8 +247,7 @@ class BackendPool:
         line = self._line[role]
         if not line:
             return
-        free = sum(max(0, self.max_in_flight_per_backend - b.in_flight)
-                   for b in self._roles[role].values() if b.routable)
+        free = self.free_slots(role)
         woken = sum(1 for t in line if t.done())
         for turn in line:
             if woken >= free:
@@ -248,13 +260,6 @@ class BackendPool:
         """A lease of ``role`` ended: the waiters passed over may try again, first in line first."""
         self._passable.difference_update(self._line[role])
         self._wake_next(role)
-
-    def _wake_all(self) -> None:
-        self._passable.clear()
-        for line in self._line.values():
-            for turn in line:
-                if not turn.done():
-                    turn.set_result(None)
 
     def _in_turn(self, role: str, backends: list[Backend]) -> list[Backend]:
         """`backends` in round-robin order: the first after the role's last pick first."""
@@ -288,7 +293,7 @@ class BackendPool:
             backend.suspect = True
             logger.warning("backend %s (%s), the last healthy %s, failed a request (%s): not ejected; probing it",
                            backend.url, backend.role, backend.role, reason)
-            self._changed()
+            self._changed(backend.role)
             self.on_suspect(backend)
         return False
 
@@ -302,16 +307,24 @@ class BackendPool:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._change.wait(), timeout)
 
-    def _changed(self) -> None:
+    def _changed(self, role: str) -> None:
+        """A backend of ``role`` changed health: wakes requests awaiting a verdict, and the role's line."""
         self._change.set()
         self._change = asyncio.Event()
-        self._wake_all()  # the open backends changed: every waiter looks again
+        line = self._line[role]
+        self._passable.difference_update(line)  # the open slots changed: those passed over look again
+        if self.healthy_count(role) == 0:  # nothing left to wait for a slot on: each finds out (NoBackend)
+            for turn in line:
+                if not turn.done():
+                    turn.set_result(None)
+        else:
+            self._wake_next(role)
 
     def eject(self, backend: Backend, reason: str) -> None:
         """Takes a backend out of rotation at once; the prober tries it again after a backoff."""
         if backend.suspect:
             backend.suspect = False
-            self._changed()
+            self._changed(backend.role)
         backend.failures += 1
         backend.last_error = reason
         backend.next_probe_at = self.clock() + min(self.backoff_max_s, self.backoff_s * 2 ** (backend.failures - 1))
@@ -320,7 +333,7 @@ class BackendPool:
             backend.ejections += 1
             backend.ejected.set()
             logger.warning("backend %s (%s) ejected: %s", backend.url, backend.role, reason)
-            self._changed()
+            self._changed(backend.role)
         else:
             logger.debug("backend %s (%s) still failing (%d in a row): %s", backend.url, backend.role,
                          backend.failures, reason)
@@ -342,7 +355,9 @@ class BackendPool:
         backend.healthy, backend.suspect, backend.failures, backend.last_error = True, False, 0, ""
         backend.ejected.clear()
         if changed:
-            self._changed()
+            self._changed(backend.role)
+        else:  # routable again without a change of health (a role switch's drain ended): its slots may be free
+            self._wake_next(backend.role)
 
     def due_for_probe(self) -> list[Backend]:
         """Healthy backends (every round) and ejected ones whose backoff has passed."""

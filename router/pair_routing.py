@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from splitserve.api.openai_protocol import FIRST_TOKEN_FIELD, first_token_marks
-from splitserve.router.backend_pool import Backend, BackendPool, Lease, NoBackend, Overloaded
+from splitserve.router.backend_pool import Backend, BackendPool, Lease, NoBackend, NotYourTurn, Overloaded
 from splitserve.router.cache_routing import CacheAwareRouting, RoutePlan
 from splitserve.router.phases import RequestTiming
 from splitserve.router.upstream import (
@@ -142,20 +142,22 @@ class PairRouter:
         never: set[str] = set()  # backends that failed themselves
         last: UpstreamFailure | None = None
         plan = self.routing.plan(prompt_ids) if self.routing is not None else None
+        # One wait for slots per request, whichever roles and attempts it waits for.
+        queue_deadline = asyncio.get_running_loop().time() + self.queue_timeout_s
         for attempt in range(1 + max(0, self.retries)):
             prepared = await self.prepare(body) if self.prepare is not None else None
             attempt_body = prepared.body if prepared is not None else body
             encoders = prepared.encoders if prepared is not None else []
             try:
                 main = await self._lease("decode" if disaggregated else "unified", avoid, never,
-                                         plan=None if disaggregated else plan)
+                                         plan=None if disaggregated else plan, queue_deadline=queue_deadline)
             except NoBackend:
                 if last is not None:
                     raise last from None
                 raise
             try:
-                prefill = (await self._lease("prefill", avoid, never, affinity.url if affinity else None, plan)
-                           if disaggregated else None)
+                prefill = (await self._lease("prefill", avoid, never, affinity.url if affinity else None, plan,
+                                             queue_deadline) if disaggregated else None)
             except BaseException:
                 main.release()
                 if last is not None:
@@ -182,30 +184,39 @@ class PairRouter:
         raise last
 
     async def _lease(self, role: str, avoid: set[str], never: set[str], prefer: str | None = None,
-                     plan: RoutePlan | None = None) -> Lease:
+                     plan: RoutePlan | None = None, queue_deadline: float | None = None) -> Lease:
         """`_pick`, waiting (up to verdict_wait_s) while the role's only candidate awaits its probe's verdict, and
-        (up to queue_timeout_s) in the role's line while every candidate is at its in-flight limit."""
+        in the role's line while every candidate is at its in-flight limit, until `queue_deadline` (the loop's
+        clock; default queue_timeout_s from now)."""
         loop = asyncio.get_running_loop()
-        verdict_deadline = loop.time() + self.verdict_wait_s
-        queue_deadline = loop.time() + self.queue_timeout_s
+        verdict_deadline: float | None = None  # from the first time no backend is healthy, not from the arrival
+        if queue_deadline is None:
+            queue_deadline = loop.time() + self.queue_timeout_s
         turn: asyncio.Future[None] | None = None  # this request's place in the role's line, once it waits
         try:
             while True:
                 try:
                     return self._pick(role, avoid, never, prefer, plan, turn)
                 except NoBackend:
+                    if verdict_deadline is None:
+                        verdict_deadline = loop.time() + self.verdict_wait_s
                     left = verdict_deadline - loop.time()
                     if left <= 0 or not self.pool.awaiting_verdict(role, never):
                         raise
                     await self.pool.wait_for_change(left)
+                    continue
                 except Overloaded as full:
                     left = queue_deadline - loop.time()
                     if left <= 0:
                         raise
-                    turn = self.pool.join_line(role, turn)
+                    # Not its turn: it keeps its place. No open slot it may take: if others could take one, it
+                    # lets them pass.
+                    passable = not isinstance(full, NotYourTurn) and self.pool.free_slots(role) > 0
+                    turn = self.pool.join_line(role, turn, passable)
                     if not await self.pool.wait_for_slot(turn, left):
                         raise Overloaded(f"{full}; waited {self.queue_timeout_s:g} s for a slot "
                                          "(--queue-timeout-s)") from None
+                verdict_deadline = None
         finally:
             if turn is not None:
                 self.pool.leave_line(role, turn)

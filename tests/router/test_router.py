@@ -117,11 +117,12 @@ def test_leases_count_exactly_and_a_full_role_is_overloaded_not_waited_for() -> 
     assert pool.backends("decode")[0].in_flight == 0
 
 
-def lessee(pool: BackendPool, queue_timeout_s: float):
+def lessee(pool: BackendPool, queue_timeout_s: float, verdict_wait_s: float = 0.0):
     """The router's way to a lease: PairRouter._lease (the verdict wait and the line), on `pool`."""
     from splitserve.router.pair_routing import PairRouter
 
-    router = PairRouter(pool, client=None, key="", retries=0, queue_timeout_s=queue_timeout_s)  # type: ignore[arg-type]
+    router = PairRouter(pool, client=None, key="", retries=0, verdict_wait_s=verdict_wait_s,  # type: ignore[arg-type]
+                        queue_timeout_s=queue_timeout_s)
     return lambda role="decode", never=frozenset(), **kw: router._lease(role, set(), set(never), **kw)
 
 
@@ -213,6 +214,84 @@ def test_a_waiter_that_cannot_use_the_free_slot_lets_the_next_one_take_it() -> N
         on_d0.release()
         assert (await asyncio.wait_for(retry, 5)).backend.url == "http://d0"
         assert pool.waiting("decode") == 0 and not pool._passable
+    asyncio.run(run())
+
+
+def test_a_slot_freed_on_a_draining_backend_does_not_let_the_line_be_passed() -> None:
+    """Behind a retry that may not use x, B waits; a release on a draining backend frees no slot anyone may take, so
+    B still takes x when it comes, and a newcomer does not get ahead of B."""
+    import asyncio
+
+    async def run() -> None:
+        pool = healthy_pool(FakeClock(), limit=1, decode=["http://x", "http://y", "http://z"])
+        lease = lessee(pool, queue_timeout_s=30)
+        on_x, _on_y, on_z = (pool.pick("decode") for _ in range(3))
+        pool.remove("decode", "http://z")  # draining: its request goes on
+        a = asyncio.ensure_future(lease(never={"http://x"}))
+        await asyncio.sleep(0)
+        b = asyncio.ensure_future(lease())
+        await asyncio.sleep(0)
+        on_x.release()  # A is woken, cannot take x, lets B pass
+        line = pool._line["decode"]
+        for _ in range(20):  # until A has passed x on to B, and before B's task runs
+            await asyncio.sleep(0)
+            if len(line) == 2 and line[1].done():
+                break
+        assert line[0] in pool._passable and line[1].done()
+        on_z.release()  # z drained: no slot for anyone, and A stays passed over
+        newcomer = asyncio.ensure_future(lease())
+        assert (await asyncio.wait_for(b, 5)).backend.url == "http://x"
+        await asyncio.sleep(0.01)
+        assert not a.done() and not newcomer.done() and pool.waiting("decode") == 2
+        for task in (a, newcomer):
+            task.cancel()
+        await asyncio.gather(a, newcomer, return_exceptions=True)
+        assert pool.waiting("decode") == 0 and not pool._passable
+    asyncio.run(run())
+
+
+def test_a_backend_whose_drain_ends_takes_the_waiting_request() -> None:
+    """An engine that drained for a role switch and takes requests again (its probe says so) wakes the line: the
+    request waiting gets it, not a 503 at the queue timeout."""
+    import asyncio
+
+    from splitserve.router.role_changes import follow_engine_role
+
+    async def run() -> None:
+        pool = healthy_pool(FakeClock(), limit=1, decode=["http://d0", "http://d1"])
+        d1 = pool.backends("decode")[1]
+        follow_engine_role(pool, d1, {"draining": True})
+        held = pool.pick("decode")
+        waiter = asyncio.ensure_future(lessee(pool, queue_timeout_s=5)())
+        await asyncio.sleep(0)
+        assert pool.waiting("decode") == 1
+        assert not follow_engine_role(pool, d1, {"draining": False})  # what a passing probe does, then admits
+        pool.admit(d1, {})
+        leased = await asyncio.wait_for(waiter, 1)
+        assert leased.backend is d1
+        leased.release()
+        held.release()
+    asyncio.run(run())
+
+
+def test_time_in_line_does_not_use_up_the_wait_for_a_verdict() -> None:
+    """A request that waited in line longer than verdict_wait_s, when its role's last backend turns suspect, still
+    waits for the probe's verdict: the verdict wait counts from when no backend was healthy."""
+    import asyncio
+
+    async def run() -> None:
+        pool = healthy_pool(FakeClock(), limit=1, decode=["http://d0"])
+        d0 = pool.backends("decode")[0]
+        held = pool.pick("decode")
+        waiter = asyncio.ensure_future(lessee(pool, queue_timeout_s=30, verdict_wait_s=0.2)())
+        await asyncio.sleep(0.3)  # longer in line than the verdict wait
+        pool.report_failure(d0, "a 5xx on another request")  # the last one: suspect, probed
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        pool.admit(d0, {})  # the probe passes
+        held.release()
+        (await asyncio.wait_for(waiter, 5)).release()
+        assert pool.waiting("decode") == 0 and d0.in_flight == 0
     asyncio.run(run())
 
 
