@@ -210,20 +210,26 @@ def test_past_the_in_flight_limits_the_router_answers_503_with_retry_after_at_on
 
 
 def test_requests_past_every_backend_s_limit_wait_in_line_and_are_served_in_arrival_order(cluster) -> None:
-    """One pair with one slot each, held by a long request: the next requests wait in the router's line instead of
-    failing, are served once the slot frees up, first come first served, and the line's gauge shows them while
-    they wait. With a short --queue-timeout-s, one that waits too long gets the 503 and leaves the line."""
+    """One pair with one slot each, held by a request the test ends itself (its client leaves): the next requests
+    wait in the router's line instead of failing, are served once the slot frees up, first come first served, and
+    the line's gauge shows them while they wait. With a short --queue-timeout-s, one that waits too long gets the
+    503 and leaves the line."""
     d = cluster["d"]
     pair = (cluster["prefill"][:1], cluster["decode"][:1])
     queued = d.router(*pair, "--max-in-flight-per-backend", "1")
     short = d.router(*pair, "--max-in-flight-per-backend", "1", "--queue-timeout-s", "0.5")
     d.wait([queued, short], timeout=60)
+
+    async def hold(client: httpx.AsyncClient, router: str) -> asyncio.Future:
+        """A long request on the router's only slot; cancelling it is its client leaving."""
+        holder = asyncio.ensure_future(client.post(f"{router}/v1/completions", json=body(900)))
+        await until(lambda: in_flight(client, router), 1)
+        return holder
+
     try:
         async def run() -> None:
             async with httpx.AsyncClient(timeout=120) as client:
-                held = [asyncio.ensure_future(client.post(f"{queued}/v1/completions", json=body(200)))]
-                while httpx.get(f"{queued}/health", timeout=5).json()["in_flight"] < 1:
-                    await asyncio.sleep(0.02)
+                holder = await hold(client, queued)
                 finished: list[int] = []
 
                 async def waiter(i: int) -> httpx.Response:
@@ -233,25 +239,22 @@ def test_requests_past_every_backend_s_limit_wait_in_line_and_are_served_in_arri
                 waiting = []
                 for i in range(4):  # one after another, so their arrival order is known
                     waiting.append(asyncio.ensure_future(waiter(i)))
-                    while line_length(queued) < i + 1:
-                        await asyncio.sleep(0.01)
-                assert not any(w.done() for w in waiting)
-                answers = await asyncio.gather(*held, *waiting)
-                assert [r.status_code for r in answers] == [200] * 5, [r.text for r in answers]
+                    await until(lambda: line_length(client, queued), i + 1)
+                assert not holder.done() and not any(w.done() for w in waiting)
+                holder.cancel()
+                answers = await asyncio.gather(*waiting)
+                assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
                 assert finished == [0, 1, 2, 3]  # one slot: each ran after the one ahead of it
-            assert line_length(queued) == 0
+                assert await line_length(client, queued) == 0
 
-            async with httpx.AsyncClient(timeout=120) as client:
-                held = [asyncio.ensure_future(client.post(f"{short}/v1/completions", json=body(300)))]
-                while httpx.get(f"{short}/health", timeout=5).json()["in_flight"] < 1:
-                    await asyncio.sleep(0.02)
+                holder = await hold(client, short)
                 started = time.monotonic()
                 r = await client.post(f"{short}/v1/completions", json=body())
                 assert 0.5 <= time.monotonic() - started < 5
                 assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
                 assert "waited 0.5 s for a slot" in r.json()["error"]["message"]
-                assert all(x.status_code == 200 for x in await asyncio.gather(*held))
-            assert line_length(short) == 0
+                assert await line_length(client, short) == 0 and not holder.done()
+                holder.cancel()
         asyncio.run(run())
         assert_router_counts_back_to_zero(queued)
         assert_router_counts_back_to_zero(short)
@@ -260,11 +263,23 @@ def test_requests_past_every_backend_s_limit_wait_in_line_and_are_served_in_arri
         d.procs[short].stop()
 
 
-def line_length(router: str) -> float:
+async def until(read, at_least: float, timeout_s: float = 60.0) -> None:
+    """Polls the async `read()` until it gives at least `at_least`."""
+    deadline = time.monotonic() + timeout_s
+    while (value := await read()) < at_least:
+        assert time.monotonic() < deadline, f"still {value} after {timeout_s:.0f} s, waiting for {at_least}"
+        await asyncio.sleep(0.02)
+
+
+async def in_flight(client: httpx.AsyncClient, router: str) -> int:
+    return (await client.get(f"{router}/health", timeout=5)).json()["in_flight"]
+
+
+async def line_length(client: httpx.AsyncClient, router: str) -> float:
     """The router's waiting requests over every role, from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{router}/metrics", timeout=5).text
+    text = (await client.get(f"{router}/metrics", timeout=5)).text
     return sum(s.value for f in text_string_to_metric_families(text) if f.name == "splitserve_router_queued_requests"
                for s in f.samples)
 
