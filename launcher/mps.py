@@ -10,6 +10,11 @@ would have had. `--mps-sm-percent decode=40` caps the SMs one role's engines may
 bandwidth, so capping it leaves the rest to the prompt steps. Under a cap cuBLAS computes some shapes wrong, so a
 capped engine runs its projections through checked algorithms (engine/layers/sm_cap_gemms.py).
 
+The decode's clients also run below normal priority (`--mps-low-priority`, by default the decode:
+CUDA_MPS_CLIENT_PRIORITY=1): the server hands free SMs to the other clients' waiting blocks first, so a prompt step
+is slowed less by the decode beside it, and the decode has every SM when no prompt step runs. A cap is fixed when
+its process starts; a priority follows the load.
+
 The daemon is private to the deployment (its own pipe directory) and runs in the foreground as one of `up`'s
 supervised processes: started before the engines, checked by a probe kernel, quit after the engines stop, and
 restarted like any other process if it exits. Only engines of one rank that share a GPU become its clients: a GPU
