@@ -91,7 +91,7 @@ class Lease:
                 done()
             self.pool._drop_if_drained(self.backend)
             if self.backend.routable:  # a slot others may take
-                self.pool._slot_freed(self.backend.role)
+                self.pool._slots_changed(self.backend.role)
 
 
 class BackendPool:
@@ -126,7 +126,7 @@ class BackendPool:
             elif current[url].draining:
                 current[url].draining = False
                 logger.info("backend %s (%s) re-added", url, role)
-                self._wake_next(role)
+                self._slots_changed(role)
         for url, backend in list(current.items()):
             if url not in wanted and not backend.draining:
                 backend.draining = True
@@ -164,7 +164,8 @@ class BackendPool:
         round-robin order): one not in ``avoid`` if there is one, never one in ``never``; ``prefer`` if
         it is among those and under its limit (the samples of one prompt share a prefill). Raises
         NoBackend, or Overloaded when all are at the limit or others wait for a slot ahead of this
-        request (``turn``: its place in the line, from ``wait_for_slot``; it may pick when first)."""
+        request (``turn``: its place in the line, from ``join_line``; it may pick once woken with nobody
+        unwoken ahead of it)."""
         candidates = [b for b in self._roles[role].values() if b.routable and b.url not in never]
         if not candidates:
             raise NoBackend(f"no healthy {role} backend" + (" left to retry on" if never else ""))
@@ -256,8 +257,9 @@ class BackendPool:
                 turn.set_result(None)
                 woken += 1
 
-    def _slot_freed(self, role: str) -> None:
-        """A lease of ``role`` ended: the waiters passed over may try again, first in line first."""
+    def _slots_changed(self, role: str) -> None:
+        """Slots of ``role`` opened (a lease ended, a backend became routable): the waiters passed over may try
+        again, first in line first, and as many are woken as there are open slots."""
         self._passable.difference_update(self._line[role])
         self._wake_next(role)
 
@@ -311,14 +313,13 @@ class BackendPool:
         """A backend of ``role`` changed health: wakes requests awaiting a verdict, and the role's line."""
         self._change.set()
         self._change = asyncio.Event()
-        line = self._line[role]
-        self._passable.difference_update(line)  # the open slots changed: those passed over look again
         if self.healthy_count(role) == 0:  # nothing left to wait for a slot on: each finds out (NoBackend)
-            for turn in line:
+            self._passable.difference_update(self._line[role])
+            for turn in self._line[role]:
                 if not turn.done():
                     turn.set_result(None)
         else:
-            self._wake_next(role)
+            self._slots_changed(role)
 
     def eject(self, backend: Backend, reason: str) -> None:
         """Takes a backend out of rotation at once; the prober tries it again after a backoff."""
@@ -357,7 +358,7 @@ class BackendPool:
         if changed:
             self._changed(backend.role)
         else:  # routable again without a change of health (a role switch's drain ended): its slots may be free
-            self._wake_next(backend.role)
+            self._slots_changed(backend.role)
 
     def due_for_probe(self) -> list[Backend]:
         """Healthy backends (every round) and ejected ones whose backoff has passed."""
