@@ -25,6 +25,7 @@ from splitserve.engine.quantization.fp8 import (
     Fp8Scheme,
     dequantize,
     fp8_linear,
+    nan_codes,
     quantize_per_channel,
 )
 from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
@@ -32,6 +33,16 @@ from splitserve.engine.tp.parallel_state import SINGLE, TensorParallel
 
 class WeightShapeError(ValueError):
     """A checkpoint tensor does not have the shape the model expects."""
+
+
+class CorruptWeightError(ValueError):
+    """A checkpoint tensor holds values no model runs on (NaN codes in an e4m3 weight)."""
+
+
+def _check_codes(name: str, q: torch.Tensor) -> None:
+    bad = nan_codes(q)
+    if bad:
+        raise CorruptWeightError(f"{name}: {bad} NaN code(s) in an e4m3 weight of {q.numel()} values")
 
 
 def _check_shape(name: str, expected: tuple[int, ...], actual: tuple[int, ...]) -> None:
@@ -113,9 +124,11 @@ class QuantizableLinear(nn.Module):
                 raise WeightShapeError(f"{name}: an FP8 tensor, but the checkpoint's config names no FP8 "
                                        "quantization for this layer")
             part = self._local_weight(name, loaded, shard_index)
-            if self.fp8:
+            if self.fp8:  # checked where it lands: on the GPU, a pass over it costs next to nothing
                 self.weight.data[offset:offset + local].copy_(part)
+                _check_codes(name, self.weight.data[offset:offset + local])
             else:
+                _check_codes(name, part)
                 self._stage(shard_index, "weight", part.clone())
             return True
         if self.quant is None:

@@ -161,6 +161,13 @@ def _modelopt(qc: dict[str, Any]) -> Fp8Scheme:
                                        "FP8_PER_CHANNEL_PER_TOKEN)")
 
 
+def nan_codes(q: torch.Tensor) -> int:
+    """How many of an e4m3 tensor's codes are NaN (0x7F, 0xFF; e4m3fn has no infinities). A checkpoint must hold
+    none: the CUDA kernels widen e4m3 to bfloat16 in integer operations that take those two codes for +-480
+    (engine/layers/e4m3_triton.py), and a NaN weight is a corrupt one anyway."""
+    return int(((q.view(torch.uint8) & 0x7F) == 0x7F).sum())
+
+
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [N, K], float32 scales [N]) of a weight [N, K]: each row's absolute max maps to 448."""
     w = weight.float()

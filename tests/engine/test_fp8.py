@@ -21,7 +21,7 @@ from splitserve.engine.checkpoints.weight_loader import CheckpointError
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.layers import linear
-from splitserve.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from splitserve.engine.layers.linear import ColumnParallelLinear, CorruptWeightError, RowParallelLinear
 from splitserve.engine.quantization.fp8 import (
     FP8_DTYPE,
     Fp8Scheme,
@@ -134,6 +134,19 @@ def test_fp8_checkpoint_without_a_scale_names_it(tmp_path: Path) -> None:
     weights.pop("model.layers.1.mlp.up_proj.weight_scale")
     save_file(weights, str(tmp_path / "fp8" / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"lacks 1 tensor\(s\): model.layers.1.mlp.up_proj.weight_scale"):
+        cpu_runner(tmp_path / "fp8")
+
+
+def test_fp8_weight_with_a_nan_code_is_refused_naming_it(tmp_path: Path) -> None:
+    src = write_checkpoint(tmp_path / "src", CHECKPOINTS["qwen2-bias-tied"], seed=3)
+    write_fp8_layout(src, tmp_path / "fp8", tmp_path / "ref", "compressed-tensors-channel-dynamic")
+    weights = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    codes = weights[name].view(torch.uint8).clone()
+    codes[3, 5], codes[4, 0] = 0x7F, 0xFF  # e4m3fn's two NaN codes
+    weights[name] = codes.view(FP8_DTYPE)
+    save_file(weights, str(tmp_path / "fp8" / "model.safetensors"))
+    with pytest.raises(CorruptWeightError, match=rf"{name}: 2 NaN code\(s\) in an e4m3 weight"):
         cpu_runner(tmp_path / "fp8")
 
 
