@@ -28,7 +28,8 @@ logger = logging.getLogger("fp8_gemv_sweep")
 # (name, out_features N, in_features K) of a Llama-3.1-8B layer
 SHAPES = layer_projections(LLAMA_3_1_8B)
 # (BLOCK_N, BLOCK_K, warps, stages, K parts): launches that compiled and ranked well unsplit, each split too.
-BLOCKS = [(32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 3), (64, 256, 4, 4), (32, 256, 4, 3)]
+BLOCKS = [(32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 3), (64, 256, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4),
+          (16, 512, 4, 4), (64, 256, 8, 3)]
 CONFIGS = [(*block, splits) for block in BLOCKS for splits in (1, 2, 3, 4, 6, 8)]
 
 

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.layers.e4m3_triton import widen_e4m3
 from splitserve.engine.layers.pdl import launch_kwargs
 from splitserve.engine.layers.pdl_triton import wait_for_previous
 from splitserve.engine.layers.rmsnorm_triton import add_rmsnorm_row
@@ -62,7 +63,7 @@ def _skinny_fp8(X, W, WScale, Bias, Y, Partial, Arrivals, M, N, K, K_PER_SPLIT, 
         in_k = kk < k_end
         w = tl.load(W + n[:, None] * stride_wn + kk[None, :], mask=(n[:, None] < N) & in_k[None, :], other=0.0)
         x = tl.load(X + m[:, None] * stride_xm + kk[None, :], mask=(m < M)[:, None] & in_k[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(x, tl.trans(widen_e4m3(w, X.dtype.element_ty)), acc, input_precision=DOT_PRECISION)
     if SPLITS == 1:
         _scale_bias_store(acc, WScale, Bias, Y, m, n, M, N, stride_ym, HAS_BIAS)
     else:  # this part's sum to the scratch; the parts are added in part order, here or by _sum_splits
