@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from splitserve.engine.layers.decode_splits import num_splits_for
-from splitserve.engine.layers.e4m3_triton import widen_e4m3
+from splitserve.engine.layers.e4m3_triton import widen_e4m3_where_loaded
 from splitserve.engine.layers.fused_triton import merge_splits
 from splitserve.engine.layers.kv_fp8_triton import to_cache
 from splitserve.engine.layers.pdl import launch_kwargs
@@ -128,7 +128,7 @@ def _paged_decode_split(
         loc = page.to(tl.int64) * PAGE_SIZE + offs % PAGE_SIZE
         k = tl.load(K + loc[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
         if KV_FP8:
-            k = widen_e4m3(k, Q.dtype.element_ty)  # exactly, in integer operations
+            k = widen_e4m3_where_loaded(k, Q.dtype.element_ty)  # exactly, where loaded (e4m3_triton)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -137,7 +137,7 @@ def _paged_decode_split(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + loc[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
         if KV_FP8:
-            v = widen_e4m3(v, Q.dtype.element_ty)
+            v = widen_e4m3_where_loaded(v, Q.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

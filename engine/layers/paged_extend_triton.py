@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.engine.layers.e4m3_triton import widen_e4m3
+from splitserve.engine.layers.e4m3_triton import widen_e4m3_where_loaded
 from splitserve.engine.layers.extend_plan import ExtendPlan, block_tokens, wide_tiles
 from splitserve.engine.layers.paged_decode_triton import dot_precision
 from splitserve.engine.layers.pdl import launch_kwargs
@@ -45,7 +45,7 @@ def _attend_keys(q, K, V, PageTable, slot, n0, kv_end, q_pos, m_i, l_i, acc, qk_
     loc = page.to(tl.int64) * PAGE_SIZE + offs % PAGE_SIZE
     k = tl.load(K + loc[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
     if KV_FP8:
-        k = widen_e4m3(k, q.dtype)  # exactly, in integer operations
+        k = widen_e4m3_where_loaded(k, q.dtype)  # exactly, where loaded (e4m3_triton)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 units
     if CAUSAL:
         qk = tl.where((offs[None, :] <= q_pos[:, None]) & valid[None, :], qk, float("-inf"))
@@ -56,7 +56,7 @@ def _attend_keys(q, K, V, PageTable, slot, n0, kv_end, q_pos, m_i, l_i, acc, qk_
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V + loc[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
     if KV_FP8:
-        v = widen_e4m3(v, q.dtype)
+        v = widen_e4m3_where_loaded(v, q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 

@@ -1,5 +1,5 @@
-"""e4m3 widened to bfloat16 in integer operations (engine/layers/e4m3_triton.py) against torch's cast, for every
-code (skipped without CUDA)."""
+"""e4m3 widened to bfloat16 in integer operations (engine/layers/e4m3_triton.py), in both placements, against
+torch's cast, for every code (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -10,29 +10,35 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from splitserve.engine.layers.e4m3_triton import widen_e4m3  # noqa: E402  (Triton only where it is installed)
+from splitserve.engine.layers.e4m3_triton import widen_e4m3, widen_e4m3_where_loaded  # noqa: E402  (Triton only where it is installed)
 
 NAN_CODES = (0x7F, 0xFF)
 
 
 @triton.jit
-def _widen(X, Y, N, BLOCK: tl.constexpr):
+def _widen(X, Y, N, BLOCK: tl.constexpr, WHERE_LOADED: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + i, mask=i < N, other=0.0)
-    tl.store(Y + i, widen_e4m3(x, Y.dtype.element_ty), mask=i < N)
+    if WHERE_LOADED:
+        y = widen_e4m3_where_loaded(x, Y.dtype.element_ty)
+    else:
+        y = widen_e4m3(x, Y.dtype.element_ty)
+    tl.store(Y + i, y, mask=i < N)
 
 
-def widened(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def widened(codes: torch.Tensor, dtype: torch.dtype, where_loaded: bool) -> torch.Tensor:
     out = torch.empty(codes.shape, dtype=dtype, device="cuda")
-    _widen[(triton.cdiv(codes.numel(), 1024),)](codes.view(torch.float8_e4m3fn), out, codes.numel(), BLOCK=1024)
+    _widen[(triton.cdiv(codes.numel(), 1024),)](codes.view(torch.float8_e4m3fn), out, codes.numel(), BLOCK=1024,
+                                                WHERE_LOADED=where_loaded)
     return out
 
 
+@pytest.mark.parametrize("where_loaded", [False, True], ids=["movable", "where-loaded"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_every_finite_code_widens_to_torch_s_value_bit_for_bit(dtype: torch.dtype) -> None:
+def test_every_finite_code_widens_to_torch_s_value_bit_for_bit(dtype: torch.dtype, where_loaded: bool) -> None:
     codes = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(8)  # several tiles' worth, every lane
     finite = ~torch.isin(codes, torch.tensor(NAN_CODES, dtype=torch.uint8, device="cuda"))
-    got = widened(codes, dtype)
+    got = widened(codes, dtype, where_loaded)
     want = codes.view(torch.float8_e4m3fn).to(dtype)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(got[finite].view(bits), want[finite].view(bits))
@@ -40,6 +46,7 @@ def test_every_finite_code_widens_to_torch_s_value_bit_for_bit(dtype: torch.dtyp
     assert int((got[subnormal & (codes & 0x07 != 0)].float().abs() > 0).sum()) == 14 * 8
 
 
-def test_the_nan_codes_widen_to_480_in_bfloat16() -> None:
+@pytest.mark.parametrize("where_loaded", [False, True], ids=["movable", "where-loaded"])
+def test_the_nan_codes_widen_to_480_in_bfloat16(where_loaded: bool) -> None:
     codes = torch.tensor(NAN_CODES * 2, dtype=torch.uint8, device="cuda")
-    assert widened(codes, torch.bfloat16).float().tolist() == [480.0, -480.0] * 2
+    assert widened(codes, torch.bfloat16, where_loaded).float().tolist() == [480.0, -480.0] * 2
