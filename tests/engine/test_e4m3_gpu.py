@@ -26,19 +26,23 @@ def _widen(X, Y, N, BLOCK: tl.constexpr, WHERE_LOADED: tl.constexpr):
     tl.store(Y + i, y, mask=i < N)
 
 
-def widened(codes: torch.Tensor, dtype: torch.dtype, where_loaded: bool) -> torch.Tensor:
+def widened(codes: torch.Tensor, dtype: torch.dtype, where_loaded: bool, block: int = 1024) -> torch.Tensor:
+    """Widened in tiles of `block` codes over 4 warps (128 threads): from several of the assembly's packs of 4 a
+    thread down to fewer codes than threads, where the compiler pads the packs."""
     out = torch.empty(codes.shape, dtype=dtype, device="cuda")
-    _widen[(triton.cdiv(codes.numel(), 1024),)](codes.view(torch.float8_e4m3fn), out, codes.numel(), BLOCK=1024,
-                                                WHERE_LOADED=where_loaded)
+    _widen[(triton.cdiv(codes.numel(), block),)](codes.view(torch.float8_e4m3fn), out, codes.numel(), BLOCK=block,
+                                                 WHERE_LOADED=where_loaded, num_warps=4)
     return out
 
 
+@pytest.mark.parametrize("block", [1024, 256, 64])
 @pytest.mark.parametrize("where_loaded", [False, True], ids=["movable", "where-loaded"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_every_finite_code_widens_to_torch_s_value_bit_for_bit(dtype: torch.dtype, where_loaded: bool) -> None:
+def test_every_finite_code_widens_to_torch_s_value_bit_for_bit(dtype: torch.dtype, where_loaded: bool,
+                                                               block: int) -> None:
     codes = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(8)  # several tiles' worth, every lane
     finite = ~torch.isin(codes, torch.tensor(NAN_CODES, dtype=torch.uint8, device="cuda"))
-    got = widened(codes, dtype, where_loaded)
+    got = widened(codes, dtype, where_loaded, block)
     want = codes.view(torch.float8_e4m3fn).to(dtype)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(got[finite].view(bits), want[finite].view(bits))
