@@ -43,22 +43,23 @@ _E4M3_TO_BF16 = tl.constexpr("""{
 
 
 @triton.jit
+def _widen(x, dtype: tl.constexpr, movable: tl.constexpr):
+    if dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.bfloat16, is_pure=movable, pack=4)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def widen_e4m3(x, dtype: tl.constexpr):
     """e4m3 tile `x` as `dtype`, exactly: bfloat16 in integer operations, any other dtype by a cast; the compiler
     may change the tile's layout before it widens (right for a tile reduced along its contiguous axis)."""
-    if dtype == tl.bfloat16:
-        return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
-                                         dtype=tl.bfloat16, is_pure=True, pack=4)
-    else:
-        return x.to(dtype)
+    return _widen(x, dtype, True)
 
 
 @triton.jit
 def widen_e4m3_where_loaded(x, dtype: tl.constexpr):
     """widen_e4m3, kept where it is written (impure): a bfloat16 tile that the compiler then lays out for the
     tensor cores in 16 bits (an attention tile reduced across its rows)."""
-    if dtype == tl.bfloat16:
-        return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
-                                         dtype=tl.bfloat16, is_pure=False, pack=4)
-    else:
-        return x.to(dtype)
+    return _widen(x, dtype, False)
