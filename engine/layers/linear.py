@@ -125,8 +125,9 @@ class QuantizableLinear(nn.Module):
                                        "quantization for this layer")
             part = self._local_weight(name, loaded, shard_index)
             if self.fp8:  # checked where it lands: on the GPU, a pass over it costs next to nothing
-                self.weight.data[offset:offset + local].copy_(part)
-                _check_codes(name, self.weight.data[offset:offset + local])
+                rows = self.weight.data[offset:offset + local]
+                rows.copy_(part)
+                _check_codes(name, rows)
             else:
                 _check_codes(name, part)
                 self._stage(shard_index, "weight", part.clone())
