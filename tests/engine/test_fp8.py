@@ -234,6 +234,26 @@ def test_tensor_parallel_shards_carry_their_scales(fp8_storage: bool, per_channe
         torch.testing.assert_close(col(x), x @ want_col.t())
 
 
+@pytest.mark.parametrize("fp8_storage", [False, True])
+def test_a_nan_code_in_this_rank_s_columns_is_refused_with_or_without_fp8_storage(fp8_storage: bool) -> None:
+    """Checked on what the rank keeps: its columns of a row-parallel weight, where they land (FP8 storage) or
+    before they are dequantized; the other rank's columns are not its to refuse."""
+    scheme = Fp8Scheme("compressed-tensors", weight_strategy="channel", activation="dynamic-token")
+    q, scale = quantize_per_channel(torch.randn(6, 16, generator=torch.Generator().manual_seed(2)))
+    codes = q.view(torch.uint8).clone()
+    codes[2, 3] = 0xFF  # in rank 0's columns (0-7)
+    q = codes.view(FP8_DTYPE)
+    for rank, refused in ((0, True), (1, False)):
+        layer = RowParallelLinear(16, 6, bias=False, tp=TensorParallel(rank=rank, size=2), dtype=torch.float32,
+                                  quant=scheme, fp8_storage=fp8_storage)
+        layer.load("d.weight_scale", scale)
+        if refused:
+            with pytest.raises(CorruptWeightError, match=r"d.weight: 1 NaN code\(s\) in an e4m3 weight of 48 values"):
+                layer.load("d.weight", q)
+        else:
+            layer.load("d.weight", q)
+
+
 def test_16bit_weight_quantized_on_load_per_channel_over_whole_rows() -> None:
     """--quantization fp8 on a row-parallel layer: the scale of a row is its whole (unsplit) row's."""
     w = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
