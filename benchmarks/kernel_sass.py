@@ -1,13 +1,12 @@
 """A kernel's Hopper machine code, counted, without a GPU: which loads and conversions the compiler emitted.
 
-  python3 -P benchmarks/kernel_sass.py [--kernel decode skinny skinny16] [--kv-dtype fp8 model]
-                                       [--q-dtype bf16 fp16] [--sass-dir DIR]
+  python3 -P benchmarks/kernel_sass.py [--kernel decode skinny] [--kv-dtype fp8 model] [--q-dtype bf16 fp16]
+                                       [--sass-dir DIR]
 
 Compiles the engine's paged decode attention kernel (Llama-3.1-8B's shape: 32/8 heads x 128, 16-token pages,
-its one-split launch), the skinny FP8 kernel (qkv's shape, its K-split launch) and the 16-bit skinny kernel
-(skinny16: qkv's shape, one row tile) for sm_90 with Triton, the arguments marked 16-divisible as the runtime's
-specialization marks them, disassembles the cubin with the nvdisasm Triton ships, and prints the instruction
-count, the shared memory, and the loads, conversions and weight prefetches (UBLKPF, ahead of the PDL wait) by
+its one-split launch) and the skinny FP8 kernel (qkv's shape, its K-split launch) for sm_90 with Triton, the
+arguments marked 16-divisible as the runtime's specialization marks them, disassembles the cubin with the
+nvdisasm Triton ships, and prints the instruction count, the shared memory, and the loads and conversions by
 variant. It takes Triton and its bundled tools (pip install triton), not a device: what it shows is what the
 code asks the hardware to do, not how fast that runs (benchmarks/attention_sweep.py and fp8_gemv_sweep.py time
 it). An 8-bit tile gathered from shared memory a byte at a time shows as LDS.U8; e4m3 widened through float16 to
@@ -31,7 +30,7 @@ from triton.backends.compiler import GPUTarget
 
 logger = logging.getLogger("kernel_sass")
 HOPPER = GPUTarget("cuda", 90, 32)
-WATCHED = re.compile(r"^(LDS|LDSM|LDG|LDGSTS|STS|F2F|F2FP|HMUL2|PRMT|HMMA|STL|LDL|UBLKPF)\b")
+WATCHED = re.compile(r"^(LDS|LDSM|LDG|LDGSTS|STS|F2F|F2FP|HMUL2|PRMT|HMMA|STL|LDL)\b")
 TRITON_TYPES = {"bf16": "bf16", "fp16": "fp16"}
 
 
@@ -56,27 +55,14 @@ def skinny(kv_dtype: str, q_dtype: str) -> tuple:
 
     block_n, block_k, warps, stages, splits = fp8_cuda.skinny_launch(6144, 4096, torch.bfloat16)
     constexprs = dict(HAS_BIAS=False, SPLITS=splits, LAST_ADDS=True, BLOCK_N=block_n, BLOCK_K=block_k,
-                      DOT_PRECISION="tf32", PDL=True, PREFETCH=True)
+                      DOT_PRECISION="tf32", PDL=True)
     x = f"*{TRITON_TYPES[q_dtype]}"
     pointers = {"X": x, "W": "*fp8e4nv", "WScale": "*fp32", "Bias": "*fp32", "Y": x, "Partial": "*fp32",
                 "Arrivals": "*i32"}
     return fp8_cuda._skinny_fp8, constexprs, pointers, {}, dict(num_warps=warps, num_stages=stages)
 
 
-def skinny16(kv_dtype: str, q_dtype: str) -> tuple:
-    from splitserve.engine.layers import skinny_gemm_triton as gemm
-
-    dtype = torch.float16 if q_dtype == "fp16" else torch.bfloat16
-    block_n, block_k = gemm._blocks(6144, dtype)
-    constexprs = dict(HAS_BIAS=False, TILES=1, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION="tf32", PDL=True,
-                      PREFETCH=True)
-    x = f"*{TRITON_TYPES[q_dtype]}"
-    pointers = {"X": x, "W": x, "Bias": x, "Y": x}
-    stages = gemm._stages(1, block_n, block_k, 2, False)
-    return gemm._skinny_gemm, constexprs, pointers, {}, dict(num_warps=4, num_stages=stages)
-
-
-KERNELS = {"decode": paged_decode, "skinny": skinny, "skinny16": skinny16}
+KERNELS = {"decode": paged_decode, "skinny": skinny}
 
 
 def compile_counts(kernel: str, kv_dtype: str, q_dtype: str, sass_dir: Path | None) -> dict:
@@ -116,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     for kernel in args.kernel:
         for q_dtype in args.q_dtype:
-            for kv_dtype in args.kv_dtype if kernel == "decode" else ["fp8" if kernel == "skinny" else "model"]:
+            for kv_dtype in args.kv_dtype if kernel == "decode" else ["fp8"]:
                 counts = compile_counts(kernel, kv_dtype, q_dtype, args.sass_dir)
                 logger.info("%-18s %5d instructions, %6d B shared | %s", counts["kernel"], counts["instructions"],
                             counts["shared_bytes"],

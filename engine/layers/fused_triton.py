@@ -53,7 +53,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     _add_rmsnorm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
                                         res_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None,
                                         BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 2048 else 4,
-                                        **launch_kwargs(ahead_of_product=True))
+                                        **launch_kwargs())
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
 
@@ -77,7 +77,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gu.shape[0] == 0:
         return out.view(*shape[:-1], n)
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, out, gu.stride(0), out.stride(0), n, BLOCK=block,
-                                                                  **launch_kwargs(ahead_of_product=True))
+                                                                  **launch_kwargs())
     return out.view(*shape[:-1], n)
 
 
@@ -175,7 +175,7 @@ def merge_splits(acc: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> to
     _merge_splits_kernel[(bsz, heads)](acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0),
                                        lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits,
                                        SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim,
-                                       **launch_kwargs(ahead_of_product=True))
+                                       **launch_kwargs())
     return out
 
 

@@ -9,10 +9,7 @@ load, so it computes exactly what it computed before, only its start-up overlaps
 
 Every kernel launched with it must wait before touching memory (`pdl_triton.wait_for_previous`
 at its top): a kernel that did not would race the one before it. Kernels launched without it
-keep the stream's plain ordering, so torch's own kernels between ours are unaffected. The one
-exception is memory no kernel of the step writes: the skinny products ask the L2 for their weight
-before they wait (`pdl_triton.prefetch_rows_l2`), so the weight's stream starts while the kernel
-ahead (a norm, the attention, the SwiGLU: short, and far from the HBM's rate at decode rows) finishes.
+keep the stream's plain ordering, so torch's own kernels between ours are unaffected.
 """
 
 from __future__ import annotations
@@ -21,11 +18,6 @@ import torch
 
 MODES = ("auto", "on", "off")  # --pdl
 _enabled = False
-prefetch_weights = True  # benchmarks turn these off to compare
-trigger_early = True
-# The kernels' PDL constexpr (pdl_triton.wait_for_previous): off; wait, then let the next kernel be scheduled;
-# let it be scheduled, then wait.
-OFF, WAIT_FIRST, TRIGGER_FIRST = 0, 1, 2
 
 
 def supported(device: torch.device) -> bool:
@@ -56,20 +48,7 @@ def enabled() -> bool:
     return _enabled
 
 
-def prefetchable(weight: torch.Tensor, row_bytes_of: int) -> bool:
-    """Whether a kernel launched now may prefetch `weight` before its wait: with programmatic dependent launch
-    on (without it nothing runs ahead to overlap), `prefetch_weights` set, and the bulk prefetch's 16-byte
-    alignment held by the weight's start, its row stride and `row_bytes_of` elements of a row."""
-    size = weight.element_size()
-    return (_enabled and prefetch_weights and weight.data_ptr() % 16 == 0 and weight.stride(0) * size % 16 == 0
-            and row_bytes_of * size % 16 == 0)
-
-
-def launch_kwargs(ahead_of_product: bool = False) -> dict[str, int | bool]:
-    """The kernel's PDL constexpr (its wait) and Triton's launch option, always together. `ahead_of_product`: a
-    short kernel whose next kernel is usually a skinny product (a norm, the SwiGLU, the attention's merge) lets
-    that one be scheduled before its own wait (TRIGGER_FIRST), so the product's weight prefetch overlaps
-    this kernel's wait and run, while `trigger_early` is set."""
+def launch_kwargs() -> dict[str, bool]:
+    """The kernel's PDL constexpr (its wait) and Triton's launch option, always together."""
     on = _enabled  # read once: the pair must never disagree
-    mode = (TRIGGER_FIRST if ahead_of_product and trigger_early else WAIT_FIRST) if on else OFF
-    return {"PDL": mode, "launch_pdl": on}
+    return {"PDL": on, "launch_pdl": on}

@@ -39,9 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.engine.layers import pdl
 from splitserve.engine.layers.pdl import launch_kwargs
-from splitserve.engine.layers.pdl_triton import prefetch_rows_l2, wait_for_previous
+from splitserve.engine.layers.pdl_triton import wait_for_previous
 
 TILE_ROWS = 16  # one tensor-core tile of rows
 MAX_TILES = 4  # tiles per program (each tile still its own product: the bits do not change with it)
@@ -65,10 +64,7 @@ def _store_tile(Y, m, n, M, N, stride_ym, acc, bias, HAS_BIAS: tl.constexpr):
 @triton.jit
 def _skinny_gemm(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
                  TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    if PREFETCH:  # the weight is no kernel's output: its stream starts while the kernel ahead finishes
-        rows = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-        prefetch_rows_l2(W + rows.to(tl.int64) * stride_wn, K * W.dtype.element_ty.primitive_bitwidth // 8)
+                 PDL: tl.constexpr):
     wait_for_previous(PDL)
     # Axis 0 (the fastest) walks the row tiles of one weight slice: they share it in L2.
     first = tl.program_id(0) * TILES * 16
@@ -126,13 +122,12 @@ def _stages(tiles: int, block_n: int, block_k: int, itemsize: int, full: bool) -
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                launch: tuple[int, int, int, int] | None = None, prefetch: bool | None = None) -> torch.Tensor:
+                launch: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias); x: [M, K], weight: [N, K], both with contiguous rows. Rows go in tiles of
     16, each tile computed the same way, so a row's result does not depend on M; 16-bit inputs take
     the tensor cores, float32 full-precision FMAs (never TF32).
 
-    `launch` (BLOCK_N, BLOCK_K, warps, stages) overrides the measured choice (the sweep tries them); `prefetch`
-    whether each program asks the L2 for its weight rows before its PDL wait (default: pdl.prefetchable).
+    `launch` (BLOCK_N, BLOCK_K, warps, stages) overrides the measured choice (the sweep tries them).
     """
     m = x.shape[0]
     n, k = weight.shape
@@ -144,11 +139,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         block_n, block_k = _blocks(n, x.dtype)
         launch = (block_n, block_k, 4, _stages(tiles, block_n, block_k, x.element_size(), full))
     block_n, block_k, warps, stages = launch
-    prefetch = pdl.prefetchable(weight, k) if prefetch is None else prefetch
     _skinny_gemm[(triton.cdiv(m, tiles * TILE_ROWS), triton.cdiv(n, block_n))](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, TILES=tiles, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if full else "tf32", PREFETCH=prefetch,
-        num_warps=warps, num_stages=stages, **launch_kwargs(),
+        DOT_PRECISION="ieee" if full else "tf32", num_warps=warps, num_stages=stages, **launch_kwargs(),
     )
     return y

@@ -27,10 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.engine.layers import pdl
 from splitserve.engine.layers.e4m3_triton import widen_e4m3
 from splitserve.engine.layers.pdl import launch_kwargs
-from splitserve.engine.layers.pdl_triton import prefetch_rows_l2, wait_for_previous
+from splitserve.engine.layers.pdl_triton import wait_for_previous
 from splitserve.engine.layers.rmsnorm_triton import add_rmsnorm_row
 from splitserve.engine.layers.swiglu_triton import silu_mul_row
 
@@ -52,14 +51,12 @@ def _scale_bias_store(acc, WScale, Bias, Y, m, n, M, N, stride_ym, HAS_BIAS: tl.
 @triton.jit
 def _skinny_fp8(X, W, WScale, Bias, Y, Partial, Arrivals, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
                 HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, LAST_ADDS: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     m = tl.program_id(0) * 16 + tl.arange(0, 16)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(2) * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    if PREFETCH:  # the weight is no kernel's output: its stream starts while the kernel ahead finishes
-        prefetch_rows_l2(W + tl.minimum(n, N - 1).to(tl.int64) * stride_wn + k_start, k_end - k_start)
-    wait_for_previous(PDL)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -133,8 +130,7 @@ def arrival_counters(n: int, device: torch.device | str) -> torch.Tensor:
 
 def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, launch: tuple[int, ...] | None = None,
-               max_rows: int = 16, arrivals: torch.Tensor | None = None, prefetch: bool | None = None
-               ) -> torch.Tensor:
+               max_rows: int = 16, arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """x @ (weight * weight_scale[:, None]).T (+ bias); x: [M, K] 16-bit or float32, weight: [N, K] e4m3,
     weight_scale: [N] float32. `launch` (BLOCK_N, BLOCK_K, warps, stages[, splits]) overrides the choice (sweeps);
     `max_rows`: the most rows the calling layer sends to this kernel (skinny_launch splits K only up to 32).
@@ -159,13 +155,12 @@ def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         raise ValueError(f"{arrivals.numel()} arrival counters for {tiles[0]} x {tiles[1]} tiles "
                          f"({m} rows, BLOCK_N {block_n}): arrival_counters sizes them up to {SPLIT_MAX_ROWS} rows")
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
-    prefetch = pdl.prefetchable(weight, k) if prefetch is None else prefetch
     bias_arg = bias if bias is not None else weight_scale
     _skinny_fp8[(*tiles, splits)](
         x, weight, weight_scale, bias_arg, y, partial, arrivals if last_adds else weight_scale, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, SPLITS=splits, LAST_ADDS=last_adds,
         BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PREFETCH=prefetch, num_warps=warps, num_stages=stages, **launch_kwargs(),
+        num_warps=warps, num_stages=stages, **launch_kwargs(),
     )
     if splits > 1 and not last_adds:
         _sum_splits[(m, triton.cdiv(n, 1024))](partial, weight_scale, bias_arg, y, m, n, y.stride(0),

@@ -21,31 +21,7 @@ def test_auto_and_off_leave_pdl_off_on_the_cpu_and_on_is_an_error() -> None:
 def test_the_launch_options_carry_the_kernels_wait_and_the_launch_flag_together() -> None:
     try:
         pdl.install(True)
-        assert pdl.launch_kwargs() == {"PDL": pdl.WAIT_FIRST, "launch_pdl": True}
-        # a short kernel ahead of a skinny product lets it be scheduled before its own wait
-        assert pdl.launch_kwargs(ahead_of_product=True) == {"PDL": pdl.TRIGGER_FIRST, "launch_pdl": True}
-        pdl.trigger_early = False
-        assert pdl.launch_kwargs(ahead_of_product=True) == {"PDL": pdl.WAIT_FIRST, "launch_pdl": True}
+        assert pdl.launch_kwargs() == {"PDL": True, "launch_pdl": True}
     finally:
         pdl.install(False)
-        pdl.trigger_early = True
-    assert pdl.launch_kwargs() == {"PDL": pdl.OFF, "launch_pdl": False}
-    assert pdl.launch_kwargs(ahead_of_product=True) == {"PDL": pdl.OFF, "launch_pdl": False}
-
-
-def test_a_weight_is_prefetched_ahead_of_the_wait_only_with_pdl_on_and_the_bulk_prefetchs_alignment() -> None:
-    aligned = torch.zeros(8, 64, dtype=torch.bfloat16)  # rows of 128 bytes
-    assert aligned.data_ptr() % 16 == 0
-    assert not pdl.prefetchable(aligned, 64)  # PDL off: nothing runs ahead to overlap
-    try:
-        pdl.install(True)
-        assert pdl.prefetchable(aligned, 64)
-        assert not pdl.prefetchable(torch.zeros(8, 900, dtype=torch.bfloat16), 900)  # 1,800-byte rows
-        assert not pdl.prefetchable(torch.zeros(8, 72, dtype=torch.bfloat16)[:, 4:], 68)  # a start 8 bytes in
-        assert pdl.prefetchable(torch.zeros(8, 64, dtype=torch.float8_e4m3fn), 64)
-        assert not pdl.prefetchable(torch.zeros(8, 56, dtype=torch.float8_e4m3fn), 56)
-        pdl.prefetch_weights = False
-        assert not pdl.prefetchable(aligned, 64)
-    finally:
-        pdl.install(False)
-        pdl.prefetch_weights = True
+    assert pdl.launch_kwargs() == {"PDL": False, "launch_pdl": False}
