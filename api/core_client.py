@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from starlette.routing import Route
 
+from splitserve.api.core_ops import CoreOps
 from splitserve.api.core_protocol import (
     FROM_CORE,
     IPC_DIR_ENV,
@@ -44,7 +45,6 @@ from splitserve.api.core_protocol import (
     image_to_wire,
     ipc_address,
     output_from_wire,
-    pack,
     params_to_wire,
     unpack,
 )
@@ -147,7 +147,7 @@ class CoreClient:
         self._streams: dict[int, asyncio.Queue[TokenOutput]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._raw_error_calls: set[int] = set()  # calls whose error body goes to the caller whole
-        self._ops: list[list[Any]] = []
+        self._ops = CoreOps(to_core, lambda: self.failure is not None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
         self._reader = threading.Thread(target=self._read, name="core-reader", daemon=True)
@@ -278,15 +278,8 @@ class CoreClient:
             self._loop = asyncio.get_running_loop()
 
     def _send(self, op: list[Any]) -> None:
-        """Queues `op`; everything queued in this loop turn goes to the core in one message."""
-        self._ops.append(op)
-        if len(self._ops) == 1:
-            asyncio.get_running_loop().call_soon(self._flush_ops)
-
-    def _flush_ops(self) -> None:
-        ops, self._ops = self._ops, []
-        if ops and self.failure is None:
-            self._to_core.send(pack(ops))
+        """Queues `op` for the core (core_ops.CoreOps: one message a loop turn, never blocking the loop)."""
+        self._ops.send(op)
 
     async def _call(self, name: str, arg: Any = None, timeout: float = CALL_TIMEOUT_S,
                     raw_errors: bool = False) -> Any:
