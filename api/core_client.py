@@ -147,9 +147,10 @@ class CoreClient:
         self._streams: dict[int, asyncio.Queue[TokenOutput]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._raw_error_calls: set[int] = set()  # calls whose error body goes to the caller whole
-        self._ops = CoreOps(to_core, lambda: self.failure is not None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
+        # Gone once it failed or stop() began: a send still waiting to be retried must not touch the closed socket.
+        self._ops = CoreOps(to_core, lambda: self.failure is not None or self._stopping.is_set())
         self._reader = threading.Thread(target=self._read, name="core-reader", daemon=True)
         self._reader.start()
 
