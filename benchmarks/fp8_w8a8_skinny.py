@@ -99,7 +99,6 @@ def skinny_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     return y
 
 
-
 @triton.jit
 def _skinny_w8a8_rows(XQ, XS, W, WScale, Y, Partial, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
                       SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_SIDE: tl.constexpr,

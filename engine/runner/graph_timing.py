@@ -41,4 +41,3 @@ def device_copy_gbs() -> float:
     src = torch.zeros(1 << 27, dtype=torch.int64, device="cuda")
     dst = torch.empty_like(src)
     return 2 * src.numel() * 8 / graph_time_us(lambda _i: torch.bitwise_not(src, out=dst), 1) / 1e3
-
