@@ -124,13 +124,15 @@ class EngineUnderTest:
     """A model runner and KV cache of one shape with random weights, driven directly."""
 
     def __init__(self, shape: str, device: str, max_batch: int, max_tokens: int, gemm_algos: str = "",
-                 warm_up: bool = False, quantization: str = "auto", kv_cache_dtype: str = "auto") -> None:
+                 warm_up: bool = False, quantization: str = "auto", kv_cache_dtype: str = "auto",
+                 fp8_decode_rows: str = "w8a8") -> None:
         self.folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
         self.cfg = EngineConfig(model=str(self.folder), device=device, load_format="dummy",
                                 max_running_requests=max_batch, max_total_tokens=max_tokens,
                                 context_length=16384, page_size=16, cuda_graph_max_batch=max_batch,
                                 gemm_algos=gemm_algos, piecewise_graph_tokens=0,  # its forward: the eager peer
-                                quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+                                quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                                fp8_decode_rows=fp8_decode_rows)
         self.model_cfg = ModelConfig.from_folder(self.folder)
         self.runner = ModelRunner(self.cfg, self.folder, self.model_cfg)
         self.device = self.runner.device

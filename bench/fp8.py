@@ -2,8 +2,9 @@
 (`--load-format dummy`; `--quantization fp8` quantizes them per channel on load), same device, same run.
 
 Three sides: bf16; FP8 weights (`--quantization fp8`); FP8 weights with the FP8 KV cache
-(`--kv-cache-dtype fp8_e4m3`), as they are deployed together on Hopper. Times, each side in turn (the runner
-driven directly, as bench/engine_steps.py does):
+(`--kv-cache-dtype fp8_e4m3`), as they are deployed together on Hopper; and a fourth for the decode step alone,
+FP8 weights with 16-bit decode rows (`--fp8-decode-rows w8a16`), the peer of the default's e4m3 decode rows.
+Times, each side in turn (the runner driven directly, as bench/engine_steps.py does):
 - a decode step at batch 1 (`--context` tokens of KV; through the decode CUDA graph, one host sync a step);
 - a prefill of one `--prefill-len`-token prompt, eagerly, in tokens/s;
 - the burst `--burst` (N prompts of I tokens, O output tokens each, all at once) through the bare engine
@@ -39,8 +40,11 @@ from splitserve.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# side -> (--quantization, --kv-cache-dtype): FP8 weights alone, and with the FP8 KV cache deployed beside them
-MODES = {"bf16": ("auto", "auto"), "fp8": ("fp8", "auto"), "fp8+kv": ("fp8", "fp8_e4m3")}
+# side -> (--quantization, --kv-cache-dtype, --fp8-decode-rows): FP8 weights alone, with the FP8 KV cache deployed
+# beside them, and with 16-bit decode rows (the decode step only)
+MODES = {"bf16": ("auto", "auto", "w8a8"), "fp8": ("fp8", "auto", "w8a8"), "fp8+kv": ("fp8", "fp8_e4m3", "w8a8"),
+         "fp8/w8a16": ("fp8", "auto", "w8a16")}
+DECODE_ONLY = ("fp8/w8a16",)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -65,20 +69,21 @@ def free_device() -> None:
 
 
 def measure(args: argparse.Namespace, side: str) -> dict[str, Any]:
-    quantization, kv_dtype = MODES[side]
+    quantization, kv_dtype, decode_rows = MODES[side]
     eut = EngineUnderTest(args.shape, args.device, 1, args.prefill_len + args.context + 256,
-                          quantization=quantization, kv_cache_dtype=kv_dtype)
+                          quantization=quantization, kv_cache_dtype=kv_dtype, fp8_decode_rows=decode_rows)
     try:
         row: dict[str, Any] = {"weight_bytes": eut.weight_bytes, "kv_bytes_per_token": eut.kv_bytes_per_token}
         row["decode_b1_s"] = eut.decode_step_seconds(1, args.context)
-        row["prefill_tok_s"] = args.prefill_len / eut.prefill_seconds(args.prefill_len, reps=args.reps)
+        if side not in DECODE_ONLY:
+            row["prefill_tok_s"] = args.prefill_len / eut.prefill_seconds(args.prefill_len, reps=args.reps)
         folder = eut.folder
     finally:
         del eut
         free_device()
-    logger.info("%s: decode b1 %.3f ms, prefill %d: %.0f tok/s", side, row["decode_b1_s"] * 1e3, args.prefill_len,
-                row["prefill_tok_s"])
-    if args.burst:
+    logger.info("%s: decode b1 %.3f ms, prefill %d: %s tok/s", side, row["decode_b1_s"] * 1e3, args.prefill_len,
+                f"{row['prefill_tok_s']:.0f}" if "prefill_tok_s" in row else "-")
+    if args.burst and side not in DECODE_ONLY:
         from splitserve.bench.api_split import bare_engine_load
         from splitserve.bench.serving import fixed_load
 
@@ -124,9 +129,10 @@ def ratios(report: dict[str, Any]) -> dict[str, dict[str, float]]:
             continue
         fp8 = report[side]
         row = {"decode_b1_time": fp8["decode_b1_s"] / bf16["decode_b1_s"],
-               "prefill_speedup": fp8["prefill_tok_s"] / bf16["prefill_tok_s"],
                "weight_bytes": fp8["weight_bytes"] / bf16["weight_bytes"],
                "kv_bytes_per_token": fp8["kv_bytes_per_token"] / bf16["kv_bytes_per_token"]}
+        if "prefill_tok_s" in fp8:
+            row["prefill_speedup"] = fp8["prefill_tok_s"] / bf16["prefill_tok_s"]
         if "burst_tok_s" in bf16 and "burst_tok_s" in fp8:
             row["burst_speedup"] = fp8["burst_tok_s"] / bf16["burst_tok_s"]
         out[side] = row
@@ -135,13 +141,14 @@ def ratios(report: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"FP8 vs bf16, {args.shape} (random weights) on {report['device']}")
-    print(f"{'':6} | {'weights GiB':>11} | {'KV B/token':>10} | {'decode b1 ms':>12} | "
+    print(f"{'':9} | {'weights GiB':>11} | {'KV B/token':>10} | {'decode b1 ms':>12} | "
           f"{f'prefill {args.prefill_len} tok/s':>18} | {f'burst {args.burst} tok/s':>24}")
     for side in MODES:
         r = report[side]
         burst = f"{r['burst_tok_s']:24.0f}" if "burst_tok_s" in r else f"{'-':>24}"
-        print(f"{side:6} | {r['weight_bytes'] / 2**30:11.2f} | {r['kv_bytes_per_token']:10d} | "
-              f"{r['decode_b1_s'] * 1e3:12.3f} | {r['prefill_tok_s']:18.0f} | {burst}")
+        prefill = f"{r['prefill_tok_s']:18.0f}" if "prefill_tok_s" in r else f"{'-':>18}"
+        print(f"{side:9} | {r['weight_bytes'] / 2**30:11.2f} | {r['kv_bytes_per_token']:10d} | "
+              f"{r['decode_b1_s'] * 1e3:12.3f} | {prefill} | {burst}")
     for side, row in report["ratios"].items():
         print(f"{side} over bf16 (decode: time, < 1 faster; prefill, burst: tok/s, > 1 faster): "
               + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))

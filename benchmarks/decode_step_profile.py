@@ -112,16 +112,17 @@ def phase_bounds(cfg: dict, rows: int, context: int, bandwidth: float, peak: flo
 
 
 def build(shape: str, batch: int, context: int, pdl: str = "auto", quantization: str = "auto",
-          sum_kernel: bool = False, kv_cache_dtype: str = "auto") -> tuple[ModelRunner, KVCache, list[Request]]:
+          sum_kernel: bool = False, kv_cache_dtype: str = "auto", fp8_decode_rows: str = "w8a8"
+          ) -> tuple[ModelRunner, KVCache, list[Request]]:
     """A runner of `shape` (random weights, --pdl `pdl`, --quantization `quantization`), its KV cache holding
     `batch` sequences of `context` random tokens' KV, and the decode graph of that one bucket. `sum_kernel`:
     the FP8 layers add their K parts in a second kernel (their arrival counters dropped), for comparison.
-    `kv_cache_dtype`: the engine's --kv-cache-dtype."""
+    `kv_cache_dtype`, `fp8_decode_rows`: the engine's --kv-cache-dtype and --fp8-decode-rows."""
     folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
     cfg = EngineConfig(model=str(folder), device="cuda", load_format="dummy", max_running_requests=batch,
                        max_total_tokens=batch * (context + 32), context_length=16384, page_size=16,
                        cuda_graph_max_batch=batch, pdl=pdl, quantization=quantization,
-                       kv_cache_dtype=kv_cache_dtype)
+                       kv_cache_dtype=kv_cache_dtype, fp8_decode_rows=fp8_decode_rows)
     runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
     buffer = runner.kv_pool.buffer  # KV of real values: zeros can time faster
     if buffer.dtype.is_floating_point and buffer.element_size() == 1:
@@ -314,6 +315,8 @@ def main() -> None:
                         help="fp8: the layers' projections quantized on load (the LM head stays 16-bit)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                         help="the engine's --kv-cache-dtype (fp8_e4m3: the attention reads 1 byte an element)")
+    parser.add_argument("--fp8-decode-rows", default="w8a8", choices=("w8a8", "w8a16"),
+                        help="the engine's --fp8-decode-rows (w8a16: the decode rows stay 16-bit)")
     parser.add_argument("--sum-kernel", action="store_true",
                         help="FP8: add the skinny kernel's K parts in a second kernel, as without arrival counters")
     parser.add_argument("--label", default="")
@@ -322,7 +325,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
     cfg = SHAPES[args.shape]
     runner, _kv, reqs = build(args.shape, args.batch, args.context, args.pdl, args.quantization, args.sum_kernel,
-                              args.kv_cache_dtype)
+                              args.kv_cache_dtype, args.fp8_decode_rows)
     limits = device_limits(runner.device, runner.dtype)
     graphs = runner.decode_graphs
     assert graphs is not None
@@ -345,6 +348,7 @@ def main() -> None:
     gap_us = sum(k["gap_before_us"] for k in kernels)
     bound_us = sum(b["bound_us"] for b in bounds.values())
     report = {"label": args.label, "pdl": args.pdl, "quantization": args.quantization,
+              "fp8_decode_rows": args.fp8_decode_rows,
               "sum_kernel": args.sum_kernel, "shape": args.shape,
               "batch": args.batch, "context": args.context,
               "limits": limits, "replay_us_median": step_us, "replay_us_min": min(times), "replay_us_all": times,

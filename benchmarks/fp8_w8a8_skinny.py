@@ -2,13 +2,10 @@
 the weight to bfloat16 (W8A16), and against the bfloat16 skinny kernel, per Llama-3.1-8B shape, at decode rows:
 
 - rows quantized inside every program (`skinny_w8a8`): measured slower than W8A16 on an H200 (docs/fp8.md);
-- rows quantized once before the product (`skinny_w8a8_rows`: e4m3 rows and their float32 scales in, as the
-  norm and SwiGLU kernels of the prompt path write them), K optionally split in parts added in part order by a
-  second kernel. No widening, an 8-bit weight tile read as it is, and an input tile of half the bytes: the
-  instructions per weight byte that hold the W8A16 kernel back (docs/fp8.md) mostly go. It also reports what
-  quantizing the rows costs where no kernel before the product writes them (o_proj's input).
-
-The engine uses neither yet; they live here, where the comparison can be run again.
+- rows quantized once before the product, the weight on the product's wide side: the engine's decode kernel
+  (`fp8_cuda.skinny_fp8_rows`), over a sweep of its launches (K parts added by the second kernel) and with the
+  engine's own launch (skinny_rows_launch, K parts added by the last to arrive). It also reports what quantizing
+  the rows costs where no kernel before the product writes them (o_proj's input).
 
   python3 -P benchmarks/fp8_w8a8_skinny.py [--rows 1 8] [--json OUT]
 
@@ -36,10 +33,11 @@ from splitserve.engine.quantization.fp8_cuda import (
     FP8_MAX,
     MIN_SCALE,
     TILE_ROWS,
-    _sum_splits,
+    arrival_counters,
     quantize_rows,
     scaled_mm_linear,
     skinny_fp8,
+    skinny_fp8_rows,
 )
 from splitserve.engine.runner.graph_timing import device_copy_gbs, graph_time_us
 
@@ -99,67 +97,10 @@ def skinny_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     return y
 
 
-@triton.jit
-def _skinny_w8a8_rows(XQ, XS, W, WScale, Y, Partial, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
-                      SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_SIDE: tl.constexpr,
-                      PDL: tl.constexpr):
-    wait_for_previous(PDL)
-    m = tl.program_id(0) * 16 + tl.arange(0, 16)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = m < M
-    k_start = tl.program_id(2) * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    acc_t = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        in_k = kk < k_end
-        w = tl.load(W + n[:, None] * stride_wn + kk[None, :], mask=(n[:, None] < N) & in_k[None, :], other=0.0)
-        x = tl.load(XQ + m[:, None] * stride_xm + kk[None, :], mask=rows[:, None] & in_k[None, :], other=0.0)
-        if WEIGHT_SIDE:  # the weight as the wide side (BLOCK_N >= 64 rows): Hopper's e4m3 wgmma, not 16-row mma
-            acc_t += tl.dot(w, tl.trans(x))
-        else:  # 16-row tiles: on Hopper both sides go through float16 (there is no e4m3 mma.sync)
-            acc += tl.dot(x, tl.trans(w))  # each block's product added in float32, as in _skinny_w8a8
-    if WEIGHT_SIDE:
-        acc = tl.trans(acc_t)
-    acc = acc * tl.load(XS + m, mask=rows, other=0.0)[:, None]
-    mask = rows[:, None] & (n < N)[None, :]
-    if SPLITS == 1:
-        acc = acc * tl.load(WScale + n, mask=n < N, other=0.0)[None, :]
-        tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
-    else:  # this part's row-scaled sum; fp8_cuda._sum_splits adds the parts in part order and applies WScale
-        tl.store(Partial + (tl.program_id(2) * M + m[:, None]).to(tl.int64) * N + n[None, :], acc, mask=mask)
-
-
-def skinny_w8a8_rows(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     out_dtype: torch.dtype, launch: tuple[int, ...] = (32, 512, 4, 4, 1)) -> torch.Tensor:
-    """(xq * xs) @ (weight * weight_scale[:, None]).T for e4m3 rows xq [M, K] with their float32 scales xs [M, 1]
-    (quantize_rows'), an e4m3 weight [N, K]; `launch` (BLOCK_N, BLOCK_K, warps, stages, K parts). A BLOCK_N of 64
-    or more puts the weight on the product's wide side (e4m3 wgmma on Hopper); below it, 16-row tiles. Row-local:
-    a row's bits do not depend on the other rows, whatever the part count."""
-    m, k = xq.shape
-    n = weight.shape[0]
-    assert weight.shape[1] == k and xq.stride(-1) == 1 and weight.stride(-1) == 1
-    block_n, block_k, warps, stages, splits = launch
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    splits = triton.cdiv(k, k_per_split)
-    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    partial = torch.empty(splits, m, n, dtype=torch.float32, device=xq.device) if splits > 1 else y
-    _skinny_w8a8_rows[(triton.cdiv(m, TILE_ROWS), triton.cdiv(n, block_n), splits)](
-        xq, xs, weight, weight_scale, y, partial, m, n, k, k_per_split, xq.stride(0), weight.stride(0), y.stride(0),
-        SPLITS=splits, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHT_SIDE=block_n >= 64, num_warps=warps,
-        num_stages=stages, **launch_kwargs())
-    if splits > 1:
-        _sum_splits[(m, triton.cdiv(n, 1024))](partial, weight_scale, weight_scale, y, m, n, y.stride(0),
-                                               HAS_BIAS=False, SPLITS=splits, BLOCK=1024, num_warps=4,
-                                               **launch_kwargs())
-    return y
-
-
-# (BLOCK_N, BLOCK_K, warps, stages, K parts) of the pre-quantized variant: the weight on the wide side (64 or 128
-# rows of it a program), K in up to 6 parts, and one 16-row launch for reference.
+# (BLOCK_N, BLOCK_K, warps, stages, K parts) of the pre-quantized kernel: the weight on the wide side (64 or 128
+# rows of it a program), K in up to 6 parts.
 WEIGHT_SIDE_BLOCKS = [(64, 256, 4, 4), (64, 512, 4, 3), (128, 256, 4, 3), (128, 128, 4, 4)]
-ROWS_CONFIGS = [(32, 512, 4, 4, 1)] + [(*block, splits) for block in WEIGHT_SIDE_BLOCKS for splits in (1, 2, 3, 4, 6)]
+ROWS_CONFIGS = [(*block, splits) for block in WEIGHT_SIDE_BLOCKS for splits in (1, 2, 3, 4, 6)]
 
 CONFIGS = [(32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 3), (16, 1024, 4, 4), (32, 256, 4, 4), (64, 256, 4, 4)]
 
@@ -195,30 +136,37 @@ def cell(name: str, n: int, k: int, m: int, hbm: float) -> dict:
     logger.info("%-8s m=%-2d bf16 %7.2f us | w8a16 %7.2f us (%.3f of bf16) | w8a8 %s %7.2f us %5.0f GB/s (%.2f of "
                 "copy), %.3f of bf16", name, m, bf16_us, w8a16_us, w8a16_us / bf16_us, best, best_us, gbs, gbs / hbm,
                 best_us / bf16_us)
-    rows_us, rows_best, rows_all, quantize_us = rows_cell(name, x, w8, scale, copies8, want, m)
-    rows_gbs = n * k / rows_us / 1e3
+    rows_us, rows_best, rows_all, quantize_us, engine_us = rows_cell(name, x, w8, scale, copies8, want, m)
+    rows_gbs, engine_gbs = n * k / rows_us / 1e3, n * k / engine_us / 1e3
     logger.info("%-8s m=%-2d w8a8, rows quantized before: %s %7.2f us %5.0f GB/s (%.2f of copy), %.3f of bf16, %.3f "
-                "of w8a16 | quantizing the rows alone %.2f us", name, m, rows_best, rows_us, rows_gbs,
-                rows_gbs / hbm, rows_us / bf16_us, rows_us / w8a16_us, quantize_us)
+                "of w8a16 | the engine's launch %7.2f us (%.2f of copy), %.3f of w8a16 | quantizing the rows alone "
+                "%.2f us", name, m, rows_best, rows_us, rows_gbs, rows_gbs / hbm, rows_us / bf16_us,
+                rows_us / w8a16_us, engine_us, engine_gbs / hbm, engine_us / w8a16_us, quantize_us)
     return {"shape": name, "rows": m, "bf16_us": bf16_us, "w8a16_us": w8a16_us, "w8a8_us": best_us,
             "w8a8_launch": best, "all": [[us, list(c)] for us, c in sorted(results)],
             "w8a8_rows_us": rows_us, "w8a8_rows_launch": rows_best, "quantize_rows_us": quantize_us,
-            "rows_all": rows_all}
+            "rows_all": rows_all, "w8a8_rows_engine_us": engine_us}
 
 
 def rows_cell(name: str, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, copies8: list[torch.Tensor],
-              want: torch.Tensor, m: int) -> tuple[float, tuple | None, list, float]:
-    """The pre-quantized variant's best launch for one cell: (us, launch, every launch's us, quantize_rows' us)."""
+              want: torch.Tensor, m: int) -> tuple[float, tuple | None, list, float, float]:
+    """The engine's decode kernel for one cell: (best us, its launch, every launch's us, quantize_rows' us, the
+    engine's launch's us with its arrival counters)."""
     xq, xs = quantize_rows(x, "dynamic-token", None)
     alone_q, alone_s = quantize_rows(x[:1].contiguous(), "dynamic-token", None)
+    arrivals = arrival_counters(w8.shape[0], x.device)
+    got = skinny_fp8_rows(xq, xs, w8, scale, None, x.dtype, arrivals=arrivals)
+    torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+    engine_us = graph_time_us(lambda i: skinny_fp8_rows(xq, xs, copies8[i], scale, None, x.dtype, arrivals=arrivals),
+                              len(copies8))
     results = []
     for cfg in ROWS_CONFIGS:
         try:
-            got = skinny_w8a8_rows(xq, xs, w8, scale, x.dtype, launch=cfg)
+            got = skinny_fp8_rows(xq, xs, w8, scale, None, x.dtype, launch=cfg)
             torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
-            alone = skinny_w8a8_rows(alone_q, alone_s, w8, scale, x.dtype, launch=cfg)
+            alone = skinny_fp8_rows(alone_q, alone_s, w8, scale, None, x.dtype, launch=cfg)
             assert torch.equal(alone[0], got[0]), "row 0 alone differs from row 0 among the rows"
-            us = graph_time_us(lambda i, cfg=cfg: skinny_w8a8_rows(xq, xs, copies8[i], scale, x.dtype, launch=cfg),
+            us = graph_time_us(lambda i, cfg=cfg: skinny_fp8_rows(xq, xs, copies8[i], scale, None, x.dtype, launch=cfg),
                                len(copies8))
         except Exception as exc:  # one that does not compile, fit or match: say so, go on
             logger.info("  %s m=%d rows %s: %s", name, m, cfg, str(exc).splitlines()[0][:120])
@@ -226,9 +174,9 @@ def rows_cell(name: str, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
         results.append((us, cfg))
     quantize_us = graph_time_us(lambda _i: quantize_rows(x, "dynamic-token", None), 16)
     if not results:
-        return float("nan"), None, [], quantize_us
+        return float("nan"), None, [], quantize_us, engine_us
     best_us, best = min(results)
-    return best_us, best, [[us, list(c)] for us, c in sorted(results)], quantize_us
+    return best_us, best, [[us, list(c)] for us, c in sorted(results)], quantize_us, engine_us
 
 
 def main() -> None:
@@ -247,6 +195,10 @@ def main() -> None:
                                                                                  if r["rows"] == m) for m in rows}
     logger.info("a layer's four products, w8a8 with rows quantized before over w8a16: %s",
                 {m: round(v, 3) for m, v in rows_step.items()})
+    engine_step = {m: sum(r["w8a8_rows_engine_us"] for r in report if r["rows"] == m)
+                   / sum(r["w8a16_us"] for r in report if r["rows"] == m) for m in rows}
+    logger.info("a layer's four products, the engine's w8a8 launches over w8a16: %s",
+                {m: round(v, 3) for m, v in engine_step.items()})
     if "--json" in args:
         with open(args[args.index("--json") + 1], "w") as f:
             json.dump(report, f, indent=1)

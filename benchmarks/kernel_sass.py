@@ -4,7 +4,8 @@
                                        [--sass-dir DIR]
 
 Compiles the engine's paged decode attention kernel (Llama-3.1-8B's shape: 32/8 heads x 128, 16-token pages,
-its one-split launch) and the skinny FP8 kernel (qkv's shape, its K-split launch) for sm_90 with Triton, the
+its one-split launch), the skinny FP8 kernel (qkv's shape, its K-split launch) and its e4m3-rows twin (down's
+shape, K in parts: `QGMMA` is Hopper's e4m3 wgmma) for sm_90 with Triton, the
 arguments marked 16-divisible as the runtime's specialization marks them, disassembles the cubin with the
 nvdisasm Triton ships, and prints the instruction count, the shared memory, and the loads and conversions by
 variant. It takes Triton and its bundled tools (pip install triton), not a device: what it shows is what the
@@ -30,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 
 logger = logging.getLogger("kernel_sass")
 HOPPER = GPUTarget("cuda", 90, 32)
-WATCHED = re.compile(r"^(LDS|LDSM|LDG|LDGSTS|STS|F2F|F2FP|HMUL2|PRMT|HMMA|STL|LDL)\b")
+WATCHED = re.compile(r"^(LDS|LDSM|LDG|LDGSTS|STS|F2F|F2FP|HMUL2|PRMT|HMMA|QGMMA|HGMMA|STL|LDL)\b")
 TRITON_TYPES = {"bf16": "bf16", "fp16": "fp16"}
 
 
@@ -62,7 +63,17 @@ def skinny(kv_dtype: str, q_dtype: str) -> tuple:
     return fp8_cuda._skinny_fp8, constexprs, pointers, {}, dict(num_warps=warps, num_stages=stages)
 
 
-KERNELS = {"decode": paged_decode, "skinny": skinny}
+def skinny_rows(kv_dtype: str, q_dtype: str) -> tuple:
+    from splitserve.engine.quantization import fp8_cuda
+
+    block_n, block_k, warps, stages, splits = fp8_cuda.skinny_rows_launch(4096, 14336)  # down: K in parts
+    constexprs = dict(HAS_BIAS=False, SPLITS=splits, LAST_ADDS=True, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True)
+    pointers = {"XQ": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WScale": "*fp32", "Bias": "*fp32",
+                "Y": f"*{TRITON_TYPES[q_dtype]}", "Partial": "*fp32", "Arrivals": "*i32"}
+    return fp8_cuda._skinny_fp8_rows, constexprs, pointers, {}, dict(num_warps=warps, num_stages=stages)
+
+
+KERNELS = {"decode": paged_decode, "skinny": skinny, "skinny-rows": skinny_rows}
 
 
 def compile_counts(kernel: str, kv_dtype: str, q_dtype: str, sass_dir: Path | None) -> dict:

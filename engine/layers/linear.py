@@ -23,6 +23,7 @@ from splitserve.engine.quantization.fp8 import (
     FP8_DTYPE,
     ROW_QUANTIZED_ACTIVATIONS,
     Fp8Scheme,
+    decode_rows_quantized,
     dequantize,
     fp8_linear,
     nan_codes,
@@ -169,16 +170,32 @@ class QuantizableLinear(nn.Module):
 
     def takes_quantized_rows(self, x: torch.Tensor) -> bool:
         """Whether this layer's input made from `x`'s rows (same row count, 16-bit) may come already in e4m3
-        (`forward_quantized`): FP8 weights on CUDA, past the skinny kernel's rows (the W8A8 GEMM's), bfloat16,
-        and a scheme whose activations quantize per row or statically."""
-        return (self.fp8 and x.is_cuda and x.dim() == 2 and x.shape[0] > self.skinny_rows
-                and x.dtype == torch.bfloat16 and self.quant.activation in ROW_QUANTIZED_ACTIVATIONS
-                and self.weight.shape[0] % 16 == 0 and self.weight.shape[1] % 16 == 0)
+        (`forward_quantized`): FP8 weights on CUDA, bfloat16 rows, a scheme whose activations quantize per row
+        or statically, and past the skinny kernel's rows the W8A8 GEMM's shapes; up to them, a scheme that
+        quantizes decode rows on a GPU with e4m3 tensor cores."""
+        if not (self.fp8 and x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16
+                and self.quant.activation in ROW_QUANTIZED_ACTIVATIONS):
+            return False
+        if x.shape[0] <= self.skinny_rows:
+            return self.quant.quantizes_decode_rows and decode_rows_quantized(x)
+        return self.weight.shape[0] % 16 == 0 and self.weight.shape[1] % 16 == 0
 
     def fp8_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.quant is not None and self.weight_scale is not None
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias, self.quant.activation,
-                          self.skinny_rows, self.arrivals)
+                          self.skinny_rows, self.arrivals, decode_w8a8=self.quant.quantizes_decode_rows)
+
+    def quantized_product(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        """(xq * xs) W^T (+ bias) in `dtype` for e4m3 rows and their [M, 1] scales: the skinny e4m3 kernel up to
+        the skinny rows (row-invariant), the W8A8 GEMM past them."""
+        from splitserve.engine.quantization.fp8_cuda import scaled_mm_quantized, skinny_fp8_rows
+
+        if xq.shape[0] <= self.skinny_rows:
+            return skinny_fp8_rows(xq, xs, self.weight, self.weight_scale, bias, dtype, max_rows=self.skinny_rows,
+                                   arrivals=self.arrivals)
+        y = scaled_mm_quantized(xq, xs, self.weight, self.weight_scale, dtype)
+        return y if bias is None else y.add_(bias)
 
 
 class ColumnParallelLinear(QuantizableLinear):
@@ -241,11 +258,7 @@ class ColumnParallelLinear(QuantizableLinear):
                           out: torch.Tensor | None = None) -> torch.Tensor:
         """forward of rows given in e4m3 with their [M, 1] scales (takes_quantized_rows said yes), out in
         `dtype` (into `out` where given)."""
-        from splitserve.engine.quantization.fp8_cuda import scaled_mm_quantized
-
-        y = scaled_mm_quantized(xq, xs, self.weight, self.weight_scale, dtype)
-        if self.bias is not None:
-            y.add_(self.bias)
+        y = self.quantized_product(xq, xs, dtype, self.bias)
         return y if out is None else out.copy_(y)
 
 
@@ -297,9 +310,7 @@ class RowParallelLinear(QuantizableLinear):
 
     def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """forward of rows given in e4m3 with their [M, 1] scales (takes_quantized_rows said yes), out in `dtype`."""
-        from splitserve.engine.quantization.fp8_cuda import scaled_mm_quantized
-
-        return self._reduced(scaled_mm_quantized(xq, xs, self.weight, self.weight_scale, dtype))
+        return self._reduced(self.quantized_product(xq, xs, dtype, None))
 
     def _reduced(self, y: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(y)

@@ -6,11 +6,13 @@ gate/up projections keep each part's own scale), and, for static activation scal
 [1] (the largest of the fused parts'). W = q * weight_scale[:, None]; an activation x is x_q * input_scale.
 
 Where each runs (docs/fp8.md):
-- CUDA: the weights stay FP8 (1 byte a parameter). Up to the layer's row-invariant rows (16 by default: decode)
-  the skinny FP8 Triton kernel reads the weight once and dequantizes it in registers (16-bit activations, W8A16);
-  past them the activations are quantized (per token, or with the static scale) by a Triton kernel and
-  `torch._scaled_mm` multiplies e4m3 by e4m3 with row-wise float32 scales into bfloat16 (W8A8). No host sync
-  anywhere: CUDA-graph safe.
+- CUDA: the weights stay FP8 (1 byte a parameter), and the activations are quantized as the scheme says (per
+  token, or with the static scale) at every row count (W8A8). Up to the layer's row-invariant rows (16 by
+  default: decode) a skinny Triton kernel reads the weight once and multiplies e4m3 by e4m3 with the weight on
+  the product's wide side; past them `torch._scaled_mm` does, with row-wise float32 scales, into bfloat16. Where
+  the rows are not quantized at decode (`--fp8-decode-rows w8a16`, a weight-only or dynamic per-tensor scheme,
+  float32 rows, a GPU without e4m3 tensor cores) the skinny kernel widens the weight to the rows' dtype in
+  registers instead (W8A16). No host sync anywhere: CUDA-graph safe.
 - CPU: the weights are dequantized to the compute dtype on load (the layer then runs as an unquantized one:
   4 bytes a parameter in float32, no saving), so an FP8 checkpoint gives exactly the logits of its dequantized
   weights. A layer built with FP8 storage on the CPU (tests) dequantizes per matmul instead.
@@ -40,6 +42,12 @@ ACTIVATION_SCHEMES = ("dynamic-token", "dynamic-tensor", "static-tensor", "none"
 # makes a projection's input can write it in e4m3 (swiglu_quantized). A dynamic per-tensor scale needs the whole
 # tensor's amax first.
 ROW_QUANTIZED_ACTIVATIONS = ("dynamic-token", "none", "static-tensor")
+# What decode rows (those up to a layer's skinny rows) take: quantized as prompt rows are, into an e4m3 x e4m3
+# product (W8A8: the prompt path's numerics, and a skinny kernel that spends fewer instructions per weight byte),
+# or 16-bit into a product that widens the weight (W8A16). W8A8 applies to schemes that quantize their
+# activations row by row; a weight-only checkpoint's decode rows stay 16-bit.
+DECODE_ROWS = ("w8a8", "w8a16")
+DECODE_QUANTIZED_ACTIVATIONS = ("dynamic-token", "static-tensor")
 
 
 class UnsupportedQuantizationError(ValueError):
@@ -55,6 +63,7 @@ class Fp8Scheme:
     activation: str = "dynamic-token"
     ignore: tuple[str, ...] = ()  # module names (or patterns) left unquantized, as the checkpoint lists them
     targets: tuple[str, ...] = ("Linear",)  # compressed-tensors' targets: "Linear" or "re:" patterns
+    decode_rows: str = "w8a8"  # one of DECODE_ROWS (--fp8-decode-rows)
 
     @property
     def checkpoint_fp8(self) -> bool:
@@ -64,6 +73,11 @@ class Fp8Scheme:
     @property
     def static_input(self) -> bool:
         return self.activation == "static-tensor"
+
+    @property
+    def quantizes_decode_rows(self) -> bool:
+        """Whether decode rows are quantized before their product (W8A8) where the GPU has e4m3 tensor cores."""
+        return self.decode_rows == "w8a8" and self.activation in DECODE_QUANTIZED_ACTIVATIONS
 
     def quantizes(self, module: str) -> bool:
         """Whether the projection named `module` (`model.layers.0.self_attn.q_proj`) is FP8 in this scheme."""
@@ -227,19 +241,35 @@ def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
                bias: torch.Tensor | None, activation: str, skinny_rows: int,
-               arrivals: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) for an FP8 weight [N, K] with per-channel scales [N]: on CUDA the skinny kernel up to
-    `skinny_rows` rows (any dtype; `arrivals`: the layer's counters for its K parts, fp8_cuda.arrival_counters),
-    the W8A8 GEMM past them (bfloat16 rows); elsewhere the reference."""
+               arrivals: torch.Tensor | None = None, decode_w8a8: bool = False) -> torch.Tensor:
+    """y = x W^T (+ bias) for an FP8 weight [N, K] with per-channel scales [N]: on CUDA a skinny kernel up to
+    `skinny_rows` rows (`arrivals`: the layer's counters for its K parts, fp8_cuda.arrival_counters), the W8A8
+    GEMM past them (bfloat16 rows); elsewhere the reference. `decode_w8a8` (the scheme's quantizes_decode_rows):
+    bfloat16 skinny rows are quantized first and multiplied in e4m3 where the GPU can (decode_rows_quantized);
+    else the skinny kernel takes them as they are (W8A16, any dtype)."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] > 0:
         from splitserve.engine.quantization import fp8_cuda
 
         if x.shape[0] <= skinny_rows or x.dtype == torch.float32:
+            if decode_w8a8 and decode_rows_quantized(x):
+                xq, xs = fp8_cuda.quantize_rows(x, activation, input_scale)
+                return fp8_cuda.skinny_fp8_rows(xq, xs, weight, weight_scale, bias, x.dtype, max_rows=skinny_rows,
+                                                arrivals=arrivals)
             return fp8_cuda.skinny_fp8(x, weight, weight_scale, bias, max_rows=skinny_rows, arrivals=arrivals)
         if scaled_mm_fits(x, weight):
             return fp8_cuda.scaled_mm_linear(x, weight, weight_scale, input_scale, bias, activation)
     return fp8_linear_reference(x, weight, weight_scale, input_scale, bias,
                                 None if activation == "none" or not x.is_cuda else activation)
+
+
+def decode_rows_quantized(x: torch.Tensor) -> bool:
+    """Whether rows like `x` (bfloat16, on a GPU with e4m3 tensor cores) can go W8A8 through the skinny kernel,
+    for a scheme whose quantizes_decode_rows says so."""
+    if not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    from splitserve.engine.quantization import fp8_cuda
+
+    return fp8_cuda.e4m3_products(x.device)
 
 
 def swiglu_quantized(gate_up: torch.Tensor, activation: str, input_scale: torch.Tensor | None

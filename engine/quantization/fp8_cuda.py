@@ -9,6 +9,11 @@
   row's bits never depend on the other rows. The weight is read once at 1 byte a
   parameter, half the bytes of the bfloat16 skinny kernel (engine/layers/skinny_gemm_triton.py, whose tiling it
   follows).
+- `skinny_fp8_rows`: the same rows given in e4m3 with their float32 scales (the norm's and SwiGLU's fused
+  kernels write them, or `quantize_rows`): e4m3 x e4m3 on the tensor cores with the weight on the product's
+  wide side (a 64-row weight tile times the 16 transposed rows: Hopper's e4m3 `wgmma`, which has no 16-row
+  form), each K block's product added in float32; no widening, and the weight tile read as it is. The same K
+  parts, and the same last-part sum, as `skinny_fp8`. Row-local: a row's bits do not depend on the other rows.
 - `quantize_rows`: activations to e4m3 per token (or with a static per-tensor scale) in one Triton kernel, the
   scales written as the [M, 1] float32 column `torch._scaled_mm` takes.
 - `scaled_mm_linear`: prompt steps and large batches: e4m3 x e4m3 on the tensor cores (`torch._scaled_mm`,
@@ -22,6 +27,8 @@ input_scale) or one the step computes on the device: CUDA-graph safe.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -40,12 +47,40 @@ MIN_SCALE = 1e-12
 
 
 @triton.jit
-def _scale_bias_store(acc, WScale, Bias, Y, m, n, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+def _scale_bias_store(acc, XScale, WScale, Bias, Y, m, n, M, N, stride_ym, HAS_XSCALE: tl.constexpr,
+                      HAS_BIAS: tl.constexpr):
+    if HAS_XSCALE:  # e4m3 rows: each row's own scale first
+        acc = acc * tl.load(XScale + m, mask=m < M, other=0.0)[:, None]
     acc = acc * tl.load(WScale + n, mask=n < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     mask = (m < M)[:, None] & (n < N)[None, :]
     tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finish_tile(acc, XScale, WScale, Bias, Y, Partial, Arrivals, m, n, M, N, stride_ym, HAS_XSCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, LAST_ADDS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's float32 sum over its part of K: scaled and stored, or kept for the parts' sum."""
+    if SPLITS == 1:
+        _scale_bias_store(acc, XScale, WScale, Bias, Y, m, n, M, N, stride_ym, HAS_XSCALE, HAS_BIAS)
+    else:  # this part's sum to the scratch; the parts are added in part order, here or by _sum_splits
+        mask = (m < M)[:, None] & (n < N)[None, :]
+        tl.store(Partial + (tl.program_id(2) * M + m[:, None]).to(tl.int64) * N + n[None, :], acc, mask=mask)
+        if LAST_ADDS:
+            # Count this part in; the last of the tile's parts to arrive adds them all. The barrier puts every
+            # thread's stores before the count (released at GPU scope); the count's acquire puts the last one's
+            # loads after every other part's stores.
+            tl.debug_barrier()
+            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            arrived = tl.atomic_add(Arrivals + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLITS - 1:
+                total = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+                for split in range(SPLITS):  # in part order, whichever arrived last: the same bits every time
+                    total += tl.load(Partial + (split * M + m[:, None]).to(tl.int64) * N + n[None, :], mask=mask,
+                                     other=0.0, cache_modifier=".cg")
+                _scale_bias_store(total, XScale, WScale, Bias, Y, m, n, M, N, stride_ym, HAS_XSCALE, HAS_BIAS)
+                tl.atomic_xchg(Arrivals + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
@@ -64,36 +99,43 @@ def _skinny_fp8(X, W, WScale, Bias, Y, Partial, Arrivals, M, N, K, K_PER_SPLIT, 
         w = tl.load(W + n[:, None] * stride_wn + kk[None, :], mask=(n[:, None] < N) & in_k[None, :], other=0.0)
         x = tl.load(X + m[:, None] * stride_xm + kk[None, :], mask=(m < M)[:, None] & in_k[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(widen_e4m3(w, X.dtype.element_ty)), acc, input_precision=DOT_PRECISION)
-    if SPLITS == 1:
-        _scale_bias_store(acc, WScale, Bias, Y, m, n, M, N, stride_ym, HAS_BIAS)
-    else:  # this part's sum to the scratch; the parts are added in part order, here or by _sum_splits
-        mask = (m < M)[:, None] & (n < N)[None, :]
-        tl.store(Partial + (tl.program_id(2) * M + m[:, None]).to(tl.int64) * N + n[None, :], acc, mask=mask)
-        if LAST_ADDS:
-            # Count this part in; the last of the tile's parts to arrive adds them all. The barrier puts every
-            # thread's stores before the count (released at GPU scope); the count's acquire puts the last one's
-            # loads after every other part's stores.
-            tl.debug_barrier()
-            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            arrived = tl.atomic_add(Arrivals + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLITS - 1:
-                total = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-                for split in range(SPLITS):  # in part order, whichever arrived last: the same bits every time
-                    total += tl.load(Partial + (split * M + m[:, None]).to(tl.int64) * N + n[None, :], mask=mask,
-                                     other=0.0, cache_modifier=".cg")
-                _scale_bias_store(total, WScale, Bias, Y, m, n, M, N, stride_ym, HAS_BIAS)
-                tl.atomic_xchg(Arrivals + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    _finish_tile(acc, WScale, WScale, Bias, Y, Partial, Arrivals, m, n, M, N, stride_ym, False, HAS_BIAS, SPLITS,
+                 LAST_ADDS, BLOCK_N)
 
 
 @triton.jit
-def _sum_splits(Partial, WScale, Bias, Y, M, N, stride_ym, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
-                BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _skinny_fp8_rows(XQ, XS, W, WScale, Bias, Y, Partial, Arrivals, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
+                     stride_ym, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, LAST_ADDS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    m = tl.program_id(0) * 16 + tl.arange(0, 16)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(2) * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    acc_t = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        in_k = kk < k_end
+        w = tl.load(W + n[:, None] * stride_wn + kk[None, :], mask=(n[:, None] < N) & in_k[None, :], other=0.0)
+        x = tl.load(XQ + m[:, None] * stride_xm + kk[None, :], mask=(m < M)[:, None] & in_k[None, :], other=0.0)
+        # The weight tile as the wide side. Each block's product is added here in float32: the e4m3 tensor
+        # cores' own accumulation keeps fewer bits.
+        acc_t += tl.dot(w, tl.trans(x))
+    _finish_tile(tl.trans(acc_t), XS, WScale, Bias, Y, Partial, Arrivals, m, n, M, N, stride_ym, True, HAS_BIAS,
+                 SPLITS, LAST_ADDS, BLOCK_N)
+
+
+@triton.jit
+def _sum_splits(Partial, XScale, WScale, Bias, Y, M, N, stride_ym, HAS_XSCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for split in range(SPLITS):  # always in this order: a row's bits do not depend on which program ran first
         acc += tl.load(Partial + (split * M + row).to(tl.int64) * N + n, mask=n < N, other=0.0)
+    if HAS_XSCALE:
+        acc = acc * tl.load(XScale + row)
     acc = acc * tl.load(WScale + n, mask=n < N, other=0.0)
     if HAS_BIAS:
         acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)
@@ -163,10 +205,70 @@ def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         num_warps=warps, num_stages=stages, **launch_kwargs(),
     )
     if splits > 1 and not last_adds:
-        _sum_splits[(m, triton.cdiv(n, 1024))](partial, weight_scale, bias_arg, y, m, n, y.stride(0),
-                                               HAS_BIAS=bias is not None, SPLITS=splits, BLOCK=1024, num_warps=4,
-                                               **launch_kwargs())
+        _sum_splits[(m, triton.cdiv(n, 1024))](partial, weight_scale, weight_scale, bias_arg, y, m, n, y.stride(0),
+                                               HAS_XSCALE=False, HAS_BIAS=bias is not None, SPLITS=splits,
+                                               BLOCK=1024, num_warps=4, **launch_kwargs())
     return y
+
+
+def skinny_rows_launch(n: int, k: int, max_rows: int = 16) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages, K parts) of skinny_fp8_rows for an [n, k] weight, in a layer that sends
+    up to `max_rows` rows down the skinny path.
+
+    Swept on an H100 (benchmarks/fp8_w8a8_skinny.py, Llama-3.1-8B's projections at 1 and 8 rows): 64-row weight
+    tiles won, 512 of K a step for the narrow products (qkv, o_proj, down, whose long K takes 2 parts), 256 with
+    a stage more for the wide gate_up. Parts only up to SPLIT_MAX_ROWS rows, as skinny_launch's."""
+    splits = 2 if k > 8192 and max_rows <= SPLIT_MAX_ROWS else 1
+    return (64, 256, 4, 4, splits) if n > 16384 else (64, 512, 4, 3, splits)
+
+
+def skinny_fp8_rows(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype, launch: tuple[int, ...] | None = None,
+                    max_rows: int = 16, arrivals: torch.Tensor | None = None) -> torch.Tensor:
+    """(xq * xs) @ (weight * weight_scale[:, None]).T (+ bias) in `out_dtype`, for e4m3 rows xq [M, K] with
+    float32 scales xs [M, 1] (quantize_rows', rmsnorm_quantize's, silu_mul_quantize's) and an e4m3 weight [N, K].
+    `launch`, `max_rows`, `arrivals`: as skinny_fp8's (skinny_rows_launch chooses; BLOCK_N at least 64, the
+    weight's side of the e4m3 product). Row-local, whatever the part count."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    assert xq.dtype == torch.float8_e4m3fn and weight.dtype == torch.float8_e4m3fn
+    assert weight.shape[1] == k and xq.stride(-1) == 1 and weight.stride(-1) == 1 and xs.shape == (m, 1)
+    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    block_n, block_k, warps, stages, splits = launch or skinny_rows_launch(n, k, max_rows)
+    if block_n < 64:
+        raise ValueError(f"BLOCK_N {block_n}: the weight's side of the e4m3 product needs at least 64 rows")
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)  # no empty part
+    tiles = (triton.cdiv(m, TILE_ROWS), triton.cdiv(n, block_n))
+    last_adds = splits > 1 and arrivals is not None
+    if last_adds and arrivals.numel() < tiles[0] * tiles[1]:
+        raise ValueError(f"{arrivals.numel()} arrival counters for {tiles[0]} x {tiles[1]} tiles "
+                         f"({m} rows, BLOCK_N {block_n}): arrival_counters sizes them up to {SPLIT_MAX_ROWS} rows")
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=xq.device) if splits > 1 else y
+    bias_arg = bias if bias is not None else weight_scale
+    _skinny_fp8_rows[(*tiles, splits)](
+        xq, xs, weight, weight_scale, bias_arg, y, partial, arrivals if last_adds else weight_scale, m, n, k,
+        k_per_split, xq.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, SPLITS=splits,
+        LAST_ADDS=last_adds, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        **launch_kwargs())
+    if splits > 1 and not last_adds:
+        _sum_splits[(m, triton.cdiv(n, 1024))](partial, xs, weight_scale, bias_arg, y, m, n, y.stride(0),
+                                               HAS_XSCALE=True, HAS_BIAS=bias is not None, SPLITS=splits,
+                                               BLOCK=1024, num_warps=4, **launch_kwargs())
+    return y
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def e4m3_products(device: torch.device) -> bool:
+    """Whether the device multiplies e4m3 by e4m3 on its tensor cores (compute capability 8.9 and up, as
+    torch._scaled_mm needs): where decode rows may go W8A8 (skinny_fp8_rows)."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
 
 
 @triton.jit

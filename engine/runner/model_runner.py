@@ -362,6 +362,9 @@ class ModelRunner:
         started = time.monotonic()
         if cfg.quantization == "fp8" and model_cfg.quantization is None:  # FP8 on load (docs/fp8.md)
             model_cfg = self.model_cfg = dataclasses.replace(model_cfg, quantization=online_scheme())
+        if model_cfg.quantization is not None and model_cfg.quantization.decode_rows != cfg.fp8_decode_rows:
+            model_cfg = self.model_cfg = dataclasses.replace(model_cfg, quantization=dataclasses.replace(
+                model_cfg.quantization, decode_rows=cfg.fp8_decode_rows))
         with torch.device(self.device):  # an encode engine: the image side alone, no text model in memory
             self.model = build_model(model_cfg, tp, self.dtype, max_positions=self.context_length,
                                      image_side_only=not cfg.runs_text)
@@ -400,7 +403,8 @@ class ModelRunner:
                     model_cfg.architecture, sum(p.numel() for p in self.model.parameters()) / 1e6,
                     weight_bytes / 2**30, self.dtype,
                     f" (FP8 projections: {fp8.source}, {fp8.weight_strategy} weight scales, {fp8.activation} "
-                    f"activations{'' if self.device.type == 'cuda' else '; dequantized on load'})" if fp8 else "",
+                    f"activations, {'W8A8' if fp8.quantizes_decode_rows else 'W8A16'} decode rows"
+                    f"{'' if self.device.type == 'cuda' else '; dequantized on load'})" if fp8 else "",
                     self.device, time.monotonic() - started)
         attn = self.attention = attention_dims(model_cfg, tp)
         shape_args = {"num_layers": model_cfg.num_layers, "num_kv_heads": attn.num_kv_heads,

@@ -4,6 +4,7 @@ as their producers write them, and `--quantization fp8` stays within a stated di
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -269,25 +270,28 @@ def test_16bit_weight_quantized_on_load_per_channel_over_whole_rows() -> None:
 
 # --quantization fp8 on the tiny model against float32, on random-id prompts. e4m3 rounds a weight by 2.6% rms
 # (3 mantissa bits; bfloat16: 0.17%), and a random-weight model with near-tied logits feels it: measured when
-# written (docs/fp8.md) KL 0.033, top-1 0.88, greedy 0.47 (dequantized on load) and KL 0.056, top-1 0.84,
-# greedy 0.22 (the GPU's numerics emulated). Tolerances ~2-3x those: a broken scale or layout (KL > 1) fails,
-# rounding noise passes.
+# written (docs/fp8.md) KL 0.033, top-1 0.88, greedy 0.47 (dequantized on load), and with the GPU's numerics
+# emulated KL 0.064, top-1 0.81, greedy 0.22 (W8A8 rows throughout) or KL 0.056, top-1 0.84, greedy 0.22 (16-bit
+# decode rows). Tolerances ~2-3x those: a broken scale or layout (KL > 1) fails, rounding noise passes.
 MAX_MEAN_KL = 0.1  # nats per token, KL(float32 || fp8) over every prompt position
 MIN_TOP1 = 0.75  # teacher-forced positions whose argmax agrees
 MIN_GREEDY = 0.15  # generated tokens equal to float32's before the first divergence, over all prompts
 
 
-def fp8_runner(folder: Path, monkeypatch: pytest.MonkeyPatch | None = None) -> tuple[ModelRunner, KVCache]:
+def fp8_runner(folder: Path, monkeypatch: pytest.MonkeyPatch | None = None, decode_rows: str = "w8a8"
+               ) -> tuple[ModelRunner, KVCache]:
     """A float32 CPU runner with --quantization fp8 (`monkeypatch`: with FP8 storage and the GPU's numerics
-    emulated, activations quantized per token past 16 rows)."""
+    emulated: activations quantized per token at every row count, or past 16 rows only with `decode_rows`
+    w8a16)."""
     if monkeypatch is not None:
-        def emulated(x, weight, weight_scale, input_scale, bias, activation, skinny_rows, arrivals=None):
-            return fp8_linear_reference(x, weight, weight_scale, input_scale, bias,
-                                        None if x.shape[0] <= skinny_rows else activation)
+        def emulated(x, weight, weight_scale, input_scale, bias, activation, skinny_rows, arrivals=None,
+                     decode_w8a8=False):
+            quantized = decode_w8a8 or x.shape[0] > skinny_rows
+            return fp8_linear_reference(x, weight, weight_scale, input_scale, bias, activation if quantized else None)
         monkeypatch.setattr(linear, "fp8_storage_default", lambda: True)
         monkeypatch.setattr(linear, "fp8_linear", emulated)
     cfg = EngineConfig(model=str(folder), device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
-                       max_running_requests=4, quantization="fp8")
+                       max_running_requests=4, quantization="fp8", fp8_decode_rows=decode_rows)
     runner = ModelRunner(cfg, folder, ModelConfig.from_folder(folder))
     return runner, KVCache(runner.kv_shape.num_pages, cfg.page_size, 4, 1024, runner.device)
 
@@ -309,13 +313,17 @@ def test_quantization_fp8_on_the_tiny_model_stays_close_to_float32(tiny: Path, c
     assert got["mean_kl"] < MAX_MEAN_KL and got["top1"] >= MIN_TOP1 and got["greedy"] >= MIN_GREEDY, got
 
 
-def test_quantization_fp8_with_emulated_gpu_numerics(tiny: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    """FP8 storage on the CPU, each product as the GPU computes it (W8A16 up to 16 rows, per-token W8A8 past)."""
-    runner, kv = fp8_runner(tiny, monkeypatch)
+@pytest.mark.parametrize("decode_rows", ["w8a8", "w8a16"])
+def test_quantization_fp8_with_emulated_gpu_numerics(tiny: Path, decode_rows: str, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys) -> None:
+    """FP8 storage on the CPU, each product as the GPU computes it (per-token W8A8; with --fp8-decode-rows w8a16,
+    W8A16 up to 16 rows)."""
+    runner, kv = fp8_runner(tiny, monkeypatch, decode_rows)
     assert runner.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
+    assert runner.model_cfg.quantization.quantizes_decode_rows == (decode_rows == "w8a8")
     got = accuracy(cpu_runner(tiny), (runner, kv), TINY_CONFIG["vocab_size"])
     with capsys.disabled():
-        print(f"\ntiny --quantization fp8 (GPU numerics emulated) vs float32: {got}")
+        print(f"\ntiny --quantization fp8 --fp8-decode-rows {decode_rows} (GPU numerics emulated) vs float32: {got}")
     assert got["mean_kl"] < 1.5 * MAX_MEAN_KL and got["top1"] >= MIN_TOP1 and got["greedy"] >= MIN_GREEDY, got
 
 
@@ -364,3 +372,20 @@ def test_a_shape_and_its_fp8_twin_draw_the_same_dummy_weights_and_the_bench_stat
     got = accuracy_on_shape("tiny", "cpu")
     assert got["fp8_weights"]["mean_kl"] < 0.03 and got["fp8_weights"]["top1"] > 0.85, got
     assert got["fp8_kv"]["mean_kl"] < 0.03 and got["fp8_kv"]["top1"] > 0.85, got
+
+
+def test_fp8_decode_rows_comes_from_the_flag_or_the_environment_and_bad_values_are_refused(
+        capsys: pytest.CaptureFixture) -> None:
+    from splitserve.api.serve_config import parse_configs
+
+    assert parse_configs([], environ={}).engine.fp8_decode_rows == "w8a8"
+    assert parse_configs(["--fp8-decode-rows", "w8a16"], environ={}).engine.fp8_decode_rows == "w8a16"
+    assert parse_configs([], environ={"SPLITSERVE_FP8_DECODE_ROWS": "w8a16"}).engine.fp8_decode_rows == "w8a16"
+    with pytest.raises(SystemExit):
+        parse_configs(["--fp8-decode-rows", "w4a8"], environ={})
+    assert "--fp8-decode-rows" in capsys.readouterr().err
+    # A weight-only scheme's decode rows stay 16-bit whatever the flag; so do a dynamic per-tensor scheme's.
+    assert online_scheme().quantizes_decode_rows
+    assert not dataclasses.replace(online_scheme(), decode_rows="w8a16").quantizes_decode_rows
+    for activation in ("none", "dynamic-tensor"):
+        assert not dataclasses.replace(online_scheme(), activation=activation).quantizes_decode_rows

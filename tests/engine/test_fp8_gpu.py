@@ -1,6 +1,7 @@
-"""FP8 products on CUDA against the dequantized reference (skipped without CUDA): the skinny kernel at decode
-rows (weight-only: exact math, bfloat16 rounding of the output), the per-token / static W8A8 GEMM past them
-(FP8 tolerance), CUDA-graph capture, row invariance, and a model with --quantization fp8 against bfloat16."""
+"""FP8 products on CUDA against the dequantized reference (skipped without CUDA): the skinny kernels at decode
+rows (W8A16: exact math, bfloat16 rounding of the output; W8A8: rows quantized as the prompt path's), the
+per-token / static W8A8 GEMM past them (FP8 tolerance), CUDA-graph capture, row invariance, K parts, and a
+model with --quantization fp8 against bfloat16."""
 
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ def operands(n: int, k: int, rows: int, seed: int = 0):
     return x, q, scale
 
 
+def e4m3_products() -> bool:
+    from splitserve.engine.quantization.fp8_cuda import e4m3_products
+
+    return e4m3_products(torch.device("cuda"))
+
+
+needs_e4m3_products = pytest.mark.skipif(not torch.cuda.is_available() or not e4m3_products(),
+                                         reason="needs e4m3 tensor cores (compute capability 8.9+)")
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=["qkv", "o", "gate_up", "down"])
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 256, 2048])
 def test_fp8_linear_matches_the_dequantized_reference(shape: tuple[int, int], rows: int) -> None:
@@ -36,6 +47,10 @@ def test_fp8_linear_matches_the_dequantized_reference(shape: tuple[int, int], ro
     x, q, scale = operands(n, k, rows)
     got = fp8_linear(x, q, scale, None, None, "dynamic-token", skinny_rows=16)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    if rows <= 16 and e4m3_products():  # W8A8 decode rows: the rows quantized per token as past them
+        w8a8 = fp8_linear(x, q, scale, None, None, "dynamic-token", skinny_rows=16, decode_w8a8=True)
+        # the e4m3 tensor cores keep fewer bits in their own accumulation (over 512 of K at a time)
+        assert relative_error(w8a8, fp8_linear_reference(x, q, scale, None, None, "dynamic-token")) < 6e-3
     if rows <= 16:  # the skinny kernel: W8A16, float32 accumulation; only the output's bfloat16 rounding differs
         want = fp8_linear_reference(x, q, scale, None, None, None)
         assert relative_error(got, want) < 4e-3
@@ -46,13 +61,17 @@ def test_fp8_linear_matches_the_dequantized_reference(shape: tuple[int, int], ro
         assert relative_error(got, x.float() @ (q.float() * scale[:, None]).t()) < 6e-2
 
 
+@pytest.mark.parametrize("decode_w8a8", [False, True])
 @pytest.mark.parametrize("rows", [4, 300])
-def test_static_input_scale_and_bias(rows: int) -> None:
+def test_static_input_scale_and_bias(rows: int, decode_w8a8: bool) -> None:
+    if decode_w8a8 and not e4m3_products():
+        pytest.skip("needs e4m3 tensor cores")
     x, q, scale = operands(1024, 2048, rows, seed=1)
     input_scale = (x.float().abs().amax() / 448).reshape(1)
     bias = torch.randn(1024, device="cuda").to(torch.bfloat16)
-    got = fp8_linear(x, q, scale, input_scale, bias, "static-tensor", skinny_rows=16)
-    want = fp8_linear_reference(x, q, scale, input_scale, bias, None if rows <= 16 else "static-tensor")
+    got = fp8_linear(x, q, scale, input_scale, bias, "static-tensor", skinny_rows=16, decode_w8a8=decode_w8a8)
+    quantized = rows > 16 or decode_w8a8
+    want = fp8_linear_reference(x, q, scale, input_scale, bias, "static-tensor" if quantized else None)
     assert relative_error(got, want) < 1e-2
 
 
@@ -64,31 +83,89 @@ def test_float32_rows_take_the_skinny_kernel_at_any_count() -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_skinny_rows_do_not_depend_on_the_row_count() -> None:
+@pytest.mark.parametrize("decode_w8a8", [False, True])
+def test_skinny_rows_do_not_depend_on_the_row_count(decode_w8a8: bool) -> None:
     x, q, scale = operands(4096, 4096, 16, seed=3)
-    alone = fp8_linear(x[:1], q, scale, None, None, "dynamic-token", skinny_rows=16)
-    together = fp8_linear(x, q, scale, None, None, "dynamic-token", skinny_rows=16)
+    alone = fp8_linear(x[:1], q, scale, None, None, "dynamic-token", skinny_rows=16, decode_w8a8=decode_w8a8)
+    together = fp8_linear(x, q, scale, None, None, "dynamic-token", skinny_rows=16, decode_w8a8=decode_w8a8)
     assert torch.equal(alone[0], together[0])
 
 
+@pytest.mark.parametrize("decode_w8a8", [False, True])
 @pytest.mark.parametrize("rows", [1, 256])
-def test_fp8_linear_replays_in_a_cuda_graph(rows: int) -> None:
+def test_fp8_linear_replays_in_a_cuda_graph(rows: int, decode_w8a8: bool) -> None:
     x, q, scale = operands(4096, 4096, rows, seed=4)
     static_x = x.clone()
-    eager = fp8_linear(static_x, q, scale, None, None, "dynamic-token", skinny_rows=16)
+
+    def product(rows_in: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(rows_in, q, scale, None, None, "dynamic-token", skinny_rows=16, decode_w8a8=decode_w8a8)
+
+    eager = product(static_x)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fp8_linear(static_x, q, scale, None, None, "dynamic-token", skinny_rows=16)  # warm (Triton compiles)
+        product(static_x)  # warm (Triton compiles)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fp8_linear(static_x, q, scale, None, None, "dynamic-token", skinny_rows=16)
+        out = product(static_x)
     static_x.copy_(x * 2)
     graph.replay()
     torch.cuda.synchronize()
-    want = fp8_linear(x * 2, q, scale, None, None, "dynamic-token", skinny_rows=16)
+    want = product(x * 2)
     assert torch.equal(out, want) and not torch.equal(out, eager)
+
+
+@needs_e4m3_products
+@pytest.mark.parametrize("shape", SHAPES, ids=["qkv", "o", "gate_up", "down"])
+def test_e4m3_rows_kernel_adds_its_k_parts_in_order_whoever_arrives_last(shape: tuple[int, int]) -> None:
+    """The W8A8 decode kernel (weight on the wide side): its own launch against the prompt path's GEMM, K in 1-4
+    parts within float32 reassociation of one another, the last-arriving part's sum the second kernel's bits
+    over many launches and graph replays at 1-32 rows (the counters back at zero), each row's bits its own, and
+    a bias added once."""
+    from splitserve.engine.quantization.fp8_cuda import (
+        arrival_counters,
+        quantize_rows,
+        scaled_mm_quantized,
+        skinny_fp8_rows,
+        skinny_rows_launch,
+    )
+
+    n, k = shape
+    x, q, scale = operands(n, k, 32, seed=8)
+    xq, xs = quantize_rows(x, "dynamic-token", None)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    engine = skinny_rows_launch(n, k)
+    assert engine[0] >= 64 and skinny_rows_launch(n, k, max_rows=1280)[4] == 1
+    want = fp8_linear_reference(x, q, scale, None, bias, "dynamic-token")
+    gemm = scaled_mm_quantized(xq, xs, q, scale, torch.bfloat16) + bias
+    got = skinny_fp8_rows(xq, xs, q, scale, bias, torch.bfloat16)
+    assert relative_error(got, want) < 6e-3 and relative_error(got, gemm) < 6e-3
+    arrivals = arrival_counters(n, "cuda")
+    for splits in (1, 2, 3, 4):
+        launch = (*engine[:4], splits)
+        whole = skinny_fp8_rows(xq, xs, q, scale, bias, torch.bfloat16, launch=launch)
+        assert relative_error(whole, got) < 2e-3
+        for rows in (1, 9, 16, 17, 32):
+            second = skinny_fp8_rows(xq[:rows], xs[:rows], q, scale, bias, torch.bfloat16, launch=launch)
+            assert torch.equal(second, whole[:rows])  # row-local
+            for _ in range(10):
+                last = skinny_fp8_rows(xq[:rows], xs[:rows], q, scale, bias, torch.bfloat16, launch=launch,
+                                       arrivals=arrivals)
+                assert torch.equal(last, second)
+            assert int(arrivals.count_nonzero()) == 0
+    static_q, static_s = xq[:4].clone(), xs[:4].clone()
+    launch = (*engine[:4], 3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_fp8_rows(static_q, static_s, q, scale, bias, torch.bfloat16, launch=launch, arrivals=arrivals)
+    for _ in range(30):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, skinny_fp8_rows(static_q, static_s, q, scale, bias, torch.bfloat16, launch=launch))
+    assert int(arrivals.count_nonzero()) == 0
+    with pytest.raises(ValueError, match="at least 64"):
+        skinny_fp8_rows(xq, xs, q, scale, None, torch.bfloat16, launch=(32, 256, 4, 3, 1))
 
 
 @pytest.mark.parametrize("splits", [2, 3, 5])
@@ -228,11 +305,13 @@ def test_swiglu_quantized_is_silu_and_mul_then_quantize_rows(rows: int, activati
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("decode_rows", ["w8a8", "w8a16"])
 @pytest.mark.parametrize("rows", [1, 16, 17, 512])
-def test_fp8_mlp_takes_the_fused_swiglu_past_the_skinny_rows_only(rows: int, tmp_path: Path) -> None:
+def test_fp8_mlp_takes_the_fused_swiglu_where_its_rows_are_quantized(rows: int, decode_rows: str,
+                                                                      tmp_path: Path) -> None:
     """An FP8 MLP of the 8B shape built on CUDA (its layers' arrival counters registered): its output equals the
-    unfused down(silu_and_mul(gate_up)) at every row count, and the fused path is taken exactly past the skinny
-    rows."""
+    unfused down(silu_and_mul(gate_up)) at every row count, and the fused path is taken past the skinny rows and,
+    with W8A8 decode rows (on e4m3 tensor cores), up to them too."""
     import dataclasses
 
     from splitserve.engine.checkpoints.model_config import ModelConfig
@@ -244,14 +323,16 @@ def test_fp8_mlp_takes_the_fused_swiglu_past_the_skinny_rows_only(rows: int, tmp
 
     cfg = ModelConfig.from_folder(write_shape_folder("llama-3.1-8b", tmp_path))
     with torch.device("cuda"):
-        mlp = LlamaMLP(dataclasses.replace(cfg, quantization=online_scheme()), SINGLE, torch.bfloat16)
+        scheme = dataclasses.replace(online_scheme(), decode_rows=decode_rows)
+        mlp = LlamaMLP(dataclasses.replace(cfg, quantization=scheme), SINGLE, torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(rows)
     for layer in (mlp.gate_up_proj, mlp.down_proj):
         assert layer.fp8 and layer.arrivals is not None and int(layer.arrivals.count_nonzero()) == 0
         layer.init_from(torch.randn(layer.weight.shape, device="cuda", generator=gen) * 0.02)
     x = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
     gate_up = mlp.gate_up_proj(x)
-    assert mlp.down_proj.takes_quantized_rows(gate_up) == (rows > mlp.down_proj.skinny_rows)
+    quantized = rows > mlp.down_proj.skinny_rows or (decode_rows == "w8a8" and e4m3_products())
+    assert mlp.down_proj.takes_quantized_rows(gate_up) == quantized
     assert torch.equal(mlp(x), mlp.down_proj(silu_and_mul(gate_up)))
 
 
@@ -289,12 +370,14 @@ def test_rmsnorm_quantize_is_add_rmsnorm_then_quantize_rows(rows: int, residual:
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("decode_rows", ["w8a8", "w8a16"])
 @pytest.mark.parametrize("rows", [1, 16, 17, 512])
-def test_fp8_decoder_layer_feeds_its_projections_from_the_norm_in_e4m3_past_the_skinny_rows(rows: int,
-                                                                                           tmp_path: Path) -> None:
-    """An FP8 decoder layer of the 8B shape on CUDA: past the skinny rows its projections take their inputs
-    from the fused norm-to-e4m3 kernel (the attention input and the MLP alike), below them the norms' 16-bit
-    rows, with the new residual either way."""
+def test_fp8_decoder_layer_feeds_its_projections_from_the_norm_in_e4m3(rows: int, decode_rows: str,
+                                                                       tmp_path: Path) -> None:
+    """An FP8 decoder layer of the 8B shape on CUDA: where its rows are quantized (past the skinny rows; up to
+    them with W8A8 decode rows) its projections take their inputs from the fused norm-to-e4m3 kernel (the
+    attention input and the MLP alike), elsewhere the norms' 16-bit rows, with the new residual either way; the
+    output projection's decode rows are quantized by a kernel of their own."""
     import dataclasses
 
     from splitserve.engine.checkpoints.model_config import ModelConfig
@@ -306,7 +389,7 @@ def test_fp8_decoder_layer_feeds_its_projections_from_the_norm_in_e4m3_past_the_
     from splitserve.engine.tp.parallel_state import SINGLE
 
     cfg = dataclasses.replace(ModelConfig.from_folder(write_shape_folder("llama-3.1-8b", tmp_path)),
-                              quantization=online_scheme())
+                              quantization=dataclasses.replace(online_scheme(), decode_rows=decode_rows))
     with torch.device("cuda"):
         rotary = RotaryEmbedding(cfg.head_dim, 4096, cfg.rope_theta, cfg.rope_scaling)
         layer = LlamaDecoderLayer(cfg, 0, rotary, SINGLE, torch.bfloat16)
@@ -319,7 +402,7 @@ def test_fp8_decoder_layer_feeds_its_projections_from_the_norm_in_e4m3_past_the_
     residual = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
     attn_out = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
     qkv_proj, o_proj, mlp = layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp
-    fused = rows > qkv_proj.skinny_rows
+    fused = rows > qkv_proj.skinny_rows or (decode_rows == "w8a8" and e4m3_products())
     assert qkv_proj.takes_quantized_rows(x) == fused and mlp.gate_up_proj.takes_quantized_rows(x) == fused
     qkv, new_residual = layer.attention_input(x, residual.clone())
     out, mlp_residual = layer.after_attention(attn_out, residual.clone())
@@ -327,6 +410,11 @@ def test_fp8_decoder_layer_feeds_its_projections_from_the_norm_in_e4m3_past_the_
     h = o_proj(attn_out)
     mlp_normed, expected_mlp_residual = layer.post_attention_layernorm(h, residual.clone())
     assert torch.equal(new_residual, expected_residual) and torch.equal(mlp_residual, expected_mlp_residual)
+    if rows <= o_proj.skinny_rows and decode_rows == "w8a8" and e4m3_products():
+        from splitserve.engine.quantization.fp8_cuda import quantize_rows
+
+        aq, a_scales = quantize_rows(attn_out, "dynamic-token", None)
+        assert torch.equal(h, o_proj.quantized_product(aq, a_scales, torch.bfloat16, None))
     if fused:
         scheme = online_scheme().activation
         xq, xs, _ = rmsnorm_quantize(x, layer.input_layernorm.weight, cfg.rms_norm_eps, residual.clone(), None,
