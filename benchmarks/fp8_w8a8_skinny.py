@@ -3,11 +3,13 @@ the weight to bfloat16 (W8A16), and against the bfloat16 skinny kernel, per Llam
 
 - rows quantized inside every program (`skinny_w8a8`): measured slower than W8A16 on an H200 (docs/fp8.md);
 - rows quantized once before the product, the weight on the product's wide side: the engine's decode kernel
-  (`fp8_cuda.skinny_fp8_rows`), over a sweep of its launches (K parts added by the second kernel) and with the
-  engine's own launch (skinny_rows_launch, K parts added by the last to arrive). It also reports what quantizing
+  (`fp8_cuda.skinny_fp8_rows`), over a sweep of its launches and with the engine's own (skinny_rows_launch),
+  K parts added by the last part to arrive, as in the engine. It also reports what quantizing
   the rows costs where no kernel before the product writes them (o_proj's input).
 
-  python3 -P benchmarks/fp8_w8a8_skinny.py [--rows 1 8] [--json OUT]
+  python3 -P benchmarks/fp8_w8a8_skinny.py [--rows 1 8] [--in-kernel] [--json OUT]
+
+(`--in-kernel`: also the variant that quantizes its rows in every program.)
 
 Times as benchmarks/fp8_gemv_sweep.py takes them (inside a CUDA graph, over enough weight copies to defeat the
 L2 cache); each figure is GB/s of weight read over this run's device-copy bandwidth, and fp8 / bf16 time (the bound
@@ -105,7 +107,7 @@ ROWS_CONFIGS = [(*block, splits) for block in WEIGHT_SIDE_BLOCKS for splits in (
 CONFIGS = [(32, 512, 4, 4), (32, 1024, 4, 3), (64, 512, 4, 3), (16, 1024, 4, 4), (32, 256, 4, 4), (64, 256, 4, 4)]
 
 
-def cell(name: str, n: int, k: int, m: int, hbm: float) -> dict:
+def cell(name: str, n: int, k: int, m: int, hbm: float, in_kernel: bool = False) -> dict:
     from splitserve.engine.layers import skinny
 
     torch.manual_seed(0)
@@ -118,9 +120,10 @@ def cell(name: str, n: int, k: int, m: int, hbm: float) -> dict:
     bf16_us = graph_time_us(lambda i: skinny.skinny_linear(x, copies16[i]), len(copies16))
     copies16.clear()
     copies8 = [w8.clone() for _ in range(max(2, -(-(512 << 20) // (n * k))))]
-    w8a16_us = graph_time_us(lambda i: skinny_fp8(x, copies8[i], scale), len(copies8))
+    arrivals16 = arrival_counters(n, x.device)  # the engine's launch: K parts added by the last to arrive
+    w8a16_us = graph_time_us(lambda i: skinny_fp8(x, copies8[i], scale, arrivals=arrivals16), len(copies8))
     results = []
-    for cfg in CONFIGS:
+    for cfg in CONFIGS if in_kernel else []:
         try:
             got = skinny_w8a8(x, w8, scale, None, launch=cfg)
             torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
@@ -133,9 +136,10 @@ def cell(name: str, n: int, k: int, m: int, hbm: float) -> dict:
         results.append((us, cfg))
     best_us, best = min(results) if results else (float("nan"), None)
     gbs = n * k / best_us / 1e3
-    logger.info("%-8s m=%-2d bf16 %7.2f us | w8a16 %7.2f us (%.3f of bf16) | w8a8 %s %7.2f us %5.0f GB/s (%.2f of "
-                "copy), %.3f of bf16", name, m, bf16_us, w8a16_us, w8a16_us / bf16_us, best, best_us, gbs, gbs / hbm,
-                best_us / bf16_us)
+    w8a16_gbs = n * k / w8a16_us / 1e3
+    logger.info("%-8s m=%-2d bf16 %7.2f us | w8a16 %7.2f us (%.2f of copy), %.3f of bf16 | w8a8 in the kernel %s "
+                "%7.2f us %5.0f GB/s (%.2f of copy), %.3f of bf16", name, m, bf16_us, w8a16_us, w8a16_gbs / hbm,
+                w8a16_us / bf16_us, best, best_us, gbs, gbs / hbm, best_us / bf16_us)
     rows_us, rows_best, rows_all, quantize_us, engine_us = rows_cell(name, x, w8, scale, copies8, want, m)
     rows_gbs, engine_gbs = n * k / rows_us / 1e3, n * k / engine_us / 1e3
     logger.info("%-8s m=%-2d w8a8, rows quantized before: %s %7.2f us %5.0f GB/s (%.2f of copy), %.3f of bf16, %.3f "
@@ -162,12 +166,12 @@ def rows_cell(name: str, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     results = []
     for cfg in ROWS_CONFIGS:
         try:
-            got = skinny_fp8_rows(xq, xs, w8, scale, None, x.dtype, launch=cfg)
+            got = skinny_fp8_rows(xq, xs, w8, scale, None, x.dtype, launch=cfg, arrivals=arrivals)
             torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
-            alone = skinny_fp8_rows(alone_q, alone_s, w8, scale, None, x.dtype, launch=cfg)
+            alone = skinny_fp8_rows(alone_q, alone_s, w8, scale, None, x.dtype, launch=cfg, arrivals=arrivals)
             assert torch.equal(alone[0], got[0]), "row 0 alone differs from row 0 among the rows"
-            us = graph_time_us(lambda i, cfg=cfg: skinny_fp8_rows(xq, xs, copies8[i], scale, None, x.dtype, launch=cfg),
-                               len(copies8))
+            us = graph_time_us(lambda i, cfg=cfg: skinny_fp8_rows(xq, xs, copies8[i], scale, None, x.dtype,
+                                                                  launch=cfg, arrivals=arrivals), len(copies8))
         except Exception as exc:  # one that does not compile, fit or match: say so, go on
             logger.info("  %s m=%d rows %s: %s", name, m, cfg, str(exc).splitlines()[0][:120])
             continue
@@ -187,10 +191,12 @@ def main() -> None:
         rows = [int(a) for a in itertools.takewhile(str.isdigit, args[args.index("--rows") + 1:])]
     hbm = device_copy_gbs()
     logger.info("device copy %.0f GB/s (%s)", hbm, torch.cuda.get_device_name())
-    report = [cell(name, n, k, m, hbm) for m in rows for name, n, k in SHAPES]
-    step = {m: sum(r["w8a8_us"] for r in report if r["rows"] == m) / sum(r["bf16_us"] for r in report
-                                                                        if r["rows"] == m) for m in rows}
-    logger.info("a layer's four products, w8a8 over bf16: %s", {m: round(v, 3) for m, v in step.items()})
+    in_kernel = "--in-kernel" in args
+    report = [cell(name, n, k, m, hbm, in_kernel) for m in rows for name, n, k in SHAPES]
+    if in_kernel:
+        step = {m: sum(r["w8a8_us"] for r in report if r["rows"] == m) / sum(r["bf16_us"] for r in report
+                                                                            if r["rows"] == m) for m in rows}
+        logger.info("a layer's four products, w8a8 over bf16: %s", {m: round(v, 3) for m, v in step.items()})
     rows_step = {m: sum(r["w8a8_rows_us"] for r in report if r["rows"] == m) / sum(r["w8a16_us"] for r in report
                                                                                  if r["rows"] == m) for m in rows}
     logger.info("a layer's four products, w8a8 with rows quantized before over w8a16: %s",
