@@ -6,13 +6,13 @@ gate/up projections keep each part's own scale), and, for static activation scal
 [1] (the largest of the fused parts'). W = q * weight_scale[:, None]; an activation x is x_q * input_scale.
 
 Where each runs (docs/fp8.md):
-- CUDA: the weights stay FP8 (1 byte a parameter), and the activations are quantized as the scheme says (per
-  token, or with the static scale) at every row count (W8A8). Up to the layer's row-invariant rows (16 by
-  default: decode) a skinny Triton kernel reads the weight once and multiplies e4m3 by e4m3 with the weight on
-  the product's wide side; past them `torch._scaled_mm` does, with row-wise float32 scales, into bfloat16. Where
-  the rows are not quantized at decode (`--fp8-decode-rows w8a16`, a weight-only or dynamic per-tensor scheme,
-  float32 rows, a GPU without e4m3 tensor cores) the skinny kernel widens the weight to the rows' dtype in
-  registers instead (W8A16). No host sync anywhere: CUDA-graph safe.
+- CUDA: the weights stay FP8 (1 byte a parameter). Up to the layer's row-invariant rows (16 by default: decode)
+  a skinny Triton kernel reads the weight once and widens it to the rows' dtype in registers (16-bit
+  activations, W8A16); past them the activations are quantized (per token, or with the static scale) by a
+  Triton kernel and `torch._scaled_mm` multiplies e4m3 by e4m3 with row-wise float32 scales into bfloat16
+  (W8A8). With `--fp8-decode-rows w8a8` (experimental; bfloat16 rows, a scheme that quantizes row by row, a GPU
+  with e4m3 tensor cores) the decode rows are quantized too and a skinny kernel multiplies e4m3 by e4m3 with the
+  weight on the product's wide side. No host sync anywhere: CUDA-graph safe.
 - CPU: the weights are dequantized to the compute dtype on load (the layer then runs as an unquantized one:
   4 bytes a parameter in float32, no saving), so an FP8 checkpoint gives exactly the logits of its dequantized
   weights. A layer built with FP8 storage on the CPU (tests) dequantizes per matmul instead.
@@ -42,11 +42,11 @@ ACTIVATION_SCHEMES = ("dynamic-token", "dynamic-tensor", "static-tensor", "none"
 # makes a projection's input can write it in e4m3 (swiglu_quantized). A dynamic per-tensor scale needs the whole
 # tensor's amax first.
 ROW_QUANTIZED_ACTIVATIONS = ("dynamic-token", "none", "static-tensor")
-# What decode rows (those up to a layer's skinny rows) take: quantized as prompt rows are, into an e4m3 x e4m3
-# product (W8A8: the prompt path's numerics, and a skinny kernel that spends fewer instructions per weight byte),
-# or 16-bit into a product that widens the weight (W8A16). W8A8 applies to schemes that quantize their
-# activations row by row; a weight-only checkpoint's decode rows stay 16-bit.
-DECODE_ROWS = ("w8a8", "w8a16")
+# What decode rows (those up to a layer's skinny rows) take: 16-bit into a product that widens the weight
+# (W8A16, the default), or quantized as prompt rows are into an e4m3 x e4m3 product (W8A8, experimental: the
+# prompt path's numerics, and a skinny kernel that spends fewer instructions per weight byte). W8A8 applies to
+# schemes that quantize their activations row by row; a weight-only checkpoint's decode rows stay 16-bit.
+DECODE_ROWS = ("w8a16", "w8a8")
 DECODE_QUANTIZED_ACTIVATIONS = ("dynamic-token", "static-tensor")
 
 
@@ -63,7 +63,7 @@ class Fp8Scheme:
     activation: str = "dynamic-token"
     ignore: tuple[str, ...] = ()  # module names (or patterns) left unquantized, as the checkpoint lists them
     targets: tuple[str, ...] = ("Linear",)  # compressed-tensors' targets: "Linear" or "re:" patterns
-    decode_rows: str = "w8a8"  # one of DECODE_ROWS (--fp8-decode-rows)
+    decode_rows: str = "w8a16"  # one of DECODE_ROWS (--fp8-decode-rows)
 
     @property
     def checkpoint_fp8(self) -> bool:

@@ -278,7 +278,7 @@ MIN_TOP1 = 0.75  # teacher-forced positions whose argmax agrees
 MIN_GREEDY = 0.15  # generated tokens equal to float32's before the first divergence, over all prompts
 
 
-def fp8_runner(folder: Path, monkeypatch: pytest.MonkeyPatch | None = None, decode_rows: str = "w8a8"
+def fp8_runner(folder: Path, monkeypatch: pytest.MonkeyPatch | None = None, decode_rows: str = "w8a16"
                ) -> tuple[ModelRunner, KVCache]:
     """A float32 CPU runner with --quantization fp8 (`monkeypatch`: with FP8 storage and the GPU's numerics
     emulated: activations quantized per token at every row count, or past 16 rows only with `decode_rows`
@@ -316,8 +316,8 @@ def test_quantization_fp8_on_the_tiny_model_stays_close_to_float32(tiny: Path, c
 @pytest.mark.parametrize("decode_rows", ["w8a8", "w8a16"])
 def test_quantization_fp8_with_emulated_gpu_numerics(tiny: Path, decode_rows: str, monkeypatch: pytest.MonkeyPatch,
                                                      capsys) -> None:
-    """FP8 storage on the CPU, each product as the GPU computes it (per-token W8A8; with --fp8-decode-rows w8a16,
-    W8A16 up to 16 rows)."""
+    """FP8 storage on the CPU, each product as the GPU computes it (W8A16 up to 16 rows and per-token W8A8 past
+    them; with --fp8-decode-rows w8a8, per-token W8A8 at every row count)."""
     runner, kv = fp8_runner(tiny, monkeypatch, decode_rows)
     assert runner.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
     assert runner.model_cfg.quantization.quantizes_decode_rows == (decode_rows == "w8a8")
@@ -378,14 +378,15 @@ def test_fp8_decode_rows_comes_from_the_flag_or_the_environment_and_bad_values_a
         capsys: pytest.CaptureFixture) -> None:
     from splitserve.api.serve_config import parse_configs
 
-    assert parse_configs([], environ={}).engine.fp8_decode_rows == "w8a8"
-    assert parse_configs(["--fp8-decode-rows", "w8a16"], environ={}).engine.fp8_decode_rows == "w8a16"
-    assert parse_configs([], environ={"SPLITSERVE_FP8_DECODE_ROWS": "w8a16"}).engine.fp8_decode_rows == "w8a16"
+    assert parse_configs([], environ={}).engine.fp8_decode_rows == "w8a16"
+    assert parse_configs(["--fp8-decode-rows", "w8a8"], environ={}).engine.fp8_decode_rows == "w8a8"
+    assert parse_configs([], environ={"SPLITSERVE_FP8_DECODE_ROWS": "w8a8"}).engine.fp8_decode_rows == "w8a8"
     with pytest.raises(SystemExit):
         parse_configs(["--fp8-decode-rows", "w4a8"], environ={})
     assert "--fp8-decode-rows" in capsys.readouterr().err
     # A weight-only scheme's decode rows stay 16-bit whatever the flag; so do a dynamic per-tensor scheme's.
-    assert online_scheme().quantizes_decode_rows
-    assert not dataclasses.replace(online_scheme(), decode_rows="w8a16").quantizes_decode_rows
+    assert not online_scheme().quantizes_decode_rows
+    w8a8 = dataclasses.replace(online_scheme(), decode_rows="w8a8")
+    assert w8a8.quantizes_decode_rows and dataclasses.replace(w8a8, activation="static-tensor").quantizes_decode_rows
     for activation in ("none", "dynamic-tensor"):
-        assert not dataclasses.replace(online_scheme(), activation=activation).quantizes_decode_rows
+        assert not dataclasses.replace(w8a8, activation=activation).quantizes_decode_rows
