@@ -3,8 +3,8 @@
 # 8k and the 256 x 512/256 burst against bfloat16, with and without an FP8 KV cache; the decode step with e4m3
 # decode rows), the FP8 GPU tests, the batch-1 FP8 decode step taken apart kernel by kernel (--fp8-decode-rows
 # $DECODE_ROWS, w8a8 unless set), the e4m3-rows kernel's launches, the FP8-KV decode attention kernel's launches
-# at 256 x 640 tokens, and the skinny W8A16 kernel's launches at 1 and 8 rows. Each part has its own time limit (env, seconds),
-# so a run cut short still leaves what it finished. Run from the repository root; files go to $OUT, wheels from
+# at 256 x 640 tokens, and the skinny W8A16 kernel's launches at 1 and 8 rows. Each part has its own time limit
+# (env, seconds), so a run cut short still leaves what it finished. Run from the repository root; files go to $OUT, wheels from
 # $WHEELS (.whl).
 #   OUT=out benchmarks/run_fp8_on_gpu.sh
 set -uo pipefail
