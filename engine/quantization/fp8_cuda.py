@@ -29,6 +29,7 @@ input_scale) or one the step computes on the device: CUDA-graph safe.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -170,6 +171,47 @@ def arrival_counters(n: int, device: torch.device | str) -> torch.Tensor:
     return torch.zeros(triton.cdiv(SPLIT_MAX_ROWS, TILE_ROWS) * triton.cdiv(n, 16), dtype=torch.int32, device=device)
 
 
+@dataclass(frozen=True)
+class KParts:
+    """How a skinny launch splits K: the K each part covers, the part count (no part empty), the (row tiles,
+    BLOCK_N blocks) grid, whether the last part of a tile to arrive adds the parts (else _add_parts_after's
+    second kernel does), and the float32 scratch the parts' sums go to (the output itself when unsplit)."""
+
+    k_per_split: int
+    splits: int
+    tiles: tuple[int, int]
+    last_adds: bool
+    partial: torch.Tensor
+
+
+def _k_parts(y: torch.Tensor, k: int, block_n: int, block_k: int, splits: int,
+             arrivals: torch.Tensor | None) -> KParts:
+    """The K parts of a skinny launch writing y [M, N]; counters too few for its tiles are refused."""
+    m, n = y.shape
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)  # no empty part
+    tiles = (triton.cdiv(m, TILE_ROWS), triton.cdiv(n, block_n))
+    last_adds = splits > 1 and arrivals is not None
+    if last_adds and arrivals.numel() < tiles[0] * tiles[1]:
+        raise ValueError(f"{arrivals.numel()} arrival counters for {tiles[0]} x {tiles[1]} tiles "
+                         f"({m} rows, BLOCK_N {block_n}): arrival_counters sizes them up to {SPLIT_MAX_ROWS} rows")
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=y.device) if splits > 1 else y
+    return KParts(k_per_split, splits, tiles, last_adds, partial)
+
+
+def _add_parts_after(parts: KParts, y: torch.Tensor, xs: torch.Tensor | None, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> None:
+    """Where K was split and no counters let the last part add them: the parts' sums into y, in part order, with
+    the row scales xs (e4m3 rows) and the weight's, then the bias."""
+    if parts.splits == 1 or parts.last_adds:
+        return
+    m, n = y.shape
+    _sum_splits[(m, triton.cdiv(n, 1024))](parts.partial, xs if xs is not None else weight_scale, weight_scale,
+                                           bias if bias is not None else weight_scale, y, m, n, y.stride(0),
+                                           HAS_XSCALE=xs is not None, HAS_BIAS=bias is not None, SPLITS=parts.splits,
+                                           BLOCK=1024, num_warps=4, **launch_kwargs())
+
+
 def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, launch: tuple[int, ...] | None = None,
                max_rows: int = 16, arrivals: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,26 +230,16 @@ def skinny_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if launch is None:
         launch = skinny_launch(n, k, x.dtype, max_rows)
     block_n, block_k, warps, stages = launch[:4]
-    splits = launch[4] if len(launch) > 4 else 1
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    splits = triton.cdiv(k, k_per_split)  # no empty part
-    tiles = (triton.cdiv(m, TILE_ROWS), triton.cdiv(n, block_n))
-    last_adds = splits > 1 and arrivals is not None
-    if last_adds and arrivals.numel() < tiles[0] * tiles[1]:
-        raise ValueError(f"{arrivals.numel()} arrival counters for {tiles[0]} x {tiles[1]} tiles "
-                         f"({m} rows, BLOCK_N {block_n}): arrival_counters sizes them up to {SPLIT_MAX_ROWS} rows")
-    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    parts = _k_parts(y, k, block_n, block_k, launch[4] if len(launch) > 4 else 1, arrivals)
     bias_arg = bias if bias is not None else weight_scale
-    _skinny_fp8[(*tiles, splits)](
-        x, weight, weight_scale, bias_arg, y, partial, arrivals if last_adds else weight_scale, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, SPLITS=splits, LAST_ADDS=last_adds,
-        BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages, **launch_kwargs(),
+    _skinny_fp8[(*parts.tiles, parts.splits)](
+        x, weight, weight_scale, bias_arg, y, parts.partial, arrivals if parts.last_adds else weight_scale, m, n, k,
+        parts.k_per_split, x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        SPLITS=parts.splits, LAST_ADDS=parts.last_adds, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        **launch_kwargs(),
     )
-    if splits > 1 and not last_adds:
-        _sum_splits[(m, triton.cdiv(n, 1024))](partial, weight_scale, weight_scale, bias_arg, y, m, n, y.stride(0),
-                                               HAS_XSCALE=False, HAS_BIAS=bias is not None, SPLITS=splits,
-                                               BLOCK=1024, num_warps=4, **launch_kwargs())
+    _add_parts_after(parts, y, None, weight_scale, bias)
     return y
 
 
@@ -237,24 +269,14 @@ def skinny_fp8_rows(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, we
     block_n, block_k, warps, stages, splits = launch or skinny_rows_launch(n, k, max_rows)
     if block_n < 64:
         raise ValueError(f"BLOCK_N {block_n}: the weight's side of the e4m3 product needs at least 64 rows")
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    splits = triton.cdiv(k, k_per_split)  # no empty part
-    tiles = (triton.cdiv(m, TILE_ROWS), triton.cdiv(n, block_n))
-    last_adds = splits > 1 and arrivals is not None
-    if last_adds and arrivals.numel() < tiles[0] * tiles[1]:
-        raise ValueError(f"{arrivals.numel()} arrival counters for {tiles[0]} x {tiles[1]} tiles "
-                         f"({m} rows, BLOCK_N {block_n}): arrival_counters sizes them up to {SPLIT_MAX_ROWS} rows")
-    partial = torch.empty(splits, m, n, dtype=torch.float32, device=xq.device) if splits > 1 else y
+    parts = _k_parts(y, k, block_n, block_k, splits, arrivals)
     bias_arg = bias if bias is not None else weight_scale
-    _skinny_fp8_rows[(*tiles, splits)](
-        xq, xs, weight, weight_scale, bias_arg, y, partial, arrivals if last_adds else weight_scale, m, n, k,
-        k_per_split, xq.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, SPLITS=splits,
-        LAST_ADDS=last_adds, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-        **launch_kwargs())
-    if splits > 1 and not last_adds:
-        _sum_splits[(m, triton.cdiv(n, 1024))](partial, xs, weight_scale, bias_arg, y, m, n, y.stride(0),
-                                               HAS_XSCALE=True, HAS_BIAS=bias is not None, SPLITS=splits,
-                                               BLOCK=1024, num_warps=4, **launch_kwargs())
+    _skinny_fp8_rows[(*parts.tiles, parts.splits)](
+        xq, xs, weight, weight_scale, bias_arg, y, parts.partial, arrivals if parts.last_adds else weight_scale, m,
+        n, k, parts.k_per_split, xq.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        SPLITS=parts.splits, LAST_ADDS=parts.last_adds, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages, **launch_kwargs())
+    _add_parts_after(parts, y, xs, weight_scale, bias)
     return y
 
 
