@@ -5,7 +5,9 @@ state in the body. `/ready` is readiness: 200 while at least one prefill and one
 unified replica) is healthy, else 503. Admission is bounded: past ``max_in_flight`` requests (those
 waiting included) the answer is a 503 with Retry-After at once. When every healthy backend of a role
 is at ``max_in_flight_per_backend``, a request waits for a slot in that role's line, first come first
-served, up to ``queue_timeout_s``, then gets the 503.
+served, up to ``queue_timeout_s``, then gets the 503. When a role has no healthy backend at all (engines
+still loading, one restarting after a crash), a request waits up to ``backend_wait_s`` for one, then gets
+the 503.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class Router:
         self.stale_retries = Gauge("splitserve_router_dead_connection_retries", "Engine calls sent once more on a "
                                    "fresh connection after their pooled one was found closed", registry=self.registry)
         self.images = ImageEncoding(self.pool, self.client, images or ImageInputConfig(), cfg.transfer_control_key,
-                                    cfg.verdict_wait_s)
+                                    cfg.backend_wait_s)
         self.kv_events: KVEventsPoller | None = None
         routing: CacheAwareRouting | None = None
         if cfg.routing == "cache-aware":
@@ -130,7 +132,7 @@ class Router:
         self.routing = routing
         self.pairs = PairRouter(self.pool, self.client, cfg.transfer_control_key, cfg.retries, self.retries.inc,
                                 prepare=self.images.prepare,  # images go to encoders, when there are any
-                                routing=routing, verdict_wait_s=cfg.verdict_wait_s,
+                                routing=routing, backend_wait_s=cfg.backend_wait_s,
                                 queue_timeout_s=cfg.queue_timeout_s)
         self.api_keys = ApiKeys(cfg.api_key, cfg.api_key_file)
         # Raises TracingUnavailable (at start) when spans are asked for and cannot be made.

@@ -5,11 +5,12 @@ and not draining. A failure (a connect error, a 5xx, a timeout, a failed probe) 
 once; the prober then tries it again after a backoff that doubles with each failure in a row,
 and a passing probe brings it back. A failed request alone (``report_failure``) does not eject
 the last routable backend of a role: it becomes suspect instead (no new requests), is probed at
-once, and the probe decides; meanwhile requests for the role may wait for the verdict
-(``awaiting_verdict``, ``wait_for_change``). The set of URLs per role can change at runtime
-(``replace``): new URLs join once a probe passes, URLs that leave drain (no new requests) and
-are dropped when their last request ends. Load is counted by leases, released exactly once;
-the least loaded gets the next request, ties going round robin.
+once, and the probe decides. A request that finds no routable backend of its role may wait for
+one (``wait_for_change``): a verdict, a restarted engine passing its probe, a new one joining.
+The set of URLs per role can change at runtime (``replace``): new URLs join once a probe passes,
+URLs that leave drain (no new requests) and are dropped when their last request ends. Load is
+counted by leases, released exactly once; the least loaded gets the next request, ties going
+round robin.
 
 When every routable backend of a role is at its in-flight limit, a request may wait for a slot
 (``wait_for_slot``): the waiters of a role form a line, first come first served. A released lease
@@ -58,6 +59,7 @@ class Backend:
     next_probe_at: float = 0.0
     last_error: str = ""
     ejections: int = 0
+    admissions: int = 0  # times it became healthy: a request it failed may go back to it once this grows
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     ejected: asyncio.Event = field(default_factory=asyncio.Event)  # set while ejected; wakes its requests
@@ -299,10 +301,12 @@ class BackendPool:
             self.on_suspect(backend)
         return False
 
-    def awaiting_verdict(self, role: str, never: Iterable[str] = ()) -> bool:
-        """Whether a backend of ``role`` (not in ``never``) is suspect, its probe's verdict pending."""
-        return any(b.suspect and b.healthy and not b.draining and b.url not in never
-                   for b in self._roles[role].values())
+    def still_failed(self, failed: dict[Backend, int]) -> set[str]:
+        """The URLs of ``failed`` (a request's: backend -> its ``admissions`` when it failed the request) that may
+        not have the request again: a backend admitted since (an engine restarted, its probe passed) is a fresh
+        start, and so is a backend dropped and added again under the same URL."""
+        return {b.url for b, admissions in failed.items()
+                if b.admissions == admissions and self._roles[b.role].get(b.url) is b}
 
     async def wait_for_change(self, timeout: float) -> None:
         """Returns when a backend's health changes, or after ``timeout`` seconds."""
@@ -353,6 +357,7 @@ class BackendPool:
             logger.info("backend %s (%s) passed its probe after a failed request: it stays", backend.url,
                         backend.role)
         changed = not backend.healthy or backend.suspect
+        backend.admissions += not backend.healthy
         backend.healthy, backend.suspect, backend.failures, backend.last_error = True, False, 0, ""
         backend.ejected.clear()
         if changed:

@@ -35,9 +35,11 @@ class RouterConfig:
     eject_backoff_s: float = field(default=0.5, metadata={
         "help": "first wait before an ejected backend is probed again (doubles per failure)"})
     eject_backoff_max_s: float = field(default=5.0, metadata={"help": "longest wait between probes of one"})
-    verdict_wait_s: float = field(default=3.0, metadata={
-        "help": "a failed request does not eject the last healthy engine of its role: the engine is probed at "
-                "once, and requests for that role wait up to this long for the probe's verdict (then 503)"})
+    backend_wait_s: float = field(default=30.0, metadata={
+        "help": "seconds a request waits for a healthy engine of its role when there is none (engines still "
+                "loading, an engine restarting after a crash, a failed request's probe pending), then 503 with "
+                "Retry-After; a request that failed before its first token may go back to an engine that failed "
+                "it once that engine passes a probe again; 0: the 503 at once"})
     max_in_flight: int = field(default=1024, metadata={
         "help": "requests the router takes at once; past it, 503 with Retry-After"})
     max_in_flight_per_backend: int = field(default=256, metadata={
@@ -92,8 +94,8 @@ class RouterConfig:
                              "must be > 0")
         if self.queue_timeout_s < 0:
             raise ValueError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s}")
-        if self.verdict_wait_s < 0:
-            raise ValueError(f"verdict_wait_s must be >= 0, got {self.verdict_wait_s}")
+        if self.backend_wait_s < 0:
+            raise ValueError(f"backend_wait_s must be >= 0, got {self.backend_wait_s}")
         if self.max_in_flight < 1 or self.max_in_flight_per_backend < 1:
             raise ValueError("max_in_flight and max_in_flight_per_backend must be >= 1")
 

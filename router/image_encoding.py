@@ -100,8 +100,8 @@ class ImageEncoding:
     """Sends a request's images to encoders and rewrites the request for prefill and decode."""
 
     def __init__(self, pool: BackendPool, client: httpx.AsyncClient, images: ImageInputConfig,
-                 control_key: str = "", verdict_wait_s: float = 0.0) -> None:
-        self.pool, self.client, self.images, self.verdict_wait_s = pool, client, images, verdict_wait_s
+                 control_key: str = "", backend_wait_s: float = 0.0) -> None:
+        self.pool, self.client, self.images, self.backend_wait_s = pool, client, images, backend_wait_s
         self.headers = {KEY_HEADER: control_key} if control_key else {}  # encoders of a keyed group ask for it
 
     async def prepare(self, body: Any) -> Prepared:
@@ -123,25 +123,34 @@ class ImageEncoding:
                 url = part.url if part.url.startswith("data:") else \
                     f"data:{sniff_mime(data)};base64," + base64.b64encode(data).decode()
                 slots.append(ImageSlot(i, j, where, url, data, hashlib.sha256(data).hexdigest()))
-        failed: set[str] = set()
+        failed: dict[Backend, int] = {}  # encoders ejected for a call: not again, unless admitted again since
         pending = list(slots)
-        verdicts = 2  # times to wait for the probe of a last encoder that failed a call
+        called: set[str] = set()  # encoders whose calls failed
+        calls = 3  # rounds of encode calls: the first and two retries (a suspect that passes its probe is retried)
+        loop = asyncio.get_running_loop()
+        wait_until: float | None = None  # for an encoder when none is healthy: set the first time
         while pending:
-            healthy = [b for b in self.pool.backends("encode") if b.routable and b.url not in failed]
-            if not healthy and verdicts and self.pool.awaiting_verdict("encode"):
-                verdicts -= 1
-                await self.pool.wait_for_change(self.verdict_wait_s)
-                failed -= {b.url for b in self.pool.backends("encode") if b.routable}  # passed: try it again
-                continue
+            never = self.pool.still_failed(failed)
+            healthy = [b for b in self.pool.backends("encode") if b.routable and b.url not in never]
             if not healthy:
-                raise EncodersUnavailable(f"no encoder could take the images (failed: {sorted(failed)})")
+                wait_until = loop.time() + self.backend_wait_s if wait_until is None else wait_until
+                if loop.time() < wait_until:  # a probe's verdict, a restarted encoder, a new one
+                    await self.pool.wait_for_change(wait_until - loop.time())
+                    continue
+                raise EncodersUnavailable(
+                    f"no encoder could take the images: none is healthy; waited {self.backend_wait_s:g} s for one "
+                    f"(--backend-wait-s)" + (f"; their encode calls had failed on {sorted(called)}" if called else ""))
+            if not calls:
+                raise EncodersUnavailable(f"the images' encode calls failed 3 times (on {sorted(called)})")
+            calls -= 1
             groups: dict[str, list[ImageSlot]] = {}
             for slot in pending:
                 slot.encoder, slot.room = encoder_ring(healthy, slot.digest)[0], secrets.randbits(63)
                 groups.setdefault(slot.encoder.url, []).append(slot)
             results = await asyncio.gather(*(self._encode(g) for g in groups.values()))
             pending = [s for group, ok in zip(groups.values(), results, strict=True) if not ok for s in group]
-            failed |= {s.encoder.url for s in pending if s.encoder is not None}
+            called |= {s.encoder.url for s in pending if s.encoder}
+            failed |= {s.encoder: s.encoder.admissions for s in pending if s.encoder and not s.encoder.healthy}
         used = {id(s.encoder): s.encoder for s in slots if s.encoder is not None}
         return Prepared(rewritten(body, slots), list(used.values()))
 

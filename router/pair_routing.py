@@ -13,9 +13,11 @@ hold the stream back; the rest is relayed as it arrives, unparsed. The encoders 
 attempt's images went to are watched the same way until the prefill answered (their rows are in
 by then): an encoder ejected meanwhile ends the attempt, and the retry encodes again elsewhere
 (a failed encoder does not make the next attempt avoid the prefill and decode it used).
-A failed request does not eject the last healthy backend of its role (the pool probes it at once);
-while that probe's verdict is pending, a request for the role waits for it (up to
-``verdict_wait_s``) and is retried there when the probe passes.
+A failed request does not eject the last healthy backend of its role (the pool probes it at once).
+A request that finds no healthy backend of a role waits for one, up to ``backend_wait_s`` in all: the
+verdict of such a probe, an engine restarted after a crash, a new one joining. A backend that failed the
+request is never tried again for it, unless it has been admitted again since (a restarted engine passed
+its probe): then the request, which has sent nothing to the client yet, may run there.
 """
 
 from __future__ import annotations
@@ -107,6 +109,14 @@ async def _first_ejected(backends: list[Backend]) -> Backend:
 
 
 @dataclass
+class Waits:
+    """How long one request may still wait, over all its roles and attempts."""
+
+    queue_until: float  # for a slot while every backend of a role is full (the loop's clock)
+    backend_until: float | None = None  # for a healthy backend while a role has none: set the first time
+
+
+@dataclass
 class PrefillAffinity:
     """The prefill engine the sequences of one prompt share (the first pick sets it), so that
     its prefix cache computes the prompt once for all n samples."""
@@ -119,9 +129,9 @@ class PairRouter:
 
     def __init__(self, pool: BackendPool, client: httpx.AsyncClient, key: str, retries: int,
                  on_retry=lambda: None, prepare=None, routing: CacheAwareRouting | None = None,
-                 verdict_wait_s: float = 0.0, queue_timeout_s: float = 0.0) -> None:
+                 backend_wait_s: float = 0.0, queue_timeout_s: float = 0.0) -> None:
         self.pool, self.client, self.key, self.retries = pool, client, key, retries
-        self.verdict_wait_s = verdict_wait_s
+        self.backend_wait_s = backend_wait_s  # how long a request waits for a healthy backend when there is none
         self.queue_timeout_s = queue_timeout_s  # how long a request waits for a slot when every backend is full
         self.on_retry = on_retry
         # Chooses the unified replica or the prefill by cached prefix (None: by load alone).
@@ -139,25 +149,25 @@ class PairRouter:
         the unified replica or prefill is chosen by cached prefix. With a `timing`, the attempt that answers
         stamps it (sent, first token) and the engines' stamps land there (router/phases.py)."""
         avoid: set[str] = set()  # backends of failed attempts: others first
-        never: set[str] = set()  # backends that failed themselves
+        failed: dict[Backend, int] = {}  # backends that failed themselves: never again, unless admitted again since
         last: UpstreamFailure | None = None
         plan = self.routing.plan(prompt_ids) if self.routing is not None else None
-        # One wait for slots per request, whichever roles and attempts it waits for.
-        queue_deadline = asyncio.get_running_loop().time() + self.queue_timeout_s
+        waits = Waits(asyncio.get_running_loop().time() + self.queue_timeout_s)
         for attempt in range(1 + max(0, self.retries)):
             prepared = await self.prepare(body) if self.prepare is not None else None
             attempt_body = prepared.body if prepared is not None else body
             encoders = prepared.encoders if prepared is not None else []
             try:
-                main = await self._lease("decode" if disaggregated else "unified", avoid, never,
-                                         plan=None if disaggregated else plan, queue_deadline=queue_deadline)
-            except NoBackend:
-                if last is not None:
-                    raise last from None
-                raise
+                main = await self._lease("decode" if disaggregated else "unified", avoid, failed,
+                                         plan=None if disaggregated else plan, waits=waits)
+            except NoBackend as none:
+                raise _after(none, last) from None
             try:
-                prefill = (await self._lease("prefill", avoid, never, affinity.url if affinity else None, plan,
-                                             queue_deadline) if disaggregated else None)
+                prefill = (await self._lease("prefill", avoid, failed, affinity.url if affinity else None, plan,
+                                             waits) if disaggregated else None)
+            except NoBackend as none:
+                main.release()
+                raise _after(none, last) from None
             except BaseException:
                 main.release()
                 if last is not None:
@@ -179,34 +189,36 @@ class PairRouter:
                 if failure.backend.role != "encode":  # the pair was not at fault for a dead encoder
                     avoid |= {main.backend.url, *([prefill.backend.url] if prefill else [])}
                 if failure.kind in EJECTING_KINDS and not failure.backend.healthy:
-                    never.add(failure.backend.url)  # ejected (a suspect may pass its probe: then retried there)
+                    # Ejected (a suspect may pass its probe: then retried there).
+                    failed[failure.backend] = failure.backend.admissions
         assert last is not None
         raise last
 
-    async def _lease(self, role: str, avoid: set[str], never: set[str], prefer: str | None = None,
-                     plan: RoutePlan | None = None, queue_deadline: float | None = None) -> Lease:
-        """`_pick`, waiting (up to verdict_wait_s) while the role's only candidate awaits its probe's verdict, and
-        in the role's line while every candidate is at its in-flight limit, until `queue_deadline` (the loop's
-        clock; default queue_timeout_s from now)."""
+    async def _lease(self, role: str, avoid: set[str], failed: dict[Backend, int], prefer: str | None = None,
+                     plan: RoutePlan | None = None, waits: Waits | None = None) -> Lease:
+        """`_pick`, waiting while the role has no healthy backend this request may use (up to backend_wait_s
+        from the first time, over the whole request), and in the role's line while every candidate is at its
+        in-flight limit (until `waits.queue_until`, the loop's clock; default queue_timeout_s from now)."""
         loop = asyncio.get_running_loop()
-        verdict_deadline: float | None = None  # from the first time no backend is healthy, not from the arrival
-        if queue_deadline is None:
-            queue_deadline = loop.time() + self.queue_timeout_s
+        if waits is None:
+            waits = Waits(loop.time() + self.queue_timeout_s)
         turn: asyncio.Future[None] | None = None  # this request's place in the role's line, once it waits
         try:
             while True:
                 try:
-                    return self._pick(role, avoid, never, prefer, plan, turn)
-                except NoBackend:
-                    if verdict_deadline is None:
-                        verdict_deadline = loop.time() + self.verdict_wait_s
-                    left = verdict_deadline - loop.time()
-                    if left <= 0 or not self.pool.awaiting_verdict(role, never):
-                        raise
+                    return self._pick(role, avoid, self.pool.still_failed(failed), prefer, plan, turn)
+                except NoBackend as none:
+                    if waits.backend_until is None:
+                        waits.backend_until = loop.time() + self.backend_wait_s
+                    left = waits.backend_until - loop.time()
+                    if left <= 0:
+                        if self.backend_wait_s <= 0:
+                            raise
+                        raise NoBackend(f"{none}; waited {self.backend_wait_s:g} s for one "
+                                        "(--backend-wait-s)") from None
                     await self.pool.wait_for_change(left)
-                    continue
                 except Overloaded as full:
-                    left = queue_deadline - loop.time()
+                    left = waits.queue_until - loop.time()
                     if left <= 0:
                         raise
                     # Not its turn: it keeps its place. No open slot it may take: if others could take one, it
@@ -216,7 +228,6 @@ class PairRouter:
                     if not await self.pool.wait_for_slot(turn, left):
                         raise Overloaded(f"{full}; waited {self.queue_timeout_s:g} s for a slot "
                                          "(--queue-timeout-s)") from None
-                verdict_deadline = None
         finally:
             if turn is not None:
                 self.pool.leave_line(role, turn)
@@ -334,6 +345,11 @@ class PairRouter:
         except BaseException:
             await response.aclose()
             raise
+
+
+def _after(none: NoBackend, failure: UpstreamFailure | None) -> NoBackend:
+    """No backend to retry on, saying what failed the request before (pure)."""
+    return none if failure is None else NoBackend(f"{none}; the request had failed: {failure}")
 
 
 def _json_object(content: bytes) -> dict:

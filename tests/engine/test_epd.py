@@ -77,8 +77,9 @@ def deployment(tmp_path_factory):
     d.start("router-2e", ["router", *pd, "--encode", d.url("encode-a"), d.url("encode-b")])
     d.start("router-failover", ["router", *pd, "--encode", d.url("encode-b"), d.url("encode-c")])
     d.start("router-midwrite", ["router", *pd, "--encode", d.url("encode-slow-1"), d.url("encode-b")])
-    d.start("router-lone-encoder", ["router", *pd, "--encode", d.url("encode-slow-3")])
-    d.start("router-frozen-encoder", ["router", *pd, "--encode", d.url("encode-slow-4")])
+    # The only encoder dies or freezes, and does not come back: a request waits --backend-wait-s for one, then 503.
+    d.start("router-lone-encoder", ["router", *pd, "--encode", d.url("encode-slow-3"), "--backend-wait-s", "1"])
+    d.start("router-frozen-encoder", ["router", *pd, "--encode", d.url("encode-slow-4"), "--backend-wait-s", "1"])
     try:
         d.wait()
         yield d
@@ -358,6 +359,7 @@ def test_the_only_encoder_killed_mid_write_gives_a_clear_503_and_frees_everythin
                                                                "encode-slow-3")
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "no_encoder" and "no encoder could take the images" in r.text, r.text
+    assert "waited 1 s for one (--backend-wait-s)" in r.text, r.text
     assert r.headers["retry-after"]
     log.info("the only encoder killed mid-write: 503 %.2f s after the kill", answered_at - killed_at)
     assert answered_at - killed_at < 10

@@ -117,13 +117,18 @@ def test_leases_count_exactly_and_a_full_role_is_overloaded_not_waited_for() -> 
     assert pool.backends("decode")[0].in_flight == 0
 
 
-def lessee(pool: BackendPool, queue_timeout_s: float, verdict_wait_s: float = 0.0):
-    """The router's way to a lease: PairRouter._lease (the verdict wait and the line), on `pool`."""
+def lessee(pool: BackendPool, queue_timeout_s: float, backend_wait_s: float = 0.0):
+    """The router's way to a lease: PairRouter._lease (the wait for a healthy backend and the line), on `pool`;
+    `never`: URLs that failed the request (as they are now)."""
     from splitserve.router.pair_routing import PairRouter
 
-    router = PairRouter(pool, client=None, key="", retries=0, verdict_wait_s=verdict_wait_s,  # type: ignore[arg-type]
+    router = PairRouter(pool, client=None, key="", retries=0, backend_wait_s=backend_wait_s,  # type: ignore[arg-type]
                         queue_timeout_s=queue_timeout_s)
-    return lambda role="decode", never=frozenset(), **kw: router._lease(role, set(), set(never), **kw)
+
+    def lease(role: str = "decode", never=frozenset(), **kw):
+        failed = {b: b.admissions for b in pool.backends() if b.url in never}
+        return router._lease(role, set(), failed, **kw)
+    return lease
 
 
 def test_requests_past_the_limit_wait_in_line_first_come_first_served() -> None:
@@ -274,16 +279,16 @@ def test_a_backend_whose_drain_ends_takes_the_waiting_request() -> None:
     asyncio.run(run())
 
 
-def test_time_in_line_does_not_use_up_the_wait_for_a_verdict() -> None:
-    """A request that waited in line longer than verdict_wait_s, when its role's last backend turns suspect, still
-    waits for the probe's verdict: the verdict wait counts from when no backend was healthy."""
+def test_time_in_line_does_not_use_up_the_wait_for_a_healthy_backend() -> None:
+    """A request that waited in line longer than backend_wait_s, when its role's last backend turns suspect, still
+    waits for the probe's verdict: that wait counts from when no backend was healthy."""
     import asyncio
 
     async def run() -> None:
         pool = healthy_pool(FakeClock(), limit=1, decode=["http://d0"])
         d0 = pool.backends("decode")[0]
         held = pool.pick("decode")
-        waiter = asyncio.ensure_future(lessee(pool, queue_timeout_s=30, verdict_wait_s=0.2)())
+        waiter = asyncio.ensure_future(lessee(pool, queue_timeout_s=30, backend_wait_s=0.2)())
         await asyncio.sleep(0.3)  # longer in line than the verdict wait
         pool.report_failure(d0, "a 5xx on another request")  # the last one: suspect, probed
         await asyncio.sleep(0.05)
@@ -350,7 +355,6 @@ def test_a_failed_request_ejects_a_backend_unless_it_is_the_last_of_its_role_the
     assert pool.report_failure(d0, "ReadError") and not d0.healthy and d0.ejections == 1  # d1 is left
     assert not pool.report_failure(d1, "ReadError")  # the last one: suspect, not ejected
     assert d1.healthy and d1.suspect and not d1.routable and d1.ejections == 0 and probed == [d1]
-    assert pool.awaiting_verdict("decode") and not pool.awaiting_verdict("decode", never={"http://d1"})
     with pytest.raises(NoBackend):
         pool.pick("decode")
     assert not pool.report_failure(d1, "again") and probed == [d1]  # one probe per suspicion
@@ -360,7 +364,51 @@ def test_a_failed_request_ejects_a_backend_unless_it_is_the_last_of_its_role_the
     u0 = pool.backends("unified")[0]
     assert not pool.report_failure(u0, "5xx") and u0.suspect
     asyncio.run(verdict_on(pool, u0, passes=False))
-    assert not u0.healthy and not u0.suspect and u0.ejections == 1 and not pool.awaiting_verdict("unified")
+    assert not u0.healthy and not u0.suspect and u0.ejections == 1
+
+
+def test_a_request_waits_for_a_restarted_backend_even_one_that_failed_it() -> None:
+    """No healthy backend of the role: a request waits (backend_wait_s) for one. The backend that failed it is not
+    tried again while it is the same incarnation, but once it is admitted again (restarted, its probe passed) it
+    may take the request; the wait is bounded and its 503 says which flag bounds it."""
+    import asyncio
+
+    async def run() -> None:
+        pool = healthy_pool(FakeClock(), decode=["http://d0"])
+        d0 = pool.backends("decode")[0]
+        pool.eject(d0, "killed")
+        waiter = asyncio.ensure_future(lessee(pool, queue_timeout_s=0, backend_wait_s=5)(never={"http://d0"}))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        pool.admit(d0, {})  # the engine came back
+        leased = await asyncio.wait_for(waiter, 1)
+        assert leased.backend is d0 and d0.admissions == 2
+        leased.release()
+
+        pool.eject(d0, "killed again")
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(NoBackend, match=r"waited 0.1 s for one \(--backend-wait-s\)"):
+            await lessee(pool, queue_timeout_s=0, backend_wait_s=0.1)()
+        assert asyncio.get_running_loop().time() - started >= 0.1
+        with pytest.raises(NoBackend, match=r"^no healthy decode backend$"):  # 0: at once
+            await lessee(pool, queue_timeout_s=0, backend_wait_s=0)()
+        assert d0.in_flight == 0 and pool.waiting("decode") == 0
+    asyncio.run(run())
+
+
+def test_a_backend_that_failed_a_request_stays_failed_for_it_until_admitted_again() -> None:
+    pool = healthy_pool(FakeClock(), decode=["http://d0", "http://d1"])
+    d0, d1 = pool.backends("decode")
+    failed = {d0: d0.admissions, d1: d1.admissions}
+    pool.eject(d0, "down")
+    pool.report_failure(d1, "5xx")  # the last one: suspect, then its probe passes: the same incarnation
+    pool.admit(d1, {})
+    assert pool.still_failed(failed) == {"http://d0", "http://d1"}
+    pool.admit(d0, {})  # restarted and probed back in
+    assert pool.still_failed(failed) == {"http://d1"}
+    pool.remove("decode", "http://d1")
+    pool.add("decode", "http://d1")  # dropped and added again: a new backend under the old URL
+    assert pool.still_failed(failed) == set()
 
 
 async def verdict_on(pool: BackendPool, backend, passes: bool) -> None:

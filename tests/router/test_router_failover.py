@@ -101,8 +101,9 @@ def test_dead_decode_is_noticed_at_once_and_requests_go_to_the_other(cluster) ->
     for url in [*cluster["prefill"], alive]:
         assert_kv_back_to_start(url)
 
-    # Readiness follows the backends, liveness does not: a router whose only decode is the dead one.
-    lonely = cluster["d"].router(cluster["prefill"], [dead])
+    # Readiness follows the backends, liveness does not: a router whose only decode is the dead one. A request
+    # waits --backend-wait-s for a healthy decode, then gets a 503 that says so.
+    lonely = cluster["d"].router(cluster["prefill"], [dead], "--backend-wait-s", "0.5")
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -114,14 +115,55 @@ def test_dead_decode_is_noticed_at_once_and_requests_go_to_the_other(cluster) ->
         time.sleep(0.1)
     ready = httpx.get(f"{lonely}/ready", timeout=5)
     assert ready.status_code == 503 and "0 healthy decode" in ready.json()["summary"]
+    started = time.monotonic()
     r = httpx.post(f"{lonely}/v1/completions", json=body(), timeout=30)
+    assert 0.5 <= time.monotonic() - started < 5
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
-    assert r.json()["error"]["code"] == "no_backend"
+    assert r.json()["error"]["code"] == "no_backend" and "waited 0.5 s for one" in r.text, r.text
     cluster["d"].procs[lonely].stop()
 
     wait_until_healthy_again(cluster, dead)
     r = httpx.post(f"{router}/v1/completions", json=body(), timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
+
+
+def test_requests_wait_for_a_restarted_only_decode_and_none_is_lost(cluster) -> None:
+    """One prefill and one decode behind a router; the decode is killed with requests in flight (none has its first
+    token yet) and more arriving, then started again at its address. Every request is answered, token for token
+    as before, by the restarted decode: those in flight are retried on it once its probe passes, the new ones wait
+    for it (--backend-wait-s); none gets a 503, and every count is back at zero."""
+    d = cluster["d"]
+    victim = cluster["decode"][0]
+    pair = d.router(cluster["prefill"][:1], [victim], "--eject-backoff-s", "0.2", "--eject-backoff-max-s", "1")
+    d.wait([pair], timeout=60)
+    try:
+        want = httpx.post(f"{pair}/v1/completions", json=body(300), timeout=120).json()["choices"][0]["token_ids"]
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                sent = [asyncio.ensure_future(client.post(f"{pair}/v1/completions", json=body(300)))
+                        for _ in range(4)]
+                await until(lambda: in_flight(client, pair), 4)
+                decoding_on([victim])
+                d.procs[victim].kill()
+                sent += [asyncio.ensure_future(client.post(f"{pair}/v1/completions", json=body(300)))
+                         for _ in range(4)]
+                await asyncio.sleep(0.5)
+                d.restart(victim)
+                return list(await asyncio.gather(*sent))
+        answers = asyncio.run(run())
+        assert [r.status_code for r in answers] == [200] * 8, [r.text[:200] for r in answers]
+        assert all(r.json()["choices"][0]["token_ids"] == want for r in answers)
+        assert backends(pair)[victim]["ejections"] == 1
+        assert_router_counts_back_to_zero(pair)
+        for url in (cluster["prefill"][0], victim):
+            assert_kv_back_to_start(url, timeout=20)
+    finally:
+        d.procs[pair].stop()
+    deadline = time.monotonic() + 15
+    while not backends(cluster["router"])[victim]["healthy"]:  # the shared router took it back too
+        assert time.monotonic() < deadline, backends(cluster["router"])[victim]
+        time.sleep(0.1)
 
 
 def test_decode_killed_mid_answer_retries_a_whole_answer_and_breaks_a_started_stream(cluster) -> None:

@@ -231,11 +231,12 @@ def test_a_request_on_a_pooled_connection_the_engine_closed_is_sent_again_on_a_f
 def test_the_last_engine_is_not_ejected_for_a_failed_request_but_its_probe_decides(engine, tmp_path) -> None:
     """Two resets in a row (a dead pooled connection and then a fresh one) fail a request on the only
     engine: it is probed at once instead of ejected, the probe passes, and the request is retried
-    there. An engine that is really gone is ejected by its probe, and requests get a 503 soon."""
+    there. An engine that is really gone is ejected by its probe, and requests get a 503 once they have waited
+    --backend-wait-s for it to come back."""
     port, proc = engine
     relay = KeepAliveRelay(port)
     try:
-        with router_over(tmp_path, [relay.url]) as (router, _):
+        with router_over(tmp_path, [relay.url], "--backend-wait-s", "2") as (router, _):
             assert httpx.post(f"{router}/v1/completions", json=BODY, timeout=60).status_code == 200
             relay.reset_posts(2)
             r = httpx.post(f"{router}/v1/completions", json=BODY, timeout=60)
@@ -248,7 +249,8 @@ def test_the_last_engine_is_not_ejected_for_a_failed_request_but_its_probe_decid
             started = time.monotonic()
             r = httpx.post(f"{router}/v1/completions", json=BODY, timeout=60)
             assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-            assert time.monotonic() - started < 10
+            assert "waited 2 s for one" in r.text, r.text
+            assert 2 <= time.monotonic() - started < 10
             state = backend_state(router)
             assert not state["healthy"] and state["ejections"] == 1, state
             ready = httpx.get(f"{router}/ready", timeout=5)
