@@ -49,11 +49,11 @@ class EngineConfig:
         "help": "auto: the checkpoint's own (an FP8 checkpoint, compressed-tensors or ModelOpt, runs FP8); fp8: "
                 "also quantize a 16/32-bit or GGUF checkpoint's projections on load (per-channel e4m3 weights, "
                 "activations quantized per token on the GPU; docs/fp8.md)", "choices": ("auto", "fp8")})
-    fp8_decode_rows: str = field(default="w8a16", metadata={
-        "help": "FP8 projections' decode rows on the GPU: w8a16 (16-bit rows, the weight widened in the kernel) or "
-                "w8a8 (experimental: quantized as prompt rows are, per token or with the static scale, into an "
-                "e4m3 x e4m3 product with the weight on its wide side; the prompt path's numerics). A weight-only "
-                "checkpoint's decode rows are always 16-bit",
+    fp8_decode_rows: str = field(default="w8a8", metadata={
+        "help": "FP8 projections' decode rows on the GPU: w8a8 (quantized as prompt rows are, per token or with the "
+                "static scale, into an e4m3 x e4m3 product with the weight on its wide side; the prompt path's "
+                "numerics; needs e4m3 tensor cores, else w8a16) or w8a16 (16-bit rows, the weight widened in the "
+                "kernel). A weight-only checkpoint's decode rows are always 16-bit",
         "choices": DECODE_ROWS})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "what the KV pages hold: auto (the model's dtype) or fp8_e4m3 (e4m3 with static scales: the "

@@ -6,13 +6,13 @@ gate/up projections keep each part's own scale), and, for static activation scal
 [1] (the largest of the fused parts'). W = q * weight_scale[:, None]; an activation x is x_q * input_scale.
 
 Where each runs (docs/fp8.md):
-- CUDA: the weights stay FP8 (1 byte a parameter). Up to the layer's row-invariant rows (16 by default: decode)
-  a skinny Triton kernel reads the weight once and widens it to the rows' dtype in registers (16-bit
-  activations, W8A16); past them the activations are quantized (per token, or with the static scale) by a
-  Triton kernel and `torch._scaled_mm` multiplies e4m3 by e4m3 with row-wise float32 scales into bfloat16
-  (W8A8). With `--fp8-decode-rows w8a8` (experimental; bfloat16 rows, a scheme that quantizes row by row, a GPU
-  with e4m3 tensor cores) the decode rows are quantized too and a skinny kernel multiplies e4m3 by e4m3 with the
-  weight on the product's wide side. No host sync anywhere: CUDA-graph safe.
+- CUDA: the weights stay FP8 (1 byte a parameter). Past the layer's row-invariant rows (16 by default: decode)
+  the activations are quantized (per token, or with the static scale) by a Triton kernel and `torch._scaled_mm`
+  multiplies e4m3 by e4m3 with row-wise float32 scales into bfloat16 (W8A8). Up to them, with
+  `--fp8-decode-rows w8a8` (the default; bfloat16 rows, a scheme that quantizes row by row, a GPU with e4m3
+  tensor cores) the rows are quantized the same way and a skinny kernel multiplies e4m3 by e4m3 with the weight
+  on the product's wide side; otherwise a skinny Triton kernel reads the weight once and widens it to the rows'
+  dtype in registers (16-bit activations, W8A16). No host sync anywhere: CUDA-graph safe.
 - CPU: the weights are dequantized to the compute dtype on load (the layer then runs as an unquantized one:
   4 bytes a parameter in float32, no saving), so an FP8 checkpoint gives exactly the logits of its dequantized
   weights. A layer built with FP8 storage on the CPU (tests) dequantizes per matmul instead.
@@ -63,7 +63,7 @@ class Fp8Scheme:
     activation: str = "dynamic-token"
     ignore: tuple[str, ...] = ()  # module names (or patterns) left unquantized, as the checkpoint lists them
     targets: tuple[str, ...] = ("Linear",)  # compressed-tensors' targets: "Linear" or "re:" patterns
-    decode_rows: str = "w8a16"  # one of DECODE_ROWS (--fp8-decode-rows)
+    decode_rows: str = "w8a8"  # one of DECODE_ROWS (--fp8-decode-rows)
 
     @property
     def checkpoint_fp8(self) -> bool:

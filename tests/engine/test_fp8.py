@@ -278,7 +278,7 @@ MIN_TOP1 = 0.75  # teacher-forced positions whose argmax agrees
 MIN_GREEDY = 0.15  # generated tokens equal to float32's before the first divergence, over all prompts
 
 
-def fp8_runner(folder: Path, monkeypatch: pytest.MonkeyPatch | None = None, decode_rows: str = "w8a16"
+def fp8_runner(folder: Path, monkeypatch: pytest.MonkeyPatch | None = None, decode_rows: str = "w8a8"
                ) -> tuple[ModelRunner, KVCache]:
     """A float32 CPU runner with --quantization fp8 (`monkeypatch`: with FP8 storage and the GPU's numerics
     emulated: activations quantized per token at every row count, or past 16 rows only with `decode_rows`
@@ -378,14 +378,15 @@ def test_fp8_decode_rows_comes_from_the_flag_or_the_environment_and_bad_values_a
         capsys: pytest.CaptureFixture) -> None:
     from splitserve.api.serve_config import parse_configs
 
-    assert parse_configs([], environ={}).engine.fp8_decode_rows == "w8a16"
-    assert parse_configs(["--fp8-decode-rows", "w8a8"], environ={}).engine.fp8_decode_rows == "w8a8"
-    assert parse_configs([], environ={"SPLITSERVE_FP8_DECODE_ROWS": "w8a8"}).engine.fp8_decode_rows == "w8a8"
+    assert parse_configs([], environ={}).engine.fp8_decode_rows == "w8a8"
+    assert parse_configs(["--fp8-decode-rows", "w8a16"], environ={}).engine.fp8_decode_rows == "w8a16"
+    assert parse_configs([], environ={"SPLITSERVE_FP8_DECODE_ROWS": "w8a16"}).engine.fp8_decode_rows == "w8a16"
     with pytest.raises(SystemExit):
         parse_configs(["--fp8-decode-rows", "w4a8"], environ={})
     assert "--fp8-decode-rows" in capsys.readouterr().err
     # A weight-only scheme's decode rows stay 16-bit whatever the flag; so do a dynamic per-tensor scheme's.
-    assert not online_scheme().quantizes_decode_rows
+    assert online_scheme().quantizes_decode_rows  # the default: w8a8
+    assert not dataclasses.replace(online_scheme(), decode_rows="w8a16").quantizes_decode_rows
     w8a8 = dataclasses.replace(online_scheme(), decode_rows="w8a8")
     assert w8a8.quantizes_decode_rows and dataclasses.replace(w8a8, activation="static-tensor").quantizes_decode_rows
     for activation in ("none", "dynamic-tensor"):
