@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,9 @@ class BackendPool:
         # Waiters that were woken but could use none of the open slots (a retry that must avoid the one backend
         # with room): those behind them may pass them until the next slot frees up.
         self._passable: set[asyncio.Future[None]] = set()
+        # Per role, the requests waiting for a routable backend (there is none): its ejected ones are probed every
+        # round meanwhile, not after their backoff, so a restarted engine is taken back within a round.
+        self._wanting: dict[str, int] = dict.fromkeys(ROLES, 0)
 
     # ---- the set of backends -----------------------------------------------------------------
 
@@ -366,6 +369,16 @@ class BackendPool:
             self._slots_changed(backend.role)
 
     def due_for_probe(self) -> list[Backend]:
-        """Healthy backends (every round) and ejected ones whose backoff has passed."""
+        """Healthy backends (every round), ejected ones whose backoff has passed, and every ejected one of a role
+        that requests wait for."""
         now = self.clock()
-        return [b for b in self.backends() if b.healthy or b.next_probe_at <= now]
+        return [b for b in self.backends() if b.healthy or b.next_probe_at <= now or self._wanting[b.role]]
+
+    @contextlib.contextmanager
+    def wanting(self, role: str) -> Iterator[None]:
+        """Marks a request waiting for a routable backend of ``role`` (see ``due_for_probe``) while it lasts."""
+        self._wanting[role] += 1
+        try:
+            yield
+        finally:
+            self._wanting[role] -= 1

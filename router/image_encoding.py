@@ -135,7 +135,8 @@ class ImageEncoding:
             if not healthy:
                 wait_until = loop.time() + self.backend_wait_s if wait_until is None else wait_until
                 if loop.time() < wait_until:  # a probe's verdict, a restarted encoder, a new one
-                    await self.pool.wait_for_change(wait_until - loop.time())
+                    with self.pool.wanting("encode"):
+                        await self.pool.wait_for_change(wait_until - loop.time())
                     continue
                 raise EncodersUnavailable(
                     f"no encoder could take the images: none is healthy; waited {self.backend_wait_s:g} s for one "

@@ -216,7 +216,8 @@ class PairRouter:
                             raise
                         raise NoBackend(f"{none}; waited {self.backend_wait_s:g} s for one "
                                         "(--backend-wait-s)") from None
-                    await self.pool.wait_for_change(left)
+                    with self.pool.wanting(role):
+                        await self.pool.wait_for_change(left)
                 except Overloaded as full:
                     left = waits.queue_until - loop.time()
                     if left <= 0:

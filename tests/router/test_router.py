@@ -396,6 +396,22 @@ def test_a_request_waits_for_a_restarted_backend_even_one_that_failed_it() -> No
     asyncio.run(run())
 
 
+def test_while_requests_wait_for_a_role_its_ejected_backends_are_probed_every_round() -> None:
+    """Past the first failures the backoff spaces probes seconds apart; a request waiting for the role should not
+    wait that long for a restarted engine, so while one waits, the role's ejected backends are due every round."""
+    clock = FakeClock()
+    pool = healthy_pool(clock, decode=["http://d0"], prefill=["http://p0"])
+    d0 = pool.backends("decode")[0]
+    for _ in range(5):
+        pool.eject(d0, "down")
+    assert d0.next_probe_at - clock.now == 4.0 and pool.due_for_probe() == pool.backends("prefill")
+    with pool.wanting("decode"), pool.wanting("decode"):
+        assert d0 in pool.due_for_probe()
+    with pool.wanting("prefill"):  # another role's waiters do not hurry it
+        assert d0 not in pool.due_for_probe()
+    assert pool.due_for_probe() == pool.backends("prefill") and pool._wanting["decode"] == 0
+
+
 def test_a_backend_that_failed_a_request_stays_failed_for_it_until_admitted_again() -> None:
     pool = healthy_pool(FakeClock(), decode=["http://d0", "http://d1"])
     d0, d1 = pool.backends("decode")
