@@ -125,7 +125,7 @@ class EngineUnderTest:
 
     def __init__(self, shape: str, device: str, max_batch: int, max_tokens: int, gemm_algos: str = "",
                  warm_up: bool = False, quantization: str = "auto", kv_cache_dtype: str = "auto",
-                 fp8_decode_rows: str = "w8a16") -> None:
+                 fp8_decode_rows: str = "w8a8") -> None:
         self.folder = write_shape_folder(shape, Path(tempfile.mkdtemp(prefix=f"splitserve-{shape}-")))
         self.cfg = EngineConfig(model=str(self.folder), device=device, load_format="dummy",
                                 max_running_requests=max_batch, max_total_tokens=max_tokens,

@@ -112,7 +112,7 @@ def phase_bounds(cfg: dict, rows: int, context: int, bandwidth: float, peak: flo
 
 
 def build(shape: str, batch: int, context: int, pdl: str = "auto", quantization: str = "auto",
-          sum_kernel: bool = False, kv_cache_dtype: str = "auto", fp8_decode_rows: str = "w8a16"
+          sum_kernel: bool = False, kv_cache_dtype: str = "auto", fp8_decode_rows: str = "w8a8"
           ) -> tuple[ModelRunner, KVCache, list[Request]]:
     """A runner of `shape` (random weights, --pdl `pdl`, --quantization `quantization`), its KV cache holding
     `batch` sequences of `context` random tokens' KV, and the decode graph of that one bucket. `sum_kernel`:
@@ -315,8 +315,8 @@ def main() -> None:
                         help="fp8: the layers' projections quantized on load (the LM head stays 16-bit)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                         help="the engine's --kv-cache-dtype (fp8_e4m3: the attention reads 1 byte an element)")
-    parser.add_argument("--fp8-decode-rows", default="w8a16", choices=("w8a16", "w8a8"),
-                        help="the engine's --fp8-decode-rows (w8a8: the decode rows quantized too)")
+    parser.add_argument("--fp8-decode-rows", default="w8a8", choices=("w8a16", "w8a8"),
+                        help="the engine's --fp8-decode-rows (w8a8, its default: the decode rows quantized too)")
     parser.add_argument("--sum-kernel", action="store_true",
                         help="FP8: add the skinny kernel's K parts in a second kernel, as without arrival counters")
     parser.add_argument("--label", default="")
