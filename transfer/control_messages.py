@@ -187,7 +187,8 @@ def decode_message(frames: list[bytes], key: bytes = b"", types: dict[str, type]
         raise ControlMessageError(f"body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise ControlMessageError(f"body must be an object, got {type(body).__name__}")
-    cls = (MESSAGE_TYPES if types is None else types).get(body.get("kind"))  # type: ignore[arg-type]
+    kind = body.get("kind")
+    cls = (MESSAGE_TYPES if types is None else types).get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ControlMessageError(f"unknown message kind {body.get('kind')!r}")
     values: dict[str, Any] = {}
