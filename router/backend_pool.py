@@ -374,6 +374,17 @@ class BackendPool:
         now = self.clock()
         return [b for b in self.backends() if b.healthy or b.next_probe_at <= now or self._wanting[b.role]]
 
+    async def wait_for_backend(self, role: str, until: float) -> bool:
+        """For a request that finds no routable backend of ``role``: waits for a change of health or for ``until``
+        (the loop's clock), the role's ejected backends probed every round meanwhile. False once ``until`` has
+        passed (no wait)."""
+        left = until - asyncio.get_running_loop().time()
+        if left <= 0:
+            return False
+        with self.wanting(role):
+            await self.wait_for_change(left)
+        return True
+
     @contextlib.contextmanager
     def wanting(self, role: str) -> Iterator[None]:
         """Marks a request waiting for a routable backend of ``role`` (see ``due_for_probe``) while it lasts."""

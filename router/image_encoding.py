@@ -134,9 +134,7 @@ class ImageEncoding:
             healthy = [b for b in self.pool.backends("encode") if b.routable and b.url not in never]
             if not healthy:
                 wait_until = loop.time() + self.backend_wait_s if wait_until is None else wait_until
-                if loop.time() < wait_until:  # a probe's verdict, a restarted encoder, a new one
-                    with self.pool.wanting("encode"):
-                        await self.pool.wait_for_change(wait_until - loop.time())
+                if await self.pool.wait_for_backend("encode", wait_until):  # a verdict, a restart, a new one
                     continue
                 raise EncodersUnavailable(
                     f"no encoder could take the images: none is healthy; waited {self.backend_wait_s:g} s for one "

@@ -210,14 +210,11 @@ class PairRouter:
                 except NoBackend as none:
                     if waits.backend_until is None:
                         waits.backend_until = loop.time() + self.backend_wait_s
-                    left = waits.backend_until - loop.time()
-                    if left <= 0:
+                    if not await self.pool.wait_for_backend(role, waits.backend_until):
                         if self.backend_wait_s <= 0:
                             raise
                         raise NoBackend(f"{none}; waited {self.backend_wait_s:g} s for one "
                                         "(--backend-wait-s)") from None
-                    with self.pool.wanting(role):
-                        await self.pool.wait_for_change(left)
                 except Overloaded as full:
                     left = waits.queue_until - loop.time()
                     if left <= 0:
