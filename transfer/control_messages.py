@@ -190,7 +190,7 @@ def decode_message(frames: list[bytes], key: bytes = b"", types: dict[str, type]
     kind = body.get("kind")
     cls = (MESSAGE_TYPES if types is None else types).get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ControlMessageError(f"unknown message kind {body.get('kind')!r}")
+        raise ControlMessageError(f"unknown message kind {kind!r}")
     values: dict[str, Any] = {}
     for name, hint, has_type in _fields(cls):
         if name not in body:
