@@ -4,8 +4,8 @@ One program per (sequence, KV head, split of the sequence): it loads its query h
 group, padded to 16 rows for the tensor cores), walks its share of the sequence's tokens
 through the page table, and keeps an online softmax. The splits are merged by their
 log-sum-exp afterwards, by a second kernel: merging them in the last split to finish (counted per
-sequence and KV head) ran the batch-1 step 1.6-2.1% slower (docs/fp8.md), its four heads merged one
-after the other where the kernel spreads them. Every shape is fixed by the batch size, so it replays in
+sequence and KV head) ran the batch-1 step 1.6-2.1% slower (docs/fp8.md), its group's heads merged one
+after the other where the kernel spreads them over programs. Every shape is fixed by the batch size, so it replays in
 CUDA graphs.
 
 With `new_kv`, the step's own token arrives unrotated, straight from the QKV projection: each
