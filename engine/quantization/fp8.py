@@ -42,10 +42,10 @@ ACTIVATION_SCHEMES = ("dynamic-token", "dynamic-tensor", "static-tensor", "none"
 # makes a projection's input can write it in e4m3 (swiglu_quantized). A dynamic per-tensor scale needs the whole
 # tensor's amax first.
 ROW_QUANTIZED_ACTIVATIONS = ("dynamic-token", "none", "static-tensor")
-# What decode rows (those up to a layer's skinny rows) take: 16-bit into a product that widens the weight
-# (W8A16, the default), or quantized as prompt rows are into an e4m3 x e4m3 product (W8A8, experimental: the
-# prompt path's numerics, and a skinny kernel that spends fewer instructions per weight byte). W8A8 applies to
-# schemes that quantize their activations row by row; a weight-only checkpoint's decode rows stay 16-bit.
+# What decode rows (those up to a layer's skinny rows) take: quantized as prompt rows are into an e4m3 x e4m3
+# product (W8A8, the default: the prompt path's numerics, and a skinny kernel that spends fewer instructions per
+# weight byte), or 16-bit into a product that widens the weight (W8A16). W8A8 applies to schemes that quantize
+# their activations row by row; a weight-only checkpoint's decode rows stay 16-bit.
 DECODE_ROWS = ("w8a16", "w8a8")
 DECODE_QUANTIZED_ACTIVATIONS = ("dynamic-token", "static-tensor")
 

@@ -14,6 +14,8 @@
   wide side (a 64-row weight tile times the 16 transposed rows: Hopper's e4m3 `wgmma`, which has no 16-row
   form), each K block's product added in float32; no widening, and the weight tile read as it is. The same K
   parts, and the same last-part sum, as `skinny_fp8`. Row-local: a row's bits do not depend on the other rows.
+  Its rows come quantized: quantizing (or norming) them inside this product gave the same bits and a 1.27-1.53x
+  slower batch-1 step (docs/fp8.md).
 - `quantize_rows`: activations to e4m3 per token (or with a static per-tensor scale) in one Triton kernel, the
   scales written as the [M, 1] float32 column `torch._scaled_mm` takes.
 - `scaled_mm_linear`: prompt steps and large batches: e4m3 x e4m3 on the tensor cores (`torch._scaled_mm`,
