@@ -233,12 +233,16 @@ class EngineUnderTest:
             self._release(rows + fresh)
 
     @torch.inference_mode()
-    def decode_step_seconds(self, batch: int, context: int, steps: int = 20) -> float:
-        """Seconds per decode step at `batch` sequences of `context` tokens, host work included."""
+    def decode_step_seconds(self, batch: int, context: int, steps: int = 20, blocks: int = 5) -> float:
+        """Seconds per decode step at `batch` sequences of `context` tokens, host work included: the median over
+        `blocks` runs of `steps` steps, each run from `context` again (its KV past it written over), so one slow
+        stretch (a clock still ramping, a host hiccup) does not set the figure and every run reads the same KV."""
         reqs = self._requests(batch, context, steps + 4)
-        for r in reqs:
-            r.kv_len = context
-            r.output_ids = [1]
+
+        def rewind() -> None:
+            for r in reqs:
+                r.kv_len = context
+                r.output_ids = [1]
 
         def step() -> None:
             chunks = [ScheduledChunk(r, r.kv_len, 1, True) for r in reqs]
@@ -247,16 +251,22 @@ class EngineUnderTest:
                 r.output_ids.append(tok)
                 r.kv_len += 1
 
-        for _ in range(2):
-            step()
-        sync(self.device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync(self.device)
-        seconds = (time.perf_counter() - start) / steps
-        self._release(reqs)
-        return seconds
+        try:
+            rewind()
+            for _ in range(2):
+                step()
+            runs = []
+            for _ in range(blocks):
+                rewind()
+                sync(self.device)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                sync(self.device)
+                runs.append((time.perf_counter() - start) / steps)
+        finally:
+            self._release(reqs)
+        return statistics.median(runs)
 
 
 def loop_bench_config(folder: Path, device: str, max_batch: int, tokens_per_request: int) -> EngineConfig:

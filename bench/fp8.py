@@ -5,7 +5,8 @@ Three sides: bf16; FP8 weights (`--quantization fp8`, e4m3 decode rows by defaul
 cache (`--kv-cache-dtype fp8_e4m3`), as they are deployed together on Hopper; and a fourth for the decode step
 alone, FP8 weights with 16-bit decode rows (`--fp8-decode-rows w8a16`), the default's peer.
 Times, each side in turn (the runner driven directly, as bench/engine_steps.py does):
-- a decode step at batch 1 (`--context` tokens of KV; through the decode CUDA graph, one host sync a step);
+- a decode step at batch 1 (`--context` tokens of KV; through the decode CUDA graph, one host sync a step; the
+  median of five runs of 20 steps);
 - a prefill of one `--prefill-len`-token prompt, eagerly, in tokens/s;
 - the burst `--burst` (N prompts of I tokens, O output tokens each, all at once) through the bare engine
   (bench/api_split.py's), output tokens/s;

@@ -25,6 +25,13 @@ def test_a_mixed_step_has_a_logits_row_for_every_decode_row_and_prompt_and_gives
     assert eut.kv.allocator.free_count == free
 
 
+def test_a_decode_step_is_timed_over_runs_from_the_same_context_and_gives_its_pages_back() -> None:
+    eut = EngineUnderTest("tiny", "cpu", 4, 4096)
+    free = eut.kv.allocator.free_count
+    seconds = eut.decode_step_seconds(2, 100, steps=3, blocks=3)
+    assert 0 < seconds < 1 and eut.kv.allocator.free_count == free
+
+
 def test_the_held_rate_times_the_second_half_of_back_to_back_calls() -> None:
     def call() -> None:
         time.sleep(0.01)
