@@ -387,9 +387,12 @@ class ShiftingLoad:
             self.outcomes.append((len(prompt), 0, repr(exc)))
 
     def stop(self) -> list[tuple[int, int, str]]:
+        """Stops sending and returns every sent request's outcome once it has one. Requests the rate queued but no
+        thread has sent yet are dropped unsent: on a machine slower than the rate the queue grows, and running it
+        out would keep sending long after the test is done."""
         self._stop.set()
         self._ticker.join(timeout=10)
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self._client.close()
         return self.outcomes
 
