@@ -25,7 +25,7 @@ def test_a_mixed_step_has_a_logits_row_for_every_decode_row_and_prompt_and_gives
     assert eut.kv.allocator.free_count == free
 
 
-def test_a_decode_step_is_timed_over_runs_from_the_same_context_and_gives_its_pages_back() -> None:
+def test_a_decode_step_timed_over_several_runs_gives_its_pages_back() -> None:
     eut = EngineUnderTest("tiny", "cpu", 4, 4096)
     free = eut.kv.allocator.free_count
     seconds = eut.decode_step_seconds(2, 100, steps=3, blocks=3)
