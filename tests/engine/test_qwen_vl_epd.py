@@ -99,7 +99,9 @@ def test_epd_equals_unified_token_for_token(deployment: ServerGroup, router: str
     if router == "router-1e":
         assert cached == 4  # every distinct image once: the repeat was a cache hit
     else:
-        assert embedding(deployment.url("encode-b"))["cached_images"] > 0  # b took its share by image hash
+        # b took its share by image hash; if not, the router's view of its encoders says why (an ejection?)
+        backends = httpx.get(f"{deployment.url(router)}/health", timeout=5).json()["backends"]
+        assert embedding(deployment.url("encode-b"))["cached_images"] > 0, backends
 
 
 def test_an_encoder_answers_each_image_s_grid(deployment: ServerGroup) -> None:
