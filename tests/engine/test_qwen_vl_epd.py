@@ -100,8 +100,8 @@ def test_epd_equals_unified_token_for_token(deployment: ServerGroup, router: str
         assert cached == 4  # every distinct image once: the repeat was a cache hit
     else:
         # b took its share by image hash; if not, the router's view of its encoders says why (an ejection?)
-        backends = httpx.get(f"{deployment.url(router)}/health", timeout=5).json()["backends"]
-        assert embedding(deployment.url("encode-b"))["cached_images"] > 0, backends
+        assert embedding(deployment.url("encode-b"))["cached_images"] > 0, \
+            httpx.get(f"{deployment.url(router)}/health", timeout=5).json()["backends"]
 
 
 def test_an_encoder_answers_each_image_s_grid(deployment: ServerGroup) -> None:
