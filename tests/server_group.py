@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from PIL import Image
-from servers import ServerProcess, free_port, wait_http_ok
+from servers import ServerProcess, free_port, wait_http_ok, wait_router_took_in
 
 
 class ServerGroup:
@@ -43,22 +43,15 @@ class ServerGroup:
         return self.procs[name][1].proc.pid
 
     def wait(self, timeout: float = 180.0) -> None:
-        """Every engine answers /health and every router /ready and has probed in each engine of the group it
-        routes to: a router is ready with one engine of a role, and takes a later one in only at its next probe
-        (after a backoff of up to --eject-backoff-max-s), which a test that counts on every engine must wait for."""
+        """Every engine answers /health, every router /ready and has taken in each engine of the group."""
         deadline = time.monotonic() + timeout
         for name, (url, proc) in self.procs.items():
             wait_http_ok(f"{url}/ready" if name.startswith("router") else f"{url}/health", proc.proc,
                          deadline - time.monotonic(), proc.log)
-        ours = {url for url, _ in self.procs.values()}
+        engines = {url for name, (url, _) in self.procs.items() if not name.startswith("router")}
         for name, (url, _) in self.procs.items():
-            while name.startswith("router"):
-                backends = httpx.get(f"{url}/health", timeout=5).json()["backends"]
-                waiting = [b["url"] for b in backends if b["url"] in ours and not b["healthy"]]
-                if not waiting:
-                    break
-                assert time.monotonic() < deadline, f"{name} has not taken in {waiting}: {backends}"
-                time.sleep(0.1)
+            if name.startswith("router"):
+                wait_router_took_in(url, engines, deadline)
 
     def stop(self) -> None:
         for _, proc in self.procs.values():

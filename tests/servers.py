@@ -78,6 +78,19 @@ def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout: float, log: P
     raise TimeoutError(f"{url} not healthy after {timeout:.0f} s")
 
 
+def wait_router_took_in(router: str, engines: set[str], deadline: float) -> None:
+    """Waits until `router` has probed in each of `engines` it routes to. A router is ready with one engine of a
+    role and takes a later one in only at its next probe (after a backoff of up to --eject-backoff-max-s), which
+    a test that counts on every engine must wait for."""
+    while True:
+        backends = httpx.get(f"{router}/health", timeout=5).json()["backends"]
+        waiting = [b["url"] for b in backends if b["url"] in engines and not b["healthy"]]
+        if not waiting:
+            return
+        assert time.monotonic() < deadline, f"router {router} has not taken in {waiting}: {backends}"
+        time.sleep(0.1)
+
+
 def splitserve_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
     env.update({"PYTHONUNBUFFERED": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1", "OMP_NUM_THREADS": "1"})
@@ -184,9 +197,15 @@ class LocalDeployment:
         return url
 
     def wait(self, urls: list[str], timeout: float = 180.0) -> None:
+        """Each of `urls` answers (engines /health, routers /ready), and each router among them has taken in
+        each engine among them."""
+        deadline = time.monotonic() + timeout
         for url in urls:
             path = self.ready_paths.get(url, "/health")
-            wait_http_ok(f"{url}{path}", self.procs[url].proc, timeout, self.procs[url].log)
+            wait_http_ok(f"{url}{path}", self.procs[url].proc, deadline - time.monotonic(), self.procs[url].log)
+        engines = {url for url in urls if url not in self.ready_paths}
+        for router in (url for url in urls if url in self.ready_paths):
+            wait_router_took_in(router, engines, deadline)
 
     def restart(self, url: str) -> None:
         """Starts a process again with the same flags (so the same ports), after it died."""
