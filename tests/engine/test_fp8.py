@@ -338,6 +338,8 @@ def test_quantization_fp8_on_smollm2_gguf(capsys) -> None:
     assert got["mean_kl"] < 0.06 and got["top1"] >= 0.75 and not math.isnan(got["mean_kl"]), got
 
 
+# Passing dequantize=True over the checkpoint's own quantization_config is the point: transformers says so.
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 @torch.inference_mode()
 def test_transformers_loads_the_compressed_tensors_checkpoint_alike(tmp_path: Path) -> None:
     """transformers (with the compressed-tensors package) on our compressed-tensors FP8 checkpoint, dequantized
