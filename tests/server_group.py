@@ -44,14 +44,13 @@ class ServerGroup:
 
     def wait(self, timeout: float = 180.0) -> None:
         """Every engine answers /health, every router /ready and has taken in each engine of the group."""
-        deadline = time.monotonic() + timeout
         for name, (url, proc) in self.procs.items():
-            wait_http_ok(f"{url}/ready" if name.startswith("router") else f"{url}/health", proc.proc,
-                         deadline - time.monotonic(), proc.log)
+            wait_http_ok(f"{url}/ready" if name.startswith("router") else f"{url}/health", proc.proc, timeout,
+                         proc.log)
         engines = {url for name, (url, _) in self.procs.items() if not name.startswith("router")}
         for name, (url, _) in self.procs.items():
             if name.startswith("router"):
-                wait_router_took_in(url, engines, deadline)
+                wait_router_took_in(url, engines, time.monotonic() + timeout)
 
     def stop(self) -> None:
         for _, proc in self.procs.values():

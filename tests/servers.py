@@ -199,13 +199,12 @@ class LocalDeployment:
     def wait(self, urls: list[str], timeout: float = 180.0) -> None:
         """Each of `urls` answers (engines /health, routers /ready), and each router among them has taken in
         each engine among them."""
-        deadline = time.monotonic() + timeout
         for url in urls:
             path = self.ready_paths.get(url, "/health")
-            wait_http_ok(f"{url}{path}", self.procs[url].proc, deadline - time.monotonic(), self.procs[url].log)
+            wait_http_ok(f"{url}{path}", self.procs[url].proc, timeout, self.procs[url].log)
         engines = {url for url in urls if url not in self.ready_paths}
         for router in (url for url in urls if url in self.ready_paths):
-            wait_router_took_in(router, engines, deadline)
+            wait_router_took_in(router, engines, time.monotonic() + timeout)
 
     def restart(self, url: str) -> None:
         """Starts a process again with the same flags (so the same ports), after it died."""
