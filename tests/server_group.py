@@ -43,14 +43,13 @@ class ServerGroup:
         return self.procs[name][1].proc.pid
 
     def wait(self, timeout: float = 180.0) -> None:
-        """Every engine answers /health, every router /ready and has taken in each engine of the group."""
-        for name, (url, proc) in self.procs.items():
-            wait_http_ok(f"{url}/ready" if name.startswith("router") else f"{url}/health", proc.proc, timeout,
-                         proc.log)
-        engines = {url for name, (url, _) in self.procs.items() if not name.startswith("router")}
-        for name, (url, _) in self.procs.items():
-            if name.startswith("router"):
-                wait_router_took_in(url, engines, time.monotonic() + timeout)
+        """Every engine answers /health, every router /ready and routes to each engine of the group it has."""
+        routers = {url for name, (url, _) in self.procs.items() if name.startswith("router")}
+        for url, proc in self.procs.values():
+            wait_http_ok(f"{url}/ready" if url in routers else f"{url}/health", proc.proc, timeout, proc.log)
+        engines = {url for url, _ in self.procs.values()} - routers
+        for router in routers:
+            wait_router_took_in(router, engines, time.monotonic() + timeout)
 
     def stop(self) -> None:
         for _, proc in self.procs.values():
