@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.layers import pdl
+from splitserve.engine.layers.e4m3_prompt_attention import PROMPT_ATTENTION_MODES
 from splitserve.engine.quantization.fp8 import DECODE_ROWS
 from splitserve.engine.quantization.kv_fp8 import KV_CACHE_DTYPES, kv_storage_dtype
 
@@ -61,6 +62,12 @@ class EngineConfig:
                 "writes saturated at +-448: twice the tokens of a 16-bit cache in the same memory; docs/fp8.md). "
                 "Prefill and decode engines must agree on it",
         "choices": KV_CACHE_DTYPES})
+    fp8_prompt_attention: str = field(default="auto", metadata={
+        "help": "prompt attention over an FP8 KV cache where a 16-bit cache takes cuDNN (a lone fresh prompt, a "
+                "full chunk after whole chunks): auto (on GPUs with e4m3 tensor cores, the e4m3 keys and values "
+                "multiplied as they are, the query rows and the softmax probabilities rounded to e4m3 too, at the "
+                "e4m3 rate; docs/fp8.md) or off (the pages widened to the model's dtype, then cuDNN)",
+        "choices": PROMPT_ATTENTION_MODES})
     load_format: str = field(default="safetensors", metadata={
         "help": "safetensors: the checkpoint's weights (its safetensors shards, or a GGUF file's tensors); "
                 "dummy: random weights of its shape (benchmarks)",

@@ -80,6 +80,7 @@ class KVPool:
         # [layers, 2 (k, v), kv_heads] float32: static, 1.0 unless set (set_scales) before any page is written.
         self.scales = (torch.ones(shape.num_layers, 2, shape.num_kv_heads, dtype=torch.float32, device=device)
                        if shape.fp8 else None)
+        self.e4m3_prompts = False  # an FP8 pool's lone fresh prompts attend in e4m3 (the runner decides)
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self._k[layer]
@@ -91,7 +92,7 @@ class KVPool:
         """The layer's key and value scales of an FP8 pool; None: the pages hold the model's dtype."""
         if self.scales is None:
             return None
-        return KVScales(self.scales[layer, 0], self.scales[layer, 1])
+        return KVScales(self.scales[layer, 0], self.scales[layer, 1], self.e4m3_prompts)
 
     def set_scales(self, scales: torch.Tensor) -> None:
         """Sets the scales ([layers, 2, kv_heads], each > 0) in place: the kernels captured in CUDA graphs keep

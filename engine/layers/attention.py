@@ -16,7 +16,9 @@ New keys and values are written into the pool at each token's slot, then:
   first, then each row attends as plain decoding at its position would.
 With an FP8 pool (`scales` given), every path reads the e4m3 pages and dequantizes them
 (engine/quantization/kv_fp8.py): the kernels in registers, the torch paths on the gathered copy; a fresh
-prompt attends to its keys and values read back from the pages, as any later step reads them.
+prompt attends to its keys and values read back from the pages, as any later step reads them. On GPUs with
+e4m3 tensor cores, a lone fresh prompt and the full chunks after whole chunks multiply them as e4m3
+(engine/layers/e4m3_prompt_attention.py) where they would widen them for cuDNN.
 """
 
 from __future__ import annotations
@@ -93,7 +95,14 @@ class PagedAttention(nn.Module):
         the other paths are copied in). `scales`: the layer's, when the pool is FP8."""
         if not kv_stored:
             store_kv(k_cache, v_cache, batch.out_cache_loc, k, v, scales)
-        if scales is not None and batch.no_prefix and batch.batch_size == 1 and not batch.is_decode:
+        lone_prompt = batch.no_prefix and batch.batch_size == 1 and not batch.is_decode
+        if lone_prompt and scales is not None and scales.e4m3_prompts and q.is_cuda:
+            from splitserve.engine.layers.e4m3_prompt_attention_triton import e4m3_prompt_attention
+
+            result = e4m3_prompt_attention(q, k_cache, v_cache, batch.out_cache_loc, scales, self.scale,
+                                           out=None if out is None else out.view(q.shape))
+            return result.view(q.shape[0], -1) if out is None else out
+        if lone_prompt and scales is not None:
             # A fresh prompt attends to what its pages hold, as every later step reads them.
             k = read_kv(k_cache, batch.out_cache_loc, q.dtype, scales.k)
             v = read_kv(v_cache, batch.out_cache_loc, q.dtype, scales.v)
@@ -155,7 +164,15 @@ class PagedAttention(nn.Module):
             # would be its own compile; the prompt chunk beside them fills the GPU anyway.
             out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, batch.page_table, decode_slots, decode_lens,
                                              batch.page_size, self.scale, splits=1, scales=scales)
-        if batch.prefix_chunks:
+        if batch.prefix_chunks and scales is not None and scales.e4m3_prompts:
+            from splitserve.engine.layers.e4m3_prompt_attention_triton import e4m3_prompt_attention
+
+            for c in batch.prefix_chunks:  # the chunk's rows over its prefix's keys and its own
+                rows = slice(c.row, c.row + c.length)
+                e4m3_prompt_attention(q[rows], k_cache, v_cache,
+                                      batch.prefix_chunk_loc[c.loc_start:c.loc_start + c.kv_len], scales, self.scale,
+                                      out=out[rows])
+        elif batch.prefix_chunks:
             from splitserve.engine.layers.prefix_chunk_attention import prefix_chunk_attention
 
             keys = read_kv(k_cache, batch.prefix_chunk_loc, q.dtype, None if scales is None else scales.k)

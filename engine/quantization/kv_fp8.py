@@ -43,10 +43,12 @@ class KVScaleError(ValueError):
 
 
 class KVScales(NamedTuple):
-    """One layer's key and value scales, float32 [kv_heads] each, on the pool's device."""
+    """One layer's key and value scales, float32 [kv_heads] each, on the pool's device, and whether a lone fresh
+    prompt attends over the pages in e4m3 (engine/layers/e4m3_prompt_attention.py) or widens them first."""
 
     k: torch.Tensor
     v: torch.Tensor
+    e4m3_prompts: bool = False
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -20,6 +20,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_pool import COPY_PAGE_OP, KVPool, KVPoolShape
 from splitserve.engine.layers import gemm_algos, pdl, skinny, sm_cap_gemms
 from splitserve.engine.layers.decode_splits import step_splits
+from splitserve.engine.layers.e4m3_prompt_attention import e4m3_prompt_attention_runs
 from splitserve.engine.layers.extend_plan import (
     CUDNN_CHUNK_MIN,
     PrefixChunk,
@@ -412,8 +413,11 @@ class ModelRunner:
         num_pages = kv_pages_for_budget(cfg, shape_args, self.device, weight_bytes)
         self.kv_shape = KVPoolShape(num_pages=num_pages, page_size=cfg.page_size, **shape_args)
         self.kv_pool = KVPool(self.kv_shape, self.device)
-        logger.info("KV cache: %d pages of %d tokens (%.2f GiB of %s)", num_pages - 1, cfg.page_size,
-                    self.kv_shape.total_bytes / 2**30, self.kv_shape.dtype)
+        self.kv_pool.e4m3_prompts = e4m3_prompt_attention_runs(cfg.fp8_prompt_attention, self.kv_shape.dtype,
+                                                               self.dtype, attn.head_dim, self.device)
+        logger.info("KV cache: %d pages of %d tokens (%.2f GiB of %s)%s", num_pages - 1, cfg.page_size,
+                    self.kv_shape.total_bytes / 2**30, self.kv_shape.dtype,
+                    "; lone prompts attend in e4m3" if self.kv_pool.e4m3_prompts else "")
         self.kv_scales_digest = self._use_checkpoint_kv_scales(checkpoint_scales, model_cfg)
         max_slots = cfg.max_running_requests
         # Extend batches on CUDA run the paged kernels, planned in blocks of this many queries.

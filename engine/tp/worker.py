@@ -93,9 +93,11 @@ def resize_kv_pool(runner: ModelRunner, num_pages: int) -> None:
         return
     logger.info("KV pool: %d pages here, %d on rank 0; using rank 0's count", runner.kv_shape.num_pages, num_pages)
     scales = runner.kv_pool.scales  # an FP8 pool's (the checkpoint's, or 1.0): the new pool reads pages alike
+    e4m3_prompts = runner.kv_pool.e4m3_prompts  # and its prompts attend as rank 0's do
     del runner.kv_pool
     runner.kv_shape = dataclasses.replace(runner.kv_shape, num_pages=num_pages)
     runner.kv_pool = KVPool(runner.kv_shape, runner.device)
+    runner.kv_pool.e4m3_prompts = e4m3_prompts
     if scales is not None:
         runner.kv_pool.set_scales(scales)
 
