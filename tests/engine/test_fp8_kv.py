@@ -308,13 +308,16 @@ def test_a_checkpoints_kv_scales_keep_keys_and_values_past_e4m3s_range(tiny: Pat
 
 
 def test_a_tensor_parallel_rank_resized_to_rank_0s_pool_keeps_the_checkpoints_scales(tiny: Path, tmp_path: Path):
+    """And how its prompts attend (set here as a GPU runner with e4m3 tensor cores sets it)."""
     from splitserve.engine.tp.worker import resize_kv_pool
 
     runner, _ = fp8_cpu_runner(rescaled_checkpoint(tiny, tmp_path / "scaled", 1024.0, scales=True))
+    runner.kv_pool.e4m3_prompts = True
     pages = runner.kv_shape.num_pages - 3
     resize_kv_pool(runner, pages)
     assert runner.kv_pool.buffer.shape[2] == pages
     assert bool((runner.kv_pool.scales == 1024.0).all())
+    assert runner.kv_pool.e4m3_prompts and runner.kv_pool.layer_scales(0).e4m3_prompts
 
 
 def test_the_scales_digest_names_calibrated_scales_alike_over_ranks_and_none_for_one(tiny: Path, tmp_path: Path):
