@@ -4,14 +4,14 @@
                                        [--sass-dir DIR]
 
 Compiles the engine's paged decode attention kernel (Llama-3.1-8B's shape: 32/8 heads x 128, 16-token pages,
-its one-split launch), the skinny FP8 kernel (qkv's shape, its K-split launch) and its e4m3-rows twin (down's
-shape, K in parts: `QGMMA` is Hopper's e4m3 wgmma) for sm_90 with Triton, the
-arguments marked 16-divisible as the runtime's specialization marks them, disassembles the cubin with the
-nvdisasm Triton ships, and prints the instruction count, the shared memory, and the loads and conversions by
-variant. It takes Triton and its bundled tools (pip install triton), not a device: what it shows is what the
-code asks the hardware to do, not how fast that runs (benchmarks/attention_sweep.py and fp8_gemv_sweep.py time
-it). An 8-bit tile gathered from shared memory a byte at a time shows as LDS.U8; e4m3 widened through float16 to
-bfloat16 as F2F (the slow conversion unit) next to F2FP.
+its one-split launch), the skinny FP8 kernel (qkv's shape, its K-split launch), its e4m3-rows twin (down's
+shape, K in parts: `QGMMA` is Hopper's e4m3 wgmma) and the e4m3 prompt attention (32/8 heads x 128) for sm_90
+with Triton, the arguments marked 16-divisible as the runtime's specialization marks them, disassembles the
+cubin with the nvdisasm Triton ships, and prints the instruction count, the shared memory, and the loads and
+conversions by variant. It takes Triton and its bundled tools (pip install triton), not a device: what it shows
+is what the code asks the hardware to do, not how fast that runs (benchmarks/attention_sweep.py and
+fp8_gemv_sweep.py time it). An 8-bit tile gathered from shared memory a byte at a time shows as LDS.U8; e4m3
+widened through float16 to bfloat16 as F2F (the slow conversion unit) next to F2FP.
 """
 
 from __future__ import annotations
@@ -73,7 +73,18 @@ def skinny_rows(kv_dtype: str, q_dtype: str) -> tuple:
     return fp8_cuda._skinny_fp8_rows, constexprs, pointers, {}, dict(num_warps=warps, num_stages=stages)
 
 
-KERNELS = {"decode": paged_decode, "skinny": skinny, "skinny-rows": skinny_rows}
+def prompt_e4m3(kv_dtype: str, q_dtype: str) -> tuple:
+    from splitserve.engine.layers import e4m3_prompt_attention_triton as prompt
+
+    block_m, block_n, warps, stages = prompt.LAUNCH
+    constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, P_SCALE=prompt.P_SCALE)
+    q = f"*{TRITON_TYPES[q_dtype]}"
+    pointers = {"Q": q, "K": "*fp8e4nv", "Vt": "*fp8e4nv", "KScale": "*fp32", "VScale": "*fp32", "Out": q}
+    return prompt._e4m3_prompt_attention, constexprs, pointers, {"qk_scale": "fp32"}, dict(num_warps=warps,
+                                                                                          num_stages=stages)
+
+
+KERNELS = {"decode": paged_decode, "skinny": skinny, "skinny-rows": skinny_rows, "prompt-e4m3": prompt_e4m3}
 
 
 def compile_counts(kernel: str, kv_dtype: str, q_dtype: str, sass_dir: Path | None) -> dict:
