@@ -13,10 +13,11 @@ Times, each side in turn (the runner driven directly, as bench/engine_steps.py d
 and prints each FP8 side over bf16 (decode: its step's time over bf16's; prefill and burst: tok/s over bf16's;
 the weights' bytes and the KV cache's bytes a token, whose inverse is how many more tokens the same memory holds).
 
-Then the accuracy of FP8 weights and of an FP8 KV cache against bfloat16 on the same random weights (the dummy
-weights of a model and its FP8 twin are the same draws): mean KL per token, teacher-forced top-1 and greedy
-agreement on fixed prompts (bench/accuracy.py). Random weights make the logits near-flat, so these state the
-quantization noise of the shape's products, not a trained model's accuracy.
+Then the accuracy of FP8 weights and of an FP8 KV cache (its prompts attending in e4m3, and widened) against
+bfloat16 on the same random weights (the dummy weights of a model and its FP8 twin are the same draws): mean KL
+per token, teacher-forced top-1 and greedy agreement on fixed prompts (bench/accuracy.py). Random weights make
+the logits near-flat, so these state the quantization noise of the shape's products, not a trained model's
+accuracy.
 """
 
 from __future__ import annotations
@@ -107,13 +108,15 @@ def twin(shape: str, device: str, **fields: Any) -> tuple[ModelRunner, KVCache]:
 
 
 def accuracy_on_shape(shape: str, device: str) -> dict[str, dict[str, float]]:
-    """FP8 weights' and FP8 KV's accuracy against the bfloat16 model on the same random weights."""
+    """FP8 weights' and FP8 KV's accuracy against the bfloat16 model on the same random weights; FP8 KV twice: its
+    prompts attending in e4m3 where the GPU can (the default), and over the pages widened for cuDNN."""
     from splitserve.bench.accuracy import accuracy
 
     reference = twin(shape, device)
     vocab = reference[0].model_cfg.vocab_size
     out = {}
-    for name, fields in (("fp8_weights", {"quantization": "fp8"}), ("fp8_kv", {"kv_cache_dtype": "fp8_e4m3"})):
+    for name, fields in (("fp8_weights", {"quantization": "fp8"}), ("fp8_kv", {"kv_cache_dtype": "fp8_e4m3"}),
+                         ("fp8_kv_widened_prompts", {"kv_cache_dtype": "fp8_e4m3", "fp8_prompt_attention": "off"})):
         candidate = twin(shape, device, **fields)
         out[name] = accuracy(reference, candidate, vocab)
         del candidate
