@@ -139,7 +139,7 @@ def rope_and_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     """Rotates q and k of a fused [T, (Hq + 2 Hkv) * D] projection in place and writes k, v to the cache
     (quantized with `scales`: an FP8 cache)."""
     assert qkv.is_contiguous() and cos.is_contiguous()
-    k_scale, v_scale = scales if scales is not None else (cos, cos)  # read only with an FP8 cache
+    k_scale, v_scale = (scales.k, scales.v) if scales is not None else (cos, cos)  # read only with an FP8 cache
     _rope_store_kernel[(qkv.shape[0],)](
         qkv, positions, cos, sin, k_cache, v_cache, loc, k_scale, v_scale, qkv.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

@@ -214,7 +214,7 @@ def store_rotated_kv(new: NewTokenKV, positions: torch.Tensor, k_cache: torch.Te
     """Writes every row's new key (rotated at its position) and value to the cache, with the bits the
     decode kernel's own store would write (quantized with `scales`: an FP8 cache)."""
     rows, num_kv_heads, head_dim = new.k.shape
-    k_scale, v_scale = scales if scales is not None else (new.cos, new.cos)  # read only with an FP8 cache
+    k_scale, v_scale = (scales.k, scales.v) if scales is not None else (new.cos, new.cos)  # read only with an FP8 cache
     _store_rotated_kv[(rows, num_kv_heads)](
         new.k, new.v, new.cos, new.sin, positions, new.out_cache_loc, k_cache, v_cache, k_scale, v_scale,
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos.stride(0),
@@ -264,7 +264,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n, warps, stages, heads_first = launch or decode_launch(splits, head_dim)
     # Without new_kv the kernel reads none of these; any tensors of the right rank fill the slots.
     new = new_kv or NewTokenKV(k=k_cache, v=v_cache, cos=q, sin=q, out_cache_loc=slots)
-    k_scale, v_scale = scales if scales is not None else (q, q)  # read only with an FP8 cache
+    k_scale, v_scale = (scales.k, scales.v) if scales is not None else (q, q)  # read only with an FP8 cache
     grid = (num_kv_heads, bsz, splits) if heads_first else (bsz, num_kv_heads, splits)
     _paged_decode_split[grid](
         q, k_cache, v_cache, page_table, slots, seq_lens, acc, lse, out,

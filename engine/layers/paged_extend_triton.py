@@ -135,7 +135,7 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if plan.num_blocks == 0:
         return out
     wide = wide_tiles(head_dim, q.element_size())
-    k_scale, v_scale = scales if scales is not None else (q, q)  # read only with an FP8 cache
+    k_scale, v_scale = (scales.k, scales.v) if scales is not None else (q, q)  # read only with an FP8 cache
     # Measured on an H200 (benchmarks/attention_sweep.py): 256 rows x 128 keys, 8 warps, 3 stages.
     block_m, block_n, warps, stages = launch or (block_tokens(group, wide), 32 if wide else 128, 8,
                                                  2 if wide else 3)
