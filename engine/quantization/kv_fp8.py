@@ -14,9 +14,10 @@ so per-head scales cost nothing; a per-tensor scale is the same value in every h
 
 Where it is read (engine/layers/attention.py): the torch path dequantizes the gathered pages; the Triton decode
 and extend kernels load e4m3 tiles, widen them to the query's dtype and fold the key scale into the softmax
-scale and the value scale into the output; the cuDNN paths (lone prompts, chunks after a cached prefix) attend
-over the dequantized keys and values read back from the pages, so a prompt attends to exactly what later steps
-read.
+scale and the value scale into the output; where a 16-bit cache takes cuDNN (lone prompts, chunks after a cached
+prefix), the e4m3 prompt attention multiplies the pages as they are (engine/layers/e4m3_prompt_attention.py), or,
+with it off or on older GPUs, cuDNN attends over the dequantized keys and values read back from the pages. Either
+way a prompt attends to what later steps read.
 """
 
 from __future__ import annotations
