@@ -80,8 +80,8 @@ def prompt_e4m3(kv_dtype: str, q_dtype: str) -> tuple:
     constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, P_SCALE=prompt.P_SCALE)
     q = f"*{TRITON_TYPES[q_dtype]}"
     pointers = {"Q": q, "K": "*fp8e4nv", "Vt": "*fp8e4nv", "KScale": "*fp32", "VScale": "*fp32", "Out": q}
-    return prompt._e4m3_prompt_attention, constexprs, pointers, {"qk_scale": "fp32"}, dict(num_warps=warps,
-                                                                                          num_stages=stages)
+    scalars = {"qk_scale": "fp32", "n": "i32", "kv_len": "i32", "prefix": "i32"}  # lengths: not specialized
+    return prompt._e4m3_prompt_attention, constexprs, pointers, scalars, dict(num_warps=warps, num_stages=stages)
 
 
 KERNELS = {"decode": paged_decode, "skinny": skinny, "skinny-rows": skinny_rows, "prompt-e4m3": prompt_e4m3}

@@ -80,7 +80,7 @@ class KVPool:
         # [layers, 2 (k, v), kv_heads] float32: static, 1.0 unless set (set_scales) before any page is written.
         self.scales = (torch.ones(shape.num_layers, 2, shape.num_kv_heads, dtype=torch.float32, device=device)
                        if shape.fp8 else None)
-        self.e4m3_prompts = False  # an FP8 pool's lone fresh prompts attend in e4m3 (the runner decides)
+        self.e4m3_prompts = False  # an FP8 pool's prompts attend in e4m3 where cuDNN would run (the runner decides)
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self._k[layer]

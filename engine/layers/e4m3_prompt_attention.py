@@ -24,7 +24,8 @@ BLOCK_N = 128  # the kernel's key block (its launch's BLOCK_N), which sets where
 
 def e4m3_prompt_attention_runs(mode: str, kv_dtype: torch.dtype, model_dtype: torch.dtype, head_dim: int,
                                device: torch.device) -> bool:
-    """Whether lone fresh prompts attend in e4m3: `auto` with an FP8 KV cache, a 16-bit model, a head_dim of
+    """Whether prompts attend in e4m3 where a 16-bit cache takes cuDNN (lone fresh prompts, full chunks after whole
+    chunks): `auto` with an FP8 KV cache, a 16-bit model, a head_dim of
     32, 64 or 128 (the kernel's tiles; an e4m3 product takes 32 at a time) and a GPU with e4m3 tensor cores
     (compute capability 8.9 and up)."""
     if mode not in PROMPT_ATTENTION_MODES:
@@ -58,7 +59,7 @@ def e4m3_prompt_attention_reference(q: torch.Tensor, keys: torch.Tensor, values:
     k = keys.float().repeat_interleave(group, 1)
     v = values.float().repeat_interleave(group, 1)
     row_scale = q_scale.squeeze(-1).T * (k_scale.float().repeat_interleave(group) * sm_scale * LOG2_E)[:, None]
-    scores = torch.einsum("mhd,nhd->hmn", q8.float(), k) * row_scale[:, :, None]  # [H, n, n], log2 units
+    scores = torch.einsum("mhd,nhd->hmn", q8.float(), k) * row_scale[:, :, None]  # [H, n, kv_len], log2 units
     causal = torch.ones(n, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - n)
     scores = scores.masked_fill(~causal, float("-inf"))
     running_max = torch.full((heads, n), float("-inf"), device=q.device)

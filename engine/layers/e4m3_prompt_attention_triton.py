@@ -73,7 +73,8 @@ def _e4m3_prompt_attention(Q, K, Vt, KScale, VScale, Out, n, kv_len, prefix, qk_
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m < n
-    q = tl.load(Q + offs_m[:, None] * stride_qm + head * stride_qh + offs_d[None, :], mask=rows[:, None],
+    row = offs_m.to(tl.int64)  # a long prompt's projection passes 2^31 elements (Llama-3.1-8B: at 350k tokens)
+    q = tl.load(Q + row[:, None] * stride_qm + head * stride_qh + offs_d[None, :], mask=rows[:, None],
                 other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(q), 1), 1e-30)
     q_scale = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)  # rounded as torch divides (`/` is approximate)
@@ -93,7 +94,7 @@ def _e4m3_prompt_attention(Q, K, Vt, KScale, VScale, Out, n, kv_len, prefix, qk_
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q8, row_scale, K, Vt, start_n, q_pos, offs_n, offs_d, kv_len,
                                       stride_kn, stride_vd, DIAGONAL=True, P_SCALE=P_SCALE)
     out = acc * (tl.load(VScale + kv_head) / P_SCALE) / l_i[:, None]
-    tl.store(Out + offs_m[:, None] * stride_om + head * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+    tl.store(Out + row[:, None] * stride_om + head * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=rows[:, None])
 
 

@@ -44,8 +44,8 @@ class KVScaleError(ValueError):
 
 
 class KVScales(NamedTuple):
-    """One layer's key and value scales, float32 [kv_heads] each, on the pool's device, and whether a lone fresh
-    prompt attends over the pages in e4m3 (engine/layers/e4m3_prompt_attention.py) or widens them first."""
+    """One layer's key and value scales, float32 [kv_heads] each, on the pool's device, and whether prompts attend
+    over the pages in e4m3 where cuDNN would run (engine/layers/e4m3_prompt_attention.py) or widen them first."""
 
     k: torch.Tensor
     v: torch.Tensor

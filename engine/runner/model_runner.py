@@ -417,7 +417,8 @@ class ModelRunner:
                                                                self.dtype, attn.head_dim, self.device)
         logger.info("KV cache: %d pages of %d tokens (%.2f GiB of %s)%s", num_pages - 1, cfg.page_size,
                     self.kv_shape.total_bytes / 2**30, self.kv_shape.dtype,
-                    "; lone prompts attend in e4m3" if self.kv_pool.e4m3_prompts else "")
+                    "; prompts attend in e4m3 where a 16-bit cache takes cuDNN" if self.kv_pool.e4m3_prompts
+                    else "")
         self.kv_scales_digest = self._use_checkpoint_kv_scales(checkpoint_scales, model_cfg)
         max_slots = cfg.max_running_requests
         # Extend batches on CUDA run the paged kernels, planned in blocks of this many queries.
@@ -889,7 +890,7 @@ class ModelRunner:
                 self.run(chunks, page_table)
         finally:
             self.decode_graphs = graphs
-        if self.cudnn_chunk:
+        if self.cudnn_chunk and not self.kv_pool.e4m3_prompts:  # in e4m3 those chunks take no cuDNN graph
             from splitserve.engine.layers.prefix_chunk_attention import build_cudnn_graphs
 
             attn = self.attention
