@@ -18,8 +18,11 @@ from splitserve.engine.quantization.fp8 import FP8_DTYPE, FP8_MAX
 
 PROMPT_ATTENTION_MODES = ("auto", "off")
 LOG2_E = 1.4426950408889634
-P_SCALE = 256.0  # as the kernel's
-BLOCK_N = 128  # the kernel's key block (its launch's BLOCK_N), which sets where the running max is taken
+P_SCALE = 256.0  # probabilities times 2^8 before rounding to e4m3: exact, and clear of e4m3's subnormals
+# The kernel's (BLOCK_M, BLOCK_N, warps, stages): benchmarks/e4m3_prompt_attention.py sweeps them. BLOCK_N, the
+# key block, sets where the running max is taken, so the reference takes it too.
+LAUNCH = (128, 128, 8, 3)
+BLOCK_N = LAUNCH[1]
 
 
 def e4m3_prompt_attention_runs(mode: str, kv_dtype: torch.dtype, model_dtype: torch.dtype, head_dim: int,
@@ -34,8 +37,9 @@ def e4m3_prompt_attention_runs(mode: str, kv_dtype: torch.dtype, model_dtype: to
         return False
     if head_dim not in (32, 64, 128) or device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+    from splitserve.engine.quantization.fp8_cuda import e4m3_products
+
+    return e4m3_products(device)
 
 
 def quantize_query_rows(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

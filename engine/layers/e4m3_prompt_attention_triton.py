@@ -28,12 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.engine.layers.e4m3_prompt_attention import LAUNCH, LOG2_E, P_SCALE
 from splitserve.engine.quantization.kv_fp8 import KVScales
-
-LOG2_E = 1.4426950408889634
-P_SCALE = 256.0  # probabilities times 2^8 before rounding to e4m3: exact, and clear of e4m3's subnormals
-# (BLOCK_M, BLOCK_N, warps, stages): benchmarks/e4m3_prompt_attention.py sweeps them.
-LAUNCH = (128, 128, 8, 3)
 
 
 @triton.jit

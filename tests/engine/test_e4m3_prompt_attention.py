@@ -31,13 +31,15 @@ def pages(n: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
 
 
 def exact(q, keys, values, k_scale, v_scale, sm_scale):
+    """float64 causal attention of q [n, H, D] (a prompt's last n rows, unrounded) over the dequantized keys and
+    values of all its kv_len tokens (the GPU tests' truth too)."""
     group = q.shape[1] // keys.shape[1]
     k = dequantize_kv(keys, k_scale, torch.float64).repeat_interleave(group, 1)
     v = dequantize_kv(values, v_scale, torch.float64).repeat_interleave(group, 1)
-    n = q.shape[0]
+    n, kv_len = q.shape[0], keys.shape[0]
     s = torch.einsum("mhd,nhd->hmn", q.double(), k) * sm_scale
-    s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-    return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v)
+    visible = torch.ones(n, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - n)
+    return torch.einsum("hmn,nhd->mhd", s.masked_fill(~visible, float("-inf")).softmax(-1), v)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 128), (4, 2, 32)])

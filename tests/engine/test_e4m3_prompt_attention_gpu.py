@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from splitserve.engine.layers.e4m3_prompt_attention import e4m3_prompt_attention_reference, e4m3_prompt_attention_runs
-from splitserve.engine.quantization.kv_fp8 import KVScales, dequantize_kv, quantize_kv
+from splitserve.engine.quantization.kv_fp8 import KVScales, quantize_kv
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))  # the CPU test's float64 truth, whatever pytest's import mode
+from test_e4m3_prompt_attention import exact
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -57,17 +59,6 @@ def assert_computes_the_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert rel < 0.01, rel
 
 
-def exact(q, keys, values, scales, sm_scale):
-    """float64 causal attention over the dequantized keys and values, the query (the last rows) unrounded."""
-    group = q.shape[1] // keys.shape[1]
-    k = dequantize_kv(keys, scales.k, torch.float64).repeat_interleave(group, 1)
-    v = dequantize_kv(values, scales.v, torch.float64).repeat_interleave(group, 1)
-    s = torch.einsum("mhd,nhd->hmn", q.double(), k) * sm_scale
-    n, kv_len = q.shape[0], keys.shape[0]
-    visible = torch.ones(n, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - n)
-    return torch.einsum("hmn,nhd->mhd", s.masked_fill(~visible, float("-inf")).softmax(-1), v)
-
-
 @pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("n", LENGTHS)
 def test_kernel_computes_its_torch_arithmetic(heads, kv_heads, head_dim, n) -> None:
@@ -80,7 +71,7 @@ def test_kernel_computes_its_torch_arithmetic(heads, kv_heads, head_dim, n) -> N
     ref = e4m3_prompt_attention_reference(q, k_cache[loc], v_cache[loc], scales.k, scales.v, sm_scale,
                                           block_n=LAUNCH[1])
     assert_computes_the_reference(out, ref)
-    truth = exact(q, k_cache[loc], v_cache[loc], scales, sm_scale)
+    truth = exact(q, k_cache[loc], v_cache[loc], scales.k, scales.v, sm_scale)
     rel = ((out.double() - truth).norm() / truth.norm()).item()
     assert rel < 0.05, f"relative error {rel:.4f} against exact attention over the pages"
 
@@ -95,7 +86,7 @@ def test_a_chunk_after_a_cached_prefix_computes_its_torch_arithmetic(chunk, pref
     ref = e4m3_prompt_attention_reference(q, k_cache[loc], v_cache[loc], scales.k, scales.v, 128 ** -0.5,
                                           block_n=LAUNCH[1])
     assert_computes_the_reference(out, ref)
-    truth = exact(q, k_cache[loc], v_cache[loc], scales, 128 ** -0.5)
+    truth = exact(q, k_cache[loc], v_cache[loc], scales.k, scales.v, 128 ** -0.5)
     assert ((out.double() - truth).norm() / truth.norm()).item() < 0.05
 
 
